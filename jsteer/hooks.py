@@ -1,0 +1,225 @@
+"""Hook points shared by every jsteer backbone.
+
+A method never forks a backbone: it builds a :class:`Hooks` value and passes it to the
+backbone's ``__call__`` (or to ``generate``). Every field is optional; a ``None`` field is
+skipped entirely in Python, so ``Hooks()`` and ``hooks=None`` leave outputs bit-identical.
+
+All fields are JAX pytrees: values (strengths, offsets, eps) are traced, so changing them
+never recompiles; only *which* fields / layers are present is static structure.
+
+Shapes (B batch, T tokens, D hidden, S steers, R rank):
+
+- ``embed_offset``  [B, T, D]  added right after the token-embedding lookup
+                               (Type Embeddings). During decoding it covers the prompt.
+- ``step_offset``   [B, D]     added to the embedding of every *generated* token
+                               (Type Embeddings "all tokens" mode while generating).
+- ``film``          {layer: FiLM}  per-layer, per-token feature modulation (KALA's KFM).
+- ``attn_bias``     [B, T, T]  additive attention bias (0 visible, large negative hidden),
+                               applied on top of the padding / causal mask (K-BERT).
+- ``position_ids``  [B, T]     explicit positions (K-BERT soft positions).
+- ``steer``         :class:`Steer`  LM-Steer transform of the final hidden state before the
+                               output embedding (decoders).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax.numpy as jnp
+
+Array = jnp.ndarray
+
+
+@flax.struct.dataclass
+class FiLM:
+    """Feature-wise modulation of one layer: h -> (1 + gamma) * h + beta, per token.
+
+    ``*_in`` act on the hidden state entering the FFN (after the attention block's
+    LayerNorm in post-LN BERT; the normalised FFN input in pre-LN decoders); ``*_out``
+    act on the layer output (after the FFN block's LayerNorm in BERT; the residual stream
+    after the FFN add in pre-LN decoders). Each is [B, T, D] or None.
+    """
+
+    gamma_in: Optional[Array] = None
+    beta_in: Optional[Array] = None
+    gamma_out: Optional[Array] = None
+    beta_out: Optional[Array] = None
+
+
+@flax.struct.dataclass
+class Steer:
+    """LM-Steer: c' = c + sum_i eps_i W_i c, then logits = c' E^T.
+
+    Low rank: W_i = P1_i P2_i^T with ``p1``/``p2`` [S, D, R]. Full rank: ``w`` [S, D, D]
+    (``p1``/``p2`` None). ``eps`` is [S] (shared by all rows) or [B, S] (per row).
+    """
+
+    eps: Array
+    p1: Optional[Array] = None
+    p2: Optional[Array] = None
+    w: Optional[Array] = None
+
+
+@flax.struct.dataclass
+class Hooks:
+    embed_offset: Optional[Array] = None
+    step_offset: Optional[Array] = None
+    film: Optional[dict] = None
+    attn_bias: Optional[Array] = None
+    position_ids: Optional[Array] = None
+    steer: Optional[Steer] = None
+
+
+def _film_one(h: Array, gamma: Optional[Array], beta: Optional[Array]) -> Array:
+    if gamma is not None:
+        h = h * (1.0 + gamma.astype(h.dtype))
+    if beta is not None:
+        h = h + beta.astype(h.dtype)
+    return h
+
+
+def apply_embed(x: Array, hooks: Optional[Hooks]) -> Array:
+    """x: [B, T, D] token embeddings -> x + embed_offset."""
+    if hooks is None or hooks.embed_offset is None:
+        return x
+    off = hooks.embed_offset
+    if off.shape[-1] != x.shape[-1] or off.ndim != 3:
+        raise ValueError(f"hooks.embed_offset must be [B, T, {x.shape[-1]}], got {off.shape}")
+    if off.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"hooks.embed_offset covers {off.shape[1]} tokens but the input has {x.shape[1]}")
+    return x + off.astype(x.dtype)
+
+
+def apply_step_embed(x: Array, hooks: Optional[Hooks]) -> Array:
+    """x: [B, 1, D] embedding of a generated token -> x + step_offset."""
+    if hooks is None or hooks.step_offset is None:
+        return x
+    return x + hooks.step_offset[:, None, :].astype(x.dtype)
+
+
+def apply_film(h: Array, hooks: Optional[Hooks], layer: int, where: str) -> Array:
+    """h: [B, T, D]; where in {'in', 'out'}. Identity when no FiLM for this layer."""
+    if hooks is None or hooks.film is None or layer not in hooks.film:
+        return h
+    f = hooks.film[layer]
+    if where == "in":
+        return _film_one(h, f.gamma_in, f.beta_in)
+    if where == "out":
+        return _film_one(h, f.gamma_out, f.beta_out)
+    raise ValueError(f"where must be 'in' or 'out', got {where!r}")
+
+
+def steer_delta(h: Array, steer: Steer) -> Array:
+    """sum_i eps_i W_i h for h [..., D] (leading dim B when eps is [B, S]) -> [..., D]."""
+    eps = steer.eps
+    if steer.w is not None:
+        proj = jnp.einsum("...d,sed->...se", h, steer.w.astype(h.dtype))  # W_i h
+    elif steer.p1 is not None and steer.p2 is not None:
+        # (P1 P2^T) h = P1 (P2^T h)
+        low = jnp.einsum("...d,sdr->...sr", h, steer.p2.astype(h.dtype))
+        proj = jnp.einsum("...sr,sdr->...sd", low, steer.p1.astype(h.dtype))
+    else:
+        raise ValueError("Steer needs either w [S,D,D] or both p1 and p2 [S,D,R]")
+    n_steers = proj.shape[-2]
+    if eps.ndim == 1:
+        if eps.shape[0] != n_steers:
+            raise ValueError(f"steer eps has shape {eps.shape}, expected [{n_steers}] or [B, {n_steers}]")
+        scale = eps
+    elif eps.ndim == 2:
+        if eps.shape[1] != n_steers or eps.shape[0] != h.shape[0]:
+            raise ValueError(
+                f"steer eps has shape {eps.shape}, expected [{h.shape[0]}, {n_steers}] (batch, steers)")
+        scale = eps.reshape(eps.shape[:1] + (1,) * (h.ndim - 2) + eps.shape[1:])
+    else:
+        raise ValueError(f"steer eps must be [S] or [B, S], got shape {eps.shape}")
+    return jnp.einsum("...sd,...s->...d", proj, scale.astype(h.dtype))
+
+
+def apply_steer(h: Array, hooks: Optional[Hooks]) -> Array:
+    """Final hidden states [B, T, D] -> steered hidden states c + sum_i eps_i W_i c."""
+    if hooks is None or hooks.steer is None:
+        return h
+    return h + steer_delta(h, hooks.steer)
+
+
+def compose(*hooks: Optional[Hooks]) -> Optional[Hooks]:
+    """Combine several hooks into one: offsets add, FiLMs chain, steers stack.
+
+    FiLM chaining: (1+g2)((1+g1)h + b1) + b2 = (1 + g) h + b with
+    g = g1 + g2 + g1 g2 and b = (1 + g2) b1 + b2. Attention biases add; position ids
+    must not be given twice.
+    """
+    hs = [h for h in hooks if h is not None]
+    if not hs:
+        return None
+    out = hs[0]
+    for h in hs[1:]:
+        out = _compose2(out, h)
+    return out
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _chain_gamma(g1, g2):
+    if g1 is None:
+        return g2
+    if g2 is None:
+        return g1
+    return g1 + g2 + g1 * g2
+
+
+def _chain_beta(b1, g2, b2):
+    if b1 is not None and g2 is not None:
+        b1 = b1 * (1.0 + g2)
+    return _add(b1, b2)
+
+
+def _compose_film(f1: FiLM, f2: FiLM) -> FiLM:
+    return FiLM(
+        gamma_in=_chain_gamma(f1.gamma_in, f2.gamma_in),
+        beta_in=_chain_beta(f1.beta_in, f2.gamma_in, f2.beta_in),
+        gamma_out=_chain_gamma(f1.gamma_out, f2.gamma_out),
+        beta_out=_chain_beta(f1.beta_out, f2.gamma_out, f2.beta_out),
+    )
+
+
+def _stack_steers(s1: Steer, s2: Steer) -> Steer:
+    def as_full(s: Steer) -> Array:
+        return s.w if s.w is not None else jnp.einsum("sdr,ser->sde", s.p1, s.p2)
+
+    def eps2(e, other):
+        return e if e.ndim == other.ndim else (
+            jnp.broadcast_to(e, (other.shape[0],) + e.shape) if e.ndim == 1 else e)
+
+    e1, e2 = eps2(s1.eps, s2.eps), eps2(s2.eps, s1.eps)
+    eps = jnp.concatenate([e1, e2], axis=-1)
+    if s1.w is None and s2.w is None and s1.p1.shape[-1] == s2.p1.shape[-1]:
+        return Steer(eps=eps, p1=jnp.concatenate([s1.p1, s2.p1]), p2=jnp.concatenate([s1.p2, s2.p2]))
+    return Steer(eps=eps, w=jnp.concatenate([as_full(s1), as_full(s2)]))
+
+
+def _compose2(a: Hooks, b: Hooks) -> Hooks:
+    if a.position_ids is not None and b.position_ids is not None:
+        raise ValueError("cannot compose two hooks that both set position_ids")
+    film = None
+    if a.film is not None or b.film is not None:
+        film = dict(a.film or {})
+        for layer, f in (b.film or {}).items():
+            film[layer] = _compose_film(film[layer], f) if layer in film else f
+    steer = a.steer if b.steer is None else (b.steer if a.steer is None else _stack_steers(a.steer, b.steer))
+    return Hooks(
+        embed_offset=_add(a.embed_offset, b.embed_offset),
+        step_offset=_add(a.step_offset, b.step_offset),
+        film=film,
+        attn_bias=_add(a.attn_bias, b.attn_bias),
+        position_ids=a.position_ids if b.position_ids is None else b.position_ids,
+        steer=steer,
+    )

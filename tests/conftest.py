@@ -1,0 +1,26 @@
+"""Test setup: fp32 everywhere, 8 forced host devices (for sharding tests), offline HF."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pathlib  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> pathlib.Path:
+    """../shared/data; a missing folder fails loudly (never skips)."""
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"shared data sets not found at {SHARED_DATA}: tests need ../shared/data beside the repo")
+    return SHARED_DATA
