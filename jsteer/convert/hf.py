@@ -1,0 +1,292 @@
+"""Read a HuggingFace checkpoint folder into NumPy arrays (no torch needed for safetensors).
+
+A folder holds ``config.json`` plus one of, in order of preference:
+
+- ``model.safetensors``
+- ``model.safetensors.index.json`` + the shards its ``weight_map`` names
+- ``pytorch_model.bin`` (torch imported lazily, ``weights_only=True``)
+- ``pytorch_model.bin.index.json`` + its shards
+
+Safetensors files are parsed here directly (8-byte little-endian header length, JSON header,
+raw little-endian data), so bf16 works without torch and a truncated file is caught with the
+file named. Half-precision tensors (bf16, fp16) come back as float32; everything else as stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import struct
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+PathLike = str | os.PathLike
+
+CONFIG_NAME = "config.json"
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+BIN_NAME = "pytorch_model.bin"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+WEIGHT_NAMES = (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME, BIN_NAME, BIN_INDEX_NAME)
+
+# model_type -> backbone family
+FAMILIES = {
+    "bert": "bert",
+    "roberta": "bert",
+    "xlm-roberta": "bert",
+    "gpt2": "gpt2",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+}
+
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,  # raw bits, widened to float32 below
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+_HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors format caps the JSON header at 100 MB
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns [...] -> float32 [...] (exact: bf16 is truncated fp32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def read_safetensors(path: PathLike) -> dict[str, np.ndarray]:
+    """One ``.safetensors`` file -> {name: array}. Raises ValueError naming the file when the
+    header is malformed, a tensor's byte range leaves the file, or a dtype is unsupported."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (only {size} bytes, truncated?)")
+        (n_header,) = struct.unpack("<Q", head)
+        if n_header > _HEADER_LIMIT or 8 + n_header > size:
+            raise ValueError(
+                f"{path}: corrupt or truncated safetensors file (header claims {n_header} bytes, "
+                f"file has {size})")
+        raw = f.read(n_header)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+
+    data_start = 8 + n_header
+    data_size = size - data_start
+    out: dict[str, np.ndarray] = {}
+    if not header:
+        return out
+    buf = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_size,)) \
+        if data_size > 0 else np.zeros((0,), np.uint8)
+    try:
+        for name, info in header.items():
+            try:
+                dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{path}: corrupt safetensors header entry for tensor {name!r}: {info}") from None
+            if dtype_name not in _ST_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name}")
+            dtype = np.dtype(_ST_DTYPES[dtype_name]).newbyteorder("<")
+            n_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if not (0 <= begin <= end <= data_size) or end - begin != n_bytes:
+                raise ValueError(
+                    f"{path}: corrupt or truncated safetensors file: tensor {name!r} {dtype_name}"
+                    f"{list(shape)} needs bytes [{begin}, {end}) ({n_bytes} expected) of a "
+                    f"{data_size}-byte data section")
+            arr = np.frombuffer(buf[begin:end], dtype=dtype).reshape(shape)
+            if dtype_name == "BF16":
+                arr = bf16_bits_to_f32(arr)
+            elif dtype_name == "F16":
+                arr = arr.astype(np.float32)
+            else:
+                arr = arr.astype(dtype.newbyteorder("="), copy=True)  # own memory, native order
+            out[name] = arr
+    finally:
+        del buf
+    return out
+
+
+# ----------------------------------------------------------------------------- torch .bin
+
+
+def read_torch_bin(path: PathLike) -> dict[str, np.ndarray]:
+    """One ``pytorch_model.bin`` -> {name: array}, loaded with ``weights_only=True``."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pytorch weights file not found: {path}")
+    import torch  # lazy: only .bin checkpoints need torch
+
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file
+        raise ValueError(f"{path}: cannot load pytorch weights ({type(e).__name__}: {e})") from None
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"{path}: expected a state dict (name -> tensor), got {type(sd).__name__}")
+    out: dict[str, np.ndarray] = {}
+    for name, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{path}: entry {name!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        out[name] = np.array(t.numpy(), copy=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def _check_dir(path: PathLike) -> pathlib.Path:
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint folder not found: {path}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"not a checkpoint folder (it is a file): {path}")
+    return path
+
+
+def read_config(path: PathLike) -> dict:
+    """``<path>/config.json`` -> dict."""
+    path = _check_dir(path)
+    cfg_path = path / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: missing config.json in checkpoint folder {path}")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _read_index(index_path: pathlib.Path) -> dict[str, list[str]]:
+    """Shard index -> {shard file name: [tensor names]} (shards in first-seen order)."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index_path}: invalid shard index ({type(e).__name__}: {e})") from None
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, []).append(name)
+    return shards
+
+
+def _locate(path: pathlib.Path) -> tuple[list[pathlib.Path], pathlib.Path | None, dict]:
+    """-> (weight files, shard index or None, {shard name: [tensor names]})."""
+    for name in WEIGHT_NAMES:
+        f = path / name
+        if not f.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [f], None, {}
+        shard_map = _read_index(f)
+        shards = [path / s for s in shard_map]
+        for s in shards:
+            if not s.is_file():
+                raise FileNotFoundError(f"shard {s.name} listed in {f} is missing: {s}")
+        return shards, f, shard_map
+    raise FileNotFoundError(
+        f"no weights file in checkpoint folder {path}: looked for {', '.join(WEIGHT_NAMES)}")
+
+
+def find_weight_files(path: PathLike) -> list[pathlib.Path]:
+    """The weight files ``read_hf_dir`` would read (the shards themselves for an index)."""
+    return _locate(_check_dir(path))[0]
+
+
+def read_hf_dir(path: PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """HF checkpoint folder -> (config dict, {tensor name: np.ndarray}).
+
+    Half-precision tensors are widened to float32; names are kept exactly as stored.
+    """
+    path = _check_dir(path)
+    config = read_config(path)
+    files, index, shard_map = _locate(path)
+    state: dict[str, np.ndarray] = {}
+    for f in files:
+        part = read_safetensors(f) if f.suffix == ".safetensors" else read_torch_bin(f)
+        if index is not None:
+            missing = set(shard_map[f.name]) - part.keys()
+            if missing:
+                raise ValueError(f"{f}: tensor {sorted(missing)[0]!r} listed for it in {index.name} is absent")
+        dup = state.keys() & part.keys()
+        if dup:
+            raise ValueError(f"{f}: tensor {sorted(dup)[0]!r} also appears in an earlier shard")
+        state.update(part)
+    return config, state
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def file_sha256(path: PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks (constant memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_fingerprint(paths: Iterable[PathLike]) -> str:
+    """Hex sha256 identifying a set of weight files.
+
+    One file: its own sha256 (so a single safetensors/GGUF file and its folder agree).
+    Several (shards): sha256 over the per-file digests in file-name order, one per line.
+    """
+    paths = sorted((pathlib.Path(p) for p in paths), key=lambda p: p.name)
+    if not paths:
+        raise ValueError("dir_fingerprint needs at least one weight file")
+    if len(paths) == 1:
+        return file_sha256(paths[0])
+    h = hashlib.sha256()
+    for p in paths:
+        h.update((file_sha256(p) + "\n").encode("ascii"))
+    return h.hexdigest()
+
+
+def detect_family(config: Mapping, source: PathLike | None = None) -> str:
+    """HF config dict -> "bert" | "llama" | "gpt2" from its ``model_type``."""
+    where = f"{source}" if source is not None else "config.json"
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{where}: config has no model_type; cannot tell the architecture")
+    family = FAMILIES.get(str(model_type).lower())
+    if family is None:
+        raise ValueError(
+            f"{where}: unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
+    return family
+
+
+__all__: Sequence[str] = (
+    "read_hf_dir", "read_config", "find_weight_files", "read_safetensors", "read_torch_bin",
+    "file_sha256", "dir_fingerprint", "detect_family", "bf16_bits_to_f32", "FAMILIES",
+)
