@@ -12,10 +12,29 @@ __version__ = "0.1.0"
 
 from jsteer.hooks import FiLM, Hooks, Steer, compose  # noqa: E402,F401
 
+_LAZY = {
+    "load": "jsteer.io", "save": "jsteer.io", "LM": "jsteer.io",
+    "save_artifact": "jsteer.io", "load_artifact": "jsteer.io",
+    "Tokenizer": "jsteer.tokenizer",
+}
 
-def __getattr__(name):  # lazy: importing jsteer stays cheap
-    if name in ("load", "save", "LM"):
-        from jsteer import io
 
-        return getattr(io, name)
+_SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "cli")
+
+
+def __getattr__(name):  # lazy: importing jsteer stays cheap (no orbax / tokenizers until used)
+    import importlib
+
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"jsteer.{name}")
     raise AttributeError(f"module 'jsteer' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["load", "save", "LM", "save_artifact", "load_artifact", "Tokenizer",
+           "Hooks", "FiLM", "Steer", "compose", "__version__"]

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         print(f"jsteer {args.command}: error: {e}", file=sys.stderr)
         return 2
 

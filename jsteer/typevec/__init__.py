@@ -1,1 +1,19 @@
-"""jsteer.typevec."""
+"""jsteer.typevec: Type Embeddings (Saeed & Papotti, "You Are My Type!").
+
+A type vector TE is built from a few example tokens (SVD of their input embeddings, or their
+mean) and added with strength lambda to input embeddings to steer which *type* of token a
+model predicts. Modules: :mod:`~jsteer.typevec.core` (vectors), :mod:`~jsteer.typevec.sampling`
+(examples from KG lists), :mod:`~jsteer.typevec.inject` (hooks), :mod:`~jsteer.typevec.probe`
+(LAMA probing), :mod:`~jsteer.typevec.analysis`, :mod:`~jsteer.typevec.artifact`.
+
+Quick start::
+
+    import jsteer, jsteer.typevec as tv
+    lm = jsteer.load("smollm2-135m")
+    s = tv.sampling.sample_type("../shared/data/type_embedding/kg_samples", "City", lm.tokenizer)
+    te = tv.make(lm.input_embeddings(), s.token_ids)          # [D], unit norm
+    hooks = tv.inject(te, 8.0, where)                        # where: [B, T] positions
+"""
+
+from jsteer.typevec.core import combine, make, make_all, normalize, project_out  # noqa: F401
+from jsteer.typevec.inject import generation_hooks, inject, mask_positions, offset, step_offset  # noqa: F401

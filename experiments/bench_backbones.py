@@ -1,0 +1,303 @@
+"""jsteer (JAX/Flax) vs HF transformers (PyTorch) backbones, side by side in one process.
+
+Measures, with the same weights on both sides (fp32):
+
+- SmolLM2-135M forward on a [B=8, T=128] batch (seconds per call);
+- SmolLM2-135M greedy decoding of 64 new tokens after a 16-token prompt, batch 1 and 8
+  (tokens/s, prefill included; no early stop on either side);
+- MiniLM (all-MiniLM-L6-v2) forward on [B=32, T=128];
+- one MiniLM token-classification training step on [32, 128] (AdamW; dropout on; HF
+  ``BertForTokenClassification`` + ``torch.optim.AdamW`` vs jsteer + ``optax.adamw``).
+
+Compilation / warm-up calls are excluded; each number is the median of ``--reps`` timed calls.
+PyTorch gets ``torch.set_num_threads(--threads)`` (default: all cores). On a GPU, decoding is
+also compared with the memory-bandwidth bound: one decode step must read every parameter once,
+so tokens/s <= batch * bandwidth / param_bytes (``--bandwidth``, default H100 SXM 3.35e12 B/s).
+
+    python experiments/bench_backbones.py            # full sizes, writes out/bench_backbones.json
+    python experiments/bench_backbones.py --quick    # smaller shapes, 2 reps (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/bench_backbones.json")
+    ap.add_argument("--quick", action="store_true", help="small shapes and 2 reps (smoke run)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 5; quick 2)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)")
+    ap.add_argument("--bandwidth", type=float, default=3.35e12,
+                    help="accelerator memory bandwidth in bytes/s for the decode bound (default H100 SXM)")
+    ap.add_argument("--only", default="all", choices=("all", "smollm2", "minilm"))
+    ap.add_argument("--no-torch", action="store_true", help="time jsteer only")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 2, 32, 16, (1, 2)
+        args.mini_b, args.mini_t = 8, 32
+    else:
+        args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 8, 128, 64, (1, 8)
+        args.mini_b, args.mini_t = 32, 128
+    args.prompt_t = 16
+    args.reps = args.reps or (2 if args.quick else 5)
+    return args
+
+
+def timed(fn, reps: int, warmup: int = 1) -> dict:
+    """Run ``fn`` (which must block until its result is ready) warmup + reps times."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "first_call_s": first,
+            "times_s": [round(t, 5) for t in times]}
+
+
+def compare(name: str, results: dict, j: dict, h: dict | None, work: float | None = None, unit: str = "") -> None:
+    """Record jsteer/HF timings; speedup = HF time / jsteer time (> 1: jsteer faster)."""
+    row = {"jsteer": j}
+    if work is not None:
+        row[f"jsteer_{unit}"] = work / j["median_s"]
+    if h is not None:
+        row["hf_torch"] = h
+        row["speedup"] = h["median_s"] / j["median_s"]
+        if work is not None:
+            row[f"hf_{unit}"] = work / h["median_s"]
+    results[name] = row
+    msg = f"{name:<32} jsteer {j['median_s']:8.4f}s"
+    if work is not None:
+        msg += f" ({row[f'jsteer_{unit}']:8.1f} {unit})"
+    if h is not None:
+        msg += f" | HF torch {h['median_s']:8.4f}s"
+        if work is not None:
+            msg += f" ({row[f'hf_{unit}']:8.1f} {unit})"
+        msg += f" | speedup x{row['speedup']:.2f}"
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+
+def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jsteer import decode, io
+    from jsteer.convert.gguf import read_gguf
+
+    path = io.embedded_path("smollm2-135m")
+    print(f"loading {path.name} (dequantising once for both sides) ...", flush=True)
+    hf_config, sd, tok_json, _ = read_gguf(path)
+    from jsteer.tokenizer import Tokenizer
+
+    lm = io.from_state_dict(hf_config, sd, Tokenizer.from_json(tok_json))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lm.params))
+    results["smollm2_param_bytes"] = int(param_bytes)
+
+    hf = None
+    if use_torch:
+        import torch
+        import transformers
+
+        cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config.items() if k != "architectures"})
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        missing, unexpected = hf.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()},
+                                                 strict=False)
+        bad = [m for m in missing if m != "lm_head.weight"]  # tied
+        if bad or unexpected:
+            raise RuntimeError(f"torch SmolLM2 state dict mismatch: missing {bad}, unexpected {unexpected}")
+        hf.tie_weights()
+    del sd
+
+    rng = np.random.default_rng(0)
+    b, t = args.smol_b, args.smol_t
+    ids = rng.integers(100, 40000, size=(b, t)).astype(np.int32)
+    ids_j = jnp.asarray(ids)
+    j = timed(lambda: lm.forward(ids_j).logits.block_until_ready(), args.reps)
+    h = None
+    if hf is not None:
+        ids_t = torch.from_numpy(ids.astype(np.int64))
+
+        def hf_fwd():
+            with torch.inference_mode():
+                hf(ids_t).logits
+
+        h = timed(hf_fwd, args.reps)
+    compare(f"smollm2_forward_B{b}xT{t}", results, j, h)
+
+    n = args.new_tokens
+    for bs in args.decode_batches:
+        prompt = rng.integers(100, 40000, size=(bs, args.prompt_t)).astype(np.int32)
+        p_j, m_j = jnp.asarray(prompt), jnp.ones_like(jnp.asarray(prompt))
+
+        def jx_decode():
+            out = decode.generate(lm.module, lm.params, p_j, m_j, max_new_tokens=n, stop_ids=())
+            out.tokens.block_until_ready()
+            assert int(out.lengths.min()) == n
+
+        j = timed(jx_decode, args.reps)
+        h = None
+        if hf is not None:
+            p_t = torch.from_numpy(prompt.astype(np.int64))
+
+            def hf_decode():
+                with torch.inference_mode():
+                    out = hf.generate(p_t, attention_mask=torch.ones_like(p_t), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
+                assert out.shape[1] == args.prompt_t + n
+
+            h = timed(hf_decode, args.reps)
+        name = f"smollm2_greedy{n}_batch{bs}"
+        compare(name, results, j, h, work=bs * n, unit="tokens_per_s")
+        if on_gpu:
+            bound = bs * args.bandwidth / param_bytes
+            results[name]["bandwidth_bound_tokens_per_s"] = bound
+            results[name]["fraction_of_bound"] = results[name]["jsteer_tokens_per_s"] / bound
+            print(f"{'':<32} bandwidth bound {bound:8.1f} tokens/s "
+                  f"({100 * results[name]['fraction_of_bound']:.0f}% reached)", flush=True)
+
+
+# ----------------------------------------------------------------------------- MiniLM
+
+
+def bench_minilm(args, results: dict, use_torch: bool) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jsteer
+    from jsteer.backbones import bert as jb
+    from jsteer import io
+
+    path = io.embedded_path("minilm")
+    lm = jsteer.load("minilm")
+    b, t, labels = args.mini_b, args.mini_t, 9
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 30000, size=(b, t)).astype(np.int32)
+    mask = np.ones((b, t), np.int32)
+    mask[b // 2:, t * 3 // 4:] = 0  # some padding, as in real batches
+    y = rng.integers(0, labels, size=(b, t)).astype(np.int32)
+    ids_j, mask_j, y_j = map(jnp.asarray, (ids, mask, y))
+
+    hf_enc = hf_tc = None
+    if use_torch:
+        import torch
+        import transformers
+
+        hf_enc = transformers.BertModel.from_pretrained(str(path), add_pooling_layer=False).eval()
+        hf_tc = transformers.BertForTokenClassification.from_pretrained(str(path), num_labels=labels).train()
+        ids_t, mask_t, y_t = (torch.from_numpy(a.astype(np.int64)) for a in (ids, mask, y))
+
+    j = timed(lambda: lm.forward(ids_j, mask_j).hidden.block_until_ready(), args.reps)
+    h = None
+    if hf_enc is not None:
+        def hf_fwd():
+            with torch.inference_mode():
+                hf_enc(ids_t, attention_mask=mask_t).last_hidden_state
+
+        h = timed(hf_fwd, args.reps)
+    compare(f"minilm_forward_B{b}xT{t}", results, j, h)
+
+    # token classification: encoder from MiniLM + fresh head, dropout on, AdamW
+    module = jb.BertForTokenClassification(lm.config, num_labels=labels)
+    params = {"encoder": lm.params["encoder"],
+              "head": jb.init_head(jax.random.PRNGKey(0), lm.config, "token_classification", labels)}
+    params = jax.tree.map(jnp.array, params)  # own copies: the step donates them
+    opt = optax.adamw(5e-5, weight_decay=0.01)
+    opt_state = opt.init(params)
+
+    def loss_fn(p, key):
+        logits = module.apply({"params": p}, ids_j, attention_mask=mask_j, deterministic=False,
+                              rngs={"dropout": key}).logits
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_j)
+        return (ce * mask_j).sum() / mask_j.sum()
+
+    def step(p, s, key):
+        loss, g = jax.value_and_grad(loss_fn)(p, key)
+        upd, s = opt.update(g, s, p)
+        return optax.apply_updates(p, upd), s, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))  # params / optimizer state updated in place
+    state = {"p": params, "s": opt_state, "k": jax.random.PRNGKey(1)}
+
+    def jx_train():
+        state["k"], k = jax.random.split(state["k"])
+        state["p"], state["s"], loss = step(state["p"], state["s"], k)
+        loss.block_until_ready()
+
+    j = timed(jx_train, args.reps)
+    h = None
+    if hf_tc is not None:
+        hopt = torch.optim.AdamW(hf_tc.parameters(), lr=5e-5, weight_decay=0.01)
+        y_masked = torch.where(mask_t > 0, y_t, torch.full_like(y_t, -100))
+
+        def hf_train():
+            loss = hf_tc(ids_t, attention_mask=mask_t, labels=y_masked).loss
+            loss.backward()
+            hopt.step()
+            hopt.zero_grad(set_to_none=True)
+
+        h = timed(hf_train, args.reps)
+    compare(f"minilm_tokcls_train_step_B{b}xT{t}", results, j, h)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    use_torch = not args.no_torch
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+           "jax": jax.__version__, "jax_backend": jax.default_backend(),
+           "jax_devices": [str(d) for d in jax.devices()]}
+    if use_torch:
+        import torch
+        import transformers
+
+        torch.set_num_threads(args.threads)
+        env.update(torch=torch.__version__, transformers=transformers.__version__,
+                   torch_threads=torch.get_num_threads(), torch_device="cpu")
+        if on_gpu:
+            print("note: jax runs on the GPU but the torch reference on the CPU; speedups compare devices",
+                  flush=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    settings["decode_batches"] = list(args.decode_batches)
+    print(f"jax {jax.__version__} on {jax.default_backend()}; {os.cpu_count()} cores; reps {args.reps}", flush=True)
+
+    results: dict = {}
+    if args.only in ("all", "smollm2"):
+        bench_smollm2(args, results, on_gpu, use_torch)
+    if args.only in ("all", "minilm"):
+        bench_minilm(args, results, use_torch)
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": env, "settings": settings, "results": results}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

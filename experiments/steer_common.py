@@ -1,0 +1,209 @@
+"""Shared pieces of the LM-Steer experiments: data splits, the MiniLM evaluators, fluency
+(perplexity under the unsteered model), diversity (distinct-n) and batched steered sampling.
+
+Every random choice is seeded and recorded in the output JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from typing import Dict, List, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+RESULTS = ROOT / "experiments" / "results" / "steer"
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def write_json(path, obj):
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def sst5(split: str):
+    from jsteer.data import readers
+
+    recs = readers.read_jsonl_labeled(DATA / "sst5" / f"{split}.jsonl", label_set=("0", "1", "2", "3", "4"))
+    keep = [r for r in recs if r.label != "2"]
+    return [r.text for r in keep], np.asarray([1 if r.label in ("3", "4") else 0 for r in keep])
+
+
+def jigsaw_splits(seed: int = 0):
+    """The Jigsaw subset (one file) split 40 / 40 / 20 into steer-train / evaluator-train / test.
+    Labels: 1 toxic, 0 non-toxic."""
+    from jsteer.data import readers
+
+    recs = readers.read_csv_labeled(DATA / "jigsaw_toxic_subset" / "test.csv", label_set=("0", "1"))
+    perm = np.random.default_rng(seed).permutation(len(recs))
+    a, b = int(0.4 * len(recs)), int(0.8 * len(recs))
+    take = lambda idx: ([recs[i].text for i in idx], np.asarray([int(recs[i].label) for i in idx]))
+    return take(perm[:a]), take(perm[a:b]), take(perm[b:])
+
+
+def prompts(kind: str, n: int, seed: int = 0) -> List[str]:
+    """n prompts drawn (seeded, without replacement) from lmsteer_prompts/{kind}_prompts.jsonl."""
+    path = DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / f"{kind}_prompts.jsonl"
+    rows = [json.loads(x)["prompt"]["text"] for x in open(path)]
+    idx = np.random.default_rng(seed).choice(len(rows), n, replace=False)
+    return [rows[i] for i in sorted(idx)]
+
+
+# ----------------------------------------------------------------------------- evaluators
+
+
+class Classifier:
+    """Frozen MiniLM (mean-pooled last layer) + a logistic-regression head trained here."""
+
+    def __init__(self, encoder, w=None, b=0.0, max_len: int = 64):
+        self.enc, self.w, self.b, self.max_len = encoder, w, b, max_len
+
+    def features(self, texts: Sequence[str], batch: int = 64) -> np.ndarray:
+        out = []
+        for s in range(0, len(texts), batch):
+            chunk = list(texts[s:s + batch])
+            n = len(chunk)
+            chunk += [chunk[-1]] * (batch - n)  # one compiled shape per length bucket
+            ids, mask = self.enc.tokenizer.batch_encode(chunk, max_len=self.max_len)
+            t = int(-(-ids.shape[1] // 16) * 16)
+            ids = np.pad(ids, ((0, 0), (0, t - ids.shape[1])))
+            mask = np.pad(mask, ((0, 0), (0, t - mask.shape[1])))
+            h = np.asarray(self.enc.forward(ids, mask).hidden)
+            m = mask[..., None].astype(np.float32)
+            out.append(((h * m).sum(1) / m.sum(1))[:n])
+        return np.concatenate(out)
+
+    def fit(self, x: np.ndarray, y: np.ndarray, steps: int = 500, lr: float = 1e-2, l2: float = 1e-4):
+        mu, sd = x.mean(0), x.std(0) + 1e-6
+        self.mu, self.sd = mu, sd
+        xs = jnp.asarray((x - mu) / sd)
+        ys = jnp.asarray(y, jnp.float32)
+        params = {"w": jnp.zeros(x.shape[1]), "b": jnp.zeros(())}
+        opt = optax.adam(lr)
+        st = opt.init(params)
+
+        def loss(p):
+            z = xs @ p["w"] + p["b"]
+            return jnp.mean(optax.sigmoid_binary_cross_entropy(z, ys)) + l2 * jnp.sum(p["w"] ** 2)
+
+        @jax.jit
+        def step(p, st):
+            g = jax.grad(loss)(p)
+            u, st = opt.update(g, st)
+            return optax.apply_updates(p, u), st
+
+        for _ in range(steps):
+            params, st = step(params, st)
+        self.w, self.b = np.asarray(params["w"]), float(params["b"])
+        return self
+
+    def prob_features(self, x: np.ndarray) -> np.ndarray:
+        z = ((x - self.mu) / self.sd) @ self.w + self.b
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def prob(self, texts: Sequence[str]) -> np.ndarray:
+        texts = [t if t.strip() else "." for t in texts]
+        return self.prob_features(self.features(texts))
+
+    def to_dict(self) -> dict:
+        return {"w": self.w.tolist(), "b": self.b, "mu": self.mu.tolist(), "sd": self.sd.tolist(),
+                "max_len": self.max_len}
+
+    @classmethod
+    def from_dict(cls, encoder, d: dict) -> "Classifier":
+        c = cls(encoder, np.asarray(d["w"]), d["b"], d["max_len"])
+        c.mu, c.sd = np.asarray(d["mu"]), np.asarray(d["sd"])
+        return c
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def distinct_n(texts_per_prompt: Sequence[Sequence[str]], n: int) -> float:
+    """Mean over prompts of unique n-grams / all n-grams among that prompt's samples
+    (whitespace tokens), as in the original's dist-n."""
+    vals = []
+    for samples in texts_per_prompt:
+        grams = [tuple(w[i:i + n]) for w in (s.split() for s in samples) for i in range(len(w) - n + 1)]
+        if grams:
+            vals.append(len(set(grams)) / len(grams))
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def perplexities(lm, prompts_: Sequence[str], conts: Sequence[str], batch: int = 32) -> np.ndarray:
+    """Per-sample perplexity of the continuation given its prompt under the unsteered ``lm``."""
+    tok = lm.tokenizer
+    rows = []
+    for p, c in zip(prompts_, conts):
+        pi, ci = tok.encode(p), tok.encode(c, add_special_tokens=False)
+        rows.append((pi + ci, len(pi), len(ci)))
+    out = np.full(len(rows), np.nan)
+    order = np.argsort([len(r[0]) for r in rows])
+    for s in range(0, len(rows), batch):
+        idx = order[s:s + batch]
+        t = int(-(-max(len(rows[i][0]) for i in idx) // 16) * 16)
+        ids = np.zeros((batch, t), np.int32)
+        mask = np.zeros((batch, t), np.int32)
+        for r, i in enumerate(idx):
+            seq = rows[i][0]
+            ids[r, :len(seq)], mask[r, :len(seq)] = seq, 1
+        lp = jax.nn.log_softmax(lm.forward(ids, mask).logits, -1)
+        lp = np.asarray(jnp.take_along_axis(lp[:, :-1], jnp.asarray(ids[:, 1:, None]), -1)[..., 0])
+        for r, i in enumerate(idx):
+            _, np_, nc = rows[i]
+            if nc == 0:
+                continue
+            out[i] = float(np.exp(-lp[r, np_ - 1:np_ - 1 + nc].mean()))
+    return out
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample(lm, hooks_for_rows, prompt_list: Sequence[str], n_samples: int, max_new_tokens: int = 20,
+           top_p: float = 0.9, seed: int = 0, batch: int = 64) -> List[List[str]]:
+    """n_samples continuations per prompt, top-p sampling; ``hooks_for_rows(B)`` builds the hooks
+    for a batch of B rows (fixed B: one compiled loop for every setting of the same structure)."""
+    rows = [p for p in prompt_list for _ in range(n_samples)]
+    outs: List[str] = []
+    for s in range(0, len(rows), batch):
+        chunk = rows[s:s + batch]
+        n = len(chunk)
+        chunk = chunk + [chunk[-1]] * (batch - n)
+        outs += lm.generate(chunk, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
+                            seed=seed + s, hooks=hooks_for_rows(batch))[:n]
+    return [outs[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_list))]
+
+
+def summarize(lm, pos_clf, tox_clf, prompt_list, samples) -> Dict[str, float]:
+    flat_p = [p for p, ss in zip(prompt_list, samples) for _ in ss]
+    flat = [s for ss in samples for s in ss]
+    res = {}
+    if pos_clf is not None:
+        res["positivity"] = float((pos_clf.prob(flat) > 0.5).mean())
+    if tox_clf is not None:
+        tox = tox_clf.prob(flat).reshape(len(samples), -1)
+        res["mean_max_toxicity"] = float(tox.max(1).mean())
+        res["toxicity_prob"] = float((tox.max(1) > 0.5).mean())
+        res["toxic_fraction"] = float((tox > 0.5).mean())
+    ppl = perplexities(lm, flat_p, flat)
+    res["ppl_mean"] = float(np.nanmean(ppl))
+    res["ppl_median"] = float(np.nanmedian(ppl))
+    for n in (1, 2, 3):
+        res[f"dist{n}"] = distinct_n(samples, n)
+    return res

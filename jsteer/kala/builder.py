@@ -1,0 +1,349 @@
+"""Offline knowledge builder: a CoNLL file in, entity mentions and a fact graph out.
+
+KALA's original used an entity linker and a relation extractor trained on Wikidata; neither
+is available offline, so this builder derives both from raw text. **Task labels are never
+read** (only the token column of a CoNLL file).
+
+1. Entity vocabulary (lexicon), mined from unlabeled text (the given CoNLL files' tokens plus
+   optional extra text files, one sentence a line, whitespace-tokenised):
+
+   - ``"capitalised"`` (news / proper names): maximal runs of capitalised tokens, at most
+     ``max_len`` long, allowing the connectors of/de/van/von/der/du/la/del/da inside a run
+     (``Bank of England``). A sentence-initial token is dropped from its run when the corpus
+     uses its lower-cased form more often than the capitalised one (``The``, ``But``).
+     Headlines (mostly ALL-CAPS sentences) and runs made only of stop words are skipped.
+     Kept: surface forms seen at least ``min_count`` times. Matched case-sensitively.
+   - ``"frequent"`` (lower-case technical domains, e.g. disease names): n-grams of up to
+     ``max_len`` "content" tokens (letters / digits / hyphens, not a stop word) seen at least
+     ``min_count`` times; a unigram must be at least 4 characters and outside the corpus'
+     ``common_top`` most frequent words; an n-gram (n >= 2) must be a collocation: its count
+     is at least ``min_cohesion`` times the count of its rarest token. Matched lower-cased.
+   - ``"both"``: the union.
+
+   Matching is greedy longest-match, left to right. Entity id = normalised surface form:
+   lower case, surrounding punctuation stripped, whitespace collapsed (``U.S.`` and ``u.s.``
+   share an id).
+
+2. Facts, from within-sentence patterns between the mentions of each sentence (words between
+   two consecutive mentions a, b):
+
+   ======================  =====================  ==================================
+   words between a and b   relation               example
+   ======================  =====================  ==================================
+   ``(`` (b then ``)``)    ``abbreviation``        adenomatous polyposis coli ( APC )
+   nothing                 ``adjacent``           Clinton administration
+   ``,``                   ``comma``              Bonn , Germany / lists
+   ``and`` / ``or``        ``conjunction``        ... , ``, and``
+   1-3 lower-case words    those words, if that   ``of``, ``in``, ``at``, ``'s``,
+                           pattern occurs >= 5    ``said in`` ...
+                           times, else ``near``
+   anything else           ``co_occurs``          (also every non-consecutive pair
+                                                  within ``window`` words)
+   ======================  =====================  ==================================
+
+   Facts keep the sentence order (h before t) and a ``weight`` = number of sentences that
+   show them. A user triple file replaces this step.
+
+3. spaCy (optional): with ``spacy_model`` (e.g. ``en_core_web_sm``) installed, mentions are
+   the pipeline's named entities and a pair's relation is the lemma of the verb heading the
+   dependency path between the two entity heads (``co_occurs`` when there is none).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import re
+import string
+from typing import Iterable, Optional, Sequence, Union
+
+from jsteer.kala.formats import Fact, Mention, read_facts, write_facts, write_mentions
+
+PathLike = Union[str, os.PathLike]
+
+STOPWORDS = frozenset("""
+a an the and or but if of in on at to for from by with without as is are was were be been being
+it its this that these those he she they we you i me him her them us my his our your their
+not no nor so than too very can will just do does did has have had having into over under
+about after before between through during above below up down out off again further then once
+here there when where why how all any both each few more most other some such only own same
+which who whom what while also may might must shall should would could mr mrs ms dr
+""".split())
+CONNECTORS = frozenset({"of", "de", "van", "von", "der", "du", "la", "del", "da", "y"})
+_PUNCT = string.punctuation + "“”‘’«»"
+_CONTENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9\-']*$")
+
+
+def normalise(surface: str) -> str:
+    """Entity id of a surface form: lower case, outer punctuation stripped, spaces collapsed."""
+    s = " ".join(surface.split()).lower().strip(_PUNCT + " ")
+    return s or surface.lower()
+
+
+def _is_cap(w: str) -> bool:
+    return len(w) > 0 and w[0].isalpha() and w[0].isupper()
+
+
+def _is_headline(words: Sequence[str]) -> bool:
+    alpha = [w for w in words if any(c.isalpha() for c in w)]
+    return bool(alpha) and sum(w.isupper() and len(w) > 1 for w in alpha) > 0.5 * len(alpha)
+
+
+class Lexicon:
+    """Surface forms -> entity ids; case-sensitive and lower-cased entries; greedy matcher."""
+
+    def __init__(self, cased: Optional[dict] = None, uncased: Optional[dict] = None):
+        self.cased: dict[tuple[str, ...], str] = dict(cased or {})
+        self.uncased: dict[tuple[str, ...], str] = dict(uncased or {})
+        self.max_len = max([len(k) for k in list(self.cased) + list(self.uncased)] or [1])
+
+    def __len__(self) -> int:
+        return len(self.cased) + len(self.uncased)
+
+    def entity_ids(self) -> set[str]:
+        return set(self.cased.values()) | set(self.uncased.values())
+
+    def match(self, words: Sequence[str]) -> list[Mention]:
+        """Greedy longest match, left to right -> non-overlapping word-span mentions."""
+        out, i, n = [], 0, len(words)
+        lower = [w.lower() for w in words]
+        while i < n:
+            hit = None
+            for k in range(min(self.max_len, n - i), 0, -1):
+                eid = self.cased.get(tuple(words[i:i + k])) or self.uncased.get(tuple(lower[i:i + k]))
+                if eid is not None:
+                    hit = (k, eid)
+                    break
+            if hit is None:
+                i += 1
+                continue
+            k, eid = hit
+            out.append(Mention(text=" ".join(words[i:i + k]), start=i, end=i + k, id=eid))
+            i += k
+        return out
+
+    def save(self, path: PathLike) -> None:
+        """TSV: ``cased|uncased<TAB>surface words<TAB>entity id``."""
+        with open(path, "w", encoding="utf-8") as f:
+            for kind, table in (("cased", self.cased), ("uncased", self.uncased)):
+                for words, eid in sorted(table.items()):
+                    f.write(f"{kind}\t{' '.join(words)}\t{eid}\n")
+
+    @classmethod
+    def load(cls, path: PathLike) -> "Lexicon":
+        cased, uncased = {}, {}
+        with open(path, encoding="utf-8") as f:
+            for ln, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) != 3 or parts[0] not in ("cased", "uncased"):
+                    raise ValueError(f"{path}:{ln}: expected 'cased|uncased<TAB>surface<TAB>id', got {line!r}")
+                (cased if parts[0] == "cased" else uncased)[tuple(parts[1].split())] = parts[2]
+        return cls(cased, uncased)
+
+
+def mine_capitalised(sentences: Sequence[Sequence[str]], min_count: int = 2, max_len: int = 4) -> dict:
+    """{surface word tuple: count} of capitalised runs (see the module docstring)."""
+    lower_uses, cap_uses = collections.Counter(), collections.Counter()
+    for words in sentences:
+        for j, w in enumerate(words):
+            if w.islower():
+                lower_uses[w] += 1
+            elif _is_cap(w) and j > 0:
+                cap_uses[w.lower()] += 1
+    runs = collections.Counter()
+    for words in sentences:
+        if _is_headline(words):
+            continue
+        i, n = 0, len(words)
+        while i < n:
+            if not _is_cap(words[i]):
+                i += 1
+                continue
+            j = i + 1
+            while j < n and (_is_cap(words[j]) or (words[j] in CONNECTORS and j + 1 < n and _is_cap(words[j + 1]))):
+                j += 1
+            run = list(words[i:j])
+            if i == 0 and lower_uses[run[0].lower()] >= cap_uses[run[0].lower()]:
+                run = run[1:]
+            while run and run[0] in CONNECTORS:
+                run = run[1:]
+            while run and run[-1] in CONNECTORS:
+                run = run[:-1]
+            if run and len(run) <= max_len and not all(w.lower() in STOPWORDS for w in run):
+                runs[tuple(run)] += 1
+            i = j
+    return {k: c for k, c in runs.items() if c >= min_count}
+
+
+def mine_frequent(sentences: Sequence[Sequence[str]], min_count: int = 3, max_len: int = 3,
+                  common_top: int = 300, min_cohesion: float = 0.3) -> dict:
+    """{lower-cased word tuple: count} of frequent content n-grams (see the module docstring)."""
+    lower = [[w.lower() for w in s] for s in sentences]
+    unigram = collections.Counter(w for s in lower for w in s)
+    common = {w for w, _ in unigram.most_common(common_top)}
+
+    def content(w):
+        return bool(_CONTENT.match(w)) and w not in STOPWORDS and any(c.isalpha() for c in w)
+
+    grams = collections.Counter()
+    for s in lower:
+        for i in range(len(s)):
+            for k in range(1, max_len + 1):
+                if i + k > len(s) or not content(s[i + k - 1]):
+                    break
+                grams[tuple(s[i:i + k])] += 1
+    out = {}
+    for g, c in grams.items():
+        if c < min_count:
+            continue
+        if len(g) == 1:
+            if len(g[0]) >= 4 and g[0] not in common:
+                out[g] = c
+        elif c >= min_cohesion * min(unigram[w] for w in g) and not (g[0] in common and g[-1] in common):
+            out[g] = c
+    return out
+
+
+def mine_lexicon(sentences: Sequence[Sequence[str]], strategy: str = "capitalised", min_count: int = 2,
+                 max_len: int = 4, common_top: int = 300, min_cohesion: float = 0.3) -> Lexicon:
+    """Entity lexicon from unlabeled tokenised sentences (strategy: capitalised|frequent|both)."""
+    if strategy not in ("capitalised", "frequent", "both"):
+        raise ValueError(f"strategy must be 'capitalised', 'frequent' or 'both', got {strategy!r}")
+    cased, uncased = {}, {}
+    if strategy in ("capitalised", "both"):
+        cased = {k: normalise(" ".join(k)) for k in mine_capitalised(sentences, min_count, max_len)}
+    if strategy in ("frequent", "both"):
+        uncased = {k: normalise(" ".join(k)) for k in mine_frequent(sentences, max(min_count, 2), min(max_len, 3),
+                                                                      common_top, min_cohesion)}
+    return Lexicon(cased, uncased)
+
+
+def _gap_pattern(words: Sequence[str], a: Mention, b: Mention) -> Optional[str]:
+    gap = [w.lower() for w in words[a.end:b.start]]
+    if gap == ["("] and b.end < len(words) and words[b.end] == ")":
+        return "abbreviation"
+    while gap and gap[0] in (")", "]"):  # the end of a bracketed mention is no relation word
+        gap = gap[1:]
+    if not gap:
+        return "adjacent"
+    if gap == [","]:
+        return "comma"
+    if gap in (["and"], ["or"], [",", "and"], [",", "or"]):
+        return "conjunction"
+    if len(gap) <= 3 and all(w.isalpha() and w.islower() or w == "'s" for w in gap):
+        return "_".join(gap)
+    return None
+
+
+def extract_facts(sentences: Sequence[Sequence[str]], mentions: Sequence[Sequence[Mention]],
+                  window: int = 10, min_pattern: int = 5) -> list[Fact]:
+    """Within-sentence facts between mentions (see the module docstring), weighted by count."""
+    raw = []
+    for words, ms in zip(sentences, mentions, strict=True):
+        for x, a in enumerate(ms):
+            for y in range(x + 1, len(ms)):
+                b = ms[y]
+                if a.id == b.id or b.start - a.end > window:
+                    continue
+                rel = _gap_pattern(words, a, b) if y == x + 1 else None
+                raw.append((a.id, rel, b.id))
+    pattern_count = collections.Counter(r for _, r, _ in raw if r is not None)
+    fixed = {"abbreviation", "adjacent", "comma", "conjunction"}
+    weights = collections.Counter()
+    for h, r, t in raw:
+        if r is None:
+            r = "co_occurs"
+        elif r not in fixed and pattern_count[r] < min_pattern:
+            r = "near"
+        weights[(h, r, t)] += 1
+    return [Fact(h, r, t, w) for (h, r, t), w in sorted(weights.items())]
+
+
+def spacy_annotate(sentences: Sequence[Sequence[str]], nlp) -> tuple[list[list[Mention]], list[Fact]]:
+    """Mentions from a spaCy pipeline's entities, facts from the verb on the dependency path.
+
+    ``nlp``: a loaded spaCy ``Language``; sentences are given as words (no re-tokenisation).
+    """
+    from spacy.tokens import Doc  # only reached with spaCy installed
+
+    all_mentions, weights = [], collections.Counter()
+    for words in sentences:
+        doc = nlp(Doc(nlp.vocab, words=list(words)))
+        ms = [Mention(text=" ".join(words[e.start:e.end]), start=e.start, end=e.end, id=normalise(e.text))
+              for e in doc.ents]
+        all_mentions.append(ms)
+        for x, a in enumerate(ms):
+            for b in ms[x + 1:]:
+                if a.id != b.id:
+                    weights[(a.id, _dep_relation(doc, a, b), b.id)] += 1
+    return all_mentions, [Fact(h, r, t, w) for (h, r, t), w in sorted(weights.items())]
+
+
+def _dep_relation(doc, a: Mention, b: Mention) -> str:
+    """Lemma of the first verb among the common ancestors of the two mentions' root tokens."""
+    ha = doc[a.start:a.end].root
+    hb = doc[b.start:b.end].root
+    anc_b = {t.i for t in hb.ancestors} | {hb.i}
+    for t in [ha] + list(ha.ancestors):
+        if t.i in anc_b:
+            return t.lemma_.lower() if t.pos_ in ("VERB", "AUX") else "co_occurs"
+    return "co_occurs"
+
+
+def read_sentences(path: PathLike) -> list[list[str]]:
+    """Token column of a CoNLL file (labels are never read past the parser)."""
+    from jsteer.data.readers import read_conll
+
+    return [list(s.tokens) for s in read_conll(path)]
+
+
+def read_text_corpus(path: PathLike) -> list[list[str]]:
+    with open(path, encoding="utf-8") as f:
+        return [line.split() for line in f if line.strip()]
+
+
+def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_path: Optional[PathLike] = None,
+                corpus_paths: Sequence[PathLike] = (), strategy: str = "capitalised", min_count: int = 2,
+                max_len: int = 4, spacy_model: Optional[str] = None) -> dict:
+    """Write ``<stem>.mentions.jsonl`` per CoNLL file, ``facts.jsonl``, ``lexicon.tsv`` and a
+    ``summary.json`` under ``out_dir``. Returns the summary."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_file = {str(p): read_sentences(p) for p in conll_paths}
+    corpus = [s for ss in per_file.values() for s in ss]
+    for p in corpus_paths:
+        corpus += read_text_corpus(p)
+    all_sents = [s for ss in per_file.values() for s in ss]
+    if spacy_model is not None:
+        import spacy
+
+        nlp = spacy.load(spacy_model)
+        mentions_flat, facts = spacy_annotate(all_sents, nlp)
+        lexicon = None
+    else:
+        lexicon = mine_lexicon(corpus, strategy, min_count, max_len)
+        lexicon.save(out / "lexicon.tsv")
+        mentions_flat = [lexicon.match(s) for s in all_sents]
+        facts = extract_facts(all_sents, mentions_flat)
+    if facts_path is not None:
+        facts = read_facts(facts_path)
+    write_facts(out / "facts.jsonl", facts)
+    summary = {"files": {}, "n_facts": len(facts), "lexicon_size": len(lexicon) if lexicon else None,
+               "strategy": "spacy:" + spacy_model if spacy_model else strategy,
+               "relations": dict(collections.Counter(f.r for f in facts).most_common())}
+    k = 0
+    for p, sents in per_file.items():
+        ms = {i: mentions_flat[k + i] for i in range(len(sents))}
+        k += len(sents)
+        name = pathlib.Path(p).name
+        write_mentions(out / f"{name}.mentions.jsonl", ms)
+        summary["files"][name] = {"sentences": len(sents), "mentions": sum(len(m) for m in ms.values()),
+                                  "mentions_file": f"{name}.mentions.jsonl"}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+

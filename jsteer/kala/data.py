@@ -1,0 +1,167 @@
+"""NER examples with knowledge: tokenisation, mention -> token alignment, batching.
+
+An encoded example is a dict of NumPy arrays (unpadded, length L <= max_len)::
+
+    input_ids, labels (-100 = ignored), word_index (-1 = special token)  int32 [L]
+    token_node    int32 [L]  local graph node of the entity mentioned at the token, -1 none
+    token_entity  int32 [L]  its entity-vocabulary index (0 none / null)
+    graph         ExampleGraph
+    n_unseen      number of distinct mentioned entities outside the training vocabulary
+
+:func:`batches` pads examples to a static batch size and a length bucket and batches their
+graphs to the batch's node / edge bucket (see :func:`jsteer.kala.graph.stack_graphs`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+
+from jsteer.data import ner as ner_lib
+from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
+from jsteer.kala.formats import Mention
+from jsteer.kala.graph import ExampleGraph, bucket_size, stack_graphs
+
+LENGTH_BUCKETS = (32, 64, 128, 256, 384, 512)
+
+
+def raw_tokenizer(tok):
+    """The ``tokenizers.Tokenizer`` inside a jsteer Tokenizer (or the object itself)."""
+    for attr in ("_tk", "tokenizer", "_tokenizer"):
+        inner = getattr(tok, attr, None)
+        if inner is not None and hasattr(inner, "encode_batch"):
+            return inner
+    if hasattr(tok, "encode_batch"):
+        return tok
+    raise TypeError(f"expected a tokenizers.Tokenizer or a jsteer Tokenizer, got {type(tok).__name__}")
+
+
+def special_ids(tok) -> tuple[int, int, int]:
+    """(cls, sep, unk) ids of a BERT WordPiece tokenizer."""
+    raw = raw_tokenizer(tok)
+    ids = [raw.token_to_id(t) for t in ("[CLS]", "[SEP]", "[UNK]")]
+    if any(i is None for i in ids):
+        raise ValueError("tokenizer lacks [CLS]/[SEP]/[UNK]; KALA's NER pipeline expects a BERT WordPiece vocab")
+    return tuple(ids)
+
+
+def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optional[KnowledgeGraph],
+                      max_neighbors: int) -> tuple[ExampleGraph, dict[str, int]]:
+    """Graph of one example and {entity id: local node}."""
+    local = mention_entities(mentions)
+    if kg is None:
+        from jsteer.kala.graph import add_self_loops
+        z = np.zeros(0, np.int32)
+        g = add_self_loops(ExampleGraph(np.asarray([vocab(e) for e in local], np.int32), z, z, z, len(local)))
+    else:
+        g = kg.subgraph(local, vocab, max_neighbors)
+    return g, {e: i for i, e in enumerate(local)}
+
+
+def encode_ner(words: Sequence[str], tags: Sequence[str], mentions: Sequence[Mention], tokenizer,
+               label_names: Sequence[str], vocab: EntityVocab, kg: Optional[KnowledgeGraph] = None,
+               max_len: int = 128, max_neighbors: int = 4) -> dict:
+    """One sentence -> an encoded example (see the module docstring). Word-level mention spans."""
+    cls_id, sep_id, unk_id = special_ids(tokenizer)
+    enc = ner_lib.encode_tagged(raw_tokenizer(tokenizer), words, ner_lib.label_encoder(label_names)(tags),
+                                max_len=max_len, cls_id=cls_id, sep_id=sep_id, unk_id=unk_id)
+    graph, node_of = example_knowledge(mentions, vocab, kg, max_neighbors)
+    word_node = np.full(len(words), -1, np.int32)
+    for m in mentions:
+        if m.end > len(words):
+            raise ValueError(f"mention {m.text!r} [{m.start}:{m.end}] is past the sentence's {len(words)} words")
+        word_node[m.start:m.end] = node_of[m.id]
+    widx = enc["word_index"]
+    token_node = np.where(widx >= 0, word_node[np.maximum(widx, 0)], -1).astype(np.int32)
+    token_entity = np.where(token_node >= 0, graph.entity[np.maximum(token_node, 0)] if graph.n_node else 0, 0)
+    enc.update(token_node=token_node, token_entity=token_entity.astype(np.int32), graph=graph,
+               n_unseen=sum(1 for e in node_of if vocab(e) == 0), num_words=len(words))
+    return enc
+
+
+def length_bucket(n: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"sequence of {n} tokens is longer than the largest bucket {buckets[-1]}")
+
+
+def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = None,
+            keys: Sequence[str] = ("input_ids", "labels"), graph_min: tuple[int, int] = (0, 0)) -> dict:
+    """Pad a list of encoded examples to [batch_size, length] arrays + a padded graph batch.
+
+    Missing rows (a short last batch) are empty examples: no tokens, labels ignored, no graph.
+    ``graph_min``: smallest node / edge buckets (see :func:`graph_buckets`).
+    Returns int32 NumPy arrays with a leading batch axis: "input_ids", "attention_mask", <keys>,
+    "token_node" (node of the padded batch graph per token, -1 none), "token_entity", "example_mask" (1 for real
+    rows) and the stacked graph arrays of :func:`jsteer.kala.graph.stack_graphs`.
+    """
+    if len(examples) > batch_size:
+        raise ValueError(f"{len(examples)} examples do not fit batch_size={batch_size}")
+    t = length or length_bucket(max(len(e["input_ids"]) for e in examples))
+    fill = {"input_ids": 0, "labels": ner_lib.IGNORE_INDEX, "token_type_ids": 0, "token_node": -1,
+            "token_entity": 0, "word_index": -1, "start_positions": 0, "end_positions": 0}
+    out = {}
+    for k in list(keys) + ["token_node", "token_entity"]:
+        if examples[0][k].ndim == 0:
+            arr = np.zeros((batch_size,), np.int32)
+            for i, e in enumerate(examples):
+                arr[i] = e[k]
+        else:
+            arr = np.full((batch_size, t), fill.get(k, 0), np.int32)
+            for i, e in enumerate(examples):
+                arr[i, :len(e[k])] = e[k]
+        out[k] = arr
+    mask = np.zeros((batch_size, t), np.int32)
+    for i, e in enumerate(examples):
+        mask[i, :len(e["input_ids"])] = 1
+    out["attention_mask"] = mask
+    if "input_ids" not in out:
+        out["input_ids"] = np.zeros((batch_size, t), np.int32)
+    graphs = [e["graph"] for e in examples] + [ExampleGraph.empty()] * (batch_size - len(examples))
+    out.update(stack_graphs(graphs, out["token_node"], *graph_min))
+    out["example_mask"] = (np.arange(batch_size) < len(examples)).astype(np.int32)
+    return out
+
+
+def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, seed: int = 0,
+            keys: Sequence[str] = ("input_ids", "labels"), length: Optional[int] = None,
+            group_by_length: bool = False, graph_min: Optional[tuple[int, int]] = None
+            ) -> Iterator[tuple[np.ndarray, dict]]:
+    """Yield (indices of the examples in the batch, collated batch). Without shuffle the order
+    is the input order; the last batch is padded with empty rows. ``group_by_length`` (with
+    shuffle): sort each run of 16 batches' worth of shuffled examples by length and shuffle the
+    resulting batches, so most batches land in a short length bucket. ``graph_min``: smallest
+    graph buckets, default :func:`graph_buckets` of the examples."""
+    graph_min = graph_buckets(examples, batch_size) if graph_min is None else graph_min
+    order = np.arange(len(examples))
+    rng = np.random.default_rng(seed)
+    if shuffle:
+        order = rng.permutation(len(examples))
+    groups = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    if shuffle and group_by_length:
+        chunk = 16 * batch_size
+        groups = []
+        for s in range(0, len(order), chunk):
+            part = sorted(order[s:s + chunk], key=lambda i: len(examples[i]["input_ids"]))
+            groups += [np.asarray(part[k:k + batch_size]) for k in range(0, len(part), batch_size)]
+        groups = [groups[i] for i in rng.permutation(len(groups))]
+    for idx in groups:
+        yield idx, collate([examples[i] for i in idx], batch_size, length, keys, graph_min)
+
+
+def graph_buckets(examples: Sequence[dict], batch_size: int) -> tuple[int, int]:
+    """Smallest node / edge buckets for batches of these examples: the power of two above 1.5x
+    the mean batch total, so most batches share one graph shape (fewer compilations) and the
+    rare large one takes the next bucket."""
+    if not examples:
+        return 0, 0
+    n = np.mean([e["graph"].n_node for e in examples]) * batch_size * 1.5
+    e = np.mean([e["graph"].n_edge for e in examples]) * batch_size * 1.5
+    return bucket_size(int(n) + 1, batch_size), bucket_size(int(e) + 1, batch_size)
+
+
+def device_batch(batch: Mapping) -> dict:
+    """The arrays a model step needs (drops host bookkeeping)."""
+    return {k: v for k, v in batch.items() if k not in ("word_index", "offsets")}

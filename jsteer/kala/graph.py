@@ -1,0 +1,292 @@
+"""Relational retrieval over per-example entity graphs (KALA section 3.3).
+
+Every example carries a small knowledge graph: its *local* entities (the ones mentioned in
+the text) plus their 1-hop neighbours from the knowledge graph, and the facts among them as
+directed edges ``sender -> receiver`` with a relation id. Graphs are padded with
+:func:`jraph.pad_with_graphs` to static node / edge buckets (powers of two), so jit compiles a
+bounded number of shapes (:func:`batch_graphs`). For the trainer, which wants a leading batch
+axis on every input, :func:`stack_graphs` reshapes the padded arrays to [B, n/B] and
+:func:`flatten_graphs` restores the GraphsTuple inside jit.
+
+Layout of the batched graph (N nodes, E edges, G graphs; all static after padding)::
+
+    graph.nodes  = {"entity": int32 [N]}   entity-vocabulary id; 0 = null entity (unknown
+                                           entity, padding node) with a zero embedding
+    graph.edges  = {"relation": int32 [E]} relation id; 0 = self loop
+    graph.senders, graph.receivers: int32 [E]
+    graph.n_node, graph.n_edge:     int32 [G]
+
+Tokens point into the batched graph with ``token_node`` int32 [B, T]: the node of the entity
+mentioned at that token, -1 for tokens outside every mention.
+
+Graph layer (relation-aware GATv2, one head), for an edge j -> i with relation r_ij::
+
+    s_ij  = a^T LeakyReLU(W_dst e_i + W_rel r_ij + W_src e_j + W_ctx sg(h_i))
+          = a^T LeakyReLU(W [e_i || r_ij || e_j || h_i])       (W = [W_dst|W_rel|W_src|W_ctx])
+    alpha = softmax over the edges entering i of s_ij    (jraph.segment_softmax)
+    e_i'  = sum_j alpha_ij W_src e_j + b
+
+``h_i`` is the mention context of node i: the mean of the current layer's input hidden states
+over the tokens mentioning it (zero for neighbour-only nodes), with the gradient stopped, as
+in the original. After each layer: ReLU, then dropout (0.1).
+
+Null masking: a node *carries information* when it is a known entity (id != 0); after a layer
+it also carries information when it received some from a node that did. Edges whose sender
+carries none get weight exactly 0 (in the first layer: every null and padding node), so an
+unknown entity is represented only through its known neighbours, and a null node without any
+is the zero vector -- the same as a point-wise lookup of the null entity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jraph
+import numpy as np
+
+Array = jnp.ndarray
+
+NEG = -1e9  # masked attention logit: exp(NEG - max) underflows to exactly 0 in fp32
+SELF_LOOP = 0  # relation id of the self loops every node gets
+
+
+# ----------------------------------------------------------------------------------------------
+# per-example graphs (NumPy) and batching
+
+
+@dataclasses.dataclass
+class ExampleGraph:
+    """One example's entity graph (NumPy).
+
+    entity: int32 [n] entity-vocabulary ids (0 = null) of the n nodes; the first
+            ``n_local`` nodes are the example's mentioned entities, the rest neighbours.
+    senders, receivers, relation: int32 [e] directed edges j -> i with their relation ids,
+            self loops included (see :func:`add_self_loops`).
+    """
+
+    entity: np.ndarray
+    senders: np.ndarray
+    receivers: np.ndarray
+    relation: np.ndarray
+    n_local: int
+
+    @property
+    def n_node(self) -> int:
+        return int(self.entity.shape[0])
+
+    @property
+    def n_edge(self) -> int:
+        return int(self.senders.shape[0])
+
+    @staticmethod
+    def empty() -> "ExampleGraph":
+        z = np.zeros((0,), np.int32)
+        return ExampleGraph(entity=z, senders=z, receivers=z, relation=z, n_local=0)
+
+
+def add_self_loops(g: ExampleGraph) -> ExampleGraph:
+    """Drops existing self loops and gives every node one, with relation :data:`SELF_LOOP`."""
+    keep = g.senders != g.receivers
+    idx = np.arange(g.n_node, dtype=np.int32)
+    return ExampleGraph(
+        entity=g.entity.astype(np.int32),
+        senders=np.concatenate([g.senders[keep], idx]).astype(np.int32),
+        receivers=np.concatenate([g.receivers[keep], idx]).astype(np.int32),
+        relation=np.concatenate([g.relation[keep], np.full(g.n_node, SELF_LOOP)]).astype(np.int32),
+        n_local=g.n_local,
+    )
+
+
+def bucket_size(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum): the static sizes graphs are padded to."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
+                 n_node: Optional[int] = None, n_edge: Optional[int] = None
+                 ) -> tuple[jraph.GraphsTuple, np.ndarray]:
+    """Concatenates the graphs of a batch and pads them to static buckets.
+
+    graphs: B example graphs, in batch order.
+    token_nodes: int32 [B, T] local node index of each token's entity (-1 = none).
+    n_node / n_edge: padded totals; default :func:`bucket_size` of (real total + 1), since
+      :func:`jraph.pad_with_graphs` needs at least one padding node.
+    Returns (graph with B + 1 graphs, the last one padding; token_node int32 [B, T] indexing
+    the batched nodes, -1 = none).
+    """
+    token_nodes = np.asarray(token_nodes)
+    if token_nodes.ndim != 2 or token_nodes.shape[0] != len(graphs):
+        raise ValueError(f"token_nodes must be [B={len(graphs)}, T], got shape {token_nodes.shape}")
+    offsets = np.cumsum([0] + [g.n_node for g in graphs])
+    total_nodes, total_edges = int(offsets[-1]), sum(g.n_edge for g in graphs)
+    n_node = bucket_size(total_nodes + 1) if n_node is None else n_node
+    n_edge = bucket_size(total_edges) if n_edge is None else n_edge
+    if n_node < total_nodes + 1 or n_edge < total_edges:
+        raise ValueError(f"graph bucket too small: {total_nodes} nodes (+1 padding) and "
+                         f"{total_edges} edges do not fit n_node={n_node}, n_edge={n_edge}")
+    for b, g in enumerate(graphs):
+        bad = token_nodes[b] >= g.n_local
+        if bad.any():
+            raise ValueError(f"token_nodes[{b}] points at node {int(token_nodes[b][bad].max())} but "
+                             f"example {b} has only {g.n_local} local nodes")
+    cat = lambda xs: np.concatenate([np.asarray(x, np.int32) for x in xs]) if xs else np.zeros(0, np.int32)  # noqa: E731
+    graph = jraph.GraphsTuple(
+        nodes={"entity": cat([g.entity for g in graphs])},
+        edges={"relation": cat([g.relation for g in graphs])},
+        senders=cat([g.senders + o for g, o in zip(graphs, offsets)]),
+        receivers=cat([g.receivers + o for g, o in zip(graphs, offsets)]),
+        n_node=np.asarray([g.n_node for g in graphs], np.int32),
+        n_edge=np.asarray([g.n_edge for g in graphs], np.int32),
+        globals=None,
+    )
+    graph = jraph.pad_with_graphs(graph, n_node=n_node, n_edge=n_edge, n_graph=len(graphs) + 1)
+    token_node = np.where(token_nodes >= 0, token_nodes + offsets[:-1, None], -1).astype(np.int32)
+    return graph, token_node
+
+
+GRAPH_KEYS = ("graph_entity", "graph_senders", "graph_receivers", "graph_relation", "graph_n_node", "graph_n_edge")
+
+
+def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node_min: int = 0,
+                 n_edge_min: int = 0) -> dict[str, np.ndarray]:
+    """:func:`batch_graphs` laid out with a leading batch axis (what the trainer's data
+    sharding expects of every input): the padded node / edge arrays, whose bucket sizes are
+    multiples of B, are reshaped to [B, n/B]::
+
+        graph_entity [B, N/B], graph_senders / graph_receivers / graph_relation [B, E/B]
+        (flat node indices), graph_n_node / graph_n_edge [B] (real counts),
+        token_node [B, T] (flat node index, -1 none)
+
+    Buckets: powers of two (>= B, >= ``n_node_min`` / ``n_edge_min``). :func:`flatten_graphs`
+    restores the GraphsTuple inside jit.
+    """
+    b = len(graphs)
+    total_n = sum(g.n_node for g in graphs) + 1
+    total_e = sum(g.n_edge for g in graphs)
+    n_node = _multiple(bucket_size(total_n, max(n_node_min, b)), b)
+    n_edge = _multiple(bucket_size(total_e, max(n_edge_min, b)), b)
+    graph, token_node = batch_graphs(graphs, token_nodes, n_node=n_node, n_edge=n_edge)
+    return {"graph_entity": graph.nodes["entity"].reshape(b, -1), "graph_senders": graph.senders.reshape(b, -1),
+            "graph_receivers": graph.receivers.reshape(b, -1), "graph_relation": graph.edges["relation"].reshape(b, -1),
+            "graph_n_node": np.asarray(graph.n_node[:b], np.int32), "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
+            "token_node": token_node}
+
+
+def _multiple(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def flatten_graphs(batch) -> tuple[jraph.GraphsTuple, Array]:
+    """A batch with :func:`stack_graphs`'s keys -> (GraphsTuple of B + 1 graphs, the last one
+    padding; token_node [B, T] into its nodes). Jit-friendly: static shapes only."""
+    ent = jnp.asarray(batch["graph_entity"]).reshape(-1)
+    snd = jnp.asarray(batch["graph_senders"]).reshape(-1)
+    n_real = jnp.asarray(batch["graph_n_node"], jnp.int32)
+    e_real = jnp.asarray(batch["graph_n_edge"], jnp.int32)
+    graph = jraph.GraphsTuple(
+        nodes={"entity": ent},
+        edges={"relation": jnp.asarray(batch["graph_relation"]).reshape(-1)},
+        senders=snd,
+        receivers=jnp.asarray(batch["graph_receivers"]).reshape(-1),
+        n_node=jnp.concatenate([n_real, (ent.shape[0] - jnp.sum(n_real))[None]]),
+        n_edge=jnp.concatenate([e_real, (snd.shape[0] - jnp.sum(e_real))[None]]),
+        globals=None,
+    )
+    return graph, jnp.asarray(batch["token_node"])
+
+
+# ----------------------------------------------------------------------------------------------
+# token <-> node plumbing
+
+
+def node_context(hidden: Array, token_node: Array, num_nodes: int) -> Array:
+    """Mean hidden state over each node's mention tokens.
+
+    hidden [B, T, D], token_node int [B, T] (-1 = none) -> [N, D] (zero for nodes no token
+    mentions: neighbours and padding).
+    """
+    d = hidden.shape[-1]
+    ids = token_node.reshape(-1)
+    ids = jnp.where(ids < 0, num_nodes, ids)  # dump segment, dropped below
+    sums = jax.ops.segment_sum(hidden.reshape(-1, d), ids, num_nodes + 1)[:num_nodes]
+    counts = jax.ops.segment_sum(jnp.ones_like(ids, hidden.dtype), ids, num_nodes + 1)[:num_nodes]
+    return sums / jnp.maximum(counts, 1.0)[:, None]
+
+
+def gather_tokens(node_values: Array, token_node: Array) -> Array:
+    """node_values [N, F], token_node [B, T] -> [B, T, F], zero where token_node < 0."""
+    picked = node_values[jnp.maximum(token_node, 0)]
+    return picked * (token_node >= 0)[..., None].astype(node_values.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# modules
+
+
+def _glorot():
+    return nn.initializers.glorot_uniform()
+
+
+class RelationalGATv2(nn.Module):
+    """One relation-aware GATv2 layer (see the module docstring for the equations).
+
+    dim: output size (= input entity size in KALA).
+    """
+
+    dim: int
+    negative_slope: float = 0.2
+
+    @nn.compact
+    def __call__(self, x: Array, rel: Array, ctx: Array, senders: Array, receivers: Array,
+                 sender_ok: Array) -> tuple[Array, Array]:
+        """x [N, De] node states, rel [E, Dr] relation embeddings of the edges, ctx [N, D]
+        mention contexts (gradient stopped here), senders/receivers int [E], sender_ok bool [N]
+        (nodes that may send). Returns (new states [N, dim], attention weights [E])."""
+        n = x.shape[0]
+        src = nn.Dense(self.dim, kernel_init=_glorot(), name="src")(x)
+        dst = nn.Dense(self.dim, kernel_init=_glorot(), name="dst")(x)
+        dst = dst + nn.Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(
+            jax.lax.stop_gradient(ctx))
+        edge = nn.Dense(self.dim, kernel_init=_glorot(), name="rel")(rel)
+        att = self.param("att", _glorot(), (1, self.dim))[0]
+        z = nn.leaky_relu(dst[receivers] + src[senders] + edge, self.negative_slope)
+        logits = jnp.einsum("ed,d->e", z, att)
+        ok = sender_ok[senders]
+        alpha = jraph.segment_softmax(jnp.where(ok, logits, NEG), receivers, n) * ok
+        out = jax.ops.segment_sum(alpha[:, None] * src[senders], receivers, n)
+        out = out + self.param("bias", nn.initializers.zeros, (self.dim,))
+        return out, alpha
+
+
+class RelationalGraph(nn.Module):
+    """Stack of :class:`RelationalGATv2` layers with ReLU + dropout, null-masked.
+
+    Returns the final node states [N, dim], zero for nodes that carry no information.
+    """
+
+    dim: int
+    num_layers: int = 2
+    dropout: float = 0.1
+
+    @nn.compact
+    def __call__(self, x: Array, rel: Array, ctx: Array, graph: jraph.GraphsTuple,
+                 deterministic: bool = True, return_attention: bool = False):
+        senders, receivers = graph.senders, graph.receivers
+        n = x.shape[0]
+        ok = graph.nodes["entity"] != 0
+        attentions = []
+        for i in range(self.num_layers):
+            x, alpha = RelationalGATv2(self.dim, name=f"layer_{i}")(x, rel, ctx, senders, receivers, ok)
+            attentions.append(alpha)
+            x = nn.Dropout(self.dropout)(nn.relu(x), deterministic=deterministic)
+            got = jax.ops.segment_max(ok[senders].astype(jnp.int32), receivers, n) > 0
+            ok = ok | got
+        x = x * ok[:, None].astype(x.dtype)
+        return (x, attentions) if return_attention else x

@@ -1,0 +1,222 @@
+"""KALA task models: the BERT backbone + the knowledge module, composed through FiLM hooks.
+
+Methods (``KalaConfig.method``), all in one harness:
+
+- ``"finetune"``: plain fine-tuning (computes exactly what BertForTokenClassification /
+  BertForQuestionAnswering compute on the same params).
+- ``"more_params"``: one extra, randomly initialised :class:`BertLayer` after the encoder.
+- ``"pointwise"``: KFM from the entity memory lookup only.
+- ``"relational"``: KFM from the relation-aware GATv2 over each example's entity graph.
+
+The model runs the backbone's own :class:`BertEmbeddings` and :class:`BertLayer` modules (its
+parameter tree under ``"encoder"`` is exactly BertEncoder's, so ``params_from_hf`` output plugs
+in) and, before each KFM layer l, computes that layer's :class:`~jsteer.hooks.FiLM` from the
+layer's input hidden states (the mention contexts h_e, gradient stopped) and passes it as
+``Hooks(film={l: ...})``. Parameter tree::
+
+    {"encoder": BertEncoder tree, "head": head tree,
+     "kala": {"memory": [Ve, De], "relations": [R, 128], "kfm_<l>": ..., "graph_<l>": ...},
+     "extra_layer": BertLayer tree}            # "kala" / "extra_layer" only when used
+
+Call::
+
+    out = model.apply({"params": p}, input_ids [B,T], attention_mask [B,T], token_type_ids=None,
+                      graph=GraphsTuple, token_node=int [B,T], deterministic=True,
+                      rngs={"dropout": key})       -> ModelOutput(logits, hidden)
+
+``token_node`` indexes ``graph``'s nodes (-1: no mention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jraph
+
+from jsteer.backbones.base import ModelOutput
+from jsteer.backbones.bert import (BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead,
+                                   attention_bias)
+from jsteer.hooks import Hooks
+from jsteer.kala.graph import RelationalGraph, gather_tokens, node_context
+from jsteer.kala.kfm import KFM
+
+Array = jnp.ndarray
+METHODS = ("finetune", "more_params", "pointwise", "relational")
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """The last layers, as in the paper: (9, 11) for 12 layers, (3, 5) for MiniLM's 6."""
+    if num_layers < 2:
+        return (num_layers - 1,)
+    return (max(num_layers - 3, 0), num_layers - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KalaConfig:
+    """Knowledge-module hyper-parameters.
+
+    layers: 0-based backbone layers with KFM; None -> :func:`default_layers`.
+    num_entities: entity vocabulary size including the null entity 0.
+    entity_dim: entity memory width; None -> the backbone hidden size (as in the original).
+    """
+
+    method: str = "relational"
+    layers: Optional[tuple[int, ...]] = None
+    num_entities: int = 1
+    entity_dim: Optional[int] = None
+    num_relations: int = 128
+    relation_dim: int = 128
+    gnn_layers: int = 2
+    dropout: float = 0.1
+    use_gamma: bool = True
+    use_beta: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"KalaConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if self.num_entities < 1:
+            raise ValueError(f"KalaConfig.num_entities must be >= 1 (null entity), got {self.num_entities}")
+        if not (self.use_gamma or self.use_beta) and self.uses_knowledge:
+            raise ValueError("KalaConfig: use_gamma and use_beta cannot both be False")
+
+    @property
+    def uses_knowledge(self) -> bool:
+        return self.method in ("pointwise", "relational")
+
+    def kfm_layers(self, num_layers: int) -> tuple[int, ...]:
+        layers = default_layers(num_layers) if self.layers is None else self.layers
+        bad = [x for x in layers if not 0 <= x < num_layers]
+        if bad:
+            raise ValueError(f"KFM layers {bad} out of range for a {num_layers}-layer backbone")
+        return tuple(sorted(set(layers)))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KalaConfig":
+        d = dict(d)
+        if d.get("layers") is not None:
+            d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
+class KnowledgeModule(nn.Module):
+    """Entity memory, relation embeddings, and per-KFM-layer graph + KFM maps."""
+
+    kala: KalaConfig
+    hidden_size: int
+    layers: tuple[int, ...]
+
+    def setup(self):
+        k = self.kala
+        de = k.entity_dim or self.hidden_size
+        self.memory = self.param("memory", nn.initializers.normal(0.02), (k.num_entities, de))
+        self.kfms = {l: KFM(self.hidden_size, k.use_gamma, k.use_beta, name=f"kfm_{l}") for l in self.layers}
+        if k.method == "relational":
+            self.relations = self.param("relations", nn.initializers.normal(1.0), (k.num_relations, k.relation_dim))
+            self.graphs = {l: RelationalGraph(de, k.gnn_layers, k.dropout, name=f"graph_{l}") for l in self.layers}
+
+    def entity_states(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
+                      deterministic: bool = True) -> Array:
+        """Node representations [N, De] for the KFM at ``layer`` (context [B,T,D]: its input)."""
+        ent = graph.nodes["entity"]
+        x = self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
+        if self.kala.method == "relational":
+            ctx = node_context(context, token_node, x.shape[0])
+            rel = self.relations[graph.edges["relation"]]
+            x = self.graphs[layer](x, rel, ctx, graph, deterministic)
+        return x
+
+    def __call__(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
+                 deterministic: bool = True):
+        """-> FiLM for ``layer`` with [B, T, D] fields (zero outside mention tokens). The four
+        maps run once per graph node and are gathered per token (same values as running them
+        per token: a node's vector is the same at every token mentioning it)."""
+        x = self.entity_states(layer, context, graph, token_node, deterministic)
+        table = self.kfms[layer](x, jnp.ones(x.shape[:1], x.dtype))
+        return jax.tree.map(lambda v: gather_tokens(v, token_node), table)
+
+
+class KalaModel(nn.Module):
+    """BERT + head (``"ner"``: token classification, ``"qa"``: span QA) + KALA / baselines."""
+
+    config: BertConfig
+    kala: KalaConfig
+    task: str = "ner"
+    num_labels: int = 2
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        if self.task not in ("ner", "qa"):
+            raise ValueError(f"KalaModel.task must be 'ner' or 'qa', got {self.task!r}")
+        self.encoder = BertEncoder(self.config, dtype=self.dtype)
+        if self.task == "ner":
+            self.head = TokenClassificationHead(self.config, self.num_labels, dtype=self.dtype)
+        else:
+            self.head = QAHead(self.config, dtype=self.dtype)
+        self.kfm_layers = self.kala.kfm_layers(self.config.num_layers) if self.kala.uses_knowledge else ()
+        if self.kala.uses_knowledge:
+            self.knowledge = KnowledgeModule(self.kala, self.config.hidden_size, self.kfm_layers, name="kala")
+        if self.kala.method == "more_params":
+            self.extra = BertLayer(self.config, layer_index=self.config.num_layers, dtype=self.dtype,
+                                   name="extra_layer")
+
+    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
+                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
+                 token_node: Optional[Array] = None, deterministic: bool = True) -> ModelOutput:
+        b, t = input_ids.shape
+        if self.kala.uses_knowledge:
+            if graph is None or token_node is None:
+                raise ValueError(f"method {self.kala.method!r} needs graph and token_node")
+            if token_node.shape != (b, t):
+                raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+        bias = attention_bias(attention_mask, None, b, t)
+        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
+        for i, layer in enumerate(self.encoder.layers):
+            hooks = None
+            if i in self.kfm_layers:
+                hooks = Hooks(film={i: self.knowledge(i, h, graph, token_node, deterministic)})
+            h = layer(h, bias, hooks, deterministic)
+        if self.kala.method == "more_params":
+            h = self.extra(h, bias, None, deterministic)
+        logits = self.head(h, deterministic) if self.task == "ner" else self.head(h)
+        return ModelOutput(logits=logits, hidden=h)
+
+
+def init_params(model: KalaModel, rng: jax.Array, encoder_params: Optional[dict] = None,
+                head_params: Optional[dict] = None, memory: Optional[Array] = None,
+                seq_len: int = 8) -> dict:
+    """Fresh params for ``model``; optionally overwrite the encoder / head with pretrained trees
+    (e.g. from ``params_from_hf``) and the entity memory with :func:`init_memory`'s output."""
+    from jsteer.kala.graph import ExampleGraph, batch_graphs  # local: avoid a cycle in docs tools
+    import numpy as np
+
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    g, tn = batch_graphs([ExampleGraph.empty()], np.full((1, seq_len), -1, np.int32))
+    init = jax.jit(lambda r, ids, g, tn: model.init({"params": r, "dropout": r}, ids, jnp.ones_like(ids), None, g, tn))
+    params = init(rng, ids, g, jnp.asarray(tn))["params"]
+    params = jax.tree.map(lambda x: x, dict(params))
+    if encoder_params is not None:
+        want = jax.tree.map(jnp.shape, params["encoder"])
+        got = jax.tree.map(jnp.shape, encoder_params)
+        if want != got:
+            raise ValueError("encoder params do not match the model's BertEncoder tree (shapes/names differ)")
+        params["encoder"] = jax.tree.map(jnp.asarray, encoder_params)
+    if head_params is not None:
+        params["head"] = jax.tree.map(jnp.asarray, head_params)
+    if memory is not None:
+        if "kala" not in params:
+            raise ValueError(f"method {model.kala.method!r} has no entity memory")
+        kala = dict(params["kala"])
+        if tuple(memory.shape) != tuple(kala["memory"].shape):
+            raise ValueError(f"memory has shape {tuple(memory.shape)}, expected {tuple(kala['memory'].shape)}")
+        kala["memory"] = jnp.asarray(memory)
+        params["kala"] = kala
+    return params

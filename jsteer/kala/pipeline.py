@@ -1,0 +1,115 @@
+"""End-to-end NER pieces shared by the CLI, the experiments and the notebook.
+
+    data = load_ner_data(train, test, graph_dir, tokenizer, labels=CONLL2003_LABELS, scheme="iob1")
+    memory = memory_from_backbone(config, encoder_params, data.train, data.vocab)
+    model, params = build_model(config, encoder_params, data, KalaConfig(method="relational"), memory)
+    result = train.fit(model, params, data.train, TrainConfig())
+    scores = train.evaluate_ner(model, result.params, data.test, data.test_tags, data.labels,
+                                subsets=data.subsets())
+
+The graph directory is what ``jsteer kala build-graph`` writes (``<file>.mentions.jsonl``,
+``facts.jsonl``). The entity vocabulary is built from the *training* mentions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsteer.backbones.bert import BertConfig, BertEncoder
+from jsteer.data import ner as ner_lib
+from jsteer.data.readers import read_conll
+from jsteer.kala import data as kdata
+from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab, init_memory
+from jsteer.kala.formats import read_facts, read_mentions
+from jsteer.kala.model import KalaConfig, KalaModel, init_params
+
+UNSEEN_MIN = 3  # a test context is "unseen" with at least this many out-of-vocabulary entities
+
+
+@dataclasses.dataclass
+class NERData:
+    labels: tuple[str, ...]
+    train: list[dict]
+    test: list[dict]
+    train_tags: list[list[str]]
+    test_tags: list[list[str]]
+    vocab: EntityVocab
+    relations: RelationVocab
+    kg: KnowledgeGraph
+
+    def subsets(self) -> dict[str, list[int]]:
+        """Seen / unseen test contexts (the paper's Figure 4): ``unseen`` = at least
+        :data:`UNSEEN_MIN` mentioned entities outside the training vocabulary; ``seen`` = at
+        least one mentioned entity and all of them in the vocabulary."""
+        unseen = [i for i, e in enumerate(self.test) if e["n_unseen"] >= UNSEEN_MIN]
+        seen = [i for i, e in enumerate(self.test) if e["n_unseen"] == 0 and e["graph"].n_local > 0]
+        return {"seen": seen, "unseen": unseen}
+
+
+def _subsample(n_total: int, n: Optional[int], seed: int) -> list[int]:
+    if n is None or n >= n_total:
+        return list(range(n_total))
+    return sorted(np.random.default_rng(seed).choice(n_total, size=n, replace=False).tolist())
+
+
+def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[str] = ner_lib.CONLL2003_LABELS,
+                  scheme: str = "iob1", max_len: int = 128, max_neighbors: int = 4,
+                  train_size: Optional[int] = None, test_size: Optional[int] = None, subsample_seed: int = 0,
+                  facts_path=None) -> NERData:
+    """Read CoNLL train / test files and their knowledge files; encode both splits.
+
+    ``train_size`` / ``test_size`` take a seeded random subset of sentences (None: all).
+    """
+    graph_dir = pathlib.Path(graph_dir)
+    splits = {}
+    for name, path, size in (("train", train_path, train_size), ("test", test_path, test_size)):
+        sents = read_conll(path, scheme=scheme, label_set=labels)
+        mpath = graph_dir / f"{pathlib.Path(path).name}.mentions.jsonl"
+        mentions = read_mentions(mpath, {i: list(s.tokens) for i, s in enumerate(sents)})
+        idx = _subsample(len(sents), size, subsample_seed)
+        splits[name] = [(list(sents[i].tokens), list(sents[i].tags), mentions.get(i, [])) for i in idx]
+    facts = read_facts(facts_path or graph_dir / "facts.jsonl")
+    vocab = EntityVocab.from_mentions([m for _, _, m in splits["train"]])
+    relations = RelationVocab.from_facts(facts)
+    kg = KnowledgeGraph(facts, relations)
+
+    def enc(split):
+        return [kdata.encode_ner(w, t, m, tokenizer, labels, vocab, kg, max_len, max_neighbors) for w, t, m in split]
+
+    return NERData(labels=tuple(labels), train=enc(splits["train"]), test=enc(splits["test"]),
+                   train_tags=[t for _, t, _ in splits["train"]], test_tags=[t for _, t, _ in splits["test"]],
+                   vocab=vocab, relations=relations, kg=kg)
+
+
+def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[dict], vocab: EntityVocab,
+                         batch_size: int = 64) -> np.ndarray:
+    """Entity memory [len(vocab), D]: mean last-layer features over mention tokens (see
+    :func:`jsteer.kala.entities.init_memory`)."""
+    enc = BertEncoder(config)
+
+    @jax.jit
+    def hidden(params, ids, mask):
+        return enc.apply({"params": params}, ids, mask)[0]
+
+    def hidden_fn(batch):
+        return np.asarray(hidden(encoder_params, batch["input_ids"], batch["attention_mask"]))
+
+    return init_memory(hidden_fn, (b for _, b in kdata.batches(examples, batch_size)), len(vocab),
+                       config.hidden_size)
+
+
+def build_model(config: BertConfig, encoder_params, data: NERData, kala: KalaConfig,
+                memory: Optional[np.ndarray] = None, seed: int = 0) -> tuple[KalaModel, dict]:
+    """A KALA NER model over ``config`` with the pretrained encoder and a fresh head; ``kala``'s
+    entity / relation counts are filled in from ``data``."""
+    kala = dataclasses.replace(kala, num_entities=len(data.vocab), num_relations=len(data.relations))
+    model = KalaModel(config, kala, task="ner", num_labels=len(data.labels))
+    params = init_params(model, jax.random.PRNGKey(seed), encoder_params=encoder_params,
+                         memory=jnp.asarray(memory) if (memory is not None and kala.uses_knowledge) else None)
+    return model, params

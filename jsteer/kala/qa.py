@@ -1,0 +1,168 @@
+"""Extractive QA in SQuAD format, with KALA's knowledge inputs.
+
+File format (SQuAD v1.1)::
+
+    {"data": [{"title": ..., "paragraphs": [{"context": str,
+        "qas": [{"id": str, "question": str, "answers": [{"text": str, "answer_start": int}]}]}]}]}
+
+Long contexts are split into windows: ``[CLS] question [SEP] context window [SEP]`` of at most
+``max_len`` tokens, consecutive windows starting ``stride`` context tokens apart (the original
+run_squad's ``doc_stride``, default 128), so they overlap when the window is longer. A window
+that does not contain the whole answer is labelled with the ``[CLS]`` position 0. At
+prediction time every window's best span (n-best start x end, length <= ``max_answer_len``)
+competes on start + end logit, and the winner is cut from the context by character offsets.
+
+Mentions for QA examples use *character* offsets into the context (see
+:mod:`jsteer.kala.formats`); a context token belongs to a mention when their character spans
+overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from jsteer.kala.data import example_knowledge, raw_tokenizer, special_ids
+from jsteer.kala.entities import EntityVocab, KnowledgeGraph
+from jsteer.kala.formats import FormatError, Mention
+
+PathLike = Union[str, os.PathLike]
+
+
+@dataclasses.dataclass(frozen=True)
+class QAExample:
+    qid: str
+    question: str
+    context: str
+    answers: tuple[tuple[str, int], ...]  # (text, answer_start)
+
+
+def read_squad(path: PathLike) -> list[QAExample]:
+    """Parse a SQuAD-format file; problems raise FormatError naming the JSON path of the field."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FormatError(path, None, None, "no such file")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise FormatError(path, e.lineno, None, f"invalid JSON ({e.msg})") from None
+
+    def need(d, key, kind, where):
+        if not isinstance(d, dict) or key not in d:
+            raise FormatError(path, None, f"{where}.{key}", "missing")
+        v = d[key]
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise FormatError(path, None, f"{where}.{key}", f"expected {kind.__name__}, got {json.dumps(v)[:40]}")
+        return v
+
+    out, seen = [], set()
+    for a, art in enumerate(need(obj, "data", list, "$")):
+        for p, par in enumerate(need(art, "paragraphs", list, f"data[{a}]")):
+            where = f"data[{a}].paragraphs[{p}]"
+            ctx = need(par, "context", str, where)
+            for q, qa in enumerate(need(par, "qas", list, where)):
+                w = f"{where}.qas[{q}]"
+                qid = need(qa, "id", str, w)
+                if qid in seen:
+                    raise FormatError(path, None, f"{w}.id", f"duplicate question id {qid!r}")
+                seen.add(qid)
+                answers = []
+                for k, ans in enumerate(need(qa, "answers", list, w)):
+                    text = need(ans, "text", str, f"{w}.answers[{k}]")
+                    start = need(ans, "answer_start", int, f"{w}.answers[{k}]")
+                    if ctx[start:start + len(text)] != text:
+                        raise FormatError(path, None, f"{w}.answers[{k}].answer_start",
+                                          f"context[{start}:{start + len(text)}] = "
+                                          f"{ctx[start:start + len(text)]!r} is not the answer {text!r}")
+                    answers.append((text, start))
+                out.append(QAExample(qid, need(qa, "question", str, w), ctx, tuple(answers)))
+    return out
+
+
+def write_squad(path: PathLike, examples: Sequence[QAExample]) -> None:
+    data = [{"title": ex.qid, "paragraphs": [{"context": ex.context, "qas": [
+        {"id": ex.qid, "question": ex.question,
+         "answers": [{"text": t, "answer_start": s} for t, s in ex.answers]}]}]} for ex in examples]
+    pathlib.Path(path).write_text(json.dumps({"version": "1.1", "data": data}))
+
+
+def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab: Optional[EntityVocab] = None,
+              kg: Optional[KnowledgeGraph] = None, max_len: int = 384, stride: int = 128, max_query: int = 64,
+              max_neighbors: int = 4) -> list[dict]:
+    """One question -> windows (features), each a dict of int32 arrays [L] plus bookkeeping:
+    input_ids, token_type_ids, start_positions, end_positions (scalars), offsets [L, 2]
+    (context char span, -1 outside the context), token_node, token_entity, graph, qid."""
+    raw = raw_tokenizer(tokenizer)
+    cls_id, sep_id, _ = special_ids(tokenizer)
+    vocab = vocab or EntityVocab([])
+    q_ids = raw.encode(ex.question, add_special_tokens=False).ids[:max_query]
+    enc = raw.encode(ex.context, add_special_tokens=False)
+    c_ids, c_off = enc.ids, enc.offsets
+    room = max_len - len(q_ids) - 3
+    if room <= 0:
+        raise ValueError(f"max_len={max_len} leaves no room for the context after a {len(q_ids)}-token question")
+    graph, node_of = example_knowledge(mentions, vocab, kg, max_neighbors)
+    tok_node_ctx = np.full(len(c_ids), -1, np.int32)
+    for m in mentions:
+        for j, (s, e) in enumerate(c_off):
+            if s < m.end and e > m.start:
+                tok_node_ctx[j] = node_of[m.id]
+    spans = [(s, s + len(t)) for t, s in ex.answers]
+    feats = []
+    start = 0
+    while True:
+        end = min(start + room, len(c_ids))
+        ids = [cls_id] + q_ids + [sep_id] + c_ids[start:end] + [sep_id]
+        n_q = len(q_ids) + 2
+        tt = [0] * n_q + [1] * (end - start + 1)
+        off = np.full((len(ids), 2), -1, np.int32)
+        off[n_q:n_q + end - start] = np.asarray(c_off[start:end], np.int32).reshape(-1, 2)
+        tn = np.full(len(ids), -1, np.int32)
+        tn[n_q:n_q + end - start] = tok_node_ctx[start:end]
+        sp = ep = 0
+        if spans:
+            a_s, a_e = spans[0]
+            toks = [j for j in range(start, end) if c_off[j][0] < a_e and c_off[j][1] > a_s]
+            if toks and c_off[toks[0]][0] <= a_s and c_off[toks[-1]][1] >= a_e:
+                sp, ep = toks[0] - start + n_q, toks[-1] - start + n_q
+        ent = np.where(tn >= 0, graph.entity[np.maximum(tn, 0)] if graph.n_node else 0, 0).astype(np.int32)
+        feats.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(tt, np.int32),
+                      "start_positions": np.int32(sp), "end_positions": np.int32(ep), "offsets": off,
+                      "token_node": tn, "token_entity": ent, "graph": graph, "qid": ex.qid})
+        if end >= len(c_ids):
+            break
+        start += stride
+    return feats
+
+
+def best_span(start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndarray, n_best: int = 20,
+              max_answer_len: int = 30) -> tuple[float, int, int]:
+    """(score, char start, char end) of the best valid span in one window; score -inf if none."""
+    best = (-np.inf, 0, 0)
+    valid = offsets[:, 0] >= 0
+    starts = [i for i in np.argsort(-start_logits) if valid[i]][:n_best]
+    ends = [i for i in np.argsort(-end_logits) if valid[i]][:n_best]
+    for s in starts:
+        for e in ends:
+            if s <= e < s + max_answer_len:
+                score = float(start_logits[s] + end_logits[e])
+                if score > best[0]:
+                    best = (score, int(offsets[s, 0]), int(offsets[e, 1]))
+    return best
+
+
+def predict_answers(features: Sequence[dict], logits: Sequence[np.ndarray], contexts: dict[str, str],
+                    n_best: int = 20, max_answer_len: int = 30) -> dict[str, str]:
+    """features and their logits [L, 2] -> {qid: answer text} (best span over all windows)."""
+    best: dict[str, tuple[float, int, int]] = {}
+    for f, lg in zip(features, logits, strict=True):
+        n = len(f["input_ids"])
+        cand = best_span(np.asarray(lg)[:n, 0], np.asarray(lg)[:n, 1], f["offsets"], n_best, max_answer_len)
+        if f["qid"] not in best or cand[0] > best[f["qid"]][0]:
+            best[f["qid"]] = cand
+    return {q: (contexts[q][s:e] if np.isfinite(sc) else "") for q, (sc, s, e) in best.items()}

@@ -1,0 +1,230 @@
+"""Training and evaluation for KALA NER / QA (and the baselines, same harness).
+
+Training runs on the shared engine :class:`jsteer.train.Trainer` (checkpoints, JSONL metrics,
+resume). Optimiser: AdamW with linear warmup + decay and global-norm clipping; the knowledge
+module (``params["kala"]``) gets its own learning rate (``kala_lr``), everything else ``lr``
+(the paper's setup). Losses:
+NER token cross-entropy over labelled subwords (first piece of each word); QA the mean of the
+start and end cross-entropies.
+
+Everything heavy is one jitted step; batches come padded to static [B, T] buckets and graph
+buckets (:mod:`jsteer.kala.data`), so the number of compiled shapes stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jsteer.data import ner as ner_lib
+from jsteer.kala import data as kdata
+from jsteer.kala.graph import flatten_graphs
+from jsteer.kala.metrics import ner_scores
+from jsteer.kala.model import KalaModel
+from jsteer.train import OptimizerConfig, Trainer, data_mesh, make_optimizer, resolve_labels
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Defaults follow the paper (lr 5e-5, batch 32, length 128); ``kala_lr`` is separate."""
+
+    lr: float = 5e-5
+    kala_lr: float = 1e-4
+    batch_size: int = 32
+    max_len: int = 128
+    epochs: float = 3.0
+    max_steps: Optional[int] = None
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: Optional[float] = 1.0
+    seed: int = 0
+
+    def total_steps(self, n_examples: int) -> int:
+        per_epoch = -(-n_examples // self.batch_size)
+        return self.max_steps or max(int(round(self.epochs * per_epoch)), 1)
+
+
+def group_of(path, leaf) -> str:
+    return "kala" if path and path[0] == "kala" else "backbone"
+
+
+def optimizer_config(cfg: TrainConfig, total_steps: int) -> OptimizerConfig:
+    """AdamW, linear warmup + linear decay, lr for the backbone / heads and kala_lr for KALA."""
+    return OptimizerConfig(learning_rate={"backbone": cfg.lr, "kala": cfg.kala_lr}, labels=group_of,
+                           schedule="linear", warmup_steps=int(cfg.warmup_ratio * total_steps),
+                           total_steps=total_steps, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+
+
+def model_inputs(model: KalaModel, batch) -> tuple:
+    """(graph, token_node) for the model from a collated batch; (None, None) without KALA."""
+    if not model.kala.uses_knowledge:
+        return None, None
+    return flatten_graphs(batch)
+
+
+def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=None):
+    graph, token_node = model_inputs(model, batch)
+    rngs = None if deterministic else {"dropout": rng}
+    return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
+                       batch.get("token_type_ids"), graph, token_node, deterministic=deterministic, rngs=rngs)
+
+
+def ner_loss(model: KalaModel) -> Callable:
+    """loss_fn(params, batch, rng) -> (mean token CE over labelled subwords, aux)."""
+
+    def loss_fn(params, batch, rng):
+        logits = forward(model, params, batch, False, rng).logits
+        labels = batch["labels"]
+        valid = labels != ner_lib.IGNORE_INDEX
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+        loss = jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
+        return loss, {"labelled_tokens": jnp.sum(valid)}
+
+    return loss_fn
+
+
+def qa_loss(model: KalaModel) -> Callable:
+    """loss_fn for span QA: mean of start / end cross-entropies over real rows."""
+
+    def loss_fn(params, batch, rng):
+        logits = forward(model, params, batch, False, rng).logits  # [B, T, 2]
+        mask = batch["attention_mask"] > 0
+        lg = jnp.where(mask[..., None], logits, -1e9)
+        ls = optax.softmax_cross_entropy_with_integer_labels(lg[..., 0], batch["start_positions"])
+        le = optax.softmax_cross_entropy_with_integer_labels(lg[..., 1], batch["end_positions"])
+        real = batch["example_mask"].astype(jnp.float32)
+        loss = jnp.sum((ls + le) / 2 * real) / jnp.maximum(jnp.sum(real), 1)
+        return loss, {"examples": jnp.sum(real)}
+
+    return loss_fn
+
+
+def step_memory_bytes(loss_fn: Callable, params, batch, cfg: TrainConfig, total_steps: int) -> Optional[int]:
+    """Bytes XLA plans for one AdamW train step (arguments + outputs + temporaries - aliased),
+    from an ahead-of-time compile of the same loss; None where the backend does not say."""
+    ocfg = optimizer_config(cfg, total_steps)
+    opt = make_optimizer(ocfg, resolve_labels(params, ocfg), total_steps)[0]
+    opt_state = jax.eval_shape(opt.init, params)
+
+    def step(params, opt_state, batch, rng):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    try:
+        ma = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, jax.random.PRNGKey(0)) \
+            .compile().memory_analysis()
+        return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                   - ma.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+class _Endless:
+    """Epoch after epoch of shuffled, length-grouped, collated batches."""
+
+    def __init__(self, examples, batch_size, keys, seed):
+        self.examples, self.batch_size, self.keys, self.seed = examples, batch_size, keys, seed
+
+    def __iter__(self):
+        epoch = 0
+        while True:
+            for _, batch in kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
+                                          seed=self.seed * 1000 + epoch, keys=self.keys):
+                yield kdata.device_batch(batch)
+            epoch += 1
+
+
+@dataclasses.dataclass
+class FitResult:
+    params: dict
+    losses: list
+    train_seconds: float  # wall time of steps 2..N (the first, compiling step excluded)
+    compile_seconds: float  # wall time of step 1
+    steps: int
+    examples_per_second: float
+    step_memory_bytes: Optional[int]
+    trainable_params: int
+
+
+def task_keys(task: str) -> tuple[str, ...]:
+    return ("input_ids", "labels") if task == "ner" else (
+        "input_ids", "token_type_ids", "start_positions", "end_positions")
+
+
+def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *,
+        log_path=None, checkpoint_dir=None, eval_fn=None, eval_every=None, progress: bool = False,
+        measure_memory: bool = False, mesh=None) -> FitResult:
+    """Train on encoded examples for ``cfg.epochs`` (or ``cfg.max_steps``) with the shared
+    :class:`jsteer.train.Trainer` (one device by default: graphs are per example, so the data
+    axis may be widened with ``mesh`` when the batch divides it)."""
+    loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
+    total = cfg.total_steps(len(examples))
+    trainer = Trainer(loss_fn, params, optimizer_config(cfg, total), mesh=mesh or data_mesh(jax.devices()[:1]),
+                      checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
+                      log_every=max(total // 20, 1), seed=cfg.seed, progress=progress, exit_on_preempt=False)
+    stream = _Endless(examples, cfg.batch_size, task_keys(task), cfg.seed)
+    losses, marks = [], []
+
+    def on_step(step, metrics):
+        losses.append(float(metrics["loss"]))  # syncs, so the marks time finished steps
+        marks.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    trainer.fit(iter(stream), total, on_step=on_step)
+    mem = None
+    if measure_memory:
+        first = next(iter(stream))
+        mem = step_memory_bytes(loss_fn, trainer.params, first, cfg, total)
+    n = len(marks)
+    train_s = marks[-1] - marks[0] if n > 1 else float("nan")
+    ex_s = (n - 1) * cfg.batch_size / train_s if n > 1 else float("nan")
+    return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
+                     compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
+                     examples_per_second=ex_s, step_memory_bytes=mem, trainable_params=count_params(params))
+
+
+def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64
+                ) -> list[np.ndarray]:
+    """Per-word predicted label ids for each example (words cut by truncation get 0 = 'O')."""
+
+    @jax.jit
+    def logits_fn(params, batch):
+        return forward(model, params, batch).logits
+
+    preds: list = [None] * len(examples)
+    for idx, batch in kdata.batches(examples, batch_size, keys=("input_ids", "labels", "word_index")):
+        wi = batch["word_index"]
+        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch)), -1))
+        for r, i in enumerate(idx):
+            preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
+    return preds
+
+
+def evaluate_ner(model: KalaModel, params: dict, examples: Sequence[dict], gold_tags: Sequence[Sequence[str]],
+                 label_names: Sequence[str], batch_size: int = 64, subsets: Optional[dict] = None) -> dict:
+    """Entity-level scores (percent) overall and on optional {name: example indices} subsets."""
+    preds = predict_ner(model, params, examples, batch_size)
+    tags = [[label_names[int(p)] for p in ps] for ps in preds]
+    res = ner_scores(gold_tags, tags)
+    out = {"f1": 100 * res["f1"], "precision": 100 * res["precision"], "recall": 100 * res["recall"],
+           "n_sentences": len(examples)}
+    for name, idx in (subsets or {}).items():
+        idx = list(idx)
+        if idx:
+            s = ner_scores([gold_tags[i] for i in idx], [tags[i] for i in idx])
+            out[f"f1_{name}"] = 100 * s["f1"]
+        out[f"n_{name}"] = len(idx)
+    return out
+
+
+def count_params(tree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+

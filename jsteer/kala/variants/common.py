@@ -1,0 +1,267 @@
+"""Pieces shared by the knowledge-integration variants (ERNIE, K-BERT, EaE, adapter).
+
+Every variant is a task model with the same call and parameter layout as
+:class:`jsteer.kala.model.KalaModel`, so the KALA harness' data (mentions, entity ids, graphs),
+memory initialisation, training engine and evaluation apply unchanged::
+
+    out = model.apply({"params": p}, input_ids [B,T], attention_mask [B,T], token_type_ids,
+                      graph (GraphsTuple), token_node [B,T], deterministic=True,
+                      extras={name: [B,T] int}, rngs={"dropout": key})
+        -> VariantOutput(logits, hidden, aux_loss=None | [], aux={name: []})
+
+    params = {"encoder": BertEncoder tree (unchanged names, so ``params_from_hf`` output plugs
+              in), "head": head tree, "kala": {"memory": [Ne, De], ...method parts}}
+
+Everything knowledge-related lives under ``"kala"`` so the harness' optimiser puts it in the
+``kala_lr`` group. ``model.kala`` is a :class:`VariantConfig` (``uses_knowledge`` is True, so the
+harness hands the model its graph and ``token_node``).
+
+Entities reach tokens as in KALA: ``token_node`` [B,T] points every mention token at its node of
+the batched graph (-1 outside mentions); ``graph.nodes["entity"]`` holds the node's entity id
+(0 = null: unknown entity or padding, whose memory row is treated as zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import jraph
+
+from jsteer.backbones.base import NEG_INF, ModelOutput
+from jsteer.backbones.bert import (ACTIVATIONS, BertConfig, BertEmbeddings, BertSelfAttention, QAHead,
+                                   TokenClassificationHead)
+from jsteer.hooks import Hooks, apply_film
+from jsteer.kala.graph import node_context
+
+Array = jnp.ndarray
+VARIANT_METHODS = ("ernie", "kbert", "eae", "adapter")
+
+
+@flax.struct.dataclass
+class VariantOutput(ModelOutput):
+    """:class:`ModelOutput` plus an auxiliary loss the training objective adds (EaE's entity
+    linking) and scalar diagnostics."""
+
+    aux_loss: Optional[Array] = None
+    aux: Optional[dict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantConfig:
+    """Hyper-parameters of a knowledge-integration variant.
+
+    method: one of :data:`VARIANT_METHODS`.
+    layers: 0-based backbone layers with knowledge; None -> the method's default
+      (:meth:`knowledge_layers`). Unused by K-BERT (knowledge enters at the input).
+    num_entities: entity vocabulary size including the null entity 0.
+    entity_dim: entity memory width; None -> the backbone hidden size (memory initialised
+      from the backbone's contextual features, as for KALA).
+    entity_heads: heads of ERNIE's entity self-attention (must divide the entity width).
+    adapter_size: bottleneck width of the knowledge adapter.
+    el_weight: weight of EaE's entity-linking loss.
+    dropout: dropout inside the knowledge modules.
+    """
+
+    method: str = "ernie"
+    layers: Optional[tuple[int, ...]] = None
+    num_entities: int = 1
+    entity_dim: Optional[int] = None
+    entity_heads: int = 4
+    adapter_size: int = 64
+    el_weight: float = 1.0
+    dropout: float = 0.1
+
+    def __post_init__(self):
+        if self.method not in VARIANT_METHODS:
+            raise ValueError(f"VariantConfig.method must be one of {VARIANT_METHODS}, got {self.method!r}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if self.num_entities < 1:
+            raise ValueError(f"VariantConfig.num_entities must be >= 1 (null entity), got {self.num_entities}")
+        if self.adapter_size < 1 or self.entity_heads < 1:
+            raise ValueError("VariantConfig.adapter_size and entity_heads must be >= 1")
+
+    @property
+    def uses_knowledge(self) -> bool:
+        return True
+
+    def knowledge_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Chosen layers, checked; defaults: ERNIE / adapter the last layers as KALA ((3, 5) for
+        6 layers, (9, 11) for 12); EaE one memory layer after a third of the depth (after layer
+        4 of 12, as in the paper: index 3); K-BERT none."""
+        from jsteer.kala.model import default_layers
+
+        if self.method == "kbert":
+            return ()
+        if self.layers is not None:
+            layers = self.layers
+        elif self.method == "eae":
+            layers = (max(num_layers // 3 - 1, 0),)
+        else:
+            layers = default_layers(num_layers)
+        bad = [x for x in layers if not 0 <= x < num_layers]
+        if bad:
+            raise ValueError(f"{self.method} layers {bad} out of range for a {num_layers}-layer backbone")
+        return tuple(sorted(set(layers)))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VariantConfig":
+        d = dict(d)
+        if d.get("layers") is not None:
+            d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------
+# backbone pieces with BertLayer's parameter names
+
+
+def _init(config: BertConfig):
+    return nn.initializers.normal(stddev=config.initializer_range)
+
+
+def _layer_norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
+
+
+class BertLayerParts(nn.Module):
+    """A post-LN BERT layer with the same parameter tree as :class:`jsteer.backbones.bert.BertLayer`
+    (``attention``, ``attention_norm``, ``ffn_in``, ``ffn_out``, ``ffn_norm``), split into steps
+    so a method can act between them::
+
+        a = attention_block(h, bias)          LayerNorm(h + Attn(h))           [B,T,D]
+        f = intermediate(a, extra)            act(ffn_in(a) + extra)           [B,T,F]
+        y = ffn_output(f)                     ffn_out(f) (dropout)             [B,T,D]
+        out = finish(y, a)                    LayerNorm(y + a)                 [B,T,D]
+
+    ``__call__`` runs all four (with the FiLM hooks of BertLayer) and equals BertLayer.
+    """
+
+    config: BertConfig
+    layer_index: int = 0
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.attention = BertSelfAttention(c, dtype=self.dtype)
+        self.attention_norm = _layer_norm(c)
+        self.ffn_in = nn.Dense(c.intermediate_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
+        self.ffn_out = nn.Dense(c.hidden_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
+        self.ffn_norm = _layer_norm(c)
+        self.drop = nn.Dropout(c.hidden_dropout)
+
+    def attention_block(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
+        h = h.astype(self.dtype)
+        a = self.drop(self.attention(h, bias, deterministic), deterministic=deterministic)
+        return self.attention_norm((a + h).astype(jnp.float32)).astype(self.dtype)
+
+    def intermediate(self, a: Array, extra: Optional[Array] = None) -> Array:
+        f = self.ffn_in(a)
+        if extra is not None:
+            f = f + extra.astype(f.dtype)
+        return ACTIVATIONS[self.config.hidden_act](f)
+
+    def ffn_output(self, f: Array, deterministic: bool = True) -> Array:
+        return self.drop(self.ffn_out(f), deterministic=deterministic)
+
+    def finish(self, y: Array, a: Array) -> Array:
+        return self.ffn_norm((y + a).astype(jnp.float32)).astype(self.dtype)
+
+    def __call__(self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None,
+                 deterministic: bool = True) -> Array:
+        a = apply_film(self.attention_block(h, bias, deterministic), hooks, self.layer_index, "in")
+        out = self.finish(self.ffn_output(self.intermediate(a), deterministic), a)
+        return apply_film(out, hooks, self.layer_index, "out")
+
+
+class VariantEncoder(nn.Module):
+    """The tree under ``params["encoder"]`` (same names and shapes as BertEncoder), exposing its
+    embeddings and :class:`BertLayerParts` layers to the model that drives them."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.embeddings = BertEmbeddings(self.config, dtype=self.dtype)
+        self.layers = [BertLayerParts(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
+                       for i in range(self.config.num_layers)]
+
+
+def make_head(config: BertConfig, task: str, num_labels: int, dtype) -> nn.Module:
+    if task == "ner":
+        return TokenClassificationHead(config, num_labels, dtype=dtype, name="head")
+    if task == "qa":
+        return QAHead(config, dtype=dtype, name="head")
+    raise ValueError(f"task must be 'ner' or 'qa', got {task!r}")
+
+
+def apply_head(head: nn.Module, task: str, h: Array, deterministic: bool) -> Array:
+    return head(h, deterministic) if task == "ner" else head(h)
+
+
+def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
+    b, t = input_ids.shape
+    if graph is None or token_node is None:
+        raise ValueError(f"method {method!r} needs graph and token_node")
+    if token_node.shape != (b, t):
+        raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# entities
+
+
+def node_entities(graph: jraph.GraphsTuple) -> Array:
+    """Entity id of every node [N] (0 = null / padding)."""
+    return graph.nodes["entity"]
+
+
+def lookup(memory: Array, entity: Array) -> Array:
+    """memory [Ne, De], entity ids [...] -> [..., De]; the null entity 0 maps to zero."""
+    return memory[entity] * (entity != 0)[..., None].astype(memory.dtype)
+
+
+def tokens_from_nodes(node_values: Array, token_node: Array, node_ok: Optional[Array] = None) -> Array:
+    """node_values [N, F], token_node [B, T] -> [B, T, F]; zero outside mentions and (with
+    ``node_ok`` [N] bool) at tokens whose node is not ok."""
+    picked = node_values[jnp.maximum(token_node, 0)]
+    keep = token_node >= 0
+    if node_ok is not None:
+        keep = keep & node_ok[jnp.maximum(token_node, 0)]
+    return picked * keep[..., None].astype(node_values.dtype)
+
+
+def token_entities(graph: jraph.GraphsTuple, token_node: Array) -> Array:
+    """Entity id of the mention at every token [B, T] (0 outside mentions / null)."""
+    ent = node_entities(graph)[jnp.maximum(token_node, 0)]
+    return jnp.where(token_node >= 0, ent, 0)
+
+
+def first_mention_tokens(token_node: Array) -> Array:
+    """bool [B, T]: the first token of every mention run (where an entity is "aligned")."""
+    prev = jnp.pad(token_node[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    return (token_node >= 0) & (token_node != prev)
+
+
+def mention_pool(h: Array, token_node: Array, num_nodes: int) -> Array:
+    """Mean of h [B, T, F] over each token's mention (the tokens pointing at its graph node),
+    at every mention token; zero elsewhere. [B, T, F]."""
+    return tokens_from_nodes(node_context(h, token_node, num_nodes), token_node)
+
+
+def masked_softmax_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
+    """q/k/v [B, T, H, Dh], visible bool [B, T, T] -> [B, T, H, Dh]; rows with nothing visible
+    give 0."""
+    scores = jnp.einsum("BTHd,BSHd->BHTS", q, k) / math.sqrt(q.shape[-1])
+    scores = jnp.where(visible[:, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1) * visible.any(-1)[:, None, :, None]
+    return jnp.einsum("BHTS,BSHd->BTHd", probs, v)

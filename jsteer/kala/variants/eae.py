@@ -1,0 +1,121 @@
+"""Entities as Experts (Févry et al., EMNLP 2020) as a KALA-harness variant.
+
+After each chosen layer l (default: after a third of the depth, as the paper's layer 4 of 12),
+every mention m (the tokens pointing at one node of the harness graph) reads the entity memory
+E [Ne, De] (``params["kala"]["memory"]``)::
+
+    q_m   = W_q mean_{t in m} h_t                       mention-pooled query     [De]
+    a_m   = softmax_k(q_m . E_k)   over k = 1..Ne-1     retrieval (null row 0 excluded)
+    r_m   = sum_k a_mk E_k                              retrieved entity         [De]
+    h_t  <- h_t + MLP(r_m)  for t in m                  added back (other tokens unchanged)
+
+The MLP is Linear-GELU-Linear with the last layer zero-initialised, so training starts from
+the plain backbone. Entity linking is supervised with the harness' own links: the auxiliary
+loss is the cross-entropy of a_m against the mention's entity id, averaged over mentions of
+known (non-null) entities (counted once, at their first token) and weighted by ``el_weight``;
+unknown (null) mentions still retrieve, from their context alone. Computed token-aligned
+([B, T, Ne] logits), so the cost does not grow with the graph's padded node count. Parameters under ``params["kala"]``: ``memory`` and
+``retrieval_<l>`` {``query``, ``mlp_in``, ``mlp_out``}.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jraph
+import optax
+
+from jsteer.backbones.base import NEG_INF
+from jsteer.backbones.bert import BertConfig, attention_bias
+from jsteer.kala.variants.common import (VariantConfig, VariantEncoder, VariantOutput, apply_head, check_inputs,
+                                         first_mention_tokens, make_head, mention_pool, node_entities,
+                                         token_entities)
+
+Array = jnp.ndarray
+
+
+class EntityRetrieval(nn.Module):
+    """One EaE memory access (see the module docstring)."""
+
+    hidden: int
+    entity_dim: int
+
+    @nn.compact
+    def __call__(self, h: Array, token_node: Array, memory: Array, num_nodes: int) -> tuple[Array, Array]:
+        """h [B, T, D], token_node [B, T], memory [Ne, De] -> (new h [B, T, D], retrieval
+        logits [B, T, Ne] with the null column at NEG_INF; equal over a mention's tokens)."""
+        query = nn.Dense(self.entity_dim, kernel_init=nn.initializers.normal(0.02), name="query")(
+            mention_pool(h, token_node, num_nodes))
+        logits = jnp.einsum("BTD,KD->BTK", query, memory)
+        logits = logits.at[..., 0].set(NEG_INF)
+        retrieved = jnp.einsum("BTK,KD->BTD", jax.nn.softmax(logits, axis=-1), memory)
+        x = nn.gelu(nn.Dense(self.hidden, kernel_init=nn.initializers.normal(0.02), name="mlp_in")(retrieved))
+        delta = nn.Dense(self.hidden, kernel_init=nn.initializers.zeros, name="mlp_out")(x)
+        return h + delta * (token_node >= 0)[..., None].astype(h.dtype), logits
+
+
+def entity_linking_loss(logits: Array, gold: Array, use: Array) -> tuple[Array, Array]:
+    """Mean cross-entropy of the retrieval at the ``use`` positions.
+
+    logits [..., Ne], gold [...] entity ids, use bool [...] -> (loss [], count [])."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, gold)
+    count = jnp.sum(use)
+    return jnp.sum(jnp.where(use, ce, 0.0)) / jnp.maximum(count, 1), count
+
+
+class EaeKnowledge(nn.Module):
+    cfg: VariantConfig
+    hidden_size: int
+    layers: tuple[int, ...]
+
+    def setup(self):
+        de = self.cfg.entity_dim or self.hidden_size
+        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.retrievals = {l: EntityRetrieval(self.hidden_size, de, name=f"retrieval_{l}") for l in self.layers}
+
+    def __call__(self, layer: int, h: Array, token_node: Array, num_nodes: int):
+        return self.retrievals[layer](h, token_node, self.memory, num_nodes)
+
+
+class EaeModel(nn.Module):
+    """BERT + EaE memory layers + task head; ``aux_loss`` = el_weight * entity-linking loss."""
+
+    config: BertConfig
+    kala: VariantConfig
+    task: str = "ner"
+    num_labels: int = 2
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
+        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
+        self.memory_layers = self.kala.knowledge_layers(self.config.num_layers)
+        self.knowledge = EaeKnowledge(self.kala, self.config.hidden_size, self.memory_layers, name="kala")
+
+    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
+                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
+                 token_node: Optional[Array] = None, deterministic: bool = True,
+                 extras: Optional[dict] = None) -> VariantOutput:
+        check_inputs("eae", input_ids, graph, token_node)
+        b, t = input_ids.shape
+        bias = attention_bias(attention_mask, None, b, t)
+        num_nodes = node_entities(graph).shape[0]
+        gold = token_entities(graph, token_node)
+        use = first_mention_tokens(token_node) & (gold != 0)
+        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
+        losses, accs = [], []
+        for i, layer in enumerate(self.encoder.layers):
+            h = layer(h, bias, None, deterministic)
+            if i in self.memory_layers:
+                h, logits = self.knowledge(i, h, token_node, num_nodes)
+                loss, count = entity_linking_loss(logits, gold, use)
+                losses.append(loss)
+                hit = (jnp.argmax(logits, -1) == gold) & use
+                accs.append(jnp.sum(hit) / jnp.maximum(count, 1))
+        el = sum(losses) / len(losses)
+        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h,
+                             aux_loss=self.kala.el_weight * el,
+                             aux={"el_loss": el, "el_accuracy": sum(accs) / len(accs)})

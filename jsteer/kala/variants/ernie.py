@@ -1,0 +1,149 @@
+"""ERNIE (Zhang et al., ACL 2019) as a KALA-harness variant: knowledgeable fusion layers.
+
+As in ERNIE, entities are aligned with tokens: the entity of a mention sits at the mention's
+first token, so the entity stream is a sequence e [B, T, De] with a mask ``ent`` [B, T] (first
+tokens of mentions of known entities). At each chosen layer l the pretrained BERT layer
+becomes an aggregator of the two streams::
+
+    w~ = LayerNorm(w + MH-ATT(w))                     BERT's own attention block     [B,T,D]
+    e~ = LayerNorm(e + MH-ATT(e))                     entity self-attention among the
+                                                      entity positions (new params)  [B,T,De]
+    h_j = act(W_t w~_j + W_e e~_j + b)   where ent_j  information fusion             [B,T,F]
+    h_j = act(W_t w~_j + b)              elsewhere    (W_t, b: BERT's ffn_in)
+    w_j' = LayerNorm(W_o h_j + w~_j)                  token output (BERT's ffn_out / ffn_norm)
+    e_j' = LayerNorm(W_eo h_j + e~_j)    where ent_j  entity output (new)
+
+With ``W_e = 0`` the token stream is exactly the plain BERT layer. Entity states start as the
+entity memory rows (``params["kala"]["memory"]``, initialised like KALA's from the backbone's
+contextual features; ERNIE used TransE vectors) and flow from one fusion layer to the next
+(unchanged in between). Null (unknown) entities are not aligned.
+
+Parameters under ``params["kala"]``: ``memory`` [Ne, De] and per fusion layer ``fusion_<l>``
+{``entity_attention`` {qkv, out, norm}, ``ent_in`` (W_e [De, F]), ``ent_out`` (W_eo [F, De]),
+``ent_out_norm``}.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+import jraph
+
+from jsteer.backbones.bert import BertConfig, attention_bias
+from jsteer.kala.variants.common import (VariantConfig, VariantEncoder, VariantOutput, apply_head, check_inputs,
+                                         first_mention_tokens, make_head, masked_softmax_attention,
+                                         token_entities)
+
+Array = jnp.ndarray
+
+
+class EntitySelfAttention(nn.Module):
+    """Multi-head self-attention among entity positions + residual + LayerNorm.
+
+    x [B, T, De], visible bool [B, T, T] -> [B, T, De].
+    """
+
+    dim: int
+    heads: int
+    dropout: float = 0.1
+
+    @nn.compact
+    def __call__(self, x: Array, visible: Array, deterministic: bool = True) -> Array:
+        if self.dim % self.heads:
+            raise ValueError(f"ERNIE entity width {self.dim} is not a multiple of entity_heads {self.heads}")
+        qkv = nn.DenseGeneral((3, self.heads, self.dim // self.heads), name="qkv")(x)  # [B, T, 3, H, Dh]
+        ctx = masked_softmax_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], visible)
+        out = nn.DenseGeneral(self.dim, axis=(-2, -1), name="out")(ctx)
+        out = nn.Dropout(self.dropout)(out, deterministic=deterministic)
+        return nn.LayerNorm(name="norm")(x + out)
+
+
+class FusionLayer(nn.Module):
+    """The entity side of one ERNIE aggregator (the token side is the BERT layer's own)."""
+
+    intermediate: int
+    entity_dim: int
+    heads: int
+    dropout: float = 0.1
+
+    def setup(self):
+        self.entity_attention = EntitySelfAttention(self.entity_dim, self.heads, self.dropout)
+        self.ent_in = nn.Dense(self.intermediate, use_bias=False, kernel_init=nn.initializers.normal(0.02))
+        self.ent_out = nn.Dense(self.entity_dim, kernel_init=nn.initializers.normal(0.02))
+        self.ent_out_norm = nn.LayerNorm()
+        self.drop = nn.Dropout(self.dropout)
+
+    def attend(self, e: Array, ent: Array, deterministic: bool = True) -> Array:
+        """e [B, T, De], ent bool [B, T] -> e~ [B, T, De] (zero where not ent)."""
+        visible = ent[:, :, None] & ent[:, None, :]
+        return self.entity_attention(e, visible, deterministic) * ent[..., None]
+
+    def fuse(self, e_tilde: Array, ent: Array) -> Array:
+        """W_e e~_j at entity positions, zero elsewhere: [B, T, F]."""
+        return self.ent_in(e_tilde) * ent[..., None]
+
+    def entity_output(self, f: Array, e_tilde: Array, ent: Array, deterministic: bool = True) -> Array:
+        """f [B, T, F] fused hidden h, e~ [B, T, De] -> e' [B, T, De] (zero where not ent)."""
+        y = self.drop(self.ent_out(f), deterministic=deterministic)
+        return self.ent_out_norm(y + e_tilde) * ent[..., None]
+
+
+class ErnieKnowledge(nn.Module):
+    """Entity memory + one :class:`FusionLayer` per chosen layer (the ``"kala"`` subtree)."""
+
+    cfg: VariantConfig
+    hidden_size: int
+    intermediate_size: int
+    layers: tuple[int, ...]
+
+    def setup(self):
+        de = self.cfg.entity_dim or self.hidden_size
+        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.fusions = {l: FusionLayer(self.intermediate_size, de, self.cfg.entity_heads, self.cfg.dropout,
+                                       name=f"fusion_{l}") for l in self.layers}
+
+    def initial_entities(self, entity: Array, ent: Array) -> Array:
+        """entity ids [B, T], ent mask [B, T] -> memory rows [B, T, De] (zero where not ent)."""
+        return self.memory[entity] * ent[..., None].astype(self.memory.dtype)
+
+
+class ErnieModel(nn.Module):
+    """BERT + ERNIE fusion at ``kala.knowledge_layers`` + task head (see the module docstring)."""
+
+    config: BertConfig
+    kala: VariantConfig
+    task: str = "ner"
+    num_labels: int = 2
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
+        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
+        self.fusion_layers = self.kala.knowledge_layers(self.config.num_layers)
+        self.knowledge = ErnieKnowledge(self.kala, self.config.hidden_size, self.config.intermediate_size,
+                                        self.fusion_layers, name="kala")
+
+    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
+                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
+                 token_node: Optional[Array] = None, deterministic: bool = True,
+                 extras: Optional[dict] = None) -> VariantOutput:
+        check_inputs("ernie", input_ids, graph, token_node)
+        b, t = input_ids.shape
+        bias = attention_bias(attention_mask, None, b, t)
+        entity = token_entities(graph, token_node)
+        ent = first_mention_tokens(token_node) & (entity != 0)
+        e = self.knowledge.initial_entities(entity, ent)
+        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
+        for i, layer in enumerate(self.encoder.layers):
+            if i not in self.fusion_layers:
+                h = layer(h, bias, None, deterministic)
+                continue
+            fusion = self.knowledge.fusions[i]
+            a = layer.attention_block(h, bias, deterministic)
+            e_tilde = fusion.attend(e, ent, deterministic)
+            f = layer.intermediate(a, fusion.fuse(e_tilde, ent))
+            h = layer.finish(layer.ffn_output(f, deterministic), a)
+            e = fusion.entity_output(f, e_tilde, ent, deterministic)
+        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h)

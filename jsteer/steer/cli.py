@@ -1,0 +1,272 @@
+"""``jsteer steer``: train, generate, highlight, explain, transfer.
+
+    jsteer steer train --model smollm2-135m --data ../shared/data/sst5/train.jsonl --out steers/sentiment
+    jsteer steer generate --model smollm2-135m --steer steers/sentiment --value 5 "The movie was"
+    jsteer steer generate ... --steer steers/sentiment --value 5 --steer steers/detox --value 3 "..."
+    jsteer steer highlight --model smollm2-135m --steer steers/sentiment --value 5 "text to explain"
+    jsteer steer explain --model smollm2-135m --steer steers/sentiment [--dirs 5 --top 10]
+    jsteer steer transfer --steer steers/sentiment --from smollm2-135m --to OTHER --out steers/sent-other
+
+``--value`` is in units of the artifact's eps0 (the original's ``--steer_values``); the
+domain-shift ("dummy") steer is kept at ``--dummy`` (default 1) for every artifact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    top = subparsers.add_parser("steer", help="LM-Steer: train, generate, highlight, explain, transfer",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="steer_command", required=True)
+
+    p = sub.add_parser("train", help="train a steer on labeled texts (frozen model, cached hidden states)")
+    p.add_argument("--model", required=True, help="decoder: embedded name, HF folder, .gguf or jsteer checkpoint")
+    p.add_argument("--data", required=True, help="labeled texts: SST-5 .jsonl, Jigsaw .csv, or {text,label} .jsonl")
+    p.add_argument("--format", default="auto", choices=("auto", "sst5", "jigsaw", "jsonl"))
+    p.add_argument("--out", required=True, help="artifact folder to write")
+    p.add_argument("--name", default="steer0", help="name of the trained steer (recorded in the artifact)")
+    p.add_argument("--rank", type=int, default=1000, help="rank of W = P1 P2^T (default 1000)")
+    p.add_argument("--full-rank", action="store_true", help="train a full d x d W instead")
+    p.add_argument("--baseline", choices=("blacklist", "offset"), default=None,
+                   help="train a baseline instead: soft word blacklist (logit offset) or context-vector offset")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--eps0", type=float, default=1e-3)
+    p.add_argument("--init-scale", type=float, default=1e-3)
+    p.add_argument("--l2", type=float, default=0.0, help="L2 penalty weight on the steer params")
+    p.add_argument("--no-dummy", action="store_true", help="no domain-shift steer")
+    p.add_argument("--max-len", type=int, default=128, help="tokens kept per text")
+    p.add_argument("--limit", type=int, default=None, help="class-balanced random subset of this many texts")
+    p.add_argument("--cache", default=None, help=".npz file to keep / reuse the cached hidden states")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("generate", help="generate with one or more steers at given strengths")
+    p.add_argument("prompts", nargs="+")
+    _model_steers(p)
+    p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("highlight", help="per-token log P_steered - log P_reference and the best span (<= 5 tokens)")
+    p.add_argument("texts", nargs="+")
+    _model_steers(p)
+    p.add_argument("--max-span", type=int, default=5)
+    p.add_argument("--against", choices=("opposite", "dummy", "base"), default="opposite",
+                   help="reference distribution: the steer at -value (default; cancels what both signs share), "
+                        "only the domain-shift steer on, or the unsteered model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_highlight)
+
+    p = sub.add_parser("explain", help="SVD of W: top / bottom tokens of the leading directions")
+    p.add_argument("--model", required=True)
+    p.add_argument("--steer", required=True)
+    p.add_argument("--index", type=int, default=0, help="which steer in the artifact (default 0)")
+    p.add_argument("--dirs", type=int, default=5)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_explain)
+
+    p = sub.add_parser("transfer", help="map a steer onto another model through shared anchor tokens")
+    p.add_argument("--steer", required=True, help="artifact trained on --from")
+    p.add_argument("--from", dest="src", required=True, help="the model the steer was trained on")
+    p.add_argument("--to", dest="dst", required=True, help="the target model")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-anchors", type=int, default=None, help="use at most this many shared tokens")
+    p.add_argument("--ridge", type=float, default=0.0)
+    p.set_defaults(func=_transfer)
+
+
+def _model_steers(p) -> None:
+    p.add_argument("--model", required=True)
+    p.add_argument("--steer", action="append", required=True, help="artifact folder (repeat to compose)")
+    p.add_argument("--value", action="append", type=float, default=None,
+                   help="strength of each --steer in units of eps0 (repeat in the same order; default 5)")
+    p.add_argument("--dummy", type=float, default=1.0, help="value of each artifact's domain-shift steer")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _load_model(src: str):
+    import jsteer
+
+    lm = jsteer.load(src)
+    if not lm.is_decoder:
+        raise ValueError(f"{src}: LM-Steer needs a decoder model, got family {lm.family!r}")
+    return lm
+
+
+def load_steers(lm, paths, values, dummy: float = 1.0):
+    """Load artifacts for ``lm`` and stack them: -> (params, eps [S], metas)."""
+    import numpy as np
+
+    from jsteer.steer import artifact, head
+
+    if values is None:
+        values = [5.0] * len(paths)
+    if len(values) != len(paths):
+        raise ValueError(f"{len(paths)} --steer artifacts but {len(values)} --value strengths")
+    plist, eps, metas = [], [], []
+    for path, v in zip(paths, values):
+        params, meta = artifact.load(path, model_identity=lm.identity)
+        if meta["kind"] not in ("lowrank", "full"):
+            raise ValueError(f"{path}: a {meta['kind']} baseline cannot be applied through the steer hook")
+        n_user = head.num_steers(params) - int(meta["dummy"])
+        vals = [v] + [0.0] * (n_user - 1) + ([dummy] if meta["dummy"] else [])
+        plist.append(params)
+        eps.extend(np.asarray(vals, np.float32) * meta["eps0"])
+        metas.append(meta)
+    return head.stack(plist), np.asarray(eps, np.float32), metas
+
+
+# ----------------------------------------------------------------------------- verbs
+
+
+def _train(args) -> int:
+    import os
+
+    import numpy as np
+
+    from jsteer.steer import artifact, train
+
+    lm = _load_model(args.model)
+    kind = args.baseline or "steer"
+    cfg = train.TrainConfig(rank=None if args.full_rank else args.rank, init_scale=args.init_scale, eps0=args.eps0,
+                            lr=args.lr, steps=args.steps, batch_size=args.batch_size, l2=args.l2,
+                            dummy=not args.no_dummy, seed=args.seed, kind=kind)
+    t0 = time.time()
+    if args.cache and os.path.exists(args.cache):
+        cache = train.HiddenCache.load(args.cache)
+        print(f"reusing cached hidden states {args.cache} ({cache.num_texts} texts, {cache.num_tokens} tokens)")
+    else:
+        texts, values = train.load_labeled(args.data, args.format, limit=args.limit, seed=args.seed)
+        print(f"{len(texts)} texts ({int((values > 0).sum())} positive, {int((values < 0).sum())} negative)")
+        cache = train.cache_lm(lm, texts, values, max_len=args.max_len, progress=True)
+        if args.cache:
+            cache.save(args.cache)
+    t1 = time.time()
+    emb = np.asarray(lm.output_embeddings(), np.float32)
+    params, hist = train.train(cache, emb, cfg, progress=True)
+    t2 = time.time()
+    artifact.save(args.out, params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
+                  eps0=cfg.eps0, dummy=cfg.dummy, steer_names=[args.name],
+                  extra={"data": args.data, "steps": cfg.steps, "rank": cfg.rank, "lr": cfg.lr, "l2": cfg.l2,
+                         "batch_size": cfg.batch_size, "init_scale": cfg.init_scale,
+                         "final_loss": hist["final_loss"], "texts": cache.num_texts,
+                         "tokens": cache.num_tokens})
+    print(f"cached hidden states in {t1 - t0:.1f}s; trained {cfg.steps} steps in {t2 - t1:.1f}s "
+          f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _generate(args) -> int:
+    import jax.numpy as jnp
+
+    from jsteer.hooks import Hooks
+    from jsteer.steer import head
+
+    lm = _load_model(args.model)
+    params, eps, _ = load_steers(lm, args.steer, args.value, args.dummy)
+    prompts = [p for p in args.prompts for _ in range(args.samples)]
+    hooks = Hooks(steer=head.to_steer({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(eps)))
+    outs = lm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, hooks=hooks)
+    for p, o in zip(prompts, outs):
+        print(json.dumps({"prompt": p, "continuation": o}) if args.json else f"{p}{o}")
+    return 0
+
+
+def _highlight(args) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jsteer.steer import highlight
+
+    lm = _load_model(args.model)
+    params, eps, _ = load_steers(lm, args.steer, args.value, args.dummy)
+    values = args.value if args.value is not None else [5.0] * len(args.steer)
+    if args.against == "opposite":
+        _, base_eps, _ = load_steers(lm, args.steer, [-v for v in values], args.dummy)
+    else:
+        _, base_eps, _ = load_steers(lm, args.steer, [0.0] * len(args.steer),
+                                     args.dummy if args.against == "dummy" else 0.0)
+    emb = lm.output_embeddings()
+    jp = {k: jnp.asarray(v) for k, v in params.items()}
+    for text in args.texts:
+        ids = lm.tokenizer.encode(text)
+        if len(ids) < 2:
+            raise ValueError(f"text {text!r} has fewer than 2 tokens: nothing to score")
+        out = lm.forward(jnp.asarray([ids]))
+        scores, (s, e, tot) = highlight.highlight(jp, out.hidden[:, :-1], emb, jnp.asarray([ids[1:]]),
+                                                  jnp.asarray(eps), max_len=args.max_span,
+                                                  eps_base=jnp.asarray(base_eps))
+        toks = [lm.tokenizer.decode([i], skip_special_tokens=False) for i in ids[1:]]
+        s, e = int(s[0]), int(e[0])
+        span = lm.tokenizer.decode(ids[1 + s:1 + e])
+        if args.json:
+            print(json.dumps({"text": text, "tokens": toks, "scores": np.asarray(scores[0]).round(4).tolist(),
+                              "span": [s + 1, e + 1], "span_text": span, "span_score": float(tot[0])}))
+        else:
+            marked = "".join(f"[{t}]" if s <= i < e else t for i, t in enumerate(toks))
+            print(f"{lm.tokenizer.decode(ids[:1])}{marked}\n  best span: {span!r} (score {float(tot[0]):.3f})")
+    return 0
+
+
+def _explain(args) -> int:
+    import numpy as np
+
+    from jsteer.steer import artifact, interpret
+
+    lm = _load_model(args.model)
+    params, meta = artifact.load(args.steer, model_identity=lm.identity)
+    emb = np.asarray(lm.output_embeddings(), np.float32)
+    dec = lambda i: lm.tokenizer.id_to_token(i)
+    res = interpret.explain(params, emb, steer=args.index, n_dirs=args.dirs, top=args.top, decode=dec)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    for d in res:
+        print(f"direction {d['index']} (singular value {d['singular_value']:.3g})")
+        print("  +: " + " ".join(t for t, _ in d["top"]))
+        print("  -: " + " ".join(t for t, _ in d["bottom"]))
+    return 0
+
+
+def _transfer(args) -> int:
+    import numpy as np
+
+    from jsteer.steer import artifact, transfer
+
+    src, dst = _load_model(args.src), _load_model(args.dst)
+    params, meta = artifact.load(args.steer, model_identity=src.identity)
+    ids_a, ids_b = transfer.shared_anchors(src.tokenizer.backend.get_vocab(), dst.tokenizer.backend.get_vocab(),
+                                           args.max_anchors)
+    ea, eb = np.asarray(src.output_embeddings()), np.asarray(dst.output_embeddings())
+    hm = transfer.fit_map(ea, eb, ids_a, ids_b, ridge=args.ridge)
+    err = transfer.anchor_fit_error(ea, eb, ids_a, ids_b, hm)
+    new = transfer.transfer(params, hm)
+    artifact.save(args.out, new, base_model=dst.identity, hidden_size=eb.shape[1], vocab_size=eb.shape[0],
+                  eps0=meta["eps0"], dummy=meta["dummy"], steer_names=meta["steer_names"],
+                  transferred_from=meta["base_model"],
+                  extra=dict(meta.get("train", {}), transfer={"anchors": int(len(ids_a)), "fit_error": err}))
+    print(f"{len(ids_a)} shared anchor tokens; relative fit error {err:.4f}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from jsteer.cli import main
+
+    sys.exit(main(["steer"] + sys.argv[1:]))

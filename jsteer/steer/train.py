@@ -1,0 +1,391 @@
+"""Training a steer on a frozen decoder.
+
+Objective (the original's): next-token cross-entropy of labeled texts under the steered head
+logits = (c + sum_i eps_i W_i c) E^T, where a text with label y_i in {+1, -1} for steer i
+uses eps_i = y_i * eps0, and one extra "dummy" steer (the last one) is fixed at +1 * eps0 for
+every text so that it absorbs the shift from the LM's domain to the training domain and
+the labeled steer only has to learn the *difference* between the classes.
+
+The backbone is frozen, so the final hidden states c (the unsteered final-norm output,
+``ModelOutput.hidden``) never change: :func:`cache_hidden` computes them once for every
+training token and training steps only run the head (one [N, D] x [D, V] product and its
+backward). :func:`forward_loss_fn` is the original's alternative (full forward every step),
+kept for the speed comparison in experiments/bench_steer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jsteer.steer import head
+
+Array = jnp.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Paper defaults (Han et al.; the original's sentiment / detox runs), all overridable."""
+
+    rank: Optional[int] = 1000      # None = full-rank W
+    init_scale: float = 1e-3
+    eps0: float = 1e-3
+    lr: float = 1e-2
+    steps: int = 1000
+    batch_size: int = 32            # texts per step
+    l2: float = 0.0                 # weight of sum ||P||^2 (original's --regularization)
+    dummy: bool = True
+    seed: int = 0
+    kind: str = "steer"             # "steer" | "blacklist" | "offset" (baselines)
+    tokens_per_batch: Optional[int] = None  # static token budget per step; None: from data
+    log_every: int = 50
+
+
+# ----------------------------------------------------------------------------- data
+
+
+SST5_POSITIVE = ("3", "4")
+SST5_NEGATIVE = ("0", "1")
+
+
+def load_labeled(path: str, fmt: str = "auto", limit: Optional[int] = None,
+                 seed: int = 0) -> Tuple[List[str], np.ndarray]:
+    """Labeled texts -> (texts, values [N] float32 in {+1, -1}).
+
+    fmt: "sst5" (JSON lines ``{sentence, label}``, labels 3-4 -> +1, 0-1 -> -1, 2 dropped),
+    "jigsaw" (CSV ``text,label`` no header, 0 non-toxic -> +1, 1 toxic -> -1),
+    "jsonl" (``{text, label}`` with label +1/-1 or 1/0), or "auto" (by extension / content).
+    ``limit`` keeps a class-balanced random subset. Empty files raise a clear error.
+    """
+    from jsteer.data import readers
+
+    if fmt == "auto":
+        fmt = "jigsaw" if path.endswith(".csv") else "sst5"
+        if fmt == "sst5":
+            first = readers.read_text(path).split("\n", 1)[0]
+            if '"sentence"' not in first:
+                fmt = "jsonl"
+    if fmt == "sst5":
+        recs = readers.read_jsonl_labeled(path, text_field="sentence", label_field="label",
+                                          label_set=("0", "1", "2", "3", "4"))
+        pairs = [(r.text, 1.0 if r.label in SST5_POSITIVE else -1.0) for r in recs
+                 if r.label in SST5_POSITIVE + SST5_NEGATIVE]
+    elif fmt == "jigsaw":
+        recs = readers.read_csv_labeled(path, text_column=0, label_column=1, label_set=("0", "1"))
+        pairs = [(r.text, 1.0 if r.label == "0" else -1.0) for r in recs]
+    elif fmt == "jsonl":
+        recs = readers.read_jsonl_labeled(path, text_field="text", label_field="label",
+                                          label_set=("1", "-1", "0", "+1"))
+        pairs = [(r.text, -1.0 if r.label in ("-1", "0") else 1.0) for r in recs]
+    else:
+        raise ValueError(f"unknown labeled-data format {fmt!r}: use sst5, jigsaw, jsonl or auto")
+    if not pairs:
+        raise ValueError(f"{path}: no usable labeled texts (after dropping neutral labels)")
+    texts = [t for t, _ in pairs]
+    values = np.asarray([v for _, v in pairs], np.float32)
+    if limit is not None and limit < len(texts):
+        rng = np.random.default_rng(seed)
+        pos, neg = np.flatnonzero(values > 0), np.flatnonzero(values < 0)
+        npos = min(len(pos), limit // 2)
+        keep = np.concatenate([rng.choice(pos, npos, replace=False),
+                               rng.choice(neg, min(len(neg), limit - npos), replace=False)])
+        keep = np.sort(keep)
+        texts, values = [texts[i] for i in keep], values[keep]
+    if (values > 0).all() or (values < 0).all():
+        raise ValueError(f"{path}: training a steer needs both positive and negative texts, "
+                         f"got {int((values > 0).sum())} positive / {int((values < 0).sum())} negative")
+    return texts, values
+
+
+# ----------------------------------------------------------------------------- hidden cache
+
+
+@dataclasses.dataclass
+class HiddenCache:
+    """Final hidden states of every training token, packed (no padding).
+
+    hidden [N_tok, D] (position t, predicting targets[t] = token t+1), targets [N_tok] int32,
+    seq [N_tok] int32 (text index), values [N_seq, S_user] float32 steer values per text,
+    offsets [N_seq + 1] (text i owns rows offsets[i]:offsets[i+1]).
+    """
+
+    hidden: np.ndarray
+    targets: np.ndarray
+    seq: np.ndarray
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_texts(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.targets.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.hidden, self.targets, self.seq, self.values, self.offsets))
+
+    def subset(self, texts: np.ndarray) -> "HiddenCache":
+        """The cache restricted to the given text indices (e.g. one class)."""
+        texts = np.asarray(texts)
+        counts = np.diff(self.offsets)[texts]
+        rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in texts])
+        return HiddenCache(hidden=self.hidden[rows], targets=self.targets[rows],
+                           seq=np.repeat(np.arange(len(texts), dtype=np.int32), counts),
+                           values=self.values[texts], offsets=np.concatenate([[0], np.cumsum(counts)]))
+
+    def save(self, path: str) -> None:
+        np.savez(path, hidden=self.hidden, targets=self.targets, seq=self.seq, values=self.values,
+                 offsets=self.offsets)
+
+    @classmethod
+    def load(cls, path: str) -> "HiddenCache":
+        z = np.load(path)
+        return cls(**{k: z[k] for k in ("hidden", "targets", "seq", "values", "offsets")})
+
+
+def cache_hidden(hidden_fn: Callable[[Array, Array], Array], encodings: Sequence[Sequence[int]],
+                 values: np.ndarray, batch_size: int = 16, pad_id: int = 0, bucket: int = 16,
+                 dtype=np.float32, progress: bool = False) -> HiddenCache:
+    """Run the frozen backbone once over every text; keep each token's final hidden state.
+
+    hidden_fn(ids [b, T], mask [b, T]) -> [b, T, D] unsteered final hidden states (right
+    padding). encodings: token ids per text (each >= 2 tokens: a text needs a next-token
+    target). values: [N] or [N, S_user] steer values (+1 / -1) per text. Texts are batched
+    in length order with T rounded up to a multiple of ``bucket`` (few compiled shapes, little
+    padding); the cache keeps the original text order.
+    """
+    values = np.asarray(values, np.float32)
+    if values.ndim == 1:
+        values = values[:, None]
+    n = len(encodings)
+    if n == 0:
+        raise ValueError("cache_hidden: no training texts")
+    if values.shape[0] != n:
+        raise ValueError(f"cache_hidden: {n} texts but {values.shape[0]} label rows")
+    lens = np.asarray([len(e) for e in encodings])
+    if (lens < 2).any():
+        bad = int(np.flatnonzero(lens < 2)[0])
+        raise ValueError(f"cache_hidden: text {bad} has {int(lens[bad])} token(s); a text needs >= 2")
+    order = np.argsort(lens, kind="stable")
+    per_text: List[Optional[np.ndarray]] = [None] * n
+    t0 = time.time()
+    n_batches = (n + batch_size - 1) // batch_size
+    for b in range(n_batches):
+        idx = order[b * batch_size:(b + 1) * batch_size]
+        t = int(-(-lens[idx].max() // bucket) * bucket)
+        ids = np.full((batch_size, t), pad_id, np.int32)
+        mask = np.zeros((batch_size, t), np.int32)
+        for r, i in enumerate(idx):
+            ids[r, :lens[i]] = encodings[i]
+            mask[r, :lens[i]] = 1
+        ids[len(idx):], mask[len(idx):] = ids[0], mask[0]  # filler rows keep one compiled shape
+        h = np.asarray(hidden_fn(jnp.asarray(ids), jnp.asarray(mask)))
+        for r, i in enumerate(idx):
+            per_text[i] = h[r, :lens[i] - 1].astype(dtype)
+        if progress and (b % 20 == 0 or b == n_batches - 1):
+            print(f"  cached {min(n, (b + 1) * batch_size)}/{n} texts ({time.time() - t0:.0f}s)", flush=True)
+    counts = lens - 1
+    return HiddenCache(
+        hidden=np.concatenate(per_text),
+        targets=np.concatenate([np.asarray(e[1:], np.int32) for e in encodings]),
+        seq=np.repeat(np.arange(n, dtype=np.int32), counts),
+        values=values, offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+
+
+def encode_texts(tokenizer, texts: Sequence[str], values: np.ndarray, max_len: int = 128):
+    """Tokenize; drop texts shorter than 2 tokens. -> (encodings, values, n_dropped)."""
+    values = np.asarray(values, np.float32)
+    encs = [e[:max_len] for e in (tokenizer.encode(t) for t in texts)]
+    keep = [i for i, e in enumerate(encs) if len(e) >= 2]
+    return [encs[i] for i in keep], values[keep], len(texts) - len(keep)
+
+
+def cache_lm(lm, texts: Sequence[str], values: np.ndarray, max_len: int = 128, batch_size: int = 16,
+             progress: bool = False) -> HiddenCache:
+    """:func:`cache_hidden` for a ``jsteer.io.LM`` (final-norm output of ``lm.forward``)."""
+    encs, values, dropped = encode_texts(lm.tokenizer, texts, values, max_len)
+    if not encs:
+        raise ValueError(f"none of the {len(texts)} training texts has 2 or more tokens")
+    if progress and dropped:
+        print(f"  dropped {dropped} texts shorter than 2 tokens")
+    pad = lm.tokenizer.pad_id if lm.tokenizer.pad_id is not None else 0
+    return cache_hidden(lambda i, m: lm.forward(i, m).hidden, encs, values, batch_size=batch_size,
+                        pad_id=pad, progress=progress)
+
+
+def sample_batch(cache: HiddenCache, rng: np.random.Generator, batch_size: int, budget: int) -> dict:
+    """``batch_size`` random texts packed into ``budget`` token rows (static shape).
+
+    Rows beyond the budget are dropped (the texts' tails); unused rows get weight 0.
+    Returns numpy {"hidden" [budget, D], "targets" [budget], "values" [budget, S_user], "weight" [budget]}.
+    """
+    pick = rng.choice(cache.num_texts, size=min(batch_size, cache.num_texts), replace=False)
+    rows = np.concatenate([np.arange(cache.offsets[i], cache.offsets[i + 1]) for i in pick])[:budget]
+    n = rows.shape[0]
+    pad = budget - n
+    rows = np.concatenate([rows, np.zeros(pad, rows.dtype)])
+    weight = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
+    return {"hidden": cache.hidden[rows].astype(np.float32), "targets": cache.targets[rows],
+            "values": cache.values[cache.seq[rows]], "weight": weight}
+
+
+def default_budget(cache: HiddenCache, batch_size: int) -> int:
+    """Token rows per step: batch_size x the 90th-percentile text length, rounded up to 64."""
+    lens = np.diff(cache.offsets)
+    b = int(np.ceil(batch_size * np.percentile(lens, 90) / 64.0) * 64)
+    return max(64, min(b, int(np.sort(lens)[-batch_size:].sum())))
+
+
+# ----------------------------------------------------------------------------- objective
+
+
+def step_eps(values: Array, eps0: float, dummy: bool) -> Array:
+    """Per-row steer values [N, S_user] -> eps [N, S_user + dummy]."""
+    if dummy:
+        values = jnp.concatenate([values, jnp.ones(values.shape[:-1] + (1,), values.dtype)], -1)
+    return values * eps0
+
+
+def nll(params: head.Params, hidden: Array, targets: Array, weight: Array, eps: Array,
+        embedding: Array) -> Array:
+    """Weighted mean next-token cross-entropy of steered logits; hidden [N, D], eps [N, S]."""
+    logits = head.apply(params, hidden, embedding, eps)  # [N, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return jnp.sum((lse - tgt) * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
+def cached_loss_fn(embedding: Array, cfg: TrainConfig):
+    """loss_fn(params, batch, rng) -> (loss, aux) on a batch from :func:`sample_batch`."""
+    embedding = jnp.asarray(embedding)
+
+    def loss_fn(params, batch, rng=None):
+        eps = step_eps(batch["values"], cfg.eps0, cfg.dummy)
+        ce = nll(params, batch["hidden"], batch["targets"], batch["weight"], eps, embedding)
+        loss = ce + cfg.l2 * head.l2(params) if cfg.l2 else ce
+        return loss, {"ce": ce}
+
+    return loss_fn
+
+
+def forward_loss_fn(hidden_fn: Callable[[Array, Array], Array], embedding: Array, cfg: TrainConfig):
+    """The original's per-step cost: run the frozen backbone on every batch.
+
+    batch: {"ids" [B, T], "mask" [B, T] right-padded, "values" [B, S_user]}.
+    """
+    embedding = jnp.asarray(embedding)
+
+    def loss_fn(params, batch, rng=None):
+        h = jax.lax.stop_gradient(hidden_fn(batch["ids"], batch["mask"]))  # [B, T, D]
+        b, t, d = h.shape
+        eps = step_eps(batch["values"], cfg.eps0, cfg.dummy)  # [B, S]
+        eps_tok = jnp.broadcast_to(eps[:, None, :], (b, t - 1, eps.shape[-1])).reshape(-1, eps.shape[-1])
+        weight = (batch["mask"][:, 1:] * batch["mask"][:, :-1]).reshape(-1).astype(jnp.float32)
+        ce = nll(params, h[:, :-1].reshape(-1, d), batch["ids"][:, 1:].reshape(-1), weight, eps_tok, embedding)
+        loss = ce + cfg.l2 * head.l2(params) if cfg.l2 else ce
+        return loss, {"ce": ce}
+
+    return loss_fn
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def init_params(cfg: TrainConfig, hidden_dim: int, vocab_size: int, num_user_steers: int = 1) -> dict:
+    key = jax.random.PRNGKey(cfg.seed)
+    s = num_user_steers + int(cfg.dummy)
+    if cfg.kind == "steer":
+        return head.init(key, hidden_dim, s, rank=cfg.rank, scale=cfg.init_scale)
+    if cfg.kind == "blacklist":
+        return head.init_blacklist(key, vocab_size, s, scale=cfg.init_scale)
+    if cfg.kind == "offset":
+        return head.init_offset(key, hidden_dim, s, scale=cfg.init_scale)
+    raise ValueError(f"unknown steer kind {cfg.kind!r}: use steer, blacklist or offset")
+
+
+def make_step(loss_fn, optimizer):
+    @jax.jit
+    def step(params, opt_state, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, aux
+
+    return step
+
+
+def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainConfig(),
+          params: Optional[dict] = None, progress: bool = False) -> Tuple[dict, dict]:
+    """Train steer params on cached hidden states (small optax Adam loop).
+
+    Returns (params, history) with history {"step": [...], "loss": [...], "seconds": float,
+    "steps_per_s": float, "tokens_per_batch": int}.
+    """
+    if cache.num_texts == 0:
+        raise ValueError("no training texts in the hidden cache")
+    v, d = embedding.shape
+    if cache.hidden.shape[1] != d:
+        raise ValueError(f"cached hidden size {cache.hidden.shape[1]} != embedding hidden size {d}")
+    if params is None:
+        params = init_params(cfg, d, v, cache.values.shape[1])
+    budget = cfg.tokens_per_batch or default_budget(cache, cfg.batch_size)
+    opt = optax.adam(cfg.lr)
+    opt_state = opt.init(params)
+    step = make_step(cached_loss_fn(embedding, cfg), opt)
+    rng = np.random.default_rng(cfg.seed)
+    hist: Dict[str, list] = {"step": [], "loss": []}
+    t0 = None
+    running = None
+    for i in range(cfg.steps):
+        batch = sample_batch(cache, rng, cfg.batch_size, budget)
+        params, opt_state, loss, _ = step(params, opt_state, batch)
+        if i == 0:
+            jax.block_until_ready(loss)
+            t0 = time.time()  # exclude compilation
+        lv = float(loss) if (i % cfg.log_every == 0 or i == cfg.steps - 1) else None
+        if lv is not None:
+            running = lv
+            hist["step"].append(i)
+            hist["loss"].append(lv)
+            if progress:
+                print(f"  step {i}: loss {lv:.4f}", flush=True)
+    jax.block_until_ready(params)
+    secs = time.time() - t0 if t0 is not None else 0.0
+    hist["seconds"] = secs
+    hist["steps_per_s"] = (cfg.steps - 1) / secs if cfg.steps > 1 and secs > 0 else float("nan")
+    hist["tokens_per_batch"] = budget
+    hist["final_loss"] = running
+    return params, hist
+
+
+def eval_nll(params: dict, cache: HiddenCache, embedding: np.ndarray, values: Sequence[float],
+             eps0: float = 1e-3, dummy: bool = True, chunk: int = 1024) -> float:
+    """Mean per-token NLL of every cached token under fixed steer values (e.g. [+1] or [-1])."""
+    emb = jnp.asarray(embedding)
+    eps = head.make_eps(values, eps0, dummy)
+
+    @jax.jit
+    def f(h, t, w):
+        e = jnp.broadcast_to(eps, (h.shape[0], eps.shape[-1]))
+        return nll(params, h, t, w, e, emb) * jnp.sum(w)
+
+    tot, n = 0.0, 0
+    for s in range(0, cache.num_tokens, chunk):
+        h = cache.hidden[s:s + chunk].astype(np.float32)
+        t = cache.targets[s:s + chunk]
+        w = np.ones(len(t), np.float32)
+        if len(t) < chunk:
+            pad = chunk - len(t)
+            h = np.concatenate([h, np.zeros((pad, h.shape[1]), np.float32)])
+            t = np.concatenate([t, np.zeros(pad, t.dtype)])
+            w = np.concatenate([w, np.zeros(pad, np.float32)])
+        tot += float(f(h, t, w))
+        n += int(min(chunk, cache.num_tokens - s))
+    return tot / n

@@ -1,0 +1,29 @@
+"""jsteer.train: one training engine for every method.
+
+A method supplies ``loss_fn(params, batch, rng) -> (loss, aux)``, its initial params and an
+:class:`OptimizerConfig` naming its parameter groups; :class:`Trainer` does the rest
+(sharding over a device mesh, bf16 compute with fp32 masters, Orbax checkpoints with exact
+resume, progress bar, JSONL metrics, periodic evaluation, SIGTERM-safe saving).
+"""
+
+from jsteer.train.checkpoint import Checkpointer
+from jsteer.train.loop import FitResult, Trainer
+from jsteer.train.optim import OptimizerConfig, combine, make_optimizer, make_schedule, partition, resolve_labels
+from jsteer.train.step import TrainState, cast_floating, data_mesh, global_batch, make_train_step
+
+__all__ = [
+    "Checkpointer",
+    "FitResult",
+    "OptimizerConfig",
+    "TrainState",
+    "Trainer",
+    "cast_floating",
+    "combine",
+    "data_mesh",
+    "global_batch",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+    "partition",
+    "resolve_labels",
+]

@@ -1,0 +1,406 @@
+"""The Trainer: one loop for every jsteer method.
+
+A method supplies ``loss_fn(params, batch, rng) -> (loss, aux)`` (aux: dict of scalars),
+the initial params pytree and an :class:`~jsteer.train.optim.OptimizerConfig` whose
+``labels`` / ``learning_rate`` name the trainable groups (``None`` lr = frozen)::
+
+    trainer = Trainer(loss_fn, params, OptimizerConfig(learning_rate=1e-3),
+                      precision="bf16", checkpoint_dir="runs/x", log_path="runs/x/log.jsonl",
+                      eval_fn=lambda p: {"acc": ...}, eval_every=200, best_metric="eval/acc",
+                      best_mode="max")
+    result = trainer.fit(batches, num_steps=1000)   # resumes from runs/x if it holds a checkpoint
+    params = trainer.params                          # trainable (fp32) merged with frozen
+
+``batches`` is any iterator of dicts of host arrays with a leading batch axis (each host
+gives its own rows). If it has ``state()`` / ``set_state(state)`` (like
+:class:`jsteer.data.batching.Batcher`) its position is checkpointed and restored.
+
+Logging: a tqdm bar (step rate, ETA, loss) and, with ``log_path``, one JSON line per
+``log_every`` steps (``step, loss, lr, grad_norm, examples_per_s, tokens_per_s, ...``) and
+one per evaluation (``eval/<name>``). SIGTERM (preemption) finishes the current step, saves a
+checkpoint, waits for it and exits with status 143.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsteer.train import optim
+from jsteer.train import step as step_lib
+from jsteer.train.checkpoint import Checkpointer
+
+PyTree = Any
+EXIT_PREEMPTED = 143  # 128 + SIGTERM
+_STEP_CACHE: dict = {}
+_STEP_CACHE_SIZE = 8
+
+
+class FitResult(dict):
+    """Final summary: ``step``, ``preempted`` (bool), ``last`` (last logged metrics), ``eval``."""
+
+
+class Trainer:
+    """Sharded, mixed-precision, checkpointed training of ``loss_fn`` over ``params``.
+
+    Args:
+      loss_fn: ``(params, batch, rng) -> (loss [], aux dict of scalars)``; jit-able.
+      params: initial params pytree (all groups, frozen included).
+      optimizer: :class:`OptimizerConfig`.
+      mesh: device mesh with a ``"data"`` axis; None = every device.
+      precision: "fp32" or "bf16" (bf16 compute, fp32 master params; frozen params are
+        stored in bf16 once).
+      checkpoint_dir: Orbax directory; a later ``fit`` resumes from its latest checkpoint.
+      keep / best_metric / best_mode: keep the last ``keep`` checkpoints and the best one by
+        ``best_metric`` (a logged name such as ``"eval/loss"``).
+      save_every: save every N steps (default: ``eval_every``); a final save always happens.
+      log_path: JSONL metrics file (appended; only process 0 writes).
+      eval_fn: ``params -> {name: float}``, run every ``eval_every`` steps and at the end.
+      log_every: steps between metric lines (each costs a device sync).
+      shard_opt_state: split optimizer state over the data axis.
+      seed: base PRNG seed (step s gets ``fold_in(key(seed), s)``).
+      progress: show the tqdm bar.
+      exit_on_preempt: on SIGTERM save then ``sys.exit(143)`` (else ``fit`` returns
+        ``preempted=True``).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable,
+        params: PyTree,
+        optimizer: optim.OptimizerConfig,
+        *,
+        mesh=None,
+        precision: str = "fp32",
+        checkpoint_dir=None,
+        keep: int = 3,
+        best_metric: Optional[str] = None,
+        best_mode: str = "min",
+        save_every: Optional[int] = None,
+        async_save: bool = True,
+        log_path=None,
+        eval_fn: Optional[Callable[[PyTree], Mapping[str, float]]] = None,
+        eval_every: Optional[int] = None,
+        log_every: int = 10,
+        shard_opt_state: bool = False,
+        seed: int = 0,
+        progress: bool = True,
+        exit_on_preempt: bool = True,
+    ):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.mesh = mesh if mesh is not None else step_lib.data_mesh()
+        if step_lib.DATA_AXIS not in self.mesh.axis_names:
+            raise ValueError(f"mesh needs an axis named {step_lib.DATA_AXIS!r}, has {self.mesh.axis_names}")
+        self.dtype = step_lib.compute_dtype(precision)
+        self.precision = precision
+        self.eval_fn = eval_fn
+        self.eval_every = eval_every
+        self.save_every = save_every if save_every is not None else eval_every
+        self.log_every = max(int(log_every), 1)
+        self.log_path = pathlib.Path(log_path) if log_path is not None else None
+        self.progress = progress
+        self.exit_on_preempt = exit_on_preempt
+        self.best_metric = best_metric
+        self._stop_reason: Optional[str] = None
+
+        labels = optim.resolve_labels(params, optimizer)
+        self.mask = optim.trainable_mask(labels, optimizer)
+        self.labels = labels
+        trainable, frozen = optim.partition(params, self.mask)
+        self._trainable_labels, _ = optim.partition(labels, self.mask)
+        # Fresh copies: the step donates the state, which must never free the caller's arrays.
+        trainable = jax.tree.map(lambda x: jnp.array(x, jnp.float32 if _is_float(x) else None, copy=True), trainable)
+        frozen = step_lib.cast_floating(jax.tree.map(jnp.asarray, frozen), self.dtype)
+
+        rep = step_lib.replicated(self.mesh)
+        self._frozen_shardings = jax.tree.map(lambda _: rep, frozen)
+        self.frozen = jax.device_put(frozen, self._frozen_shardings)
+
+        tx, _ = optim.make_optimizer(optimizer, self._trainable_labels, optimizer.total_steps or 1)
+        opt_state = tx.init(trainable)
+        state = step_lib.TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=trainable,
+            opt_state=opt_state,
+            rng=jax.random.key_data(jax.random.key(seed)),
+        )
+        self._state_shardings = step_lib.TrainState(
+            step=rep,
+            params=jax.tree.map(lambda _: rep, trainable),
+            opt_state=step_lib.opt_state_shardings(opt_state, self.mesh, shard_opt_state),
+            rng=rep,
+        )
+        self.state = jax.device_put(state, self._state_shardings)
+        self._step_fn = None
+        self._step_total = None
+
+        self.checkpointer = (
+            Checkpointer(checkpoint_dir, keep=keep, best_metric=best_metric, best_mode=best_mode, async_save=async_save)
+            if checkpoint_dir is not None
+            else None
+        )
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state.step))
+
+    @property
+    def params(self) -> PyTree:
+        """Current params: fp32 trainable merged with frozen."""
+        return optim.combine(self.mask, self.state.params, self.frozen)
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct programs compiled for the train step (one per batch shape; shared by
+        trainers built from the same loss_fn and optimizer objects)."""
+        return 0 if self._step_fn is None else self._step_fn._cache_size()
+
+    def num_trainable(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Stop after the current step, saving a checkpoint (what SIGTERM does)."""
+        self._stop_reason = reason
+
+    # ------------------------------------------------------------------ step
+
+    def _get_step_fn(self, total_steps: int):
+        total = self.optimizer.total_steps or total_steps
+        if self._step_fn is None or self._step_total != total:
+            # Trainers built from the same loss_fn / optimizer objects and layout share one
+            # jitted step (and its compiled programs), e.g. a resumed run in the same process.
+            key = (
+                id(self.loss_fn),
+                id(self.optimizer),
+                total,
+                str(self.dtype),
+                self.mesh,
+                jax.tree.structure(self.labels),
+                tuple(jax.tree.leaves(self.labels)),
+                jax.tree.structure(self._state_shardings),
+                tuple(jax.tree.leaves(self._state_shardings)),
+                tuple(jax.tree.leaves(self._frozen_shardings)),
+            )
+            hit = _STEP_CACHE.get(key)
+            if hit is not None and hit[0] is self.loss_fn and hit[1] is self.optimizer:
+                self._step_fn = hit[2]
+            else:
+                tx, schedules = optim.make_optimizer(self.optimizer, self._trainable_labels, total)
+                self._step_fn = step_lib.make_train_step(
+                    self.loss_fn,
+                    tx,
+                    self.mask,
+                    schedules,
+                    mesh=self.mesh,
+                    state_shardings=self._state_shardings,
+                    frozen_shardings=self._frozen_shardings,
+                    dtype=self.dtype,
+                )
+                if len(_STEP_CACHE) >= _STEP_CACHE_SIZE:
+                    _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+                _STEP_CACHE[key] = (self.loss_fn, self.optimizer, self._step_fn)
+            self._step_total = total
+        return self._step_fn
+
+    def train_step(self, batch: Mapping[str, np.ndarray], total_steps: int) -> dict:
+        """One step on host rows ``batch``; returns the metrics (device arrays)."""
+        fn = self._get_step_fn(total_steps)
+        self.state, metrics = fn(self.state, self.frozen, step_lib.global_batch(batch, self.mesh))
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, batches=None, metrics=None, wait: bool = False) -> None:
+        if self.checkpointer is None or self.step in self.checkpointer.all_steps():
+            return
+        meta = {"data": _iter_state(batches), "precision": self.precision}
+        self.checkpointer.save(self.step, self.state, meta=meta, metrics=metrics)
+        if wait:
+            self.checkpointer.wait()
+
+    def restore(self, batches=None, step: Optional[int] = None) -> bool:
+        """Load the latest (or given) checkpoint into the trainer and the iterator position."""
+        if self.checkpointer is None or (step is None and self.checkpointer.latest_step() is None):
+            return False
+        target = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self._state_shardings
+        )
+        state, meta = self.checkpointer.restore(step, target)
+        self.state = state
+        data = meta.get("data")
+        if data is not None and batches is not None:
+            if not hasattr(batches, "set_state"):
+                raise ValueError("checkpoint has a data position but the batch iterator has no set_state()")
+            batches.set_state(data)
+        return True
+
+    # ------------------------------------------------------------------ fit
+
+    def evaluate(self) -> dict:
+        if self.eval_fn is None:
+            return {}
+        out = self.eval_fn(self.params)
+        return {f"eval/{k}": float(v) for k, v in dict(out).items()}
+
+    def fit(
+        self,
+        batches: Iterator[Mapping[str, np.ndarray]],
+        num_steps: int,
+        *,
+        resume: bool = True,
+        on_step: Optional[Callable[[int, dict], None]] = None,
+    ) -> FitResult:
+        """Train until ``state.step == num_steps`` (a total, so a resumed run stops at the same step).
+
+        ``on_step(step, metrics)`` is called after each step (metrics are device arrays).
+        """
+        if resume:
+            self.restore(batches)
+        start = self.step
+        it = iter(batches)
+        self._stop_reason = None
+        old_handler = self._install_sigterm()
+        bar = self._make_bar(num_steps, start)
+        result = FitResult(step=start, preempted=False, last={}, eval={})
+        window = _Window()
+        last_eval: dict = {}
+        try:
+            step = start
+            while step < num_steps:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                window.add(batch)
+                metrics = self.train_step(batch, num_steps)
+                step += 1
+                if on_step is not None:
+                    on_step(step, metrics)
+                if bar is not None:
+                    bar.update(1)
+                if step % self.log_every == 0 or step == num_steps or self._stop_reason:
+                    record = {k: _float(v) for k, v in jax.device_get(metrics).items()}
+                    record.update(window.rates())
+                    record["step"] = step
+                    self._log(record)
+                    result["last"] = record
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
+                    if not math.isfinite(record["loss"]):
+                        raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+                evaluated = False
+                if self.eval_every and step % self.eval_every == 0 and step != num_steps:
+                    last_eval = self.evaluate()
+                    self._log({"step": step, **last_eval})
+                    evaluated = True
+                if self._stop_reason:
+                    self.save(batches, metrics=last_eval if evaluated else None, wait=True)
+                    result["preempted"] = True
+                    self._log({"step": step, "event": f"stopped ({self._stop_reason}); checkpoint saved"})
+                    break
+                if self.save_every and step % self.save_every == 0 and step != num_steps:
+                    self.save(batches, metrics=last_eval if evaluated else None)
+            result["step"] = step
+            if not result["preempted"] and step == num_steps:
+                if self.eval_fn is not None:
+                    last_eval = self.evaluate()
+                    self._log({"step": step, **last_eval})
+                self.save(batches, metrics=last_eval or None, wait=True)
+            result["eval"] = last_eval
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+            self._restore_sigterm(old_handler)
+        if result["preempted"] and self._stop_reason == "SIGTERM" and self.exit_on_preempt:
+            sys.exit(EXIT_PREEMPTED)
+        return result
+
+    # ------------------------------------------------------------------ helpers
+
+    def _install_sigterm(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            self.request_stop("SIGTERM")
+
+        return signal.signal(signal.SIGTERM, handler)
+
+    @staticmethod
+    def _restore_sigterm(old) -> None:
+        if old is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, old)
+
+    def _make_bar(self, total: int, initial: int):
+        if not self.progress or jax.process_index() != 0:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def _log(self, record: Mapping[str, Any]) -> None:
+        if self.log_path is None or jax.process_index() != 0:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        rec = {"time": time.time(), **record}
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(rec, default=_float) + "\n")
+
+
+class _Window:
+    """Throughput over the steps since the last log line (host-side counts)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.examples = 0
+        self.tokens = 0
+
+    def add(self, batch) -> None:
+        if "example_mask" in batch:
+            n = int(np.sum(batch["example_mask"]))
+        else:
+            n = int(np.shape(next(iter(batch.values())))[0])
+        self.examples += n * jax.process_count()
+        if "attention_mask" in batch:
+            self.tokens += int(np.sum(batch["attention_mask"])) * jax.process_count()
+        elif "input_ids" in batch:
+            self.tokens += int(np.size(batch["input_ids"])) * jax.process_count()
+
+    def rates(self) -> dict:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        out = {"examples_per_s": self.examples / dt, "tokens_per_s": self.tokens / dt, "interval_s": dt}
+        self.t0, self.examples, self.tokens = time.perf_counter(), 0, 0
+        return out
+
+
+def _iter_state(batches):
+    if batches is not None and hasattr(batches, "state"):
+        return batches.state()
+    return None
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _float(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)

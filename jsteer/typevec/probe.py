@@ -1,0 +1,687 @@
+"""LAMA cloze probing with type embeddings: data, encoding, batched jitted scoring, P@k.
+
+Data
+  * raw LAMA JSON lines (``lama/TREx/P19.jsonl``, ``lama/Google_RE/*.jsonl``) with the
+    relation templates of ``lama/relations.jsonl`` (Google-RE's three templates are fixed
+    here as in LAMA): prompt = template with [X] -> sub_label, [Y] -> [MASK]; gold = obj_label;
+  * the type-grouped CSVs ``type_embedding/processed_lama/synth_<Type>/<src>/<rel>.csv``
+    (``,sent,gold,filename``), which also name the expected answer type.
+
+Encoding (every dropped prompt is counted by reason in a :class:`Skips`, never silent)
+  * MLM encoders: the prompt must hold exactly one [MASK]; the gold must be one token.
+  * Decoders: the prompt is cut before [MASK] and the answer is the next token, so a prompt
+    qualifies only when nothing but punctuation follows [MASK] (``"[X] was born in [Y] ."``
+    does; ``"[X] plays in [Y] position ."`` does not) and the gold is a single token in its
+    leading-space form (" Paris"). :func:`decoder_qualifies` is the rule; the experiment
+    writes the resulting list of relations.
+
+Scoring
+  Rows (example, lambda, type vector) are bucketed by length (multiples of 8), padded to a
+  fixed batch, and scored by one jitted function per bucket shape: lambda and the type
+  vector are traced per row, so a whole lambda grid, several relations and several types
+  share batches and compile once. Output per row: the gold's rank among non-special tokens
+  (P@k = rank < k), the PostTE ranks for a grid of weights, and the top-1 id.
+
+Methods (paper, Tables 4/7/8)
+  * B: plain prompt; * BTo: "the <type> [MASK]" (type words before the answer);
+  * PostTE: scores + w * cos(E_v, TE), w tuned on the hold-out over 0..30;
+  * TE: lambda * TE added at the [MASK] (MLM) / predicting position or all prompt tokens
+    (decoders), lambda tuned on a 5% hold-out over 0..5 and reported on the rest.
+  Tuning picks the best hold-out P@1, ties broken by the mean of P@10/50/100, then the smaller
+  value. (The paper's script picks the smallest lambda reaching the largest gain in *any*
+  P@k; we tune for P@1, the headline metric.)
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+import zlib
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsteer.typevec.inject import generation_hooks, inject, one_hot_positions
+from jsteer.typevec.sampling import encode_plain, single_token_id, space_sensitive
+
+Array = jnp.ndarray
+
+MASK = "[MASK]"
+KS = (1, 10, 50, 100)
+LAMBDA_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
+POST_GRID = (0.0, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0)
+GOOGLE_RE_TEMPLATES = {
+    "place_of_birth": "[X] was born in [Y] .",
+    "date_of_birth": "[X] (born [Y]).",
+    "place_of_death": "[X] died in [Y] .",
+}
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    text: str            # cloze text with one [MASK]
+    gold: str            # answer surface form
+    relation: str = ""   # e.g. "P19", "place_of_birth"
+    type_name: str = ""  # e.g. "City" (from the type-grouped CSVs)
+    subject: str = ""
+
+
+def load_relations(path: str | pathlib.Path) -> dict[str, str]:
+    """relations.jsonl -> {relation id: template}, plus the Google-RE templates."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"LAMA relations file not found: {path}")
+    out = dict(GOOGLE_RE_TEMPLATES)
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            out[d["relation"]] = d["template"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{path}:{i}: bad relation line ({e})") from None
+    return out
+
+
+def fill_template(template: str, subject: str) -> str:
+    if "[X]" not in template or "[Y]" not in template:
+        raise ValueError(f"template must contain [X] and [Y]: {template!r}")
+    return template.replace("[X]", subject).replace("[Y]", MASK)
+
+
+def load_lama_jsonl(path: str | pathlib.Path, template: Optional[str] = None,
+                    relations: Optional[Mapping[str, str]] = None) -> list[Prompt]:
+    """Raw LAMA facts -> prompts. The template comes from ``template`` or from ``relations``
+    keyed by the file stem (``P19``, ``place_of_birth`` for ``place_of_birth_test``)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"LAMA file not found: {path}")
+    rel = path.stem.replace("_test", "")
+    if template is None:
+        if relations is None or rel not in relations:
+            raise ValueError(f"{path}: no template for relation {rel!r}")
+        template = relations[rel]
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            sub, obj = d["sub_label"], d["obj_label"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{path}:{i}: bad LAMA fact ({e})") from None
+        out.append(Prompt(fill_template(template, sub), str(obj), rel, subject=sub))
+    return out
+
+
+def load_typed_csv(path: str | pathlib.Path, type_name: Optional[str] = None) -> list[Prompt]:
+    """One type-grouped CSV (``,sent,gold,filename``) -> prompts. The type is read from the
+    ``synth_<Type>`` folder when not given."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"typed LAMA CSV not found: {path}")
+    if type_name is None:
+        m = [p.name[len("synth_"):] for p in path.parents if p.name.startswith("synth_")]
+        type_name = m[0] if m else ""
+    rel = path.stem.replace("_test", "")
+    out = []
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        for col in ("sent", "gold"):
+            if reader.fieldnames is None or col not in reader.fieldnames:
+                raise ValueError(f"{path}: missing column {col!r} (header: {reader.fieldnames})")
+        for line, row in enumerate(reader, start=2):
+            sent, gold = row["sent"], row["gold"]
+            if sent is None or gold is None:
+                raise ValueError(f"{path}:{line}: row has too few fields")
+            out.append(Prompt(sent, gold.strip(), rel, type_name))
+    return out
+
+
+def load_typed_dataset(root: str | pathlib.Path) -> dict[str, list[Prompt]]:
+    """All ``synth_<Type>/<src>/<rel>.csv`` under ``root`` -> {"<Type>/<rel>": prompts}, sorted."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"typed LAMA folder not found: {root}")
+    out = {}
+    for p in sorted(root.glob("synth_*/*/*.csv")):
+        t = p.parent.parent.name[len("synth_"):]
+        out[f"{t}/{p.stem.replace('_test', '')}"] = load_typed_csv(p, t)
+    if not out:
+        raise FileNotFoundError(f"no synth_<Type>/<source>/<relation>.csv files under {root}")
+    return out
+
+
+def bto_text(text: str, type_name: str) -> str:
+    """BTo baseline prompt: "... the <type> [MASK] ..." (type words before the answer)."""
+    word = type_name.replace("_", " ").lower()
+    return text.replace(MASK, f"the {word} {MASK}", 1)
+
+
+# ----------------------------------------------------------------------------- encoding
+
+_PUNCT_ONLY = re.compile(r"^[\s\.\,\;\:\!\?\)\(\"'\-]*$")
+
+
+def decoder_qualifies(text: str) -> bool:
+    """A cloze prompt can be asked of a decoder when nothing but punctuation follows [MASK]
+    and something precedes it."""
+    if text.count(MASK) != 1:
+        return False
+    pre, post = text.split(MASK)
+    return bool(pre.strip()) and bool(_PUNCT_ONLY.match(post))
+
+
+def decoder_prefix(text: str) -> str:
+    """The prompt truncated before [MASK] (trailing spaces removed: the answer token carries
+    its own leading space)."""
+    return text.split(MASK)[0].rstrip()
+
+
+class Skips:
+    """Counts of prompts left out, by reason, with a few examples each."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.examples: dict[str, list[str]] = collections.defaultdict(list)
+
+    def add(self, reason: str, example: str):
+        self.counts[reason] += 1
+        if len(self.examples[reason]) < 3:
+            self.examples[reason].append(example)
+
+    def merge(self, other: "Skips") -> "Skips":
+        for r, n in other.counts.items():
+            self.counts[r] += n
+            self.examples[r].extend(other.examples[r][: max(0, 3 - len(self.examples[r]))])
+        return self
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self) -> dict:
+        return {"total": self.total, "by_reason": dict(self.counts),
+                "examples": {k: v for k, v in self.examples.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    ids: tuple[int, ...]  # full input ids
+    pos: int              # predicting position ([MASK] for MLM, last token for decoders)
+    gold: int
+    prompt: Prompt
+
+
+def encode_prompts(prompts: Sequence[Prompt], tokenizer, kind: str, *, max_len: int = 512,
+                   skips: Optional[Skips] = None, text_fn: Optional[Callable[[Prompt], str]] = None
+                   ) -> tuple[list[Example], Skips]:
+    """Prompts -> examples for ``kind`` "mlm" or "decoder", with counted skips.
+
+    ``text_fn`` rewrites a prompt's text first (e.g. :func:`bto_text`)."""
+    if kind not in ("mlm", "decoder"):
+        raise ValueError(f"kind must be 'mlm' or 'decoder', got {kind!r}")
+    skips = skips if skips is not None else Skips()
+    out = []
+    lead = space_sensitive(tokenizer)
+    mask_id = getattr(tokenizer, "mask_id", None)
+    if mask_id is None and hasattr(tokenizer, "token_to_id"):
+        mask_id = tokenizer.token_to_id(MASK)
+    if kind == "mlm" and mask_id is None:
+        raise ValueError("MLM probing needs a tokenizer with a [MASK] token")
+    gold_cache: dict[str, Optional[int]] = {}
+    for p in prompts:
+        text = text_fn(p) if text_fn is not None else p.text
+        n_mask = text.count(MASK)
+        if n_mask == 0:
+            skips.add("no [MASK] in prompt", text)
+            continue
+        if n_mask > 1:
+            skips.add("several [MASK] in prompt", text)
+            continue
+        if p.gold not in gold_cache:
+            gold_cache[p.gold] = single_token_id(tokenizer, p.gold, leading_space=lead if kind == "decoder" else False)
+        gold = gold_cache[p.gold]
+        if gold is None:
+            skips.add("gold is not a single token", p.gold)
+            continue
+        if kind == "mlm":
+            ids = _encode_full(tokenizer, text)
+            where = [i for i, t in enumerate(ids) if t == mask_id]
+            if len(where) != 1:
+                skips.add("[MASK] not kept as one token by the tokenizer", text)
+                continue
+            pos = where[0]
+        else:
+            if not decoder_qualifies(text):
+                skips.add("text after [MASK] (not answerable as the next token)", text)
+                continue
+            ids = _encode_full(tokenizer, decoder_prefix(text))
+            if not ids:
+                skips.add("empty prompt", text)
+                continue
+            pos = len(ids) - 1
+        if len(ids) > max_len:
+            skips.add(f"longer than {max_len} tokens", text)
+            continue
+        out.append(Example(tuple(int(i) for i in ids), pos, int(gold), p))
+    return out, skips
+
+
+def _encode_full(tokenizer, text: str) -> list[int]:
+    out = tokenizer.encode(text, add_special_tokens=True)
+    return list(out.ids) if hasattr(out, "ids") else list(out)
+
+
+# ----------------------------------------------------------------------------- model adapter
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProbeModel:
+    """What probing needs from a backbone.
+
+    forward(params, ids [B,T], attention_mask [B,T], hooks) -> ModelOutput;
+    head(params, h [B,D]) -> logits [B,V] at the predicting positions;
+    input_embedding(params) -> [V,D] (type vectors are built from and injected into this space).
+    """
+
+    kind: str                       # "mlm" | "decoder"
+    forward: Callable
+    head: Callable
+    input_embedding: Callable
+    params: Any
+    tokenizer: Any
+    identity: str = ""
+    excluded_ids: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def score_fn(self):
+        return jax.jit(functools.partial(_score_rows, self.forward, self.head, self.input_embedding),
+                       static_argnames=("mode",))
+
+    def embedding(self) -> Array:
+        return self.input_embedding(self.params)
+
+
+def _special_ids(tokenizer) -> tuple[int, ...]:
+    ids = []
+    for role in ("pad", "bos", "eos", "unk", "mask", "cls", "sep"):
+        i = getattr(tokenizer, f"{role}_id", None)
+        if i is not None:
+            ids.append(int(i))
+    return tuple(sorted(set(ids)))
+
+
+def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
+    """ProbeModel for a :class:`jsteer.backbones.bert.BertForMaskedLM` (params with "head")."""
+    from jsteer.backbones import bert
+
+    if "head" not in params:
+        raise ValueError("MLM probing needs a BERT with an MLM head (params['head'] missing); "
+                         "MiniLM has none - use it for retrieval / analysis only")
+    cfg = module.config
+    head_mod = bert.MLMHead(cfg)
+
+    def forward(p, ids, mask, hooks, **kw):
+        return module.apply({"params": p}, ids, attention_mask=mask, hooks=hooks, **kw)
+
+    def head(p, h):
+        emb = p["encoder"]["embeddings"]["word"]["embedding"] if cfg.tie_word_embeddings else None
+        return head_mod.apply({"params": p["head"]}, h[:, None, :], emb)[:, 0]
+
+    return ProbeModel("mlm", forward, head, bert.input_embeddings, params, tokenizer, identity,
+                      _special_ids(tokenizer))
+
+
+def for_decoder(module, params, tokenizer, family: str, config, identity: str = "") -> ProbeModel:
+    """ProbeModel for a decoder (``family`` "llama" | "gpt2"): logits = h @ E_out^T at the
+    predicting position only (the full [B,T,V] logits are never needed, and XLA drops them)."""
+    from jsteer.backbones import get_family
+
+    fam = get_family(family)
+
+    def forward(p, ids, mask, hooks, **kw):
+        return module.apply({"params": p}, ids, attention_mask=mask, hooks=hooks, **kw)
+
+    def head(p, h):
+        return jnp.einsum("bd,vd->bv", h, fam.output_embeddings(p, config).astype(h.dtype))
+
+    return ProbeModel("decoder", forward, head, fam.input_embeddings, params, tokenizer, identity,
+                      _special_ids(tokenizer))
+
+
+def from_lm(lm) -> ProbeModel:
+    """ProbeModel from a :func:`jsteer.load` result."""
+    if lm.family == "bert":
+        return for_bert_mlm(lm.module, lm.params, lm.tokenizer, lm.identity)
+    return for_decoder(lm.module, lm.params, lm.tokenizer, lm.family, lm.config, lm.identity)
+
+
+# ----------------------------------------------------------------------------- jitted scoring
+
+
+def _score_rows(forward, head, input_embedding, params, ids, attn, pos, gold, te, lam, post_w, excluded,
+                *, mode: str):
+    """One padded batch.
+
+    ids/attn [B,T]; pos, gold [B]; te [B,D]; lam [B]; post_w [W]; excluded [V] bool.
+    mode: "pos" (offset at the predicting position) | "all" (every real prompt token).
+    Returns rank [B] (number of allowed tokens scoring above the gold), post_rank [W,B], top1 [B].
+    """
+    t = ids.shape[1]
+    where = one_hot_positions(pos, t) if mode == "pos" else attn.astype(jnp.float32)
+    hooks = inject(te, lam, where)
+    out = forward(params, ids, attn, hooks)
+    h = jnp.take_along_axis(out.hidden, pos[:, None, None], axis=1)[:, 0]          # [B, D]
+    logits = head(params, h).astype(jnp.float32)                                       # [B, V]
+    logits = jnp.where(excluded[None, :], -jnp.inf, logits)
+    g = jnp.take_along_axis(logits, gold[:, None], axis=1)                             # [B, 1]
+    rank = jnp.sum(logits > g, axis=1)
+    emb = input_embedding(params).astype(jnp.float32)
+    en = emb / jnp.maximum(jnp.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    tn = te / jnp.maximum(jnp.linalg.norm(te, axis=1, keepdims=True), 1e-12)
+    cos = jnp.einsum("vd,bd->bv", en, tn.astype(jnp.float32))                            # [B, V]
+    post = logits[None] + post_w[:, None, None] * cos[None]                            # [W, B, V]
+    pg = jnp.take_along_axis(post, jnp.broadcast_to(gold[None, :, None], post.shape[:2] + (1,)), axis=2)
+    post_rank = jnp.sum(post > pg, axis=2)
+    return rank, post_rank, jnp.argmax(logits, axis=1)
+
+
+def bucket_length(n: int, multiple: int = 8) -> int:
+    return max(multiple, int(math.ceil(n / multiple)) * multiple)
+
+
+@dataclasses.dataclass
+class RowResult:
+    rank: np.ndarray       # [R]
+    post_rank: np.ndarray  # [W, R]
+    top1: np.ndarray       # [R]
+    n_batches: int
+    n_padded_rows: int
+
+
+def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequence[int],
+               row_lam: Sequence[float], row_te: Sequence[int], tes: Array, *, mode: str = "pos",
+               post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
+               progress: Optional[Callable[[int, int], None]] = None) -> RowResult:
+    """Score R rows: row r asks ``examples[row_example[r]]`` with ``row_lam[r] * tes[row_te[r]]``.
+
+    tes: [K, D] type vectors. mode: "pos" | "all" (decoders; MLM uses "pos" = the [MASK]).
+    """
+    if mode not in ("pos", "all"):
+        raise ValueError(f"mode must be 'pos' or 'all', got {mode!r}")
+    row_example = np.asarray(row_example, np.int64)
+    row_lam = np.asarray(row_lam, np.float32)
+    row_te = np.asarray(row_te, np.int64)
+    r = len(row_example)
+    if not (len(row_lam) == len(row_te) == r):
+        raise ValueError("row_example, row_lam and row_te must have the same length")
+    tes = jnp.asarray(tes, jnp.float32)
+    if tes.ndim != 2:
+        raise ValueError(f"tes must be [K, D], got shape {tes.shape}")
+    vocab = model.embedding().shape[0]
+    excluded = np.zeros((vocab,), bool)
+    excluded[[i for i in model.excluded_ids if i < vocab]] = True
+    excluded = jnp.asarray(excluded)
+    post_w = jnp.asarray(post_grid, jnp.float32)
+    pad_id = getattr(model.tokenizer, "pad_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+
+    rank = np.zeros((r,), np.int64)
+    post_rank = np.zeros((len(post_grid), r), np.int64)
+    top1 = np.zeros((r,), np.int64)
+    lengths = np.array([len(examples[i].ids) for i in row_example], np.int64)
+    order = np.argsort(lengths, kind="stable")
+    buckets = collections.defaultdict(list)
+    for j in order:
+        buckets[bucket_length(int(lengths[j]), bucket)].append(int(j))
+    n_batches = padded = done = 0
+    for t, rows in sorted(buckets.items()):
+        for s in range(0, len(rows), batch_size):
+            chunk = rows[s:s + batch_size]
+            fill = batch_size - len(chunk)
+            idx = chunk + [chunk[0]] * fill
+            ids = np.full((batch_size, t), pad_id, np.int32)
+            attn = np.zeros((batch_size, t), np.int32)
+            pos = np.zeros((batch_size,), np.int32)
+            gold = np.zeros((batch_size,), np.int32)
+            for b, j in enumerate(idx):
+                ex = examples[row_example[j]]
+                ids[b, :len(ex.ids)] = ex.ids
+                attn[b, :len(ex.ids)] = 1
+                pos[b], gold[b] = ex.pos, ex.gold
+            out = model.score_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos),
+                                 jnp.asarray(gold), tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx]),
+                                 post_w, excluded, mode=mode)
+            rk, prk, tp = (np.asarray(o) for o in out)
+            n = len(chunk)
+            rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:n], prk[:, :n], tp[:n]
+            n_batches += 1
+            padded += fill
+            done += n
+            if progress is not None:
+                progress(done, r)
+    return RowResult(rank, post_rank, top1, n_batches, padded)
+
+
+# ----------------------------------------------------------------------------- metrics & tuning
+
+
+def precision_at(ranks: Sequence[int] | np.ndarray, ks: Sequence[int] = KS) -> dict[str, float]:
+    """{"P@k": fraction of ranks < k}; rank 0 = the gold is the top prediction."""
+    ranks = np.asarray(ranks)
+    if ranks.size == 0:
+        return {f"P@{k}": float("nan") for k in ks}
+    return {f"P@{k}": float(np.mean(ranks < k)) for k in ks}
+
+
+def macro(per_group: Mapping[str, Mapping[str, float]], ks: Sequence[int] = KS) -> dict[str, float]:
+    """Unweighted mean over groups of each P@k (groups with no examples are left out)."""
+    out = {}
+    for k in ks:
+        vals = [v[f"P@{k}"] for v in per_group.values() if not math.isnan(v[f"P@{k}"])]
+        out[f"P@{k}"] = float(np.mean(vals)) if vals else float("nan")
+    return out
+
+
+def choose(values: Sequence[float], ranks_per_value: Sequence[np.ndarray]) -> tuple[float, dict]:
+    """Best value by P@1, then mean(P@10, P@50, P@100), then the smaller value."""
+    best, best_key, table = None, None, {}
+    for v, rk in zip(values, ranks_per_value):
+        p = precision_at(rk)
+        table[str(v)] = p
+        key = (p["P@1"], (p["P@10"] + p["P@50"] + p["P@100"]) / 3.0, -v)
+        if best_key is None or key > best_key:
+            best, best_key = v, key
+    return float(best), table
+
+
+def split_holdout(n: int, frac: float, seed: int, group: str) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic per-group split -> (holdout idx, rest idx); at least 1 hold-out when n >= 2."""
+    rng = np.random.default_rng([seed, zlib.crc32(group.encode())])
+    perm = rng.permutation(n)
+    h = 0 if n < 2 else max(1, int(round(frac * n)))
+    return np.sort(perm[:h]), np.sort(perm[h:])
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@dataclasses.dataclass
+class GroupData:
+    examples: list[Example]
+    bto: list[Optional[int]]   # index into the BTo example list per example (None: skipped)
+    holdout: np.ndarray        # global example indices
+    test: np.ndarray
+    offset: int                # global index of this group's first example
+
+
+def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Mapping[str, Array], *,
+             type_names: Optional[Mapping[str, str]] = None, mode: str = "pos",
+             lam_grid: Sequence[float] = LAMBDA_GRID, post_grid: Sequence[float] = POST_GRID,
+             holdout: float = 0.05, max_test: Optional[int] = None, seed: int = 0, batch_size: int = 32,
+             methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"), log: Optional[Callable[[str], None]] = None
+             ) -> dict:
+    """Probe every group (relation) with B / BTo / PostTE / TE and return a JSON-able report.
+
+    groups: {name: prompts}; tes: {name: TE [D]} (a group without a TE is probed with B/BTo only);
+    type_names: {name: type} for BTo (default: each prompt's ``type_name``).
+    ``max_test`` caps the reported (non-hold-out) prompts per group (seeded subsample).
+    """
+    log = log or (lambda s: None)
+    kind = model.kind
+    all_examples: list[Example] = []
+    bto_examples: list[Example] = []
+    data: dict[str, GroupData] = {}
+    skips_report = {}
+    for name, prompts in groups.items():
+        sk = Skips()
+        exs, _ = encode_prompts(prompts, model.tokenizer, kind, skips=sk)
+        tname = (type_names or {}).get(name)
+        bto_idx: list[Optional[int]] = []
+        if "BTo" in methods:
+            sk_b = Skips()
+            for e in exs:
+                t = tname or e.prompt.type_name
+                if not t:
+                    raise ValueError(f"group {name}: BTo needs a type name (type_names or Prompt.type_name)")
+                b, _ = encode_prompts([e.prompt], model.tokenizer, kind, skips=sk_b,
+                                      text_fn=lambda p, t=t: bto_text(p.text, t))
+                bto_idx.append(len(bto_examples) if b else None)
+                bto_examples.extend(b)
+            skips_report[f"{name}/BTo"] = sk_b.report()
+        else:
+            bto_idx = [None] * len(exs)
+        hold, test = split_holdout(len(exs), holdout, seed, name)
+        if max_test is not None and len(test) > max_test:
+            rng = np.random.default_rng([seed + 1, zlib.crc32(name.encode())])
+            test = np.sort(rng.choice(test, size=max_test, replace=False))
+        offset = len(all_examples)
+        all_examples.extend(exs)
+        data[name] = GroupData(exs, bto_idx, hold + offset, test + offset, offset)
+        skips_report[name] = sk.report()
+        log(f"{name}: {len(exs)} usable / {len(prompts)} prompts, hold-out {len(hold)}, test {len(test)}, "
+            f"skipped {sk.total}")
+
+    names_te = [n for n in data if n in tes]
+    te_index = {n: i for i, n in enumerate(names_te)}
+    d = model.embedding().shape[1]
+    te_table = jnp.stack([jnp.asarray(tes[n], jnp.float32) for n in names_te]) if names_te else jnp.zeros((1, d))
+
+    # phase 1: hold-out rows over the lambda grid (lambda = 0 also tunes PostTE)
+    rows_e, rows_l, rows_t, keys = [], [], [], []
+    for n in names_te:
+        for i in data[n].holdout:
+            for lam in (lam_grid if "TE" in methods else (0.0,)):
+                rows_e.append(i), rows_l.append(lam), rows_t.append(te_index[n]), keys.append((n, lam))
+    best_lam, best_w, tuning = {}, {}, {}
+    if rows_e:
+        res = score_rows(model, all_examples, rows_e, rows_l, rows_t, te_table, mode=mode, post_grid=post_grid,
+                         batch_size=batch_size)
+        keys_arr = np.array([f"{k[0]}\t{k[1]}" for k in keys])
+        for n in names_te:
+            grid = lam_grid if "TE" in methods else (0.0,)
+            per_lam = [res.rank[keys_arr == f"{n}\t{lam}"] for lam in grid]
+            lam_star, lam_table = choose(grid, per_lam)
+            zero = keys_arr == f"{n}\t{0.0}"
+            w_star, w_table = choose(post_grid, [res.post_rank[wi][zero] for wi in range(len(post_grid))])
+            best_lam[n], best_w[n] = lam_star, w_star
+            tuning[n] = {"lambda": lam_star, "lambda_table": lam_table, "post_weight": w_star,
+                         "post_table": w_table, "n_holdout": int(len(data[n].holdout))}
+            log(f"{n}: tuned lambda={lam_star} post_weight={w_star}")
+
+    # phase 2: reported rows
+    rows_e, rows_l, rows_t, tags = [], [], [], []
+    for n, g in data.items():
+        ti = te_index.get(n, 0)
+        for i in g.test:
+            rows_e.append(i), rows_l.append(0.0), rows_t.append(ti), tags.append((n, "B"))
+            if n in te_index and "TE" in methods and best_lam[n] != 0.0:
+                rows_e.append(i), rows_l.append(best_lam[n]), rows_t.append(ti), tags.append((n, "TE"))
+    res = score_rows(model, all_examples, rows_e, rows_l, rows_t, te_table, mode=mode, post_grid=post_grid,
+                     batch_size=batch_size) if rows_e else None
+    results: dict[str, dict] = {n: {} for n in data}
+    predictions: dict[str, list] = {n: [] for n in data}
+    tag_n = np.array([t[0] for t in tags]) if tags else np.array([])
+    tag_m = np.array([t[1] for t in tags]) if tags else np.array([])
+    for n, g in data.items():
+        b_sel = (tag_n == n) & (tag_m == "B")
+        rb = res.rank[b_sel] if res is not None else np.array([])
+        results[n]["B"] = precision_at(rb)
+        results[n]["n_test"] = int(len(g.test))
+        if n in te_index:
+            if "PostTE" in methods:
+                wi = list(post_grid).index(best_w[n])
+                results[n]["PostTE"] = precision_at(res.post_rank[wi][b_sel])
+            if "TE" in methods:
+                te_sel = (tag_n == n) & (tag_m == "TE")
+                results[n]["TE"] = precision_at(res.rank[te_sel] if best_lam[n] != 0.0 else rb)
+        tok = model.tokenizer
+        for j, i in enumerate(np.flatnonzero(b_sel)[:5]):
+            ex = all_examples[rows_e[i]]
+            entry = {"prompt": ex.prompt.text, "gold": ex.prompt.gold,
+                     "B_top1": tok.decode([int(res.top1[i])]) if hasattr(tok, "decode") else int(res.top1[i])}
+            predictions[n].append(entry)
+        if n in te_index and "TE" in methods and best_lam[n] != 0.0:
+            for entry, i in zip(predictions[n], np.flatnonzero((tag_n == n) & (tag_m == "TE"))[:5]):
+                entry["TE_top1"] = tok.decode([int(res.top1[i])]) if hasattr(tok, "decode") else int(res.top1[i])
+
+    if "BTo" in methods and bto_examples:
+        rows_e, rows_t, tag_b = [], [], []
+        for n, g in data.items():
+            for i in g.test:
+                bi = g.bto[i - g.offset]
+                if bi is not None:
+                    rows_e.append(bi), rows_t.append(0), tag_b.append(n)
+        if rows_e:
+            rb = score_rows(model, bto_examples, rows_e, [0.0] * len(rows_e), rows_t, te_table, mode=mode,
+                            post_grid=(0.0,), batch_size=batch_size)
+            tag_b = np.array(tag_b)
+            for n, g in data.items():
+                sel = tag_b == n
+                p = precision_at(rb.rank[sel])
+                # prompts whose BTo form could not be encoded count as misses (same denominator as B)
+                n_test, n_ok = len(g.test), int(sel.sum())
+                results[n]["BTo"] = {k: (v * n_ok / n_test if n_test else float("nan")) for k, v in p.items()}
+                results[n]["BTo_encoded"] = n_ok
+
+    methods_present = [m for m in ("B", "BTo", "PostTE", "TE") if m in methods]
+    macro_all = {}
+    for m in methods_present:
+        per = {n: r[m] for n, r in results.items() if m in r and results[n]["n_test"] > 0}
+        macro_all[m] = macro(per)
+    return {"kind": kind, "mode": mode, "identity": model.identity, "lambda_grid": list(lam_grid),
+            "post_grid": list(post_grid), "holdout": holdout, "max_test": max_test, "seed": seed,
+            "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
+            "predictions": predictions}
+
+
+# ----------------------------------------------------------------------------- type switching
+
+
+def switch_prompts(pob_prompts: Sequence[Prompt], template: str = GOOGLE_RE_TEMPLATES["date_of_birth"],
+                   source_template: str = GOOGLE_RE_TEMPLATES["place_of_birth"]) -> list[Prompt]:
+    """Type switching (Table 6): place-of-birth facts asked with the date-of-birth template,
+    e.g. "Khatchig Mouradian (born [MASK])." with gold "Lebanon". Subjects are recovered from
+    prompts written with ``source_template`` (or taken from ``Prompt.subject``)."""
+    pre, post = source_template.split("[X]")[0], source_template.split("[X]")[1]
+    tail = post.replace("[Y]", MASK)
+    out = []
+    for p in pob_prompts:
+        sub = p.subject
+        if not sub:
+            if not (p.text.startswith(pre) and p.text.endswith(tail)):
+                continue
+            sub = p.text[len(pre):len(p.text) - len(tail)]
+        out.append(Prompt(fill_template(template, sub), p.gold, "date_of_birth->place_of_birth", p.type_name, sub))
+    return out

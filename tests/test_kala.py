@@ -1,0 +1,362 @@
+"""KALA building blocks: GATv2 vs NumPy, null masking, KFM identity / locality, graph padding,
+file validation, vocabularies and the offline builder."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsteer.backbones.bert import BertConfig, BertForTokenClassification
+from jsteer.kala import builder, entities, formats
+from jsteer.kala.graph import (ExampleGraph, RelationalGATv2, RelationalGraph, add_self_loops, batch_graphs,
+                               gather_tokens, node_context)
+from jsteer.kala.kfm import KFM
+from jsteer.kala.model import KalaConfig, KalaModel, default_layers, init_params
+
+
+def leaky(x, s=0.2):
+    return np.where(x > 0, x, s * x)
+
+
+def np_gatv2(p, x, rel, ctx, snd, rcv, ok):
+    """NumPy re-derivation: s_ij = a.LeakyReLU(W [e_i||r_ij||e_j||h_i]), softmax over edges into i."""
+    n, d = x.shape[0], p["src"]["kernel"].shape[1]
+    W = np.concatenate([p["dst"]["kernel"], p["rel"]["kernel"], p["src"]["kernel"], p["ctx"]["kernel"]], 0)
+    b = p["dst"]["bias"] + p["rel"]["bias"] + p["src"]["bias"]
+    alpha = np.zeros(len(snd))
+    scores = np.array([p["att"][0] @ leaky(np.concatenate([x[i], rel[e], x[j], ctx[i]]) @ W + b)
+                       for e, (j, i) in enumerate(zip(snd, rcv))])
+    out = np.zeros((n, d))
+    for i in range(n):
+        edges = [e for e in range(len(snd)) if rcv[e] == i and ok[snd[e]]]
+        if edges:
+            w = np.exp(scores[edges] - scores[edges].max())
+            alpha[edges] = w / w.sum()
+        for e in edges:
+            out[i] += alpha[e] * (x[snd[e]] @ p["src"]["kernel"] + p["src"]["bias"])
+    return out + p["bias"], alpha
+
+
+def hand_graph():
+    # 4 nodes: 0, 1 known; 2 null (unknown entity); 3 known. Edges j -> i plus self loops.
+    g = ExampleGraph(entity=np.array([3, 5, 0, 1], np.int32), senders=np.array([1, 2, 0, 3, 2], np.int32),
+                     receivers=np.array([0, 0, 2, 2, 3], np.int32), relation=np.array([1, 2, 3, 1, 2], np.int32),
+                     n_local=3)
+    return add_self_loops(g)
+
+
+def test_gatv2_matches_numpy_reference():
+    g = hand_graph()
+    rng = np.random.default_rng(0)
+    n, e, de, dr, dh = g.n_node, g.n_edge, 6, 4, 5
+    x, rel, ctx = rng.normal(size=(n, de)), rng.normal(size=(e, dr)), rng.normal(size=(n, dh))
+    ok = g.entity != 0
+    layer = RelationalGATv2(de)
+    args = (jnp.asarray(x, jnp.float32), jnp.asarray(rel, jnp.float32), jnp.asarray(ctx, jnp.float32),
+            jnp.asarray(g.senders), jnp.asarray(g.receivers), jnp.asarray(ok))
+    params = layer.init(jax.random.PRNGKey(1), *args)["params"]
+    params = jax.tree.map(lambda v: v + 0.3 * jax.random.normal(jax.random.PRNGKey(2), v.shape), params)
+    out, alpha = layer.apply({"params": params}, *args)
+    ref_out, ref_alpha = np_gatv2(jax.tree.map(np.asarray, params), x, rel, ctx, g.senders, g.receivers, ok)
+    np.testing.assert_allclose(np.asarray(alpha), ref_alpha, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-4)
+    # weights into every receiver with a known sender sum to one
+    for i in range(n):
+        s = ref_alpha[g.receivers == i].sum()
+        assert s == pytest.approx(1.0 if ok[g.senders[g.receivers == i]].any() else 0.0, abs=1e-6)
+
+
+def test_null_senders_get_exactly_zero_weight():
+    g = hand_graph()
+    graph, _ = batch_graphs([g], np.full((1, 4), -1))
+    n = graph.nodes["entity"].shape[0]
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, 8)) * (graph.nodes["entity"] != 0)[:, None]
+    rel = jax.random.normal(jax.random.PRNGKey(1), (graph.senders.shape[0], 4))
+    ctx = jnp.zeros((n, 8))
+    model = RelationalGraph(8, num_layers=2)
+    params = model.init(jax.random.PRNGKey(2), x, rel, ctx, graph)["params"]
+    out, att = model.apply({"params": params}, x, rel, ctx, graph, return_attention=True)
+    snd = np.asarray(graph.senders)
+    null_edges = np.asarray(graph.nodes["entity"])[snd] == 0
+    assert null_edges.sum() >= 3  # node 2's self loop, 2 -> 0, 2 -> 3, padding edges
+    assert np.all(np.asarray(att[0])[null_edges] == 0.0)
+    # layer 2: node 2 received from known nodes 0 and 3 in layer 1, so it may now send
+    e_2_to_0 = np.where((snd == 2) & (np.asarray(graph.receivers) == 0))[0]
+    assert np.asarray(att[1])[e_2_to_0].item() > 0
+    # padding nodes never carry information
+    assert np.all(np.asarray(out)[4:] == 0.0)
+
+
+def test_null_node_without_known_neighbours_is_zero():
+    g = add_self_loops(ExampleGraph(entity=np.array([0, 2, 0], np.int32), senders=np.array([0], np.int32),
+                                    receivers=np.array([2], np.int32), relation=np.array([1], np.int32), n_local=3))
+    graph, _ = batch_graphs([g], np.full((1, 2), -1))
+    n = graph.nodes["entity"].shape[0]
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, 8))
+    rel = jnp.ones((graph.senders.shape[0], 4))
+    model = RelationalGraph(8)
+    params = model.init(jax.random.PRNGKey(2), x, rel, jnp.zeros((n, 8)), graph)["params"]
+    out = np.asarray(model.apply({"params": params}, x, rel, jnp.zeros((n, 8)), graph))
+    assert np.all(out[0] == 0) and np.all(out[2] == 0)  # null, only null neighbours
+    assert np.abs(out[1]).sum() > 0
+
+
+def test_padding_changes_no_real_node_output():
+    rng = np.random.default_rng(0)
+    graphs = [hand_graph(), add_self_loops(ExampleGraph(np.array([2, 4], np.int32), np.array([0], np.int32),
+                                                        np.array([1], np.int32), np.array([2], np.int32), 2))]
+    tn = np.array([[0, 0, 1, -1, 2], [-1, 1, -1, 0, -1]], np.int32)
+    hidden = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
+    outs = []
+    for n_node, n_edge in ((8, 16), (64, 128)):
+        graph, tok = batch_graphs(graphs, tn, n_node=n_node, n_edge=n_edge)
+        ent = graph.nodes["entity"]
+        x = table[jnp.asarray(ent) % 6]
+        rel = jnp.ones((n_edge, 4)) * (1 + jnp.asarray(graph.edges["relation"]))[:, None]
+        ctx = node_context(hidden, jnp.asarray(tok), n_node)
+        model = RelationalGraph(8)
+        params = model.init(jax.random.PRNGKey(0), x, rel, ctx, graph)["params"]
+        out = model.apply({"params": params}, x, rel, ctx, graph)
+        outs.append((np.asarray(out)[:6], np.asarray(gather_tokens(out, jnp.asarray(tok)))))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-6)
+    assert np.abs(outs[0][0]).sum() > 0
+
+
+def test_batch_graphs_offsets_and_context():
+    g1 = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([0], np.int32), np.array([1], np.int32),
+                                     np.array([3], np.int32), 2))
+    g2 = add_self_loops(ExampleGraph(np.array([4], np.int32), *(np.zeros(0, np.int32),) * 3, 1))
+    tn = np.array([[-1, 0, 0, 1], [0, -1, -1, -1]])
+    graph, tok = batch_graphs([g1, g2], tn)
+    np.testing.assert_array_equal(tok, [[-1, 0, 0, 1], [2, -1, -1, -1]])
+    assert graph.n_node.tolist()[:2] == [2, 1] and graph.n_node.sum() == 16
+    assert list(graph.senders[:3]) == [0, 0, 1] and list(graph.receivers[:3]) == [1, 0, 1]
+    assert graph.senders[3] == 2 and graph.receivers[3] == 2
+    h = jnp.arange(2 * 4 * 3, dtype=jnp.float32).reshape(2, 4, 3)
+    ctx = np.asarray(node_context(h, jnp.asarray(tok), 16))
+    np.testing.assert_allclose(ctx[0], (np.asarray(h)[0, 1] + np.asarray(h)[0, 2]) / 2)
+    np.testing.assert_allclose(ctx[2], np.asarray(h)[1, 0])
+    assert np.all(ctx[3:] == 0)
+    with pytest.raises(ValueError, match="only 1 local nodes"):
+        batch_graphs([g2], np.array([[1, -1]]))
+
+
+# ------------------------------------------------------------------------------ KFM and model
+
+
+def tiny_bert(layers=4):
+    return BertConfig(vocab_size=40, hidden_size=16, num_layers=layers, num_heads=2, intermediate_size=32,
+                      max_position_embeddings=32)
+
+
+def tiny_inputs():
+    g = add_self_loops(ExampleGraph(np.array([1, 0, 2], np.int32), np.array([2, 1], np.int32),
+                                    np.array([1, 0], np.int32), np.array([2, 3], np.int32), 2))
+    tn = np.array([[-1, 0, 0, 1, -1, -1, -1, -1]])
+    graph, tok = batch_graphs([g], tn)
+    ids = jnp.asarray([[2, 5, 6, 7, 8, 9, 3, 0]])
+    return ids, jnp.asarray([[1, 1, 1, 1, 1, 1, 1, 0]]), graph, jnp.asarray(tok)
+
+
+def test_kfm_film_is_zero_off_mentions_and_zero_maps_identity():
+    ent = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 8))
+    mask = jnp.asarray([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]])
+    kfm = KFM(12)
+    p = kfm.init(jax.random.PRNGKey(1), ent, mask)["params"]
+    film = kfm.apply({"params": p}, ent, mask)
+    for f in (film.gamma_in, film.beta_in, film.gamma_out, film.beta_out):
+        assert f.shape == (2, 5, 12)
+        assert np.all(np.asarray(f)[np.asarray(mask) == 0] == 0)
+        assert np.all(np.abs(np.asarray(f)[np.asarray(mask) == 1]).sum(-1) > 0)
+    zero = kfm.apply({"params": jax.tree.map(jnp.zeros_like, p)}, ent, mask)
+    assert all(np.all(np.asarray(f) == 0) for f in (zero.gamma_in, zero.beta_in, zero.gamma_out, zero.beta_out))
+    only_beta = KFM(12, use_gamma=False).apply({"params": p}, ent, mask)
+    assert only_beta.gamma_in is None and only_beta.gamma_out is None and only_beta.beta_in is not None
+
+
+@pytest.mark.parametrize("method", ["pointwise", "relational"])
+def test_model_with_zero_kfm_maps_equals_plain_bert(method):
+    cfg = tiny_bert()
+    ids, mask, graph, tok = tiny_inputs()
+    model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8), num_labels=3)
+    p = init_params(model, jax.random.PRNGKey(0))
+    ref = BertForTokenClassification(cfg, 3).apply({"params": {"encoder": p["encoder"], "head": p["head"]}}, ids, mask)
+    out = model.apply({"params": p}, ids, mask, None, graph, tok)
+    assert np.abs(np.asarray(out.logits - ref.logits)).max() > 1e-4  # random maps do modulate
+    kala = dict(p["kala"])
+    for k in kala:
+        if k.startswith("kfm_"):
+            kala[k] = jax.tree.map(jnp.zeros_like, kala[k])
+    zero = model.apply({"params": {**p, "kala": kala}}, ids, mask, None, graph, tok)
+    np.testing.assert_array_equal(np.asarray(zero.logits), np.asarray(ref.logits))
+
+
+def test_modulation_reaches_only_mention_tokens():
+    cfg = tiny_bert()
+    ids, mask, graph, tok = tiny_inputs()
+    # KFM on the last layer only: no later attention can spread it, so only mentions change
+    model = KalaModel(cfg, KalaConfig(method="relational", layers=(3,), num_entities=4, num_relations=5,
+                                      relation_dim=8), num_labels=3)
+    p = init_params(model, jax.random.PRNGKey(0))
+    ref = BertForTokenClassification(cfg, 3).apply({"params": {"encoder": p["encoder"], "head": p["head"]}}, ids, mask)
+    out = model.apply({"params": p}, ids, mask, None, graph, tok)
+    diff = np.abs(np.asarray(out.hidden - ref.hidden)).sum(-1)[0]
+    is_mention = np.asarray(tok)[0] >= 0
+    assert np.all(diff[~is_mention] == 0)
+    assert np.all(diff[is_mention] > 1e-3)
+
+
+def test_default_layers_and_config_errors():
+    assert default_layers(12) == (9, 11) and default_layers(6) == (3, 5)
+    with pytest.raises(ValueError, match="out of range"):
+        KalaConfig(layers=(7,)).kfm_layers(6)
+    with pytest.raises(ValueError, match="method"):
+        KalaConfig(method="nope")
+    model = KalaModel(tiny_bert(), KalaConfig(method="relational", num_entities=3), num_labels=2)
+    p = init_params(model, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="needs graph"):
+        model.apply({"params": p}, jnp.zeros((1, 4), jnp.int32))
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def write(tmp_path, name, lines):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("line,field,msg", [
+    ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 1}]}', "mentions[0].id", "missing"),
+    ('{"example": 0, "mentions": [{"text": "EU", "start": "0", "end": 1, "id": "eu"}]}', "mentions[0].start",
+     "expected int"),
+    ('{"example": 0, "mentions": [{"text": "EU", "start": 1, "end": 1, "id": "eu"}]}', "mentions[0].end",
+     "greater than start"),
+    ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 9, "id": "eu"}]}', "mentions[0].end",
+     "past the example"),
+    ('{"example": 0, "mentions": [{"text": "rejects", "start": 0, "end": 1, "id": "eu"}]}', "mentions[0].text",
+     "does not match"),
+    ('{"example": 7, "mentions": []}', "example", "no example 7"),
+    ('{"mentions": []}', "example", "missing"),
+    ('{"example": 0, "mentions": {}}', "mentions", "expected list"),
+    ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 1, "id": ""}]}', "mentions[0].id", "empty"),
+])
+def test_malformed_mentions_name_file_line_field(tmp_path, line, field, msg):
+    good = '{"example": 1, "mentions": [{"text": "German call", "start": 2, "end": 4, "id": "german"}]}'
+    path = write(tmp_path, "m.jsonl", [good, line])
+    examples = {0: ["EU", "rejects", "German", "call"], 1: ["EU", "rejects", "German", "call"]}
+    with pytest.raises(formats.FormatError) as e:
+        formats.read_mentions(path, examples)
+    assert str(e.value).startswith(f"{path}:2: field '{field}': ")
+    assert msg in str(e.value)
+    assert e.value.line == 2 and e.value.field == field
+
+
+def test_malformed_facts_and_json(tmp_path):
+    path = write(tmp_path, "f.jsonl", ['{"h": "a", "r": "P17", "t": "b"}', "", '{"h": "a", "r": 17, "t": "b"}'])
+    with pytest.raises(formats.FormatError, match=r"f.jsonl:3: field 'r': expected str, got 17"):
+        formats.read_facts(path)
+    path = write(tmp_path, "g.jsonl", ['{"h": "a", "r": "P17", "t": "b"', ])
+    with pytest.raises(formats.FormatError, match=r"g.jsonl:1: invalid JSON"):
+        formats.read_facts(path)
+    path = write(tmp_path, "h.jsonl", ['{"h": "a", "r": "P17"}'])
+    with pytest.raises(formats.FormatError, match=r"h.jsonl:1: field 't': missing"):
+        formats.read_facts(path)
+    path = write(tmp_path, "w.jsonl", ['{"h": "a", "r": "P17", "t": "b", "weight": 0}'])
+    with pytest.raises(formats.FormatError, match=r"w.jsonl:1: field 'weight'"):
+        formats.read_facts(path)
+    with pytest.raises(formats.FormatError, match="no such file"):
+        formats.read_facts(tmp_path / "missing.jsonl")
+
+
+def test_roundtrip_mentions_and_facts(tmp_path):
+    ms = {0: [formats.Mention("EU", 0, 1, "eu")], 3: [formats.Mention("New York", 1, 3, "new york")]}
+    formats.write_mentions(tmp_path / "m.jsonl", ms)
+    assert formats.read_mentions(tmp_path / "m.jsonl") == ms
+    facts = [formats.Fact("eu", "P150", "germany"), formats.Fact("a", "b", "c", 3)]
+    formats.write_facts(tmp_path / "f.jsonl", facts)
+    assert formats.read_facts(tmp_path / "f.jsonl") == facts
+    qa = write(tmp_path, "q.jsonl", ['{"example": "q1", "mentions": [{"text": "Paris", "start": 4, "end": 9, "id": "Q90"}]}'])
+    assert formats.read_mentions(qa, {"q1": "See Paris now"})["q1"][0].id == "Q90"
+
+
+# ------------------------------------------------------------------------------ vocab / graphs
+
+
+def test_entity_vocab_kg_subgraph_and_memory_init():
+    train = [[formats.Mention("A", 0, 1, "a"), formats.Mention("B", 2, 3, "b")], [formats.Mention("A", 1, 2, "a")]]
+    vocab = entities.EntityVocab.from_mentions(train)
+    assert vocab.ids == ["[NULL]", "a", "b"] and vocab("zzz") == 0
+    facts = [formats.Fact("x", "r1", "a", 2), formats.Fact("x", "r2", "b"), formats.Fact("b", "r1", "a"),
+             formats.Fact("x", "r2", "c")]
+    rels = entities.RelationVocab.from_facts(facts)
+    assert rels.names == ["None", "[UNK]", "r1", "r2"]
+    kg = entities.KnowledgeGraph(facts, rels)
+    g = kg.subgraph(["x"], vocab, max_neighbors=8)  # x unseen; neighbours a (weight 2), b; c not in vocab
+    assert g.n_local == 1 and g.entity.tolist() == [0, 1, 2]
+    edges = set(zip(g.senders.tolist(), g.receivers.tolist(), g.relation.tolist()))
+    assert edges == {(0, 1, 2), (1, 0, 2), (0, 2, 3), (2, 0, 3), (1, 2, 2), (2, 1, 2), (0, 0, 0), (1, 1, 0), (2, 2, 0)}
+    assert kg.subgraph(["x"], vocab, max_neighbors=1).entity.tolist() == [0, 1]
+    # memory: mean over mention tokens per (example, entity), then mean over examples
+    h = np.arange(2 * 4 * 2, dtype=np.float32).reshape(2, 4, 2)
+    batch = {"token_entity": np.array([[1, 1, 0, 2], [0, 1, 0, 0]]), "token_node": np.array([[0, 0, -1, 1], [-1, 0, -1, -1]])}
+    mem = entities.init_memory(lambda b: h, [batch], 4, 2)
+    np.testing.assert_allclose(mem[1], ((h[0, 0] + h[0, 1]) / 2 + h[1, 1]) / 2)
+    np.testing.assert_allclose(mem[2], h[0, 3])
+    assert np.all(mem[0] == 0) and 0 < np.abs(mem[3]).max() < 0.2
+
+
+def test_label_map_relations(shared_data):
+    rels = entities.RelationVocab.from_label_map(shared_data / "kala" / "label_map.json")
+    assert rels("None") == 0 and rels("[UNK]") == 1 and rels("P17") == 2 and rels("nope") == 1
+    assert len(rels) == len(json.loads((shared_data / "kala" / "label_map.json").read_text()))
+
+
+# ------------------------------------------------------------------------------ builder
+
+
+def test_lexicon_mining_matching_and_patterns():
+    sents = [s.split() for s in [
+        "The Bank of England raised rates in London on Monday .",
+        "But analysts in London said the Bank of England would wait .",
+        "Officials of Reuters in New York ( NY ) said so .",
+        "Reuters reported from New York ( NY ) and London .",
+        "The decision was taken .",
+        "SOCCER - JAPAN GET LUCKY WIN .",
+    ]]
+    lex = builder.mine_lexicon(sents, "capitalised", min_count=2)
+    assert lex.entity_ids() == {"bank of england", "london", "reuters", "new york", "ny"}
+    ms = lex.match("Traders in London and New York ( NY ) watched the Bank of England".split())
+    assert [(m.text, m.start, m.end, m.id) for m in ms] == [
+        ("London", 2, 3, "london"), ("New York", 4, 6, "new york"), ("NY", 7, 8, "ny"),
+        ("Bank of England", 11, 14, "bank of england")]
+    facts = builder.extract_facts([sents[3]], [lex.match(sents[3])], min_pattern=1)
+    got = {(f.h, f.r, f.t) for f in facts}
+    assert ("new york", "abbreviation", "ny") in got and ("reuters", "reported_from", "new york") in got
+    assert ("ny", "conjunction", "london") in got and ("reuters", "co_occurs", "ny") in got
+    lower = builder.mine_lexicon([s.split() for s in ["x breast cancer y"] * 3 + ["breast z"]], "frequent", 2,
+                                 common_top=2)
+    assert ("breast", "cancer") in lower.uncased and lower.match(["Breast", "Cancer"])[0].id == "breast cancer"
+
+
+def test_build_graph_ignores_labels(tmp_path):
+    text = ["EU B-ORG", "rejects O", "German B-MISC", "call O", "", "The O", "German B-MISC", "minister O", "met O",
+            "the O", "EU B-ORG", "envoy O", ""]
+    a = write(tmp_path, "a.conll", text)
+    b = write(tmp_path, "b.conll", [" ".join([ln.split()[0], "O"]) if ln else "" for ln in text])
+    s1 = builder.build_graph([a], tmp_path / "out_a")
+    s2 = builder.build_graph([b], tmp_path / "out_b")
+    assert s1["files"]["a.conll"]["mentions"] == 4
+    assert (tmp_path / "out_a" / "a.conll.mentions.jsonl").read_text() == \
+        (tmp_path / "out_b" / "b.conll.mentions.jsonl").read_text()
+    assert (tmp_path / "out_a" / "facts.jsonl").read_text() == (tmp_path / "out_b" / "facts.jsonl").read_text()
+    words = {i: s.split() for i, s in enumerate(["EU rejects German call", "The German minister met the EU envoy"])}
+    ms = formats.read_mentions(tmp_path / "out_a" / "a.conll.mentions.jsonl", words)
+    assert [(m.id, m.start) for m in ms[1]] == [("german", 1), ("eu", 5)]
+    facts = formats.read_facts(tmp_path / "out_a" / "facts.jsonl")
+    assert {(f.h, f.r, f.t) for f in facts} == {("eu", "near", "german"), ("german", "near", "eu")}

@@ -1,0 +1,106 @@
+"""KALA task plumbing: NER / SQuAD metrics on hand-checked cases, SQuAD files and windows."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jsteer.kala import metrics, qa
+from jsteer.kala.formats import FormatError, Mention
+
+
+def test_entities_follow_seqeval_default_rules():
+    tags = ["B-PER", "I-PER", "O", "I-LOC", "I-LOC", "B-LOC", "I-ORG", "I-ORG", "B-MISC"]
+    assert metrics.entities(tags) == [("PER", 0, 2), ("LOC", 3, 5), ("LOC", 5, 6), ("ORG", 6, 8), ("MISC", 8, 9)]
+    assert metrics.entities(["B-PER", "I-LOC", "I-LOC", "O"]) == [("PER", 0, 1), ("LOC", 1, 3)]
+    assert metrics.entities(["O", "O"]) == []
+
+
+def test_ner_scores_hand_checked():
+    # seqeval's documented example: one of two entities right in each direction -> P = R = F1 = 0.5
+    gold = [["O", "O", "O", "B-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]
+    pred = [["O", "O", "B-MISC", "I-MISC", "I-MISC", "I-MISC", "O"], ["B-PER", "I-PER", "O"]]
+    s = metrics.ner_scores(gold, pred)
+    assert (s["precision"], s["recall"], s["f1"]) == (0.5, 0.5, 0.5)
+    assert s["per_type"]["PER"]["f1"] == 1.0 and s["per_type"]["MISC"]["f1"] == 0.0
+    # 3 gold, 2 predicted, 1 right: P = 1/2, R = 1/3, F1 = 2PR/(P+R) = 0.4
+    gold = [["B-LOC", "O", "B-ORG", "I-ORG"], ["B-PER"]]
+    pred = [["B-LOC", "O", "B-ORG", "O"], ["O"]]
+    s = metrics.ner_scores(gold, pred)
+    assert s["precision"] == pytest.approx(0.5) and s["recall"] == pytest.approx(1 / 3)
+    assert s["f1"] == pytest.approx(0.4)
+    # the same entity split across sentences is two entities
+    assert metrics.ner_scores([["B-PER"], ["I-PER"]], [["B-PER"], ["I-PER"]])["n_gold"] == 2
+    with pytest.raises(ValueError, match="sentence 0"):
+        metrics.ner_scores([["O"]], [["O", "O"]])
+
+
+def test_squad_metrics_hand_checked():
+    assert metrics.normalize_answer("The  Cat, sat!") == "cat sat"
+    assert metrics.exact_match("the Eiffel Tower", "Eiffel tower.") == 1.0
+    assert metrics.token_f1("the big cat", "a cat") == pytest.approx(2 / 3)  # P 1/2, R 1
+    assert metrics.token_f1("dog", "cat") == 0.0
+    s = metrics.squad_scores({"q1": "Paris", "q2": "in London"}, {"q1": ["paris"], "q2": ["London", "UK"], "q3": ["x"]})
+    assert s["exact_match"] == pytest.approx(100 / 3)
+    assert s["f1"] == pytest.approx(100 * (1 + 2 / 3) / 3)
+
+
+def _word_tokenizer(words):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + sorted(set(words)))}
+    tk = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = WhitespaceSplit()
+    return tk
+
+
+def test_squad_file_windows_and_answers(tmp_path):
+    words = [f"w{i}" for i in range(10)] + ["Paris", "is", "big"] + [f"w{i}" for i in range(10, 20)]
+    ctx = " ".join(words)
+    start = ctx.index("Paris")
+    ex = qa.QAExample("q1", "where now ?", ctx, (("Paris", start),))
+    path = tmp_path / "s.json"
+    qa.write_squad(path, [ex])
+    assert qa.read_squad(path) == [ex]
+    tok = _word_tokenizer(ctx.split() + ["where", "now", "?"])
+    mentions = [Mention("Paris", start, start + 5, "paris")]
+    feats = qa.encode_qa(ex, tok, mentions, max_len=14, stride=4)
+    # question 3 tokens + 3 specials -> 8 context tokens per window; 23 context tokens ->
+    # windows start at 0, 4, 8, 12, 16 (the last one reaches the end)
+    assert len(feats) == 5
+    n_q = 5
+    char_start = np.cumsum([0] + [len(w) + 1 for w in words])
+    for f, s0 in zip(feats, (0, 4, 8, 12, 16)):
+        assert f["input_ids"][0] == 2 and f["input_ids"][n_q - 1] == 3 and f["input_ids"][-1] == 3
+        assert f["offsets"][n_q, 0] == char_start[s0] and f["token_type_ids"][n_q] == 1
+    assert len(feats[-1]["input_ids"]) == n_q + 7 + 1
+    inside = [f for f in feats if f["start_positions"] > 0]
+    assert len(inside) == 2  # windows [4, 12) and [8, 16) hold "Paris" (context token 10)
+    for f in inside:
+        sp = int(f["start_positions"])
+        assert f["start_positions"] == f["end_positions"]
+        assert tuple(f["offsets"][sp]) == (start, start + 5)
+        assert f["token_node"][sp] == 0 and (f["token_node"] >= 0).sum() == 1
+    # best span over windows -> the answer text
+    logits = []
+    for f in feats:
+        lg = np.zeros((len(f["input_ids"]), 2))
+        if f["start_positions"] > 0:
+            lg[int(f["start_positions"])] = 5.0
+        logits.append(lg)
+    assert qa.predict_answers(feats, logits, {"q1": ctx}) == {"q1": "Paris"}
+
+
+def test_squad_errors_name_the_field(tmp_path):
+    bad = {"data": [{"paragraphs": [{"context": "abc def", "qas": [
+        {"id": "q", "question": "?", "answers": [{"text": "def", "answer_start": 2}]}]}]}]}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match=r"data\[0\].paragraphs\[0\].qas\[0\].answers\[0\].answer_start"):
+        qa.read_squad(path)
+    bad["data"][0]["paragraphs"][0]["qas"][0]["answers"][0] = {"text": "def"}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match=r"answers\[0\].answer_start': missing"):
+        qa.read_squad(path)
