@@ -91,9 +91,9 @@ def main():
         ids[i, :len(e)], mask[i, :len(e)] = e, 1
     cfg = train.TrainConfig(rank=rank, batch_size=len(encs))
     emb = jnp.asarray(lm.output_embeddings())
-    hidden_fn = lambda i, m: lm.module.apply({"params": lm.params}, i, m).hidden
+    hidden_fn = lambda bp, i, m: lm.module.apply({"params": bp}, i, m).hidden
     t0 = time.perf_counter()
-    cache = train.cache_hidden(jax.jit(hidden_fn), encs, values, batch_size=len(encs))
+    cache = train.cache_hidden(jax.jit(lambda i, m: hidden_fn(lm.params, i, m)), encs, values, batch_size=len(encs))
     res_cache_s = time.perf_counter() - t0
     budget = int(-(-cache.num_tokens // 64) * 64)  # every token of these texts (same objective as below)
     params = train.init_params(cfg, d, v, 1)
@@ -101,13 +101,15 @@ def main():
 
     opt = optax.adam(cfg.lr)
     st = opt.init(params)
-    step_cached = train.make_step(train.cached_loss_fn(emb, cfg), opt)
-    step_full = train.make_step(train.forward_loss_fn(hidden_fn, emb, cfg), opt)
+    step_cached = train.make_step(train.cached_loss_fn(cfg), opt)
+    step_full = train.make_step(train.forward_loss_fn(hidden_fn, cfg), opt)
     rng = np.random.default_rng(0)
     b_cached = train.sample_batch(cache, rng, cfg.batch_size, budget)
     b_full = {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "values": jnp.asarray(values[:, None])}
-    steps = {"cached": lambda: step_cached(params, st, b_cached)[2],
-             "full_forward": lambda: step_full(params, st, b_full)[2]}
+    frozen_c = {"embedding": emb}
+    frozen_f = {"embedding": emb, "backbone": lm.params}
+    steps = {"cached": lambda: step_cached(params, st, frozen_c, b_cached)[2],
+             "full_forward": lambda: step_full(params, st, frozen_f, b_full)[2]}
     # same objective: both losses agree on the same texts
     l_c, l_f = float(steps["cached"]()), float(steps["full_forward"]())
     times = {k: [] for k in steps}

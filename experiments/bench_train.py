@@ -1,16 +1,23 @@
 """Training-engine benchmark: token-classification fine-tuning of MiniLM on CoNLL-2003.
 
-CPU (always): jsteer (Trainer + jsteer.backbones.bert, jitted, donated) vs an equivalent
-Hugging Face PyTorch loop (same weights, same classifier init, same batches, AdamW with the
-same decay mask, warmup + linear decay, clipping at 1.0, dropout on), timed in the same
-process in alternating blocks so load changes hit both. Reports examples/s and tokens/s.
+CPU (when jax runs on CPU): jsteer (Trainer + jsteer.backbones.bert, jitted, donated state)
+vs an equivalent Hugging Face PyTorch loop: same weights, same classifier init, AdamW with the
+same decay mask, warmup + linear decay, clipping at 1.0, dropout on. Both run in this process
+in alternating blocks of steps, so load changes on a shared machine hit both. Modes:
 
-Modes: ``fixed`` pads every batch to ``--seq`` (B32 x T128 by default); ``bucketed`` pads
-each batch to the smallest of a few bucket lengths (what jsteer's Batcher does), feeding the
-very same batches to both frameworks.
+  fixed     both get the same batches, every one padded to --seq (B32 x T128 by default):
+            the engine alone.
+  bucketed  both get the same jsteer batches (length-grouped, padded to buckets 32/64/128).
+  pipeline  each framework with its own data recipe: jsteer's Batcher (length-grouped,
+            bucketed) vs the HF recipe (random order, pad to the longest in the batch, as
+            DataCollatorForTokenClassification does). Same model, optimizer, batch size.
 
-GPU (when jax sees one): examples/s and MFU of a BERT-base-sized token classifier in bf16
-(synthetic ids), for a few batch shapes.
+Reports examples/s, real tokens/s and padding per framework. torch uses the faster of 1 and
+all-core threads (picked in warmup), since an oversubscribed machine can punish spinning
+OpenMP threads.
+
+GPU (when jax sees one): examples/s and MFU of a BERT-base-sized token classifier, bf16
+compute with fp32 masters, synthetic ids, for a few batch shapes (no torch comparison).
 
     .venv/bin/python experiments/bench_train.py --steps 20 --out out/bench_train.json
 """
@@ -192,70 +199,126 @@ def torch_eval_loss(model, batch):
 # ----------------------------------------------------------------------------- CPU bench
 
 
-def cpu_bench(args, examples, num_labels, model_dir, buckets, mode):
+def hf_collate_batches(examples, batch: int, seed: int, count: int, max_len: int):
+    """The usual HF recipe: random order, each batch padded to its longest example
+    (what DataCollatorForTokenClassification does)."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(examples))
+    out = []
+    for s in range(count):
+        rows = [examples[i] for i in order[s * batch : (s + 1) * batch]]
+        L = min(max(len(r["input_ids"]) for r in rows), max_len)
+        ids = np.zeros((batch, L), np.int32)
+        labels = np.full((batch, L), -100, np.int32)
+        mask = np.zeros((batch, L), np.int32)
+        for j, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[j, :n], labels[j, :n], mask[j, :n] = r["input_ids"], r["labels"], 1
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask,
+                    "example_mask": np.ones((batch,), np.int32)})
+    return out
+
+
+def warmup_set(batches):
+    """One batch per distinct padded length (so every shape compiles before timing)."""
+    seen, out = set(), []
+    for b in batches:
+        L = b["input_ids"].shape[1]
+        if L not in seen:
+            seen.add(L)
+            out.append(b)
+    return out
+
+
+def pick_torch_threads(model, opt, sched, batch, choices):
+    """Fastest torch thread count on this (possibly shared) machine; one step each."""
+    import torch
+
+    best = None
+    for n in choices:
+        torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        torch_step(model, opt, sched, batch)
+        dt = time.perf_counter() - t0
+        if best is None or dt < best[1]:
+            best = (n, dt)
+    torch.set_num_threads(best[0])
+    return best[0]
+
+
+def cpu_bench(args, examples, num_labels, model_dir, mode):
+    """mode: fixed (both get B x seq), bucketed (both get jsteer's bucketed batches), pipeline
+    (jsteer's bucketed batches vs the HF recipe's randomly ordered, pad-to-longest batches)."""
     import jax
 
-    count = args.warmup + args.steps
-    batches = make_batches(examples, args.batch, buckets, seed=0, count=count)
-    total = count
+    n = args.steps
+    buckets = (args.seq,) if mode == "fixed" else tuple(b for b in (32, 64) if b < args.seq) + (args.seq,)
+    stream = make_batches(examples, args.batch, buckets, seed=0, count=n + 40)
+    j_batches, spare = stream[:n], stream[n:]
+    t_batches = j_batches if mode != "pipeline" else hf_collate_batches(examples, args.batch, 1, n + 40, args.seq)
+    t_batches, t_spare = t_batches[:n], t_batches[n:]
+    total = n + 10
     trainer, module, params, _ = build_jsteer(model_dir, num_labels, args.lr, total)
-    res = {"mode": mode, "buckets": list(buckets), "batch": args.batch,
-           "padded_lengths": [int(b["input_ids"].shape[1]) for b in batches]}
+    res = {"mode": mode, "buckets": list(buckets), "batch": args.batch, "timed_steps": n}
 
-    # Equivalence check before training: same weights -> same eval loss on batch 0.
-    j_eval = jsteer_eval_loss(module, params, batches[0])
+    j_eval = jsteer_eval_loss(module, params, j_batches[0])
     torch_model = None
     if not args.skip_torch:
         import torch
 
         torch.manual_seed(0)
-        torch.set_num_threads(args.threads or os.cpu_count())
         torch_model, opt, sched = build_torch(model_dir, num_labels, args.lr, total, params["head"])
-        t_eval = torch_eval_loss(torch_model, batches[0])
+        t_eval = torch_eval_loss(torch_model, j_batches[0])
         res["eval_loss_batch0"] = {"jsteer": j_eval, "torch": t_eval, "abs_diff": abs(j_eval - t_eval)}
 
-    # Warmup (compiles every bucket shape for jsteer; first-touch allocations for torch).
-    j_times, t_times, j_losses, t_losses = [], [], [], []
-    for b in batches[: args.warmup]:
-        m = trainer.train_step(b, total)
-        jax.block_until_ready(m["loss"])
-        if torch_model is not None:
-            torch_step(torch_model, opt, sched, b)
+    # Warmup: jsteer compiles one program per padded length; torch warms its allocator and
+    # picks its thread count (2 threads can lose to 1 on a shared 2-core machine).
+    shapes_needed = {b["input_ids"].shape[1] for b in j_batches}
+    warm = [b for b in warmup_set(spare + j_batches) if b["input_ids"].shape[1] in shapes_needed]
+    t0 = time.perf_counter()
+    for b in warm:
+        jax.block_until_ready(trainer.train_step(b, total)["loss"])
+    res["jsteer_warmup_s"] = time.perf_counter() - t0
     res["jsteer_compilations"] = trainer.num_compilations
-    timed = batches[args.warmup:]
-    block = args.block
-    for s in range(0, len(timed), block):
-        chunk = timed[s : s + block]
+    if torch_model is not None:
+        tw = t_spare[:1] if mode == "pipeline" else warm[-1:]
+        torch_step(torch_model, opt, sched, tw[0])
+        choices = [args.threads] if args.threads else sorted({1, os.cpu_count() or 1})
+        res["torch_threads"] = pick_torch_threads(torch_model, opt, sched, tw[0], choices)
+
+    j_times, t_times, j_losses, t_losses = [], [], [], []
+    for s in range(0, n, args.block):
         t0 = time.perf_counter()
-        for b in chunk:
-            m = trainer.train_step(b, total)
-            j_losses.append(float(m["loss"]))  # float() syncs: every step fully finished
+        for b in j_batches[s : s + args.block]:
+            j_losses.append(float(trainer.train_step(b, total)["loss"]))  # float() waits for the step
         j_times.append(time.perf_counter() - t0)
         if torch_model is not None:
             t0 = time.perf_counter()
-            for b in chunk:
+            for b in t_batches[s : s + args.block]:
                 t_losses.append(torch_step(torch_model, opt, sched, b))
             t_times.append(time.perf_counter() - t0)
-    n_ex = args.batch * len(timed)
-    n_tok = int(sum(int(b["attention_mask"].sum()) for b in timed))
-    n_pad_tok = int(sum(b["input_ids"].size for b in timed))
-    res["timed_steps"] = len(timed)
-    res["real_tokens"] = n_tok
-    res["padded_tokens"] = n_pad_tok
-    res["jsteer"] = _rates(sum(j_times), len(timed), n_ex, n_tok, j_losses)
+    res["jsteer"] = _rates(sum(j_times), j_batches, j_losses)
     res["jsteer"]["compilations_after"] = trainer.num_compilations
     if torch_model is not None:
-        res["torch"] = _rates(sum(t_times), len(timed), n_ex, n_tok, t_losses)
+        res["torch"] = _rates(sum(t_times), t_batches, t_losses)
         res["speedup_examples_per_s"] = res["jsteer"]["examples_per_s"] / res["torch"]["examples_per_s"]
+    res["load_avg_1min"] = os.getloadavg()[0]
     return res
 
 
-def _rates(seconds, steps, n_ex, n_tok, losses):
+def _rates(seconds, batches, losses):
+    steps = len(batches)
+    n_ex = sum(int(b["example_mask"].sum()) for b in batches)
+    n_tok = sum(int(b["attention_mask"].sum()) for b in batches)
+    n_pad = sum(int(b["input_ids"].size) for b in batches)
     return {
         "seconds": seconds,
         "s_per_step": seconds / steps,
         "examples_per_s": n_ex / seconds,
         "tokens_per_s": n_tok / seconds,
+        "padded_tokens_per_s": n_pad / seconds,
+        "padding_fraction": 1 - n_tok / n_pad,
+        "padded_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
     }
@@ -336,16 +399,15 @@ def _init_params(module_cfg, num_labels):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per framework and mode")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="GPU: untimed steps per shape")
     ap.add_argument("--block", type=int, default=5, help="steps per alternating timing block")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--modes", default="fixed,bucketed")
+    ap.add_argument("--modes", default="fixed,pipeline", help="comma list of fixed, bucketed, pipeline")
     ap.add_argument("--limit", type=int, default=4000, help="CoNLL train sentences to tokenize")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the faster of 1 and all cores)")
     ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--gpu", action="store_true", help="run the GPU MFU part even if the CPU part is skipped")
     ap.add_argument("--out", default=str(ROOT / "out" / "bench_train.json"))
     args = ap.parse_args(argv)
 
@@ -370,9 +432,8 @@ def main(argv=None):
         result["data"] = {"sentences": len(examples), "labels": labels, "prepare_s": time.perf_counter() - t0}
         result["cpu"] = []
         for mode in args.modes.split(","):
-            buckets = (args.seq,) if mode == "fixed" else tuple(b for b in (32, 64, 128) if b < args.seq) + (args.seq,)
-            r = cpu_bench(args, examples, len(labels), model_dir, buckets, mode)
-            print(json.dumps({k: v for k, v in r.items() if k != "padded_lengths"}), flush=True)
+            r = cpu_bench(args, examples, len(labels), model_dir, mode)
+            print(json.dumps(r), flush=True)
             result["cpu"].append(r)
     else:
         result["gpu"] = gpu_bench(args, num_labels=9)

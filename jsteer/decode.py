@@ -11,14 +11,15 @@ Protocol a decoder module must follow (LLaMA and GPT-2 do):
 :func:`generate` prefills the left-padded prompt batch into a cache of T + max_new_tokens
 slots, then runs a ``lax.while_loop`` over new tokens that stops early once every row has
 emitted a stop id. The whole thing is one XLA computation: no host round trip per token, and
-the cache lives (and is updated in place) inside it. Only the shapes [B,T], ``max_new_tokens``,
-the module, the number of stop ids rounded up to 8 and the hook *structure* are compile-time constants;
-temperature / top-k / top-p / stop ids / keys / hook values are traced, so changing them (or the
-prompt text within a [B,T] bucket) reuses the compiled program.
+the cache lives (and is updated in place) inside it. Compile-time constants: the shapes
+[B,T], ``max_new_tokens``, the module, the number of stop ids (rounded up to 8) and the hook
+*structure*. Temperature / top-k / top-p / stop ids / keys / hook values are traced, so
+changing them (or the prompt text within a [B,T] bucket) reuses the compiled program.
 
 Hooks: ``embed_offset``, ``film``, ``attn_bias`` and ``position_ids`` act on the prompt
-(prefill) only; ``step_offset`` is added to every generated token's embedding; ``steer``
-acts at every step, including the prefill logits that pick the first new token.
+(prefill) only (generated tokens continue one past the largest prompt position);
+``step_offset`` is added to every generated token's embedding; ``steer`` acts at every
+step, including the prefill logits that pick the first new token.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
         if not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
             raise ValueError(f"generate: invalid {name} {np.asarray(x).tolist()}")
     stop = [int(s) for s in np.asarray(stop_ids, np.int64).reshape(-1)]
-    stop += [-1] * (-len(stop) % 8)  # padded to a multiple of 8 (-1 is never a token): fewer programs
+    stop += [-1] * (max(8, -(-len(stop) // 8) * 8) - len(stop))  # pad (-1 is never a token): fewer programs
     stop = jnp.asarray(stop, jnp.int32)
     return _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop,
                      _row_keys(rng, b), hooks, jnp.int32(pad_id), max_new_tokens=int(max_new_tokens))

@@ -349,7 +349,14 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
         head = fam.detect_head(state_dict, hf_config)
     elif fam.kind == DECODER and head is not None:
         raise ValueError(f"{source}: head={head!r} given but {family!r} is a decoder (heads are BERT-only)")
-    params = _cast(fam.params_from_hf(state_dict, config, head), dtype)
+    try:
+        params = fam.params_from_hf(state_dict, config, head)
+    except KeyError as e:
+        if head is None:
+            raise
+        raise ValueError(f"{source}: the weights have no {head!r} head ({e.args[0]}); load with head=None and "
+                         f"add a fresh head (jsteer.backbones.bert.init_head)") from None
+    params = _cast(params, dtype)
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype
     if tokenizer.vocab_size > _vocab_size(config):

@@ -5,6 +5,7 @@ Sources:
 - ``tokenizer.json`` (any HF fast tokenizer), with special tokens taken from the folder's
   ``tokenizer_config.json`` / ``special_tokens_map.json`` / ``config.json`` when present;
 - ``vocab.txt`` (BERT WordPiece), lower-cased unless ``do_lower_case`` is false;
+- ``vocab.json`` + ``merges.txt`` (byte-level BPE: GPT-2, RoBERTa);
 - the tokenizer JSON that ``jsteer.convert.gguf`` builds from GGUF metadata (special ids
   passed in explicitly).
 
@@ -117,7 +118,10 @@ class Tokenizer:
             return cls.from_tokenizer_json(tj, special_ids)
         if vt.is_file():
             return cls.from_vocab_txt(vt, special_ids=special_ids)
-        raise FileNotFoundError(f"no tokenizer in {path}: looked for tokenizer.json and vocab.txt")
+        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+            return cls.from_bpe_files(path / "vocab.json", path / "merges.txt", special_ids=special_ids)
+        raise FileNotFoundError(
+            f"no tokenizer in {path}: looked for tokenizer.json, vocab.txt and vocab.json + merges.txt")
 
     @classmethod
     def from_tokenizer_json(cls, path: PathLike,
@@ -183,6 +187,37 @@ class Tokenizer:
             tk.post_processor = processors.TemplateProcessing(
                 single=f"{cls_t} $A {sep_t}", pair=f"{cls_t} $A {sep_t} $B:1 {sep_t}:1",
                 special_tokens=[(cls_t, vocab[cls_t]), (sep_t, vocab[sep_t])])
+        return cls(tk, _merge_special(tk, names, special_ids))
+
+    @classmethod
+    def from_bpe_files(cls, vocab_json: PathLike, merges_txt: PathLike,
+                       special_ids: Optional[Mapping[str, Optional[int]]] = None) -> "Tokenizer":
+        """Byte-level BPE from ``vocab.json`` + ``merges.txt`` (GPT-2 / RoBERTa folders without a
+        tokenizer.json). RoBERTa-family folders (config.json model_type) get ``<s> ... </s>``."""
+        from tokenizers import Tokenizer as _Tk
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+
+        vocab_json, merges_txt = pathlib.Path(vocab_json), pathlib.Path(merges_txt)
+        for f in (vocab_json, merges_txt):
+            if not f.is_file():
+                raise FileNotFoundError(f"BPE tokenizer file not found: {f}")
+        try:
+            bpe = models.BPE.from_file(str(vocab_json), str(merges_txt))
+        except Exception as e:
+            raise ValueError(f"{vocab_json} / {merges_txt}: cannot build a BPE tokenizer ({e})") from None
+        tk = _Tk(bpe)
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        folder = vocab_json.parent
+        names = _folder_special_tokens(folder)
+        vocab = tk.get_vocab()
+        specials = {v for v in names.values() if isinstance(v, str)} | {"<|endoftext|>", "<s>", "</s>", "<pad>",
+                                                                          "<unk>", "<mask>"}
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in sorted(specials) if t in vocab])
+        cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+        if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert") and "<s>" in vocab and "</s>" in vocab:
+            tk.post_processor = processors.RobertaProcessing(("</s>", vocab["</s>"]), ("<s>", vocab["<s>"]))
+            names = {"cls": "<s>", "sep": "</s>", **names}
         return cls(tk, _merge_special(tk, names, special_ids))
 
     @classmethod

@@ -182,6 +182,8 @@ def test_tiny_bert_mlm_head_auto_and_override(tmp_path):
     assert bare.head is None and "head" not in bare.params
     assert np.array_equal(bare.forward(ids, mask).hidden, out.hidden)
     assert bare.forward(ids, mask).logits is None
+    with pytest.raises(ValueError, match="weights have no 'qa' head .*qa_outputs.weight"):
+        jsteer.load(tmp_path / "bert", head="qa")
     with pytest.raises(ValueError, match="no head 'nope'"):
         jsteer.load(tmp_path / "bert", head="nope")
 

@@ -145,6 +145,25 @@ def test_batch_graphs_offsets_and_context():
         batch_graphs([g2], np.array([[1, -1]]))
 
 
+def test_stacked_layout_round_trips_to_the_padded_batch():
+    from jsteer.kala.graph import flatten_graphs, stack_graphs
+
+    graphs = [hand_graph(), ExampleGraph.empty(), add_self_loops(ExampleGraph(
+        np.array([4], np.int32), *(np.zeros(0, np.int32),) * 3, 1))]
+    tn = np.array([[0, 2, -1], [-1, -1, -1], [0, 0, -1]])
+    st = stack_graphs(graphs, tn, n_node_min=8)
+    assert all(v.shape[0] == 3 for v in st.values())
+    n_node, n_edge = st["graph_entity"].size, st["graph_senders"].size
+    assert n_node % 3 == 0 and n_node >= 8 and n_edge % 3 == 0
+    ref, ref_tok = batch_graphs(graphs, tn, n_node=n_node, n_edge=n_edge)
+    graph, tok = flatten_graphs(st)
+    for a, b in ((graph.nodes["entity"], ref.nodes["entity"]), (graph.senders, ref.senders),
+                 (graph.receivers, ref.receivers), (graph.edges["relation"], ref.edges["relation"]),
+                 (graph.n_node, ref.n_node), (graph.n_edge, ref.n_edge), (tok, ref_tok)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(tok), [[0, 2, -1], [-1, -1, -1], [4, 4, -1]])
+
+
 # ------------------------------------------------------------------------------ KFM and model
 
 
@@ -165,7 +184,7 @@ def tiny_inputs():
 def test_kfm_film_is_zero_off_mentions_and_zero_maps_identity():
     ent = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 8))
     mask = jnp.asarray([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]])
-    kfm = KFM(12)
+    kfm = KFM(12, zero_init=False)
     p = kfm.init(jax.random.PRNGKey(1), ent, mask)["params"]
     film = kfm.apply({"params": p}, ent, mask)
     for f in (film.gamma_in, film.beta_in, film.gamma_out, film.beta_out):
@@ -174,7 +193,7 @@ def test_kfm_film_is_zero_off_mentions_and_zero_maps_identity():
         assert np.all(np.abs(np.asarray(f)[np.asarray(mask) == 1]).sum(-1) > 0)
     zero = kfm.apply({"params": jax.tree.map(jnp.zeros_like, p)}, ent, mask)
     assert all(np.all(np.asarray(f) == 0) for f in (zero.gamma_in, zero.beta_in, zero.gamma_out, zero.beta_out))
-    only_beta = KFM(12, use_gamma=False).apply({"params": p}, ent, mask)
+    only_beta = KFM(12, use_gamma=False, zero_init=False).apply({"params": p}, ent, mask)
     assert only_beta.gamma_in is None and only_beta.gamma_out is None and only_beta.beta_in is not None
 
 
@@ -182,7 +201,8 @@ def test_kfm_film_is_zero_off_mentions_and_zero_maps_identity():
 def test_model_with_zero_kfm_maps_equals_plain_bert(method):
     cfg = tiny_bert()
     ids, mask, graph, tok = tiny_inputs()
-    model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8), num_labels=3)
+    model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
+                                                  kfm_zero_init=False), num_labels=3)
     p = init_params(model, jax.random.PRNGKey(0))
     ref = BertForTokenClassification(cfg, 3).apply({"params": {"encoder": p["encoder"], "head": p["head"]}}, ids, mask)
     out = model.apply({"params": p}, ids, mask, None, graph, tok)
@@ -200,7 +220,7 @@ def test_modulation_reaches_only_mention_tokens():
     ids, mask, graph, tok = tiny_inputs()
     # KFM on the last layer only: no later attention can spread it, so only mentions change
     model = KalaModel(cfg, KalaConfig(method="relational", layers=(3,), num_entities=4, num_relations=5,
-                                      relation_dim=8), num_labels=3)
+                                      relation_dim=8, kfm_zero_init=False), num_labels=3)
     p = init_params(model, jax.random.PRNGKey(0))
     ref = BertForTokenClassification(cfg, 3).apply({"params": {"encoder": p["encoder"], "head": p["head"]}}, ids, mask)
     out = model.apply({"params": p}, ids, mask, None, graph, tok)

@@ -154,6 +154,11 @@ def test_cached_decoding_matches_full_forward(gqa_untied):
     assert np.abs(got - full)[real].max() <= 1e-5
     assert int(cache.index) == T and cache.pos.tolist() == mask.sum(-1).tolist()
     assert np.isfinite(got).all()
+    # explicit positions: the next position is one past the largest real one
+    pos = np.array([[0, 1, 2, 3, 9, 9, 9, 9, 9]] * 3) * mask
+    out = model.apply(
+        {"params": params}, ids, mask, cache=cfg.init_cache(3, T), hooks=Hooks(position_ids=jnp.asarray(pos)))
+    assert out.cache.pos.tolist() == [10, 10, 10]
 
 
 def test_identity_hooks_and_hook_plumbing(gqa_untied):

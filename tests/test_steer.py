@@ -227,3 +227,21 @@ def test_explain_recovers_planted_direction():
     assert interpret.promoted_tokens(params, emb, v, np.asarray([1.0]), top=1)[0] == 5
     with pytest.raises(ValueError, match="out of range"):
         interpret.explain(params, emb, steer=3)
+
+
+def test_stack_composes_steers():
+    a = head.init(jax.random.PRNGKey(0), D, 2, rank=R, scale=0.5)
+    b = head.init(jax.random.PRNGKey(1), D, 2, rank=R, scale=0.5)
+    c = head.init(jax.random.PRNGKey(2), D, 1, rank=None, scale=0.5)
+    h, emb = jnp.asarray(_rand(1, B, T, D)), jnp.asarray(_rand(2, V, D))
+    ab = head.stack([a, b])
+    assert set(ab) == {"p1", "p2"} and ab["p1"].shape == (4, D, R)
+    abc = head.stack([a, b, c])
+    assert set(abc) == {"w"} and abc["w"].shape == (5, D, D)
+    ea, eb, ec = jnp.asarray([1.0, 0.5]), jnp.asarray([-2.0, 0.3]), jnp.asarray([0.7])
+    base = jnp.einsum("btd,vd->btv", h, emb)
+    want = sum(head.apply(p, h, emb, e) - base for p, e in ((a, ea), (b, eb), (c, ec))) + base
+    got = head.apply(abc, h, emb, jnp.concatenate([ea, eb, ec]))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="different hidden sizes"):
+        head.stack([a, head.init(jax.random.PRNGKey(3), D + 2, 1, rank=R)])

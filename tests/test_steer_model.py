@@ -218,3 +218,20 @@ def test_sst5_and_jigsaw_label_mapping(shared_data):
     assert all((v > 0) == (r["label"] in ("3", "4")) for v, r in zip(values, kept))
     texts, values = train.load_labeled(str(shared_data / "jigsaw_toxic_subset" / "test.csv"), limit=100)
     assert len(texts) == 100 and (values > 0).sum() == 50
+
+
+def test_training_engines_agree(lm):
+    """jsteer.train.Trainer and the minimal optax loop run the same Adam on the same batches."""
+    texts, values = toy.corpus(40, seed=2)
+    cache = train.cache_lm(lm, texts, values, batch_size=64)
+    emb = np.asarray(lm.output_embeddings())
+    out = {}
+    for engine in ("jsteer", "optax"):
+        out[engine] = train.train(cache, emb, train.TrainConfig(rank=4, steps=8, batch_size=8, engine=engine,
+                                                                log_every=1))
+    np.testing.assert_allclose(out["jsteer"][1]["loss"], out["optax"][1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(out["jsteer"][0]["p1"], out["optax"][0]["p1"], rtol=1e-4, atol=1e-6)
+    init = train.init_params(train.TrainConfig(rank=4), emb.shape[1], emb.shape[0])
+    assert np.abs(np.asarray(out["jsteer"][0]["p1"]) - np.asarray(init["p1"])).max() > 0.05  # it trained
+    with pytest.raises(ValueError, match="unknown training engine"):
+        train.train(cache, emb, train.TrainConfig(rank=4, steps=1, engine="torch"))

@@ -137,7 +137,7 @@ def test_json_round_trip(minilm_dir):
 def test_missing_and_corrupt_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.json"):
         Tokenizer.from_file(tmp_path / "nope.json")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json and vocab.txt"):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json, vocab.txt and vocab.json"):
         Tokenizer.from_dir(tmp_path)
     with pytest.raises(FileNotFoundError, match="vocab.txt"):
         Tokenizer.from_vocab_txt(tmp_path / "vocab.txt")
@@ -150,3 +150,34 @@ def test_missing_and_corrupt_files(tmp_path):
     v.write_text("[PAD]\n[UNK]\nhello\nhello\n")
     with pytest.raises(ValueError, match=r"vocab.txt:4: duplicate token 'hello'"):
         Tokenizer.from_vocab_txt(v)
+
+
+def test_byte_level_bpe_from_vocab_json_and_merges(tmp_path):
+    """A GPT-2-style folder without tokenizer.json: vocab.json + merges.txt, checked against
+    transformers' GPT2Tokenizer loaded from the same two files."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Tokenizer
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "Hello world! héllo wörld 123",
+              "steering language models with linear transforms"] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "eos_token_id": 0, "bos_token_id": 0}))
+    tok = Tokenizer.from_dir(tmp_path)
+    ref = GPT2Tokenizer.from_pretrained(str(tmp_path))
+    for t in ["Hello world! héllo", " the lazy fox<|endoftext|>", "unseen wörds 42"]:
+        assert tok.encode(t) == ref(t)["input_ids"], t
+        assert tok.decode(tok.encode(t), skip_special_tokens=False) == t
+    assert tok.eos_id == tok.bos_id == 0 and tok.stop_ids == (0,)
+    # RoBERTa folders get <s> ... </s> around the text
+    bpe2 = ByteLevelBPETokenizer()
+    bpe2.train_from_iterator(corpus, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    rob = tmp_path / "rob"
+    rob.mkdir()
+    bpe2.save_model(str(rob))
+    (rob / "config.json").write_text(json.dumps({"model_type": "roberta"}))
+    rt = Tokenizer.from_dir(rob)
+    ids = rt.encode("the fox")
+    assert ids[0] == rt.cls_id == 0 and ids[-1] == rt.sep_id == 2 and rt.mask_id == 4 and rt.pad_id == 1
+    assert rt.decode(ids) == "the fox"

@@ -21,7 +21,8 @@ Hook points: ``embed_offset`` after the token lookup; FiLM ``in`` on the post-at
 RMSNorm output (the MLP input) and ``out`` on the residual stream after the MLP add;
 ``attn_bias`` [B,T,T] added to the scores of the T new tokens against themselves (without a
 cache that is the whole score matrix; with a cache, earlier slots get no bias);
-``position_ids`` [B,T] replace the default positions; ``steer`` transforms the final-norm
+``position_ids`` [B,T] replace the default positions (with a cache, the next position becomes
+one past the largest real one); ``steer`` transforms the final-norm
 output before the output embedding (``ModelOutput.hidden`` stays unsteered).
 
 Param tree: ``embed`` (``embedding`` [V,D]), ``layers_{i}`` (``input_layernorm``,
@@ -403,8 +404,10 @@ class LlamaForCausalLM(nn.Module):
 
         new_cache = None
         if cache is not None:
+            # next position: one past the last real token's (= pos + #real tokens by default)
+            last = jnp.max(jnp.where(mask > 0, positions + 1, 0), axis=-1)
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask, index=index + t,
-                                pos=cache.pos + mask.sum(axis=-1))
+                                pos=jnp.maximum(cache.pos, last).astype(jnp.int32))
         return ModelOutput(logits=logits.astype(jnp.float32), hidden=hidden,
                            hidden_states=None if hidden_states is None else tuple(hidden_states),
                            cache=new_cache)

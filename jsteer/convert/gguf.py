@@ -172,5 +172,11 @@ def read_gguf(path, with_tokenizer: bool = True) -> Tuple[dict, Dict[str, np.nda
 
     metadata = {k: v for k, v in fields.items() if k not in _BULKY and not k.startswith("GGUF.")}
     metadata["path"] = os.path.abspath(path)
-    tokenizer = _tokenizer_json(path) if with_tokenizer else None
+    tokenizer = None
+    if with_tokenizer:
+        try:
+            tokenizer = _tokenizer_json(path)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot build the tokenizer from the GGUF metadata: "
+                             f"{type(e).__name__}: {e}") from e
     return config, state, tokenizer, metadata

@@ -285,15 +285,19 @@ def _col_index(path, col, names) -> int:
     return names.index(col)
 
 
-def read_text_files_labeled(files: Mapping[str, PathLike]) -> list[LabeledText]:
+def read_text_files_labeled(
+    files: Mapping[str, PathLike], *, label_set: Optional[Sequence[str]] = None
+) -> list[LabeledText]:
     """Plain text files, one example a line, every line labelled with its file's label.
 
     ``files``: ``{label: path}``. A blank line is an error (it would be an empty example).
     """
+    allowed = None if label_set is None else frozenset(label_set)
     out = []
     for label, path in files.items():
         for ln, line in iter_lines(path):
-            out.append(LabeledText(_check_text(path, ln, line), str(label), str(path), ln))
+            lab = _check_label(path, ln, str(label), allowed)
+            out.append(LabeledText(_check_text(path, ln, line), lab, str(path), ln))
     return out
 
 

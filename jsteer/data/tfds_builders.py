@@ -214,20 +214,16 @@ class LabeledText(_SourceBuilder):
             return readers.read_csv_labeled(src, label_set=label_set, **self._reader_kw)
         if not isinstance(src, Mapping):
             raise ValueError(f"fmt='text' needs {{label: path}} per split, got {src!r} for split {split!r}")
-        recs = readers.read_text_files_labeled(src)
-        if label_set is not None:
-            for r in recs:
-                readers._check_label(r.source, r.line, r.label, frozenset(label_set))
-        return recs
+        return readers.read_text_files_labeled(src, label_set=label_set)
 
     def _info(self):
         return self._make_info(
             "Labeled text (jsteer).",
-                {
-                    "text": tfds.features.Text(),
-                    "label": tfds.features.ClassLabel(names=self._label_names),
-                    "line": np.int32,
-                },
+            {
+                "text": tfds.features.Text(),
+                "label": tfds.features.ClassLabel(names=self._label_names),
+                "line": np.int32,
+            },
         )
 
     def _split_names(self):
@@ -267,15 +263,15 @@ class Lama(_SourceBuilder):
     def _info(self):
         return self._make_info(
             "LAMA facts (jsteer).",
-                {
-                    "relation": tfds.features.Text(),
-                    "sub_label": tfds.features.Text(),
-                    "obj_label": tfds.features.Text(),
-                    "prompt": tfds.features.Text(),
-                    "masked_sentences": tfds.features.Tensor(shape=(None,), dtype=np.object_),
-                    "uuid": tfds.features.Text(),
-                    "line": np.int32,
-                },
+            {
+                "relation": tfds.features.Text(),
+                "sub_label": tfds.features.Text(),
+                "obj_label": tfds.features.Text(),
+                "prompt": tfds.features.Text(),
+                "masked_sentences": tfds.features.Tensor(shape=(None,), dtype=np.object_),
+                "uuid": tfds.features.Text(),
+                "line": np.int32,
+            },
         )
 
     def _split_names(self):
@@ -321,14 +317,14 @@ class TypedLama(_SourceBuilder):
     def _info(self):
         return self._make_info(
             "LAMA prompts grouped by answer type (jsteer).",
-                {
-                    "sent": tfds.features.Text(),
-                    "gold": tfds.features.Text(),
-                    "type": tfds.features.ClassLabel(names=self._type_names),
-                    "relation": tfds.features.Text(),
-                    "corpus": tfds.features.Text(),
-                    "line": np.int32,
-                },
+            {
+                "sent": tfds.features.Text(),
+                "gold": tfds.features.Text(),
+                "type": tfds.features.ClassLabel(names=self._type_names),
+                "relation": tfds.features.Text(),
+                "corpus": tfds.features.Text(),
+                "line": np.int32,
+            },
         )
 
     def _split_names(self):

@@ -10,6 +10,11 @@ Linear-ReLU-Linear maps::
 and the backbone applies ``h -> (1 + gamma) * h + beta`` through :class:`jsteer.hooks.FiLM`.
 Every vector is multiplied by the token's mention indicator, so tokens outside mentions see
 the identity. ``use_gamma`` / ``use_beta`` switch the scale / shift off (the paper's Table 3).
+
+``zero_init`` (default on; the original used PyTorch's default init) starts each map's second
+Linear at zero, so a fresh KFM is the identity and the pretrained features are not perturbed
+by random modulation at the start of a short fine-tuning run; the first Linear still gets
+gradients as soon as the second moves.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ Array = jnp.ndarray
 
 
 class MLP(nn.Module):
-    """Linear(De -> D) - ReLU - Linear(D -> D)."""
+    """Linear(De -> D) - ReLU - Linear(D -> D); ``zero_init`` starts the second Linear at 0."""
 
     hidden: int
+    zero_init: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         x = nn.relu(nn.Dense(self.hidden, name="fc1")(x))
-        return nn.Dense(self.hidden, name="fc2")(x)
+        init = nn.initializers.zeros if self.zero_init else nn.initializers.lecun_normal()
+        return nn.Dense(self.hidden, kernel_init=init, name="fc2")(x)
 
 
 class KFM(nn.Module):
@@ -42,6 +49,7 @@ class KFM(nn.Module):
     hidden: int
     use_gamma: bool = True
     use_beta: bool = True
+    zero_init: bool = True
 
     @nn.compact
     def __call__(self, entity: Array, mention_mask: Array) -> FiLM:
@@ -51,5 +59,5 @@ class KFM(nn.Module):
         out = {}
         for name in ("gamma_in", "beta_in", "gamma_out", "beta_out"):
             on = self.use_gamma if name.startswith("gamma") else self.use_beta
-            out[name] = MLP(self.hidden, name=name)(entity) * m if on else None
+            out[name] = MLP(self.hidden, self.zero_init, name=name)(entity) * m if on else None
         return FiLM(**out)

@@ -62,6 +62,7 @@ class KalaConfig:
     layers: 0-based backbone layers with KFM; None -> :func:`default_layers`.
     num_entities: entity vocabulary size including the null entity 0.
     entity_dim: entity memory width; None -> the backbone hidden size (as in the original).
+    kfm_zero_init: start the KFM maps' last Linear at zero (identity KFM; see jsteer.kala.kfm).
     """
 
     method: str = "relational"
@@ -74,6 +75,7 @@ class KalaConfig:
     dropout: float = 0.1
     use_gamma: bool = True
     use_beta: bool = True
+    kfm_zero_init: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -118,7 +120,7 @@ class KnowledgeModule(nn.Module):
         k = self.kala
         de = k.entity_dim or self.hidden_size
         self.memory = self.param("memory", nn.initializers.normal(0.02), (k.num_entities, de))
-        self.kfms = {l: KFM(self.hidden_size, k.use_gamma, k.use_beta, name=f"kfm_{l}") for l in self.layers}
+        self.kfms = {l: KFM(self.hidden_size, k.use_gamma, k.use_beta, k.kfm_zero_init, name=f"kfm_{l}") for l in self.layers}
         if k.method == "relational":
             self.relations = self.param("relations", nn.initializers.normal(1.0), (k.num_relations, k.relation_dim))
             self.graphs = {l: RelationalGraph(de, k.gnn_layers, k.dropout, name=f"graph_{l}") for l in self.layers}

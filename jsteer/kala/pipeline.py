@@ -58,6 +58,22 @@ def _subsample(n_total: int, n: Optional[int], seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(n_total, size=n, replace=False).tolist())
 
 
+def read_split(path, graph_dir, labels: Sequence[str], scheme: str, size: Optional[int] = None,
+               subsample_seed: int = 0) -> list[tuple[list[str], list[str], list]]:
+    """CoNLL file + its ``<name>.mentions.jsonl`` under ``graph_dir`` -> [(words, tags, mentions)]
+    (a seeded random subset of ``size`` sentences, in file order; None: all)."""
+    sents = read_conll(path, scheme=scheme, label_set=labels)
+    mpath = pathlib.Path(graph_dir) / f"{pathlib.Path(path).name}.mentions.jsonl"
+    mentions = read_mentions(mpath, {i: list(s.tokens) for i, s in enumerate(sents)})
+    idx = _subsample(len(sents), size, subsample_seed)
+    return [(list(sents[i].tokens), list(sents[i].tags), mentions.get(i, [])) for i in idx]
+
+
+def encode_split(split, tokenizer, labels: Sequence[str], vocab: EntityVocab, kg: KnowledgeGraph,
+                 max_len: int = 128, max_neighbors: int = 4) -> list[dict]:
+    return [kdata.encode_ner(w, t, m, tokenizer, labels, vocab, kg, max_len, max_neighbors) for w, t, m in split]
+
+
 def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[str] = ner_lib.CONLL2003_LABELS,
                   scheme: str = "iob1", max_len: int = 128, max_neighbors: int = 4,
                   train_size: Optional[int] = None, test_size: Optional[int] = None, subsample_seed: int = 0,
@@ -67,23 +83,15 @@ def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[
     ``train_size`` / ``test_size`` take a seeded random subset of sentences (None: all).
     """
     graph_dir = pathlib.Path(graph_dir)
-    splits = {}
-    for name, path, size in (("train", train_path, train_size), ("test", test_path, test_size)):
-        sents = read_conll(path, scheme=scheme, label_set=labels)
-        mpath = graph_dir / f"{pathlib.Path(path).name}.mentions.jsonl"
-        mentions = read_mentions(mpath, {i: list(s.tokens) for i, s in enumerate(sents)})
-        idx = _subsample(len(sents), size, subsample_seed)
-        splits[name] = [(list(sents[i].tokens), list(sents[i].tags), mentions.get(i, [])) for i in idx]
+    train = read_split(train_path, graph_dir, labels, scheme, train_size, subsample_seed)
+    test = read_split(test_path, graph_dir, labels, scheme, test_size, subsample_seed)
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
-    vocab = EntityVocab.from_mentions([m for _, _, m in splits["train"]])
+    vocab = EntityVocab.from_mentions([m for _, _, m in train])
     relations = RelationVocab.from_facts(facts)
     kg = KnowledgeGraph(facts, relations)
-
-    def enc(split):
-        return [kdata.encode_ner(w, t, m, tokenizer, labels, vocab, kg, max_len, max_neighbors) for w, t, m in split]
-
-    return NERData(labels=tuple(labels), train=enc(splits["train"]), test=enc(splits["test"]),
-                   train_tags=[t for _, t, _ in splits["train"]], test_tags=[t for _, t, _ in splits["test"]],
+    return NERData(labels=tuple(labels), train=encode_split(train, tokenizer, labels, vocab, kg, max_len, max_neighbors),
+                   test=encode_split(test, tokenizer, labels, vocab, kg, max_len, max_neighbors),
+                   train_tags=[t for _, t, _ in train], test_tags=[t for _, t, _ in test],
                    vocab=vocab, relations=relations, kg=kg)
 
 

@@ -228,3 +228,31 @@ def count_params(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
+
+
+def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64
+                      ) -> list[np.ndarray]:
+    """Span logits [L, 2] of each QA feature (window), unpadded."""
+
+    @jax.jit
+    def logits_fn(params, batch):
+        return forward(model, params, batch).logits
+
+    out: list = [None] * len(features)
+    for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa")):
+        lg = np.asarray(logits_fn(params, kdata.device_batch(batch)))
+        for r, i in enumerate(idx):
+            out[i] = lg[r, :len(features[i]["input_ids"])]
+    return out
+
+
+def evaluate_qa(model: KalaModel, params: dict, features: Sequence[dict], examples: Sequence, batch_size: int = 64,
+                max_answer_len: int = 30) -> dict:
+    """SQuAD EM / F1 (percent) of the best span over each question's windows."""
+    from jsteer.kala import qa as qa_lib
+    from jsteer.kala.metrics import squad_scores
+
+    logits = predict_qa_logits(model, params, features, batch_size)
+    preds = qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples},
+                                   max_answer_len=max_answer_len)
+    return squad_scores(preds, {e.qid: [t for t, _ in e.answers] for e in examples})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ class TrainConfig:
     kind: str = "steer"             # "steer" | "blacklist" | "offset" (baselines)
     tokens_per_batch: Optional[int] = None  # static token budget per step; None: from data
     log_every: int = 50
+    engine: str = "jsteer"          # "jsteer" (jsteer.train.Trainer) | "optax" (minimal loop)
 
 
 # ----------------------------------------------------------------------------- data
@@ -263,34 +264,39 @@ def nll(params: head.Params, hidden: Array, targets: Array, weight: Array, eps: 
     return jnp.sum((lse - tgt) * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
-def cached_loss_fn(embedding: Array, cfg: TrainConfig):
-    """loss_fn(params, batch, rng) -> (loss, aux) on a batch from :func:`sample_batch`."""
-    embedding = jnp.asarray(embedding)
+def cached_loss_fn(cfg: TrainConfig):
+    """loss_fn(params, batch, rng) -> (loss, aux) for the training engine.
+
+    params: {"steer": steer params (trained), "embedding": E [V, D] (frozen)}; batch from
+    :func:`sample_batch`. The frozen embedding travels as an argument, never as a constant
+    baked into the compiled program.
+    """
 
     def loss_fn(params, batch, rng=None):
         eps = step_eps(batch["values"], cfg.eps0, cfg.dummy)
-        ce = nll(params, batch["hidden"], batch["targets"], batch["weight"], eps, embedding)
-        loss = ce + cfg.l2 * head.l2(params) if cfg.l2 else ce
+        ce = nll(params["steer"], batch["hidden"], batch["targets"], batch["weight"], eps, params["embedding"])
+        loss = ce + cfg.l2 * head.l2(params["steer"]) if cfg.l2 else ce
         return loss, {"ce": ce}
 
     return loss_fn
 
 
-def forward_loss_fn(hidden_fn: Callable[[Array, Array], Array], embedding: Array, cfg: TrainConfig):
+def forward_loss_fn(hidden_fn: Callable[[Any, Array, Array], Array], cfg: TrainConfig):
     """The original's per-step cost: run the frozen backbone on every batch.
 
-    batch: {"ids" [B, T], "mask" [B, T] right-padded, "values" [B, S_user]}.
+    hidden_fn(backbone_params, ids, mask) -> [B, T, D]. params: {"steer", "embedding",
+    "backbone"}; batch: {"ids" [B, T], "mask" [B, T] right-padded, "values" [B, S_user]}.
     """
-    embedding = jnp.asarray(embedding)
 
     def loss_fn(params, batch, rng=None):
-        h = jax.lax.stop_gradient(hidden_fn(batch["ids"], batch["mask"]))  # [B, T, D]
+        h = jax.lax.stop_gradient(hidden_fn(params["backbone"], batch["ids"], batch["mask"]))  # [B, T, D]
         b, t, d = h.shape
         eps = step_eps(batch["values"], cfg.eps0, cfg.dummy)  # [B, S]
         eps_tok = jnp.broadcast_to(eps[:, None, :], (b, t - 1, eps.shape[-1])).reshape(-1, eps.shape[-1])
         weight = (batch["mask"][:, 1:] * batch["mask"][:, :-1]).reshape(-1).astype(jnp.float32)
-        ce = nll(params, h[:, :-1].reshape(-1, d), batch["ids"][:, 1:].reshape(-1), weight, eps_tok, embedding)
-        loss = ce + cfg.l2 * head.l2(params) if cfg.l2 else ce
+        ce = nll(params["steer"], h[:, :-1].reshape(-1, d), batch["ids"][:, 1:].reshape(-1), weight, eps_tok,
+                 params["embedding"])
+        loss = ce + cfg.l2 * head.l2(params["steer"]) if cfg.l2 else ce
         return loss, {"ce": ce}
 
     return loss_fn
@@ -312,21 +318,30 @@ def init_params(cfg: TrainConfig, hidden_dim: int, vocab_size: int, num_user_ste
 
 
 def make_step(loss_fn, optimizer):
+    """Jitted Adam step on the "steer" entry of params; every other entry stays frozen.
+    step(trainable, opt_state, frozen, batch) -> (trainable, opt_state, loss, aux)."""
+
     @jax.jit
-    def step(params, opt_state, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, None)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, aux
+    def step(trainable, opt_state, frozen, batch):
+        def f(tr):
+            return loss_fn({**frozen, "steer": tr}, batch, None)
+
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss, aux
 
     return step
 
 
 def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainConfig(),
           params: Optional[dict] = None, progress: bool = False) -> Tuple[dict, dict]:
-    """Train steer params on cached hidden states (small optax Adam loop).
+    """Train steer params on cached hidden states.
 
-    Returns (params, history) with history {"step": [...], "loss": [...], "seconds": float,
-    "steps_per_s": float, "tokens_per_batch": int}.
+    ``cfg.engine``: "jsteer" runs :class:`jsteer.train.Trainer` (the project's engine: device
+    mesh, JSONL-able metrics; constant lr, no clipping, no weight decay = the paper's plain
+    Adam); "optax" runs a minimal jitted Adam loop (same math, no engine overhead).
+    Returns (params, history) with history {"step": [...], "loss": [...], "seconds",
+    "steps_per_s", "tokens_per_batch", "final_loss"} (seconds exclude compilation).
     """
     if cache.num_texts == 0:
         raise ValueError("no training texts in the hidden cache")
@@ -336,32 +351,51 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
     if params is None:
         params = init_params(cfg, d, v, cache.values.shape[1])
     budget = cfg.tokens_per_batch or default_budget(cache, cfg.batch_size)
-    opt = optax.adam(cfg.lr)
-    opt_state = opt.init(params)
-    step = make_step(cached_loss_fn(embedding, cfg), opt)
     rng = np.random.default_rng(cfg.seed)
-    hist: Dict[str, list] = {"step": [], "loss": []}
-    t0 = None
-    running = None
-    for i in range(cfg.steps):
-        batch = sample_batch(cache, rng, cfg.batch_size, budget)
-        params, opt_state, loss, _ = step(params, opt_state, batch)
-        if i == 0:
+    batches = (sample_batch(cache, rng, cfg.batch_size, budget) for _ in range(cfg.steps))
+    emb = jnp.asarray(embedding, jnp.float32)
+    hist: Dict[str, Any] = {"step": [], "loss": []}
+
+    def record(i, loss):
+        hist["step"].append(i)
+        hist["loss"].append(float(loss))
+        if progress:
+            print(f"  step {i}: loss {float(loss):.4f}", flush=True)
+
+    timer = {"t0": None}
+
+    def on_step(i0, loss):  # i0: 0-based index of the finished step
+        if i0 == 0:
             jax.block_until_ready(loss)
-            t0 = time.time()  # exclude compilation
-        lv = float(loss) if (i % cfg.log_every == 0 or i == cfg.steps - 1) else None
-        if lv is not None:
-            running = lv
-            hist["step"].append(i)
-            hist["loss"].append(lv)
-            if progress:
-                print(f"  step {i}: loss {lv:.4f}", flush=True)
+            timer["t0"] = time.time()  # exclude compilation
+        if i0 % cfg.log_every == 0 or i0 == cfg.steps - 1:
+            record(i0, loss)
+
+    if cfg.engine == "jsteer":
+        from jsteer.train import OptimizerConfig, Trainer
+
+        opt = OptimizerConfig(learning_rate={"steer": cfg.lr, "frozen": None},
+                              labels=lambda path, leaf: "steer" if path[0] == "steer" else "frozen",
+                              schedule="constant", clip_norm=None, weight_decay=0.0)
+        trainer = Trainer(cached_loss_fn(cfg), {"steer": params, "embedding": emb}, opt, progress=False,
+                          log_every=max(cfg.log_every, 1), seed=cfg.seed, exit_on_preempt=False)
+        trainer.fit(batches, cfg.steps, resume=False, on_step=lambda s, m: on_step(s - 1, m["loss"]))
+        params = {k: jnp.asarray(x) for k, x in trainer.params["steer"].items()}
+    elif cfg.engine == "optax":
+        opt = optax.adam(cfg.lr)
+        opt_state = opt.init(params)
+        step = make_step(cached_loss_fn(cfg), opt)
+        for i, batch in enumerate(batches):
+            params, opt_state, loss, _ = step(params, opt_state, {"embedding": emb}, batch)
+            on_step(i, loss)
+    else:
+        raise ValueError(f"unknown training engine {cfg.engine!r}: use 'jsteer' or 'optax'")
     jax.block_until_ready(params)
-    secs = time.time() - t0 if t0 is not None else 0.0
+    secs = time.time() - timer["t0"] if timer["t0"] is not None else 0.0
     hist["seconds"] = secs
     hist["steps_per_s"] = (cfg.steps - 1) / secs if cfg.steps > 1 and secs > 0 else float("nan")
     hist["tokens_per_batch"] = budget
-    hist["final_loss"] = running
+    hist["final_loss"] = hist["loss"][-1] if hist["loss"] else None
     return params, hist
 
 

@@ -64,8 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--mode", choices=("pos", "all"), default="pos",
                    help="decoders: TE at the predicting position (pos) or at every prompt token (all)")
     p.add_argument("--lambdas", default="0,1,2,3,4,5", help="lambda grid tuned on the hold-out")
-    p.add_argument("--lambda-unit", choices=("norm", "one"), default="norm",
-                   help="lambda in units of the mean input-embedding norm (default) or of a unit vector")
+    p.add_argument("--lambda-unit", choices=("norm", "one"), default="one",
+                   help="lambda times a unit TE (default, as the paper) or times the mean input-embedding norm")
     p.add_argument("--holdout", type=float, default=0.05)
     p.add_argument("--max-test", type=int, default=None, help="cap on reported prompts per relation")
     p.add_argument("--batch-size", type=int, default=32)

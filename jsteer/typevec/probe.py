@@ -529,14 +529,16 @@ class GroupData:
 def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Mapping[str, Array], *,
              type_names: Optional[Mapping[str, str]] = None, mode: str = "pos",
              lam_grid: Sequence[float] = LAMBDA_GRID, post_grid: Sequence[float] = POST_GRID,
-             holdout: float = 0.05, max_test: Optional[int] = None, seed: int = 0, batch_size: int = 32,
+             holdout: float = 0.05, max_test: Optional[int] = None, max_holdout: Optional[int] = None,
+             seed: int = 0, batch_size: int = 32,
              methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"), log: Optional[Callable[[str], None]] = None
              ) -> dict:
     """Probe every group (relation) with B / BTo / PostTE / TE and return a JSON-able report.
 
     groups: {name: prompts}; tes: {name: TE [D]} (a group without a TE is probed with B/BTo only);
     type_names: {name: type} for BTo (default: each prompt's ``type_name``).
-    ``max_test`` caps the reported (non-hold-out) prompts per group (seeded subsample).
+    ``max_test`` caps the reported (non-hold-out) prompts per group (seeded subsample);
+    ``max_holdout`` caps the hold-out (tiny runs only; the rest of the hold-out is not used).
     """
     log = log or (lambda s: None)
     kind = model.kind
@@ -563,6 +565,8 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         else:
             bto_idx = [None] * len(exs)
         hold, test = split_holdout(len(exs), holdout, seed, name)
+        if max_holdout is not None:
+            hold = hold[:max_holdout]
         if max_test is not None and len(test) > max_test:
             rng = np.random.default_rng([seed + 1, zlib.crc32(name.encode())])
             test = np.sort(rng.choice(test, size=max_test, replace=False))
@@ -661,7 +665,8 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         per = {n: r[m] for n, r in results.items() if m in r and results[n]["n_test"] > 0}
         macro_all[m] = macro(per)
     return {"kind": kind, "mode": mode, "identity": model.identity, "lambda_grid": list(lam_grid),
-            "post_grid": list(post_grid), "holdout": holdout, "max_test": max_test, "seed": seed,
+            "post_grid": list(post_grid), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
+            "seed": seed,
             "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
             "predictions": predictions}
 

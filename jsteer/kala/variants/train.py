@@ -3,14 +3,12 @@
 The same objective, optimiser (:func:`jsteer.kala.train.optimizer_config`: ``lr`` for the
 backbone / head, ``kala_lr`` for ``params["kala"]``), :class:`jsteer.train.Trainer`, batching
 (:func:`jsteer.kala.data.batches`) and entity-level scores as :mod:`jsteer.kala.train`, with
-three generalisations:
+two generalisations:
 
 - batches also carry the model's :func:`~jsteer.kala.variants.registry.extra_keys` (K-BERT's
   soft positions and tree ids), passed to the model as ``extras``;
 - a model output's ``aux_loss`` (EaE's entity linking) is added to the task loss, and its
-  ``aux`` scalars are logged;
-- every batch's graphs are padded to one size per data set (:func:`pad_graphs`), so a run
-  compiles once per length bucket rather than once per (length, graph) bucket pair.
+  ``aux`` scalars are logged.
 
 For KALA's own models (:class:`jsteer.kala.model.KalaModel`) this computes exactly what
 :mod:`jsteer.kala.train` computes.
@@ -29,15 +27,13 @@ import optax
 from jsteer.data import ner as ner_lib
 from jsteer.kala import data as kdata
 from jsteer.kala import train as kala_train
-from jsteer.kala.graph import bucket_size, flatten_graphs
 from jsteer.kala.metrics import ner_scores
 from jsteer.kala.model import KalaModel
 from jsteer.kala.train import FitResult, TrainConfig, count_params, optimizer_config, task_keys
 from jsteer.kala.variants.registry import extra_keys
 from jsteer.train import Trainer, data_mesh
 
-__all__ = ["FitResult", "TrainConfig", "batch_keys", "batches", "evaluate_ner", "fit", "forward", "graph_sizes",
-           "loss_fn", "pad_graphs", "predict_ner"]
+__all__ = ["FitResult", "TrainConfig", "batch_keys", "evaluate_ner", "fit", "forward", "loss_fn", "predict_ner"]
 
 
 def batch_keys(model, task: str = "ner") -> tuple[str, ...]:
@@ -48,7 +44,7 @@ def forward(model, params, batch, deterministic: bool = True, rng=None):
     """Model output on a collated batch (any registered method)."""
     if isinstance(model, KalaModel):
         return kala_train.forward(model, params, batch, deterministic, rng)
-    graph, token_node = flatten_graphs(batch, batch["token_node"])
+    graph, token_node = kala_train.model_inputs(model, batch)
     extras = {k: jnp.asarray(batch[k]) for k in extra_keys(model)} or None
     rngs = None if deterministic else {"dropout": rng}
     return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"),
@@ -89,44 +85,12 @@ def loss_fn(model, task: str = "ner") -> Callable:
     return ner if task == "ner" else qa
 
 
-def graph_sizes(examples: Sequence[dict]) -> tuple[int, int]:
-    """(n_node, n_edge) per-example graph buckets that fit every example of a data set."""
-    nodes = max([e["graph"].n_node for e in examples] + [0])
-    edges = max([e["graph"].n_edge for e in examples] + [0])
-    return bucket_size(nodes + 1, 8), bucket_size(edges, 8)
-
-
-def pad_graphs(batch: dict, n_node: int, n_edge: int) -> dict:
-    """Widen a collated batch's stacked graphs (:func:`jsteer.kala.graph.stack_graphs`) to
-    ``n_node`` / ``n_edge`` per example: new nodes are null padding nodes, new edges self
-    loops of the last padding node, so every batch of a run has one graph shape (one compile
-    per length bucket instead of one per graph bucket too)."""
-    b, nn_ = batch["graph_entity"].shape
-    ne = batch["graph_senders"].shape[1]
-    if nn_ > n_node or ne > n_edge:
-        raise ValueError(f"batch graphs ({nn_} nodes, {ne} edges) exceed the run's sizes ({n_node}, {n_edge})")
-    out = dict(batch)
-    out["graph_entity"] = np.pad(batch["graph_entity"], ((0, 0), (0, n_node - nn_)))
-    for k in ("graph_senders", "graph_receivers"):
-        out[k] = np.pad(batch[k], ((0, 0), (0, n_edge - ne)), constant_values=n_node - 1)
-    out["graph_relation"] = np.pad(batch["graph_relation"], ((0, 0), (0, n_edge - ne)))
-    return out
-
-
-def batches(examples: Sequence[dict], batch_size: int, keys, shuffle: bool = False, seed: int = 0,
-            sizes: Optional[tuple[int, int]] = None) -> Iterator[tuple[np.ndarray, dict]]:
-    """:func:`jsteer.kala.data.batches` with every graph padded to ``sizes`` (default: the
-    data set's :func:`graph_sizes`)."""
-    sizes = sizes or graph_sizes(examples)
-    for idx, batch in kdata.batches(examples, batch_size, shuffle=shuffle, seed=seed, keys=keys):
-        yield idx, pad_graphs(batch, *sizes)
-
-
 def _endless(examples, batch_size: int, keys, seed: int) -> Iterator[dict]:
-    sizes = graph_sizes(examples)
+    """Epoch after epoch of shuffled, length-grouped, collated batches (as the harness)."""
     epoch = 0
     while True:
-        for _, batch in batches(examples, batch_size, keys, True, seed * 1000 + epoch, sizes):
+        for _, batch in kdata.batches(examples, batch_size, shuffle=True, group_by_length=True,
+                                      seed=seed * 1000 + epoch, keys=keys):
             yield kdata.device_batch(batch)
         epoch += 1
 
@@ -167,7 +131,7 @@ def predict_ner(model, params: dict, examples: Sequence[dict], batch_size: int =
     logits_fn = jax.jit(lambda p, b: forward(model, p, b).logits)
     preds: list = [None] * len(examples)
     keys = batch_keys(model, "ner") + ("word_index",)
-    for idx, batch in batches(examples, batch_size, keys):
+    for idx, batch in kdata.batches(examples, batch_size, keys=keys):
         wi = batch["word_index"]
         arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch)), -1))
         for r, i in enumerate(idx):

@@ -1,0 +1,159 @@
+"""Training throughput: plain fine-tuning vs KALA in jsteer vs HF PyTorch plain fine-tuning.
+
+    python experiments/bench_kala.py [--steps 6] [--rounds 3] [--batch-size 32]
+
+One process, the same CoNLL-2003 batches (MiniLM, batch 32, length-bucketed) for every
+system. Steps of the systems are *interleaved* round by round (``--rounds`` x ``--steps``
+each), and the median step time is reported, so a machine shared with other jobs slows all
+of them alike. jsteer steps are the shared Trainer's jitted train step (AdamW, clipping),
+compiled before timing; HF PyTorch is ``BertForTokenClassification`` + ``torch.optim.AdamW``
+on the same weights (fp32, torch threads = the CPU count). On an accelerator the script also
+reports model FLOP utilisation against ``--peak-tflops``.
+
+Writes experiments/results/kala/bench.json and bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+OUT = ROOT / "experiments" / "results" / "kala"
+
+
+def train_flops(n_params_encoder: int, tokens: int) -> float:
+    """~6 * params * tokens (forward + backward matmuls; attention scores ignored)."""
+    return 6.0 * n_params_encoder * tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--examples", type=int, default=512)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (accelerators)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--out", default=str(OUT / "bench.json"))
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    import jsteer
+    from jsteer.data import ner as ner_lib
+    from jsteer.kala import data as kdata, pipeline, train as ktrain
+    from jsteer.kala.model import KalaConfig
+    from jsteer.train import Trainer, data_mesh
+    from kala_ner import DATA, ensure_graph
+
+    lm = jsteer.load("minilm")
+    gdir = ensure_graph("conll")
+    data = pipeline.load_ner_data(DATA / "conll2003/eng.train", DATA / "conll2003/eng.testb", gdir, lm.tokenizer,
+                                  labels=ner_lib.CONLL2003_LABELS, scheme="iob1", train_size=args.examples,
+                                  test_size=32)
+    memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
+    batches = [kdata.device_batch(b) for _, b in kdata.batches(data.train, args.batch_size, shuffle=True,
+                                                              group_by_length=True)]
+    # one fixed shape for every system: the most common length bucket
+    shapes = [b["input_ids"].shape for b in batches]
+    common = max(set(shapes), key=shapes.count)
+    batches = [b for b in batches if b["input_ids"].shape == common][: args.steps]
+    gshapes = [(b["graph_entity"].shape, b["graph_senders"].shape) for b in batches]
+    batches = [b for b, g in zip(batches, gshapes) if g == gshapes[0]]
+    tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
+
+    systems = {}
+    for method in ("finetune", "relational"):
+        model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method=method), memory)
+        cfg = ktrain.TrainConfig()
+        tr = Trainer(ktrain.ner_loss(model), params, ktrain.optimizer_config(cfg, 1000),
+                     mesh=data_mesh(jax.devices()[:1]), progress=False, exit_on_preempt=False)
+        t = time.perf_counter()
+        jax.block_until_ready(tr.train_step(batches[0], 1000)["loss"])
+        compile_s = time.perf_counter() - t
+
+        def run(tr=tr):
+            out = []
+            for b in batches:
+                t = time.perf_counter()
+                jax.block_until_ready(tr.train_step(b, 1000)["loss"])
+                out.append(time.perf_counter() - t)
+            return out
+
+        systems[f"jsteer {method}"] = {"run": run, "compile_s": compile_s, "params": ktrain.count_params(params)}
+
+    if not args.no_torch:
+        import torch
+        from transformers import BertForTokenClassification
+
+        from jsteer.io import embedded_path
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        hf = BertForTokenClassification.from_pretrained(str(embedded_path("minilm")),
+                                                        num_labels=len(ner_lib.CONLL2003_LABELS))
+        hf.train()
+        opt = torch.optim.AdamW(hf.parameters(), lr=5e-5, weight_decay=0.01)
+        tb = [{k: torch.as_tensor(np.asarray(b[k]), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
+              for b in batches]
+
+        def run_torch():
+            out = []
+            for b in tb:
+                t = time.perf_counter()
+                loss = hf(**b).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                out.append(time.perf_counter() - t)
+            return out
+
+        run_torch()  # warm-up
+        systems["HF PyTorch finetune"] = {"run": run_torch, "compile_s": 0.0,
+                                          "params": sum(p.numel() for p in hf.parameters())}
+
+    times = {k: [] for k in systems}
+    for _ in range(args.rounds):
+        for k, s in systems.items():
+            times[k] += s["run"]()
+    enc_params = ktrain.count_params(lm.params["encoder"])
+    rows = {}
+    for k, s in systems.items():
+        med = statistics.median(times[k])
+        row = {"median_step_s": med, "examples_per_s": args.batch_size / med, "tokens_per_s": tokens / len(batches) / med,
+               "compile_s": s["compile_s"], "params": s["params"], "steps_timed": len(times[k])}
+        if args.peak_tflops:
+            row["mfu"] = train_flops(enc_params, tokens / len(batches)) / med / (args.peak_tflops * 1e12)
+        rows[k] = row
+    base = rows["jsteer finetune"]["median_step_s"]
+    for r in rows.values():
+        r["time_vs_jsteer_finetune"] = r["median_step_s"] / base
+    result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+              "cpu_count": os.cpu_count(), "batch": [args.batch_size, int(common[1])],
+              "graph_shape": [list(x) for x in gshapes[0]], "load_avg": os.getloadavg(), "systems": rows}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    lines = [f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
+             f"{result['platform']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}); median of "
+             f"{args.rounds * len(batches)} interleaved steps.", "",
+             "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |",
+             "|---|---|---|---|---|---|"]
+    for k, r in rows.items():
+        lines.append(f"| {k} | {r['examples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['median_step_s']:.3f} | "
+                     f"{r['time_vs_jsteer_finetune']:.2f}x | {r['compile_s']:.1f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

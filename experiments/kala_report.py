@@ -1,0 +1,131 @@
+"""Tables from the KALA experiment JSON (experiments/results/kala/ner_*.json, bench.json).
+
+    python experiments/kala_report.py            # writes experiments/results/kala/results.md
+
+Used by notebooks/kala.ipynb too. Scores are entity-level F1 (%), mean +- std over seeds
+(std over n >= 2 seeds, sample std).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+from typing import Optional
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results" / "kala"
+DATASETS = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
+MAIN = [("finetune", "Fine-tuning"), ("more_params", "+ more params (1 layer)"), ("pointwise", "KALA point-wise"),
+        ("relational", "KALA relational")]
+ABLATION = [("relational_gamma_only", "gamma only"), ("relational_beta_only", "beta only"),
+            ("relational", "gamma + beta")]
+LAYERS = [("relational_L1", "layer 1"), ("relational_L5", "layer 5"), ("relational", "layers 3, 5 (default)"),
+          ("relational_L135", "layers 1, 3, 5")]
+
+
+def load(results: pathlib.Path = RESULTS) -> dict:
+    out = {}
+    for ds in DATASETS:
+        p = results / f"ner_{ds}.json"
+        if p.is_file():
+            out[ds] = json.loads(p.read_text())
+    return out
+
+
+def runs_of(res: dict, variant: str) -> list[dict]:
+    return [r for r in res.get("runs", []) if r["variant"] == variant]
+
+
+def mean_std(xs: list[float]) -> tuple[Optional[float], Optional[float]]:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def fmt(xs: list[float], digits: int = 2) -> str:
+    m, s = mean_std(xs)
+    if m is None:
+        return "-"
+    return f"{m:.{digits}f}" + (f" +- {s:.{digits}f}" if s is not None else "") + f" (n={len([x for x in xs if x is not None])})"
+
+
+def table(all_res: dict, variants, metric: str = "f1", title: str = "") -> str:
+    head = "| method | " + " | ".join(DATASETS[d] for d in all_res) + " |"
+    lines = [title, "", head, "|---" * (len(all_res) + 1) + "|"] if title else [head, "|---" * (len(all_res) + 1) + "|"]
+    for v, name in variants:
+        cells = [fmt([r.get(metric) for r in runs_of(all_res[d], v)]) for d in all_res]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def delta_line(all_res: dict) -> str:
+    out = []
+    for d, res in all_res.items():
+        ft = mean_std([r["f1"] for r in runs_of(res, "finetune")])[0]
+        rel = mean_std([r["f1"] for r in runs_of(res, "relational")])[0]
+        if ft is not None and rel is not None:
+            target = 0.4 if d == "conll" else 1.0
+            out.append(f"{DATASETS[d]}: relational - fine-tuning = {rel - ft:+.2f} F1 (target >= +{target}; "
+                       f"{'met' if rel - ft >= target else 'not met'})")
+    return "\n".join(f"- {x}" for x in out)
+
+
+def cost_table(all_res: dict) -> str:
+    lines = ["| dataset | method | train time (s) | examples/s | vs fine-tuning | step memory (MiB) | params (M) |",
+             "|---|---|---|---|---|---|---|"]
+    for d, res in all_res.items():
+        base = mean_std([r["train_seconds"] for r in runs_of(res, "finetune")])[0]
+        for v, name in MAIN:
+            rs = runs_of(res, v)
+            if not rs:
+                continue
+            t = mean_std([r["train_seconds"] for r in rs])[0]
+            ex = mean_std([r["examples_per_second"] for r in rs])[0]
+            mem = [r["step_memory_bytes"] for r in rs if r.get("step_memory_bytes")]
+            ratio = f"{t / base:.2f}x" if base else "-"
+            lines.append(f"| {DATASETS[d]} | {name} | {t:.0f} | {ex:.1f} | {ratio} | "
+                         f"{(mem[0] / 2 ** 20):.0f} | {rs[0]['params'] / 1e6:.2f} |" if mem else
+                         f"| {DATASETS[d]} | {name} | {t:.0f} | {ex:.1f} | {ratio} | - | {rs[0]['params'] / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+def setup_lines(all_res: dict) -> str:
+    out = []
+    for d, res in all_res.items():
+        s = res.get("setup", {})
+        out.append(f"- {DATASETS[d]}: {s.get('train_size')} training / {s.get('test_size')} test sentences "
+                   f"(seeded random subsets), {s.get('epochs')} epochs, batch {s.get('batch_size')}, lr "
+                   f"{s.get('lr')}, KALA lr {s.get('kala_lr')}; entity vocabulary {s.get('entity_vocab')} "
+                   f"(+ null), {s.get('relations')} relations, {s.get('mean_nodes', 0):.1f} nodes / "
+                   f"{s.get('mean_edges', 0):.1f} edges per training graph; test contexts seen "
+                   f"{s.get('n_seen_contexts')}, unseen (>= {s.get('unseen_min')} unseen entities) "
+                   f"{s.get('n_unseen_contexts')}.")
+    return "\n".join(out)
+
+
+def report(results: pathlib.Path = RESULTS) -> str:
+    all_res = load(results)
+    if not all_res:
+        return "No KALA results yet (run experiments/kala_ner.py)."
+    parts = ["# KALA on MiniLM: results", "", "Setup (see experiments/kala_ner.py):", setup_lines(all_res), "",
+             table(all_res, MAIN, title="## Main results (Tables 1-2): test entity F1 (%)"), "", delta_line(all_res),
+             "", table(all_res, ABLATION, title="## gamma / beta ablation (Table 3): test F1 (%)"), "",
+             "## Seen vs unseen contexts (Figure 4): test F1 (%)", "",
+             table(all_res, MAIN, "f1_seen", title="Seen (every mentioned entity in the training vocabulary)"), "",
+             table(all_res, MAIN, "f1_unseen", title="Unseen (>= 3 mentioned entities outside it)"), "",
+             table(all_res, LAYERS, title="## KFM layer location (MiniLM has 6 layers, 0-based): test F1 (%)"), "",
+             "## Training cost (Table 11)", "", cost_table(all_res)]
+    bench = results / "bench.md"
+    if bench.is_file():
+        parts += ["", "## Throughput benchmark (experiments/bench_kala.py)", "", bench.read_text()]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    text = report()
+    (RESULTS / "results.md").write_text(text)
+    print(text)
+    sys.exit(0)

@@ -1,0 +1,199 @@
+"""KALM: the typed mixture is a distribution, matches a NumPy re-derivation, reduces to the
+plain head with one type, type-as-input is causal and starts as the plain KALM; decoding with
+type priors; the recipe data readers; and a tiny LM that types held-out words from context."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsteer.backbones.llama import LlamaForCausalLM
+from jsteer.kalm import data as kdata
+from jsteer.kalm import decode
+from jsteer.kalm import train as ktrain
+from jsteer.kalm.head import (KalmConfig, KalmHead, TypedVocab, token_log_prob, type_posterior, typed_token_log_probs,
+                              word_log_probs)
+from jsteer.kalm.model import KalmLM
+from jsteer.kalm.model import next_token_log_probs as _next_token_log_probs
+
+
+def next_token_log_probs(model, params, ids, mask, vocab):
+    return jax.jit(lambda p, i, m, v: _next_token_log_probs(model, p, i, m, v))(params, ids, mask, vocab)
+
+V, D = 12, 8
+TYPES = [[3, 4, 5], [5, 6], [9]]  # word 5 is in two types
+
+
+def perturb(tree, key, scale=0.5):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+def head_out(types=TYPES, general=None, seed=0):
+    vocab = TypedVocab.build(V, types, general)
+    head = KalmHead(KalmConfig(num_types=len(types), type_dim=4), int(vocab.typed_ids.shape[0]), D)
+    h = jax.random.normal(jax.random.PRNGKey(seed), (2, 3, D))
+    logits = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, 3, V)) * 2
+    p = jax.jit(lambda r, *a: head.init(r, *a))(jax.random.PRNGKey(2), h, logits, vocab)["params"]
+    p = perturb(p, jax.random.PRNGKey(3))
+    out = jax.jit(lambda q, *a: head.apply({"params": q}, *a))(p, h, logits, vocab)
+    return vocab, out, jax.tree.map(np.asarray, p), np.asarray(h), np.asarray(logits)
+
+
+def test_typed_vocab_build_and_errors():
+    vocab = TypedVocab.build(V, TYPES)
+    assert vocab.typed_ids.tolist() == [3, 4, 5, 6, 9]
+    assert vocab.index.tolist() == [-1, -1, -1, 0, 1, 2, 3, -1, -1, 4, -1, -1]
+    assert vocab.types_of(5) == [1, 2] and vocab.types_of(9) == [3] and vocab.types_of(0) == []
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        TypedVocab.build(V, [[3, 12]])
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        TypedVocab.build(V, [[3], []])
+
+
+def test_mixture_is_a_distribution_and_matches_numpy():
+    general = np.ones(V, bool)
+    general[[0, 9]] = False  # word 9 exists only as an entity of type 3
+    vocab, out, p, h, logits = head_out(general=general)
+    full = np.asarray(word_log_probs(out, vocab), np.float64)
+    np.testing.assert_allclose(np.exp(full).sum(-1), 1.0, atol=1e-5)
+    # NumPy: P(y|c) = sum_j P(j|c) P(y|j,c), P(y|j,c) = 0 outside V_j
+    def softmax(x, m):
+        z = np.where(m, x, -np.inf)
+        z = np.exp(z - z.max(-1, keepdims=True))
+        return z / z.sum(-1, keepdims=True)
+
+    ptype = softmax(np.einsum("btd,de,ke->btk", h, p["type_proj"]["kernel"], p["type_embed"]), np.ones(4, bool))
+    want = ptype[..., :1] * softmax(logits, general)
+    for j, words in enumerate(TYPES):
+        u = [int(np.asarray(vocab.index)[w]) for w in words]
+        z = np.einsum("btd,ud->btu", h, p["typed_out"][j][u]) + p["typed_bias"][j][u]
+        pj = np.zeros((2, 3, V))
+        pj[..., words] = softmax(z, np.ones(len(u), bool))
+        want += ptype[..., j + 1:j + 2] * pj
+    np.testing.assert_allclose(np.exp(full), want, atol=1e-6)
+    # a word outside a type's vocabulary has probability exactly 0 under that type
+    typed = np.exp(np.asarray(out.typed_logp))
+    assert np.all(typed[:, :, ~np.asarray(vocab.member)] == 0.0)
+    assert np.all(np.exp(np.asarray(out.general_logp))[..., [0, 9]] == 0.0)
+    # the cheap per-target path agrees with the full mixture
+    targets = jnp.asarray([[3, 5, 7], [9, 1, 6]])
+    got = np.asarray(token_log_prob(out, vocab, targets))
+    np.testing.assert_allclose(got, np.take_along_axis(full, np.asarray(targets)[..., None], -1)[..., 0], atol=1e-5)
+    post = np.exp(np.asarray(type_posterior(out, vocab, targets)))
+    np.testing.assert_allclose(post.sum(-1), 1.0, atol=1e-6)
+    assert post[0, 1, 3] == 0.0 and post[0, 1, 1] > 0 and post[0, 1, 2] > 0  # word 5: types 1, 2 (+ general)
+    assert post[1, 0, 0] == 0.0 and post[1, 0, 3] == pytest.approx(1.0)  # word 9: only type 3
+
+
+def test_one_type_is_the_plain_head():
+    cfg = ktrain.tiny_llama(V, hidden=16, layers=1, heads=2)
+    vocab = TypedVocab.build(V, [])
+    kalm = KalmLM(cfg, KalmConfig(num_types=0), num_typed=0)
+    ids = jnp.asarray([[2, 5, 7, 3, 9, 2], [2, 4, 4, 1, 0, 0]])
+    mask = (ids > 0).astype(jnp.int32).at[:, 0].set(1)
+    p = perturb(ktrain.init_params(kalm, jax.random.PRNGKey(0), vocab), jax.random.PRNGKey(1), 0.1)
+    got = next_token_log_probs(kalm, p, ids, mask, vocab)
+    plain = next_token_log_probs(LlamaForCausalLM(cfg), p["backbone"], ids, mask, vocab)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), atol=1e-5)
+    out = jax.jit(lambda q: kalm.apply({"params": q}, ids, mask, vocab))(p)
+    assert np.all(np.asarray(out.type_logp) == 0.0)  # P(general) = 1
+
+
+def test_type_as_input_starts_as_kalm_and_stays_causal():
+    cfg = ktrain.tiny_llama(V, hidden=16, layers=1, heads=2)
+    vocab = TypedVocab.build(V, TYPES)
+    u = int(vocab.typed_ids.shape[0])
+    plain = KalmLM(cfg, KalmConfig(num_types=3, type_dim=4), num_typed=u)
+    fed = KalmLM(cfg, KalmConfig(num_types=3, type_dim=4, type_as_input=True), num_typed=u)
+    ids = jnp.asarray([[2, 5, 7, 3, 9, 6]])
+    mask = jnp.ones_like(ids)
+    p = ktrain.init_params(fed, jax.random.PRNGKey(0), vocab)
+    assert np.all(np.asarray(p["type_in"]["kernel"]) == 0)
+    same = {k: v for k, v in p.items() if k != "type_in"}
+    np.testing.assert_allclose(np.asarray(next_token_log_probs(fed, p, ids, mask, vocab)),
+                               np.asarray(next_token_log_probs(plain, same, ids, mask, vocab)), atol=1e-6)
+    p = {**p, "type_in": perturb(p["type_in"], jax.random.PRNGKey(1), 1.0)}
+    a = np.asarray(next_token_log_probs(fed, p, ids, mask, vocab))
+    b = np.asarray(next_token_log_probs(plain, same, ids, mask, vocab))
+    assert abs(a[0, 0] - b[0, 0]) < 1e-6 and np.abs(a[0, 1:] - b[0, 1:]).max() > 1e-4  # position 0 gets no type
+    changed = np.asarray(next_token_log_probs(fed, p, ids.at[0, 4].set(8), mask, vocab))
+    np.testing.assert_allclose(changed[0, :3], a[0, :3], atol=1e-6)  # earlier predictions never see later words
+
+
+# ---------------------------------------------------------------------------------- decoding
+
+
+def test_decode_types_prior_and_positions():
+    vocab = kdata.Vocab([kdata.PAD, kdata.UNK, kdata.EOS, "apple", "kiwi", "tea", "eat"])
+    types = {"apple": ("fruits",), "tea": ("drinks",), "kiwi": ("fruits",)}
+    prior = np.exp(decode.type_prior(vocab, types, ("fruits", "drinks"), exclude=["kiwi"]))
+    np.testing.assert_allclose(prior.sum(-1), 1.0)
+    assert prior[vocab("apple")].argmax() == 1 and prior[vocab("tea")].argmax() == 2
+    np.testing.assert_allclose(prior[vocab("kiwi")], 1 / 3)  # held out: uninformative
+    fwd = np.log(np.array([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]]))
+    bwd = np.log(np.array([[0.1, 0.2, 0.7], [0.1, 0.2, 0.7]]))
+    assert decode.decode_types([fwd]).tolist() == [1, 2]  # the general type is never chosen
+    assert decode.decode_types([fwd, bwd]).tolist() == [2, 2]
+    marg = np.log(np.array([0.5, 0.1, 0.4]))  # type 2 is common a priori: dividing it out flips word 0
+    assert decode.decode_types([fwd, bwd], marginal_logp=marg).tolist() == [1, 2]
+    lines = [["eat", "kiwi", ",", "tea"], ["kiwi"]]
+    ids, _ = kdata.encode_lines(lines, vocab, length=8)
+    rev, _ = kdata.encode_lines(lines, vocab, length=8, reverse=True)
+    pos = decode.word_positions(lines, {"kiwi": 1}, length=8)
+    assert pos == [(0, 1, 2, 1), (1, 0, 0, 1)]
+    for li, f, b, _ in pos:  # position t predicts token t + 1
+        assert ids[li, f + 1] == vocab("kiwi") and rev[li, b + 1] == vocab("kiwi")
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def test_recipe_data_readers(shared_data):
+    root = shared_data / "kalm_namedentitylm"
+    lex = kdata.read_lexicon(root)
+    assert set(lex) == set(kdata.TYPE_NAMES)
+    assert "buttermilk" in lex["dairy"] and "sausage" in lex["proteins"]  # list line / ",2" suffix cleaned
+    assert kdata.entry_words("beef (ground)") == ["beef"] and kdata.entry_words("brown sugar") == ["brown", "sugar"]
+    assert kdata.tokenize("Navy beans,  water, beef") == ["navy", "beans", ",", "water", ",", "beef"]
+    types = kdata.word_types(lex, {"apple", "apples", "water", "beef"})
+    assert types["apples"] == ("fruits",) and types["beef"] == ("proteins",) and "cranberries" not in types
+    lines = kdata.read_lines(root / "raw_data" / "uncleaned_test_ing.txt", limit=50)
+    assert len(lines) == 50 and all(lines)
+    with pytest.raises(kdata.DataError, match="missing type file"):
+        kdata.read_lexicon(root, types=("dairy", "spices"))
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+def test_kalm_types_held_out_words_from_context():
+    fruits, drinks = ["apple", "pear", "plum", "fig", "kiwi"], ["tea", "milk", "juice", "soda", "water"]
+    held = {"kiwi": 1, "water": 2}  # in the text, but not in the type vocabularies
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(400):
+        f, d = rng.choice(fruits), rng.choice(drinks)
+        lines.append(["eat", "the", f, ",", "sip", "the", d] if rng.random() < 0.5 else
+                     ["sip", "the", d, ",", "eat", "the", f])
+    vocab = kdata.Vocab.build(lines, min_count=1)
+    types = {w: ("fruits",) for w in fruits} | {w: ("drinks",) for w in drinks}
+    tv = TypedVocab.build(len(vocab), kdata.type_word_ids(types, vocab, ("fruits", "drinks"), exclude=held))
+    assert vocab("kiwi") not in np.asarray(tv.typed_ids).tolist()
+    ids, mask = kdata.encode_lines(lines, vocab, length=9)
+    model = ktrain.make_model("kalm", ktrain.tiny_llama(len(vocab), hidden=32, layers=1, heads=2, max_len=16), tv,
+                              type_dim=8)
+    params = ktrain.init_params(model, jax.random.PRNGKey(0), tv)
+    params, info = ktrain.train(model, params, ids, mask, tv, ktrain.LMTrainConfig(lr=1e-2, batch_size=32, steps=80,
+                                                                                   warmup_steps=5))
+    assert info["losses"][-1] < 0.6 * info["losses"][0]
+    # after "eat the" the model expects a fruit, after "sip the" a drink: held-out words get typed
+    test = [["eat", "the", "kiwi", ",", "sip", "the", "water"], ["sip", "the", "water", ",", "eat", "the", "kiwi"]]
+    tid, tmask = kdata.encode_lines(test, vocab, length=9)
+    ctx = ktrain.context_types(model, params, tid, tmask, tv)
+    pos = decode.word_positions(test, held, length=9)
+    pred = decode.decode_types([ctx[[li for li, *_ in pos], [f for _, f, _, _ in pos]]])
+    assert pred.tolist() == [g for *_, g in pos] and len(pos) == 4
+    ppl = ktrain.perplexity(model, params, tid, tmask, tv)["perplexity"]
+    assert ppl < len(vocab) / 2
