@@ -7,7 +7,7 @@ system. Steps of the systems are *interleaved* round by round (``--rounds`` x ``
 each), and the median step time is reported, so a machine shared with other jobs slows all
 of them alike. jsteer steps are the shared Trainer's jitted train step (AdamW, clipping),
 compiled before timing; HF PyTorch is ``BertForTokenClassification`` + ``torch.optim.AdamW``
-on the same weights (fp32, torch threads = the CPU count). On an accelerator the script also
+on the same weights (fp32, ``--torch-threads``, default the CPU count). On an accelerator the script also
 reports model FLOP utilisation against ``--peak-tflops``.
 
 Writes experiments/results/kala/bench.json and bench.md.
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=512)
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (accelerators)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                    help="torch intra-op threads; match XLA's (1 under --xla_cpu_multi_thread_eigen=false)")
     ap.add_argument("--out", default=str(OUT / "bench.json"))
     args = ap.parse_args(argv)
 
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
 
         from jsteer.io import embedded_path
 
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(args.torch_threads)
         hf = BertForTokenClassification.from_pretrained(str(embedded_path("minilm")),
                                                         num_labels=len(ner_lib.CONLL2003_LABELS))
         hf.train()
@@ -137,13 +139,15 @@ def main(argv=None) -> int:
     for r in rows.values():
         r["time_vs_jsteer_finetune"] = r["median_step_s"] / base
     result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
-              "cpu_count": os.cpu_count(), "batch": [args.batch_size, int(common[1])],
+              "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "torch_threads": None if args.no_torch else args.torch_threads, "batch": [args.batch_size, int(common[1])],
               "graph_shape": [list(x) for x in gshapes[0]], "load_avg": os.getloadavg(), "systems": rows}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     lines = [f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
-             f"{result['platform']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}); median of "
+             f"{result['platform']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}, XLA flags "
+             f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
              f"{args.rounds * len(batches)} interleaved steps.", "",
              "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |",
              "|---|---|---|---|---|---|"]

@@ -44,6 +44,7 @@ def main():
     ap.add_argument("--train-texts", type=int, default=16)
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-train", action="store_true", help="generation benchmark only")
     a = ap.parse_args()
     if a.small:
         lm = toy.lm(0)
@@ -64,9 +65,12 @@ def main():
     prompts = ["the movie was", "we saw the film and it"] * (a.batch // 2) if a.small else \
         ["The movie was", "I think that the new"] * (a.batch // 2)
     p = head.init(jax.random.PRNGKey(0), d, 2, rank=rank, scale=0.05)
-    hooks = head.to_hooks(p, head.make_eps(np.full((a.batch, 1), 5.0), 1e-3))
+    eps = head.make_eps(np.full((a.batch, 1), 5.0), 1e-3)
+    hooks = head.to_hooks(p, eps)
+    hooks_full = head.to_hooks(head.for_inference(p), eps)
     gen = {"plain": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=None),
-           "steered": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks)}
+           "steered": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks),
+           "steered_full": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks_full)}
     for f in gen.values():
         f()  # compile
     times = {k: [] for k in gen}
@@ -77,9 +81,17 @@ def main():
     res["generation"] = {k: {"seconds": float(np.median(t)), "tokens_per_s": tok / float(np.median(t))}
                          for k, t in times.items()}
     res["generation"]["overhead_pct"] = 100 * (np.median(times["steered"]) / np.median(times["plain"]) - 1)
-    res["generation"]["setting"] = f"greedy, batch {a.batch}, {a.new_tokens} new tokens, S=2 steers rank {rank}"
+    res["generation"]["overhead_full_pct"] = 100 * (np.median(times["steered_full"]) / np.median(times["plain"]) - 1)
+    res["generation"]["setting"] = (f"greedy, batch {a.batch}, {a.new_tokens} new tokens, S=2 steers; 'steered': "
+                                    f"low rank {rank}; 'steered_full': the same steers as W = P1 P2^T (for_inference)")
     C.log("generation", res["generation"])
 
+    out = a.out or str(C.RESULTS / ("bench_small.json" if a.small else "bench.json"))
+    if a.skip_train:
+        old = C.json.loads(pathlib.Path(out).read_text()) if pathlib.Path(out).exists() else {}
+        res["training"] = old.get("training")
+        C.write_json(out, res)
+        return
     # ----------------------------------------------------------- training step
     texts = texts[: a.train_texts]
     values = np.where(np.arange(len(texts)) % 2 == 0, 1.0, -1.0).astype(np.float32)
@@ -124,7 +136,6 @@ def main():
     res["training"]["loss_cached"], res["training"]["loss_full_forward"] = l_c, l_f
     res["training"]["one_time_cache_seconds_for_these_texts"] = res_cache_s
     C.log("training", res["training"])
-    out = a.out or str(C.RESULTS / ("bench_small.json" if a.small else "bench.json"))
     C.write_json(out, res)
     C.log("wrote", out)
 

@@ -203,7 +203,8 @@ def hf_collate_batches(examples, batch: int, seed: int, count: int, max_len: int
     """The usual HF recipe: random order, each batch padded to its longest example
     (what DataCollatorForTokenClassification does)."""
     rng = np.random.default_rng(seed)
-    order = rng.permutation(len(examples))
+    epochs = -(-count * batch // len(examples))
+    order = np.concatenate([rng.permutation(len(examples)) for _ in range(epochs)])
     out = []
     for s in range(count):
         rows = [examples[i] for i in order[s * batch : (s + 1) * batch]]
@@ -354,12 +355,11 @@ def gpu_bench(args, num_labels):
     kind = jax.devices()[0].device_kind
     peak = peak_tflops(kind)
     results = []
+    init = _init_params(config, num_labels)
     for batch, seq in [(32, 128), (128, 128), (64, 512)]:
-        params = None
         rng = np.random.default_rng(0)
         total = args.warmup + args.steps
-        trainer, module, params, _ = build_jsteer(None, num_labels, args.lr, total, dtype="bf16", config=config,
-                                                  params=_init_params(module_cfg=config, num_labels=num_labels))
+        trainer, _, _, _ = build_jsteer(None, num_labels, args.lr, total, dtype="bf16", config=config, params=init)
         batches = []
         for _ in range(4):
             ids = rng.integers(1000, 30000, size=(batch, seq)).astype(np.int32)
@@ -383,13 +383,13 @@ def gpu_bench(args, num_labels):
             "precision": "bf16 compute, fp32 master params", "runs": results}
 
 
-def _init_params(module_cfg, num_labels):
+def _init_params(config, num_labels):
     import jax
     import jax.numpy as jnp
 
     from jsteer.backbones import bert
 
-    m = bert.BertForTokenClassification(module_cfg, num_labels)
+    m = bert.BertForTokenClassification(config, num_labels)
     return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 

@@ -40,12 +40,11 @@ def main(argv=None) -> int:
         args.relations, args.prompts, args.lambdas = 2, 8, "0,2"
 
     import jax
-    import jax.numpy as jnp
 
     from jsteer import io
     from jsteer.convert.gguf import read_gguf
     from jsteer.tokenizer import Tokenizer
-    from jsteer.typevec import core, probe, sampling
+    from jsteer.typevec import probe, sampling
 
     path = io.embedded_path("smollm2-135m")
     hf_config, sd, tok_json, _ = read_gguf(path)

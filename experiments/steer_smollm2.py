@@ -26,7 +26,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import steer_common as C  # noqa: E402
 
 import jsteer  # noqa: E402
-from jsteer.hooks import Hooks, Steer  # noqa: E402
 from jsteer.steer import artifact, head, highlight, interpret, train, transfer  # noqa: E402
 
 
@@ -37,6 +36,7 @@ def parse():
     ap.add_argument("--sst-texts", type=int, default=1600)
     ap.add_argument("--jigsaw-texts", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--detox-steps", type=int, default=None, help="default: --steps")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--prompts", type=int, default=15)
@@ -55,6 +55,7 @@ def main():
     res["setup"] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "steer_train": {"sst5_texts": a.sst_texts, "jigsaw_texts": a.jigsaw_texts, "steps": a.steps,
+                        "detox_steps": a.detox_steps or a.steps,
                         "batch_size": a.batch_size, "rank": a.rank, "eps0": 1e-3, "lr": 1e-2,
                         "init_scale": 1e-3, "l2": 0.0, "max_len_sst": 64, "max_len_jigsaw": 32},
         "paper": {"steps": 1000, "batch_size": 32, "rank": 1000, "samples_per_prompt": 25,
@@ -138,11 +139,14 @@ def main():
             cache.save(str(cpath))
         t_cache = time.time() - t0
         C.log(f"training {name} steer: {cache.num_texts} texts, {cache.num_tokens} tokens")
-        params, hist = train.train(cache, emb, cfg, progress=True)
+        cfg_n = cfg if name == "sentiment" else train.TrainConfig(rank=a.rank, steps=a.detox_steps or a.steps,
+                                                                   batch_size=a.batch_size, log_every=25)
+        params, hist = train.train(cache, emb, cfg_n, progress=True)
         artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
-                      eps0=cfg.eps0, steer_names=[name], extra={"steps": cfg.steps, "rank": cfg.rank})
+                      eps0=cfg.eps0, steer_names=[name], extra={"steps": cfg_n.steps, "rank": cfg.rank})
         steers[name] = {k: np.asarray(v) for k, v in params.items()}
-        res["training"][name] = {"texts": cache.num_texts, "tokens": cache.num_tokens, "cache_seconds": t_cache,
+        res["training"][name] = {"steps": cfg_n.steps, "batch_size": cfg_n.batch_size, "engine": cfg_n.engine,
+                                 "texts": cache.num_texts, "tokens": cache.num_tokens, "cache_seconds": t_cache,
                                  "train_seconds": hist["seconds"], "steps_per_s": hist["steps_per_s"],
                                  "tokens_per_batch": hist["tokens_per_batch"], "loss": hist["loss"],
                                  "loss_steps": hist["step"]}
@@ -150,7 +154,7 @@ def main():
 
     # one head holding both steers: [sentiment, sentiment-dummy, detox, detox-dummy]
     both = head.stack([steers["sentiment"], steers["detox"]])
-    both = {k: jnp.asarray(v) for k, v in both.items()}
+    both = head.for_inference({k: jnp.asarray(v) for k, v in both.items()})  # rank 1000 > D/2: full W is cheaper
     eps0 = cfg.eps0
 
     def eps_of(s=None, d=None):
@@ -168,9 +172,8 @@ def main():
             return json.loads(path.read_text())
         e = eps_of(s, d)
         t0 = time.time()
-        samples = C.sample(lm, lambda b: Hooks(steer=Steer(eps=jnp.broadcast_to(jnp.asarray(e), (b, 4)),
-                                                           p1=both["p1"], p2=both["p2"])),
-                           prompt_list, a.samples, seed=seed)
+        samples = C.sample(lm, lambda b: head.to_hooks(both, jnp.broadcast_to(jnp.asarray(e), (b, 4))),
+                           prompt_list, a.samples, seed=seed, batch=min(64, a.prompts * a.samples))
         g = {"prompts": prompt_list, "samples": samples, "values": {"sentiment": s, "detox": d},
              "seconds": time.time() - t0}
         C.write_json(path, g)

@@ -283,6 +283,7 @@ def load(src: PathLike, dtype: Any = jnp.float32, head: Any = _AUTO) -> LM:
     ``dtype``: floating params are cast to it (and used as the activation dtype).
     ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
+    An embedded name wins over a folder of the same name: write ``./minilm`` for the folder.
     """
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):

@@ -95,7 +95,8 @@ def test_top_k_top_p_filter_matches_numpy():
         kept = order[:k]
         p = np.exp(logits[b, kept] - logits[b, kept].max())
         p /= p.sum()
-        n = int(np.searchsorted(np.cumsum(p), top_p[b] - 1e-7) + 1) if top_p[b] < 1 else k  # smallest set with mass >= p
+        # nucleus: the smallest prefix with mass >= top_p
+        n = int(np.searchsorted(np.cumsum(p), top_p[b] - 1e-7) + 1) if top_p[b] < 1 else k
         expected = np.full(50, -np.inf, np.float32)
         expected[kept[:n]] = logits[b, kept[:n]]
         np.testing.assert_array_equal(got[b], expected)

@@ -27,12 +27,11 @@ def tiny_bert(layers=2, **kw):
 
 
 def japply(module, params, *args, method=None, **kw):
-    """module.apply under one jit (much cheaper than op-by-op dispatch)."""
-    return jax.jit(lambda p, a, k: module.apply({"params": p}, *a, method=method, **k))(params, args, kw)
+    return module.apply({"params": params}, *args, method=method, **kw)
 
 
 def jinit(module, rng, *args, method=None):
-    return jax.jit(lambda r, a: module.init(r, *a, method=method))(rng, args)["params"]
+    return module.init(rng, *args, method=method)["params"]
 
 
 def perturb(tree, key, scale=0.3):
@@ -263,9 +262,8 @@ def test_eae_retrieval_and_linking_loss_match_numpy():
     graph, tok = graph_inputs([[-1, 0, 0, 1, -1], [0, -1, -1, -1, -1]], [[3, 0], [6]])
     n = graph.nodes["entity"].shape[0]
     layer = EntityRetrieval(hidden=6, entity_dim=4)
-    p = perturb(jax.jit(lambda r: layer.init(r, h, tok, memory, n))(jax.random.PRNGKey(0))["params"],
-                jax.random.PRNGKey(1))
-    new_h, logits = jax.jit(lambda q: layer.apply({"params": q}, h, tok, memory, n))(p)
+    p = perturb(layer.init(jax.random.PRNGKey(0), h, tok, memory, n)["params"], jax.random.PRNGKey(1))
+    new_h, logits = layer.apply({"params": p}, h, tok, memory, n)
     q = jax.tree.map(np.asarray, p)
     tk = np.asarray(tok)
     want = h.copy()

@@ -13,12 +13,7 @@ from jsteer.kalm import decode
 from jsteer.kalm import train as ktrain
 from jsteer.kalm.head import (KalmConfig, KalmHead, TypedVocab, token_log_prob, type_posterior, typed_token_log_probs,
                               word_log_probs)
-from jsteer.kalm.model import KalmLM
-from jsteer.kalm.model import next_token_log_probs as _next_token_log_probs
-
-
-def next_token_log_probs(model, params, ids, mask, vocab):
-    return jax.jit(lambda p, i, m, v: _next_token_log_probs(model, p, i, m, v))(params, ids, mask, vocab)
+from jsteer.kalm.model import KalmLM, next_token_log_probs
 
 V, D = 12, 8
 TYPES = [[3, 4, 5], [5, 6], [9]]  # word 5 is in two types
@@ -35,13 +30,14 @@ def head_out(types=TYPES, general=None, seed=0):
     head = KalmHead(KalmConfig(num_types=len(types), type_dim=4), int(vocab.typed_ids.shape[0]), D)
     h = jax.random.normal(jax.random.PRNGKey(seed), (2, 3, D))
     logits = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, 3, V)) * 2
-    p = jax.jit(lambda r, *a: head.init(r, *a))(jax.random.PRNGKey(2), h, logits, vocab)["params"]
-    p = perturb(p, jax.random.PRNGKey(3))
-    out = jax.jit(lambda q, *a: head.apply({"params": q}, *a))(p, h, logits, vocab)
+    p = perturb(head.init(jax.random.PRNGKey(2), h, logits, vocab)["params"], jax.random.PRNGKey(3))
+    out = head.apply({"params": p}, h, logits, vocab)
     return vocab, out, jax.tree.map(np.asarray, p), np.asarray(h), np.asarray(logits)
 
 
 def test_typed_vocab_build_and_errors():
+    assert np.asarray(TypedVocab.build(V, TYPES, disjoint=True).general).tolist() == [
+        w not in (3, 4, 5, 6, 9) for w in range(V)]
     vocab = TypedVocab.build(V, TYPES)
     assert vocab.typed_ids.tolist() == [3, 4, 5, 6, 9]
     assert vocab.index.tolist() == [-1, -1, -1, 0, 1, 2, 3, -1, -1, 4, -1, -1]
@@ -97,7 +93,7 @@ def test_one_type_is_the_plain_head():
     got = next_token_log_probs(kalm, p, ids, mask, vocab)
     plain = next_token_log_probs(LlamaForCausalLM(cfg), p["backbone"], ids, mask, vocab)
     np.testing.assert_allclose(np.asarray(got), np.asarray(plain), atol=1e-5)
-    out = jax.jit(lambda q: kalm.apply({"params": q}, ids, mask, vocab))(p)
+    out = kalm.apply({"params": p}, ids, mask, vocab)
     assert np.all(np.asarray(out.type_logp) == 0.0)  # P(general) = 1
 
 
@@ -179,7 +175,8 @@ def test_kalm_types_held_out_words_from_context():
                      ["sip", "the", d, ",", "eat", "the", f])
     vocab = kdata.Vocab.build(lines, min_count=1)
     types = {w: ("fruits",) for w in fruits} | {w: ("drinks",) for w in drinks}
-    tv = TypedVocab.build(len(vocab), kdata.type_word_ids(types, vocab, ("fruits", "drinks"), exclude=held))
+    tv = TypedVocab.build(len(vocab), kdata.type_word_ids(types, vocab, ("fruits", "drinks"), exclude=held),
+                          disjoint=True)  # entity words only through their types: identifiable latent types
     assert vocab("kiwi") not in np.asarray(tv.typed_ids).tolist()
     ids, mask = kdata.encode_lines(lines, vocab, length=9)
     model = ktrain.make_model("kalm", ktrain.tiny_llama(len(vocab), hidden=32, layers=1, heads=2, max_len=16), tv,

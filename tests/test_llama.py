@@ -224,7 +224,8 @@ def test_attn_bias_hides_keys_like_the_padding_mask(gqa_untied):
     mask = np.ones((2, T), np.int64)
     mask[:, hidden_key] = 0
     with torch.no_grad():
-        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(np.asarray(pos))).logits.numpy()
+        ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                 position_ids=torch.tensor(np.asarray(pos))).logits.numpy()
     keep = np.arange(T) != hidden_key
     assert np.abs(ours - ref)[:, keep].max() <= 1e-5
 

@@ -245,3 +245,13 @@ def test_stack_composes_steers():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="different hidden sizes"):
         head.stack([a, head.init(jax.random.PRNGKey(3), D + 2, 1, rank=R)])
+
+
+def test_for_inference_expands_high_rank_only():
+    hi = head.init(jax.random.PRNGKey(0), D, S, rank=D, scale=0.5)
+    lo = head.init(jax.random.PRNGKey(0), D, S, rank=2, scale=0.5)
+    assert set(head.for_inference(hi)) == {"w"} and set(head.for_inference(lo)) == {"p1", "p2"}
+    h, emb = jnp.asarray(_rand(1, B, T, D)), jnp.asarray(_rand(2, V, D))
+    eps = jnp.asarray(_rand(3, B, S))
+    np.testing.assert_allclose(head.apply(head.for_inference(hi), h, emb, eps), head.apply(hi, h, emb, eps),
+                               rtol=1e-4, atol=1e-4)

@@ -6,8 +6,6 @@ import json
 import pathlib
 import shutil
 
-import numpy as np
-import pytest
 import torch
 import transformers
 

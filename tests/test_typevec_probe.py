@@ -16,7 +16,7 @@ import transformers
 from jsteer.backbones import bert as jb
 from jsteer.backbones import gpt2 as jg
 from jsteer.backbones.base import ModelOutput
-from jsteer.hooks import Hooks, apply_embed
+from jsteer.hooks import apply_embed
 from jsteer.tokenizer import Tokenizer
 from jsteer.typevec import core, probe
 

@@ -1,1 +1,10 @@
-"""jsteer.data."""
+"""jsteer.data: files -> records -> padded static-shape batches.
+
+* :mod:`jsteer.data.readers`  parsers (CoNLL, labeled text, LAMA) whose errors name file and line.
+* :mod:`jsteer.data.ner`      IOB1 -> IOB2, word -> subword label alignment.
+* :mod:`jsteer.data.tfds_builders`  TFDS builders writing array_record (no TensorFlow needed),
+  read back by index with ``tfds.data_source``-style sources.
+* :mod:`jsteer.data.batching` bucketed padding and a deterministic, resumable batch iterator.
+
+Submodules are imported on demand (tensorflow-datasets is slow to import).
+"""

@@ -27,8 +27,10 @@ Graph layer (relation-aware GATv2, one head), for an edge j -> i with relation r
     e_i'  = sum_j alpha_ij W_src e_j + b
 
 ``h_i`` is the mention context of node i: the mean of the current layer's input hidden states
-over the tokens mentioning it (zero for neighbour-only nodes), with the gradient stopped, as
-in the original. After each layer: ReLU, then dropout (0.1).
+over the tokens mentioning it (zero for neighbour-only nodes), with the gradient stopped as in
+the original (which sums instead of averaging; the mean keeps the scale independent of the
+mention's length). After each layer: ReLU, then dropout (0.1). Self loops carry their own
+relation embedding (the original used a zero relation vector for them).
 
 Null masking: a node *carries information* when it is a known entity (id != 0); after a layer
 it also carries information when it received some from a node that did. Edges whose sender

@@ -79,9 +79,11 @@ class TypedVocab:
 
     @classmethod
     def build(cls, vocab_size: int, type_words: Sequence[Sequence[int]],
-              general: Optional[np.ndarray] = None) -> "TypedVocab":
-        """type_words[j - 1]: vocabulary ids in type j's vocabulary; general: bool [V] (default
-        every word). A word may belong to several types."""
+              general: Optional[np.ndarray] = None, disjoint: bool = False) -> "TypedVocab":
+        """type_words[j - 1]: vocabulary ids in type j's vocabulary (a word may belong to
+        several types). general: bool [V], the general vocabulary; default every word, or with
+        ``disjoint`` every word outside the entity vocabularies (then an entity word can only
+        be generated through its types, which makes the latent type identifiable)."""
         typed = sorted({int(w) for ws in type_words for w in ws})
         bad = [w for w in typed if not 0 <= w < vocab_size]
         if bad:
@@ -95,7 +97,11 @@ class TypedVocab:
             member[j, [pos[int(w)] for w in ws]] = True
         index = np.full(vocab_size, -1, np.int32)
         index[typed] = np.arange(len(typed), dtype=np.int32)
-        general = np.ones(vocab_size, bool) if general is None else np.asarray(general, bool)
+        if general is None:
+            general = np.ones(vocab_size, bool)
+            if disjoint:
+                general[typed] = False
+        general = np.asarray(general, bool)
         if general.shape != (vocab_size,) or not general.any():
             raise ValueError(f"TypedVocab: general must be a non-empty bool mask of shape ({vocab_size},)")
         return cls(typed_ids=jnp.asarray(typed, jnp.int32), member=jnp.asarray(member),

@@ -55,8 +55,8 @@ def make_model(kind: str, backbone: LlamaConfig, vocab: TypedVocab, type_dim: in
 def init_params(model, rng, vocab: TypedVocab, length: int = 8) -> dict:
     ids = jnp.zeros((1, length), jnp.int32)
     if isinstance(model, KalmLM):
-        return jax.jit(lambda r, i, v: model.init(r, i, jnp.ones_like(i), v))(rng, ids, vocab)["params"]
-    return jax.jit(lambda r, i: model.init(r, i, jnp.ones_like(i)))(rng, ids)["params"]
+        return model.init(rng, ids, jnp.ones_like(ids), vocab)["params"]
+    return model.init(rng, ids, jnp.ones_like(ids))["params"]
 
 
 def loss_fn(model, vocab: TypedVocab):

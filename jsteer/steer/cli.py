@@ -181,7 +181,8 @@ def _generate(args) -> int:
     lm = _load_model(args.model)
     params, eps, _ = load_steers(lm, args.steer, args.value, args.dummy)
     prompts = [p for p in args.prompts for _ in range(args.samples)]
-    hooks = Hooks(steer=head.to_steer({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(eps)))
+    params = head.for_inference({k: jnp.asarray(v) for k, v in params.items()})
+    hooks = Hooks(steer=head.to_steer(params, jnp.asarray(eps)))
     outs = lm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, hooks=hooks)
     for p, o in zip(prompts, outs):

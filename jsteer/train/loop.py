@@ -116,7 +116,7 @@ class Trainer:
         self._stop_reason: Optional[str] = None
 
         labels = optim.resolve_labels(params, optimizer)
-        self.mask = optim.trainable_mask(labels, optimizer)
+        self.mask = optim.trainable_mask(labels, optimizer, params)
         self.labels = labels
         trainable, frozen = optim.partition(params, self.mask)
         self._trainable_labels, _ = optim.partition(labels, self.mask)

@@ -107,9 +107,15 @@ def resolve_labels(params: PyTree, cfg: OptimizerConfig) -> PyTree:
     return labels
 
 
-def trainable_mask(labels: PyTree, cfg: OptimizerConfig) -> PyTree:
+def trainable_mask(labels: PyTree, cfg: OptimizerConfig, params: Optional[PyTree] = None) -> PyTree:
+    """True where the leaf's group has a learning rate (and, given ``params``, the leaf is
+    floating point: integer / bool leaves are always frozen)."""
     lrs = cfg.group_lrs()
-    return jax.tree.map(lambda lab: lrs[lab] is not None, labels)
+    if params is None:
+        return jax.tree.map(lambda lab: lrs[lab] is not None, labels)
+    return jax.tree.map(
+        lambda lab, x: lrs[lab] is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact), labels, params
+    )
 
 
 def _is_none(x) -> bool:

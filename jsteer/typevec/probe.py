@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.typevec.inject import generation_hooks, inject, one_hot_positions
-from jsteer.typevec.sampling import encode_plain, single_token_id, space_sensitive
+from jsteer.typevec.inject import inject, one_hot_positions
+from jsteer.typevec.sampling import single_token_id, space_sensitive
 
 Array = jnp.ndarray
 
@@ -542,6 +542,8 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     """
     log = log or (lambda s: None)
     kind = model.kind
+    lam_grid = sorted({0.0, *(float(x) for x in lam_grid)})   # lambda = 0 is B and tunes PostTE
+    post_grid = [float(x) for x in post_grid]
     all_examples: list[Example] = []
     bto_examples: list[Example] = []
     data: dict[str, GroupData] = {}

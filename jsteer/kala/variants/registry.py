@@ -93,9 +93,8 @@ def init_params(model, rng: jax.Array, encoder_params: Optional[dict] = None, he
     ids = jnp.zeros((1, seq_len), jnp.int32)
     graph, tn = batch_graphs([ExampleGraph.empty()], np.full((1, seq_len), -1, np.int32))
     extras = {k: jnp.zeros((1, seq_len), jnp.int32) for k in extra_keys(model)} or None
-    init = jax.jit(lambda r, i, g, t, e: model.init({"params": r, "dropout": r}, i, jnp.ones_like(i), None, g, t,
-                                                     extras=e))  # one compile instead of op-by-op dispatch
-    params = init(rng, ids, graph, jnp.asarray(tn), extras)["params"]
+    params = model.init({"params": rng, "dropout": rng}, ids, jnp.ones_like(ids), None, graph, jnp.asarray(tn),
+                        extras=extras)["params"]
     params = dict(params)
     if encoder_params is not None:
         if jax.tree.map(jnp.shape, params["encoder"]) != jax.tree.map(jnp.shape, encoder_params):

@@ -1,0 +1,233 @@
+"""Other knowledge-integration systems vs KALA on NER (the layout of KALA's Table 4).
+
+    python experiments/kala_variants.py --dataset conll --seeds 0 1 2
+    python experiments/kala_variants.py --dataset ncbi --seeds 0 1 2
+    python experiments/kala_variants.py --table          # print / write the comparison table
+    python experiments/kala_variants.py --small          # tiny synthetic rerun (CI, notebook)
+
+Methods (``--methods``; all through :mod:`jsteer.kala.variants.registry` and the same training
+engine): plain fine-tuning, KALA point-wise and relational (the harness' own models), ERNIE
+fusion, K-BERT sentence trees, Entities as Experts and the knowledge adapter. Everything else
+is shared with ``experiments/kala_ner.py`` (imported from it): the knowledge graph built from
+the dataset's token columns (no labels), the seeded train / test subsets, MiniLM, the entity
+memory initialised from MiniLM's contextual features, batch 32, length <= 128, AdamW with
+``--lr`` for the backbone and ``--kala-lr`` for the knowledge modules. K-BERT gets up to 2
+facts per entity as branches of at most 6 word pieces (total length <= 128).
+
+Each finished (method, seed) run is appended to ``experiments/results/kala/variants_<dataset>.json``
+(re-running skips finished runs). Train time = wall time of steps 2..N of the run (the first,
+compiling step excluded), measured on a 2-core CPU shared with other jobs: compare it between
+methods of the same sweep only, and expect noise from the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / "experiments" / "results" / "kala"
+METHODS = ("finetune", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
+NAMES = {"finetune": "Fine-tuning", "pointwise": "KALA (point-wise)", "relational": "KALA (relational)",
+         "ernie": "ERNIE (fusion)", "kbert": "K-BERT (sentence tree)", "eae": "Entities as Experts",
+         "adapter": "Knowledge adapter", "more_params": "Fine-tuning + 1 layer"}
+DATASET_NAMES = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
+KBERT = dict(max_branches=2, branch_tokens=6)
+
+
+def run_dataset(args) -> None:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(ROOT / "runs" / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import kala_ner  # the harness experiment: same graph, subsets and settings
+
+    import jsteer
+    from jsteer.data import ner as ner_lib
+    from jsteer.kala import pipeline
+    from jsteer.kala.variants import registry
+    from jsteer.kala.variants import train as vtrain
+
+    spec = kala_ner.DATASETS[args.dataset]
+    out_path = pathlib.Path(args.out) if args.out else OUT / f"variants_{args.dataset}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
+    done = {(r["method"], r["seed"]) for r in results["runs"]}
+
+    t0 = time.time()
+    gdir = kala_ner.ensure_graph(args.dataset)
+    lm = jsteer.load(args.model)
+    labels = getattr(ner_lib, spec["labels"])
+    data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"], gdir, lm.tokenizer,
+                                  labels=labels, scheme=spec["scheme"], max_len=args.max_len,
+                                  train_size=args.train_size, test_size=args.test_size)
+    memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
+    subsets = data.subsets()
+    encoded = {"default": (data.train, data.test)}
+    if "kbert" in args.methods:
+        splits = [pipeline.read_split(kala_ner.DATA / spec[s], gdir, labels, spec["scheme"], size)
+                  for s, size in (("train", args.train_size), ("test", args.test_size))]
+        encoded["kbert"] = tuple(
+            [registry.encode_ner("kbert", w, t, m, lm.tokenizer, labels, data.vocab, data.kg, args.max_len, 4,
+                                 tree_max_len=args.max_len, **KBERT) for w, t, m in split] for split in splits)
+        branch_tokens = [e["n_branch_tokens"] for e in encoded["kbert"][0]]
+    results["setup"] = {
+        "dataset": args.dataset, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
+        "epochs": args.epochs, "batch_size": 32, "lr": args.lr, "kala_lr": args.kala_lr, "max_len": args.max_len,
+        "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
+        "n_unseen_contexts": len(subsets["unseen"]), "kbert": KBERT,
+        "kbert_mean_branch_tokens": (sum(branch_tokens) / len(branch_tokens)) if "kbert" in encoded else None,
+        "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'])[:300]}", flush=True)
+
+    for seed in args.seeds:
+        for method in args.methods:
+            if (method, seed) in done:
+                continue
+            train, test = encoded.get(method, encoded["default"])
+            extra = {"num_relations": len(data.relations)} if method == "relational" else {}
+            model = registry.build_model(method, lm.config, num_labels=len(labels), num_entities=len(data.vocab),
+                                         **extra)
+            uses_memory = method in ("pointwise", "relational", "ernie", "eae", "adapter")
+            params = registry.init_params(model, jax.random.PRNGKey(seed), encoder_params=lm.params["encoder"],
+                                          memory=memory if uses_memory else None)
+            cfg = vtrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=args.max_len,
+                                     seed=seed)
+            t1 = time.time()
+            fit = vtrain.fit(model, params, train, cfg)
+            scores = vtrain.evaluate_ner(model, fit.params, test, data.test_tags, data.labels, subsets=subsets)
+            run = {"method": method, "seed": seed, "config": dataclasses.asdict(model.kala), **scores,
+                   "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
+                   "examples_per_second": fit.examples_per_second, "steps": fit.steps, "final_loss": fit.losses[-1],
+                   "params": fit.trainable_params, "wall_seconds": time.time() - t1}
+            results["runs"].append(run)
+            out_path.write_text(json.dumps(results, indent=1, default=str))
+            print(f"{args.dataset} {method} seed {seed}: F1 {scores['f1']:.2f} (unseen "
+                  f"{scores.get('f1_unseen', float('nan')):.1f}) train {fit.train_seconds:.0f}s "
+                  f"wall {time.time() - t1:.0f}s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+
+
+def summarise(runs: list[dict]) -> dict:
+    """{method: {"f1": mean, "f1_std": std, "n": seeds, "train_seconds": mean, ...}}."""
+    import numpy as np
+
+    out = {}
+    for method in dict.fromkeys(r["method"] for r in runs):
+        rs = [r for r in runs if r["method"] == method]
+        f1 = np.array([r["f1"] for r in rs])
+        out[method] = {"f1": float(f1.mean()), "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
+                       "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
+                       "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
+                       "train_seconds": float(np.mean([r["train_seconds"] for r in rs])),
+                       "steps": int(rs[0]["steps"]), "params": int(rs[0]["params"])}
+    return out
+
+
+def load_results(results_dir: pathlib.Path = OUT) -> dict:
+    """{dataset: {"setup": ..., "summary": summarise(runs)}} for the datasets with results."""
+    out = {}
+    for ds in DATASET_NAMES:
+        path = results_dir / f"variants_{ds}.json"
+        if path.is_file():
+            res = json.loads(path.read_text())
+            out[ds] = {"setup": res.get("setup", {}), "summary": summarise(res["runs"])}
+    return out
+
+
+def table(results: dict, methods=METHODS) -> str:
+    """Markdown: one row per method, F1 (mean ± std over seeds) and train time per dataset."""
+    ds = [d for d in DATASET_NAMES if d in results]
+    head = "| Method | " + " | ".join(f"{DATASET_NAMES[d]} F1 | {DATASET_NAMES[d]} train s" for d in ds) + " |"
+    rows = [head, "|" + "---|" * (1 + 2 * len(ds))]
+    for m in methods:
+        cells = []
+        for d in ds:
+            s = results[d]["summary"].get(m)
+            if s is None:
+                cells += ["–", "–"]
+            else:
+                cells += [f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})", f"{s['train_seconds']:.0f}"]
+        if any(c != "–" for c in cells):
+            rows.append(f"| {NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny synthetic rerun
+
+
+def run_small(methods=("finetune", "ernie", "kbert", "eae", "adapter"), steps: int = 40, seed: int = 0) -> dict:
+    """The synthetic task of :mod:`jsteer.kala.variants.synthetic` (novel entities known only
+    through knowledge) with a tiny random BERT: test F1 per method."""
+    import functools
+
+    import jax
+
+    from jsteer.backbones.bert import BertConfig
+    from jsteer.kala.variants import registry, synthetic
+    from jsteer.kala.variants import train as vtrain
+
+    task = synthetic.make_task(seed)
+    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=32, max_steps=steps, warmup_ratio=0.1, seed=seed)
+    gold = [tags for _, tags, _, _ in task.test]
+    kg = task.knowledge_graph()
+    out = {}
+    for method in methods:
+        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities),
+                                     **({"entity_heads": 2} if method == "ernie" else {}))
+        encode = functools.partial(registry.encode_ner, method)
+        train, test = task.encode("train", encode, kg=kg), task.encode("test", encode, kg=kg)
+        memory = task.memory if method in ("pointwise", "relational", "ernie", "eae", "adapter") else None
+        params = registry.init_params(model, jax.random.PRNGKey(seed), memory=memory, seq_len=16)
+        fit = vtrain.fit(model, params, train, tc)
+        out[method] = {"f1": vtrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS)["f1"],
+                       "train_seconds": fit.train_seconds, "steps": fit.steps}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", choices=sorted(DATASET_NAMES))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS) + ["more_params"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--train-size", type=int, default=400)
+    ap.add_argument("--test-size", type=int, default=400)
+    ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--kala-lr", type=float, default=1e-3)
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--model", default="minilm")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--table", action="store_true", help="print the table and write variants_table.md")
+    ap.add_argument("--small", action="store_true", help="tiny synthetic rerun")
+    args = ap.parse_args(argv)
+    if args.small:
+        print(json.dumps(run_small(), indent=1))
+        return 0
+    if args.table:
+        text = table(load_results())
+        (OUT / "variants_table.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.dataset is None:
+        ap.error("--dataset is required (or --table / --small)")
+    run_dataset(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""KALM on the recipe data: perplexity vs the plain LM head, and unsupervised typing of
+ingredient words whose lexicon entries were held out of the type vocabularies.
+
+    python experiments/kalm_recipes.py                       # full run (CPU: see the budget)
+    python experiments/kalm_recipes.py --small               # seconds-scale smoke run
+
+Data (``../shared/data/kalm_namedentitylm``): the 8 ingredient types of ``superingredients/``
+become word-level type vocabularies (:func:`jsteer.kalm.data.word_types`); there is no train
+file, so models train on ``uncleaned_valid_ing.txt`` and are evaluated on a seeded subset of
+``uncleaned_test_ing.txt`` (ingredient lists, one recipe a line). The word vocabulary is the
+training words seen >= 3 times.
+
+Held-out typing: ``--held-out`` of each type's single-type, in-vocabulary words that occur in
+the test lines are removed from every type vocabulary; they remain ordinary words of the
+general vocabulary (the type vocabularies are disjoint from the general one, so an entity word
+is generated only through its types and the latent type is identifiable). Every test
+occurrence of a held-out word is then typed from its context alone -- the type prior of a word
+outside the lexicon is uniform (:func:`jsteer.kalm.decode.type_prior`):
+
+- KALM fwd: argmax_j P(type_t = j | c_<t) over the 8 entity types;
+- KALM bi: a second KALM trained right-to-left adds P(type_t = j | c_>t), divided by the
+  average type distribution P(j) (product of experts);
+Accuracy is reported over occurrences, macro over distinct held-out words (frequent words such
+as "salt" would otherwise dominate) and macro over types.
+
+- baselines: the most frequent type of the lexicon words in the training text; the plain LM's
+  context with the lexicon (argmax_j sum_{w in V_j} P(w | c_<t)); the plain LM's output
+  embedding of the word itself (nearest type centroid of the kept lexicon words, cosine).
+
+Models: a random-init LLaMA (``--hidden`` wide, ``--layers`` layers, word-level, tied
+embeddings) trained as an LM for ``--steps`` steps of ``--batch`` lines (truncated to
+``--length`` tokens), identical for the plain head, KALM and KALM with type input.
+Perplexity: every real next-token prediction of the test lines (same vocabulary for all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "kalm_namedentitylm"
+OUT = ROOT / "experiments" / "results" / "kalm"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train-lines", type=int, default=None)
+    ap.add_argument("--test-lines", type=int, default=2000)
+    ap.add_argument("--length", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--held-out", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", nargs="+", default=["plain", "kalm", "kalm_type_input", "kalm_bwd"])
+    ap.add_argument("--small", action="store_true", help="smoke run: 600 lines, 30 steps, tiny model")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.small:
+        args.train_lines, args.test_lines, args.steps, args.hidden, args.layers = 600, 200, 30, 32, 1
+    result = run(args)
+    out = pathlib.Path(args.out) if args.out else OUT / ("recipes_small.json" if args.small else "recipes.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("perplexity", "typing")}, indent=1))
+    return 0
+
+
+def run(args) -> dict:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(ROOT / "runs" / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    from jsteer.kalm import data as kdata
+    from jsteer.kalm import decode
+    from jsteer.kalm import train as ktrain
+    from jsteer.kalm.head import TypedVocab
+    from jsteer.kalm.model import KalmLM
+
+    t0 = time.time()
+    lexicon = kdata.read_lexicon(DATA)
+    train_lines = kdata.read_lines(DATA / "raw_data" / "uncleaned_valid_ing.txt", args.train_lines)
+    all_test = kdata.read_lines(DATA / "raw_data" / "uncleaned_test_ing.txt")
+    pick = np.random.default_rng(args.seed).choice(len(all_test), size=min(args.test_lines, len(all_test)),
+                                                   replace=False)
+    test_lines = [all_test[i] for i in sorted(pick)]
+    vocab = kdata.Vocab.build(train_lines, min_count=3)
+    types = kdata.word_types(lexicon, vocab.words)
+    test_words = collections.Counter(w for line in test_lines for w in line)
+    held = kdata.split_held_out(types, vocab, args.held_out, seed=args.seed, eligible=test_words)
+    names = kdata.TYPE_NAMES
+    tv = TypedVocab.build(len(vocab), kdata.type_word_ids(types, vocab, names, exclude=held), disjoint=True)
+    held_gold = {w: names.index(types[w][0]) + 1 for w in held}
+
+    ids, mask = kdata.encode_lines(train_lines, vocab, args.length)
+    rids, rmask = kdata.encode_lines(train_lines, vocab, args.length, reverse=True)
+    tids, tmask = kdata.encode_lines(test_lines, vocab, args.length)
+    trids, trmask = kdata.encode_lines(test_lines, vocab, args.length, reverse=True)
+    backbone = ktrain.tiny_llama(len(vocab), hidden=args.hidden, layers=args.layers, heads=4,
+                                 max_len=args.length + 1)
+    cfg = ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps, seed=args.seed)
+    setup = {"train_lines": len(train_lines), "test_lines": len(test_lines), "vocab": len(vocab),
+             "typed_words": int(tv.typed_ids.shape[0]), "lexicon_words_in_vocab": len(types),
+             "held_out_words": sorted(held), "held_out_per_type": dict(collections.Counter(types[w][0] for w in held)),
+             "length": args.length, "steps": args.steps, "batch": args.batch, "lr": args.lr, "hidden": args.hidden,
+             "layers": args.layers, "seed": args.seed, "train_tokens_seen": int(args.steps * args.batch),
+             "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    print(f"setup {time.time() - t0:.0f}s: vocab {len(vocab)}, typed {setup['typed_words']}, held out {len(held)}",
+          flush=True)
+
+    models, params, timing, ppl = {}, {}, {}, {}
+    for name in args.models:
+        kind = "kalm" if name == "kalm_bwd" else name
+        model = ktrain.make_model(kind, backbone, tv)
+        p = ktrain.init_params(model, jax.random.PRNGKey(args.seed), tv)
+        x, m = (rids, rmask) if name == "kalm_bwd" else (ids, mask)
+        p, info = ktrain.train(model, p, x, m, tv, cfg)
+        models[name], params[name] = model, p
+        timing[name] = {"train_seconds": info["seconds"], "compile_seconds": info["compile_seconds"],
+                        "final_loss": info["losses"][-1]}
+        tx, tm = (trids, trmask) if name == "kalm_bwd" else (tids, tmask)
+        ppl[name] = ktrain.perplexity(model, p, tx, tm, tv)
+        print(f"{name}: test perplexity {ppl[name]['perplexity']:.2f} train {info['seconds']:.0f}s", flush=True)
+
+    # ---- typing of held-out words from context
+    pos = decode.word_positions(test_lines, held_gold, args.length)
+    li = np.array([p[0] for p in pos])
+    fi = np.array([p[1] for p in pos])
+    bi = np.array([p[2] for p in pos])
+    gold = np.array([p[3] for p in pos])
+    words = [test_lines[a][f] for a, f in zip(li, fi)]
+    prior = decode.type_prior(vocab, types, names, exclude=held)
+    word_prior = prior[[vocab(w) for w in words]]
+    typing = {"occurrences": len(pos), "distinct_words": len(set(words))}
+
+    word_arr = np.array(words)
+
+    def acc(pred):
+        """accuracy over occurrences, macro over distinct words (each held-out word counts
+        once) and over types, and per type."""
+        pred = np.asarray(pred)
+        per_type = {names[j - 1]: float((pred[gold == j] == j).mean()) for j in sorted(set(gold.tolist()))}
+        per_word = [float((pred[word_arr == w] == gold[word_arr == w]).mean()) for w in sorted(set(words))]
+        return {"accuracy": float((pred == gold).mean()), "word_macro": float(np.mean(per_word)),
+                "type_macro": float(np.mean(list(per_type.values()))), "per_type": per_type}
+
+    train_type_counts = collections.Counter(types[w][0] for line in train_lines for w in line
+                                            if w in types and len(types[w]) == 1 and w not in held)
+    majority = names.index(train_type_counts.most_common(1)[0][0]) + 1
+    typing["majority_type_baseline"] = {"type": names[majority - 1], **acc(np.full(len(gold), majority))}
+    typing["chance"] = 1.0 / len(names)
+    ctx = {}
+    for name in ("kalm", "kalm_type_input", "kalm_bwd"):
+        if name in models:
+            x, m = (trids, trmask) if name == "kalm_bwd" else (tids, tmask)
+            ctx[name] = ktrain.context_types(models[name], params[name], x, m, tv)
+    if "kalm" in ctx:
+        fwd = ctx["kalm"][li, fi]
+        typing["kalm_fwd"] = acc(decode.decode_types([fwd], word_prior))
+        if "kalm_bwd" in ctx:
+            bwd = ctx["kalm_bwd"][li, bi]
+            marg = ktrain.mean_type_distribution(ctx["kalm"], tmask)
+            typing["kalm_bwd"] = acc(decode.decode_types([bwd], word_prior))
+            typing["kalm_bi"] = acc(decode.decode_types([fwd, bwd], word_prior, marg))
+    if "kalm_type_input" in ctx:
+        typing["kalm_type_input_fwd"] = acc(decode.decode_types([ctx["kalm_type_input"][li, fi]], word_prior))
+    if "plain" in models:
+        typing["plain_lm_context_lexicon"] = acc(plain_context_typing(models["plain"], params["plain"], tids, tmask,
+                                                                        tv, li, fi))
+        typing["plain_lm_embedding_centroid"] = acc(embedding_typing(params["plain"], tv, [vocab(w) for w in words]))
+    return {"setup": setup, "perplexity": ppl, "timing": timing, "typing": typing,
+            "wall_seconds": time.time() - t0}
+
+
+def plain_context_typing(model, params, ids, mask, tv, li, fi, batch_size: int = 128) -> np.ndarray:
+    """argmax_j sum_{w in V_j} P(w | c_<t) with the plain LM (j = 1..K)."""
+    import jax
+    import jax.numpy as jnp
+
+    member = np.asarray(tv.member)  # [K, U]
+    typed = np.asarray(tv.typed_ids)
+    fn = jax.jit(lambda p, i, m: jax.nn.log_softmax(model.apply({"params": p}, i, m).logits, -1)[..., typed])
+    rows = sorted(set(li.tolist()))
+    where = {r: k for k, r in enumerate(rows)}
+    lp = []
+    for s in range(0, len(rows), batch_size):
+        sel = rows[s:s + batch_size]
+        i = np.zeros((batch_size, ids.shape[1]), ids.dtype)
+        m = np.zeros_like(i)
+        i[:len(sel)], m[:len(sel)] = ids[sel], mask[sel]
+        lp.append(np.asarray(fn(params, jnp.asarray(i), jnp.asarray(m)))[:len(sel)])
+    lp = np.concatenate(lp)  # [rows, L, U]
+    probs = np.exp(lp[[where[r] for r in li], fi])  # [n, U]
+    return 1 + np.argmax(probs @ member.T.astype(np.float64), axis=-1)
+
+
+def embedding_typing(params, tv, word_ids) -> np.ndarray:
+    """Nearest type centroid (cosine) of the plain LM's embedding of the word itself."""
+    emb = np.asarray(params["embed"]["embedding"], np.float64)
+    emb = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
+    member = np.asarray(tv.member)
+    typed = np.asarray(tv.typed_ids)
+    cents = np.stack([emb[typed[member[j]]].mean(0) for j in range(member.shape[0])])
+    cents /= np.linalg.norm(cents, axis=-1, keepdims=True)
+    return 1 + np.argmax(emb[word_ids] @ cents.T, axis=-1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
