@@ -69,6 +69,14 @@ def timed(fn, reps: int, warmup: int = 1) -> dict:
             "times_s": [round(t, 5) for t in times]}
 
 
+_OUT: dict = {}  # what main() writes; refreshed after every case so a killed run keeps its numbers
+
+
+def _flush(results: dict) -> None:
+    if "path" in _OUT:
+        _OUT["path"].write_text(json.dumps({**_OUT["head"], "results": results}, indent=1))
+
+
 def compare(name: str, results: dict, j: dict, h: dict | None, work: float | None = None, unit: str = "") -> None:
     """Record jsteer/HF timings; speedup = HF time / jsteer time (> 1: jsteer faster)."""
     row = {"jsteer": j}
@@ -80,6 +88,7 @@ def compare(name: str, results: dict, j: dict, h: dict | None, work: float | Non
         if work is not None:
             row[f"hf_{unit}"] = work / h["median_s"]
     results[name] = row
+    _flush(results)
     msg = f"{name:<32} jsteer {j['median_s']:8.4f}s"
     if work is not None:
         msg += f" ({row[f'jsteer_{unit}']:8.1f} {unit})"
@@ -109,7 +118,7 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
     lm = io.from_state_dict(hf_config, sd, Tokenizer.from_json(tok_json))
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lm.params))
-    results["smollm2_param_bytes"] = int(param_bytes)
+    results["smollm2_param_bytes"] = int(param_bytes)  # fp32
 
     hf = None
     if use_torch:
@@ -286,15 +295,17 @@ def main(argv=None) -> int:
     settings["decode_batches"] = list(args.decode_batches)
     print(f"jax {jax.__version__} on {jax.default_backend()}; {os.cpu_count()} cores; reps {args.reps}", flush=True)
 
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _OUT.update(path=out, head={"env": env, "settings": settings})
     results: dict = {}
     if args.only in ("all", "smollm2"):
         bench_smollm2(args, results, on_gpu, use_torch)
     if args.only in ("all", "minilm"):
         bench_minilm(args, results, use_torch)
 
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "settings": settings, "results": results}, indent=1))
+    results["complete"] = True
+    _flush(results)
     print(f"wrote {out}")
     return 0
 

@@ -85,6 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kala-lr", type=float, default=1e-3)
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--model", default="minilm")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="run only these variants of the groups, in this order (default: all, in table order)")
+    ap.add_argument("--memory", nargs="*", default=None,
+                    help="variants whose step memory to measure (an extra compile; default: every main variant)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -125,32 +129,38 @@ def main(argv=None) -> int:
     }
     print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'], default=str)[:400]}", flush=True)
 
-    for group in args.groups:
-        for variant, kw in VARIANTS[group]:
-            for seed in args.seeds:
-                if (variant, seed) in done:
-                    continue
-                cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=args.max_len,
-                                         seed=seed)
-                model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
-                                                     seed=seed)
-                t1 = time.time()
-                log = ROOT / "runs" / "kala_logs" / f"{args.dataset}_{variant}_{seed}.jsonl"
-                log.unlink(missing_ok=True)
-                fit = ktrain.fit(model, params, data.train, cfg, measure_memory=(group == "main" and seed == 0),
-                                 log_path=log)
-                scores = ktrain.evaluate_ner(model, fit.params, data.test, data.test_tags, data.labels,
-                                             subsets=subsets)
-                run = {"group": group, "variant": variant, "seed": seed, "kala": dataclasses.asdict(model.kala),
-                       **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
-                       "examples_per_second": fit.examples_per_second, "steps": fit.steps,
-                       "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
-                       "params": fit.trainable_params, "wall_seconds": time.time() - t1}
-                results["runs"].append(run)
-                out_path.write_text(json.dumps(results, indent=1, default=str))
-                print(f"{args.dataset} {variant} seed {seed}: F1 {scores['f1']:.2f} (seen {scores.get('f1_seen', 0):.1f}"
-                      f" unseen {scores.get('f1_unseen', 0):.1f}) {fit.examples_per_second:.1f} ex/s "
-                      f"{time.time() - t1:.0f}s", flush=True)
+    todo = [(g, v, kw) for g in args.groups for v, kw in VARIANTS[g]]
+    if args.variants is not None:
+        known = {v for _, v, _ in todo}
+        bad = [v for v in args.variants if v not in known]
+        if bad:
+            ap.error(f"unknown variants {bad} for groups {args.groups}")
+        todo = sorted([t for t in todo if t[1] in args.variants], key=lambda t: args.variants.index(t[1]))
+    for group, variant, kw in todo:
+        for seed in args.seeds:
+            if (variant, seed) in done:
+                continue
+            cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=args.max_len,
+                                     seed=seed)
+            model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
+                                                 seed=seed)
+            t1 = time.time()
+            log = ROOT / "runs" / "kala_logs" / f"{args.dataset}_{variant}_{seed}.jsonl"
+            log.unlink(missing_ok=True)
+            measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
+            fit = ktrain.fit(model, params, data.train, cfg, measure_memory=measure, log_path=log)
+            scores = ktrain.evaluate_ner(model, fit.params, data.test, data.test_tags, data.labels,
+                                         subsets=subsets)
+            run = {"group": group, "variant": variant, "seed": seed, "kala": dataclasses.asdict(model.kala),
+                   **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
+                   "examples_per_second": fit.examples_per_second, "steps": fit.steps,
+                   "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
+                   "params": fit.trainable_params, "wall_seconds": time.time() - t1}
+            results["runs"].append(run)
+            out_path.write_text(json.dumps(results, indent=1, default=str))
+            print(f"{args.dataset} {variant} seed {seed}: F1 {scores['f1']:.2f} (seen {scores.get('f1_seen', 0):.1f}"
+                  f" unseen {scores.get('f1_unseen', 0):.1f}) {fit.examples_per_second:.1f} ex/s "
+                  f"{time.time() - t1:.0f}s", flush=True)
     return 0
 
 

@@ -110,12 +110,12 @@ def run(args) -> dict:
                                  max_len=args.length + 1)
     cfg = ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps, seed=args.seed)
     setup = {"train_lines": len(train_lines), "test_lines": len(test_lines), "vocab": len(vocab),
-             "typed_words": int(tv.typed_ids.shape[0]), "lexicon_words_in_vocab": len(types),
+             "typed_pairs": tv.num_pairs, "lexicon_words_in_vocab": len(types),
              "held_out_words": sorted(held), "held_out_per_type": dict(collections.Counter(types[w][0] for w in held)),
              "length": args.length, "steps": args.steps, "batch": args.batch, "lr": args.lr, "hidden": args.hidden,
              "layers": args.layers, "seed": args.seed, "train_tokens_seen": int(args.steps * args.batch),
              "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    print(f"setup {time.time() - t0:.0f}s: vocab {len(vocab)}, typed {setup['typed_words']}, held out {len(held)}",
+    print(f"setup {time.time() - t0:.0f}s: vocab {len(vocab)}, typed pairs {tv.num_pairs}, held out {len(held)}",
           flush=True)
 
     models, params, timing, ppl = {}, {}, {}, {}
@@ -187,9 +187,8 @@ def plain_context_typing(model, params, ids, mask, tv, li, fi, batch_size: int =
     import jax
     import jax.numpy as jnp
 
-    member = np.asarray(tv.member)  # [K, U]
-    typed = np.asarray(tv.typed_ids)
-    fn = jax.jit(lambda p, i, m: jax.nn.log_softmax(model.apply({"params": p}, i, m).logits, -1)[..., typed])
+    words = np.asarray(tv.pair_word)
+    fn = jax.jit(lambda p, i, m: jax.nn.log_softmax(model.apply({"params": p}, i, m).logits, -1)[..., words])
     rows = sorted(set(li.tolist()))
     where = {r: k for k, r in enumerate(rows)}
     lp = []
@@ -199,18 +198,17 @@ def plain_context_typing(model, params, ids, mask, tv, li, fi, batch_size: int =
         m = np.zeros_like(i)
         i[:len(sel)], m[:len(sel)] = ids[sel], mask[sel]
         lp.append(np.asarray(fn(params, jnp.asarray(i), jnp.asarray(m)))[:len(sel)])
-    lp = np.concatenate(lp)  # [rows, L, U]
-    probs = np.exp(lp[[where[r] for r in li], fi])  # [n, U]
-    return 1 + np.argmax(probs @ member.T.astype(np.float64), axis=-1)
+    lp = np.concatenate(lp)  # [rows, L, P]
+    probs = np.exp(lp[[where[r] for r in li], fi]).astype(np.float64)  # [n, P]: P(pair word | c)
+    mass = np.stack([probs[:, np.asarray(tv.pair_type) == j].sum(-1) for j in range(tv.num_types)], -1)
+    return 1 + np.argmax(mass, axis=-1)
 
 
 def embedding_typing(params, tv, word_ids) -> np.ndarray:
     """Nearest type centroid (cosine) of the plain LM's embedding of the word itself."""
     emb = np.asarray(params["embed"]["embedding"], np.float64)
     emb = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
-    member = np.asarray(tv.member)
-    typed = np.asarray(tv.typed_ids)
-    cents = np.stack([emb[typed[member[j]]].mean(0) for j in range(member.shape[0])])
+    cents = np.stack([emb[tv.words_of(j + 1)].mean(0) for j in range(tv.num_types)])
     cents /= np.linalg.norm(cents, axis=-1, keepdims=True)
     return 1 + np.argmax(emb[word_ids] @ cents.T, axis=-1)
 

@@ -29,7 +29,7 @@ def test_graph_carries_unseen_entity_labels():
     assert all(vocab(m.id) == 0 for _, _, ms in task.test for m in ms)
     bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                       max_position_embeddings=32)
-    cfg = ktrain.TrainConfig(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=20, warmup_ratio=0.1)
+    cfg = ktrain.TrainConfig(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=30, warmup_ratio=0.1)
     gold = [t for _, t, _ in task.test]
     f1 = {}
     for method in ("finetune", "relational"):
@@ -38,5 +38,5 @@ def test_graph_carries_unseen_entity_labels():
         fit = ktrain.fit(model, init_params(model, jax.random.PRNGKey(0)), train, cfg)
         assert fit.losses[-1] < fit.losses[0]
         f1[method] = ktrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS, batch_size=32)["f1"]
-    assert f1["relational"] >= 80.0, f1
-    assert f1["relational"] >= f1["finetune"] + 30.0, f1
+    assert f1["relational"] >= 70.0, f1
+    assert f1["relational"] >= f1["finetune"] + 40.0, f1

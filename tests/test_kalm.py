@@ -27,7 +27,7 @@ def perturb(tree, key, scale=0.5):
 
 def head_out(types=TYPES, general=None, seed=0):
     vocab = TypedVocab.build(V, types, general)
-    head = KalmHead(KalmConfig(num_types=len(types), type_dim=4), int(vocab.typed_ids.shape[0]), D)
+    head = KalmHead(KalmConfig(num_types=len(types), type_dim=4), vocab.num_pairs, D)
     h = jax.random.normal(jax.random.PRNGKey(seed), (2, 3, D))
     logits = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, 3, V)) * 2
     p = perturb(head.init(jax.random.PRNGKey(2), h, logits, vocab)["params"], jax.random.PRNGKey(3))
@@ -39,8 +39,10 @@ def test_typed_vocab_build_and_errors():
     assert np.asarray(TypedVocab.build(V, TYPES, disjoint=True).general).tolist() == [
         w not in (3, 4, 5, 6, 9) for w in range(V)]
     vocab = TypedVocab.build(V, TYPES)
-    assert vocab.typed_ids.tolist() == [3, 4, 5, 6, 9]
-    assert vocab.index.tolist() == [-1, -1, -1, 0, 1, 2, 3, -1, -1, 4, -1, -1]
+    assert list(zip(vocab.pair_type.tolist(), vocab.pair_word.tolist())) == [(0, 3), (0, 4), (0, 5), (1, 5), (1, 6),
+                                                                              (2, 9)]
+    assert vocab.pair_index[5].tolist() == [2, 3, -1] and vocab.pair_index[7].tolist() == [-1, -1, -1]
+    assert vocab.words_of(2) == [5, 6]
     assert vocab.types_of(5) == [1, 2] and vocab.types_of(9) == [3] and vocab.types_of(0) == []
     with pytest.raises(ValueError, match="outside the vocabulary"):
         TypedVocab.build(V, [[3, 12]])
@@ -63,15 +65,19 @@ def test_mixture_is_a_distribution_and_matches_numpy():
     ptype = softmax(np.einsum("btd,de,ke->btk", h, p["type_proj"]["kernel"], p["type_embed"]), np.ones(4, bool))
     want = ptype[..., :1] * softmax(logits, general)
     for j, words in enumerate(TYPES):
-        u = [int(np.asarray(vocab.index)[w]) for w in words]
-        z = np.einsum("btd,ud->btu", h, p["typed_out"][j][u]) + p["typed_bias"][j][u]
+        u = [int(np.asarray(vocab.pair_index)[w, j]) for w in words]  # rows of W^(j)
+        z = np.einsum("btd,ud->btu", h, p["typed_out"][u]) + p["typed_bias"][u]
         pj = np.zeros((2, 3, V))
         pj[..., words] = softmax(z, np.ones(len(u), bool))
         want += ptype[..., j + 1:j + 2] * pj
     np.testing.assert_allclose(np.exp(full), want, atol=1e-6)
     # a word outside a type's vocabulary has probability exactly 0 under that type
-    typed = np.exp(np.asarray(out.typed_logp))
-    assert np.all(typed[:, :, ~np.asarray(vocab.member)] == 0.0)
+    every = jnp.broadcast_to(jnp.arange(V), (6, V)).reshape(2, 3, V)  # every word as a target
+    per_type = np.exp(np.asarray(jax.vmap(lambda t: typed_token_log_probs(out, vocab, t), -1, -2)(every)))
+    for j, words in enumerate(TYPES):
+        outside = [w for w in range(V) if w not in words]
+        assert np.all(per_type[:, :, outside, j + 1] == 0.0)
+        np.testing.assert_allclose(per_type[:, :, words, j + 1].sum(-1), 1.0, atol=1e-6)
     assert np.all(np.exp(np.asarray(out.general_logp))[..., [0, 9]] == 0.0)
     # the cheap per-target path agrees with the full mixture
     targets = jnp.asarray([[3, 5, 7], [9, 1, 6]])
@@ -86,7 +92,7 @@ def test_mixture_is_a_distribution_and_matches_numpy():
 def test_one_type_is_the_plain_head():
     cfg = ktrain.tiny_llama(V, hidden=16, layers=1, heads=2)
     vocab = TypedVocab.build(V, [])
-    kalm = KalmLM(cfg, KalmConfig(num_types=0), num_typed=0)
+    kalm = KalmLM(cfg, KalmConfig(num_types=0), num_pairs=0)
     ids = jnp.asarray([[2, 5, 7, 3, 9, 2], [2, 4, 4, 1, 0, 0]])
     mask = (ids > 0).astype(jnp.int32).at[:, 0].set(1)
     p = perturb(ktrain.init_params(kalm, jax.random.PRNGKey(0), vocab), jax.random.PRNGKey(1), 0.1)
@@ -100,9 +106,8 @@ def test_one_type_is_the_plain_head():
 def test_type_as_input_starts_as_kalm_and_stays_causal():
     cfg = ktrain.tiny_llama(V, hidden=16, layers=1, heads=2)
     vocab = TypedVocab.build(V, TYPES)
-    u = int(vocab.typed_ids.shape[0])
-    plain = KalmLM(cfg, KalmConfig(num_types=3, type_dim=4), num_typed=u)
-    fed = KalmLM(cfg, KalmConfig(num_types=3, type_dim=4, type_as_input=True), num_typed=u)
+    plain = KalmLM(cfg, KalmConfig(num_types=3, type_dim=4), num_pairs=vocab.num_pairs)
+    fed = KalmLM(cfg, KalmConfig(num_types=3, type_dim=4, type_as_input=True), num_pairs=vocab.num_pairs)
     ids = jnp.asarray([[2, 5, 7, 3, 9, 6]])
     mask = jnp.ones_like(ids)
     p = ktrain.init_params(fed, jax.random.PRNGKey(0), vocab)
@@ -177,7 +182,7 @@ def test_kalm_types_held_out_words_from_context():
     types = {w: ("fruits",) for w in fruits} | {w: ("drinks",) for w in drinks}
     tv = TypedVocab.build(len(vocab), kdata.type_word_ids(types, vocab, ("fruits", "drinks"), exclude=held),
                           disjoint=True)  # entity words only through their types: identifiable latent types
-    assert vocab("kiwi") not in np.asarray(tv.typed_ids).tolist()
+    assert tv.types_of(vocab("kiwi")) == [] and tv.types_of(vocab("fig")) == [1]
     ids, mask = kdata.encode_lines(lines, vocab, length=9)
     model = ktrain.make_model("kalm", ktrain.tiny_llama(len(vocab), hidden=32, layers=1, heads=2, max_len=16), tv,
                               type_dim=8)

@@ -1,6 +1,6 @@
 """KALM on a jsteer decoder backbone, and the plain-LM baseline on the same backbone.
 
-    model = KalmLM(llama_config, KalmConfig(num_types=8, type_as_input=True), num_typed=U)
+    model = KalmLM(llama_config, KalmConfig(num_types=8, type_as_input=True), num_pairs=vocab.num_pairs)
     out = model.apply({"params": p}, input_ids [B,T], attention_mask [B,T], typed_vocab)
         -> KalmOutput  (position t describes the token at t + 1)
 
@@ -34,13 +34,13 @@ Array = jnp.ndarray
 class KalmLM(nn.Module):
     backbone_config: LlamaConfig
     kalm: KalmConfig
-    num_typed: int
+    num_pairs: int
     dtype: Any = jnp.float32
 
     def setup(self):
         d = self.backbone_config.hidden_size
         self.backbone = LlamaForCausalLM(self.backbone_config, dtype=self.dtype)
-        self.head = KalmHead(self.kalm, self.num_typed, d)
+        self.head = KalmHead(self.kalm, self.num_pairs, d)
         if self.kalm.type_as_input:
             self.type_in = nn.Dense(d, use_bias=False, kernel_init=nn.initializers.zeros)
 

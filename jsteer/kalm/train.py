@@ -49,7 +49,7 @@ def make_model(kind: str, backbone: LlamaConfig, vocab: TypedVocab, type_dim: in
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     cfg = KalmConfig(num_types=vocab.num_types, type_dim=type_dim, type_as_input=kind == "kalm_type_input")
-    return KalmLM(backbone, cfg, num_typed=int(vocab.typed_ids.shape[0]))
+    return KalmLM(backbone, cfg, num_pairs=vocab.num_pairs)
 
 
 def init_params(model, rng, vocab: TypedVocab, length: int = 8) -> dict:
