@@ -37,6 +37,7 @@ FAMILIES = {
     "bert": "bert",
     "roberta": "bert",
     "xlm-roberta": "bert",
+    "camembert": "bert",
     "gpt2": "gpt2",
     "llama": "llama",
     "mistral": "llama",

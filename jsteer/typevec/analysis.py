@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -233,6 +234,14 @@ def _type_logprob(forward, head, params, ids, attn, pos, tgt, betas, layer, hook
     return jax.scipy.special.logsumexp(lp[:, tgt], axis=1)                 # [B]
 
 
+@functools.partial(jax.jit, static_argnames=("forward", "head", "layer", "d"))
+def _layer_grad(params, ids, attn, pos, tgt, hooks, *, forward, head, layer, d):
+    b, t = ids.shape
+    f = lambda betas: jnp.sum(_type_logprob(forward, head, params, ids, attn, pos, tgt, betas, layer, hooks))
+    g = jax.grad(f)(jnp.zeros((b, t, d), jnp.float32))
+    return jnp.take_along_axis(g, pos[:, None, None], axis=1)[:, 0]
+
+
 def layer_gradient(forward: Callable, head: Callable, params, ids, attn, pos, target_ids: Sequence[int],
                    layer: int, hooks: Optional[Hooks] = None) -> Array:
     """Gradient of each row's type log-probability (logsumexp over ``target_ids`` of the
@@ -241,15 +250,12 @@ def layer_gradient(forward: Callable, head: Callable, params, ids, attn, pos, ta
 
     Taken through a zero FiLM ``beta_out`` on that layer, which adds to exactly the
     representation ``hidden_states[layer + 1]``; rows are independent, so the gradient of the
-    sum gives every row's gradient at once.
+    sum gives every row's gradient at once. Compiled once per (model, layer, shapes).
     """
     ids, attn, pos = jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos)
-    b, t = ids.shape
     d = params_hidden_size(forward, params, ids, attn)
-    tgt = jnp.asarray(list(target_ids))
-    f = lambda betas: jnp.sum(_type_logprob(forward, head, params, ids, attn, pos, tgt, betas, int(layer), hooks))
-    g = jax.jit(jax.grad(f))(jnp.zeros((b, t, d), jnp.float32))
-    return jnp.take_along_axis(g, pos[:, None, None], axis=1)[:, 0]
+    return _layer_grad(params, ids, attn, pos, jnp.asarray(list(target_ids)), hooks, forward=forward, head=head,
+                       layer=int(layer), d=d)
 
 
 def params_hidden_size(forward: Callable, params, ids, attn) -> int:
