@@ -136,13 +136,29 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def load_results(results_dir: pathlib.Path = OUT) -> dict:
-    """{dataset: {"setup": ..., "summary": summarise(runs)}} for the datasets with results."""
+    """{dataset: {"setup": ..., "summary": summarise(runs), "sources": {method: file}}}: this
+    sweep's runs (``variants_<dataset>.json``) plus, for KALA's own methods it did not run,
+    the harness sweep's (``ner_<dataset>.json`` of ``experiments/kala_ner.py``, same data and
+    settings) when present."""
     out = {}
     for ds in DATASET_NAMES:
-        path = results_dir / f"variants_{ds}.json"
-        if path.is_file():
-            res = json.loads(path.read_text())
-            out[ds] = {"setup": res.get("setup", {}), "summary": summarise(res["runs"])}
+        mine_path, kala_path = results_dir / f"variants_{ds}.json", results_dir / f"ner_{ds}.json"
+        runs, setup, sources = [], {}, {}
+        if mine_path.is_file():
+            res = json.loads(mine_path.read_text())
+            runs, setup = list(res["runs"]), res.get("setup", {})
+            sources = {r["method"]: mine_path.name for r in runs}
+        if kala_path.is_file():
+            res = json.loads(kala_path.read_text())
+            for r in res.get("runs", []):
+                method = r.get("variant")
+                if method in ("finetune", "more_params", "pointwise", "relational") \
+                        and sources.get(method, kala_path.name) == kala_path.name:
+                    runs.append({**r, "method": method})
+                    sources[method] = kala_path.name
+            setup = setup or res.get("setup", {})
+        if runs:
+            out[ds] = {"setup": setup, "summary": summarise(runs), "sources": sources}
     return out
 
 
@@ -160,7 +176,12 @@ def table(results: dict, methods=METHODS) -> str:
             else:
                 cells += [f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})", f"{s['train_seconds']:.0f}"]
         if any(c != "–" for c in cells):
-            rows.append(f"| {NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+            other = any(results[d].get("sources", {}).get(m, "").startswith("ner_") for d in ds)
+            rows.append(f"| {NAMES.get(m, m)}{' †' if other else ''} | " + " | ".join(cells) + " |")
+    if any(src.startswith("ner_") for d in ds for src in results[d].get("sources", {}).values()):
+        rows.append("")
+        rows.append("† runs of the KALA harness sweep (experiments/kala_ner.py): same data, subsets and settings, "
+                    "timed in another process.")
     return "\n".join(rows)
 
 

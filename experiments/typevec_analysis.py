@@ -158,7 +158,6 @@ def layers(smol, small: bool) -> dict:
     ids = np.pad(ids, ((0, 0), (0, t - ids.shape[1])))
     mask = np.pad(mask, ((0, 0), (0, t - mask.shape[1])))
     posn = mask.sum(1) - 1
-    fwd = jax.jit(lambda p, i, m, h: pm.forward(p, i, m, h, output_hidden_states=True))
     res = {"lambda": lam, "n_per_class": n, "target": target}
     cavs_by = {}
     for label, l in (("without_TE", 0.0), ("with_TE", lam)):
@@ -166,9 +165,8 @@ def layers(smol, small: bool) -> dict:
         for s0 in range(0, len(texts), 32):
             sl = slice(s0, s0 + 32)
             w = one_hot_positions(jnp.asarray(posn[sl]), t)
-            out = fwd(pm.params, jnp.asarray(ids[sl]), jnp.asarray(mask[sl]), inject(te, l, w))
-            hs = jnp.stack(out.hidden_states)
-            states.append(np.asarray(jnp.take_along_axis(hs, jnp.asarray(posn[sl])[None, :, None, None], axis=2)[:, :, 0]))
+            states.append(np.asarray(analysis.position_states(pm.forward, pm.params, ids[sl], mask[sl], posn[sl],
+                                                              inject(te, l, w))))
         x = np.concatenate(states, axis=1)                        # [L+1, 4n, D]
         metrics, cavs = analysis.layer_probes(jnp.asarray(x[:, : 2 * n]), jnp.asarray(y[: 2 * n]),
                                               jnp.asarray(x[:, 2 * n:]), y[2 * n:])
@@ -286,12 +284,17 @@ def markdown(res: dict) -> str:
                     lines.append(f"| {t} | {r['top20_in_kg_list']:.2f} | {', '.join(r['neighbours'])} |")
             lines.append("")
     if "kurtosis" in res:
-        lines += ["## Figure 3: kurtosis of singular-vector means over 500 random example sets (MiniLM)", "",
-                  "| type | " + " | ".join(f"v{int(c) + 1} raw / oriented" for c in ("0", "1", "2", "3", "7")) + " |",
-                  "|---|" + "---:|" * 5]
+        comps = [c for c in next(iter(res["kurtosis"].values())) if c != "singular_values_mean"]
+        lines += ["## Figure 3: singular vectors over random 10-example sets (MiniLM)", "",
+                  "Excess kurtosis over runs of the mean entry of v_i, with raw LAPACK signs / oriented by our "
+                  "sign convention, and stability (mean |cos| between runs' oriented v_i and the first run's):", "",
+                  "| type | " + " | ".join(f"v{int(c) + 1} kurtosis raw / oriented | v{int(c) + 1} stability"
+                                          for c in comps) + " |",
+                  "|---|" + "---:|---:|" * len(comps)]
         for t, r in res["kurtosis"].items():
             lines.append(f"| {t} | " + " | ".join(
-                f"{r[c]['kurtosis_raw']:.1f} / {r[c]['kurtosis_oriented']:.1f}" for c in r if c != "singular_values_mean") + " |")
+                f"{r[c]['kurtosis_raw']:.2f} / {r[c]['kurtosis_oriented']:.2f} | {r[c]['stability']:.3f}"
+                for c in comps) + " |")
         lines.append("")
     if "aa" in res:
         lines += ["## Table 2: adversarial accuracy / sensitivity (SmolLM2, mean +- std over repeats)", "",

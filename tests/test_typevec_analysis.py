@@ -24,7 +24,7 @@ def tiny_mlm():
     cfg = jb.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24,
                         hidden_dropout=0.0, attention_dropout=0.0)
     module = jb.BertForMaskedLM(cfg)
-    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, params)
     pm = probe.for_bert_mlm(module, params, _Tok())
     ids = jnp.asarray([[2, 7, 9, 4, 3], [2, 4, 11, 3, 0]])

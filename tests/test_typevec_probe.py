@@ -237,7 +237,7 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
 def gpt2(bpe_tok):  # noqa: F811
     cfg = jg.GPT2Config(vocab_size=bpe_tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64)
     module = jg.GPT2LMHeadModel(cfg)
-    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, params)   # spread the logits
     return cfg, module, params
 

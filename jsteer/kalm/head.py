@@ -165,7 +165,8 @@ class KalmHead(nn.Module):
     def setup(self):
         k, p = self.config.num_types, self.num_pairs
         self.type_embed = self.param("type_embed", nn.initializers.normal(1.0), (k + 1, self.config.type_dim))
-        self.type_proj = nn.Dense(self.config.type_dim, use_bias=False)
+        # zero W_p: training starts from uniform type distributions instead of random extremes
+        self.type_proj = nn.Dense(self.config.type_dim, use_bias=False, kernel_init=nn.initializers.zeros)
         self.typed_out = self.param("typed_out", nn.initializers.normal(0.02), (p, self.hidden_size))
         self.typed_bias = self.param("typed_bias", nn.initializers.zeros, (p,))
 

@@ -173,12 +173,16 @@ def prompt_logprob_fn(forward: Callable, head: Callable, params, ids: np.ndarray
 # ----------------------------------------------------------------------------- layer-wise probes
 
 
-def position_states(forward: Callable, params, ids, attn, pos, hooks: Optional[Hooks] = None) -> Array:
-    """Hidden states of every layer at each row's predicting position -> [L+1, B, D]."""
-    out = forward(params, jnp.asarray(ids), jnp.asarray(attn), hooks, output_hidden_states=True)
+@functools.partial(jax.jit, static_argnames=("forward",))
+def _position_states(params, ids, attn, pos, hooks, *, forward):
+    out = forward(params, ids, attn, hooks, output_hidden_states=True)
     hs = jnp.stack(out.hidden_states)                                   # [L+1, B, T, D]
-    p = jnp.asarray(pos)
-    return jnp.take_along_axis(hs, p[None, :, None, None], axis=2)[:, :, 0]
+    return jnp.take_along_axis(hs, pos[None, :, None, None], axis=2)[:, :, 0]
+
+
+def position_states(forward: Callable, params, ids, attn, pos, hooks: Optional[Hooks] = None) -> Array:
+    """Hidden states of every layer at each row's predicting position -> [L+1, B, D] (jitted)."""
+    return _position_states(params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos), hooks, forward=forward)
 
 
 def linear_probe(x: Array, y: Array, l2: float = 1e-2, steps: int = 300, lr: float = 0.1) -> tuple[Array, Array]:
