@@ -7,7 +7,8 @@ in alternating blocks of steps, so load changes on a shared machine hit both. Mo
 
   fixed     both get the same batches, every one padded to --seq (B32 x T128 by default):
             the engine alone.
-  bucketed  both get the same jsteer batches (length-grouped, padded to buckets 32/64/128).
+  bucketed  both get the same jsteer batches (length-grouped within windows of
+            --sort-window batches, padded to the buckets 16/32/48/64/96/128).
   pipeline  each framework with its own data recipe: jsteer's Batcher (length-grouped,
             bucketed) vs the HF recipe (random order, pad to the longest in the batch, as
             DataCollatorForTokenClassification does). Same model, optimizer, batch size.
@@ -65,7 +66,7 @@ def conll_examples(tokenizer, seq: int, data_dir: pathlib.Path, limit: int | Non
     return out, list(splits.label_names)
 
 
-def make_batches(examples, batch: int, buckets, seed: int, count: int):
+def make_batches(examples, batch: int, buckets, seed: int, count: int, sort_window: int = 32):
     from jsteer.data.batching import Batcher
 
     b = Batcher(
@@ -74,7 +75,7 @@ def make_batches(examples, batch: int, buckets, seed: int, count: int):
         buckets=buckets,
         pad_values={"input_ids": 0, "labels": -100},
         seed=seed,
-        sort_window=8 if len(buckets) > 1 else None,
+        sort_window=sort_window if len(buckets) > 1 else None,
         drop_remainder=True,
         process_index=0,
         process_count=1,
@@ -253,8 +254,8 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
     import jax
 
     n = args.steps
-    buckets = (args.seq,) if mode == "fixed" else tuple(b for b in (32, 64) if b < args.seq) + (args.seq,)
-    stream = make_batches(examples, args.batch, buckets, seed=0, count=n + 40)
+    buckets = (args.seq,) if mode == "fixed" else tuple(b for b in args.buckets if b < args.seq) + (args.seq,)
+    stream = make_batches(examples, args.batch, buckets, seed=0, count=n + 40, sort_window=args.sort_window)
     j_batches, spare = stream[:n], stream[n:]
     t_batches = j_batches if mode != "pipeline" else hf_collate_batches(examples, args.batch, 1, n + 40, args.seq)
     t_batches, t_spare = t_batches[:n], t_batches[n:]
@@ -413,6 +414,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--buckets", type=lambda v: tuple(int(x) for x in v.split(",")), default=(16, 32, 48, 64, 96),
+                    help="jsteer bucket lengths below --seq (bucketed / pipeline modes)")
+    ap.add_argument("--sort-window", type=int, default=32, help="Batcher length-grouping window, in batches")
     ap.add_argument("--modes", default="fixed,pipeline", help="comma list of fixed, bucketed, pipeline")
     ap.add_argument("--limit", type=int, default=4000, help="CoNLL train sentences to tokenize")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = the faster of 1 and all cores)")

@@ -85,7 +85,6 @@ def run(args) -> dict:
     from jsteer.kalm import decode
     from jsteer.kalm import train as ktrain
     from jsteer.kalm.head import TypedVocab
-    from jsteer.kalm.model import KalmLM
 
     t0 = time.time()
     lexicon = kdata.read_lexicon(DATA)

@@ -228,7 +228,8 @@ def test_ernie_fusion_layer_matches_numpy():
     # entity output e' = LN(W_eo h_j + e~_j) at entity positions (1 layer: read it via a method)
     e_out_np = np_ln(dense(f["ent_out"], hid) + e_t, f["ent_out_norm"], 1e-6) * ent[:, None]
     fusion = japply(model, p, jnp.asarray(hid, jnp.float32)[None], jnp.asarray(e_t, jnp.float32)[None],
-                    jnp.asarray(ent)[None], method=lambda m, hh, ee, en: m.knowledge.fusions[0].entity_output(hh, ee, en))
+                    jnp.asarray(ent)[None],
+                    method=lambda m, hh, ee, en: m.knowledge.fusions[0].entity_output(hh, ee, en))
     np.testing.assert_allclose(np.asarray(fusion[0]), e_out_np, atol=2e-5)
 
 
@@ -333,15 +334,17 @@ def test_registry_names_and_errors():
 
 def test_each_variant_beats_plain_finetuning_when_knowledge_is_needed():
     task = synthetic.make_task(0)
-    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+    # one layer: every method's knowledge enters at layer 0 (ERNIE / adapter / EaE defaults for 1 layer)
+    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                      max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
     tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=32, max_steps=60, warmup_ratio=0.1, seed=0)
     gold = [tags for _, tags, _, _ in task.test]
     kg = task.knowledge_graph()
     f1 = {}
     for method in ("finetune", "ernie", "kbert", "eae", "adapter"):
-        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS),
-                                     num_entities=len(task.entities), **({"entity_heads": 2} if method == "ernie" else {}))
+        opts = {"entity_heads": 2} if method == "ernie" else {}
+        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities),
+                                     **opts)
         encode = functools.partial(registry.encode_ner, method)
         train, test = task.encode("train", encode, kg=kg), task.encode("test", encode, kg=kg)
         memory = task.memory if method in ("ernie", "eae", "adapter") else None

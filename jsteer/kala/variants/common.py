@@ -38,6 +38,7 @@ from jsteer.backbones.bert import (ACTIVATIONS, BertConfig, BertEmbeddings, Bert
                                    TokenClassificationHead)
 from jsteer.hooks import Hooks, apply_film
 from jsteer.kala.graph import node_context
+from jsteer.kala.model import default_layers
 
 Array = jnp.ndarray
 VARIANT_METHODS = ("ernie", "kbert", "eae", "adapter")
@@ -95,8 +96,6 @@ class VariantConfig:
         """Chosen layers, checked; defaults: ERNIE / adapter the last layers as KALA ((3, 5) for
         6 layers, (9, 11) for 12); EaE one memory layer after a third of the depth (after layer
         4 of 12, as in the paper: index 3); K-BERT none."""
-        from jsteer.kala.model import default_layers
-
         if self.method == "kbert":
             return ()
         if self.layers is not None:

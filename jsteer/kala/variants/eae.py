@@ -14,7 +14,8 @@ the plain backbone. Entity linking is supervised with the harness' own links: th
 loss is the cross-entropy of a_m against the mention's entity id, averaged over mentions of
 known (non-null) entities (counted once, at their first token) and weighted by ``el_weight``;
 unknown (null) mentions still retrieve, from their context alone. Computed token-aligned
-([B, T, Ne] logits), so the cost does not grow with the graph's padded node count. Parameters under ``params["kala"]``: ``memory`` and
+([B, T, Ne] logits), so the cost does not grow with the graph's padded node count.
+Parameters under ``params["kala"]``: ``memory`` and
 ``retrieval_<l>`` {``query``, ``mlp_in``, ``mlp_out``}.
 """
 
