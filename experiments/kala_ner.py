@@ -73,6 +73,22 @@ def ensure_graph(name: str) -> pathlib.Path:
     return out
 
 
+def backfill_step_times(path: pathlib.Path, dataset: str) -> None:
+    """Fill ``median_step_seconds`` of runs recorded before it existed, from the Trainer's
+    per-step JSONL logs under runs/kala_logs (``interval_s`` of steps 2..N)."""
+    import statistics
+
+    res = json.loads(path.read_text())
+    for r in res["runs"]:
+        log = ROOT / "runs" / "kala_logs" / f"{dataset}_{r['variant']}_{r['seed']}.jsonl"
+        if r.get("median_step_seconds") is None and log.is_file():
+            recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+            iv = [x["interval_s"] for x in recs if x.get("step", 0) >= 2 and "interval_s" in x]
+            if len(iv) == r["steps"] - 1:  # one log line per step
+                r["median_step_seconds"] = statistics.median(iv)
+    path.write_text(json.dumps(res, indent=1, default=str))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=sorted(DATASETS), required=True)
@@ -90,7 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", nargs="*", default=None,
                     help="variants whose step memory to measure (an extra compile; default: every main variant)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backfill", action="store_true", help="only fill median step times from the run logs")
     args = ap.parse_args(argv)
+    if args.backfill:
+        backfill_step_times(pathlib.Path(args.out) if args.out else OUT / f"ner_{args.dataset}.json", args.dataset)
+        return 0
 
     import jax
 
@@ -154,6 +174,7 @@ def main(argv=None) -> int:
             run = {"group": group, "variant": variant, "seed": seed, "kala": dataclasses.asdict(model.kala),
                    **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
                    "examples_per_second": fit.examples_per_second, "steps": fit.steps,
+                   "median_step_seconds": fit.median_step_seconds,
                    "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
                    "params": fit.trainable_params, "wall_seconds": time.time() - t1}
             results["runs"].append(run)

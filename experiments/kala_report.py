@@ -74,21 +74,21 @@ def delta_line(all_res: dict) -> str:
 
 
 def cost_table(all_res: dict) -> str:
-    lines = ["| dataset | method | train time (s) | examples/s | vs fine-tuning | step memory (MiB) | params (M) |",
+    lines = ["| dataset | method | median step (s) | vs fine-tuning | train wall (s) | step memory (MiB) | params (M) |",
              "|---|---|---|---|---|---|---|"]
     for d, res in all_res.items():
-        base = mean_std([r["train_seconds"] for r in runs_of(res, "finetune")])[0]
+        base = mean_std([r.get("median_step_seconds") for r in runs_of(res, "finetune")])[0]
         for v, name in MAIN:
             rs = runs_of(res, v)
             if not rs:
                 continue
-            t = mean_std([r["train_seconds"] for r in rs])[0]
-            ex = mean_std([r["examples_per_second"] for r in rs])[0]
+            step = mean_std([r.get("median_step_seconds") for r in rs])[0]
+            wall = mean_std([r["train_seconds"] for r in rs])[0]
             mem = [r["step_memory_bytes"] for r in rs if r.get("step_memory_bytes")]
-            ratio = f"{t / base:.2f}x" if base else "-"
-            lines.append(f"| {DATASETS[d]} | {name} | {t:.0f} | {ex:.1f} | {ratio} | "
-                         f"{(mem[0] / 2 ** 20):.0f} | {rs[0]['params'] / 1e6:.2f} |" if mem else
-                         f"| {DATASETS[d]} | {name} | {t:.0f} | {ex:.1f} | {ratio} | - | {rs[0]['params'] / 1e6:.2f} |")
+            ratio = f"{step / base:.2f}x" if (base and step) else "-"
+            lines.append(f"| {DATASETS[d]} | {name} | {step:.2f} | {ratio} | {wall:.0f} | "
+                         + (f"{mem[0] / 2 ** 20:.0f}" if mem else "-") + f" | {rs[0]['params'] / 1e6:.2f} |"
+                         if step else f"| {DATASETS[d]} | {name} | - | - | {wall:.0f} | - | {rs[0]['params'] / 1e6:.2f} |")
     return "\n".join(lines)
 
 

@@ -151,6 +151,7 @@ class FitResult:
     examples_per_second: float
     step_memory_bytes: Optional[int]
     trainable_params: int
+    median_step_seconds: float = float("nan")  # robust to the steps that compiled a new shape
 
 
 def task_keys(task: str) -> tuple[str, ...]:
@@ -185,9 +186,11 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     n = len(marks)
     train_s = marks[-1] - marks[0] if n > 1 else float("nan")
     ex_s = (n - 1) * cfg.batch_size / train_s if n > 1 else float("nan")
+    med = float(np.median(np.diff(marks))) if n > 1 else float("nan")
     return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
                      compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
-                     examples_per_second=ex_s, step_memory_bytes=mem, trainable_params=count_params(params))
+                     examples_per_second=ex_s, step_memory_bytes=mem, trainable_params=count_params(params),
+                     median_step_seconds=med)
 
 
 def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64
