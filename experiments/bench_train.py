@@ -9,9 +9,10 @@ in alternating blocks of steps, so load changes on a shared machine hit both. Mo
             the engine alone.
   bucketed  both get the same jsteer batches (length-grouped within windows of
             --sort-window batches, padded to the buckets 16/32/48/64/96/128).
-  pipeline  each framework with its own data recipe: jsteer's Batcher (length-grouped,
-            bucketed) vs the HF recipe (random order, pad to the longest in the batch, as
-            DataCollatorForTokenClassification does). Same model, optimizer, batch size.
+  pipeline  each framework with its own data recipe over the same steps*batch sentences:
+            jsteer's Batcher (length-grouped, bucketed) vs the HF recipe (random order, pad
+            to the longest in the batch, as DataCollatorForTokenClassification does). Same
+            model, optimizer, batch size.
 
 Reports examples/s, real tokens/s and padding per framework. torch uses the faster of 1 and
 all-core threads (picked in warmup), since an oversubscribed machine can punish spinning
@@ -255,10 +256,18 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
 
     n = args.steps
     buckets = (args.seq,) if mode == "fixed" else tuple(b for b in args.buckets if b < args.seq) + (args.seq,)
-    stream = make_batches(examples, args.batch, buckets, seed=0, count=n + 40, sort_window=args.sort_window)
-    j_batches, spare = stream[:n], stream[n:]
-    t_batches = j_batches if mode != "pipeline" else hf_collate_batches(examples, args.batch, 1, n + 40, args.seq)
-    t_batches, t_spare = t_batches[:n], t_batches[n:]
+    if mode == "pipeline":
+        # The same n*batch sentences for both: jsteer groups them by length into buckets
+        # (one window over the whole subset), HF takes them in random order.
+        pick = np.random.default_rng(0).permutation(len(examples))[: n * args.batch]
+        subset = [examples[i] for i in pick]
+        j_batches = make_batches(subset, args.batch, buckets, seed=0, count=n, sort_window=n)
+        t_batches = hf_collate_batches(subset, args.batch, 1, n, args.seq)
+        spare, t_spare = [], t_batches
+    else:
+        stream = make_batches(examples, args.batch, buckets, seed=0, count=n + 40, sort_window=args.sort_window)
+        j_batches, spare = stream[:n], stream[n:]
+        t_batches, t_spare = j_batches, []
     total = n + 10
     trainer, module, params, _ = build_jsteer(model_dir, num_labels, args.lr, total)
     res = {"mode": mode, "buckets": list(buckets), "batch": args.batch, "timed_steps": n}
@@ -283,7 +292,7 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
     res["jsteer_warmup_s"] = time.perf_counter() - t0
     res["jsteer_compilations"] = trainer.num_compilations
     if torch_model is not None:
-        tw = t_spare[:1] if mode == "pipeline" else warm[-1:]
+        tw = t_spare[-1:] if mode == "pipeline" else warm[-1:]
         torch_step(torch_model, opt, sched, tw[0])
         choices = [args.threads] if args.threads else sorted({1, os.cpu_count() or 1})
         res["torch_threads"] = pick_torch_threads(torch_model, opt, sched, tw[0], choices)

@@ -21,7 +21,7 @@ from jsteer.kala.variants.common import BertLayerParts, VariantEncoder
 from jsteer.kala.variants.eae import EntityRetrieval, entity_linking_loss
 
 
-def tiny_bert(layers=2, **kw):
+def tiny_bert(layers=1, **kw):
     return BertConfig(vocab_size=40, hidden_size=16, num_layers=layers, num_heads=2, intermediate_size=24,
                       max_position_embeddings=48, **kw)
 
@@ -92,7 +92,7 @@ def graph_inputs(token_nodes, entities):
 
 
 def test_bert_layer_parts_is_bert_layer():
-    cfg = tiny_bert()
+    cfg = tiny_bert(layers=2)
     h = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 16))
     p = perturb(jinit(BertLayer(cfg, layer_index=1), jax.random.PRNGKey(1), h), jax.random.PRNGKey(2))
     parts_p = jax.eval_shape(lambda: BertLayerParts(cfg, layer_index=1).init(jax.random.PRNGKey(3), h))["params"]
