@@ -72,10 +72,11 @@ def main():
     t_all = time.time()
     C.log("loading models")
     lm = jsteer.load("smollm2-135m")
-    enc = jsteer.load("minilm")
+    ev_path = C.RESULTS / "evaluators.json"
+    need_enc = not ev_path.exists() or len(res.get("metrics", {})) < 15
+    enc = jsteer.load("minilm") if need_enc else None  # only needed to train / run the evaluators
 
     # ------------------------------------------------------------------ evaluators
-    ev_path = C.RESULTS / "evaluators.json"
     sst_tr, sst_ytr = C.sst5("train")
     rng = np.random.default_rng(0)
     perm = rng.permutation(len(sst_tr))
