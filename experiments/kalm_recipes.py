@@ -68,15 +68,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.small:
         args.train_lines, args.test_lines, args.steps, args.hidden, args.layers = 600, 200, 30, 32, 1
-    result = run(args)
     out = pathlib.Path(args.out) if args.out else OUT / ("recipes_small.json" if args.small else "recipes.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    result = run(args, lambda partial: out.write_text(json.dumps(partial, indent=1)))
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("perplexity", "typing")}, indent=1))
     return 0
 
 
-def run(args) -> dict:
+def run(args, checkpoint=lambda partial: None) -> dict:
+    """The experiment; ``checkpoint(partial result)`` is called after every trained model."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(ROOT / "runs" / "jax_cache"))
@@ -130,6 +131,7 @@ def run(args) -> dict:
         tx, tm = (trids, trmask) if name == "kalm_bwd" else (tids, tmask)
         ppl[name] = ktrain.perplexity(model, p, tx, tm, tv)
         print(f"{name}: test perplexity {ppl[name]['perplexity']:.2f} train {info['seconds']:.0f}s", flush=True)
+        checkpoint({"setup": setup, "perplexity": ppl, "timing": timing, "partial": True})
 
     # ---- typing of held-out words from context
     pos = decode.word_positions(test_lines, held_gold, args.length)

@@ -342,23 +342,19 @@ def main(argv=None) -> int:
     res = json.loads(path.read_text()) if path.is_file() else {}
     minilm = jsteer.load("minilm") if {"retrieval", "kurtosis"} & set(parts) else None
     smol = jsteer.load("smollm2-135m") if {"retrieval", "aa", "layers", "toxic"} & set(parts) else None
-    t0 = time.time()
-    if "retrieval" in parts:
-        res["retrieval"] = retrieval({"minilm": minilm, "smollm2-135m": smol}, small)
-    if "kurtosis" in parts:
-        res["kurtosis"] = {t: {str(k): v for k, v in r.items()} for t, r in kurtosis(minilm, small).items()}
-    if "aa" in parts:
-        res["aa"] = adversarial(smol, small)
-    if "layers" in parts:
-        res["layers"] = layers(smol, small)
-    if "toxic" in parts:
-        res["toxic"] = toxic(smol, small)
-    res.setdefault("seconds", {})[",".join(parts)] = time.time() - t0
     OUT.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
-    (OUT / f"{name}.md").write_text(markdown(res))
-    plots(res, "small_" if small else "")
-    log(f"wrote {path}")
+    runners = {"retrieval": lambda: retrieval({"minilm": minilm, "smollm2-135m": smol}, small),
+               "kurtosis": lambda: {t: {str(k): v for k, v in r.items()} for t, r in kurtosis(minilm, small).items()},
+               "aa": lambda: adversarial(smol, small), "layers": lambda: layers(smol, small),
+               "toxic": lambda: toxic(smol, small)}
+    for part in parts:   # each part is saved as soon as it is done
+        t0 = time.time()
+        res[part] = runners[part]()
+        res.setdefault("seconds", {})[part] = time.time() - t0
+        path.write_text(json.dumps(res, indent=1))
+        (OUT / f"{name}.md").write_text(markdown(res))
+        plots(res, "small_" if small else "")
+        log(f"{part} done; wrote {path}")
     return 0
 
 

@@ -7,8 +7,9 @@ A type is given by N example tokens; their input-embedding rows X [N, D] define 
   ``v1 . mean(X) <= 0`` and the type embedding is ``TE = -v1``; hence
   ``TE . mean(X) >= 0`` always: TE points towards the examples. The paper's code takes
   ``-vt[0]`` from ``numpy.linalg.svd``; LAPACK happens to return the orientation with
-  ``vt[0] . mean(X) < 0`` for most types (14 of the 17 KG types on MiniLM), so our TE
-  equals the paper's wherever LAPACK's sign did, and is deterministic where it did not.
+  ``vt[0] . mean(X) < 0`` for most types (15 of the 17 KG types on MiniLM embeddings in our
+  check), so our TE equals the paper's wherever LAPACK's sign did, and is deterministic
+  (pointing towards the examples) where it did not.
   TE has unit norm; the strength lambda is applied at injection time.
 * ``method="mean"``: the mean example embedding (the paper's baseline; not normalised).
 
