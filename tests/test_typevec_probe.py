@@ -253,25 +253,31 @@ def test_decoder_probe_positions(gpt2, bpe_tok):  # noqa: F811
     te = jax.random.normal(jax.random.PRNGKey(1), (32,))
     res_pos = probe.score_rows(pm, exs, [0, 1, 0, 1], [0.0, 0.0, 2.0, 2.0], [0] * 4, te[None], post_grid=(0.0,))
     res_all = probe.score_rows(pm, exs, [0, 1], [2.0, 2.0], [0, 0], te[None], mode="all", post_grid=(0.0,))
+    apply = jax.jit(lambda ids, attn, hooks=None: module.apply({"params": params}, ids, attention_mask=attn,
+                                                               hooks=hooks))
     for j, (e, lam, mode) in enumerate([(exs[0], 0.0, "pos"), (exs[1], 0.0, "pos"), (exs[0], 2.0, "pos"),
                                         (exs[1], 2.0, "pos"), (exs[0], 2.0, "all"), (exs[1], 2.0, "all")]):
         ids = jnp.asarray([e.ids])
         attn = jnp.ones_like(ids)
         where = attn.astype(jnp.float32) if mode == "all" else inject.last_positions(attn)
-        out = module.apply({"params": params}, ids, attention_mask=attn, hooks=inject.inject(te, lam, where))
+        out = apply(ids, attn, inject.inject(te, lam, where))
         logits = np.array(out.logits[0, e.pos])
         logits[list(pm.excluded_ids)] = -np.inf
         want = int((logits > logits[e.gold]).sum())
         got = res_pos.rank[j] if j < 4 else res_all.rank[j - 4]
         assert got == want, (j, got, want)
+    # the KV-cached grid (prefix once, last token per lambda) gives the same ranks
+    grid = probe.score_grid(pm, exs, [0, 1], [0.0, 2.0], [0, 0], te[None], post_grid=(0.0, 5.0), batch_size=4)
+    rows = probe.score_rows(pm, exs, [0, 0, 1, 1], [0.0, 2.0, 0.0, 2.0], [0] * 4, te[None], post_grid=(0.0, 5.0))
+    np.testing.assert_array_equal(grid.rank.reshape(-1), rows.rank)
+    np.testing.assert_array_equal(grid.post_rank.reshape(2, -1), rows.post_rank)
+    assert probe.score(pm, exs, [0, 1], [[0.0, 2.0]] * 2, [0, 0], te[None], post_grid=(0.0,)).rank.shape == (2, 2)
     # causal model, TE at the predicting position only: earlier positions are bit-identical
     ids = jnp.asarray([exs[0].ids])
     attn = jnp.ones_like(ids)
-    a = module.apply({"params": params}, ids, attention_mask=attn).logits
-    b = module.apply({"params": params}, ids, attention_mask=attn,
-                     hooks=inject.inject(te, 4.0, inject.last_positions(attn))).logits
-    z = module.apply({"params": params}, ids, attention_mask=attn,
-                     hooks=inject.inject(te, 0.0, inject.last_positions(attn))).logits
+    a = apply(ids, attn).logits
+    b = apply(ids, attn, inject.inject(te, 4.0, inject.last_positions(attn))).logits
+    z = apply(ids, attn, inject.inject(te, 0.0, inject.last_positions(attn))).logits
     assert np.array_equal(np.asarray(a), np.asarray(z))
     assert np.array_equal(np.asarray(a)[:, :-1], np.asarray(b)[:, :-1])
     assert not np.array_equal(np.asarray(a)[:, -1], np.asarray(b)[:, -1])

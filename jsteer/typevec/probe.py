@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.hooks import Hooks
 from jsteer.typevec.inject import inject, one_hot_positions
 from jsteer.typevec.sampling import single_token_id, space_sensitive
 
@@ -303,11 +304,19 @@ class ProbeModel:
     tokenizer: Any
     identity: str = ""
     excluded_ids: tuple[int, ...] = ()
+    init_cache: Optional[Callable] = None   # decoders: (batch, slots) -> KVCache
 
     @functools.cached_property
     def score_fn(self):
         return jax.jit(functools.partial(_score_rows, self.forward, self.head, self.input_embedding),
                        static_argnames=("mode",))
+
+    @functools.cached_property
+    def grid_fn(self):
+        if self.init_cache is None:
+            raise ValueError("this model has no KV cache: use score_rows")
+        return jax.jit(functools.partial(_score_grid, self.forward, self.head, self.input_embedding,
+                                         self.init_cache))
 
     def embedding(self) -> Array:
         return self.input_embedding(self.params)
@@ -357,7 +366,7 @@ def for_decoder(module, params, tokenizer, family: str, config, identity: str = 
         return jnp.einsum("bd,vd->bv", h, fam.output_embeddings(p, config).astype(h.dtype))
 
     return ProbeModel("decoder", forward, head, fam.input_embeddings, params, tokenizer, identity,
-                      _special_ids(tokenizer))
+                      _special_ids(tokenizer), init_cache=lambda b, s: config.init_cache(b, s))
 
 
 def from_lm(lm) -> ProbeModel:
@@ -383,18 +392,45 @@ def _score_rows(forward, head, input_embedding, params, ids, attn, pos, gold, te
     hooks = inject(te, lam, where)
     out = forward(params, ids, attn, hooks)
     h = jnp.take_along_axis(out.hidden, pos[:, None, None], axis=1)[:, 0]          # [B, D]
-    logits = head(params, h).astype(jnp.float32)                                       # [B, V]
+    return _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded)
+
+
+def _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded):
+    logits = head(params, h).astype(jnp.float32)                                       # [R, V]
     logits = jnp.where(excluded[None, :], -jnp.inf, logits)
-    g = jnp.take_along_axis(logits, gold[:, None], axis=1)                             # [B, 1]
+    g = jnp.take_along_axis(logits, gold[:, None], axis=1)
     rank = jnp.sum(logits > g, axis=1)
     emb = input_embedding(params).astype(jnp.float32)
     en = emb / jnp.maximum(jnp.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
     tn = te / jnp.maximum(jnp.linalg.norm(te, axis=1, keepdims=True), 1e-12)
-    cos = jnp.einsum("vd,bd->bv", en, tn.astype(jnp.float32))                            # [B, V]
-    post = logits[None] + post_w[:, None, None] * cos[None]                            # [W, B, V]
+    cos = jnp.einsum("vd,rd->rv", en, tn.astype(jnp.float32))
+    post = logits[None] + post_w[:, None, None] * cos[None]                            # [W, R, V]
     pg = jnp.take_along_axis(post, jnp.broadcast_to(gold[None, :, None], post.shape[:2] + (1,)), axis=2)
-    post_rank = jnp.sum(post > pg, axis=2)
-    return rank, post_rank, jnp.argmax(logits, axis=1)
+    return rank, jnp.sum(post > pg, axis=2), jnp.argmax(logits, axis=1)
+
+
+def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, gold, te, lam, post_w, excluded):
+    """Decoders, TE at the predicting position, a grid of L lambdas per prompt.
+
+    ids/attn [B,T] left-padded (the predicting position is column T-1); gold [B]; te [B,D];
+    lam [B,L]. The prefix (columns 0..T-2) does not depend on lambda, so it runs once into a KV
+    cache; only the last token runs for each of the B*L (prompt, lambda) rows.
+    Returns rank [B,L], post_rank [W,B,L], top1 [B,L].
+    """
+    b, t = ids.shape
+    n_l = lam.shape[1]
+    cache = init_cache(b, t)
+    cache = forward(params, ids[:, :-1], attn[:, :-1], None, cache=cache).cache
+    rep = lambda x: jnp.repeat(x, n_l, axis=0)
+    cache = cache.replace(k=tuple(rep(k) for k in cache.k), v=tuple(rep(v) for v in cache.v),
+                          mask=rep(cache.mask), pos=rep(cache.pos))
+    te_r = rep(te)
+    off = (lam.reshape(-1)[:, None] * te_r)[:, None, :]                              # [B*L, 1, D]
+    out = forward(params, rep(ids[:, -1:]), jnp.ones((b * n_l, 1), jnp.int32), Hooks(embed_offset=off),
+                  cache=cache)
+    rank, post_rank, top1 = _rank_and_post(head, input_embedding, params, out.hidden[:, 0], rep(gold), te_r,
+                                           post_w, excluded)
+    return rank.reshape(b, n_l), post_rank.reshape(-1, b, n_l), top1.reshape(b, n_l)
 
 
 def bucket_length(n: int, multiple: int = 8) -> int:
@@ -429,13 +465,7 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
     tes = jnp.asarray(tes, jnp.float32)
     if tes.ndim != 2:
         raise ValueError(f"tes must be [K, D], got shape {tes.shape}")
-    vocab = model.embedding().shape[0]
-    excluded = np.zeros((vocab,), bool)
-    excluded[[i for i in model.excluded_ids if i < vocab]] = True
-    excluded = jnp.asarray(excluded)
-    post_w = jnp.asarray(post_grid, jnp.float32)
-    pad_id = getattr(model.tokenizer, "pad_id", None)
-    pad_id = 0 if pad_id is None else int(pad_id)
+    excluded, post_w, pad_id = _score_constants(model, post_grid)
 
     rank = np.zeros((r,), np.int64)
     post_rank = np.zeros((len(post_grid), r), np.int64)
@@ -472,6 +502,95 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
             if progress is not None:
                 progress(done, r)
     return RowResult(rank, post_rank, top1, n_batches, padded)
+
+
+@dataclasses.dataclass
+class GridResult:
+    rank: np.ndarray       # [N, L]
+    post_rank: np.ndarray  # [W, N, L]
+    top1: np.ndarray       # [N, L]
+    n_batches: int
+    n_padded_rows: int
+
+
+def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
+               tes: Array, *, post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
+               progress: Optional[Callable[[int, int], None]] = None) -> GridResult:
+    """Decoders, TE at the predicting position: prompt n is asked with each of ``lams[n]`` ([N, L],
+    or [L] for all) times ``tes[te_idx[n]]``. The lambda-independent prefix runs once per prompt
+    (KV cache), then the last token for every lambda. ``batch_size`` prompts per call."""
+    ex_idx = np.asarray(ex_idx, np.int64)
+    n = len(ex_idx)
+    lams = np.asarray(lams, np.float32)
+    if lams.ndim == 1:
+        lams = np.broadcast_to(lams, (n, lams.shape[0]))
+    if lams.shape[0] != n or len(te_idx) != n:
+        raise ValueError(f"lams {lams.shape} and te_idx ({len(te_idx)}) must have one row per prompt ({n})")
+    te_idx = np.asarray(te_idx, np.int64)
+    tes = jnp.asarray(tes, jnp.float32)
+    n_l = lams.shape[1]
+    excluded, post_w, pad_id = _score_constants(model, post_grid)
+    rank = np.zeros((n, n_l), np.int64)
+    post_rank = np.zeros((len(post_grid), n, n_l), np.int64)
+    top1 = np.zeros((n, n_l), np.int64)
+    lengths = np.array([len(examples[i].ids) for i in ex_idx], np.int64)
+    buckets = collections.defaultdict(list)
+    for j in np.argsort(lengths, kind="stable"):
+        buckets[bucket_length(int(lengths[j]), bucket)].append(int(j))
+    n_batches = padded = done = 0
+    for t, rows in sorted(buckets.items()):
+        for s0 in range(0, len(rows), batch_size):
+            chunk = rows[s0:s0 + batch_size]
+            fill = batch_size - len(chunk)
+            idx = chunk + [chunk[0]] * fill
+            ids = np.full((batch_size, t), pad_id, np.int32)
+            attn = np.zeros((batch_size, t), np.int32)
+            gold = np.zeros((batch_size,), np.int32)
+            for b, j in enumerate(idx):
+                ex = examples[ex_idx[j]]
+                if ex.pos != len(ex.ids) - 1:
+                    raise ValueError("score_grid needs decoder examples (predicting position = last token)")
+                ids[b, t - len(ex.ids):] = ex.ids
+                attn[b, t - len(ex.ids):] = 1
+                gold[b] = ex.gold
+            out = model.grid_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(gold),
+                                tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded)
+            rk, prk, tp = (np.asarray(o) for o in out)
+            k = len(chunk)
+            rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:k], prk[:, :k], tp[:k]
+            n_batches += 1
+            padded += fill
+            done += k
+            if progress is not None:
+                progress(done, n)
+    return GridResult(rank, post_rank, top1, n_batches, padded)
+
+
+def score(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
+          tes: Array, *, mode: str = "pos", post_grid: Sequence[float] = POST_GRID, batch_size: int = 32
+          ) -> GridResult:
+    """Prompt x lambda grid, by the fastest exact route: :func:`score_grid` for decoders with TE
+    at the predicting position, else :func:`score_rows` on the flattened (prompt, lambda) rows."""
+    if model.kind == "decoder" and mode == "pos" and model.init_cache is not None:
+        return score_grid(model, examples, ex_idx, lams, te_idx, tes, post_grid=post_grid, batch_size=batch_size)
+    ex_idx = np.asarray(ex_idx, np.int64)
+    n = len(ex_idx)
+    lams = np.asarray(lams, np.float32)
+    if lams.ndim == 1:
+        lams = np.broadcast_to(lams, (n, lams.shape[0]))
+    n_l = lams.shape[1]
+    res = score_rows(model, examples, np.repeat(ex_idx, n_l), lams.reshape(-1), np.repeat(np.asarray(te_idx), n_l),
+                     tes, mode=mode, post_grid=post_grid, batch_size=batch_size)
+    return GridResult(res.rank.reshape(n, n_l), res.post_rank.reshape(len(post_grid), n, n_l),
+                      res.top1.reshape(n, n_l), res.n_batches, res.n_padded_rows)
+
+
+def _score_constants(model: ProbeModel, post_grid: Sequence[float]):
+    vocab = model.embedding().shape[0]
+    excluded = np.zeros((vocab,), bool)
+    excluded[[i for i in model.excluded_ids if i < vocab]] = True
+    pad_id = getattr(model.tokenizer, "pad_id", None)
+    return jnp.asarray(excluded), jnp.asarray(post_grid, jnp.float32), 0 if pad_id is None else int(pad_id)
 
 
 # ----------------------------------------------------------------------------- metrics & tuning
@@ -552,20 +671,19 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         sk = Skips()
         exs, _ = encode_prompts(prompts, model.tokenizer, kind, skips=sk)
         tname = (type_names or {}).get(name)
-        bto_idx: list[Optional[int]] = []
+        bto_idx: list[Optional[int]] = [None] * len(exs)
         if "BTo" in methods:
             sk_b = Skips()
-            for e in exs:
+            for j, e in enumerate(exs):
                 t = tname or e.prompt.type_name
                 if not t:
                     raise ValueError(f"group {name}: BTo needs a type name (type_names or Prompt.type_name)")
                 b, _ = encode_prompts([e.prompt], model.tokenizer, kind, skips=sk_b,
                                       text_fn=lambda p, t=t: bto_text(p.text, t))
-                bto_idx.append(len(bto_examples) if b else None)
-                bto_examples.extend(b)
+                if b:
+                    bto_idx[j] = len(bto_examples)
+                    bto_examples.extend(b)
             skips_report[f"{name}/BTo"] = sk_b.report()
-        else:
-            bto_idx = [None] * len(exs)
         hold, test = split_holdout(len(exs), holdout, seed, name)
         if max_holdout is not None:
             hold = hold[:max_holdout]
@@ -583,93 +701,75 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     te_index = {n: i for i, n in enumerate(names_te)}
     d = model.embedding().shape[1]
     te_table = jnp.stack([jnp.asarray(tes[n], jnp.float32) for n in names_te]) if names_te else jnp.zeros((1, d))
+    run = functools.partial(score, model, mode=mode, post_grid=post_grid, batch_size=batch_size)
 
-    # phase 1: hold-out rows over the lambda grid (lambda = 0 also tunes PostTE)
-    rows_e, rows_l, rows_t, keys = [], [], [], []
-    for n in names_te:
-        for i in data[n].holdout:
-            for lam in (lam_grid if "TE" in methods else (0.0,)):
-                rows_e.append(i), rows_l.append(lam), rows_t.append(te_index[n]), keys.append((n, lam))
+    # phase 1: hold-out prompts x the lambda grid (lambda = 0, column 0, also tunes PostTE)
     best_lam, best_w, tuning = {}, {}, {}
-    if rows_e:
-        res = score_rows(model, all_examples, rows_e, rows_l, rows_t, te_table, mode=mode, post_grid=post_grid,
-                         batch_size=batch_size)
-        keys_arr = np.array([f"{k[0]}\t{k[1]}" for k in keys])
+    grid = lam_grid if "TE" in methods else [0.0]
+    hold_idx = [i for n in names_te for i in data[n].holdout]
+    if hold_idx:
+        hold_grp = np.array([n for n in names_te for _ in data[n].holdout])
+        res = run(all_examples, hold_idx, np.asarray(grid, np.float32), [te_index[n] for n in hold_grp], te_table)
         for n in names_te:
-            grid = lam_grid if "TE" in methods else (0.0,)
-            per_lam = [res.rank[keys_arr == f"{n}\t{lam}"] for lam in grid]
-            lam_star, lam_table = choose(grid, per_lam)
-            zero = keys_arr == f"{n}\t{0.0}"
-            w_star, w_table = choose(post_grid, [res.post_rank[wi][zero] for wi in range(len(post_grid))])
+            sel = hold_grp == n
+            lam_star, lam_table = choose(grid, [res.rank[sel, j] for j in range(len(grid))])
+            w_star, w_table = choose(post_grid, [res.post_rank[w, sel, 0] for w in range(len(post_grid))])
             best_lam[n], best_w[n] = lam_star, w_star
             tuning[n] = {"lambda": lam_star, "lambda_table": lam_table, "post_weight": w_star,
-                         "post_table": w_table, "n_holdout": int(len(data[n].holdout))}
+                         "post_table": w_table, "n_holdout": int(sel.sum())}
             log(f"{n}: tuned lambda={lam_star} post_weight={w_star}")
 
-    # phase 2: reported rows
-    rows_e, rows_l, rows_t, tags = [], [], [], []
-    for n, g in data.items():
-        ti = te_index.get(n, 0)
-        for i in g.test:
-            rows_e.append(i), rows_l.append(0.0), rows_t.append(ti), tags.append((n, "B"))
-            if n in te_index and "TE" in methods and best_lam[n] != 0.0:
-                rows_e.append(i), rows_l.append(best_lam[n]), rows_t.append(ti), tags.append((n, "TE"))
-    res = score_rows(model, all_examples, rows_e, rows_l, rows_t, te_table, mode=mode, post_grid=post_grid,
-                     batch_size=batch_size) if rows_e else None
+    # phase 2: reported prompts at lambda 0 (B, PostTE) and at the tuned lambda (TE)
+    test_idx = [i for g in data.values() for i in g.test]
+    test_grp = np.array([n for n, g in data.items() for _ in g.test])
+    lam2 = np.array([[0.0, best_lam.get(n, 0.0)] for n in test_grp], np.float32).reshape(-1, 2)
+    res = run(all_examples, test_idx, lam2, [te_index.get(n, 0) for n in test_grp], te_table) if test_idx else None
     results: dict[str, dict] = {n: {} for n in data}
     predictions: dict[str, list] = {n: [] for n in data}
-    tag_n = np.array([t[0] for t in tags]) if tags else np.array([])
-    tag_m = np.array([t[1] for t in tags]) if tags else np.array([])
+    tok = model.tokenizer
+    dec = (lambda i: tok.decode([int(i)])) if hasattr(tok, "decode") else int
     for n, g in data.items():
-        b_sel = (tag_n == n) & (tag_m == "B")
-        rb = res.rank[b_sel] if res is not None else np.array([])
+        sel = test_grp == n if res is not None else np.zeros(0, bool)
+        rb = res.rank[sel, 0] if res is not None else np.array([])
         results[n]["B"] = precision_at(rb)
         results[n]["n_test"] = int(len(g.test))
         if n in te_index:
             if "PostTE" in methods:
-                wi = list(post_grid).index(best_w[n])
-                results[n]["PostTE"] = precision_at(res.post_rank[wi][b_sel])
+                results[n]["PostTE"] = precision_at(res.post_rank[post_grid.index(best_w[n]), sel, 0])
             if "TE" in methods:
-                te_sel = (tag_n == n) & (tag_m == "TE")
-                results[n]["TE"] = precision_at(res.rank[te_sel] if best_lam[n] != 0.0 else rb)
-        tok = model.tokenizer
-        for j, i in enumerate(np.flatnonzero(b_sel)[:5]):
-            ex = all_examples[rows_e[i]]
-            entry = {"prompt": ex.prompt.text, "gold": ex.prompt.gold,
-                     "B_top1": tok.decode([int(res.top1[i])]) if hasattr(tok, "decode") else int(res.top1[i])}
+                results[n]["TE"] = precision_at(res.rank[sel, 1])
+        for j in np.flatnonzero(sel)[:5]:
+            ex = all_examples[test_idx[j]]
+            entry = {"prompt": ex.prompt.text, "gold": ex.prompt.gold, "B_top1": dec(res.top1[j, 0])}
+            if n in te_index and "TE" in methods:
+                entry["TE_top1"] = dec(res.top1[j, 1])
             predictions[n].append(entry)
-        if n in te_index and "TE" in methods and best_lam[n] != 0.0:
-            for entry, i in zip(predictions[n], np.flatnonzero((tag_n == n) & (tag_m == "TE"))[:5]):
-                entry["TE_top1"] = tok.decode([int(res.top1[i])]) if hasattr(tok, "decode") else int(res.top1[i])
 
-    if "BTo" in methods and bto_examples:
-        rows_e, rows_t, tag_b = [], [], []
+    if "BTo" in methods:
+        b_idx, b_grp = [], []
         for n, g in data.items():
             for i in g.test:
-                bi = g.bto[i - g.offset]
-                if bi is not None:
-                    rows_e.append(bi), rows_t.append(0), tag_b.append(n)
-        if rows_e:
-            rb = score_rows(model, bto_examples, rows_e, [0.0] * len(rows_e), rows_t, te_table, mode=mode,
-                            post_grid=(0.0,), batch_size=batch_size)
-            tag_b = np.array(tag_b)
-            for n, g in data.items():
-                sel = tag_b == n
-                p = precision_at(rb.rank[sel])
-                # prompts whose BTo form could not be encoded count as misses (same denominator as B)
-                n_test, n_ok = len(g.test), int(sel.sum())
-                results[n]["BTo"] = {k: (v * n_ok / n_test if n_test else float("nan")) for k, v in p.items()}
-                results[n]["BTo_encoded"] = n_ok
+                if g.bto[i - g.offset] is not None:
+                    b_idx.append(g.bto[i - g.offset])
+                    b_grp.append(n)
+        rb = run(bto_examples, b_idx, np.zeros((len(b_idx), 1), np.float32), [0] * len(b_idx), te_table,
+                 post_grid=(0.0,)) if b_idx else None
+        b_grp = np.array(b_grp)
+        for n, g in data.items():
+            sel = b_grp == n
+            n_ok, n_test = int(sel.sum()), len(g.test)
+            p = precision_at(rb.rank[sel, 0]) if n_ok else {f"P@{k}": 0.0 for k in KS}
+            # prompts whose BTo form could not be encoded count as misses (same denominator as B)
+            results[n]["BTo"] = {k: (v * n_ok / n_test if n_test else float("nan")) for k, v in p.items()}
+            results[n]["BTo_encoded"] = n_ok
 
-    methods_present = [m for m in ("B", "BTo", "PostTE", "TE") if m in methods]
     macro_all = {}
-    for m in methods_present:
-        per = {n: r[m] for n, r in results.items() if m in r and results[n]["n_test"] > 0}
-        macro_all[m] = macro(per)
+    for m in ("B", "BTo", "PostTE", "TE"):
+        if m in methods:
+            macro_all[m] = macro({n: r[m] for n, r in results.items() if m in r and r["n_test"] > 0})
     return {"kind": kind, "mode": mode, "identity": model.identity, "lambda_grid": list(lam_grid),
             "post_grid": list(post_grid), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
-            "seed": seed,
-            "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
+            "seed": seed, "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
             "predictions": predictions}
 
 
