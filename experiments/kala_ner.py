@@ -3,6 +3,14 @@
     python experiments/kala_ner.py --dataset conll --groups main --seeds 0 1 2
     python experiments/kala_ner.py --dataset ncbi --groups ablation layers --seeds 0
 
+The protocol of the saved results (experiments/results/kala/ner_*.json; runs seed-major over both
+datasets, so an interrupted sweep still has every dataset's first seeds)::
+
+    P="--dataset conll ncbi --train-size 1200 700 --test-size 600 400 --max-len 64 128 --epochs 1 \\
+       --batch-size 16 --lr 3e-4 --kala-lr 1e-3 --memory"
+    python experiments/kala_ner.py $P --seeds 0 1 2 --variants finetune relational
+    python experiments/kala_ner.py $P --seeds 0 1 2 --variants pointwise
+
 Groups (each run is one (variant, seed); finished runs in the output JSON are skipped, so an
 interrupted sweep resumes):
 
@@ -22,7 +30,10 @@ for NCBI-Disease; pattern-based within-sentence facts.
 Budget (2 CPU cores shared with other jobs; run with ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
 intra_op_parallelism_threads=1"`` there, which wastes less under contention): the training set is a seeded random subset of ``--train-size``
 sentences, the test set a subset of ``--test-size`` sentences of the official test split;
-``--epochs`` epochs of batch 32 at length <= 128 (length-bucketed). These subsets are far
+``--epochs`` epochs of batch ``--batch-size`` at length <= ``--max-len`` (length-bucketed; 99.6% of
+CoNLL-2003 training sentences fit 64 MiniLM subwords, NCBI-Disease sentences are longer, hence 128
+there). A short schedule (one epoch) with a higher lr than the paper's 5e-5 and batch 16 (more
+updates per CPU-second), the same for every method. These subsets are far
 below the paper's full-data runs, so absolute F1 is lower; all methods share them.
 """
 
@@ -89,27 +100,100 @@ def backfill_step_times(path: pathlib.Path, dataset: str) -> None:
     path.write_text(json.dumps(res, indent=1, default=str))
 
 
+def per_dataset(values: list, datasets: list[str], name: str) -> dict:
+    """One value for every dataset, or one per dataset (in ``--dataset`` order)."""
+    if len(values) == 1:
+        return {d: values[0] for d in datasets}
+    if len(values) != len(datasets):
+        raise SystemExit(f"--{name}: give one value or one per dataset ({len(datasets)}), got {values}")
+    return dict(zip(datasets, values))
+
+
+def cached_memory(name: str, lm, data, train_size, max_len: int):
+    """The entity memory initialised from the backbone (:func:`jsteer.kala.pipeline.memory_from_backbone`),
+    cached under runs/kala_memory keyed by dataset, subset, length and model identity (deterministic
+    for a given training subset, and minutes of CPU on a loaded machine)."""
+    import numpy as np
+    from jsteer.kala import pipeline
+
+    path = ROOT / "runs" / "kala_memory" / f"{name}_{train_size}_{max_len}_{lm.identity.split(':')[-1][:16]}_{len(data.vocab)}.npy"
+    if path.is_file():
+        return np.load(path)
+    memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, memory)
+    return memory
+
+
+def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
+    """(data, memory, subsets, setup dict, output path, results dict) of one dataset."""
+    import jax
+    from jsteer.data import ner as ner_lib
+    from jsteer.kala import pipeline
+
+    spec = DATASETS[name]
+    out_path = pathlib.Path(args.out) if args.out else OUT / f"ner_{name}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
+    t0 = time.time()
+    gdir = ensure_graph(name)
+    labels = getattr(ner_lib, spec["labels"])
+    data = pipeline.load_ner_data(DATA / spec["train"], DATA / spec["test"], gdir, lm.tokenizer, labels=labels,
+                                  scheme=spec["scheme"], max_len=max_len, train_size=train_size,
+                                  test_size=test_size)
+    memory = cached_memory(name, lm, data, train_size, max_len)
+    subsets = data.subsets()
+    setup = {
+        "dataset": name, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
+        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr,
+        "max_len": max_len, "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
+        "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
+        "n_unseen_contexts": len(subsets["unseen"]), "unseen_min": pipeline.UNSEEN_MIN,
+        "graph": json.loads((gdir / "summary.json").read_text()) | {"relations": None},
+        "mean_nodes": float(sum(e["graph"].n_node for e in data.train) / len(data.train)),
+        "mean_edges": float(sum(e["graph"].n_edge for e in data.train) / len(data.train)),
+        "mention_coverage_test": float(sum(e["graph"].n_local > 0 for e in data.test) / len(data.test)),
+        "mean_subwords_train": float(sum(len(e["input_ids"]) for e in data.train) / len(data.train)),
+        "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    old = results.get("setup")
+    if old and results["runs"]:
+        keys = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
+        diff = {k: (old.get(k), setup[k]) for k in keys if old.get(k) != setup[k]}
+        if diff:
+            raise SystemExit(f"{out_path}: its runs used another protocol {diff}; pass --out or move it away")
+    results["setup"] = setup
+    print(f"{name} setup {time.time() - t0:.0f}s: {json.dumps(setup, default=str)[:400]}", flush=True)
+    return data, memory, subsets, out_path, results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", choices=sorted(DATASETS), required=True)
+    ap.add_argument("--dataset", nargs="+", choices=sorted(DATASETS), required=True,
+                    help="one or more datasets; runs go seed-major (seed 0 of every dataset first)")
     ap.add_argument("--groups", nargs="+", default=["main"], choices=sorted(VARIANTS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
-    ap.add_argument("--train-size", type=int, default=400)
-    ap.add_argument("--test-size", type=int, default=400)
+    ap.add_argument("--train-size", nargs="+", type=int, default=[400], help="one, or one per dataset")
+    ap.add_argument("--test-size", nargs="+", type=int, default=[400], help="one, or one per dataset")
     ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--kala-lr", type=float, default=1e-3)
-    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--max-len", nargs="+", type=int, default=[128], help="one, or one per dataset")
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="run only these variants of the groups, in this order (default: all, in table order)")
     ap.add_argument("--memory", nargs="*", default=None,
                     help="variants whose step memory to measure (an extra compile; default: every main variant)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="output JSON (only with a single dataset)")
     ap.add_argument("--backfill", action="store_true", help="only fill median step times from the run logs")
     args = ap.parse_args(argv)
+    if args.out and len(args.dataset) > 1:
+        ap.error("--out needs a single --dataset")
     if args.backfill:
-        backfill_step_times(pathlib.Path(args.out) if args.out else OUT / f"ner_{args.dataset}.json", args.dataset)
+        for d in args.dataset:
+            backfill_step_times(pathlib.Path(args.out) if args.out else OUT / f"ner_{d}.json", d)
         return 0
 
     import jax
@@ -117,37 +201,14 @@ def main(argv=None) -> int:
     jax.config.update("jax_compilation_cache_dir", str(ROOT / "runs" / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     import jsteer
-    from jsteer.data import ner as ner_lib
     from jsteer.kala import pipeline, train as ktrain
     from jsteer.kala.model import KalaConfig
 
-    spec = DATASETS[args.dataset]
-    out_path = pathlib.Path(args.out) if args.out else OUT / f"ner_{args.dataset}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
-    done = {(r["variant"], r["seed"]) for r in results["runs"]}
-
-    t0 = time.time()
-    gdir = ensure_graph(args.dataset)
+    sizes = per_dataset(args.train_size, args.dataset, "train-size")
+    tests = per_dataset(args.test_size, args.dataset, "test-size")
+    lens = per_dataset(args.max_len, args.dataset, "max-len")
     lm = jsteer.load(args.model)
-    labels = getattr(ner_lib, spec["labels"])
-    data = pipeline.load_ner_data(DATA / spec["train"], DATA / spec["test"], gdir, lm.tokenizer, labels=labels,
-                                  scheme=spec["scheme"], max_len=args.max_len, train_size=args.train_size,
-                                  test_size=args.test_size)
-    memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
-    subsets = data.subsets()
-    results["setup"] = {
-        "dataset": args.dataset, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
-        "epochs": args.epochs, "batch_size": 32, "lr": args.lr, "kala_lr": args.kala_lr, "max_len": args.max_len,
-        "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
-        "n_unseen_contexts": len(subsets["unseen"]), "unseen_min": pipeline.UNSEEN_MIN,
-        "graph": json.loads((gdir / "summary.json").read_text()) | {"relations": None},
-        "mean_nodes": float(sum(e["graph"].n_node for e in data.train) / len(data.train)),
-        "mean_edges": float(sum(e["graph"].n_edge for e in data.train) / len(data.train)),
-        "mention_coverage_test": float(sum(e["graph"].n_local > 0 for e in data.test) / len(data.test)),
-        "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
-    }
-    print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'], default=str)[:400]}", flush=True)
+    state = {d: setup_dataset(d, lm, args, sizes[d], tests[d], lens[d]) for d in args.dataset}
 
     todo = [(g, v, kw) for g in args.groups for v, kw in VARIANTS[g]]
     if args.variants is not None:
@@ -156,32 +217,37 @@ def main(argv=None) -> int:
         if bad:
             ap.error(f"unknown variants {bad} for groups {args.groups}")
         todo = sorted([t for t in todo if t[1] in args.variants], key=lambda t: args.variants.index(t[1]))
-    for group, variant, kw in todo:
-        for seed in args.seeds:
-            if (variant, seed) in done:
-                continue
-            cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=args.max_len,
-                                     seed=seed)
-            model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
-                                                 seed=seed)
-            t1 = time.time()
-            log = ROOT / "runs" / "kala_logs" / f"{args.dataset}_{variant}_{seed}.jsonl"
-            log.unlink(missing_ok=True)
-            measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
-            fit = ktrain.fit(model, params, data.train, cfg, measure_memory=measure, log_path=log)
-            scores = ktrain.evaluate_ner(model, fit.params, data.test, data.test_tags, data.labels,
-                                         subsets=subsets)
-            run = {"group": group, "variant": variant, "seed": seed, "kala": dataclasses.asdict(model.kala),
-                   **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
-                   "examples_per_second": fit.examples_per_second, "steps": fit.steps,
-                   "median_step_seconds": fit.median_step_seconds,
-                   "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
-                   "params": fit.trainable_params, "wall_seconds": time.time() - t1}
-            results["runs"].append(run)
-            out_path.write_text(json.dumps(results, indent=1, default=str))
-            print(f"{args.dataset} {variant} seed {seed}: F1 {scores['f1']:.2f} (seen {scores.get('f1_seen', 0):.1f}"
-                  f" unseen {scores.get('f1_unseen', 0):.1f}) {fit.examples_per_second:.1f} ex/s "
-                  f"{time.time() - t1:.0f}s", flush=True)
+    for seed in args.seeds:
+        for name in args.dataset:
+            data, memory, subsets, out_path, results = state[name]
+            for group, variant, kw in todo:
+                if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
+                    continue
+                cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=lens[name],
+                                         batch_size=args.batch_size, seed=seed)
+                model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
+                                                     seed=seed)
+                t1 = time.time()
+                log = ROOT / "runs" / "kala_logs" / f"{name}_{variant}_{seed}.jsonl"
+                log.unlink(missing_ok=True)
+                measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
+                fit = ktrain.fit(model, params, data.train, cfg, measure_memory=measure, log_path=log)
+                t2 = time.time()
+                scores = ktrain.evaluate_ner(model, fit.params, data.test, data.test_tags, data.labels,
+                                             subsets=subsets)
+                run = {"group": group, "variant": variant, "seed": seed, "kala": dataclasses.asdict(model.kala),
+                       **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
+                       "examples_per_second": fit.examples_per_second, "steps": fit.steps,
+                       "median_step_seconds": fit.median_step_seconds,
+                       "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
+                       "params": fit.trainable_params, "eval_seconds": time.time() - t2,
+                       "wall_seconds": time.time() - t1, "load_average": os.getloadavg()[0]}
+                results["runs"].append(run)
+                out_path.write_text(json.dumps(results, indent=1, default=str))
+                print(f"{name} {variant} seed {seed}: F1 {scores['f1']:.2f} (seen {scores.get('f1_seen', 0):.1f}"
+                      f" unseen {scores.get('f1_unseen', 0):.1f}) loss {fit.losses[-1]:.3f} "
+                      f"{fit.examples_per_second:.1f} ex/s train {fit.train_seconds:.0f}s "
+                      f"wall {time.time() - t1:.0f}s", flush=True)
     return 0
 
 

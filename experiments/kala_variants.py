@@ -38,6 +38,12 @@ NAMES = {"finetune": "Fine-tuning", "pointwise": "KALA (point-wise)", "relationa
          "adapter": "Knowledge adapter", "more_params": "Fine-tuning + 1 layer"}
 DATASET_NAMES = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
 KBERT = dict(max_branches=2, branch_tokens=6)
+KBERT_EXTRA = 32  # sentence-tree length cap = max_len + this (room for the branches)
+
+
+def tc_len(method: str, args) -> int:
+    """Length cap of a method's inputs (K-BERT's sentence trees are longer than the sentence)."""
+    return args.max_len + KBERT_EXTRA if method == "kbert" else args.max_len
 
 
 def run_dataset(args) -> None:
@@ -58,6 +64,7 @@ def run_dataset(args) -> None:
     out_path = pathlib.Path(args.out) if args.out else OUT / f"variants_{args.dataset}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
+    prev_setup = results.get("setup")
     done = {(r["method"], r["seed"]) for r in results["runs"]}
 
     t0 = time.time()
@@ -67,7 +74,7 @@ def run_dataset(args) -> None:
     data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"], gdir, lm.tokenizer,
                                   labels=labels, scheme=spec["scheme"], max_len=args.max_len,
                                   train_size=args.train_size, test_size=args.test_size)
-    memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
+    memory = kala_ner.cached_memory(args.dataset, lm, data, args.train_size, args.max_len)
     subsets = data.subsets()
     encoded = {"default": (data.train, data.test)}
     if "kbert" in args.methods:
@@ -75,18 +82,25 @@ def run_dataset(args) -> None:
                   for s, size in (("train", args.train_size), ("test", args.test_size))]
         encoded["kbert"] = tuple(
             [registry.encode_ner("kbert", w, t, m, lm.tokenizer, labels, data.vocab, data.kg, args.max_len, 4,
-                                 tree_max_len=args.max_len, **KBERT) for w, t, m in split] for split in splits)
+                                 tree_max_len=args.max_len + KBERT_EXTRA, **KBERT) for w, t, m in split] for split in splits)
         branch_tokens = [e["n_branch_tokens"] for e in encoded["kbert"][0]]
     results["setup"] = {
         "dataset": args.dataset, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
-        "epochs": args.epochs, "batch_size": 32, "lr": args.lr, "kala_lr": args.kala_lr, "max_len": args.max_len,
+        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr, "max_len": args.max_len,
         "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
-        "n_unseen_contexts": len(subsets["unseen"]), "kbert": KBERT,
+        "n_unseen_contexts": len(subsets["unseen"]), "kbert": KBERT | {"tree_max_len": args.max_len + KBERT_EXTRA},
+        "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
         "kbert_mean_branch_tokens": (sum(branch_tokens) / len(branch_tokens)) if "kbert" in encoded else None,
         "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'])[:300]}", flush=True)
+    if results["runs"]:
+        keys = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
+        old = prev_setup or {}
+        diff = {k: (old.get(k), results["setup"][k]) for k in keys if old.get(k) != results["setup"][k]}
+        if diff:
+            raise SystemExit(f"{out_path}: its runs used another protocol {diff}; pass --out or move it away")
 
     for seed in args.seeds:
         for method in args.methods:
@@ -99,15 +113,18 @@ def run_dataset(args) -> None:
             uses_memory = method in ("pointwise", "relational", "ernie", "eae", "adapter")
             params = registry.init_params(model, jax.random.PRNGKey(seed), encoder_params=lm.params["encoder"],
                                           memory=memory if uses_memory else None)
-            cfg = vtrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=args.max_len,
-                                     seed=seed)
+            cfg = vtrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=tc_len(method, args),
+                                     batch_size=args.batch_size, seed=seed)
             t1 = time.time()
             fit = vtrain.fit(model, params, train, cfg)
+            t2 = time.time()
             scores = vtrain.evaluate_ner(model, fit.params, test, data.test_tags, data.labels, subsets=subsets)
             run = {"method": method, "seed": seed, "config": dataclasses.asdict(model.kala), **scores,
                    "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
                    "examples_per_second": fit.examples_per_second, "steps": fit.steps, "final_loss": fit.losses[-1],
-                   "params": fit.trainable_params, "wall_seconds": time.time() - t1}
+                   "median_step_seconds": fit.median_step_seconds, "params": fit.trainable_params,
+                   "eval_seconds": time.time() - t2, "wall_seconds": time.time() - t1,
+                   "load_average": os.getloadavg()[0]}
             results["runs"].append(run)
             out_path.write_text(json.dumps(results, indent=1, default=str))
             print(f"{args.dataset} {method} seed {seed}: F1 {scores['f1']:.2f} (unseen "
@@ -135,6 +152,14 @@ def summarise(runs: list[dict]) -> dict:
     return out
 
 
+PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
+
+
+def same_protocol(a: dict, b: dict) -> bool:
+    """Whether two sweeps' setups share data subsets and training hyper-parameters."""
+    return all(a.get(k) == b.get(k) for k in PROTOCOL_KEYS)
+
+
 def load_results(results_dir: pathlib.Path = OUT) -> dict:
     """{dataset: {"setup": ..., "summary": summarise(runs), "sources": {method: file}}}: this
     sweep's runs (``variants_<dataset>.json``) plus, for KALA's own methods it did not run,
@@ -150,6 +175,8 @@ def load_results(results_dir: pathlib.Path = OUT) -> dict:
             sources = {r["method"]: mine_path.name for r in runs}
         if kala_path.is_file():
             res = json.loads(kala_path.read_text())
+            if setup and not same_protocol(setup, res.get("setup", {})):
+                res = {"runs": []}  # the harness sweep ran another protocol: not comparable
             for r in res.get("runs", []):
                 method = r.get("variant")
                 if method in ("finetune", "more_params", "pointwise", "relational") \
@@ -228,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--train-size", type=int, default=400)
     ap.add_argument("--test-size", type=int, default=400)
     ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--kala-lr", type=float, default=1e-3)
     ap.add_argument("--max-len", type=int, default=128)

@@ -56,24 +56,66 @@ def main(argv=None) -> int:
     ap.add_argument("--test-lines", type=int, default=2000)
     ap.add_argument("--length", type=int, default=48)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--held-out", type=float, default=0.25)
+    ap.add_argument("--untied", action="store_true",
+                    help="free typed output rows instead of word embedding + type offset")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--models", nargs="+", default=["plain", "kalm", "kalm_type_input", "kalm_bwd"])
+    ap.add_argument("--models", nargs="+", default=["plain", "kalm", "kalm_bwd", "kalm_type_input"])
     ap.add_argument("--small", action="store_true", help="smoke run: 600 lines, 30 steps, tiny model")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="only (re)write the markdown table of a saved result JSON beside it")
     args = ap.parse_args(argv)
+    if args.report:
+        path = pathlib.Path(args.report)
+        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        print(path.with_suffix(".md").read_text())
+        return 0
     if args.small:
         args.train_lines, args.test_lines, args.steps, args.hidden, args.layers = 600, 200, 30, 32, 1
     out = pathlib.Path(args.out) if args.out else OUT / ("recipes_small.json" if args.small else "recipes.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args, lambda partial: out.write_text(json.dumps(partial, indent=1)))
     out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
     print(json.dumps({k: result[k] for k in ("perplexity", "typing")}, indent=1))
     return 0
+
+
+def markdown(result: dict) -> str:
+    """The perplexity and typing tables of a result (partial results: what is there)."""
+    s = result["setup"]
+    lines = [f"# KALM on the recipe data{' (partial)' if result.get('partial') else ''}", "",
+             f"Random-init LLaMA, hidden {s['hidden']}, {s['layers']} layers, word-level vocab {s['vocab']}; "
+             f"{s['steps']} steps x {s['batch']} lines (length {s['length']}, {s.get('epochs', float('nan')):.2f} "
+             f"epochs of {s['train_lines']} training lines), lr {s['lr']}; typed output rows shared with the word "
+             f"embedding: {s.get('share_word_embedding', False)}. Test: {s['test_lines']} lines of "
+             f"uncleaned_test_ing.txt; {len(s['held_out_words'])} lexicon words held out of the type vocabularies.",
+             "", "| model | test perplexity | test NLL | tokens | final train loss (mean last 50) | train s |",
+             "|---|---|---|---|---|---|"]
+    for name, p in result["perplexity"].items():
+        t = result["timing"][name]
+        lines.append(f"| {name} | {p['perplexity']:.2f} | {p['nll']:.4f} | {p['tokens']} | "
+                     f"{t.get('final_loss_mean50', t['final_loss']):.3f} | {t['train_seconds']:.0f} |")
+    typing = result.get("typing")
+    if typing:
+        lines += ["", f"Typing of held-out words from context: {typing['occurrences']} occurrences of "
+                      f"{typing['distinct_words']} words; chance {typing['chance']:.3f}.", "",
+                  "| method | accuracy (occurrences) | macro over words | macro over types |", "|---|---|---|---|"]
+        for name, v in typing.items():
+            if isinstance(v, dict) and "accuracy" in v:
+                label = f"{name} ({v['type']})" if "type" in v else name
+                lines.append(f"| {label} | {v['accuracy']:.3f} | {v.get('word_macro', float('nan')):.3f} | "
+                             f"{v.get('type_macro', float('nan')):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def out_stem(args) -> str:
+    return "recipes_small" if args.small else "recipes"
 
 
 def run(args, checkpoint=lambda partial: None) -> dict:
@@ -109,11 +151,14 @@ def run(args, checkpoint=lambda partial: None) -> dict:
     backbone = ktrain.tiny_llama(len(vocab), hidden=args.hidden, layers=args.layers, heads=4,
                                  max_len=args.length + 1)
     cfg = ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps, seed=args.seed)
+    share = not args.untied
     setup = {"train_lines": len(train_lines), "test_lines": len(test_lines), "vocab": len(vocab),
              "typed_pairs": tv.num_pairs, "lexicon_words_in_vocab": len(types),
              "held_out_words": sorted(held), "held_out_per_type": dict(collections.Counter(types[w][0] for w in held)),
              "length": args.length, "steps": args.steps, "batch": args.batch, "lr": args.lr, "hidden": args.hidden,
-             "layers": args.layers, "seed": args.seed, "train_tokens_seen": int(args.steps * args.batch),
+             "layers": args.layers, "seed": args.seed, "train_lines_seen": int(args.steps * args.batch),
+             "epochs": args.steps * args.batch / len(train_lines), "share_word_embedding": share,
+             "warmup_steps": min(cfg.warmup_steps, max(args.steps // 10, 1)), "type_dim": 32,
              "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"setup {time.time() - t0:.0f}s: vocab {len(vocab)}, typed pairs {tv.num_pairs}, held out {len(held)}",
           flush=True)
@@ -121,13 +166,19 @@ def run(args, checkpoint=lambda partial: None) -> dict:
     models, params, timing, ppl = {}, {}, {}, {}
     for name in args.models:
         kind = "kalm" if name == "kalm_bwd" else name
-        model = ktrain.make_model(kind, backbone, tv)
+        model = ktrain.make_model(kind, backbone, tv, share_word_embedding=share)
         p = ktrain.init_params(model, jax.random.PRNGKey(args.seed), tv)
         x, m = (rids, rmask) if name == "kalm_bwd" else (ids, mask)
-        p, info = ktrain.train(model, p, x, m, tv, cfg)
+        log = ROOT / "runs" / "kalm" / f"{out_stem(args)}_{name}.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        p, info = ktrain.train(model, p, x, m, tv, cfg, log_path=log)
         models[name], params[name] = model, p
         timing[name] = {"train_seconds": info["seconds"], "compile_seconds": info["compile_seconds"],
-                        "final_loss": info["losses"][-1]}
+                        "final_loss": info["losses"][-1],
+                        "final_loss_mean50": float(np.mean(info["losses"][-50:])),
+                        "loss_curve": {str(i + 1): float(np.mean(info["losses"][max(i - 24, 0):i + 1]))
+                                       for i in range(24, len(info["losses"]), 50)}}
         tx, tm = (trids, trmask) if name == "kalm_bwd" else (tids, tmask)
         ppl[name] = ktrain.perplexity(model, p, tx, tm, tv)
         print(f"{name}: test perplexity {ppl[name]['perplexity']:.2f} train {info['seconds']:.0f}s", flush=True)

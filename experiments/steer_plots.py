@@ -32,6 +32,9 @@ def table3(res: dict) -> str:
             ("unsteered", "positive", "positive_base"), ("LM-Steer -5", "positive", "positive_s-5")]
     out = ["| model | prompts | positivity % | ppl (mean) | ppl (median) | dist-1 | dist-2 | dist-3 |",
            "|---|---|---|---|---|---|---|---|"]
+    alt = sorted(k for k in m if k.startswith("alt_dummy"))
+    rows += [(f"LM-Steer {k.rsplit('_s', 1)[1]} (sentiment dummy {k[9:].split('_')[0]}, not chosen)", "neutral", k)
+             for k in alt]
     for name, pset, key in rows:
         if key not in m:
             continue
@@ -90,6 +93,58 @@ def targets(res: dict) -> dict:
     return out
 
 
+def selection_table(res: dict) -> str:
+    """The held-out choice between generating with the sentiment dummy steer on or off."""
+    sel = res.get("dummy_selection")
+    if not sel:
+        return ""
+    out = [f"Held-out choice ({sel['prompts']}; rule: {sel['rule']}): **dummy {sel['chosen']}**", "",
+           "| sentiment dummy | positivity % at +5 | at -5 | gap | worst ppl rise % |", "|---|---|---|---|---|"]
+    for k, v in sel["candidates"].items():
+        out.append(f"| {k} | {_f(v['pos+5'], True)} | {_f(v['pos-5'], True)} | {_f(v['gap'], True)} | "
+                   f"{_f(v['ppl_rise'], True)} |")
+    return "\n".join(out)
+
+
+def bench_table(bench: dict) -> str:
+    g, t = bench["generation"], bench.get("training")
+    low = g.get("steered_lowrank", g.get("steered"))
+    out = [f"{g['setting']}", "",
+           "| | plain | steered (default: cheapest form) | steered (forced low rank) |", "|---|---|---|---|",
+           f"| generation tok/s | {g['plain']['tokens_per_s']:.1f} | {g['steered']['tokens_per_s']:.1f} "
+           f"({g['overhead_pct']:+.1f}%) | {low['tokens_per_s']:.1f} "
+           f"({g.get('overhead_lowrank_pct', g['overhead_pct']):+.1f}%) |"]
+    if t:
+        out += ["", "| | cached hidden | full forward | speed-up |", "|---|---|---|---|",
+                f"| training steps/s ({t['setting']}) | {t['cached']['steps_per_s']:.3f} | "
+                f"{t['full_forward']['steps_per_s']:.3f} | {t['speedup']:.2f}x |"]
+    return "\n".join(out)
+
+
+def markdown(res: dict, bench: dict = None) -> str:
+    """Every table of the experiment as one markdown document (results.md)."""
+    ev = res.get("evaluators", {})
+    parts = ["# LM-Steer on SmolLM2-135M: results", "",
+             "Written by `experiments/steer_plots.py` from `smollm2.json` / `bench.json`.", "",
+             "## Setup", "", "```", json.dumps(res.get("setup", {}), indent=1), "```", "",
+             "## Evaluators (MiniLM fine-tuned by jsteer)", "",
+             "| evaluator | held-out accuracy | train | test |", "|---|---|---|---|"]
+    parts += [f"| {k} | {_f(v['accuracy'], True)}% | {v.get('train', '')} | {v.get('test', '')} |" for k, v in ev.items()]
+    sel = selection_table(res)
+    if sel:
+        parts += ["", "## Dummy steer at generation", "", sel]
+    parts += ["", "## Sentiment steering (paper Table 3 layout)", "", table3(res),
+              "", "## Continuous control (neutral prompts)", "", sweep_table(res),
+              "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
+              "", "## Targets", ""]
+    parts += [f"- {k}: measured {v[0]:.3f} -> {'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
+    if bench:
+        parts += ["", "## Benchmark", "", bench_table(bench)]
+    if res.get("notes"):
+        parts += ["", "## Notes", ""] + [f"- {n}" for n in res["notes"]]
+    return "\n".join(parts) + "\n"
+
+
 def plot_all(res: dict, out_dir: pathlib.Path) -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
@@ -100,12 +155,20 @@ def plot_all(res: dict, out_dir: pathlib.Path) -> list:
         if "neutral_base" in res["metrics"]:
             ax.axhline(100 * res["metrics"]["neutral_base"]["positivity"], ls=":", color="tab:green",
                        label="unsteered")
+        alt = sorted((float(k.rsplit("_s", 1)[1]), v) for k, v in res["metrics"].items() if k.startswith("alt_dummy"))
+        if alt:
+            which = next(k for k in res["metrics"] if k.startswith("alt_dummy"))[9:].split("_")[0]
+            ax.plot([x for x, _ in alt], [100 * v["positivity"] for _, v in alt], "o", mfc="none", color="tab:green",
+                    label=f"positivity, dummy {which} (not chosen)")
         ax.set_xlabel("steer value (x eps0)")
         ax.set_ylabel("positive continuations %")
         ax.set_ylim(0, 100)
         ax2 = ax.twinx()
         ax2.plot(xs, [m["ppl_mean"] for m in ms], "s--", color="tab:gray", label="perplexity")
+        if alt:
+            ax2.plot([x for x, _ in alt], [v["ppl_mean"] for _, v in alt], "s", mfc="none", color="tab:gray")
         ax2.set_ylabel("perplexity (unsteered model)")
+        ax2.set_yscale("log")
         ax.set_title("Continuous control on neutral prompts")
         fig.legend(loc="upper left", fontsize=8, bbox_to_anchor=(0.12, 0.88))
         fig.tight_layout()
@@ -156,6 +219,12 @@ def main():
     print(sweep_table(res), "\n")
     print(detox_table(res), "\n")
     print(json.dumps(targets(res), indent=1))
+    bp = pathlib.Path(a.json).parent / "bench.json"
+    bench = json.loads(bp.read_text()) if bp.exists() else None
+    pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
+    md = pathlib.Path(a.out) / "results.md"
+    md.write_text(markdown(res, bench))
+    print("wrote", md)
     for f in plot_all(res, pathlib.Path(a.out)):
         print("wrote", f)
 

@@ -12,9 +12,13 @@ Protocol (deviations from the paper, which used BERT, are listed in the JSON und
   leading-space form (" Paris"). Every skipped prompt is counted by reason.
 * type vectors: 10 examples per type drawn from the KG list weighted by degree (seed 0),
   single-token entries only; TE = -v1 (unit norm, oriented towards the examples).
-* TE is added at the predicting position (``--mode pos``; ``all`` = every prompt token),
-  lambda tuned per relation on a seeded 5% hold-out over ``--lambdas`` by P@1, reported on
-  the rest. PostTE re-ranks the plain model's scores by w * cos(E_v, TE), w tuned on the same
+* TE is added at the predicting position (``--mode pos``; ``all`` = every prompt token;
+  ``layer`` = the residual stream of the predicting position after decoder layer ``--layer``,
+  a decoder adaptation that is not in the paper), lambda tuned per relation on a seeded 5%
+  hold-out over ``--lambdas`` by P@1, reported on the rest. ``--lambda-unit``: ``abs``
+  (lambda multiplies the unit TE), ``row_norm`` (units of the mean input-embedding row norm,
+  3.20 for SmolLM2-135M) or ``resid`` (units of the mean residual-stream norm after
+  ``--layer`` at the predicting position, measured on the hold-out prompts only). PostTE re-ranks the plain model's scores by w * cos(E_v, TE), w tuned on the same
   hold-out over 0..30. BTo inserts "the <type>" before the answer.
 * CPU budget: at most ``--max-test`` reported prompts per relation (seeded subsample); the
   hold-out is 5% of the full relation.
@@ -66,6 +70,28 @@ def qualifying(groups, tokenizer) -> dict:
     return out
 
 
+def lambda_unit(pm, kind: str, layer, groups, seed: int) -> float:
+    """The absolute size of one lambda unit (see module docstring); ``resid`` is measured on the
+    5% hold-out prompts only (the same split as the probe), never on reported prompts."""
+    from jsteer.typevec import inject, probe
+
+    if kind == "abs":
+        return 1.0
+    if kind == "row_norm":
+        return float(inject.row_norm_unit(pm.embedding()))
+    if kind != "resid" or layer is None:
+        raise ValueError("--lambda-unit resid needs --mode layer")
+    norms = []
+    for name, prompts in groups.items():
+        exs, _ = probe.encode_prompts(prompts, pm.tokenizer, pm.kind)
+        hold, _ = probe.split_holdout(len(exs), 0.05, seed, name)
+        for i in hold[:8]:
+            ids = jnp.asarray([exs[i].ids], jnp.int32)
+            hs = pm.forward(pm.params, ids, jnp.ones_like(ids), None, output_hidden_states=True).hidden_states
+            norms.append(float(jnp.linalg.norm(hs[layer + 1][0, -1])))
+    return float(np.mean(norms))
+
+
 def run(args) -> dict:
     import jsteer
     from jsteer.typevec import core, probe, sampling
@@ -90,9 +116,13 @@ def run(args) -> dict:
     tes_k, samples = sampling.type_vectors(pm.embedding(), tok, kg, types, n=10, seed=args.seed)
     by_type = dict(zip(types, tes_k))
     lams = [float(x) for x in args.lambdas.split(",")]
+    layer = args.layer if args.mode == "layer" else None
+    unit = lambda_unit(pm, args.lambda_unit, layer, {g: groups[g] for g in names}, args.seed)
+    log(f"lambda unit ({args.lambda_unit}) = {unit:.4f}")
     rep = probe.evaluate(pm, {g: groups[g] for g in names}, {g: by_type[g.split("/")[0]] for g in names},
                          mode=args.mode, lam_grid=lams, holdout=0.05, max_test=args.max_test,
-                         max_holdout=args.max_holdout, seed=args.seed, batch_size=args.batch_size, log=log)
+                         max_holdout=args.max_holdout, seed=args.seed, batch_size=args.batch_size, log=log,
+                         layer=layer, lam_unit=unit)
     log("macro", json.dumps({m: rep["macro"][m]["P@1"] for m in METHODS}))
 
     # ---------------------------------------------------------------- type switching (Table 6)
@@ -107,8 +137,7 @@ def run(args) -> dict:
     for label, te in (("E_city", city), ("E_city_optim", city_opt)):
         r = probe.evaluate(pm, {"DoB->PoB": sw}, {"DoB->PoB": te}, mode=args.mode, lam_grid=lams,
                            holdout=0.05, max_test=args.max_switch, max_holdout=args.max_holdout, seed=args.seed,
-                           batch_size=args.batch_size,
-                           methods=("B", "TE"), log=log)
+                           batch_size=args.batch_size, methods=("B", "TE"), log=log, layer=layer, lam_unit=unit)
         switch[label] = {"B": r["per_group"]["DoB->PoB"]["B"], "TE": r["per_group"]["DoB->PoB"]["TE"],
                          "lambda": r["tuning"]["DoB->PoB"]["lambda"], "lambda_table": r["tuning"]["DoB->PoB"]["lambda_table"],
                          "n_test": r["per_group"]["DoB->PoB"]["n_test"], "skips": r["skips"]["DoB->PoB"],
@@ -120,13 +149,17 @@ def run(args) -> dict:
     return {
         "model": "smollm2-135m", "identity": lm.identity, "seconds": time.time() - t0,
         "protocol": {
-            "mode": args.mode, "lambda_grid": lams, "post_grid": rep["post_grid"], "holdout": 0.05,
+            "mode": args.mode, "layer": layer, "lambda_unit": args.lambda_unit, "lambda_unit_value": unit,
+            "lambda_grid": lams, "post_grid": rep["post_grid"], "holdout": 0.05,
             "max_test_per_relation": args.max_test, "max_switch": args.max_switch, "seed": args.seed,
             "type_examples": "10 per type, weighted by KG degree, single-token (leading-space) entries",
             "tuning": "per relation, best hold-out P@1; ties: mean P@10/50/100, then smaller value",
             "deviations": [
                 "decoder instead of BERT: the answer is the next token after the prompt cut before [MASK]",
-                "TE at the predicting position (the last prompt token) since a decoder has no [MASK] slot",
+                "TE at the predicting position (the last prompt token) since a decoder has no [MASK] slot"
+                + (f"; mode 'layer': in the residual stream after layer {layer}, not the input embedding"
+                   if layer is not None else ""),
+                f"lambda grid in units of '{args.lambda_unit}' ({unit:.4f}), not the paper's absolute 0..5",
                 "reported prompts subsampled to max_test per relation (CPU budget)",
                 "E_year from the first token of each year label (SmolLM2 splits digits)",
             ]},
@@ -143,7 +176,11 @@ def run(args) -> dict:
 def markdown(res: dict) -> str:
     rep = res["probe"]
     lines = ["# Type Embeddings on LAMA - SmolLM2-135M (decoder)", "",
-             f"TE mode: `{res['protocol']['mode']}`; lambda grid {res['protocol']['lambda_grid']} tuned per relation "
+             f"TE mode: `{res['protocol']['mode']}`"
+             + (f" (layer {res['protocol']['layer']})" if res['protocol'].get('layer') is not None else "")
+             + f"; lambda grid {res['protocol']['lambda_grid']}"
+             + (f" in units of `{res['protocol']['lambda_unit']}` = {res['protocol']['lambda_unit_value']:.3f}"
+                if 'lambda_unit' in res['protocol'] else "") + " tuned per relation "
              f"on a 5% hold-out; at most {res['protocol']['max_test_per_relation']} reported prompts per relation.", "",
              "## P@1 / P@10 per relation (paper Tables 4, 7, 8)", "",
              "| relation | n | " + " | ".join(f"{m} P@1" for m in METHODS) + " | " +
@@ -207,8 +244,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-test", type=int, default=100)
     ap.add_argument("--max-switch", type=int, default=300)
-    ap.add_argument("--mode", choices=("pos", "all"), default="pos")
-    ap.add_argument("--lambdas", default="0,0.5,1,1.5,2,2.5,3,3.5,4,4.5,5")
+    ap.add_argument("--mode", choices=("pos", "all", "layer"), default="pos")
+    ap.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
+    ap.add_argument("--lambda-unit", choices=("abs", "row_norm", "resid"), default="row_norm")
+    ap.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.75,0.9,1.0,1.25,1.5")
     ap.add_argument("--relations", default=None, help="comma-separated subset (default: all that qualify)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-holdout", type=int, default=None, help="cap the 5%% hold-out (tiny runs only)")
@@ -219,7 +258,7 @@ def main(argv=None) -> int:
     if args.small or os.environ.get("JSTEER_SMALL"):
         args.max_test, args.max_switch, args.max_holdout = 8, 8, 8
         args.relations = args.relations or "City/P36,Country/P1376"
-        args.lambdas = "0,2"
+        args.lambdas = "0,0.75"
         args.batch_size = 16
         args.tag = args.tag + "_small"
     res = run(args)

@@ -85,10 +85,11 @@ def _per_row(x, batch: int, dtype, name: str) -> Array:
     return x
 
 
-def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array) -> Array:
-    """logits [B,V] (temperature applied) -> logits with tokens outside the top-k, then
-    outside the top-p nucleus of the renormalised top-k distribution, set to -inf.
-    top_k [B] (0: off), top_p [B] (1: off); the most likely token is always kept."""
+NUCLEUS_CANDIDATES = 256  # top-k/top-p look at this many best tokens first (exact; see below)
+
+
+def _filter_sorted(logits: Array, top_k: Array, top_p: Array) -> Array:
+    """Reference filter over a full-vocabulary sort (the slow path of :func:`_filter_top_k_top_p`)."""
     v = logits.shape[-1]
     desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
     rank = jnp.arange(v)[None, :]
@@ -96,10 +97,41 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array) -> Array:
     in_k = rank < k
     probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0))  # a prefix of the sorted order
+    # a prefix of the sorted order; top_p 1 keeps the whole top-k even where fp32 mass rounds to 1
+    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
     n_keep = keep.sum(axis=-1, keepdims=True)
     threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
+                        candidates: int = NUCLEUS_CANDIDATES) -> Array:
+    """logits [B,V] (temperature applied) -> logits with tokens outside the top-k, then
+    outside the top-p nucleus of the renormalised top-k distribution, set to -inf.
+    top_k [B] (0: off), top_p [B] (1: off); the most likely token is always kept.
+
+    A full-vocabulary sort per decode step costs more than a small model's forward on CPU, so
+    the filter first takes the ``candidates`` best tokens (``lax.top_k``). That is exact
+    whenever the kept set lies inside them (top_k <= candidates, or no top-k and the
+    candidates already hold top_p of the mass: the usual case); otherwise the batch falls back
+    to the full sort."""
+    v = logits.shape[-1]
+    c = min(candidates, v)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
+    desc = lax.top_k(logits, c)[0]                                                   # [B, c]
+    rank = jnp.arange(c)[None, :]
+    in_k = rank < k
+    log_norm = jnp.where(k <= c, jax.nn.logsumexp(jnp.where(in_k, desc, -jnp.inf), axis=-1, keepdims=True),
+                         jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+    probs = jnp.where(in_k, jnp.exp(desc - log_norm), 0.0)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
+    threshold = jnp.take_along_axis(desc, keep.sum(axis=-1, keepdims=True) - 1, axis=-1)
+    no_filter = (k[:, 0] == v) & (top_p >= 1.0)
+    threshold = jnp.where(no_filter[:, None], -jnp.inf, threshold)
+    exact = no_filter | (k[:, 0] <= c) | ((k[:, 0] == v) & (probs.sum(axis=-1) >= top_p))
+    return lax.cond(jnp.all(exact), lambda x: jnp.where(x >= threshold, x, -jnp.inf),
+                    lambda x: _filter_sorted(x, top_k, top_p), logits)
 
 
 def _next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array,
@@ -184,6 +216,12 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
             raise ValueError(f"generate: prompts must be left-padded (rows {bad.tolist()} are not)")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    n_positions = getattr(getattr(module, "config", None), "n_positions", None)  # learned positions
+    if n_positions is not None and not isinstance(attention_mask, jax.core.Tracer):
+        longest = int(np.asarray(attention_mask).sum(axis=1).max())
+        if longest + max_new_tokens > n_positions:
+            raise ValueError(f"generate: a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds "
+                             f"the model's n_positions {n_positions}")
     temperature = _per_row(temperature, b, jnp.float32, "temperature")
     top_k = _per_row(top_k, b, jnp.int32, "top_k")
     top_p = _per_row(top_p, b, jnp.float32, "top_p")

@@ -83,23 +83,44 @@ def test_sampling_keys_rows_and_recompilation(tiny):
     assert decode.compiled_count() == n_compiled + 1
 
 
+def _filter_reference(logits, top_k, top_p):
+    """NumPy top-k then top-p (nucleus of the renormalised top-k distribution)."""
+    bsz, v = logits.shape
+    expected = np.full((bsz, v), -np.inf, np.float32)
+    for b in range(bsz):
+        order = np.argsort(-logits[b], kind="stable")
+        k = top_k[b] or v
+        kept = order[:k]
+        p = np.exp(logits[b, kept].astype(np.float64) - logits[b, kept].max())
+        p /= p.sum()
+        # nucleus: the smallest prefix with mass >= top_p
+        n = int(np.searchsorted(np.cumsum(p), top_p[b] - 1e-7) + 1) if top_p[b] < 1 else k
+        expected[b, kept[:n]] = logits[b, kept[:n]]
+    return expected
+
+
 def test_top_k_top_p_filter_matches_numpy():
     rs = np.random.RandomState(0)
     logits = rs.randn(4, 50).astype(np.float32) * 2
     top_k = np.array([0, 5, 0, 3], np.int32)
     top_p = np.array([1.0, 1.0, 0.6, 0.9], np.float32)
     got = np.asarray(decode._filter_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
-    for b in range(4):
-        order = np.argsort(-logits[b])
-        k = top_k[b] or 50
-        kept = order[:k]
-        p = np.exp(logits[b, kept] - logits[b, kept].max())
-        p /= p.sum()
-        # nucleus: the smallest prefix with mass >= top_p
-        n = int(np.searchsorted(np.cumsum(p), top_p[b] - 1e-7) + 1) if top_p[b] < 1 else k
-        expected = np.full(50, -np.inf, np.float32)
-        expected[kept[:n]] = logits[b, kept[:n]]
-        np.testing.assert_array_equal(got[b], expected)
+    np.testing.assert_array_equal(got, _filter_reference(logits, top_k, top_p))
+
+
+@pytest.mark.parametrize("scale", [6.0, 0.3])  # peaked: nucleus inside the candidates; flat: it is not
+def test_top_p_candidate_fast_path_is_exact(scale):
+    rs = np.random.RandomState(1)
+    logits = (rs.randn(5, 400) * scale).astype(np.float32)
+    top_k = np.array([0, 10, 0, 200, 0], np.int32)      # 200 > candidates: needs the full sort
+    top_p = np.array([0.9, 1.0, 1.0, 0.95, 0.5], np.float32)
+    want = _filter_reference(logits, top_k, top_p)
+    for rows in ([0, 1, 2, 4], [0, 1, 2, 3, 4]):
+        got = np.asarray(decode._filter_top_k_top_p(jnp.asarray(logits[rows]), jnp.asarray(top_k[rows]),
+                                                    jnp.asarray(top_p[rows]), candidates=16))
+        np.testing.assert_array_equal(got, want[rows])
+    kept = np.isfinite(want).sum(axis=1)
+    assert (kept[[0, 4]] > 16).any() == (scale < 1)     # the flat case really exercises the fallback
 
 
 def test_stop_ids_pad_and_lengths(tiny):

@@ -280,6 +280,18 @@ def test_bad_attn_bias_shape(setup):
                      hooks=Hooks(attn_bias=jnp.zeros((B, T, T + 2))))
 
 
+def test_positions_past_n_positions_are_refused(setup):
+    _, cfg, params, module, _ = setup
+    too_long = jnp.zeros((1, cfg.n_positions + 1), jnp.int32)
+    with pytest.raises(ValueError, match="n_positions"):
+        module.apply({"params": params}, too_long)
+    from jsteer.decode import generate
+    prompt = jnp.ones((1, cfg.n_positions - 2), jnp.int32)
+    generate(module, params, prompt, max_new_tokens=2)               # exactly fits
+    with pytest.raises(ValueError, match="n_positions"):
+        generate(module, params, prompt, max_new_tokens=3)
+
+
 # ----------------------------------------------------------------------------- conversion
 
 

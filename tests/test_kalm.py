@@ -25,9 +25,9 @@ def perturb(tree, key, scale=0.5):
     return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 
 
-def head_out(types=TYPES, general=None, seed=0):
+def head_out(types=TYPES, general=None, seed=0, share=True):
     vocab = TypedVocab.build(V, types, general)
-    head = KalmHead(KalmConfig(num_types=len(types), type_dim=4), vocab.num_pairs, D)
+    head = KalmHead(KalmConfig(num_types=len(types), type_dim=4, share_word_embedding=share), vocab.num_pairs, D)
     h = jax.random.normal(jax.random.PRNGKey(seed), (2, 3, D))
     logits = jax.random.normal(jax.random.PRNGKey(seed + 1), (2, 3, V)) * 2
     p = perturb(head.init(jax.random.PRNGKey(2), h, logits, vocab)["params"], jax.random.PRNGKey(3))
@@ -50,10 +50,11 @@ def test_typed_vocab_build_and_errors():
         TypedVocab.build(V, [[3], []])
 
 
-def test_mixture_is_a_distribution_and_matches_numpy():
+@pytest.mark.parametrize("share", [True, False])
+def test_mixture_is_a_distribution_and_matches_numpy(share):
     general = np.ones(V, bool)
     general[[0, 9]] = False  # word 9 exists only as an entity of type 3
-    vocab, out, p, h, logits = head_out(general=general)
+    vocab, out, p, h, logits = head_out(general=general, share=share)
     full = np.asarray(word_log_probs(out, vocab), np.float64)
     np.testing.assert_allclose(np.exp(full).sum(-1), 1.0, atol=1e-5)
     # NumPy: P(y|c) = sum_j P(j|c) P(y|j,c), P(y|j,c) = 0 outside V_j
@@ -67,6 +68,8 @@ def test_mixture_is_a_distribution_and_matches_numpy():
     for j, words in enumerate(TYPES):
         u = [int(np.asarray(vocab.pair_index)[w, j]) for w in words]  # rows of W^(j)
         z = np.einsum("btd,ud->btu", h, p["typed_out"][u]) + p["typed_bias"][u]
+        if share:  # W^(j)_y = E_y + offset: h . E_y is the general logit of y
+            z = z + logits[..., words]
         pj = np.zeros((2, 3, V))
         pj[..., words] = softmax(z, np.ones(len(u), bool))
         want += ptype[..., j + 1:j + 2] * pj
@@ -89,6 +92,23 @@ def test_mixture_is_a_distribution_and_matches_numpy():
     assert post[1, 0, 0] == 0.0 and post[1, 0, 3] == pytest.approx(1.0)  # word 9: only type 3
 
 
+def test_shared_typed_rows_start_at_the_word_embedding():
+    """share_word_embedding with zero offsets: P(y | type j, c) is the general softmax renormalised
+    over V_j; the untied head has no such tie."""
+    vocab = TypedVocab.build(V, TYPES)
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 3, D))
+    logits = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (2, 3, V)) * 3, np.float64)
+    for share in (True, False):
+        head = KalmHead(KalmConfig(num_types=3, type_dim=4, share_word_embedding=share), vocab.num_pairs, D)
+        p = head.init(jax.random.PRNGKey(2), h, logits, vocab)["params"]
+        assert np.all(np.asarray(p["typed_out"]) == 0) == share
+        typed = np.exp(np.asarray(head.apply({"params": p}, h, logits, vocab).typed_logp, np.float64))
+        for j, words in enumerate(TYPES[:2]):  # (type 3 has one word: probability 1 either way)
+            u = [int(np.asarray(vocab.pair_index)[w, j]) for w in words]
+            want = np.exp(logits[..., words]) / np.exp(logits[..., words]).sum(-1, keepdims=True)
+            assert np.allclose(typed[..., u], want, atol=1e-6) == share
+
+
 def test_one_type_is_the_plain_head():
     cfg = ktrain.tiny_llama(V, hidden=16, layers=1, heads=2)
     vocab = TypedVocab.build(V, [])
@@ -101,6 +121,13 @@ def test_one_type_is_the_plain_head():
     np.testing.assert_allclose(np.asarray(got), np.asarray(plain), atol=1e-5)
     out = kalm.apply({"params": p}, ids, mask, vocab)
     assert np.all(np.asarray(out.type_logp) == 0.0)  # P(general) = 1
+    # NumPy: the mixture is the log-softmax of the backbone's logits
+    logits = np.asarray(LlamaForCausalLM(cfg).apply({"params": p["backbone"]}, ids, mask).logits, np.float64)
+    want = logits - logits.max(-1, keepdims=True)
+    want -= np.log(np.exp(want).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(word_log_probs(out, vocab)), want, atol=1e-5)
+    at_targets = np.take_along_axis(want[:, :-1], np.asarray(ids)[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(got), at_targets, atol=1e-5)
 
 
 def test_type_as_input_starts_as_kalm_and_stays_causal():

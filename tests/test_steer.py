@@ -255,3 +255,16 @@ def test_for_inference_expands_high_rank_only():
     eps = jnp.asarray(_rand(3, B, S))
     np.testing.assert_allclose(head.apply(head.for_inference(hi), h, emb, eps), head.apply(hi, h, emb, eps),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_to_hooks_picks_the_cheaper_form_for_decoding():
+    hi = head.init(jax.random.PRNGKey(0), D, S, rank=D, scale=0.5)
+    lo = head.init(jax.random.PRNGKey(0), D, S, rank=2, scale=0.5)
+    eps = jnp.asarray(_rand(3, B, S))
+    auto_hi, auto_lo = head.to_hooks(hi, eps).steer, head.to_hooks(lo, eps).steer
+    assert auto_hi.w is not None and auto_hi.p1 is None  # 2 D R >= D^2: expanded once
+    assert auto_lo.p1 is not None and auto_lo.w is None  # low rank stays low rank
+    forced = head.to_hooks(hi, eps, cheapest=False).steer
+    assert forced.p1 is not None and forced.w is None
+    np.testing.assert_allclose(np.asarray(auto_hi.w), np.einsum("sdr,ser->sde", np.asarray(hi["p1"]),
+                                                                np.asarray(hi["p2"])), rtol=1e-5, atol=1e-6)

@@ -239,3 +239,23 @@ def test_artifact_roundtrip_records_model_and_tokens(tmp_path):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         artifact.save(tmp_path / "bad", tes, names=["a", "b"], base_model="x", vocab_size=3, method="svd",
                       tokens=[[1], [7]])
+
+
+def test_row_norm_unit_and_residual_hooks():
+    e = _emb(seed=5)
+    np.testing.assert_allclose(float(inject.row_norm_unit(jnp.asarray(e))), np.linalg.norm(e, axis=1).mean(),
+                               rtol=1e-6)
+    te = jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32)
+    where = jnp.asarray([[0, 0, 1], [1, 0, 0]], jnp.float32)
+    h = inject.residual_hooks(te, jnp.asarray([2.0, -1.0]), where, 3)
+    assert h.embed_offset is None and set(h.film) == {3}
+    off = np.asarray(h.film[3].beta_out)
+    np.testing.assert_allclose(off[0, 2], 2.0 * np.asarray(te), rtol=1e-6)
+    np.testing.assert_allclose(off[1, 0], -np.asarray(te), rtol=1e-6)
+    assert not off[0, :2].any() and not off[1, 1:].any()
+    base = Hooks(embed_offset=jnp.ones((2, 3, 16)))
+    both = inject.residual_hooks(te, 1.0, where, 0, hooks=base)
+    assert both.embed_offset is not None and set(both.film) == {0}
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="layer"):
+            inject.residual_hooks(te, 1.0, where, bad)

@@ -281,3 +281,62 @@ def test_decoder_probe_positions(gpt2, bpe_tok):  # noqa: F811
     assert np.array_equal(np.asarray(a), np.asarray(z))
     assert np.array_equal(np.asarray(a)[:, :-1], np.asarray(b)[:, :-1])
     assert not np.array_equal(np.asarray(a)[:, -1], np.asarray(b)[:, -1])
+
+
+def test_decoder_layer_mode_matches_manual_residual_offset(gpt2, bpe_tok):  # noqa: F811
+    """mode "layer": lambda * TE added to the residual stream after layer 0 at the predicting
+    position; the KV-cached grid and the full-prompt rows agree with a hand-built FiLM hook,
+    lambda = 0 is bit-identical to B, and earlier positions are untouched."""
+    from jsteer.hooks import FiLM, Hooks
+
+    cfg, module, params = gpt2
+    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    exs, _ = probe.encode_prompts([probe.Prompt("the London [MASK] .", "Paris"),
+                                   probe.Prompt("Rome the [MASK]", "Berlin")], bpe_tok, "decoder")
+    te = jax.random.normal(jax.random.PRNGKey(2), (32,))
+    apply = jax.jit(lambda ids, attn, hooks=None: module.apply({"params": params}, ids, attention_mask=attn,
+                                                               hooks=hooks))
+    rows = probe.score_rows(pm, exs, [0, 0, 1, 1], [0.0, 3.0, 0.0, 3.0], [0] * 4, te[None], mode="layer", layer=0,
+                            post_grid=(0.0,))
+    grid = probe.score(pm, exs, [0, 1], [0.0, 3.0], [0, 0], te[None], mode="layer", layer=0, post_grid=(0.0,))
+    np.testing.assert_array_equal(grid.rank.reshape(-1), rows.rank)
+    base = probe.score(pm, exs, [0, 1], [0.0], [0, 0], te[None], post_grid=(0.0,))
+    np.testing.assert_array_equal(grid.rank[:, 0], base.rank[:, 0])
+    changed = False
+    for j, e in enumerate(exs):
+        ids = jnp.asarray([e.ids])
+        attn = jnp.ones_like(ids)
+        where = np.zeros((1, ids.shape[1], 32), np.float32)
+        where[0, e.pos] = 3.0 * np.asarray(te)
+        manual = apply(ids, attn, Hooks(film={0: FiLM(beta_out=jnp.asarray(where))})).logits
+        hk = apply(ids, attn, inject.residual_hooks(te, 3.0, inject.last_positions(attn), 0)).logits
+        np.testing.assert_array_equal(np.asarray(hk), np.asarray(manual))
+        plain = apply(ids, attn).logits
+        assert np.array_equal(np.asarray(plain)[:, :-1], np.asarray(hk)[:, :-1])
+        logits = np.array(manual[0, e.pos])
+        logits[list(pm.excluded_ids)] = -np.inf
+        assert rows.rank[2 * j + 1] == int((logits > logits[e.gold]).sum())
+        changed |= not np.array_equal(np.asarray(plain)[:, -1], np.asarray(hk)[:, -1])
+    assert changed
+    with pytest.raises(ValueError, match="layer"):
+        probe.score(pm, exs, [0], [1.0], [0], te[None], mode="layer", post_grid=(0.0,))
+    with pytest.raises(ValueError, match="only used with mode 'layer'"):
+        probe.score(pm, exs, [0], [1.0], [0], te[None], mode="pos", layer=1, post_grid=(0.0,))
+
+
+def test_evaluate_lambda_unit_rescales_the_grid(gpt2, bpe_tok):  # noqa: F811
+    """lam_unit: a grid given in units gives the same ranks as the absolute grid."""
+    cfg, module, params = gpt2
+    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    words = ["London", "Paris", "Rome", "Berlin"]
+    prompts = [probe.Prompt(f"the {a} {b} [MASK] .", c, "R", "City") for a in words for b in words for c in words[:2]]
+    te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in words]))
+    kw = dict(post_grid=(0.0,), holdout=0.25, methods=("B", "TE"), batch_size=8)
+    a = probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_grid=(0.0, 1.5, 3.0), **kw)
+    b = probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_grid=(0.0, 0.5, 1.0), lam_unit=3.0, **kw)
+    assert b["lambda_unit"] == 3.0
+    assert [v for v in a["tuning"]["R"]["lambda_table"].values()] == \
+           [v for v in b["tuning"]["R"]["lambda_table"].values()]
+    assert a["per_group"]["R"]["TE"] == b["per_group"]["R"]["TE"]
+    with pytest.raises(ValueError, match="lam_unit"):
+        probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_unit=0.0, **kw)

@@ -254,6 +254,8 @@ class GPT2LMHeadModel(nn.Module):
             attention_mask = jnp.ones((b, t), jnp.int32)
         if attention_mask.shape != (b, t):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}, input_ids {input_ids.shape}")
+        if cache is None and t > cfg.n_positions:
+            raise ValueError(f"input length {t} exceeds GPT-2's n_positions {cfg.n_positions} (learned positions)")
         mask = attention_mask.astype(jnp.int32)
         init = nn.initializers.normal(cfg.initializer_range)
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,

@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--type-dim", type=int, default=32, help="width of the type embeddings")
+    p.add_argument("--untied", action="store_true",
+                   help="free typed output rows (default: word output embedding + a type-specific offset)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="perplexity (and held-out typing) of an artifact on a text file")
@@ -56,6 +59,13 @@ def _train(args) -> int:
     from jsteer.kalm import train as ktrain
     from jsteer.kalm.head import TypedVocab
 
+    if not 0.0 <= args.held_out < 1.0:
+        raise ValueError(f"--held-out must be in [0, 1), got {args.held_out}")
+    for name in ("steps", "batch", "length", "hidden", "layers", "type_dim"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.hidden % 8:
+        raise ValueError(f"--hidden must be a multiple of 8 (4 attention heads of even width), got {args.hidden}")
     root = pathlib.Path(args.data)
     lexicon = kdata.read_lexicon(root)
     lines = kdata.read_lines(args.train or root / "raw_data" / "uncleaned_valid_ing.txt", args.train_lines)
@@ -69,14 +79,15 @@ def _train(args) -> int:
     tv = TypedVocab.build(len(vocab), type_words, disjoint=True)
     ids, mask = kdata.encode_lines(lines, vocab, args.length, reverse=args.reverse)
     backbone = ktrain.tiny_llama(len(vocab), args.hidden, args.layers, heads=4, max_len=args.length + 1)
-    model = ktrain.make_model(args.kind, backbone, tv)
+    model = ktrain.make_model(args.kind, backbone, tv, type_dim=args.type_dim, share_word_embedding=not args.untied)
     params = ktrain.init_params(model, jax.random.PRNGKey(args.seed), tv)
     params, info = ktrain.train(model, params, ids, mask, tv,
                                 ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps,
                                                      seed=args.seed), progress=True)
     meta = {"kind": args.kind, "reverse": args.reverse, "vocab": vocab.words, "type_names": list(kdata.TYPE_NAMES),
             "type_words": type_words, "held_out": {w: types[w][0] for w in sorted(held)}, "length": args.length,
-            "backbone": backbone.to_dict(), "train_seconds": info["seconds"], "final_loss": info["losses"][-1]}
+            "backbone": backbone.to_dict(), "type_dim": args.type_dim, "share_word_embedding": not args.untied,
+            "train_seconds": info["seconds"], "final_loss": info["losses"][-1]}
     save_artifact(args.out, params, meta)
     print(json.dumps({"out": str(args.out), "final_loss": info["losses"][-1], "train_seconds": info["seconds"],
                       "vocab": len(vocab), "typed_pairs": tv.num_pairs, "held_out": len(held)}))
@@ -96,7 +107,9 @@ def _eval(args) -> int:
     params, meta = load_artifact(args.model)
     vocab = kdata.Vocab(list(meta["vocab"]))
     tv = TypedVocab.build(len(vocab), meta["type_words"], disjoint=True)
-    model = ktrain.make_model(meta["kind"], LlamaConfig.from_hf(meta["backbone"]), tv)
+    model = ktrain.make_model(meta["kind"], LlamaConfig.from_hf(meta["backbone"]), tv,
+                              type_dim=meta.get("type_dim", 32),
+                              share_word_embedding=meta.get("share_word_embedding", False))
     lines = kdata.read_lines(args.text, args.lines)
     ids, mask = kdata.encode_lines(lines, vocab, meta["length"], reverse=meta["reverse"])
     out = {"lines": len(lines), **ktrain.perplexity(model, params, ids, mask, tv)}

@@ -42,13 +42,15 @@ def tiny_llama(vocab_size: int, hidden: int = 128, layers: int = 2, heads: int =
                        tie_word_embeddings=True)
 
 
-def make_model(kind: str, backbone: LlamaConfig, vocab: TypedVocab, type_dim: int = 32):
+def make_model(kind: str, backbone: LlamaConfig, vocab: TypedVocab, type_dim: int = 32,
+               share_word_embedding: bool = True):
     """``plain``: LlamaForCausalLM; ``kalm`` / ``kalm_type_input``: :class:`KalmLM`."""
     if kind == "plain":
         return LlamaForCausalLM(backbone)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    cfg = KalmConfig(num_types=vocab.num_types, type_dim=type_dim, type_as_input=kind == "kalm_type_input")
+    cfg = KalmConfig(num_types=vocab.num_types, type_dim=type_dim, type_as_input=kind == "kalm_type_input",
+                     share_word_embedding=share_word_embedding)
     return KalmLM(backbone, cfg, num_pairs=vocab.num_pairs)
 
 
@@ -86,7 +88,9 @@ def train(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, c
     info: losses, seconds (steps 2..N), compile_seconds)."""
     if len(ids) < cfg.batch_size:
         raise ValueError(f"{len(ids)} training lines do not fill one batch of {cfg.batch_size}")
-    opt = OptimizerConfig(learning_rate=cfg.lr, schedule="linear", warmup_steps=cfg.warmup_steps,
+    # a short run still reaches the peak learning rate (warmup at most a tenth of the steps)
+    warmup = min(cfg.warmup_steps, max(cfg.steps // 10, 1))
+    opt = OptimizerConfig(learning_rate=cfg.lr, schedule="linear", warmup_steps=warmup,
                           total_steps=cfg.steps, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
     trainer = Trainer(loss_fn(model, vocab), params, opt, mesh=data_mesh(jax.devices()[:1]), log_path=log_path,
                       log_every=max(cfg.steps // 20, 1), seed=cfg.seed, progress=progress, exit_on_preempt=False)

@@ -167,8 +167,11 @@ def to_steer(params: Params, eps: Array) -> Steer:
     raise ValueError(f"a {k} baseline is not a bilinear steer and has no Steer hook")
 
 
-def to_hooks(params: Params, eps: Array) -> Hooks:
-    return Hooks(steer=to_steer(params, eps))
+def to_hooks(params: Params, eps: Array, cheapest: bool = True) -> Hooks:
+    """Hooks for decoding. With ``cheapest`` (default) the steer is first put in its cheapest
+    exact form (:func:`for_inference`: rank R >= D / 2 is expanded to W = P1 P2^T once, here,
+    not per token), so generation pays D^2 instead of 2 D R per token and steer."""
+    return Hooks(steer=to_steer(for_inference(params) if cheapest else params, eps))
 
 
 def for_inference(params: Params) -> dict:

@@ -10,7 +10,17 @@ A type is given by N example tokens; their input-embedding rows X [N, D] define 
   ``vt[0] . mean(X) < 0`` for most types (15 of the 17 KG types on MiniLM embeddings in our
   check), so our TE equals the paper's wherever LAPACK's sign did, and is deterministic
   (pointing towards the examples) where it did not.
-  TE has unit norm; the strength lambda is applied at injection time.
+  TE has unit norm; the strength lambda is applied at injection time, always as
+  ``+lambda * TE`` with lambda >= 0 (the paper's ``k * concept_vector``, k = 0..5).
+  On SmolLM2-135M's City examples LAPACK's ``vt[0] . mean(X) < 0`` too, so TE is exactly the
+  paper's ``-vt[0]``; it is nearly parallel to the examples' mean (cos 0.997) and to the mean
+  of the whole vocabulary (cos 0.84): SmolLM2's input embeddings are strongly anisotropic.
+  The paper does not drop or centre anything (``-vt[0]`` of the raw rows); ``center=``
+  below is our optional variant, and the second singular direction is not used.
+  Measured sign effect (experiments/results/typevec/diag_mass_smollm2.json): +TE raises the
+  softmax mass on City tokens more than -TE and raises the gold's log-probability, -TE
+  lowers it; both signs only perturb the prediction when added to the input embedding of a
+  decoder's predicting position (see :mod:`jsteer.typevec.inject` for why).
 * ``method="mean"``: the mean example embedding (the paper's baseline; not normalised).
 
 Both are pure and jittable: pass a padded id array with ``mask`` for a variable number of

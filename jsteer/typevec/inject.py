@@ -8,6 +8,17 @@ Where the offset goes:
   (``attention_mask`` itself).
 * Decoders, generation: every prompt token via ``embed_offset`` plus every generated token
   via ``step_offset`` (:func:`generation_hooks`), the paper's "all tokens" mode.
+* Decoders, residual stream (not in the paper; :func:`residual_hooks`): lambda * TE added to the
+  residual stream after decoder layer ``l`` (``FiLM.beta_out``) at the marked positions. In a
+  decoder the predicting position's *input* is the previous token, so an input-side TE there
+  says "the current token is of this type" (the model then predicts what *follows* such a
+  token: punctuation); the late-layer residual of that position encodes the *next* token,
+  in the (tied) embedding space the TE lives in - the decoder analogue of the [MASK] slot.
+
+Scale: lambda multiplies a unit-norm TE (method "svd"). Embedding spaces differ in scale
+(mean input-embedding row norm: BERT-base ~1.4, SmolLM2-135M 3.20, MiniLM ~1.0), so the
+experiments express lambda in units of :func:`row_norm_unit` (mean row norm) for input-side
+injection and of the mean residual norm at the layer for :func:`residual_hooks`.
 
 All functions are pure and jittable; lambda may be a scalar or one value per row [B], and is
 a traced value (sweeping it never recompiles).
@@ -19,7 +30,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jsteer.hooks import Hooks
+from jsteer.hooks import FiLM, Hooks
 
 Array = jnp.ndarray
 
@@ -93,3 +104,21 @@ def generation_hooks(te: Array, lam, attention_mask: Array) -> Hooks:
     b = attention_mask.shape[0]
     return Hooks(embed_offset=offset(te, lam, attention_mask.astype(jnp.float32)),
                  step_offset=step_offset(te, lam, b))
+
+
+def row_norm_unit(embedding: Array) -> Array:
+    """Mean L2 norm of the input-embedding rows [V, D] -> scalar: the unit lambda is expressed
+    in for input-side injection (lambda_abs = lambda_units * row_norm_unit)."""
+    return jnp.mean(jnp.linalg.norm(jnp.asarray(embedding, jnp.float32), axis=-1))
+
+
+def residual_hooks(te: Array, lam, where: Array, layer: int, hooks: Optional[Hooks] = None) -> Hooks:
+    """Hooks adding lam * te to the residual stream after decoder layer ``layer`` (static int)
+    at the positions marked in ``where`` [B, T] (``FiLM.beta_out``; composes with ``hooks``)."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int (a decoder layer index), got {layer!r}")
+    film = {layer: FiLM(beta_out=offset(te, lam, where))}
+    if hooks is None:
+        return Hooks(film=film)
+    from jsteer.hooks import compose
+    return compose(hooks, Hooks(film=film))

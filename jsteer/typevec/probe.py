@@ -27,6 +27,10 @@ Methods (paper, Tables 4/7/8)
   * PostTE: scores + w * cos(E_v, TE), w tuned on the hold-out over 0..30;
   * TE: lambda * TE added at the [MASK] (MLM) / predicting position or all prompt tokens
     (decoders), lambda tuned on a 5% hold-out over 0..5 and reported on the rest.
+    Decoders also have ``mode="layer"`` (not in the paper): lambda * TE added to the residual
+    stream of the predicting position after decoder layer ``layer`` (see
+    :mod:`jsteer.typevec.inject`). ``lam_unit`` rescales the grid (lambda_abs = value * unit)
+    so a grid can be given in units of the embedding-row norm or of the residual norm.
   Tuning picks the best hold-out P@1, ties broken by the mean of P@10/50/100, then the smaller
   value. (The paper's script picks the smallest lambda reaching the largest gain in *any*
   P@k; we tune for P@1, the headline metric.)
@@ -49,8 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.hooks import Hooks
-from jsteer.typevec.inject import inject, one_hot_positions
+from jsteer.hooks import FiLM, Hooks
+from jsteer.typevec.inject import inject, one_hot_positions, residual_hooks
 from jsteer.typevec.sampling import single_token_id, space_sensitive
 
 Array = jnp.ndarray
@@ -309,14 +313,14 @@ class ProbeModel:
     @functools.cached_property
     def score_fn(self):
         return jax.jit(functools.partial(_score_rows, self.forward, self.head, self.input_embedding),
-                       static_argnames=("mode",))
+                       static_argnames=("mode", "layer"))
 
     @functools.cached_property
     def grid_fn(self):
         if self.init_cache is None:
             raise ValueError("this model has no KV cache: use score_rows")
         return jax.jit(functools.partial(_score_grid, self.forward, self.head, self.input_embedding,
-                                         self.init_cache))
+                                         self.init_cache), static_argnames=("layer",))
 
     def embedding(self) -> Array:
         return self.input_embedding(self.params)
@@ -380,16 +384,17 @@ def from_lm(lm) -> ProbeModel:
 
 
 def _score_rows(forward, head, input_embedding, params, ids, attn, pos, gold, te, lam, post_w, excluded,
-                *, mode: str):
+                *, mode: str, layer: Optional[int] = None):
     """One padded batch.
 
     ids/attn [B,T]; pos, gold [B]; te [B,D]; lam [B]; post_w [W]; excluded [V] bool.
-    mode: "pos" (offset at the predicting position) | "all" (every real prompt token).
+    mode: "pos" (offset at the predicting position) | "all" (every real prompt token) |
+    "layer" (residual stream after decoder layer ``layer``, predicting position).
     Returns rank [B] (number of allowed tokens scoring above the gold), post_rank [W,B], top1 [B].
     """
     t = ids.shape[1]
-    where = one_hot_positions(pos, t) if mode == "pos" else attn.astype(jnp.float32)
-    hooks = inject(te, lam, where)
+    where = attn.astype(jnp.float32) if mode == "all" else one_hot_positions(pos, t)
+    hooks = residual_hooks(te, lam, where, layer) if mode == "layer" else inject(te, lam, where)
     out = forward(params, ids, attn, hooks)
     h = jnp.take_along_axis(out.hidden, pos[:, None, None], axis=1)[:, 0]          # [B, D]
     return _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded)
@@ -409,8 +414,10 @@ def _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded)
     return rank, jnp.sum(post > pg, axis=2), jnp.argmax(logits, axis=1)
 
 
-def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, gold, te, lam, post_w, excluded):
-    """Decoders, TE at the predicting position, a grid of L lambdas per prompt.
+def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, gold, te, lam, post_w, excluded,
+                *, layer: Optional[int] = None):
+    """Decoders, TE at the predicting position (input embedding, or the residual stream after
+    decoder layer ``layer`` when given), a grid of L lambdas per prompt.
 
     ids/attn [B,T] left-padded (the predicting position is column T-1); gold [B]; te [B,D];
     lam [B,L]. The prefix (columns 0..T-2) does not depend on lambda, so it runs once into a KV
@@ -426,8 +433,8 @@ def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, g
                           mask=rep(cache.mask), pos=rep(cache.pos))
     te_r = rep(te)
     off = (lam.reshape(-1)[:, None] * te_r)[:, None, :]                              # [B*L, 1, D]
-    out = forward(params, rep(ids[:, -1:]), jnp.ones((b * n_l, 1), jnp.int32), Hooks(embed_offset=off),
-                  cache=cache)
+    hooks = Hooks(embed_offset=off) if layer is None else Hooks(film={layer: FiLM(beta_out=off)})
+    out = forward(params, rep(ids[:, -1:]), jnp.ones((b * n_l, 1), jnp.int32), hooks, cache=cache)
     rank, post_rank, top1 = _rank_and_post(head, input_embedding, params, out.hidden[:, 0], rep(gold), te_r,
                                            post_w, excluded)
     return rank.reshape(b, n_l), post_rank.reshape(-1, b, n_l), top1.reshape(b, n_l)
@@ -449,13 +456,13 @@ class RowResult:
 def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequence[int],
                row_lam: Sequence[float], row_te: Sequence[int], tes: Array, *, mode: str = "pos",
                post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
-               progress: Optional[Callable[[int, int], None]] = None) -> RowResult:
+               progress: Optional[Callable[[int, int], None]] = None, layer: Optional[int] = None) -> RowResult:
     """Score R rows: row r asks ``examples[row_example[r]]`` with ``row_lam[r] * tes[row_te[r]]``.
 
-    tes: [K, D] type vectors. mode: "pos" | "all" (decoders; MLM uses "pos" = the [MASK]).
+    tes: [K, D] type vectors. mode: "pos" | "all" | "layer" (decoders; MLM uses "pos" = the
+    [MASK]); ``layer``: the decoder layer for mode "layer".
     """
-    if mode not in ("pos", "all"):
-        raise ValueError(f"mode must be 'pos' or 'all', got {mode!r}")
+    _check_mode(mode, layer, model.kind)
     row_example = np.asarray(row_example, np.int64)
     row_lam = np.asarray(row_lam, np.float32)
     row_te = np.asarray(row_te, np.int64)
@@ -492,7 +499,7 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
                 pos[b], gold[b] = ex.pos, ex.gold
             out = model.score_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos),
                                  jnp.asarray(gold), tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx]),
-                                 post_w, excluded, mode=mode)
+                                 post_w, excluded, mode=mode, layer=layer)
             rk, prk, tp = (np.asarray(o) for o in out)
             n = len(chunk)
             rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:n], prk[:, :n], tp[:n]
@@ -515,8 +522,9 @@ class GridResult:
 
 def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
                tes: Array, *, post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
-               progress: Optional[Callable[[int, int], None]] = None) -> GridResult:
-    """Decoders, TE at the predicting position: prompt n is asked with each of ``lams[n]`` ([N, L],
+               progress: Optional[Callable[[int, int], None]] = None, layer: Optional[int] = None
+               ) -> GridResult:
+    """Decoders, TE at the predicting position (``layer``: in the residual stream after that layer): prompt n is asked with each of ``lams[n]`` ([N, L],
     or [L] for all) times ``tes[te_idx[n]]``. The lambda-independent prefix runs once per prompt
     (KV cache), then the last token for every lambda. ``batch_size`` prompts per call."""
     ex_idx = np.asarray(ex_idx, np.int64)
@@ -554,7 +562,8 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
                 attn[b, t - len(ex.ids):] = 1
                 gold[b] = ex.gold
             out = model.grid_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(gold),
-                                tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded)
+                                tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded,
+                                layer=layer)
             rk, prk, tp = (np.asarray(o) for o in out)
             k = len(chunk)
             rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:k], prk[:, :k], tp[:k]
@@ -567,12 +576,14 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
 
 
 def score(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
-          tes: Array, *, mode: str = "pos", post_grid: Sequence[float] = POST_GRID, batch_size: int = 32
-          ) -> GridResult:
+          tes: Array, *, mode: str = "pos", post_grid: Sequence[float] = POST_GRID, batch_size: int = 32,
+          layer: Optional[int] = None) -> GridResult:
     """Prompt x lambda grid, by the fastest exact route: :func:`score_grid` for decoders with TE
     at the predicting position, else :func:`score_rows` on the flattened (prompt, lambda) rows."""
-    if model.kind == "decoder" and mode == "pos" and model.init_cache is not None:
-        return score_grid(model, examples, ex_idx, lams, te_idx, tes, post_grid=post_grid, batch_size=batch_size)
+    _check_mode(mode, layer, model.kind)
+    if model.kind == "decoder" and mode in ("pos", "layer") and model.init_cache is not None:
+        return score_grid(model, examples, ex_idx, lams, te_idx, tes, post_grid=post_grid, batch_size=batch_size,
+                          layer=layer if mode == "layer" else None)
     ex_idx = np.asarray(ex_idx, np.int64)
     n = len(ex_idx)
     lams = np.asarray(lams, np.float32)
@@ -580,9 +591,21 @@ def score(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int],
         lams = np.broadcast_to(lams, (n, lams.shape[0]))
     n_l = lams.shape[1]
     res = score_rows(model, examples, np.repeat(ex_idx, n_l), lams.reshape(-1), np.repeat(np.asarray(te_idx), n_l),
-                     tes, mode=mode, post_grid=post_grid, batch_size=batch_size)
+                     tes, mode=mode, post_grid=post_grid, batch_size=batch_size, layer=layer)
     return GridResult(res.rank.reshape(n, n_l), res.post_rank.reshape(len(post_grid), n, n_l),
                       res.top1.reshape(n, n_l), res.n_batches, res.n_padded_rows)
+
+
+def _check_mode(mode: str, layer: Optional[int], kind: str) -> None:
+    if mode not in ("pos", "all", "layer"):
+        raise ValueError(f"mode must be 'pos', 'all' or 'layer', got {mode!r}")
+    if mode == "layer":
+        if kind != "decoder":
+            raise ValueError("mode 'layer' (residual-stream TE) is for decoders only")
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"mode 'layer' needs a non-negative int layer, got {layer!r}")
+    elif layer is not None:
+        raise ValueError(f"layer={layer} is only used with mode 'layer' (got mode {mode!r})")
 
 
 def _score_constants(model: ProbeModel, post_grid: Sequence[float]):
@@ -650,15 +673,21 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
              lam_grid: Sequence[float] = LAMBDA_GRID, post_grid: Sequence[float] = POST_GRID,
              holdout: float = 0.05, max_test: Optional[int] = None, max_holdout: Optional[int] = None,
              seed: int = 0, batch_size: int = 32,
-             methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"), log: Optional[Callable[[str], None]] = None
-             ) -> dict:
+             methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"), log: Optional[Callable[[str], None]] = None,
+             layer: Optional[int] = None, lam_unit: float = 1.0) -> dict:
     """Probe every group (relation) with B / BTo / PostTE / TE and return a JSON-able report.
 
     groups: {name: prompts}; tes: {name: TE [D]} (a group without a TE is probed with B/BTo only);
     type_names: {name: type} for BTo (default: each prompt's ``type_name``).
     ``max_test`` caps the reported (non-hold-out) prompts per group (seeded subsample);
     ``max_holdout`` caps the hold-out (tiny runs only; the rest of the hold-out is not used).
+    ``mode``/``layer``: where TE goes (see :func:`score_rows`); ``lam_unit``: lambda grid values
+    are in this unit (absolute lambda = value * lam_unit; the report gives values in units).
     """
+    _check_mode(mode, layer, model.kind)
+    lam_unit = float(lam_unit)
+    if not lam_unit > 0:
+        raise ValueError(f"lam_unit must be positive, got {lam_unit}")
     log = log or (lambda s: None)
     kind = model.kind
     lam_grid = sorted({0.0, *(float(x) for x in lam_grid)})   # lambda = 0 is B and tunes PostTE
@@ -701,7 +730,10 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     te_index = {n: i for i, n in enumerate(names_te)}
     d = model.embedding().shape[1]
     te_table = jnp.stack([jnp.asarray(tes[n], jnp.float32) for n in names_te]) if names_te else jnp.zeros((1, d))
-    run = functools.partial(score, model, mode=mode, post_grid=post_grid, batch_size=batch_size)
+    _run = functools.partial(score, model, mode=mode, post_grid=post_grid, batch_size=batch_size, layer=layer)
+
+    def run(exs, idx, lams, te_idx, table, **kw):
+        return _run(exs, idx, np.asarray(lams, np.float32) * lam_unit, te_idx, table, **kw)
 
     # phase 1: hold-out prompts x the lambda grid (lambda = 0, column 0, also tunes PostTE)
     best_lam, best_w, tuning = {}, {}, {}
@@ -767,7 +799,8 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     for m in ("B", "BTo", "PostTE", "TE"):
         if m in methods:
             macro_all[m] = macro({n: r[m] for n, r in results.items() if m in r and r["n_test"] > 0})
-    return {"kind": kind, "mode": mode, "identity": model.identity, "lambda_grid": list(lam_grid),
+    return {"kind": kind, "mode": mode, "layer": layer, "lambda_unit": lam_unit,
+            "identity": model.identity, "lambda_grid": list(lam_grid),
             "post_grid": list(post_grid), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
             "seed": seed, "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
             "predictions": predictions}

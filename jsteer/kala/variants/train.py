@@ -123,7 +123,8 @@ def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: s
     return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
                      compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
                      examples_per_second=(n - 1) * cfg.batch_size / train_s if n > 1 else float("nan"),
-                     step_memory_bytes=mem, trainable_params=count_params(params))
+                     step_memory_bytes=mem, trainable_params=count_params(params),
+                     median_step_seconds=float(np.median(np.diff(marks))) if n > 1 else float("nan"))
 
 
 def predict_ner(model, params: dict, examples: Sequence[dict], batch_size: int = 64) -> list[np.ndarray]:
