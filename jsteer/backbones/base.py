@@ -80,3 +80,10 @@ def default_positions(attention_mask: Array, cache: Optional[KVCache]) -> Array:
 
 
 NEG_INF = -1e30  # finite so fully-masked (pad) rows stay NaN-free
+
+
+def eos_ids(eos_token_id) -> tuple[int, ...]:
+    """An HF config's ``eos_token_id`` (None, one id or a list) as a tuple of ids."""
+    if eos_token_id is None:
+        return ()
+    return (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(i) for i in eos_token_id)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones.base import NEG_INF, KVCache, ModelOutput, default_positions
+from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, default_positions, eos_ids
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -77,9 +77,7 @@ class GPT2Config:
     @property
     def stop_ids(self) -> Tuple[int, ...]:
         """eos ids as a tuple (HF configs store one id or a list)."""
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+        return eos_ids(self.eos_token_id)
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "GPT2Config":

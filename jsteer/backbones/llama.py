@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsteer.backbones.base import NEG_INF, KVCache, ModelOutput, default_positions
+from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, default_positions, eos_ids
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -102,9 +102,7 @@ class LlamaConfig:
     @property
     def stop_ids(self) -> Tuple[int, ...]:
         """eos ids as a tuple (HF configs store one id or a list)."""
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+        return eos_ids(self.eos_token_id)
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> "LlamaConfig":
