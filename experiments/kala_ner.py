@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     tests = per_dataset(args.test_size, args.dataset, "test-size")
     lens = per_dataset(args.max_len, args.dataset, "max-len")
     lm = jsteer.load(args.model)
-    state = {d: setup_dataset(d, lm, args, sizes[d], tests[d], lens[d]) for d in args.dataset}
+    state = {}  # dataset -> its setup, made when its first run comes (an interrupted sweep skips the rest)
 
     todo = [(g, v, kw) for g in args.groups for v, kw in VARIANTS[g]]
     if args.variants is not None:
@@ -219,8 +219,10 @@ def main(argv=None) -> int:
         todo = sorted([t for t in todo if t[1] in args.variants], key=lambda t: args.variants.index(t[1]))
     for seed in args.seeds:
         for name in args.dataset:
-            data, memory, subsets, out_path, results = state[name]
             for group, variant, kw in todo:
+                if name not in state:
+                    state[name] = setup_dataset(name, lm, args, sizes[name], tests[name], lens[name])
+                data, memory, subsets, out_path, results = state[name]
                 if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
                     continue
                 cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=lens[name],

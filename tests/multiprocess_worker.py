@@ -1,0 +1,47 @@
+"""One process of a multi-process (multi-"host") training run on CPU, for
+tests/test_train_multiprocess.py. Not a test module itself.
+
+    python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
+
+Each process owns 2 forced host devices; processes talk through jax.distributed (gloo CPU
+collectives), exactly as separate hosts would after ``jax.distributed.initialize``.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def main() -> None:
+    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid,
+                               initialization_timeout=120)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import numpy as np
+    from test_train import GROUPS, tagger_examples, tagger_loss, tagger_params
+
+    from jsteer.data.batching import Batcher
+    from jsteer.train import Trainer, data_mesh
+
+    assert jax.process_count() == nproc and len(jax.local_devices()) == 2
+    trainer = Trainer(tagger_loss, tagger_params(), GROUPS, mesh=data_mesh(jax.devices()), progress=False)
+    # The batcher hands this process its rows of each global batch (process_index/count from jax).
+    batches = Batcher(tagger_examples(64), 8, buckets=(32,), pad_values={"input_ids": 0, "labels": -100}, seed=3)
+    losses = []
+    trainer.fit(batches, int(os.environ.get("STEPS", "12")), on_step=lambda s, m: losses.append(float(m["loss"])))
+    params = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(jax.device_get(x)).tolist()
+              for path, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]
+              if x.is_fully_addressable or x.is_fully_replicated}
+    with open(out, "w") as f:
+        json.dump({"process": pid, "devices": len(jax.devices()), "losses": losses, "params": params}, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
