@@ -73,23 +73,28 @@ def qualifying(groups, tokenizer) -> dict:
 def lambda_unit(pm, kind: str, layer, groups, seed: int) -> float:
     """The absolute size of one lambda unit (see module docstring); ``resid`` is measured on the
     5% hold-out prompts only (the same split as the probe), never on reported prompts."""
-    from jsteer.typevec import inject, probe
+    from jsteer.typevec import probe
+    from jsteer.typevec.inject import row_norm_unit
 
     if kind == "abs":
         return 1.0
     if kind == "row_norm":
-        return float(inject.row_norm_unit(pm.embedding()))
+        return float(row_norm_unit(pm.embedding()))
     if kind != "resid" or layer is None:
         raise ValueError("--lambda-unit resid needs --mode layer")
-    norms = []
+    seqs = []
     for name, prompts in groups.items():
         exs, _ = probe.encode_prompts(prompts, pm.tokenizer, pm.kind)
         hold, _ = probe.split_holdout(len(exs), 0.05, seed, name)
-        for i in hold[:8]:
-            ids = jnp.asarray([exs[i].ids], jnp.int32)
-            hs = pm.forward(pm.params, ids, jnp.ones_like(ids), None, output_hidden_states=True).hidden_states
-            norms.append(float(jnp.linalg.norm(hs[layer + 1][0, -1])))
-    return float(np.mean(norms))
+        seqs += [exs[i].ids for i in hold[:4]]
+    t = max(len(q) for q in seqs)
+    ids = np.zeros((len(seqs), t), np.int32)
+    attn = np.zeros((len(seqs), t), np.int32)
+    for b, q in enumerate(seqs):       # right padding: the last real token sees no padding
+        ids[b, :len(q)], attn[b, :len(q)] = q, 1
+    hs = pm.forward(pm.params, jnp.asarray(ids), jnp.asarray(attn), None, output_hidden_states=True).hidden_states
+    last = np.array([len(q) - 1 for q in seqs])
+    return float(np.mean(np.linalg.norm(np.asarray(hs[layer + 1])[np.arange(len(seqs)), last], axis=-1)))
 
 
 def run(args) -> dict:

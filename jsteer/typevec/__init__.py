@@ -16,4 +16,5 @@ Quick start::
 """
 
 from jsteer.typevec.core import combine, make, make_all, normalize, project_out  # noqa: F401
-from jsteer.typevec.inject import generation_hooks, inject, mask_positions, offset, step_offset  # noqa: F401
+from jsteer.typevec.inject import (generation_hooks, inject, mask_positions, offset, residual_hooks,  # noqa: F401
+                                   row_norm_unit, step_offset)

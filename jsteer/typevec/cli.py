@@ -61,8 +61,10 @@ def register(subparsers) -> None:
     p.add_argument("--strategy", default="weighted", choices=("weighted", "top", "bottom", "uniform"))
     p.add_argument("--n", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=("pos", "all"), default="pos",
-                   help="decoders: TE at the predicting position (pos) or at every prompt token (all)")
+    p.add_argument("--mode", choices=("pos", "all", "layer"), default="pos",
+                   help="decoders: TE at the predicting position (pos), at every prompt token (all), or in "
+                        "the residual stream of the predicting position after --layer (layer; not in the paper)")
+    p.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
     p.add_argument("--lambdas", default="0,1,2,3,4,5", help="lambda grid tuned on the hold-out")
     p.add_argument("--lambda-unit", choices=("norm", "one"), default="one",
                    help="lambda times a unit TE (default, as the paper) or times the mean input-embedding norm")
@@ -208,7 +210,8 @@ def _probe(args) -> int:
     tes = {g: by_type[g.split("/")[0]] * scale for g in groups if g.split("/")[0] in by_type}
     lams = [float(x) for x in args.lambdas.split(",")]
     rep = probe.evaluate(pm, groups, tes, mode=args.mode, lam_grid=lams, holdout=args.holdout,
-                         max_test=args.max_test, seed=args.seed, batch_size=args.batch_size, log=_log)
+                         max_test=args.max_test, seed=args.seed, batch_size=args.batch_size, log=_log,
+                         layer=args.layer if args.mode == "layer" else None)
     rep["lambda_unit"] = {"kind": args.lambda_unit, "scale": scale}
     methods = [m for m in ("B", "BTo", "PostTE", "TE") if m in rep["macro"]]
     print(f"{'relation':28s} {'n':>5s} " + " ".join(f"{m + ' P@1':>10s}" for m in methods) + "  lambda")
