@@ -1,8 +1,12 @@
 """KALM on the recipe data: perplexity vs the plain LM head, and unsupervised typing of
 ingredient words whose lexicon entries were held out of the type vocabularies.
 
-    python experiments/kalm_recipes.py                       # full run (CPU: see the budget)
-    python experiments/kalm_recipes.py --small               # seconds-scale smoke run
+    python experiments/kalm_recipes.py                       # full run: ~30 min on a shared 2-core CPU
+    python experiments/kalm_recipes.py --small               # minutes-scale smoke run
+    python experiments/kalm_recipes.py --report experiments/results/kalm/recipes.json   # markdown only
+
+Writes ``experiments/results/kalm/recipes[_small].json`` (incrementally, after every model)
+and a markdown table beside it; per-model training metrics go to ``runs/kalm/*.jsonl``.
 
 Data (``../shared/data/kalm_namedentitylm``): the 8 ingredient types of ``superingredients/``
 become word-level type vocabularies (:func:`jsteer.kalm.data.word_types`); there is no train
@@ -105,6 +109,12 @@ def markdown(result: dict) -> str:
     if typing:
         lines += ["", f"Typing of held-out words from context: {typing['occurrences']} occurrences of "
                       f"{typing['distinct_words']} words; chance {typing['chance']:.3f}.", "",
+                  "kalm_fwd / kalm_bwd: argmax over the 8 entity types of P(type | left / right context) of the "
+                  "forward / right-to-left KALM; kalm_bi: their product divided by the average type distribution; "
+                  "plain_lm_context_lexicon: the type whose (kept) lexicon words get the most next-word mass from the "
+                  "plain LM; plain_lm_embedding_centroid: nearest type centroid of the plain LM's embedding of the "
+                  "word itself (a word-level, not per-occurrence, decision); majority: the most frequent type of "
+                  "lexicon-word tokens in training.", "",
                   "| method | accuracy (occurrences) | macro over words | macro over types |", "|---|---|---|---|"]
         for name, v in typing.items():
             if isinstance(v, dict) and "accuracy" in v:
