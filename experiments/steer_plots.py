@@ -64,7 +64,8 @@ def sweep_table(res: dict) -> str:
 def detox_table(res: dict) -> str:
     m = res["metrics"]
     rows = [("unsteered", "toxic_base"), ("detox +5", "toxic_d+5"), ("detox +5, sentiment +5", "toxic_s+5_d+5"),
-            ("detox +5, sentiment -5", "toxic_s-5_d+5")]
+            ("detox +5, sentiment -5", "toxic_s-5_d+5"),
+            ("detox +5, its dummy off (diagnostic)", "alt_detoxdummyoff_toxic_d+5")]
     out = ["| model | mean max toxicity | toxicity prob. % | toxic samples % | positivity % | ppl (mean) | dist-2 | dist-3 |",
            "|---|---|---|---|---|---|---|---|"]
     for name, key in rows:
@@ -149,6 +150,10 @@ def plot_all(res: dict, out_dir: pathlib.Path) -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     xs, ms = sweep(res)
+    if res.get("setup", {}).get("generation", {}).get("dummy_used") == "off" and "neutral_base" in res.get("metrics", {}):
+        # with the dummy off, value 0 is exactly the unsteered model
+        pts = sorted(list(zip(xs, ms)) + [(0.0, res["metrics"]["neutral_base"])], key=lambda p: p[0])
+        xs, ms = [p[0] for p in pts], [p[1] for p in pts]
     if xs:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         ax.plot(xs, [100 * m["positivity"] for m in ms], "o-", color="tab:green", label="positivity %")

@@ -1,12 +1,18 @@
 """LM-Steer on SmolLM2-135M: sentiment steering (continuous control, Table 3 layout),
 detoxification, composition, transfer, interpretation and highlighting.
 
-    .venv/bin/python experiments/steer_smollm2.py [--work /tmp/steer_exp] [--prompts 15 --samples 5]
+    .venv/bin/python experiments/steer_evaluators.py --only sentiment --epochs 0.74
+    .venv/bin/python experiments/steer_evaluators.py --only toxicity --epochs 0.8 --max-train 1600 --max-test 1000
+    .venv/bin/python experiments/steer_smollm2.py [--work /tmp/steer_exp2] [--values=-5,-3,3,5,-1,1,7,-2,2]
+    .venv/bin/python experiments/steer_plots.py     # tables (results.md) + plots
 
-Stages cache their outputs under --work, so an interrupted run resumes. Results go to
-experiments/results/steer/smollm2.json (+ evaluators.json); plots: experiments/plot_steer.py
-(or notebooks/lm_steer.ipynb). CPU-sized: the run's subsample sizes, steps and batch sizes are
-recorded in the JSON next to the paper's values.
+The evaluators are cached under out/steer_evaluators (trained there if absent). Stages cache
+their outputs under --work (hidden-state caches, steer artifacts, generations), and every
+evaluated setting is written to experiments/results/steer/smollm2.json at once, so an
+interrupted run resumes and a partial run still yields results. The sentiment dummy steer is
+switched on or off for decoding by a rule applied on held-out neutral prompts (--dummy auto).
+CPU-sized: the run's subsample sizes, steps and batch sizes are recorded in the JSON next to
+the paper's values.
 """
 
 from __future__ import annotations
@@ -164,16 +170,16 @@ def main():
     both = {k: jnp.asarray(v) for k, v in both.items()}  # head.to_hooks expands rank 1000 > D/2 to full W
     eps0 = 1e-3
 
-    def eps_of(s=None, d=None, s_dummy=True):
+    def eps_of(s=None, d=None, s_dummy=True, d_dummy=True):
         """Steer values -> eps [4]; None switches a steer (and its dummy) off."""
         e = [0.0, 0.0, 0.0, 0.0]
         if s is not None:
             e[0], e[1] = s, float(s_dummy)
         if d is not None:
-            e[2], e[3] = d, 1.0
+            e[2], e[3] = d, float(d_dummy)
         return np.asarray(e, np.float32) * eps0
 
-    def run(key, prompt_list, s=None, d=None, s_dummy=True, seed=0):
+    def run(key, prompt_list, s=None, d=None, s_dummy=True, seed=0, d_dummy=True):
         """Generate (cached under --work) and evaluate (cached in the results JSON)."""
         if key in res.get("metrics", {}):
             return res["metrics"][key]
@@ -181,14 +187,15 @@ def main():
         if path.exists():
             g = json.loads(path.read_text())
         else:
-            e = eps_of(s, d, s_dummy)
+            e = eps_of(s, d, s_dummy, d_dummy)
             gb = a.gen_batch
             hooks = head.to_hooks(both, jnp.broadcast_to(jnp.asarray(e), (gb, 4)))  # expanded once, reused
             t0 = time.time()
             samples = C.sample(lm, lambda b: hooks if b == gb else head.to_hooks(
                 both, jnp.broadcast_to(jnp.asarray(e), (b, 4))), prompt_list, a.samples, seed=seed, batch=gb)
             g = {"prompts": prompt_list, "samples": samples,
-                 "values": {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None},
+                 "values": {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None,
+                            "detox_dummy": bool(d_dummy) if d is not None else None},
                  "seconds": time.time() - t0}
             C.write_json(path, g)
         t0 = time.time()
@@ -245,7 +252,7 @@ def main():
     plan += [(f"neutral_s{v:+g}", "neutral", v, None) for v in values if abs(v) != 5]
     other = "off" if s_dummy else "on"
     plan += [(f"alt_dummy{other}_neutral_s+5", "neutral", 5.0, "alt"), (f"alt_dummy{other}_neutral_s-5", "neutral", -5.0, "alt"),
-             ("toxic_s-5_d+5", "toxic", -5.0, 5.0)]
+             ("toxic_s-5_d+5", "toxic", -5.0, 5.0), ("alt_detoxdummyoff_toxic_d+5", "toxic", None, 5.0)]
     for key, pset, s, d in plan:
         if key not in res.get("metrics", {}) and late():
             C.log("deadline reached: skipping", key)
@@ -253,6 +260,8 @@ def main():
         pl = tox_prompts if pset == "toxic" else sets[pset]
         if d == "alt":
             run(key, pl, s, None, not s_dummy)
+        elif key.startswith("alt_detoxdummyoff"):  # diagnostic: detox steer decoded without its dummy
+            run(key, pl, s, d, s_dummy, d_dummy=False)
         else:
             run(key, pl, s, d, s_dummy)
     res["generation_seconds"] = sum(m.get("gen_seconds", 0.0) for m in res["metrics"].values())
@@ -338,6 +347,14 @@ def main():
         "(RealToxicityPrompts is not available offline).",
         "Steers decode in their cheapest exact form (head.to_hooks expands rank 1000 > D/2 = 288 to full W once).",
         "Settings not reached before --deadline are absent from metrics (CPU budget).",
+        "Why the dummy hurt fluency: it absorbs the SST domain (PTB-tokenised, lower-case movie-review text), so "
+        "decoding with it on pulls generations towards that style; its learned W is large (Frobenius norm "
+        f"{res['training'].get('sentiment', {}).get('W_fro_norm', {}).get('dummy', float('nan')):.0f}, i.e. eps0 W of "
+        "order 1, with l2 1e-6 barely binding under Adam at lr 1e-2). Decoding without it (chosen on held-out prompts) "
+        "cuts the +/-5 perplexity several-fold; what remains is the steer itself.",
+        "The toxicity evaluator (trained on the balanced Jigsaw subset, prior 50% toxic) flags a sizeable share of "
+        "plain neutral continuations (see neutral_base toxic_fraction); toxicity probability (any of 5 samples > 0.5) "
+        "therefore saturates near 1 on toxic prompts. The per-sample toxic fraction is reported next to it.",
     ]
     res["total_seconds_this_run"] = time.time() - t_all
     save()
