@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.base import NEG_INF, ModelOutput
+from jsteer.backbones.dropout import Dropout
 from jsteer.hooks import Hooks, apply_embed, apply_film
 
 Array = jnp.ndarray
@@ -250,7 +251,7 @@ class BertEmbeddings(nn.Module):
                                  param_dtype=jnp.float32)
         self.token_type = nn.Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
         self.norm = _norm(c)
-        self.dropout = nn.Dropout(c.hidden_dropout)
+        self.dropout = Dropout(c.hidden_dropout)
 
     def __call__(self, input_ids: Array, token_type_ids: Optional[Array] = None, hooks: Optional[Hooks] = None,
                  deterministic: bool = True) -> Array:
@@ -288,7 +289,7 @@ class BertSelfAttention(nn.Module):
         if bias is not None:
             scores = scores + bias
         probs = jax.nn.softmax(scores, axis=-1)
-        probs = nn.Dropout(c.attention_dropout)(probs, deterministic=deterministic).astype(self.dtype)
+        probs = Dropout(c.attention_dropout)(probs, deterministic=deterministic).astype(self.dtype)
         ctx = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
         return nn.DenseGeneral(c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype,
                                param_dtype=jnp.float32, name="out")(ctx)
@@ -310,7 +311,7 @@ class BertLayer(nn.Module):
                  deterministic: bool = True) -> Array:
         c = self.config
         init = _dense_init(c)
-        drop = nn.Dropout(c.hidden_dropout)
+        drop = Dropout(c.hidden_dropout)
         h = h.astype(self.dtype)
         a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
         a = drop(a, deterministic=deterministic)
@@ -400,7 +401,7 @@ class TokenClassificationHead(nn.Module):
     def __call__(self, h: Array, deterministic: bool = True) -> Array:
         c = self.config
         rate = c.hidden_dropout if c.classifier_dropout is None else c.classifier_dropout
-        h = nn.Dropout(rate)(h, deterministic=deterministic)
+        h = Dropout(rate)(h, deterministic=deterministic)
         return nn.Dense(self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32,
                         name="classifier")(h).astype(jnp.float32)
 
