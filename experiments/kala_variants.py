@@ -148,6 +148,8 @@ def summarise(runs: list[dict]) -> dict:
                        "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
                        "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
                        "train_seconds": float(np.mean([r["train_seconds"] for r in rs])),
+                       "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in rs]))
+                       if any(r.get("median_step_seconds") for r in rs) else None,
                        "steps": int(rs[0]["steps"]), "params": int(rs[0]["params"])}
     return out
 
@@ -192,19 +194,25 @@ def load_results(results_dir: pathlib.Path = OUT) -> dict:
 def table(results: dict, methods=METHODS) -> str:
     """Markdown: one row per method, F1 (mean ± std over seeds) and train time per dataset."""
     ds = [d for d in DATASET_NAMES if d in results]
-    head = "| Method | " + " | ".join(f"{DATASET_NAMES[d]} F1 | {DATASET_NAMES[d]} train s" for d in ds) + " |"
-    rows = [head, "|" + "---|" * (1 + 2 * len(ds))]
+    head = "| Method | " + " | ".join(f"{DATASET_NAMES[d]} F1 | {DATASET_NAMES[d]} train s | {DATASET_NAMES[d]} step s"
+                                      for d in ds) + " |"
+    rows = [head, "|" + "---|" * (1 + 3 * len(ds))]
     for m in methods:
         cells = []
         for d in ds:
             s = results[d]["summary"].get(m)
             if s is None:
-                cells += ["–", "–"]
+                cells += ["–", "–", "–"]
             else:
-                cells += [f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})", f"{s['train_seconds']:.0f}"]
+                step = s.get("median_step_seconds")
+                cells += [f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})", f"{s['train_seconds']:.0f}",
+                          "–" if step is None else f"{step:.2f}"]
         if any(c != "–" for c in cells):
             other = any(results[d].get("sources", {}).get(m, "").startswith("ner_") for d in ds)
             rows.append(f"| {NAMES.get(m, m)}{' †' if other else ''} | " + " | ".join(cells) + " |")
+    rows.append("")
+    rows.append("train s: wall seconds of steps 2..N (includes recompiles for new batch shapes); step s: median "
+                "train-step seconds (robust to them). Shared, loaded 2-core CPU: times are noisy.")
     if any(src.startswith("ner_") for d in ds for src in results[d].get("sources", {}).values()):
         rows.append("")
         rows.append("† runs of the KALA harness sweep (experiments/kala_ner.py): same data, subsets and settings, "
