@@ -444,6 +444,18 @@ def bucket_length(n: int, multiple: int = 8) -> int:
     return max(multiple, int(math.ceil(n / multiple)) * multiple)
 
 
+def _length_batches(lengths: Sequence[int], bucket: int, batch_size: int):
+    """Yield (T, chunk, idx): rows grouped by bucketed length T (shortest first, stable), in
+    chunks of <= ``batch_size``; ``idx`` is ``chunk`` padded to ``batch_size`` with its first row."""
+    buckets = collections.defaultdict(list)
+    for j in np.argsort(np.asarray(lengths, np.int64), kind="stable"):
+        buckets[bucket_length(int(lengths[j]), bucket)].append(int(j))
+    for t, rows in sorted(buckets.items()):
+        for s in range(0, len(rows), batch_size):
+            chunk = rows[s:s + batch_size]
+            yield t, chunk, chunk + [chunk[0]] * (batch_size - len(chunk))
+
+
 @dataclasses.dataclass
 class RowResult:
     rank: np.ndarray       # [R]
@@ -477,37 +489,29 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
     rank = np.zeros((r,), np.int64)
     post_rank = np.zeros((len(post_grid), r), np.int64)
     top1 = np.zeros((r,), np.int64)
-    lengths = np.array([len(examples[i].ids) for i in row_example], np.int64)
-    order = np.argsort(lengths, kind="stable")
-    buckets = collections.defaultdict(list)
-    for j in order:
-        buckets[bucket_length(int(lengths[j]), bucket)].append(int(j))
+    lengths = [len(examples[i].ids) for i in row_example]
     n_batches = padded = done = 0
-    for t, rows in sorted(buckets.items()):
-        for s in range(0, len(rows), batch_size):
-            chunk = rows[s:s + batch_size]
-            fill = batch_size - len(chunk)
-            idx = chunk + [chunk[0]] * fill
-            ids = np.full((batch_size, t), pad_id, np.int32)
-            attn = np.zeros((batch_size, t), np.int32)
-            pos = np.zeros((batch_size,), np.int32)
-            gold = np.zeros((batch_size,), np.int32)
-            for b, j in enumerate(idx):
-                ex = examples[row_example[j]]
-                ids[b, :len(ex.ids)] = ex.ids
-                attn[b, :len(ex.ids)] = 1
-                pos[b], gold[b] = ex.pos, ex.gold
-            out = model.score_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos),
-                                 jnp.asarray(gold), tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx]),
-                                 post_w, excluded, mode=mode, layer=layer)
-            rk, prk, tp = (np.asarray(o) for o in out)
-            n = len(chunk)
-            rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:n], prk[:, :n], tp[:n]
-            n_batches += 1
-            padded += fill
-            done += n
-            if progress is not None:
-                progress(done, r)
+    for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
+        ids = np.full((batch_size, t), pad_id, np.int32)
+        attn = np.zeros((batch_size, t), np.int32)
+        pos = np.zeros((batch_size,), np.int32)
+        gold = np.zeros((batch_size,), np.int32)
+        for b, j in enumerate(idx):
+            ex = examples[row_example[j]]
+            ids[b, :len(ex.ids)] = ex.ids
+            attn[b, :len(ex.ids)] = 1
+            pos[b], gold[b] = ex.pos, ex.gold
+        out = model.score_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos),
+                             jnp.asarray(gold), tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx]),
+                             post_w, excluded, mode=mode, layer=layer)
+        rk, prk, tp = (np.asarray(o) for o in out)
+        n = len(chunk)
+        rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:n], prk[:, :n], tp[:n]
+        n_batches += 1
+        padded += batch_size - n
+        done += n
+        if progress is not None:
+            progress(done, r)
     return RowResult(rank, post_rank, top1, n_batches, padded)
 
 
@@ -541,37 +545,30 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
     rank = np.zeros((n, n_l), np.int64)
     post_rank = np.zeros((len(post_grid), n, n_l), np.int64)
     top1 = np.zeros((n, n_l), np.int64)
-    lengths = np.array([len(examples[i].ids) for i in ex_idx], np.int64)
-    buckets = collections.defaultdict(list)
-    for j in np.argsort(lengths, kind="stable"):
-        buckets[bucket_length(int(lengths[j]), bucket)].append(int(j))
+    lengths = [len(examples[i].ids) for i in ex_idx]
     n_batches = padded = done = 0
-    for t, rows in sorted(buckets.items()):
-        for s0 in range(0, len(rows), batch_size):
-            chunk = rows[s0:s0 + batch_size]
-            fill = batch_size - len(chunk)
-            idx = chunk + [chunk[0]] * fill
-            ids = np.full((batch_size, t), pad_id, np.int32)
-            attn = np.zeros((batch_size, t), np.int32)
-            gold = np.zeros((batch_size,), np.int32)
-            for b, j in enumerate(idx):
-                ex = examples[ex_idx[j]]
-                if ex.pos != len(ex.ids) - 1:
-                    raise ValueError("score_grid needs decoder examples (predicting position = last token)")
-                ids[b, t - len(ex.ids):] = ex.ids
-                attn[b, t - len(ex.ids):] = 1
-                gold[b] = ex.gold
-            out = model.grid_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(gold),
-                                tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded,
-                                layer=layer)
-            rk, prk, tp = (np.asarray(o) for o in out)
-            k = len(chunk)
-            rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:k], prk[:, :k], tp[:k]
-            n_batches += 1
-            padded += fill
-            done += k
-            if progress is not None:
-                progress(done, n)
+    for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
+        ids = np.full((batch_size, t), pad_id, np.int32)
+        attn = np.zeros((batch_size, t), np.int32)
+        gold = np.zeros((batch_size,), np.int32)
+        for b, j in enumerate(idx):
+            ex = examples[ex_idx[j]]
+            if ex.pos != len(ex.ids) - 1:
+                raise ValueError("score_grid needs decoder examples (predicting position = last token)")
+            ids[b, t - len(ex.ids):] = ex.ids
+            attn[b, t - len(ex.ids):] = 1
+            gold[b] = ex.gold
+        out = model.grid_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(gold),
+                            tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded,
+                            layer=layer)
+        rk, prk, tp = (np.asarray(o) for o in out)
+        k = len(chunk)
+        rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:k], prk[:, :k], tp[:k]
+        n_batches += 1
+        padded += batch_size - k
+        done += k
+        if progress is not None:
+            progress(done, n)
     return GridResult(rank, post_rank, top1, n_batches, padded)
 
 
