@@ -21,6 +21,23 @@ DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "experiments" / "results" / "typevec"
 
 
+def seeded_batch(prompts, tok, n: int, pad_id: int, seed: int = 123):
+    """The diagnostics' prompt sample: ``n`` seeded decoder examples of ``prompts``, right-padded.
+    Returns (examples, ids [n, T], attention [n, T], predicting positions [n], gold ids [n])."""
+    from jsteer.typevec import probe
+
+    exs, _ = probe.encode_prompts(prompts, tok, "decoder")
+    sel = np.sort(np.random.default_rng(seed).choice(len(exs), size=min(n, len(exs)), replace=False))
+    exs = [exs[i] for i in sel]
+    t = max(len(e.ids) for e in exs)
+    ids = np.full((len(exs), t), pad_id, np.int32)
+    attn = np.zeros((len(exs), t), np.int32)
+    for b, e in enumerate(exs):
+        ids[b, :len(e.ids)], attn[b, :len(e.ids)] = e.ids, 1
+    return (exs, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray([e.pos for e in exs], jnp.int32),
+            jnp.asarray([e.gold for e in exs], jnp.int32))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--relation", default="City/place_of_death")

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from typevec_diag import seeded_batch  # noqa: E402  (sibling script)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "experiments" / "results" / "typevec"
@@ -67,35 +69,23 @@ def main(argv=None):
     units = [float(u) for u in args.units.split(",")]
     res = {"lambda_units": units, "layers": layers, "sets": {}}
     for sname, prompts in sets.items():
-        exs, _ = probe.encode_prompts(prompts, tok, "decoder")
-        rng = np.random.default_rng(123)
-        sel = np.sort(rng.choice(len(exs), size=min(args.n, len(exs)), replace=False))
-        exs = [exs[i] for i in sel]
-        t = max(len(e.ids) for e in exs)
-        a_ids = np.full((len(exs), t), pad_id, np.int32)
-        a_attn = np.zeros((len(exs), t), np.int32)
-        for b, e in enumerate(exs):
-            a_ids[b, :len(e.ids)], a_attn[b, :len(e.ids)] = e.ids, 1
-        pos = jnp.asarray([e.pos for e in exs], jnp.int32)
-        gold = jnp.asarray([e.gold for e in exs], jnp.int32)
-        a_ids, a_attn = jnp.asarray(a_ids), jnp.asarray(a_attn)
+        exs, a_ids, a_attn, pos, gold = seeded_batch(prompts, tok, args.n, pad_id)
         hs = pm.forward(pm.params, a_ids, a_attn, None, output_hidden_states=True).hidden_states
         norms = {l: float(jnp.mean(jnp.linalg.norm(hs[l + 1][jnp.arange(len(exs)), pos], axis=-1))) for l in layers}
         out = {"residual_norm": norms}
         for cfg in args.configs.split(","):
             layer, sign = int(cfg[:-1]), (1.0 if cfg[-1] == "+" else -1.0)
-            for vname, te in list(variants.items())[:1]:
-                if True:
-                    rows = {}
-                    for u in units:
-                        off = jnp.broadcast_to(sign * u * norms[layer] * te, (len(exs), te.shape[0]))
-                        g, rank, mass = (np.asarray(x) for x in stats(a_ids, a_attn, pos, gold, off, layer=layer))
-                        rows[f"{u:g}"] = {"type_mass": float(mass.mean()), "gold_logp": float(g.mean()),
-                                          "P@1": float((rank < 1).mean()), "P@10": float((rank < 10).mean())}
-                    key = f"L{layer}/{vname}/{'+' if sign > 0 else '-'}"
-                    out[key] = rows
-                    print(sname, key, " ".join(f"{u}:{r['type_mass']:.3f}/{r['gold_logp']:.2f}/{r['P@1']:.2f}/{r['P@10']:.2f}"
-                                               for u, r in rows.items()), flush=True)
+            vname, te = next(iter(variants.items()))  # the first (SVD) variant only
+            rows = {}
+            for u in units:
+                off = jnp.broadcast_to(sign * u * norms[layer] * te, (len(exs), te.shape[0]))
+                g, rank, mass = (np.asarray(x) for x in stats(a_ids, a_attn, pos, gold, off, layer=layer))
+                rows[f"{u:g}"] = {"type_mass": float(mass.mean()), "gold_logp": float(g.mean()),
+                                  "P@1": float((rank < 1).mean()), "P@10": float((rank < 10).mean())}
+            key = f"L{layer}/{vname}/{'+' if sign > 0 else '-'}"
+            out[key] = rows
+            print(sname, key, " ".join(f"{u}:{r['type_mass']:.3f}/{r['gold_logp']:.2f}/{r['P@1']:.2f}/{r['P@10']:.2f}"
+                                       for u, r in rows.items()), flush=True)
         res["sets"][sname] = out
         (OUT / "diag_layer_smollm2.json").write_text(json.dumps(res, indent=1))
     res["seconds"] = time.time() - t0

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from typevec_diag import seeded_batch  # noqa: E402  (sibling script)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "experiments" / "results" / "typevec"
@@ -76,18 +78,8 @@ def main(argv=None):
     res = {"unit_mean_row_norm": unit, "lambda_units": units, "n_city_tokens": int(len(city_set)),
            "examples": list(s.labels), "sets": {}}
     for sname, prompts in sets.items():
-        exs, _ = probe.encode_prompts(prompts, tok, "decoder")
-        rng = np.random.default_rng(123)
-        sel = np.sort(rng.choice(len(exs), size=min(args.n, len(exs)), replace=False))
-        exs = [exs[i] for i in sel]
-        t = max(len(e.ids) for e in exs)
-        a_ids = np.full((len(exs), t), pad_id, np.int32)
-        a_attn = np.zeros((len(exs), t), np.int32)
-        for b, e in enumerate(exs):
-            a_ids[b, :len(e.ids)], a_attn[b, :len(e.ids)] = e.ids, 1
-        pos = jnp.asarray([e.pos for e in exs], jnp.int32)
-        gold = jnp.asarray([e.gold for e in exs], jnp.int32)
-        a_ids, a_attn = jnp.asarray(a_ids), jnp.asarray(a_attn)
+        exs, a_ids, a_attn, pos, gold = seeded_batch(prompts, tok, args.n, pad_id)
+        t = a_ids.shape[1]
         where = {"pos": inject.one_hot_positions(pos, t), "all": a_attn.astype(jnp.float32)}
         out = {}
         for mode, w in where.items():
