@@ -88,19 +88,26 @@ def _per_row(x, batch: int, dtype, name: str) -> Array:
 NUCLEUS_CANDIDATES = 256  # top-k/top-p look at this many best tokens first (exact; see below)
 
 
+def _nucleus_threshold(desc: Array, k: Array, top_p: Array, log_norm: Array) -> tuple[Array, Array]:
+    """desc [B, n]: the n best logits, sorted descending; k [B, 1] the top-k size; log_norm [B, 1]
+    the log-partition of the top-k distribution. Returns (threshold [B, 1]: the smallest kept
+    logit, probs [B, n] of the top-k distribution); the most likely token is always kept."""
+    rank = jnp.arange(desc.shape[-1])[None, :]
+    in_k = rank < k
+    probs = jnp.where(in_k, jnp.exp(desc - log_norm), 0.0)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # a prefix of the sorted order; top_p 1 keeps the whole top-k even where fp32 mass rounds to 1
+    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
+    return jnp.take_along_axis(desc, keep.sum(axis=-1, keepdims=True) - 1, axis=-1), probs
+
+
 def _filter_sorted(logits: Array, top_k: Array, top_p: Array) -> Array:
     """Reference filter over a full-vocabulary sort (the slow path of :func:`_filter_top_k_top_p`)."""
     v = logits.shape[-1]
     desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-    rank = jnp.arange(v)[None, :]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
-    in_k = rank < k
-    probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # a prefix of the sorted order; top_p 1 keeps the whole top-k even where fp32 mass rounds to 1
-    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
-    n_keep = keep.sum(axis=-1, keepdims=True)
-    threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)
+    log_norm = jax.nn.logsumexp(jnp.where(jnp.arange(v)[None, :] < k, desc, -jnp.inf), axis=-1, keepdims=True)
+    threshold, _ = _nucleus_threshold(desc, k, top_p, log_norm)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
@@ -119,14 +126,10 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
     c = min(candidates, v)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
     desc = lax.top_k(logits, c)[0]                                                   # [B, c]
-    rank = jnp.arange(c)[None, :]
-    in_k = rank < k
-    log_norm = jnp.where(k <= c, jax.nn.logsumexp(jnp.where(in_k, desc, -jnp.inf), axis=-1, keepdims=True),
+    log_norm = jnp.where(k <= c, jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k, desc, -jnp.inf),
+                                                  axis=-1, keepdims=True),
                          jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-    probs = jnp.where(in_k, jnp.exp(desc - log_norm), 0.0)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
-    threshold = jnp.take_along_axis(desc, keep.sum(axis=-1, keepdims=True) - 1, axis=-1)
+    threshold, probs = _nucleus_threshold(desc, k, top_p, log_norm)
     no_filter = (k[:, 0] == v) & (top_p >= 1.0)
     threshold = jnp.where(no_filter[:, None], -jnp.inf, threshold)
     exact = no_filter | (k[:, 0] <= c) | ((k[:, 0] == v) & (probs.sum(axis=-1) >= top_p))
