@@ -1,6 +1,7 @@
 """Tables from the KALA experiment JSON (experiments/results/kala/ner_*.json, bench.json).
 
     python experiments/kala_report.py            # writes experiments/results/kala/results.md
+    python experiments/kala_report.py --from-variants ncbi   # main-group runs from variants_ncbi.json first
 
 Used by notebooks/kala.ipynb too. Scores are entity-level F1 (%), mean +- std over seeds
 (std over n >= 2 seeds, sample std).
@@ -36,6 +37,12 @@ def load(results: pathlib.Path = RESULTS) -> dict:
 
 def runs_of(res: dict, variant: str) -> list[dict]:
     return [r for r in res.get("runs", []) if r["variant"] == variant]
+
+
+def timed_runs(res: dict, variant: str) -> list[dict]:
+    """The runs whose times count: not marked ``timing_perturbed`` (another job shared the CPU)."""
+    rs = runs_of(res, variant)
+    return [r for r in rs if not r.get("timing_perturbed")] or rs
 
 
 def mean_std(xs: list[float]) -> tuple[Optional[float], Optional[float]]:
@@ -90,10 +97,10 @@ def target_lines(all_res: dict) -> str:
                    + ("" if len(diffs) >= 3 else " (fewer than 3 seeds: not meaningful)")
                    + (f"; the gain is within one seed std of zero" if s is not None and abs(m) < s else ""))
         t = [r for r in paired(res, "finetune", "relational", "train_seconds")]
-        ft = mean_std([r["train_seconds"] for r in runs_of(res, "finetune")])[0]
-        rel = mean_std([r["train_seconds"] for r in runs_of(res, "relational")])[0]
-        st_ft = mean_std([r.get("median_step_seconds") for r in runs_of(res, "finetune")])[0]
-        st_rel = mean_std([r.get("median_step_seconds") for r in runs_of(res, "relational")])[0]
+        ft = mean_std([r["train_seconds"] for r in timed_runs(res, "finetune")])[0]
+        rel = mean_std([r["train_seconds"] for r in timed_runs(res, "relational")])[0]
+        st_ft = mean_std([r.get("median_step_seconds") for r in timed_runs(res, "finetune")])[0]
+        st_rel = mean_std([r.get("median_step_seconds") for r in timed_runs(res, "relational")])[0]
         if ft and rel and t:
             ratio = rel / ft
             step = f"; median step {st_rel:.2f} s vs {st_ft:.2f} s = {st_rel / st_ft:.2f}x" if st_ft and st_rel else ""
@@ -141,9 +148,9 @@ def cost_table(all_res: dict) -> str:
     lines = ["| dataset | method | median step (s) | vs fine-tuning | train wall (s) | step memory (MiB) | params (M) |",
              "|---|---|---|---|---|---|---|"]
     for d, res in all_res.items():
-        base = mean_std([r.get("median_step_seconds") for r in runs_of(res, "finetune")])[0]
+        base = mean_std([r.get("median_step_seconds") for r in timed_runs(res, "finetune")])[0]
         for v, name in MAIN:
-            rs = runs_of(res, v)
+            rs = timed_runs(res, v)
             if not rs:
                 continue
             step = mean_std([r.get("median_step_seconds") for r in rs])[0]
@@ -200,7 +207,34 @@ def report(results: pathlib.Path = RESULTS) -> str:
     return "\n".join(parts) + "\n"
 
 
+PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
+
+
+def import_variants(ds: str, results: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Make ``ner_<ds>.json`` (this report's input) from the main-group methods of the variants
+    sweep ``variants_<ds>.json`` (experiments/kala_variants.py runs the harness' own methods
+    too, on the same data and graphs). A previous ``ner_<ds>.json`` of another protocol moves to
+    ``prev_<epochs>ep/``; its graph statistics (same graph files and subsets) are kept."""
+    src = json.loads((results / f"variants_{ds}.json").read_text())
+    dst = results / f"ner_{ds}.json"
+    old = json.loads(dst.read_text()) if dst.is_file() else {"setup": {}, "runs": []}
+    setup = {**old.get("setup", {}), **src["setup"]}
+    if old["runs"] and any(old["setup"].get(k) != src["setup"].get(k) for k in PROTOCOL_KEYS):
+        keep = results / f"prev_{old['setup'].get('epochs'):g}ep"
+        keep.mkdir(exist_ok=True)
+        (keep / dst.name).write_text(dst.read_text())
+        old = {"runs": []}
+    names = {v for v, _ in MAIN}
+    runs = [r for r in old["runs"] if r.get("group") != "main"]  # ablations / layers of the same protocol
+    runs += [{**r, "group": "main", "variant": r["method"]} for r in src["runs"] if r["method"] in names]
+    dst.write_text(json.dumps({"setup": setup, "runs": runs}, indent=1, default=str))
+    return dst
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--from-variants"]:
+        for ds in sys.argv[2:]:
+            print("wrote", import_variants(ds))
     text = report()
     (RESULTS / "results.md").write_text(text)
     print(text)

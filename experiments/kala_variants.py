@@ -32,7 +32,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "kala"
-METHODS = ("finetune", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
+METHODS = ("finetune", "more_params", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
 NAMES = {"finetune": "Fine-tuning", "pointwise": "KALA (point-wise)", "relational": "KALA (relational)",
          "ernie": "ERNIE (fusion)", "kbert": "K-BERT (sentence tree)", "eae": "Entities as Experts",
          "adapter": "Knowledge adapter", "more_params": "Fine-tuning + 1 layer"}
@@ -144,12 +144,13 @@ def summarise(runs: list[dict]) -> dict:
     for method in dict.fromkeys(r["method"] for r in runs):
         rs = [r for r in runs if r["method"] == method]
         f1 = np.array([r["f1"] for r in rs])
+        timed = [r for r in rs if not r.get("timing_perturbed")] or rs  # another job shared the CPU in those
         out[method] = {"f1": float(f1.mean()), "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
                        "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
                        "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
-                       "train_seconds": float(np.mean([r["train_seconds"] for r in rs])),
-                       "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in rs]))
-                       if any(r.get("median_step_seconds") for r in rs) else None,
+                       "train_seconds": float(np.mean([r["train_seconds"] for r in timed])), "n_timed": len(timed),
+                       "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed]))
+                       if any(r.get("median_step_seconds") for r in timed) else None,
                        "steps": int(rs[0]["steps"]), "params": int(rs[0]["params"])}
     return out
 
@@ -211,12 +212,22 @@ def table(results: dict, methods=METHODS) -> str:
             other = any(results[d].get("sources", {}).get(m, "").startswith("ner_") for d in ds)
             rows.append(f"| {NAMES.get(m, m)}{' †' if other else ''} | " + " | ".join(cells) + " |")
     rows.append("")
+    for d in ds:
+        st, steps = results[d]["setup"], {s["steps"] for s in results[d]["summary"].values()}
+        rows.append(f"{DATASET_NAMES[d]}: {st.get('train_size')} training / {st.get('test_size')} test sentences, "
+                    f"{st.get('epochs')} epoch(s) of batch {st.get('batch_size')} ({'/'.join(map(str, sorted(steps)))} "
+                    f"updates), length <= {st.get('max_len')}, lr {st.get('lr')}, knowledge-module lr "
+                    f"{st.get('kala_lr')}.  ")
+    if any(s.get("n_timed", s["n"]) < s["n"] for d in ds for s in results[d]["summary"].values()):
+        rows.append("Times are means over the runs not marked `timing_perturbed` in the JSON (another job shared "
+                    "the CPU during those; their F1 is unaffected).  ")
     rows.append("train s: wall seconds of steps 2..N (includes recompiles for new batch shapes); step s: median "
                 "train-step seconds (robust to them). Shared, loaded 2-core CPU: times are noisy.")
-    if any(src.startswith("ner_") for d in ds for src in results[d].get("sources", {}).values()):
+    harness = [DATASET_NAMES[d] for d in ds if any(src.startswith("ner_") for src in results[d].get("sources", {}).values())]
+    if harness:
         rows.append("")
-        rows.append("† runs of the KALA harness sweep (experiments/kala_ner.py): same data, subsets and settings, "
-                    "timed in another process.")
+        rows.append(f"† on {', '.join(harness)}: runs of the KALA harness sweep (experiments/kala_ner.py): same data, "
+                    "subsets and settings, timed in another process.")
     return "\n".join(rows)
 
 
@@ -258,7 +269,7 @@ def run_small(methods=("finetune", "ernie", "kbert", "eae", "adapter"), steps: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=sorted(DATASET_NAMES))
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS) + ["more_params"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--train-size", type=int, default=400)
     ap.add_argument("--test-size", type=int, default=400)

@@ -126,6 +126,29 @@ def test_padding_changes_no_real_node_output():
     assert np.abs(outs[0][0]).sum() > 0
 
 
+def test_relation_table_form_equals_per_edge_embeddings():
+    # the model passes the [R, Dr] table (projected once per relation); same values and gradients
+    graph, _ = batch_graphs([hand_graph()], np.full((1, 4), -1), n_node=8, n_edge=16)
+    n = graph.nodes["entity"].shape[0]
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, 8))
+    ctx = jax.random.normal(jax.random.PRNGKey(1), (n, 8))
+    table = jax.random.normal(jax.random.PRNGKey(2), (5, 4))
+    model = RelationalGraph(8)
+    params = model.init(jax.random.PRNGKey(3), x, table[graph.edges["relation"]], ctx, graph)["params"]
+
+    def run(p, t, as_table):
+        rel = t if as_table else t[graph.edges["relation"]]
+        return model.apply({"params": p}, x, rel, ctx, graph, relation_table=as_table)
+
+    np.testing.assert_allclose(run(params, table, True), run(params, table, False), rtol=1e-6, atol=1e-6)
+    loss = lambda p, t, as_table: jnp.sum(run(p, t, as_table) ** 2)  # noqa: E731
+    g_table = jax.grad(loss, argnums=(0, 1))(params, table, True)
+    g_edge = jax.grad(loss, argnums=(0, 1))(params, table, False)
+    for a, b in zip(jax.tree.leaves(g_table), jax.tree.leaves(g_edge)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(g_table[1]).sum()) > 0
+
+
 def test_batch_graphs_offsets_and_context():
     g1 = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([0], np.int32), np.array([1], np.int32),
                                      np.array([3], np.int32), 2))
@@ -162,6 +185,40 @@ def test_stacked_layout_round_trips_to_the_padded_batch():
                  (graph.n_node, ref.n_node), (graph.n_edge, ref.n_edge), (tok, ref_tok)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(tok), [[0, 2, -1], [-1, -1, -1], [4, 4, -1]])
+
+
+def test_graph_buckets_per_length_bucket_and_shared_doubling():
+    from jsteer.kala import data as kdata
+    from jsteer.kala.graph import stack_graphs
+
+    assert [kdata.quarter_octave(n) for n in (1, 4, 5, 9, 17, 300, 1025)] == [1, 4, 5, 10, 20, 320, 1280]
+    assert kdata.quarter_octave(5, 16) == 16
+
+    def example(length, n_node, n_edge):
+        g = ExampleGraph(entity=np.arange(1, n_node + 1, dtype=np.int32), senders=np.zeros(n_edge, np.int32),
+                         receivers=np.zeros(n_edge, np.int32), relation=np.ones(n_edge, np.int32), n_local=n_node)
+        tn = np.full(length, -1, np.int32)
+        tn[:n_node] = np.arange(n_node)
+        return {"input_ids": np.ones(length, np.int32), "labels": np.zeros(length, np.int32), "graph": g,
+                "token_node": tn, "token_entity": np.maximum(tn, 0)}
+
+    short = [example(10, 2, 3) for _ in range(8)]
+    long = [example(50, 12, 40) for _ in range(8)]
+    mins = kdata.graph_buckets(short + long, 4)
+    assert set(mins) == {32, 64}
+    n32, e32, m32 = mins[32]
+    n64, e64, m64 = mins[64]
+    assert (n32, e32, m32) == (kdata.quarter_octave(9, 4), kdata.quarter_octave(13, 4), kdata.quarter_octave(9, 4))
+    assert n64 >= 4 * 12 and e64 >= 4 * 40 and n64 < 2 * 4 * 12  # long batches get their own, larger sizes
+    rnd = lambda v: -(-v // 4) * 4  # noqa: E731  (sizes are multiples of the batch size)
+    batch = kdata.collate(short[:4], 4, graph_min=mins)
+    assert batch["graph_entity"].size == rnd(n32) and batch["graph_senders"].size == rnd(e32)
+    assert batch["graph_mention"].size == rnd(m32)
+    # one size overflowing doubles all three together: one extra shape, not a combination
+    big = [example(10, 2, 3) for _ in range(3)] + [example(10, 2, 30)]
+    st = stack_graphs([e["graph"] for e in big], np.stack([e["token_node"] for e in big]), n32, e32, m32)
+    assert st["graph_senders"].size == rnd(4 * e32) and st["graph_entity"].size == rnd(4 * n32)
+    assert st["graph_mention"].size == rnd(4 * m32)
 
 
 # ------------------------------------------------------------------------------ KFM and model
@@ -228,6 +285,38 @@ def test_modulation_reaches_only_mention_tokens():
     is_mention = np.asarray(tok)[0] >= 0
     assert np.all(diff[~is_mention] == 0)
     assert np.all(diff[is_mention] > 1e-3)
+
+
+@pytest.mark.parametrize("method", ["pointwise", "relational"])
+def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
+    from jsteer.kala.graph import flatten_graphs, mention_positions, stack_graphs
+
+    cfg = tiny_bert()
+    g1 = add_self_loops(ExampleGraph(np.array([1, 0, 2, 3], np.int32), np.array([2, 1, 3], np.int32),
+                                     np.array([1, 0, 0], np.int32), np.array([2, 3, 1], np.int32), 2))
+    g2 = add_self_loops(ExampleGraph(np.array([3, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
+                                     np.array([4], np.int32), 2))
+    tn = np.array([[-1, 0, 0, 1, -1, -1], [1, -1, 0, -1, -1, -1]], np.int32)
+    st = stack_graphs([g1, g2], tn, n_mention_min=8)
+    graph, tok = flatten_graphs(st)
+    mention = jnp.asarray(st["graph_mention"]).reshape(-1)
+    # mentioned nodes 0, 1 (example 1) and 4, 5 (example 2), then padding with the last node
+    np.testing.assert_array_equal(np.asarray(mention)[:4], [0, 1, 4, 5])
+    assert np.all(np.asarray(mention)[4:] == st["graph_entity"].size - 1) and mention.shape[0] >= 8
+    pos = np.asarray(mention_positions(mention, tok))
+    np.testing.assert_array_equal(np.where(tn >= 0, np.asarray(mention)[np.maximum(pos, 0)], -1), np.asarray(tok))
+    model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
+                                      kfm_zero_init=False), num_labels=3)
+    p = init_params(model, jax.random.PRNGKey(0))
+    ids = jnp.asarray(np.arange(12).reshape(2, 6) % 40 + 2)
+    mask = jnp.ones_like(ids)
+
+    def loss(p, m):
+        return jnp.sum(model.apply({"params": p}, ids, mask, None, graph, tok, mention=m).logits ** 2)
+
+    np.testing.assert_allclose(loss(p, mention), loss(p, None), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.grad(loss)(p, mention)), jax.tree.leaves(jax.grad(loss)(p, None))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_default_layers_and_config_errors():

@@ -9,19 +9,20 @@ An encoded example is a dict of NumPy arrays (unpadded, length L <= max_len)::
     n_unseen      number of distinct mentioned entities outside the training vocabulary
 
 :func:`batches` pads examples to a static batch size and a length bucket and batches their
-graphs to the batch's node / edge bucket (see :func:`jsteer.kala.graph.stack_graphs`).
+graphs to node / edge buckets chosen per length bucket (:func:`graph_buckets`,
+:func:`jsteer.kala.graph.stack_graphs`).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from jsteer.data import ner as ner_lib
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
 from jsteer.kala.formats import Mention
-from jsteer.kala.graph import ExampleGraph, bucket_size, stack_graphs
+from jsteer.kala.graph import ExampleGraph, stack_graphs
 
 LENGTH_BUCKETS = (32, 64, 128, 256, 384, 512)
 
@@ -88,11 +89,13 @@ def length_bucket(n: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> int:
 
 
 def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = None,
-            keys: Sequence[str] = ("input_ids", "labels"), graph_min: tuple[int, int] = (0, 0)) -> dict:
+            keys: Sequence[str] = ("input_ids", "labels"),
+            graph_min: Union[tuple[int, ...], Mapping[int, tuple[int, ...]]] = (0, 0)) -> dict:
     """Pad a list of encoded examples to [batch_size, length] arrays + a padded graph batch.
 
     Missing rows (a short last batch) are empty examples: no tokens, labels ignored, no graph.
-    ``graph_min``: smallest node / edge buckets (see :func:`graph_buckets`).
+    ``graph_min``: smallest node / edge (/ mentioned-node) buckets, one tuple or one per length
+    bucket (see :func:`graph_buckets`).
     Returns int32 NumPy arrays with a leading batch axis: "input_ids", "attention_mask", <keys>,
     "token_node" (node of the padded batch graph per token, -1 none), "token_entity", "example_mask" (1 for real
     rows) and the stacked graph arrays of :func:`jsteer.kala.graph.stack_graphs`.
@@ -120,6 +123,8 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     if "input_ids" not in out:
         out["input_ids"] = np.zeros((batch_size, t), np.int32)
     graphs = [e["graph"] for e in examples] + [ExampleGraph.empty()] * (batch_size - len(examples))
+    if isinstance(graph_min, Mapping):
+        graph_min = graph_min.get(t, (0, 0))
     out.update(stack_graphs(graphs, out["token_node"], *graph_min))
     out["example_mask"] = (np.arange(batch_size) < len(examples)).astype(np.int32)
     return out
@@ -127,14 +132,15 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
 
 def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, seed: int = 0,
             keys: Sequence[str] = ("input_ids", "labels"), length: Optional[int] = None,
-            group_by_length: bool = False, graph_min: Optional[tuple[int, int]] = None
+            group_by_length: bool = False,
+            graph_min: Union[None, tuple[int, ...], Mapping[int, tuple[int, ...]]] = None
             ) -> Iterator[tuple[np.ndarray, dict]]:
     """Yield (indices of the examples in the batch, collated batch). Without shuffle the order
     is the input order; the last batch is padded with empty rows. ``group_by_length`` (with
     shuffle): sort each run of 16 batches' worth of shuffled examples by length and shuffle the
     resulting batches, so most batches land in a short length bucket. ``graph_min``: smallest
     graph buckets, default :func:`graph_buckets` of the examples."""
-    graph_min = graph_buckets(examples, batch_size) if graph_min is None else graph_min
+    graph_min = graph_buckets(examples, batch_size, length=length) if graph_min is None else graph_min
     order = np.arange(len(examples))
     rng = np.random.default_rng(seed)
     if shuffle:
@@ -151,15 +157,44 @@ def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, se
         yield idx, collate([examples[i] for i in idx], batch_size, length, keys, graph_min)
 
 
-def graph_buckets(examples: Sequence[dict], batch_size: int) -> tuple[int, int]:
-    """Smallest node / edge buckets for batches of these examples: the power of two above 1.5x
-    the mean batch total, so most batches share one graph shape (fewer compilations) and the
-    rare large one takes the next bucket."""
-    if not examples:
-        return 0, 0
-    n = np.mean([e["graph"].n_node for e in examples]) * batch_size * 1.5
-    e = np.mean([e["graph"].n_edge for e in examples]) * batch_size * 1.5
-    return bucket_size(int(n) + 1, batch_size), bucket_size(int(e) + 1, batch_size)
+def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[int] = LENGTH_BUCKETS,
+                  length: Optional[int] = None) -> dict[int, tuple[int, ...]]:
+    """Smallest node / edge / mentioned-node buckets per length bucket, for batches of these
+    examples (see :func:`jsteer.kala.graph.stack_graphs`).
+
+    Graph size grows with sentence length, so one pair for every batch would pad the many short
+    batches to the size of the long ones (on NCBI-Disease, 4-5x more nodes and edges than they
+    have). Per length bucket t: the mean total of a batch of the examples whose length bucket
+    is t plus two standard deviations of that total (or, if larger, the 95th percentile of the
+    totals of B examples adjacent in length, as length-grouped batches are), rounded up to a
+    quarter octave (2^k x 1, 1.25, 1.5 or 1.75). Most batches of a length bucket then share one
+    graph shape, and a rare larger one doubles all three sizes
+    (:func:`jsteer.kala.graph.stack_graphs`), so the number of compiled shapes stays bounded.
+    ``length``: every batch padded to this length instead (one group).
+    Returns {length bucket: (node, edge, mentioned-node buckets)}.
+    """
+    by_t: dict[int, list[dict]] = {}
+    for e in examples:
+        by_t.setdefault(length or length_bucket(len(e["input_ids"]), buckets), []).append(e)
+    out = {}
+    for t, group in sorted(by_t.items()):
+        group = sorted(group, key=lambda e: len(e["input_ids"]))
+        sizes = np.asarray([(e["graph"].n_node, e["graph"].n_edge,
+                             np.unique(e["token_node"][e["token_node"] >= 0]).size) for e in group], np.float64)
+        # a batch of B random examples of the group exceeds this in about 2% of batches ...
+        high = sizes.mean(0) * batch_size + 2.0 * sizes.std(0) * np.sqrt(batch_size)
+        if len(group) > batch_size:  # ... and length-grouped batches (neighbours in length) in about 5%
+            windows = np.stack([np.convolve(sizes[:, j], np.ones(batch_size), "valid") for j in range(3)], 1)
+            high = np.maximum(high, np.percentile(windows, 95, axis=0))
+        out[t] = tuple(quarter_octave(int(v) + 1, batch_size) for v in high)
+    return out
+
+
+def quarter_octave(n: int, minimum: int = 1) -> int:
+    """Smallest 2^k x (1, 1.25, 1.5 or 1.75) that is >= max(n, minimum) and an integer."""
+    n = max(n, minimum, 1)
+    base = 1 << max(n.bit_length() - 3, 0)  # 2^k / 4 with 2^k <= n < 2^(k+1), for k >= 2
+    return -(-n // base) * base
 
 
 def device_batch(batch: Mapping) -> dict:

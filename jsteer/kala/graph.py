@@ -3,7 +3,7 @@
 Every example carries a small knowledge graph: its *local* entities (the ones mentioned in
 the text) plus their 1-hop neighbours from the knowledge graph, and the facts among them as
 directed edges ``sender -> receiver`` with a relation id. Graphs are padded with
-:func:`jraph.pad_with_graphs` to static node / edge buckets (powers of two), so jit compiles a
+:func:`jraph.pad_with_graphs` to static node / edge buckets (a few sizes), so jit compiles a
 bounded number of shapes (:func:`batch_graphs`). For the trainer, which wants a leading batch
 axis on every input, :func:`stack_graphs` reshapes the padded arrays to [B, n/B] and
 :func:`flatten_graphs` restores the GraphsTuple inside jit.
@@ -153,32 +153,54 @@ def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
     return graph, token_node
 
 
-GRAPH_KEYS = ("graph_entity", "graph_senders", "graph_receivers", "graph_relation", "graph_n_node", "graph_n_edge")
+GRAPH_KEYS = ("graph_entity", "graph_senders", "graph_receivers", "graph_relation", "graph_n_node", "graph_n_edge",
+              "graph_mention")
 
 
 def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node_min: int = 0,
-                 n_edge_min: int = 0) -> dict[str, np.ndarray]:
+                 n_edge_min: int = 0, n_mention_min: int = 0) -> dict[str, np.ndarray]:
     """:func:`batch_graphs` laid out with a leading batch axis (what the trainer's data
     sharding expects of every input): the padded node / edge arrays, whose bucket sizes are
     multiples of B, are reshaped to [B, n/B]::
 
         graph_entity [B, N/B], graph_senders / graph_receivers / graph_relation [B, E/B]
         (flat node indices), graph_n_node / graph_n_edge [B] (real counts),
-        token_node [B, T] (flat node index, -1 none)
+        token_node [B, T] (flat node index, -1 none),
+        graph_mention [B, M/B]: the nodes some token mentions, ascending, padded with the last
+        (always a padding) node N - 1 -- the only nodes whose KFM output reaches a token
+        (:func:`mention_positions`)
 
-    Buckets: powers of two (>= B, >= ``n_node_min`` / ``n_edge_min``). :func:`flatten_graphs`
-    restores the GraphsTuple inside jit.
+    Buckets: (max(B, ``n_node_min``), max(B, ``n_edge_min``), max(B, ``n_mention_min``)) x 2^k
+    with the smallest k that fits all three; a size whose minimum is 0 (not given) is instead
+    the smallest power-of-two multiple of B that fits. Rounded up to multiples of B.
+    :func:`flatten_graphs` restores the GraphsTuple inside jit.
     """
     b = len(graphs)
-    total_n = sum(g.n_node for g in graphs) + 1
-    total_e = sum(g.n_edge for g in graphs)
-    n_node = _multiple(bucket_size(total_n, max(n_node_min, b)), b)
-    n_edge = _multiple(bucket_size(total_e, max(n_edge_min, b)), b)
+    offsets = np.cumsum([0] + [g.n_node for g in graphs])[:-1, None]
+    mentioned = np.unique(np.where(token_nodes >= 0, token_nodes + offsets, -1))
+    mentioned = mentioned[mentioned >= 0].astype(np.int32)
+    need = (sum(g.n_node for g in graphs) + 1, sum(g.n_edge for g in graphs), max(len(mentioned), 1))
+    given = [m > 0 for m in (n_node_min, n_edge_min, n_mention_min)]
+    mins = [max(m, b) for m in (n_node_min, n_edge_min, n_mention_min)]
+    # the given sizes double together, so overflowing batches take one shape, not a combination
+    doublings = max((int(np.ceil(np.log2(max(n / m, 1.0)))) for n, m, g in zip(need, mins, given) if g), default=0)
+    sizes = [m << doublings if g else m for m, g in zip(mins, given)]
+    sizes = [s if s >= n else bucket_size(n, s) for s, n in zip(sizes, need)]  # no min given / float rounding
+    n_node, n_edge, n_mention = (_multiple(s, b) for s in sizes)
     graph, token_node = batch_graphs(graphs, token_nodes, n_node=n_node, n_edge=n_edge)
+    mention = np.full(n_mention, n_node - 1, np.int32)
+    mention[:len(mentioned)] = mentioned
     return {"graph_entity": graph.nodes["entity"].reshape(b, -1), "graph_senders": graph.senders.reshape(b, -1),
             "graph_receivers": graph.receivers.reshape(b, -1), "graph_relation": graph.edges["relation"].reshape(b, -1),
             "graph_n_node": np.asarray(graph.n_node[:b], np.int32), "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
-            "token_node": token_node}
+            "token_node": token_node, "graph_mention": mention.reshape(b, -1)}
+
+
+def mention_positions(mention: Array, token_node: Array) -> Array:
+    """Token -> position in ``mention`` (the ascending mentioned nodes of :func:`stack_graphs`,
+    [M]) of its node; -1 for tokens outside mentions. token_node [B, T] -> [B, T]."""
+    pos = jnp.searchsorted(mention, jnp.maximum(token_node, 0)).astype(token_node.dtype)
+    return jnp.where(token_node >= 0, pos, -1)
 
 
 def _multiple(n: int, k: int) -> int:
@@ -247,16 +269,20 @@ class RelationalGATv2(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, rel: Array, ctx: Array, senders: Array, receivers: Array,
-                 sender_ok: Array) -> tuple[Array, Array]:
-        """x [N, De] node states, rel [E, Dr] relation embeddings of the edges, ctx [N, D]
-        mention contexts (gradient stopped here), senders/receivers int [E], sender_ok bool [N]
-        (nodes that may send). Returns (new states [N, dim], attention weights [E])."""
+                 sender_ok: Array, relation_ids: Optional[Array] = None) -> tuple[Array, Array]:
+        """x [N, De] node states, rel [E, Dr] relation embeddings of the edges (or, with
+        ``relation_ids`` int [E], the relation table [R, Dr]: projected once per relation, not
+        per edge -- the same values, R << E), ctx [N, D] mention contexts (gradient stopped
+        here), senders/receivers int [E], sender_ok bool [N] (nodes that may send).
+        Returns (new states [N, dim], attention weights [E])."""
         n = x.shape[0]
         src = nn.Dense(self.dim, kernel_init=_glorot(), name="src")(x)
         dst = nn.Dense(self.dim, kernel_init=_glorot(), name="dst")(x)
         dst = dst + nn.Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(
             jax.lax.stop_gradient(ctx))
         edge = nn.Dense(self.dim, kernel_init=_glorot(), name="rel")(rel)
+        if relation_ids is not None:
+            edge = edge[relation_ids]
         att = self.param("att", _glorot(), (1, self.dim))[0]
         z = nn.leaky_relu(dst[receivers] + src[senders] + edge, self.negative_slope)
         logits = jnp.einsum("ed,d->e", z, att)
@@ -279,13 +305,16 @@ class RelationalGraph(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, rel: Array, ctx: Array, graph: jraph.GraphsTuple,
-                 deterministic: bool = True, return_attention: bool = False):
+                 deterministic: bool = True, return_attention: bool = False, relation_table: bool = False):
+        """x [N, De], rel [E, Dr] per edge (or the table [R, Dr] indexed by
+        ``graph.edges["relation"]`` when ``relation_table``), ctx [N, D]."""
         senders, receivers = graph.senders, graph.receivers
+        ids = graph.edges["relation"] if relation_table else None
         n = x.shape[0]
         ok = graph.nodes["entity"] != 0
         attentions = []
         for i in range(self.num_layers):
-            x, alpha = RelationalGATv2(self.dim, name=f"layer_{i}")(x, rel, ctx, senders, receivers, ok)
+            x, alpha = RelationalGATv2(self.dim, name=f"layer_{i}")(x, rel, ctx, senders, receivers, ok, ids)
             attentions.append(alpha)
             x = nn.Dropout(self.dropout)(nn.relu(x), deterministic=deterministic)
             got = jax.ops.segment_max(ok[senders].astype(jnp.int32), receivers, n) > 0

@@ -41,7 +41,7 @@ from jsteer.backbones.base import ModelOutput
 from jsteer.backbones.bert import (BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead,
                                    attention_bias)
 from jsteer.hooks import Hooks
-from jsteer.kala.graph import RelationalGraph, gather_tokens, node_context
+from jsteer.kala.graph import RelationalGraph, gather_tokens, mention_positions, node_context
 from jsteer.kala.kfm import KFM
 
 Array = jnp.ndarray
@@ -132,16 +132,20 @@ class KnowledgeModule(nn.Module):
         x = self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
         if self.kala.method == "relational":
             ctx = node_context(context, token_node, x.shape[0])
-            rel = self.relations[graph.edges["relation"]]
-            x = self.graphs[layer](x, rel, ctx, graph, deterministic)
+            x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True)
         return x
 
     def __call__(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
-                 deterministic: bool = True):
+                 deterministic: bool = True, mention: Optional[Array] = None):
         """-> FiLM for ``layer`` with [B, T, D] fields (zero outside mention tokens). The four
         maps run once per graph node and are gathered per token (same values as running them
-        per token: a node's vector is the same at every token mentioning it)."""
+        per token: a node's vector is the same at every token mentioning it); with ``mention``
+        ([M] ascending node ids covering every node a token mentions, see
+        :func:`jsteer.kala.graph.stack_graphs`) only on those nodes -- neighbour-only and
+        padding nodes never reach a token, and they are most of the graph."""
         x = self.entity_states(layer, context, graph, token_node, deterministic)
+        if mention is not None:
+            x, token_node = x[mention], mention_positions(mention, token_node)
         table = self.kfms[layer](x, jnp.ones(x.shape[:1], x.dtype))
         return jax.tree.map(lambda v: gather_tokens(v, token_node), table)
 
@@ -172,7 +176,10 @@ class KalaModel(nn.Module):
 
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
-                 token_node: Optional[Array] = None, deterministic: bool = True) -> ModelOutput:
+                 token_node: Optional[Array] = None, deterministic: bool = True,
+                 mention: Optional[Array] = None) -> ModelOutput:
+        """``mention``: optional [M] ascending ids of the nodes tokens mention (restricts the KFM
+        maps to them; same output)."""
         b, t = input_ids.shape
         if self.kala.uses_knowledge:
             if graph is None or token_node is None:
@@ -184,7 +191,7 @@ class KalaModel(nn.Module):
         for i, layer in enumerate(self.encoder.layers):
             hooks = None
             if i in self.kfm_layers:
-                hooks = Hooks(film={i: self.knowledge(i, h, graph, token_node, deterministic)})
+                hooks = Hooks(film={i: self.knowledge(i, h, graph, token_node, deterministic, mention)})
             h = layer(h, bias, hooks, deterministic)
         if self.kala.method == "more_params":
             h = self.extra(h, bias, None, deterministic)

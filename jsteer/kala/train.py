@@ -71,8 +71,11 @@ def model_inputs(model: KalaModel, batch) -> tuple:
 def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=None):
     graph, token_node = model_inputs(model, batch)
     rngs = None if deterministic else {"dropout": rng}
+    mention = batch.get("graph_mention") if graph is not None else None
+    mention = None if mention is None else jnp.asarray(mention).reshape(-1)
     return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
-                       batch.get("token_type_ids"), graph, token_node, deterministic=deterministic, rngs=rngs)
+                       batch.get("token_type_ids"), graph, token_node, deterministic=deterministic, rngs=rngs,
+                       mention=mention)
 
 
 def ner_loss(model: KalaModel) -> Callable:

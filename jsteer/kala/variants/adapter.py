@@ -17,15 +17,14 @@ Parameters under ``params["kala"]``: ``memory`` [Ne, De] and ``adapter_<l>``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
 import jraph
 
-from jsteer.backbones.bert import BertConfig, attention_bias
-from jsteer.kala.variants.common import (VariantConfig, VariantEncoder, VariantOutput, apply_head, check_inputs,
-                                         lookup, make_head, node_entities, tokens_from_nodes)
+from jsteer.kala.variants.common import (VariantConfig, VariantModel, VariantOutput, lookup, node_entities,
+                                         tokens_from_nodes)
 
 Array = jnp.ndarray
 
@@ -62,35 +61,25 @@ class AdapterKnowledge(nn.Module):
         return self.adapters[layer](y, entity)
 
 
-class AdapterModel(nn.Module):
+class AdapterModel(VariantModel):
     """BERT + knowledge adapters at ``kala.knowledge_layers`` + task head."""
 
-    config: BertConfig
-    kala: VariantConfig
-    task: str = "ner"
-    num_labels: int = 2
-    dtype: Any = jnp.float32
+    method = "adapter"
 
-    def setup(self):
-        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
-        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
-        self.adapter_layers = self.kala.knowledge_layers(self.config.num_layers)
-        self.knowledge = AdapterKnowledge(self.kala, self.config.hidden_size, self.adapter_layers, name="kala")
+    def setup_knowledge(self):
+        self.knowledge = AdapterKnowledge(self.kala, self.config.hidden_size, self.knowledge_layers, name="kala")
 
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
                  token_node: Optional[Array] = None, deterministic: bool = True,
                  extras: Optional[dict] = None) -> VariantOutput:
-        check_inputs("adapter", input_ids, graph, token_node)
-        b, t = input_ids.shape
-        bias = attention_bias(attention_mask, None, b, t)
+        bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
         entity = self.knowledge.token_entities(graph, token_node)
-        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
         for i, layer in enumerate(self.encoder.layers):
-            if i not in self.adapter_layers:
+            if i not in self.knowledge_layers:
                 h = layer(h, bias, None, deterministic)
                 continue
             a = layer.attention_block(h, bias, deterministic)
             y = layer.ffn_output(layer.intermediate(a), deterministic)
             h = layer.finish(self.knowledge(i, y, entity), a)
-        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h)
+        return self.output(h, deterministic)

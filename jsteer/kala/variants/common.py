@@ -35,7 +35,7 @@ import jraph
 
 from jsteer.backbones.base import NEG_INF, ModelOutput
 from jsteer.backbones.bert import (ACTIVATIONS, BertConfig, BertEmbeddings, BertSelfAttention, QAHead,
-                                   TokenClassificationHead)
+                                   TokenClassificationHead, attention_bias)
 from jsteer.hooks import Hooks, apply_film
 from jsteer.kala.graph import node_context
 from jsteer.kala.model import default_layers
@@ -213,6 +213,42 @@ def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
         raise ValueError(f"method {method!r} needs graph and token_node")
     if token_node.shape != (b, t):
         raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+
+
+class VariantModel(nn.Module):
+    """What the graph-based variant models share: BERT under ``encoder`` (:class:`VariantEncoder`,
+    so the model can drive its layers' parts), the task head under ``head``, and the layers
+    ``kala.knowledge_layers`` as ``self.knowledge_layers``. A subclass sets ``method`` (its
+    registry name), builds its knowledge modules (under ``kala``) in :meth:`setup_knowledge`,
+    and starts its ``__call__`` with :meth:`begin` and ends it with :meth:`output`."""
+
+    config: BertConfig
+    kala: VariantConfig
+    task: str = "ner"
+    num_labels: int = 2
+    dtype: Any = jnp.float32
+    method = ""  # class attribute, not a field
+
+    def setup(self):
+        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
+        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
+        self.knowledge_layers = self.kala.knowledge_layers(self.config.num_layers)
+        self.setup_knowledge()
+
+    def setup_knowledge(self) -> None:
+        raise NotImplementedError
+
+    def begin(self, input_ids: Array, attention_mask: Optional[Array], token_type_ids: Optional[Array], graph,
+              token_node: Optional[Array], deterministic: bool) -> tuple[Array, Array]:
+        """Checks the graph inputs -> (additive attention bias, embeddings [B, T, D])."""
+        check_inputs(self.method, input_ids, graph, token_node)
+        b, t = input_ids.shape
+        return (attention_bias(attention_mask, None, b, t),
+                self.encoder.embeddings(input_ids, token_type_ids, None, deterministic))
+
+    def output(self, h: Array, deterministic: bool, **extra) -> VariantOutput:
+        """Final hidden states [B, T, D] -> logits of the task head (+ ``extra`` fields)."""
+        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h, **extra)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ Parameters under ``params["kala"]``: ``memory`` and
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -30,10 +30,8 @@ import jraph
 import optax
 
 from jsteer.backbones.base import NEG_INF
-from jsteer.backbones.bert import BertConfig, attention_bias
-from jsteer.kala.variants.common import (VariantConfig, VariantEncoder, VariantOutput, apply_head, check_inputs,
-                                         first_mention_tokens, make_head, mention_pool, node_entities,
-                                         token_entities)
+from jsteer.kala.variants.common import (VariantConfig, VariantModel, VariantOutput, first_mention_tokens, mention_pool,
+                                         node_entities, token_entities)
 
 Array = jnp.ndarray
 
@@ -81,42 +79,31 @@ class EaeKnowledge(nn.Module):
         return self.retrievals[layer](h, token_node, self.memory, num_nodes)
 
 
-class EaeModel(nn.Module):
+class EaeModel(VariantModel):
     """BERT + EaE memory layers + task head; ``aux_loss`` = el_weight * entity-linking loss."""
 
-    config: BertConfig
-    kala: VariantConfig
-    task: str = "ner"
-    num_labels: int = 2
-    dtype: Any = jnp.float32
+    method = "eae"
 
-    def setup(self):
-        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
-        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
-        self.memory_layers = self.kala.knowledge_layers(self.config.num_layers)
-        self.knowledge = EaeKnowledge(self.kala, self.config.hidden_size, self.memory_layers, name="kala")
+    def setup_knowledge(self):
+        self.knowledge = EaeKnowledge(self.kala, self.config.hidden_size, self.knowledge_layers, name="kala")
 
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
                  token_node: Optional[Array] = None, deterministic: bool = True,
                  extras: Optional[dict] = None) -> VariantOutput:
-        check_inputs("eae", input_ids, graph, token_node)
-        b, t = input_ids.shape
-        bias = attention_bias(attention_mask, None, b, t)
+        bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
         num_nodes = node_entities(graph).shape[0]
         gold = token_entities(graph, token_node)
         use = first_mention_tokens(token_node) & (gold != 0)
-        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
         losses, accs = [], []
         for i, layer in enumerate(self.encoder.layers):
             h = layer(h, bias, None, deterministic)
-            if i in self.memory_layers:
+            if i in self.knowledge_layers:
                 h, logits = self.knowledge(i, h, token_node, num_nodes)
                 loss, count = entity_linking_loss(logits, gold, use)
                 losses.append(loss)
                 hit = (jnp.argmax(logits, -1) == gold) & use
                 accs.append(jnp.sum(hit) / jnp.maximum(count, 1))
         el = sum(losses) / len(losses)
-        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h,
-                             aux_loss=self.kala.el_weight * el,
-                             aux={"el_loss": el, "el_accuracy": sum(accs) / len(accs)})
+        return self.output(h, deterministic, aux_loss=self.kala.el_weight * el,
+                           aux={"el_loss": el, "el_accuracy": sum(accs) / len(accs)})

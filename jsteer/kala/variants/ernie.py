@@ -25,16 +25,14 @@ Parameters under ``params["kala"]``: ``memory`` [Ne, De] and per fusion layer ``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
 import jraph
 
-from jsteer.backbones.bert import BertConfig, attention_bias
-from jsteer.kala.variants.common import (VariantConfig, VariantEncoder, VariantOutput, apply_head, check_inputs,
-                                         first_mention_tokens, make_head, masked_softmax_attention,
-                                         token_entities)
+from jsteer.kala.variants.common import (VariantConfig, VariantModel, VariantOutput, first_mention_tokens,
+                                         masked_softmax_attention, token_entities)
 
 Array = jnp.ndarray
 
@@ -109,35 +107,25 @@ class ErnieKnowledge(nn.Module):
         return self.memory[entity] * ent[..., None].astype(self.memory.dtype)
 
 
-class ErnieModel(nn.Module):
+class ErnieModel(VariantModel):
     """BERT + ERNIE fusion at ``kala.knowledge_layers`` + task head (see the module docstring)."""
 
-    config: BertConfig
-    kala: VariantConfig
-    task: str = "ner"
-    num_labels: int = 2
-    dtype: Any = jnp.float32
+    method = "ernie"
 
-    def setup(self):
-        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
-        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
-        self.fusion_layers = self.kala.knowledge_layers(self.config.num_layers)
+    def setup_knowledge(self):
         self.knowledge = ErnieKnowledge(self.kala, self.config.hidden_size, self.config.intermediate_size,
-                                        self.fusion_layers, name="kala")
+                                        self.knowledge_layers, name="kala")
 
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
                  token_node: Optional[Array] = None, deterministic: bool = True,
                  extras: Optional[dict] = None) -> VariantOutput:
-        check_inputs("ernie", input_ids, graph, token_node)
-        b, t = input_ids.shape
-        bias = attention_bias(attention_mask, None, b, t)
+        bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
         entity = token_entities(graph, token_node)
         ent = first_mention_tokens(token_node) & (entity != 0)
         e = self.knowledge.initial_entities(entity, ent)
-        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
         for i, layer in enumerate(self.encoder.layers):
-            if i not in self.fusion_layers:
+            if i not in self.knowledge_layers:
                 h = layer(h, bias, None, deterministic)
                 continue
             fusion = self.knowledge.fusions[i]
@@ -146,4 +134,4 @@ class ErnieModel(nn.Module):
             f = layer.intermediate(a, fusion.fuse(e_tilde, ent))
             h = layer.finish(layer.ffn_output(f, deterministic), a)
             e = fusion.entity_output(f, e_tilde, ent, deterministic)
-        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h)
+        return self.output(h, deterministic)
