@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--train-lines", type=int, default=None)
     ap.add_argument("--test-lines", type=int, default=2000)
     ap.add_argument("--length", type=int, default=48)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--hidden", type=int, default=128)
