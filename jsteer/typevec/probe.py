@@ -465,6 +465,16 @@ class RowResult:
     n_padded_rows: int
 
 
+def _store_batch(out, chunk: np.ndarray, rank: np.ndarray, post_rank: np.ndarray, top1: np.ndarray) -> int:
+    """Writes the real rows of one batch's (rank, post_rank, top1) output (padded to the batch
+    size) into the result arrays at rows ``chunk`` (post_rank [W, ...]: at [:, chunk]);
+    -> the number of real rows."""
+    rk, prk, tp = (np.asarray(o) for o in out)
+    k = len(chunk)
+    rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:k], prk[:, :k], tp[:k]
+    return k
+
+
 def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequence[int],
                row_lam: Sequence[float], row_te: Sequence[int], tes: Array, *, mode: str = "pos",
                post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
@@ -490,7 +500,7 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
     post_rank = np.zeros((len(post_grid), r), np.int64)
     top1 = np.zeros((r,), np.int64)
     lengths = [len(examples[i].ids) for i in row_example]
-    n_batches = padded = done = 0
+    n_batches = done = 0
     for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
         ids = np.full((batch_size, t), pad_id, np.int32)
         attn = np.zeros((batch_size, t), np.int32)
@@ -504,15 +514,11 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
         out = model.score_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos),
                              jnp.asarray(gold), tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx]),
                              post_w, excluded, mode=mode, layer=layer)
-        rk, prk, tp = (np.asarray(o) for o in out)
-        n = len(chunk)
-        rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:n], prk[:, :n], tp[:n]
+        done += _store_batch(out, chunk, rank, post_rank, top1)
         n_batches += 1
-        padded += batch_size - n
-        done += n
         if progress is not None:
             progress(done, r)
-    return RowResult(rank, post_rank, top1, n_batches, padded)
+    return RowResult(rank, post_rank, top1, n_batches, n_batches * batch_size - r)
 
 
 @dataclasses.dataclass
@@ -546,7 +552,7 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
     post_rank = np.zeros((len(post_grid), n, n_l), np.int64)
     top1 = np.zeros((n, n_l), np.int64)
     lengths = [len(examples[i].ids) for i in ex_idx]
-    n_batches = padded = done = 0
+    n_batches = done = 0
     for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
         ids = np.full((batch_size, t), pad_id, np.int32)
         attn = np.zeros((batch_size, t), np.int32)
@@ -561,15 +567,11 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
         out = model.grid_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(gold),
                             tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded,
                             layer=layer)
-        rk, prk, tp = (np.asarray(o) for o in out)
-        k = len(chunk)
-        rank[chunk], post_rank[:, chunk], top1[chunk] = rk[:k], prk[:, :k], tp[:k]
+        done += _store_batch(out, chunk, rank, post_rank, top1)
         n_batches += 1
-        padded += batch_size - k
-        done += k
         if progress is not None:
             progress(done, n)
-    return GridResult(rank, post_rank, top1, n_batches, padded)
+    return GridResult(rank, post_rank, top1, n_batches, n_batches * batch_size - n)
 
 
 def score(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
