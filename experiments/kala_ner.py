@@ -51,6 +51,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "experiments" / "results" / "kala"
 
+# the settings that define a sweep's protocol: runs are comparable only when these agree
+PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
+
+
+def same_protocol(a: dict, b: dict) -> bool:
+    """Whether two sweeps' setups share data subsets and training hyper-parameters."""
+    return all(a.get(k) == b.get(k) for k in PROTOCOL_KEYS)
+
+
+def timed(runs: list[dict]) -> list[dict]:
+    """The runs whose times count: those not marked ``timing_perturbed`` (another job shared the
+    CPU during them; their scores still count), or all of them if every one is marked."""
+    return [r for r in runs if not r.get("timing_perturbed")] or runs
+
+
 DATASETS = {
     "conll": dict(train="conll2003/eng.train", dev="conll2003/eng.testa", test="conll2003/eng.testb",
                   scheme="iob1", labels="CONLL2003_LABELS", strategy="capitalised", min_count=2),
@@ -159,8 +174,7 @@ def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
     }
     old = results.get("setup")
     if old and results["runs"]:
-        keys = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
-        diff = {k: (old.get(k), setup[k]) for k in keys if old.get(k) != setup[k]}
+        diff = {k: (old.get(k), setup[k]) for k in PROTOCOL_KEYS if old.get(k) != setup[k]}
         if diff:
             raise SystemExit(f"{out_path}: its runs used another protocol {diff}; pass --out or move it away")
     results["setup"] = setup

@@ -15,6 +15,8 @@ import statistics
 import sys
 from typing import Optional
 
+from kala_ner import same_protocol, timed  # the harness experiment (same directory)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "kala"
 DATASETS = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
@@ -37,12 +39,6 @@ def load(results: pathlib.Path = RESULTS) -> dict:
 
 def runs_of(res: dict, variant: str) -> list[dict]:
     return [r for r in res.get("runs", []) if r["variant"] == variant]
-
-
-def timed_runs(res: dict, variant: str) -> list[dict]:
-    """The runs whose times count: not marked ``timing_perturbed`` (another job shared the CPU)."""
-    rs = runs_of(res, variant)
-    return [r for r in rs if not r.get("timing_perturbed")] or rs
 
 
 def mean_std(xs: list[float]) -> tuple[Optional[float], Optional[float]]:
@@ -97,10 +93,10 @@ def target_lines(all_res: dict) -> str:
                    + ("" if len(diffs) >= 3 else " (fewer than 3 seeds: not meaningful)")
                    + (f"; the gain is within one seed std of zero" if s is not None and abs(m) < s else ""))
         t = [r for r in paired(res, "finetune", "relational", "train_seconds")]
-        ft = mean_std([r["train_seconds"] for r in timed_runs(res, "finetune")])[0]
-        rel = mean_std([r["train_seconds"] for r in timed_runs(res, "relational")])[0]
-        st_ft = mean_std([r.get("median_step_seconds") for r in timed_runs(res, "finetune")])[0]
-        st_rel = mean_std([r.get("median_step_seconds") for r in timed_runs(res, "relational")])[0]
+        ft = mean_std([r["train_seconds"] for r in timed(runs_of(res, "finetune"))])[0]
+        rel = mean_std([r["train_seconds"] for r in timed(runs_of(res, "relational"))])[0]
+        st_ft = mean_std([r.get("median_step_seconds") for r in timed(runs_of(res, "finetune"))])[0]
+        st_rel = mean_std([r.get("median_step_seconds") for r in timed(runs_of(res, "relational"))])[0]
         if ft and rel and t:
             ratio = rel / ft
             step = f"; median step {st_rel:.2f} s vs {st_ft:.2f} s = {st_rel / st_ft:.2f}x" if st_ft and st_rel else ""
@@ -148,9 +144,9 @@ def cost_table(all_res: dict) -> str:
     lines = ["| dataset | method | median step (s) | vs fine-tuning | train wall (s) | step memory (MiB) | params (M) |",
              "|---|---|---|---|---|---|---|"]
     for d, res in all_res.items():
-        base = mean_std([r.get("median_step_seconds") for r in timed_runs(res, "finetune")])[0]
+        base = mean_std([r.get("median_step_seconds") for r in timed(runs_of(res, "finetune"))])[0]
         for v, name in MAIN:
-            rs = timed_runs(res, v)
+            rs = timed(runs_of(res, v))
             if not rs:
                 continue
             step = mean_std([r.get("median_step_seconds") for r in rs])[0]
@@ -207,9 +203,6 @@ def report(results: pathlib.Path = RESULTS) -> str:
     return "\n".join(parts) + "\n"
 
 
-PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
-
-
 def import_variants(ds: str, results: pathlib.Path = RESULTS) -> pathlib.Path:
     """Make ``ner_<ds>.json`` (this report's input) from the main-group methods of the variants
     sweep ``variants_<ds>.json`` (experiments/kala_variants.py runs the harness' own methods
@@ -219,7 +212,7 @@ def import_variants(ds: str, results: pathlib.Path = RESULTS) -> pathlib.Path:
     dst = results / f"ner_{ds}.json"
     old = json.loads(dst.read_text()) if dst.is_file() else {"setup": {}, "runs": []}
     setup = {**old.get("setup", {}), **src["setup"]}
-    if old["runs"] and any(old["setup"].get(k) != src["setup"].get(k) for k in PROTOCOL_KEYS):
+    if old["runs"] and not same_protocol(old["setup"], src["setup"]):
         keep = results / f"prev_{old['setup'].get('epochs'):g}ep"
         keep.mkdir(exist_ok=True)
         (keep / dst.name).write_text(dst.read_text())

@@ -30,6 +30,8 @@ import pathlib
 import sys
 import time
 
+from kala_ner import PROTOCOL_KEYS, same_protocol, timed  # the harness experiment (same directory)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "kala"
 METHODS = ("finetune", "more_params", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
@@ -51,7 +53,6 @@ def run_dataset(args) -> None:
 
     jax.config.update("jax_compilation_cache_dir", str(ROOT / "runs" / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    sys.path.insert(0, str(ROOT / "experiments"))
     import kala_ner  # the harness experiment: same graph, subsets and settings
 
     import jsteer
@@ -96,9 +97,8 @@ def run_dataset(args) -> None:
     }
     print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'])[:300]}", flush=True)
     if results["runs"]:
-        keys = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
         old = prev_setup or {}
-        diff = {k: (old.get(k), results["setup"][k]) for k in keys if old.get(k) != results["setup"][k]}
+        diff = {k: (old.get(k), results["setup"][k]) for k in PROTOCOL_KEYS if old.get(k) != results["setup"][k]}
         if diff:
             raise SystemExit(f"{out_path}: its runs used another protocol {diff}; pass --out or move it away")
 
@@ -144,23 +144,15 @@ def summarise(runs: list[dict]) -> dict:
     for method in dict.fromkeys(r["method"] for r in runs):
         rs = [r for r in runs if r["method"] == method]
         f1 = np.array([r["f1"] for r in rs])
-        timed = [r for r in rs if not r.get("timing_perturbed")] or rs  # another job shared the CPU in those
+        timed_rs = timed(rs)
         out[method] = {"f1": float(f1.mean()), "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
                        "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
                        "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
-                       "train_seconds": float(np.mean([r["train_seconds"] for r in timed])), "n_timed": len(timed),
-                       "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed]))
-                       if any(r.get("median_step_seconds") for r in timed) else None,
+                       "train_seconds": float(np.mean([r["train_seconds"] for r in timed_rs])), "n_timed": len(timed_rs),
+                       "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed_rs]))
+                       if any(r.get("median_step_seconds") for r in timed_rs) else None,
                        "steps": int(rs[0]["steps"]), "params": int(rs[0]["params"])}
     return out
-
-
-PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
-
-
-def same_protocol(a: dict, b: dict) -> bool:
-    """Whether two sweeps' setups share data subsets and training hyper-parameters."""
-    return all(a.get(k) == b.get(k) for k in PROTOCOL_KEYS)
 
 
 def load_results(results_dir: pathlib.Path = OUT) -> dict:
