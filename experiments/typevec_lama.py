@@ -2,8 +2,10 @@
 PostTE, TE per relation and macro) and Table 6 (type switching).
 
     .venv/bin/python experiments/typevec_lama.py [--max-test 100] [--small]
+    .venv/bin/python experiments/typevec_lama.py --mode layer --layers 16,22,26,29 --lambda-unit resid \
+        --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --tag smollm2_layersel
 
-Writes experiments/results/typevec/lama_smollm2.json, lama_smollm2.md and lama_smollm2.png.
+Writes experiments/results/typevec/lama_<tag>.json, .md and .png (``--tag``, default smollm2).
 
 Protocol (deviations from the paper, which used BERT, are listed in the JSON under "protocol"):
 * data: the type-grouped LAMA CSVs (``type_embedding/processed_lama``). A decoder answers
@@ -14,7 +16,8 @@ Protocol (deviations from the paper, which used BERT, are listed in the JSON und
   single-token entries only; TE = -v1 (unit norm, oriented towards the examples).
 * TE is added at the predicting position (``--mode pos``; ``all`` = every prompt token;
   ``layer`` = the residual stream of the predicting position after decoder layer ``--layer``,
-  a decoder adaptation that is not in the paper), lambda tuned per relation on a seeded 5%
+  a decoder adaptation that is not in the paper; ``--layers 16,22,26,29`` chooses the layer
+  on the hold-out, see :func:`select_layer`), lambda tuned per relation on a seeded 5%
   hold-out over ``--lambdas`` by P@1, reported on the rest. ``--lambda-unit``: ``abs``
   (lambda multiplies the unit TE), ``row_norm`` (units of the mean input-embedding row norm,
   3.20 for SmolLM2-135M) or ``resid`` (units of the mean residual-stream norm after
@@ -97,6 +100,30 @@ def lambda_unit(pm, kind: str, layer, groups, seed: int) -> float:
     return float(np.mean(np.linalg.norm(np.asarray(hs[layer + 1])[np.arange(len(seqs)), last], axis=-1)))
 
 
+def select_layer(pm, groups, tes, candidates, lams, args) -> dict:
+    """Choose the decoder layer for ``--mode layer`` on the 5% hold-out only: per candidate,
+    lambda is tuned per relation exactly as in the main run, and the layer with the best macro
+    hold-out P@1 at the tuned lambdas wins (ties: mean P@10/50/100, then the earlier layer)."""
+    from jsteer.typevec import probe
+
+    table, best, best_key = {}, None, None
+    for layer in candidates:
+        unit = lambda_unit(pm, "resid", layer, groups, args.seed)
+        rep = probe.evaluate(pm, groups, tes, mode="layer", lam_grid=lams, holdout=0.05, max_test=0,
+                             max_holdout=args.max_holdout, seed=args.seed, batch_size=args.batch_size,
+                             methods=("B", "TE"), layer=layer, lam_unit=unit)
+        tuned = {g: t["lambda_table"][str(t["lambda"])] for g, t in rep["tuning"].items()}
+        m = probe.macro(tuned)
+        table[str(layer)] = {"holdout_macro": m, "lambda_unit_value": unit,
+                             "lambda": {g: t["lambda"] for g, t in rep["tuning"].items()}}
+        key = (m["P@1"], (m["P@10"] + m["P@50"] + m["P@100"]) / 3.0)
+        log(f"layer {layer}: hold-out macro P@1 {m['P@1']:.3f} (lambda unit {unit:.1f})")
+        if best_key is None or key > best_key:
+            best, best_key = layer, key
+    return {"candidates": candidates, "chosen": best, "per_layer": table,
+            "rule": "best macro hold-out P@1 at per-relation tuned lambda (ties: mean P@10/50/100, then earlier)"}
+
+
 def run(args) -> dict:
     import jsteer
     from jsteer.typevec import core, probe, sampling
@@ -122,6 +149,11 @@ def run(args) -> dict:
     by_type = dict(zip(types, tes_k))
     lams = [float(x) for x in args.lambdas.split(",")]
     layer = args.layer if args.mode == "layer" else None
+    selection = None
+    if args.mode == "layer" and args.layers:
+        selection = select_layer(pm, {g: groups[g] for g in names}, {g: by_type[g.split("/")[0]] for g in names},
+                                 [int(x) for x in args.layers.split(",")], lams, args)
+        layer = selection["chosen"]
     unit = lambda_unit(pm, args.lambda_unit, layer, {g: groups[g] for g in names}, args.seed)
     log(f"lambda unit ({args.lambda_unit}) = {unit:.4f}")
     rep = probe.evaluate(pm, {g: groups[g] for g in names}, {g: by_type[g.split("/")[0]] for g in names},
@@ -157,6 +189,7 @@ def run(args) -> dict:
             "mode": args.mode, "layer": layer, "lambda_unit": args.lambda_unit, "lambda_unit_value": unit,
             "lambda_grid": lams, "post_grid": rep["post_grid"], "holdout": 0.05,
             "max_test_per_relation": args.max_test, "max_switch": args.max_switch, "seed": args.seed,
+            "layer_selection": selection,
             "type_examples": "10 per type, weighted by KG degree, single-token (leading-space) entries",
             "tuning": "per relation, best hold-out P@1; ties: mean P@10/50/100, then smaller value",
             "deviations": [
@@ -178,6 +211,19 @@ def run(args) -> dict:
     }
 
 
+def layer_selection_md(sel) -> list:
+    if not sel:
+        return []
+    lines = ["## Layer chosen on the hold-out", "", f"Rule: {sel['rule']}.", "",
+             "| layer | hold-out macro P@1 | P@10 | lambda unit |", "|---:|---:|---:|---:|"]
+    for layer in sel["candidates"]:
+        t = sel["per_layer"][str(layer)]
+        mark = " **(chosen)**" if layer == sel["chosen"] else ""
+        lines.append(f"| {layer}{mark} | {t['holdout_macro']['P@1']:.3f} | {t['holdout_macro']['P@10']:.3f} | "
+                     f"{t['lambda_unit_value']:.1f} |")
+    return lines + [""]
+
+
 def markdown(res: dict) -> str:
     rep = res["probe"]
     lines = ["# Type Embeddings on LAMA - SmolLM2-135M (decoder)", "",
@@ -187,6 +233,7 @@ def markdown(res: dict) -> str:
              + (f" in units of `{res['protocol']['lambda_unit']}` = {res['protocol']['lambda_unit_value']:.3f}"
                 if 'lambda_unit' in res['protocol'] else "") + " tuned per relation "
              f"on a 5% hold-out; at most {res['protocol']['max_test_per_relation']} reported prompts per relation.", "",
+             *layer_selection_md(res['protocol'].get('layer_selection')),
              "## P@1 / P@10 per relation (paper Tables 4, 7, 8)", "",
              "| relation | n | " + " | ".join(f"{m} P@1" for m in METHODS) + " | " +
              " | ".join(f"{m} P@10" for m in METHODS) + " | lambda | w |",
@@ -251,6 +298,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-switch", type=int, default=300)
     ap.add_argument("--mode", choices=("pos", "all", "layer"), default="pos")
     ap.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
+    ap.add_argument("--layers", default=None,
+                    help="--mode layer: comma-separated candidate layers, one chosen on the hold-out (overrides --layer)")
     ap.add_argument("--lambda-unit", choices=("abs", "row_norm", "resid"), default="row_norm")
     ap.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.75,0.9,1.0,1.25,1.5")
     ap.add_argument("--relations", default=None, help="comma-separated subset (default: all that qualify)")

@@ -340,3 +340,19 @@ def test_evaluate_lambda_unit_rescales_the_grid(gpt2, bpe_tok):  # noqa: F811
     assert a["per_group"]["R"]["TE"] == b["per_group"]["R"]["TE"]
     with pytest.raises(ValueError, match="lam_unit"):
         probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_unit=0.0, **kw)
+
+
+def test_evaluate_holdout_only_tunes_without_reporting(gpt2, bpe_tok):  # noqa: F811
+    """max_test=0 (used to choose a layer on the hold-out): the hold-out tuning is the same as
+    in a full run, and no reported-prompt result is produced."""
+    cfg, module, params = gpt2
+    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    words = ["London", "Paris", "Rome", "Berlin"]
+    prompts = [probe.Prompt(f"the {a} {b} [MASK] .", c, "R", "City") for a in words for b in words for c in words[:2]]
+    te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in words]))
+    kw = dict(lam_grid=(0.0, 1.5, 3.0), post_grid=(0.0,), holdout=0.25, methods=("B", "TE"), batch_size=8)
+    full = probe.evaluate(pm, {"R": prompts}, {"R": te}, **kw)
+    hold = probe.evaluate(pm, {"R": prompts}, {"R": te}, max_test=0, **kw)
+    assert hold["tuning"] == full["tuning"]
+    assert hold["per_group"]["R"]["n_test"] == 0 and "TE" not in hold["per_group"]["R"]
+    assert hold["macro"]["TE"]["P@1"] != hold["macro"]["TE"]["P@1"]  # NaN: nothing reported

@@ -764,7 +764,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         rb = res.rank[sel, 0] if res is not None else np.array([])
         results[n]["B"] = precision_at(rb)
         results[n]["n_test"] = int(len(g.test))
-        if n in te_index:
+        if n in te_index and res is not None:  # res is None when no prompt is reported (max_test=0)
             if "PostTE" in methods:
                 results[n]["PostTE"] = precision_at(res.post_rank[post_grid.index(best_w[n]), sel, 0])
             if "TE" in methods:
