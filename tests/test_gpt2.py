@@ -314,7 +314,7 @@ def test_params_from_hf_names_and_errors(setup):
 
     missing = dict(sd)
     del missing["transformer.h.1.mlp.c_fc.bias"]
-    with pytest.raises(ValueError, match=r"h\.1\.mlp\.c_fc\.bias"):
+    with pytest.raises(KeyError, match=r"h\.1\.mlp\.c_fc\.bias"):
         jg.params_from_hf(missing, cfg)
     wrong = dict(sd)
     wrong["transformer.h.0.attn.c_attn.weight"] = sd["transformer.h.0.attn.c_attn.weight"].T

@@ -363,7 +363,8 @@ def _hf_key_map(config: GPT2Config) -> dict[str, tuple[tuple[str, ...], tuple[in
 def params_from_hf(state_dict: Mapping[str, np.ndarray], config: GPT2Config, dtype=np.float32) -> dict:
     """HF GPT-2 state dict (names with or without ``transformer.``) -> jsteer param tree.
 
-    Raises ValueError naming the tensor for a missing, unexpected or mis-shaped tensor.
+    Raises KeyError naming a missing tensor (as the BERT and LLaMA converters do) and
+    ValueError naming an unexpected or mis-shaped tensor.
     """
     key_map = _hf_key_map(config)
     params: dict = {}
@@ -391,6 +392,6 @@ def params_from_hf(state_dict: Mapping[str, np.ndarray], config: GPT2Config, dty
         node[path[-1]] = jnp.asarray(arr, dtype=dtype)
     missing = [k for k in key_map if k not in seen]
     if missing:
-        raise ValueError(f"GPT-2 params_from_hf: missing tensor {missing[0]!r}"
+        raise KeyError(f"GPT-2 params_from_hf: missing tensor {missing[0]!r}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return params
