@@ -182,6 +182,23 @@ def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
     return data, memory, subsets, out_path, results
 
 
+def measure_memory_only(lm, data, memory, variant: str, kw: dict, args, max_len: int, seed: int,
+                        out_path: pathlib.Path, results: dict) -> None:
+    """Step memory of one variant without training (Table 11's memory column)."""
+    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala.model import KalaConfig
+
+    mem = results.setdefault("step_memory", {})
+    if variant in mem:
+        return
+    cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=max_len,
+                             batch_size=args.batch_size, seed=seed)
+    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory, seed=seed)
+    mem[variant] = ktrain.measure_step_memory(model, params, data.train, cfg)
+    out_path.write_text(json.dumps(results, indent=1, default=str))
+    print(f"{variant}: step memory {mem[variant] / 2 ** 20:.0f} MiB", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", nargs="+", choices=sorted(DATASETS), required=True,
@@ -200,6 +217,9 @@ def main(argv=None) -> int:
                     help="run only these variants of the groups, in this order (default: all, in table order)")
     ap.add_argument("--memory", nargs="*", default=None,
                     help="variants whose step memory to measure (an extra compile; default: every main variant)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only measure each variant's step memory (compile, no training) into the JSON's "
+                         "'step_memory' (first seed's first batch: the same shapes for every variant)")
     ap.add_argument("--out", default=None, help="output JSON (only with a single dataset)")
     ap.add_argument("--backfill", action="store_true", help="only fill median step times from the run logs")
     args = ap.parse_args(argv)
@@ -231,12 +251,15 @@ def main(argv=None) -> int:
         if bad:
             ap.error(f"unknown variants {bad} for groups {args.groups}")
         todo = sorted([t for t in todo if t[1] in args.variants], key=lambda t: args.variants.index(t[1]))
-    for seed in args.seeds:
+    for seed in args.seeds[:1] if args.memory_only else args.seeds:
         for name in args.dataset:
             for group, variant, kw in todo:
                 if name not in state:
                     state[name] = setup_dataset(name, lm, args, sizes[name], tests[name], lens[name])
                 data, memory, subsets, out_path, results = state[name]
+                if args.memory_only:
+                    measure_memory_only(lm, data, memory, variant, kw, args, lens[name], seed, out_path, results)
+                    continue
                 if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
                     continue
                 cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=lens[name],

@@ -151,7 +151,8 @@ def cost_table(all_res: dict) -> str:
                 continue
             step = mean_std([r.get("median_step_seconds") for r in rs])[0]
             wall = mean_std([r["train_seconds"] for r in rs])[0]
-            mem = [r["step_memory_bytes"] for r in rs if r.get("step_memory_bytes")]
+            mem = [r["step_memory_bytes"] for r in rs if r.get("step_memory_bytes")] or \
+                [m for m in [res.get("step_memory", {}).get(v)] if m]
             ratio = f"{step / base:.2f}x" if (base and step) else "-"
             lines.append(f"| {DATASETS[d]} | {name} | {step:.2f} | {ratio} | {wall:.0f} | "
                          + (f"{mem[0] / 2 ** 20:.0f}" if mem else "-") + f" | {rs[0]['params'] / 1e6:.2f} |"
@@ -220,7 +221,8 @@ def import_variants(ds: str, results: pathlib.Path = RESULTS) -> pathlib.Path:
     names = {v for v, _ in MAIN}
     runs = [r for r in old["runs"] if r.get("group") != "main"]  # ablations / layers of the same protocol
     runs += [{**r, "group": "main", "variant": r["method"]} for r in src["runs"] if r["method"] in names]
-    dst.write_text(json.dumps({"setup": setup, "runs": runs}, indent=1, default=str))
+    keep_mem = {"step_memory": old["step_memory"]} if "step_memory" in old else {}
+    dst.write_text(json.dumps({"setup": setup, "runs": runs, **keep_mem}, indent=1, default=str))
     return dst
 
 

@@ -40,3 +40,25 @@ def test_graph_carries_unseen_entity_labels():
         f1[method] = ktrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS, batch_size=32)["f1"]
     assert f1["relational"] >= 70.0, f1
     assert f1["relational"] >= f1["finetune"] + 40.0, f1
+
+
+def test_step_memory_is_measured_without_training_and_grows_with_the_graph():
+    """Table 11's memory column: an ahead-of-time compile of one train step per method."""
+    task = synthetic.make_task(1, n_train=64, n_test=8)
+    tok = task.tokenizer()
+    vocab = entities.EntityVocab.from_mentions([m for _, _, m in task.train])
+    rels = entities.RelationVocab.from_facts(task.facts)
+    kg = entities.KnowledgeGraph(task.facts, rels)
+    train = [kdata.encode_ner(w, t, m, tok, synthetic.LABELS, vocab, kg, max_len=16) for w, t, m in task.train]
+    bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                      max_position_embeddings=32)
+    cfg = ktrain.TrainConfig(batch_size=16, epochs=1)
+    mem = {}
+    for method in ("finetune", "relational"):
+        model = KalaModel(bert, KalaConfig(method=method, num_entities=len(vocab), num_relations=len(rels),
+                                           relation_dim=8), num_labels=len(synthetic.LABELS))
+        params = init_params(model, jax.random.PRNGKey(0))
+        mem[method] = ktrain.measure_step_memory(model, params, train, cfg)
+        count = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        assert mem[method] > 3 * count, (method, mem[method], count)  # params + grads + 2 Adam moments at least
+    assert mem["relational"] > mem["finetune"], mem

@@ -129,6 +129,15 @@ def step_memory_bytes(loss_fn: Callable, params, batch, cfg: TrainConfig, total_
         return None
 
 
+def measure_step_memory(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig,
+                        task: str = "ner") -> Optional[int]:
+    """:func:`step_memory_bytes` of the first batch :func:`fit` would train on, without training
+    (same seed -> same examples and shapes for every method)."""
+    loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
+    first = next(iter(_Endless(examples, cfg.batch_size, task_keys(task), cfg.seed)))
+    return step_memory_bytes(loss_fn, params, first, cfg, cfg.total_steps(len(examples)))
+
+
 class _Endless:
     """Epoch after epoch of shuffled, length-grouped, collated batches."""
 
