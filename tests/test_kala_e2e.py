@@ -14,8 +14,9 @@ from jsteer.kala import train as ktrain
 from jsteer.kala.model import KalaConfig, KalaModel, init_params
 
 
-def test_graph_carries_unseen_entity_labels():
-    task = synthetic.make_task(0, n_train=192, n_test=64)
+def encoded_task(seed: int, n_train: int, n_test: int):
+    """The synthetic task encoded for KALA -> (task, entity vocab, relation vocab, train, test)."""
+    task = synthetic.make_task(seed, n_train=n_train, n_test=n_test)
     tok = task.tokenizer()
     vocab = entities.EntityVocab.from_mentions([m for _, _, m in task.train])
     rels = entities.RelationVocab.from_facts(task.facts)
@@ -24,7 +25,11 @@ def test_graph_carries_unseen_entity_labels():
     def enc(split):
         return [kdata.encode_ner(w, t, m, tok, synthetic.LABELS, vocab, kg, max_len=16) for w, t, m in split]
 
-    train, test = enc(task.train), enc(task.test)
+    return task, vocab, rels, enc(task.train), enc(task.test)
+
+
+def test_graph_carries_unseen_entity_labels():
+    task, vocab, rels, train, test = encoded_task(0, 192, 64)
     assert all(e["n_unseen"] == e["graph"].n_local > 0 for e in test)  # every test entity is null
     assert all(vocab(m.id) == 0 for _, _, ms in task.test for m in ms)
     bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
@@ -44,12 +49,7 @@ def test_graph_carries_unseen_entity_labels():
 
 def test_step_memory_is_measured_without_training_and_grows_with_the_graph():
     """Table 11's memory column: an ahead-of-time compile of one train step per method."""
-    task = synthetic.make_task(1, n_train=64, n_test=8)
-    tok = task.tokenizer()
-    vocab = entities.EntityVocab.from_mentions([m for _, _, m in task.train])
-    rels = entities.RelationVocab.from_facts(task.facts)
-    kg = entities.KnowledgeGraph(task.facts, rels)
-    train = [kdata.encode_ner(w, t, m, tok, synthetic.LABELS, vocab, kg, max_len=16) for w, t, m in task.train]
+    task, vocab, rels, train, _ = encoded_task(1, 64, 8)
     bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                       max_position_embeddings=32)
     cfg = ktrain.TrainConfig(batch_size=16, epochs=1)
