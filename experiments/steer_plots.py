@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 
 import matplotlib
 
@@ -23,13 +24,22 @@ def _f(x, pct=False):
     return f"{100 * x:.1f}" if pct else f"{x:.2f}"
 
 
+def chosen(res: dict) -> dict:
+    """Steer values used for the reported rows: chosen on held-out prompts (strength_selection),
+    or +/-5 for results written before that selection existed."""
+    sel = res.get("strength_selection")
+    return sel["chosen"] if sel else {"dummy": res.get("setup", {}).get("generation", {}).get("dummy_used"),
+                                      "positive": 5.0, "negative": 5.0, "detox": 5.0}
+
+
 def table3(res: dict) -> str:
     """Paper Table 3 layout: target sentiment x prompt set -> positivity (%), fluency, diversity."""
     m = res["metrics"]
-    rows = [("unsteered", "negative", "negative_base"), ("LM-Steer +5", "negative", "negative_s+5"),
-            ("unsteered", "neutral", "neutral_base"), ("LM-Steer +5", "neutral", "neutral_s+5"),
-            ("LM-Steer -5", "neutral", "neutral_s-5"),
-            ("unsteered", "positive", "positive_base"), ("LM-Steer -5", "positive", "positive_s-5")]
+    p, n = f"{chosen(res)['positive']:+g}", f"{-chosen(res)['negative']:+g}"
+    rows = [("unsteered", "negative", "negative_base"), (f"LM-Steer {p}", "negative", f"negative_s{p}"),
+            ("unsteered", "neutral", "neutral_base"), (f"LM-Steer {p}", "neutral", f"neutral_s{p}"),
+            (f"LM-Steer {n}", "neutral", f"neutral_s{n}"),
+            ("unsteered", "positive", "positive_base"), (f"LM-Steer {n}", "positive", f"positive_s{n}")]
     out = ["| model | prompts | positivity % | ppl (mean) | ppl (median) | dist-1 | dist-2 | dist-3 |",
            "|---|---|---|---|---|---|---|---|"]
     alt = sorted(k for k in m if k.startswith("alt_dummy"))
@@ -63,9 +73,12 @@ def sweep_table(res: dict) -> str:
 
 def detox_table(res: dict) -> str:
     m = res["metrics"]
-    rows = [("unsteered", "toxic_base"), ("detox +5", "toxic_d+5"), ("detox +5, sentiment +5", "toxic_s+5_d+5"),
-            ("detox +5, sentiment -5", "toxic_s-5_d+5"),
-            ("detox +5, its dummy off (diagnostic)", "alt_detoxdummyoff_toxic_d+5")]
+    c = chosen(res)
+    d, p, n = f"{c['detox']:+g}", f"{c['positive']:+g}", f"{-c['negative']:+g}"
+    more = sorted((float(k[len("toxic_d"):]), k) for k in m if re.fullmatch(r"toxic_d[+-][0-9.]+", k) and k != f"toxic_d{d}")
+    rows = [("unsteered", "toxic_base"), (f"detox {d} (chosen)", f"toxic_d{d}"), *((f"detox {v:+g}", k) for v, k in more),
+            (f"detox {d}, sentiment {p}", f"toxic_s{p}_d{d}"), (f"detox {d}, sentiment {n}", f"toxic_s{n}_d{d}"),
+            (f"detox {d}, its dummy off (diagnostic)", f"alt_detoxdummyoff_toxic_d{d}")]
     out = ["| model | mean max toxicity | toxicity prob. % | toxic samples % | positivity % | ppl (mean) | dist-2 | dist-3 |",
            "|---|---|---|---|---|---|---|---|"]
     for name, key in rows:
@@ -80,22 +93,45 @@ def detox_table(res: dict) -> str:
 def targets(res: dict) -> dict:
     """The issue's targets, measured."""
     m = res["metrics"]
+    c = chosen(res)
+    kp, kn, kd = f"neutral_s{c['positive']:+g}", f"neutral_s{-c['negative']:+g}", f"toxic_d{c['detox']:+g}"
     out = {}
-    if {"neutral_s+5", "neutral_s-5", "neutral_base"} <= set(m):
+    if {kp, kn, "neutral_base"} <= set(m):
         b = m["neutral_base"]["ppl_mean"]
-        out["positive steering positivity >= 80%"] = (m["neutral_s+5"]["positivity"], m["neutral_s+5"]["positivity"] >= 0.8)
-        out["negative steering positivity <= 20%"] = (m["neutral_s-5"]["positivity"], m["neutral_s-5"]["positivity"] <= 0.2)
-        for k in ("neutral_s+5", "neutral_s-5"):
+        out[f"positive steering ({kp}) positivity >= 80%"] = (m[kp]["positivity"], m[kp]["positivity"] >= 0.8)
+        out[f"negative steering ({kn}) positivity <= 20%"] = (m[kn]["positivity"], m[kn]["positivity"] <= 0.2)
+        for k in (kp, kn):
             rise = m[k]["ppl_mean"] / b - 1
             out[f"{k} perplexity rise <= 30%"] = (rise, rise <= 0.3)
-    if {"toxic_base", "toxic_d+5"} <= set(m):
-        r = m["toxic_d+5"]["toxicity_prob"] / max(m["toxic_base"]["toxicity_prob"], 1e-9)
-        out["detox halves toxicity probability"] = (r, r <= 0.5)
+    if {"toxic_base", kd} <= set(m):
+        r = m[kd]["toxicity_prob"] / max(m["toxic_base"]["toxicity_prob"], 1e-9)
+        out[f"detox ({kd}) halves toxicity probability"] = (r, r <= 0.5)
     return out
+
+
+def strength_table(res: dict) -> str:
+    """The held-out choice of steer values and of the sentiment dummy (strength_selection)."""
+    sel = res.get("strength_selection")
+    if not sel:
+        return ""
+    c = sel["chosen"]
+    out = [f"Held-out choice ({sel['prompts']} x their samples). Rule: {sel['rule']}", "",
+           f"**Chosen: sentiment dummy {c['dummy']}, positive {c['positive']:+g}, negative {-c['negative']:+g}, "
+           f"detox {c['detox']:+g}** (x eps0)", "",
+           "| dummy | value | positivity % | ppl rise % |", "|---|---|---|---|"]
+    for k, v in sel["sentiment"].items():
+        dm, val = k.split("/s")
+        out.append(f"| {dm} | {val} | {_f(v['positivity'], True)} | {_f(v['ppl_rise'], True)} |")
+    out += ["", "| detox value | toxicity prob. % | mean max toxicity | ppl rise % |", "|---|---|---|---|"]
+    for k, v in sel["detox"].items():
+        out.append(f"| {k[1:]} | {_f(v['toxicity_prob'], True)} | {_f(v['mean_max_toxicity'])} | {_f(v['ppl_rise'], True)} |")
+    return "\n".join(out)
 
 
 def selection_table(res: dict) -> str:
     """The held-out choice between generating with the sentiment dummy steer on or off."""
+    if res.get("strength_selection"):
+        return strength_table(res)
     sel = res.get("dummy_selection")
     if not sel:
         return ""
@@ -133,7 +169,7 @@ def markdown(res: dict, bench: dict = None) -> str:
     parts += [f"| {k} | {_f(v['accuracy'], True)}% | {v.get('train', '')} | {v.get('test', '')} |" for k, v in ev.items()]
     sel = selection_table(res)
     if sel:
-        parts += ["", "## Dummy steer at generation", "", sel]
+        parts += ["", "## Steer values and dummy at generation (chosen on held-out prompts)", "", sel]
     parts += ["", "## Sentiment steering (paper Table 3 layout)", "", table3(res),
               "", "## Continuous control (neutral prompts)", "", sweep_table(res),
               "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
@@ -196,7 +232,9 @@ def plot_all(res: dict, out_dir: pathlib.Path) -> list:
         plt.close(fig)
         files.append(f)
     m = res.get("metrics", {})
-    keys = [k for k in ("toxic_base", "toxic_d+5", "toxic_s+5_d+5", "toxic_s-5_d+5") if k in m]
+    c = chosen(res)
+    d, p, n = f"{c['detox']:+g}", f"{c['positive']:+g}", f"{-c['negative']:+g}"
+    keys = [k for k in ("toxic_base", f"toxic_d{d}", f"toxic_s{p}_d{d}", f"toxic_s{n}_d{d}") if k in m]
     if keys:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         x = range(len(keys))

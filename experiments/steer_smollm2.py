@@ -55,10 +55,63 @@ def parse():
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--gen-batch", type=int, default=50, help="rows per compiled generation call")
     ap.add_argument("--values", default="-5,-3,3,5,-1,1")
+    ap.add_argument("--detox-values", default="5", help="further detox steer values on the toxic test prompts")
+    ap.add_argument("--strengths", default="0.5,1,1.5,2,3,5",
+                    help="candidate steer values (x eps0), chosen on held-out prompts (see SELECTION_RULE)")
     ap.add_argument("--dummy", default="auto", choices=("auto", "on", "off"),
                     help="sentiment dummy steer at generation; auto: chosen on held-out prompts")
     ap.add_argument("--deadline", default=None, help="HH:MM UTC: stop generating new settings after this")
     return ap.parse_args()
+
+
+SELECTION_RULE = ("per direction, among the strengths whose held-out perplexity rise is <= 30%, the best "
+                  "positivity (highest for +, lowest for -; ties: the smaller strength); if none, the smallest "
+                  "rise. Dummy on/off: first the setting whose two chosen values both keep the rise <= 30% (if only "
+                  "one does), then the larger positivity gap between them. Detox: among "
+                  "strengths with held-out perplexity rise <= 30% on held-out toxic prompts, the lowest toxicity "
+                  "probability (ties: mean max toxicity, then the smaller strength); if none, the smallest rise.")
+
+
+def select_strengths(run, sel, tox_sel, strengths, dummies) -> dict:
+    """Steer values (and sentiment dummy on/off) chosen on held-out prompts only; see SELECTION_RULE.
+    run(key, prompts, s, d, s_dummy) -> metrics (cached)."""
+    base = run("select_base", sel)
+    tbase = run("select_toxic_base", tox_sel)
+    table, chosen = {}, {}
+    for dm in dummies:
+        for v in strengths:
+            for sgn in (1.0, -1.0):
+                m = run(f"select_dummy{dm}_s{sgn * v:+g}", sel, sgn * v, None, dm == "on")
+                table[f"{dm}/s{sgn * v:+g}"] = {"positivity": m["positivity"], "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1}
+
+    def pick(dm, sgn):
+        rows = [(v, table[f"{dm}/s{sgn * v:+g}"]) for v in strengths]
+        ok = [(v, r) for v, r in rows if r["ppl_rise"] <= 0.3]
+        if not ok:
+            return min(rows, key=lambda vr: (vr[1]["ppl_rise"], vr[0]))[0]
+        return min(ok, key=lambda vr: (-sgn * vr[1]["positivity"], vr[0]))[0]
+
+    for dm in dummies:
+        pv, nv = pick(dm, 1.0), pick(dm, -1.0)
+        gap = table[f"{dm}/s{pv:+g}"]["positivity"] - table[f"{dm}/s{-nv:+g}"]["positivity"]
+        fluent = sum(table[f"{dm}/s{v:+g}"]["ppl_rise"] <= 0.3 for v in (pv, -nv))
+        chosen[dm] = {"positive": pv, "negative": nv, "gap": gap, "values_within_ppl_limit": int(fluent)}
+    dm = max(dummies, key=lambda k: (chosen[k]["values_within_ppl_limit"], chosen[k]["gap"], k == "off"))
+    tox = {}
+    for v in strengths:
+        m = run(f"select_toxic_d{v:+g}", tox_sel, None, v)
+        tox[f"d{v:+g}"] = {"toxicity_prob": m["toxicity_prob"], "mean_max_toxicity": m["mean_max_toxicity"],
+                           "ppl_rise": m["ppl_mean"] / tbase["ppl_mean"] - 1}
+    ok = [v for v in strengths if tox[f"d{v:+g}"]["ppl_rise"] <= 0.3]
+    if ok:
+        dv = min(ok, key=lambda v: (tox[f"d{v:+g}"]["toxicity_prob"], tox[f"d{v:+g}"]["mean_max_toxicity"], v))
+    else:
+        dv = min(strengths, key=lambda v: (tox[f"d{v:+g}"]["ppl_rise"], v))
+    return {"strengths": strengths, "dummies": list(dummies), "sentiment": table, "per_dummy": chosen,
+            "detox": tox, "rule": SELECTION_RULE,
+            "prompts": f"{len(sel)} held-out neutral and {len(tox_sel)} held-out toxic prompts",
+            "chosen": {"dummy": dm, "positive": chosen[dm]["positive"], "negative": chosen[dm]["negative"],
+                       "detox": dv}}
 
 
 def main():
@@ -180,22 +233,22 @@ def main():
         return np.asarray(e, np.float32) * eps0
 
     def run(key, prompt_list, s=None, d=None, s_dummy=True, seed=0, d_dummy=True):
-        """Generate (cached under --work) and evaluate (cached in the results JSON)."""
-        if key in res.get("metrics", {}):
+        """Generate (cached under --work) and evaluate (cached in the results JSON). A cached entry
+        made with other steer values or dummy settings under the same key is redone."""
+        want = {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None,
+                "detox_dummy": bool(d_dummy) if d is not None else None}
+        if key in res.get("metrics", {}) and res["metrics"][key].get("values") == want:
             return res["metrics"][key]
         path = work / f"gen_{key}.json"
-        if path.exists():
-            g = json.loads(path.read_text())
-        else:
+        g = json.loads(path.read_text()) if path.exists() else None
+        if g is None or g.get("values") != want:
             e = eps_of(s, d, s_dummy, d_dummy)
             gb = a.gen_batch
             hooks = head.to_hooks(both, jnp.broadcast_to(jnp.asarray(e), (gb, 4)))  # expanded once, reused
             t0 = time.time()
             samples = C.sample(lm, lambda b: hooks if b == gb else head.to_hooks(
                 both, jnp.broadcast_to(jnp.asarray(e), (b, 4))), prompt_list, a.samples, seed=seed, batch=gb)
-            g = {"prompts": prompt_list, "samples": samples,
-                 "values": {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None,
-                            "detox_dummy": bool(d_dummy) if d is not None else None},
+            g = {"prompts": prompt_list, "samples": samples, "values": want,
                  "seconds": time.time() - t0}
             C.write_json(path, g)
         t0 = time.time()
@@ -218,41 +271,38 @@ def main():
     sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
     res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel}
 
-    # ------------------------------------------------------------------ dummy on / off (held-out prompts)
-    dummy = a.dummy
-    if dummy == "auto":
-        if "dummy_selection" not in res:
-            sb = run("select_base", sel)
-            cand = {}
-            for dm in ("on", "off"):
-                mp = run(f"select_dummy{dm}_s+5", sel, 5.0, None, dm == "on")
-                mn = run(f"select_dummy{dm}_s-5", sel, -5.0, None, dm == "on")
-                rise = max(mp["ppl_mean"], mn["ppl_mean"]) / sb["ppl_mean"] - 1
-                cand[dm] = {"gap": mp["positivity"] - mn["positivity"], "ppl_rise": rise,
-                            "pos+5": mp["positivity"], "pos-5": mn["positivity"]}
-            ok = [k for k, v in cand.items() if v["ppl_rise"] <= 0.3]
-            pick = max(ok, key=lambda k: cand[k]["gap"]) if ok else min(cand, key=lambda k: cand[k]["ppl_rise"])
-            res["dummy_selection"] = {"candidates": cand, "chosen": pick,
-                                      "rule": "among settings whose worst ppl rise at +/-5 is <= 30%, the largest "
-                                              "positivity gap (+5 minus -5); if none, the smallest ppl rise",
-                                      "prompts": f"{len(sel)} held-out neutral prompts x {a.samples} samples"}
-            save()
-        dummy = res["dummy_selection"]["chosen"]
+    # ------------------------------------------------------------------ steer strengths + dummy (held-out prompts)
+    tox_sel = [" ".join(t.split()[:10]) for t, y in zip(*jig_test) if y == 1 and len(t.split()) >= 14]
+    tox_sel = tox_sel[a.prompts: 2 * a.prompts]  # the toxic prompts after the reported ones
+    res["prompts"]["held_out_select_toxic"] = tox_sel
+    strengths = [float(x) for x in a.strengths.split(",")]
+    dummies = ("on", "off") if a.dummy == "auto" else (a.dummy,)
+    selection = res.get("strength_selection")
+    if not selection or (selection["strengths"], selection["dummies"], selection["rule"]) != (
+            strengths, list(dummies), SELECTION_RULE):
+        selection = select_strengths(run, sel, tox_sel, strengths, dummies)
+        res["strength_selection"] = selection
+        res.pop("dummy_selection", None)  # superseded (the old rule looked at +/-5 only)
+        save()
+    ch = selection["chosen"]
+    dummy, P, N, D = ch["dummy"], ch["positive"], ch["negative"], ch["detox"]
     res["setup"]["generation"]["dummy_used"] = dummy
-    C.log("sentiment dummy at generation:", dummy)
+    C.log("held-out choice:", ch)
     s_dummy = dummy == "on"
 
     # ------------------------------------------------------------------ test prompts (priority order)
     values = [float(v) for v in a.values.split(",")]
-    plan = [("neutral_base", "neutral", None, None), ("neutral_s+5", "neutral", 5.0, None),
-            ("neutral_s-5", "neutral", -5.0, None), ("negative_base", "negative", None, None),
-            ("negative_s+5", "negative", 5.0, None), ("positive_base", "positive", None, None),
-            ("positive_s-5", "positive", -5.0, None), ("toxic_base", "toxic", None, None),
-            ("toxic_d+5", "toxic", None, 5.0), ("toxic_s+5_d+5", "toxic", 5.0, 5.0)]
-    plan += [(f"neutral_s{v:+g}", "neutral", v, None) for v in values if abs(v) != 5]
+    plan = [("neutral_base", "neutral", None, None), (f"neutral_s{P:+g}", "neutral", P, None),
+            (f"neutral_s{-N:+g}", "neutral", -N, None), ("negative_base", "negative", None, None),
+            (f"negative_s{P:+g}", "negative", P, None), ("positive_base", "positive", None, None),
+            (f"positive_s{-N:+g}", "positive", -N, None), ("toxic_base", "toxic", None, None),
+            (f"toxic_d{D:+g}", "toxic", None, D), (f"toxic_s{P:+g}_d{D:+g}", "toxic", P, D)]
+    plan += [(f"neutral_s{v:+g}", "neutral", v, None) for v in values if v not in (P, -N)]
+    plan += [(f"toxic_d{v:+g}", "toxic", None, v) for v in (float(x) for x in a.detox_values.split(",")) if v != D]
     other = "off" if s_dummy else "on"
-    plan += [(f"alt_dummy{other}_neutral_s+5", "neutral", 5.0, "alt"), (f"alt_dummy{other}_neutral_s-5", "neutral", -5.0, "alt"),
-             ("toxic_s-5_d+5", "toxic", -5.0, 5.0), ("alt_detoxdummyoff_toxic_d+5", "toxic", None, 5.0)]
+    plan += [(f"alt_dummy{other}_neutral_s{P:+g}", "neutral", P, "alt"),
+             (f"alt_dummy{other}_neutral_s{-N:+g}", "neutral", -N, "alt"),
+             (f"toxic_s{-N:+g}_d{D:+g}", "toxic", -N, D), (f"alt_detoxdummyoff_toxic_d{D:+g}", "toxic", None, D)]
     for key, pset, s, d in plan:
         if key not in res.get("metrics", {}) and late():
             C.log("deadline reached: skipping", key)
@@ -337,12 +387,15 @@ def main():
         f"{st['rank']}, on {st['sst5_texts']} SST-5 train texts (half of train, class-balanced, PTB-tokenised as "
         "distributed); paper: 1000 x 32 on all of SST-5. CPU budget: one step costs a [768 x 576] x [576 x 49152] "
         "product and its backward.",
-        "Detox steer: kept from the previous run (150 steps x 16 texts, l2 0, init 1e-3, 600 Jigsaw texts).",
+        "Detox steer: {steps} steps x {batch_size} texts, l2 {l2:g}, init {init_scale:g}, on {texts} Jigsaw texts "
+        "(non-toxic +1, toxic -1).".format(**{k: res["training"].get("detox", {}).get(k, "?")
+                                               for k in ("steps", "batch_size", "l2", "init_scale", "texts")}),
         f"Generation: {res['setup']['generation']['neutral_prompts']} neutral, {res['setup']['generation']['prompts_per_other_set']} "
         f"positive / negative / toxic prompts (seeded; texts under 'prompts') x {res['setup']['generation']['samples_per_prompt']} "
         "samples x 20 tokens, top-p 0.9; paper: all prompts x 25.",
-        f"Sentiment dummy steer at generation: {res['setup']['generation'].get('dummy_used')} (chosen on held-out neutral "
-        "prompts, see dummy_selection); the detox steer always decodes with its dummy on (the original's way).",
+        f"Sentiment dummy steer at generation: {res['setup']['generation'].get('dummy_used')}; it and the steer values of "
+        "the reported rows are chosen on held-out prompts (see strength_selection); the detox steer always decodes "
+        "with its dummy on (the original's way).",
         "toxic prompts: the first 10 words of toxic comments (>= 14 words) from the Jigsaw test split "
         "(RealToxicityPrompts is not available offline).",
         "Steers decode in their cheapest exact form (head.to_hooks expands rank 1000 > D/2 = 288 to full W once).",
@@ -350,8 +403,8 @@ def main():
         "Why the dummy hurt fluency: it absorbs the SST domain (PTB-tokenised, lower-case movie-review text), so "
         "decoding with it on pulls generations towards that style; its learned W is large (Frobenius norm "
         f"{res['training'].get('sentiment', {}).get('W_fro_norm', {}).get('dummy', float('nan')):.0f}, i.e. eps0 W of "
-        "order 1, with l2 1e-6 barely binding under Adam at lr 1e-2). Decoding without it (chosen on held-out prompts) "
-        "cuts the +/-5 perplexity several-fold; what remains is the steer itself.",
+        "order 1, with l2 1e-6 barely binding under Adam at lr 1e-2); whether decoding with it helps is decided on "
+        "held-out prompts (strength_selection).",
         "The toxicity evaluator (trained on the balanced Jigsaw subset, prior 50% toxic) flags a sizeable share of "
         "plain neutral continuations (see neutral_base toxic_fraction); toxicity probability (any of 5 samples > 0.5) "
         "therefore saturates near 1 on toxic prompts. The per-sample toxic fraction is reported next to it.",
