@@ -393,5 +393,5 @@ def params_from_hf(state_dict: Mapping[str, np.ndarray], config: GPT2Config, dty
     missing = [k for k in key_map if k not in seen]
     if missing:
         raise KeyError(f"GPT-2 params_from_hf: missing tensor {missing[0]!r}"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     return params
