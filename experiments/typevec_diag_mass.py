@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import sys
 import time
 
@@ -22,11 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from typevec_diag import seeded_batch  # noqa: E402  (sibling script)
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-OUT = ROOT / "experiments" / "results" / "typevec"
+from typevec_diag import DATA, OUT, seeded_batch  # noqa: E402  (sibling script)
 
 
 def main(argv=None):

@@ -35,6 +35,18 @@ def test_ner_scores_hand_checked():
         metrics.ner_scores([["O"]], [["O", "O"]])
 
 
+def test_ner_report_scores_subsets_in_percent():
+    gold = [["B-LOC", "O", "B-ORG", "I-ORG"], ["B-PER"], ["B-PER", "O"]]
+    pred = [["B-LOC", "O", "B-ORG", "O"], ["O"], ["B-PER", "O"]]
+    r = metrics.ner_report(gold, pred, {"seen": [0, 2], "unseen": [1], "empty": []})
+    # overall: 4 gold, 3 predicted, 2 right -> P 2/3, R 1/2, F1 4/7
+    assert r["precision"] == pytest.approx(200 / 3) and r["recall"] == pytest.approx(50.0)
+    assert r["f1"] == pytest.approx(400 / 7) and r["n_sentences"] == 3
+    # seen: 3 gold, 3 predicted, 2 right -> F1 2/3; unseen: nothing right -> 0; an empty subset has no F1
+    assert r["f1_seen"] == pytest.approx(200 / 3) and r["f1_unseen"] == 0.0
+    assert (r["n_seen"], r["n_unseen"], r["n_empty"]) == (2, 1, 0) and "f1_empty" not in r
+
+
 def test_squad_metrics_hand_checked():
     assert metrics.normalize_answer("The  Cat, sat!") == "cat sat"
     assert metrics.exact_match("the Eiffel Tower", "Eiffel tower.") == 1.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 
 Array = jnp.ndarray
@@ -77,6 +78,30 @@ def default_positions(attention_mask: Array, cache: Optional[KVCache]) -> Array:
     start = 0 if cache is None else cache.pos[:, None]
     pos = start + jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1
     return jnp.maximum(pos, 0)
+
+
+def attention_slots(mask: Array, bias: Optional[Array], cache: Optional["KVCache"]):
+    """Where T new tokens sit among the keys of one decoder call.
+
+    mask [B,T] (1 = real token), bias [B,T,T] | None (hooks.attn_bias), cache or None.
+    Returns (index, key_mask [B,K], q_slots [T], k_slots [K], bias [B,T,K] | None) with K = T
+    without a cache (index None) and K = cache.max_len with one: the new tokens are written at
+    slots index..index+T-1 and the bias is placed over their own slots (zero elsewhere).
+    """
+    b, t = mask.shape
+    if bias is not None and bias.shape != (b, t, t):
+        raise ValueError(f"hooks.attn_bias must be [B, T, T] = {(b, t, t)}, got {bias.shape}")
+    if cache is None:
+        return None, mask, jnp.arange(t), jnp.arange(t), bias
+    if cache.mask.shape[0] != b:
+        raise ValueError(f"cache batch {cache.mask.shape[0]} != input batch {b}")
+    if t > cache.max_len:
+        raise ValueError(f"{t} new tokens do not fit a cache of {cache.max_len} slots")
+    index = cache.index
+    key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, index))
+    if bias is not None:
+        bias = jax.lax.dynamic_update_slice(jnp.zeros((b, t, cache.max_len), bias.dtype), bias, (0, 0, index))
+    return index, key_mask, index + jnp.arange(t), jnp.arange(cache.max_len), bias
 
 
 NEG_INF = -1e30  # finite so fully-masked (pad) rows stay NaN-free

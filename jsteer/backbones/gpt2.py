@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, default_positions, eos_ids
+from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, attention_slots, default_positions, eos_ids
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -269,22 +269,8 @@ class GPT2LMHeadModel(nn.Module):
             positions = default_positions(mask, cache)
         x = x + wpe(positions)
 
-        bias = None if hooks is None else hooks.attn_bias
-        if bias is not None and bias.shape != (b, t, t):
-            raise ValueError(f"hooks.attn_bias must be [B, T, T] = {(b, t, t)}, got {bias.shape}")
-        if cache is None:
-            index, key_mask = None, mask
-            q_slots = k_slots = jnp.arange(t)
-        else:
-            if cache.mask.shape[0] != b:
-                raise ValueError(f"cache batch {cache.mask.shape[0]} != input batch {b}")
-            if t > cache.max_len:
-                raise ValueError(f"{t} new tokens do not fit a cache of {cache.max_len} slots")
-            index = cache.index
-            key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, index))
-            q_slots, k_slots = index + jnp.arange(t), jnp.arange(cache.max_len)
-            if bias is not None:  # the bias covers the new tokens' own slots only
-                bias = jax.lax.dynamic_update_slice(jnp.zeros((b, t, cache.max_len), bias.dtype), bias, (0, 0, index))
+        index, key_mask, q_slots, k_slots, bias = attention_slots(
+            mask, None if hooks is None else hooks.attn_bias, cache)
         visible = _visibility(key_mask, q_slots, k_slots)
 
         hidden_states = [x] if output_hidden_states else None

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, default_positions, eos_ids
+from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, attention_slots, default_positions, eos_ids
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -356,24 +356,8 @@ class LlamaForCausalLM(nn.Module):
             positions = default_positions(mask, cache)
         cos, sin = rope_cos_sin(positions, c.inv_freq())
 
-        bias = None if hooks is None else hooks.attn_bias
-        if bias is not None and bias.shape != (b, t, t):
-            raise ValueError(f"hooks.attn_bias must be [B, T, T] = {(b, t, t)}, got {bias.shape}")
-        if cache is None:
-            index = None
-            key_mask = mask
-            q_slot = k_slot = jnp.arange(t)
-        else:
-            if cache.mask.shape[0] != b:
-                raise ValueError(f"cache batch {cache.mask.shape[0]} != input batch {b}")
-            if t > cache.max_len:
-                raise ValueError(f"{t} new tokens do not fit a cache of {cache.max_len} slots")
-            index = cache.index
-            key_mask = lax.dynamic_update_slice(cache.mask, mask, (0, index))
-            q_slot, k_slot = index + jnp.arange(t), jnp.arange(cache.max_len)
-            if bias is not None:  # the bias covers the new tokens' own slots only
-                bias = lax.dynamic_update_slice(
-                    jnp.zeros((b, t, cache.max_len), bias.dtype), bias, (0, 0, index))
+        index, key_mask, q_slot, k_slot, bias = attention_slots(
+            mask, None if hooks is None else hooks.attn_bias, cache)
         causal = k_slot[None, :] <= q_slot[:, None]
         if c.sliding_window is not None:
             causal &= q_slot[:, None] - k_slot[None, :] < c.sliding_window

@@ -87,6 +87,20 @@ def ner_scores(gold: Iterable[Sequence[str]], pred: Iterable[Sequence[str]]) -> 
 # ---------------------------------------------------------------------------------- SQuAD
 
 
+def ner_report(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], subsets: dict | None = None) -> dict:
+    """Entity-level scores in percent (``f1``, ``precision``, ``recall``, ``n_sentences``), plus
+    ``f1_<name>`` / ``n_<name>`` for each {name: sentence indices} subset (F1 only if non-empty)."""
+    res = ner_scores(gold, pred)
+    out = {"f1": 100 * res["f1"], "precision": 100 * res["precision"], "recall": 100 * res["recall"],
+           "n_sentences": len(gold)}
+    for name, idx in (subsets or {}).items():
+        idx = list(idx)
+        if idx:
+            out[f"f1_{name}"] = 100 * ner_scores([gold[i] for i in idx], [pred[i] for i in idx])["f1"]
+        out[f"n_{name}"] = len(idx)
+    return out
+
+
 def normalize_answer(s: str) -> str:
     """Lower case, drop punctuation and the articles a/an/the, collapse whitespace (SQuAD v1.1)."""
     s = s.lower()

@@ -25,7 +25,7 @@ import optax
 from jsteer.data import ner as ner_lib
 from jsteer.kala import data as kdata
 from jsteer.kala.graph import flatten_graphs
-from jsteer.kala.metrics import ner_scores
+from jsteer.kala.metrics import ner_report
 from jsteer.kala.model import KalaModel
 from jsteer.train import OptimizerConfig, Trainer, data_mesh, make_optimizer, resolve_labels
 
@@ -226,17 +226,7 @@ def evaluate_ner(model: KalaModel, params: dict, examples: Sequence[dict], gold_
                  label_names: Sequence[str], batch_size: int = 64, subsets: Optional[dict] = None) -> dict:
     """Entity-level scores (percent) overall and on optional {name: example indices} subsets."""
     preds = predict_ner(model, params, examples, batch_size)
-    tags = [[label_names[int(p)] for p in ps] for ps in preds]
-    res = ner_scores(gold_tags, tags)
-    out = {"f1": 100 * res["f1"], "precision": 100 * res["precision"], "recall": 100 * res["recall"],
-           "n_sentences": len(examples)}
-    for name, idx in (subsets or {}).items():
-        idx = list(idx)
-        if idx:
-            s = ner_scores([gold_tags[i] for i in idx], [tags[i] for i in idx])
-            out[f"f1_{name}"] = 100 * s["f1"]
-        out[f"n_{name}"] = len(idx)
-    return out
+    return ner_report(gold_tags, [[label_names[int(p)] for p in ps] for ps in preds], subsets)
 
 
 def count_params(tree) -> int:

@@ -27,7 +27,7 @@ import optax
 from jsteer.data import ner as ner_lib
 from jsteer.kala import data as kdata
 from jsteer.kala import train as kala_train
-from jsteer.kala.metrics import ner_scores
+from jsteer.kala.metrics import ner_report
 from jsteer.kala.model import KalaModel
 from jsteer.kala.train import FitResult, TrainConfig, count_params, optimizer_config, task_keys
 from jsteer.kala.variants.registry import extra_keys
@@ -145,13 +145,4 @@ def evaluate_ner(model, params: dict, examples: Sequence[dict], gold_tags: Seque
     """Entity-level scores in percent (as :func:`jsteer.kala.train.evaluate_ner`), overall and
     on optional {name: example indices} subsets."""
     preds = predict_ner(model, params, examples, batch_size)
-    tags = [[label_names[int(p)] for p in ps] for ps in preds]
-    res = ner_scores(gold_tags, tags)
-    out = {"f1": 100 * res["f1"], "precision": 100 * res["precision"], "recall": 100 * res["recall"],
-           "n_sentences": len(examples)}
-    for name, idx in (subsets or {}).items():
-        idx = list(idx)
-        if idx:
-            out[f"f1_{name}"] = 100 * ner_scores([gold_tags[i] for i in idx], [tags[i] for i in idx])["f1"]
-        out[f"n_{name}"] = len(idx)
-    return out
+    return ner_report(gold_tags, [[label_names[int(p)] for p in ps] for ps in preds], subsets)
