@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import NEG_INF, ModelOutput
 from jsteer.backbones.dropout import Dropout
 from jsteer.hooks import Hooks, apply_embed, apply_film
@@ -284,13 +285,11 @@ class BertSelfAttention(nn.Module):
         init = _dense_init(c)
         qkv = nn.DenseGeneral((3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype,
                               param_dtype=jnp.float32, name="qkv")(h)  # [B, T, 3, N, H]
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-        if bias is not None:
-            scores = scores + bias
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = Dropout(c.attention_dropout)(probs, deterministic=deterministic).astype(self.dtype)
-        ctx = jnp.einsum("BNTS,BSNH->BTNH", probs, v)
+        drop = Dropout(c.attention_dropout)
+        ctx = dot_product_attention(
+            qkv[:, :, 0, :, None], qkv[:, :, 1], qkv[:, :, 2], scale=1.0 / math.sqrt(c.head_dim),
+            bias=None if bias is None else bias[:, :, None],
+            dropout=lambda w: drop(w, deterministic=deterministic))[:, :, :, 0]  # [B, T, N, H]
         return nn.DenseGeneral(c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype,
                                param_dtype=jnp.float32, name="out")(ctx)
 

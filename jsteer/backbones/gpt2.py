@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, attention_slots, default_positions, eos_ids
+from jsteer.backbones.attention import dot_product_attention
+from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -172,13 +173,9 @@ class GPT2Attention(nn.Module):
         scale = cfg.head_dim ** -0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= float(self.layer_idx + 1)
-        scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) * scale
-        if bias is not None:
-            scores = scores + bias[:, None].astype(jnp.float32)
-        # where (not + mask): rows with no visible key (left pads) get uniform weights, never NaN
-        scores = jnp.where(visible[:, None], scores, NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        ctx = jnp.einsum("BNTS,BSNH->BTNH", probs, v).reshape(b, t, cfg.n_embd)
+        ctx = dot_product_attention(q[:, :, :, None], k, v, scale=scale, visible=visible[:, None, None],
+                                    bias=None if bias is None else bias[:, None, None].astype(jnp.float32))
+        ctx = ctx.reshape(b, t, cfg.n_embd)
         return _dense(cfg, cfg.n_embd, x.dtype, "c_proj")(ctx), new_kv
 
 

@@ -37,12 +37,12 @@ import math
 from typing import Any, Mapping, Optional, Tuple, Union
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsteer.backbones.base import KVCache, ModelOutput, NEG_INF, attention_slots, default_positions, eos_ids
+from jsteer.backbones.attention import dot_product_attention
+from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -276,15 +276,10 @@ class LlamaAttention(nn.Module):
             k = lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
             v = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
             new_kv = (k, v)
-        q = q.reshape(b, t, k_heads, n // k_heads, hd)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(hd)
-        if bias is not None:
-            scores = scores + bias[:, None, None].astype(jnp.float32)
-        # where (not +mask): rows with no visible key (pads) get uniform weights, never NaN
-        scores = jnp.where(visible[:, None, None], scores, NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(self.dtype)).reshape(b, t, n * hd)
+        out = dot_product_attention(q.reshape(b, t, k_heads, n // k_heads, hd), k, v.astype(self.dtype),
+                                    scale=1.0 / math.sqrt(hd), visible=visible[:, None, None],
+                                    bias=None if bias is None else bias[:, None, None].astype(jnp.float32))
+        out = out.reshape(b, t, n * hd)
         return _dense(c.hidden_size, c.o_bias, "o_proj", self.dtype, self.param_dtype)(out), new_kv
 
 

@@ -29,11 +29,11 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import flax.struct
-import jax
 import jax.numpy as jnp
 import jraph
 
-from jsteer.backbones.base import NEG_INF, ModelOutput
+from jsteer.backbones.attention import dot_product_attention
+from jsteer.backbones.base import ModelOutput
 from jsteer.backbones.bert import (ACTIVATIONS, BertConfig, BertEmbeddings, BertSelfAttention, QAHead,
                                    TokenClassificationHead, attention_bias)
 from jsteer.hooks import Hooks, apply_film
@@ -296,7 +296,6 @@ def mention_pool(h: Array, token_node: Array, num_nodes: int) -> Array:
 def masked_softmax_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
     """q/k/v [B, T, H, Dh], visible bool [B, T, T] -> [B, T, H, Dh]; rows with nothing visible
     give 0."""
-    scores = jnp.einsum("BTHd,BSHd->BHTS", q, k) / math.sqrt(q.shape[-1])
-    scores = jnp.where(visible[:, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1) * visible.any(-1)[:, None, :, None]
-    return jnp.einsum("BHTS,BSHd->BTHd", probs, v)
+    out = dot_product_attention(q[:, :, :, None], k, v, scale=1.0 / math.sqrt(q.shape[-1]),
+                                visible=visible[:, None, None])[:, :, :, 0]
+    return out * visible.any(-1)[:, :, None, None]
