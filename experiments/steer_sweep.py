@@ -1,0 +1,156 @@
+"""Held-out sweep of the sentiment steer's training recipe (rank, steps, lr, l2) on SmolLM2-135M.
+
+    .venv/bin/python experiments/steer_sweep.py --configs r1000,r32,r8,r8_s400,r1000_l1e-4
+
+Every config trains a sentiment steer from the hidden-state cache of ``steer_smollm2.py``
+(``--work``, same 1600 SST-5 texts) and is scored on the *held-out* neutral prompts of that run
+only (``prompts.held_out_select`` of its JSON; never the reported test prompts), dummy off, at
+steer values +-``--strengths`` x eps0: positivity (the MiniLM evaluator) and perplexity rise under
+the unsteered model, the same generation settings and seeds as the main run's strength choice.
+A config's summary follows the main run's rule (``steer_smollm2.SELECTION_RULE``): per
+direction the best positivity among values with a perplexity rise <= 30%, and their gap.
+Writes experiments/results/steer/sweep_smollm2.json (finished configs are skipped on rerun).
+
+Config names: ``r<rank>`` (``rfull``: a full-rank W), then optional ``_s<steps>``,
+``_lr<lr>``, ``_l<l2>``; defaults are the main run's (150 steps, lr 1e-2, l2 1e-6, init 1e-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import steer_common as C  # noqa: E402
+
+MAX_RISE = 0.3  # the main run's perplexity limit (issue 4's fluency target)
+
+
+def parse_config(name: str) -> dict:
+    """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4} over the defaults."""
+    m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+))*)", name)
+    if not m:
+        raise ValueError(f"bad config name {name!r}: want r<rank|full>[_s<steps>][_lr<lr>][_l<l2>]")
+    cfg = {"rank": None if m.group(1) == "full" else int(m.group(1)), "steps": 150, "lr": 1e-2, "l2": 1e-6}
+    for part in filter(None, m.group(2).split("_")):
+        if part.startswith("lr"):
+            cfg["lr"] = float(part[2:])
+        elif part.startswith("s"):
+            cfg["steps"] = int(part[1:])
+        else:
+            cfg["l2"] = float(part[1:])
+    return cfg
+
+
+def best_within_limit(table: dict, strengths, sign: float) -> tuple[float, dict]:
+    """The main run's per-direction rule: best positivity among values with rise <= MAX_RISE,
+    else the smallest rise. Returns (value, its row)."""
+    rows = [(v, table[f"{sign * v:+g}"]) for v in strengths]
+    ok = [(v, r) for v, r in rows if r["ppl_rise"] <= MAX_RISE]
+    if not ok:
+        return min(rows, key=lambda vr: (vr[1]["ppl_rise"], vr[0]))
+    return min(ok, key=lambda vr: (-sign * vr[1]["positivity"], vr[0]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="r1000,r32,r8")
+    ap.add_argument("--strengths", default="1,2,3,5")
+    ap.add_argument("--work", default="/tmp/steer_exp2")
+    ap.add_argument("--main-json", default=str(C.RESULTS / "smollm2.json"))
+    ap.add_argument("--out", default=str(C.RESULTS / "sweep_smollm2.json"))
+    ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--gen-batch", type=int, default=50)
+    args = ap.parse_args(argv)
+    configs = {n: parse_config(n) for n in args.configs.split(",")}
+    strengths = [float(x) for x in args.strengths.split(",")]
+
+    import jsteer
+    import steer_evaluators as EV
+    from jsteer.steer import head, train
+
+    main_res = json.loads(pathlib.Path(args.main_json).read_text())
+    sel = main_res["prompts"]["held_out_select"]
+    out_path = pathlib.Path(args.out)
+    res = json.loads(out_path.read_text()) if out_path.exists() else {}
+    res["setup"] = {"prompts": f"{len(sel)} held-out neutral prompts of {pathlib.Path(args.main_json).name}",
+                    "samples_per_prompt": args.samples, "max_new_tokens": 20, "top_p": 0.9, "seed": 0,
+                    "dummy": "off", "strengths": strengths, "max_ppl_rise": MAX_RISE,
+                    "texts": "the main run's sentiment cache (SST-5)", "init_scale": 1e-2, "eps0": 1e-3,
+                    "batch_size": 32, "tokens_per_batch": 768}
+    res.setdefault("configs", {})
+    lm = jsteer.load("smollm2-135m")
+    pos_clf = EV.get("sentiment", jsteer.load("minilm"))
+    emb = np.asarray(lm.output_embeddings(), np.float32)
+    cache = train.HiddenCache.load(str(pathlib.Path(args.work) / "cache_sentiment.npz"))
+
+    def evaluate(params, value):
+        eps = jnp.broadcast_to(jnp.asarray([value * 1e-3, 0.0], jnp.float32), (args.gen_batch, 2))
+        hooks = head.to_hooks(params, eps)
+        t0 = time.time()
+        samples = C.sample(lm, lambda b: hooks if b == args.gen_batch else head.to_hooks(
+            params, jnp.broadcast_to(eps[:1], (b, 2))), sel, args.samples, seed=0, batch=args.gen_batch)
+        m = C.summarize(lm, pos_clf, None, sel, samples)
+        m["seconds"] = time.time() - t0
+        m["example"] = sel[0] + " ||| " + samples[0][0]
+        return m
+
+    if "base" not in res:
+        zero = head.init(jnp.zeros((2,), jnp.uint32), emb.shape[1], 2, rank=8, scale=0.0)
+        res["base"] = evaluate(zero, 0.0)
+        C.write_json(out_path, res)
+    base_ppl = res["base"]["ppl_mean"]
+    C.log("base", {k: round(v, 3) for k, v in res["base"].items() if isinstance(v, float)})
+
+    def choose(row):
+        pv, pr = best_within_limit(row["table"], strengths, 1.0)
+        nv, nr = best_within_limit(row["table"], strengths, -1.0)
+        row["chosen"] = {"positive": pv, "negative": nv, "positivity_pos": pr["positivity"],
+                         "positivity_neg": nr["positivity"], "gap": pr["positivity"] - nr["positivity"]}
+
+    # the main run's steer (r1000, 150 steps), already scored on these prompts by its strength choice
+    sel_table = main_res["strength_selection"]["sentiment"]
+    if all(f"off/s{sg * v:+g}" in sel_table for v in strengths for sg in (1, -1)):
+        row = {"config": {"rank": 1000, "steps": 150, "lr": 1e-2, "l2": 1e-6},
+               "W_fro_norm": main_res["training"]["sentiment"]["W_fro_norm"]["steer"],
+               "source": "steer_smollm2.py strength_selection (dummy off)",
+               "table": {f"{sg * v:+g}": sel_table[f"off/s{sg * v:+g}"] for v in strengths for sg in (1, -1)}}
+        choose(row)
+        res["configs"]["main_run"] = row
+
+    for name, cfg in configs.items():
+        if name in res["configs"]:
+            continue
+        tcfg = train.TrainConfig(rank=cfg["rank"], steps=cfg["steps"], lr=cfg["lr"], l2=cfg["l2"], init_scale=1e-2,
+                                 batch_size=32, tokens_per_batch=768, log_every=25)
+        params, hist = train.train(cache, emb, tcfg)
+        w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
+        row = {"config": cfg, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
+               "W_fro_norm": float(np.linalg.norm(w[0])), "table": {}}
+        for v in strengths:
+            for sgn in (1.0, -1.0):
+                m = evaluate(params, sgn * v)
+                m["ppl_rise"] = m["ppl_mean"] / base_ppl - 1
+                row["table"][f"{sgn * v:+g}"] = m
+                C.log(name, f"{sgn * v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
+        choose(row)
+        res["configs"][name] = row
+        C.log(name, row["chosen"])
+        C.write_json(out_path, res)
+    print("\n| config | W norm | + value | positivity | - value | positivity | gap |\n|---|---|---|---|---|---|---|")
+    for name, row in res["configs"].items():
+        c = row["chosen"]
+        print(f"| {name} | {row['W_fro_norm']:.0f} | +{c['positive']:g} | {c['positivity_pos']:.2f} | "
+              f"-{c['negative']:g} | {c['positivity_neg']:.2f} | {c['gap']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
