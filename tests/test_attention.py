@@ -31,9 +31,12 @@ def test_matches_numpy_softmax_attention(kh, g):
     v = rng.normal(size=(b, s, kh, h)).astype(np.float32)
     bias = rng.normal(size=(b, 1, 1, t, s)).astype(np.float32)
     visible = rng.random((b, 1, 1, t, s)) > 0.3
+    per_group = rng.normal(size=(1, kh, g, 1, s)).astype(np.float32)  # broadcast over queries only
     visible[0, 0, 0, 2] = False  # a row with no visible key: uniform weights, not NaN
     out = np.asarray(jax.jit(lambda *a: dot_product_attention(*a, scale=h ** -0.5, bias=bias, visible=visible))(q, k, v))
     want = reference(q, k, v, h ** -0.5, bias, visible)
+    out2 = np.asarray(dot_product_attention(q, k, v, scale=h ** -0.5, bias=per_group, visible=visible))
+    np.testing.assert_allclose(out2, reference(q, k, v, h ** -0.5, per_group, visible), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[0, 2], np.broadcast_to(v[0].mean(0)[:, None], (kh, g, h)), atol=2e-5)
@@ -45,10 +48,11 @@ def test_dropout_on_unnormalised_weights_equals_dropout_on_probabilities():
     q = rng.normal(size=(b, t, kh, 1, h)).astype(np.float32)
     k = rng.normal(size=(b, s, kh, h)).astype(np.float32)
     v = rng.normal(size=(b, s, kh, h)).astype(np.float32)
-    keep = rng.random((b, kh, 1, t, s)) > rate
+    keep = rng.random((b, kh, t, s)) > rate  # the weights reach dropout as [B,K,G*T,S]
     drop = lambda w: jnp.where(keep, w / (1.0 - rate), 0.0)
     out = np.asarray(dot_product_attention(q, k, v, scale=0.3, dropout=drop))
-    np.testing.assert_allclose(out, reference(q, k, v, 0.3, keep=keep, rate=rate), atol=2e-5, rtol=2e-5)
+    want = reference(q, k, v, 0.3, keep=keep[:, :, None], rate=rate)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
 def test_gradients_match_jax_reference():

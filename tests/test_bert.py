@@ -409,3 +409,13 @@ def test_eval_shape_bert_base():
     out = jax.eval_shape(lambda p, i: module.apply({"params": p}, i, output_hidden_states=True), shapes, ids)
     assert out.logits.shape == (2, 128, 30522) and out.hidden.shape == (2, 128, 768)
     assert len(out.hidden_states) == 13
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "quick_gelu", "relu", "silu"])
+def test_activations_match_torch(name):
+    x = np.linspace(-12.0, 12.0, 20001, dtype=np.float32)
+    got = np.asarray(jb.ACTIVATIONS[name](jnp.asarray(x)))
+    want = transformers.activations.ACT2FN[name](torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
+    if name == "gelu":  # the erf form keeps bf16 inputs in bf16
+        assert jb.ACTIVATIONS[name](jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import NEG_INF, ModelOutput
+from jsteer.backbones.base import NEG_INF, ModelOutput, gelu_exact
 from jsteer.backbones.dropout import Dropout
+from jsteer.backbones.matmul import Dense, DenseGeneral
 from jsteer.hooks import Hooks, apply_embed, apply_film
 
 Array = jnp.ndarray
@@ -52,12 +53,12 @@ def _quick_gelu(x):
 
 
 ACTIVATIONS: Dict[str, Callable[[Array], Array]] = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_python": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_exact,
+    "gelu_python": gelu_exact,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_10": lambda x: jnp.clip(jax.nn.gelu(x, approximate=False), -10.0, 10.0),
+    "gelu_10": lambda x: jnp.clip(gelu_exact(x), -10.0, 10.0),
     "quick_gelu": _quick_gelu,
     "relu": jax.nn.relu,
     "relu6": jax.nn.relu6,
@@ -283,15 +284,15 @@ class BertSelfAttention(nn.Module):
     def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
         c = self.config
         init = _dense_init(c)
-        qkv = nn.DenseGeneral((3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype,
-                              param_dtype=jnp.float32, name="qkv")(h)  # [B, T, 3, N, H]
+        qkv = DenseGeneral((3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype,
+                           param_dtype=jnp.float32, name="qkv")(h)  # [B, T, 3, N, H]
         drop = Dropout(c.attention_dropout)
         ctx = dot_product_attention(
             qkv[:, :, 0, :, None], qkv[:, :, 1], qkv[:, :, 2], scale=1.0 / math.sqrt(c.head_dim),
             bias=None if bias is None else bias[:, :, None],
             dropout=lambda w: drop(w, deterministic=deterministic))[:, :, :, 0]  # [B, T, N, H]
-        return nn.DenseGeneral(c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype,
-                               param_dtype=jnp.float32, name="out")(ctx)
+        return DenseGeneral(c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype,
+                            param_dtype=jnp.float32, name="out")(ctx)
 
 
 class BertLayer(nn.Module):
@@ -316,10 +317,10 @@ class BertLayer(nn.Module):
         a = drop(a, deterministic=deterministic)
         a = _ln(_norm(c, "attention_norm"), a + h, self.dtype)
         a = apply_film(a, hooks, self.layer_index, "in")
-        f = nn.Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
-                     name="ffn_in")(a)
+        f = Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
+                  name="ffn_in")(a)
         f = ACTIVATIONS[c.hidden_act](f)
-        f = nn.Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
+        f = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
         f = drop(f, deterministic=deterministic)
         out = _ln(_norm(c, "ffn_norm"), f + a, self.dtype)
         return apply_film(out, hooks, self.layer_index, "out")
@@ -373,8 +374,8 @@ class MLMHead(nn.Module):
     def __call__(self, h: Array, word_embedding: Optional[Array] = None) -> Array:
         c = self.config
         init = _dense_init(c)
-        x = nn.Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
-                     name="transform")(h)
+        x = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
+                  name="transform")(h)
         act = ACTIVATIONS["gelu"] if c.layout == "roberta" else ACTIVATIONS[c.hidden_act]
         x = _ln(_norm(c, "norm"), act(x), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), jnp.float32)
@@ -384,8 +385,8 @@ class MLMHead(nn.Module):
             logits = jnp.einsum("BTD,VD->BTV", x, word_embedding.astype(self.dtype),
                                 preferred_element_type=jnp.float32)
         else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, kernel_init=init, dtype=self.dtype,
-                              param_dtype=jnp.float32, name="decoder")(x)
+            logits = Dense(c.vocab_size, use_bias=False, kernel_init=init, dtype=self.dtype,
+                           param_dtype=jnp.float32, name="decoder")(x)
         return logits.astype(jnp.float32) + bias
 
 
@@ -401,8 +402,8 @@ class TokenClassificationHead(nn.Module):
         c = self.config
         rate = c.hidden_dropout if c.classifier_dropout is None else c.classifier_dropout
         h = Dropout(rate)(h, deterministic=deterministic)
-        return nn.Dense(self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32,
-                        name="classifier")(h).astype(jnp.float32)
+        return Dense(self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32,
+                     name="classifier")(h).astype(jnp.float32)
 
 
 class QAHead(nn.Module):
@@ -413,8 +414,8 @@ class QAHead(nn.Module):
 
     @nn.compact
     def __call__(self, h: Array) -> Array:
-        return nn.Dense(2, kernel_init=_dense_init(self.config), dtype=self.dtype, param_dtype=jnp.float32,
-                        name="qa")(h).astype(jnp.float32)
+        return Dense(2, kernel_init=_dense_init(self.config), dtype=self.dtype, param_dtype=jnp.float32,
+                     name="qa")(h).astype(jnp.float32)
 
 
 class BertModel(nn.Module):

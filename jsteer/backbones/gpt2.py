@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids
+from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids, gelu_exact
+from jsteer.backbones.matmul import Dense
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -35,7 +36,7 @@ _ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_exact,
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "swish": jax.nn.silu,
@@ -138,8 +139,8 @@ def _visibility(key_mask: Array, q_slots: Array, k_slots: Array) -> Array:
 
 
 def _dense(config: GPT2Config, features: int, dtype, name: str, use_bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(config.initializer_range), name=name)
+    return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
+                 kernel_init=nn.initializers.normal(config.initializer_range), name=name)
 
 
 def _layer_norm(config: GPT2Config, x: Array, name: str) -> Array:

@@ -43,6 +43,7 @@ from jax import lax
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids
+from jsteer.backbones.matmul import Dense
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
@@ -246,8 +247,8 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def _dense(features: int, bias: bool, name: str, dtype, param_dtype) -> nn.Dense:
-    return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, name=name,
-                    kernel_init=nn.initializers.normal(0.02))
+    return Dense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, name=name,
+                 kernel_init=nn.initializers.normal(0.02))
 
 
 class LlamaAttention(nn.Module):
@@ -376,8 +377,8 @@ class LlamaForCausalLM(nn.Module):
         if c.tie_word_embeddings:
             logits = embed.attend(h)
         else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                              kernel_init=nn.initializers.normal(0.02), name="lm_head")(h)
+            logits = Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                           kernel_init=nn.initializers.normal(0.02), name="lm_head")(h)
 
         new_cache = None
         if cache is not None:

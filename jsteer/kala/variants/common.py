@@ -34,6 +34,7 @@ import jraph
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ModelOutput
+from jsteer.backbones.matmul import Dense
 from jsteer.backbones.bert import (ACTIVATIONS, BertConfig, BertEmbeddings, BertSelfAttention, QAHead,
                                    TokenClassificationHead, attention_bias)
 from jsteer.hooks import Hooks, apply_film
@@ -153,8 +154,8 @@ class BertLayerParts(nn.Module):
         c = self.config
         self.attention = BertSelfAttention(c, dtype=self.dtype)
         self.attention_norm = _layer_norm(c)
-        self.ffn_in = nn.Dense(c.intermediate_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
-        self.ffn_out = nn.Dense(c.hidden_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
+        self.ffn_in = Dense(c.intermediate_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
+        self.ffn_out = Dense(c.hidden_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
         self.ffn_norm = _layer_norm(c)
         self.drop = nn.Dropout(c.hidden_dropout)
 
