@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import jraph
 import numpy as np
 
+from jsteer.backbones.matmul import Dense
+
 Array = jnp.ndarray
 
 NEG = -1e9  # masked attention logit: exp(NEG - max) underflows to exactly 0 in fp32
@@ -276,11 +278,11 @@ class RelationalGATv2(nn.Module):
         here), senders/receivers int [E], sender_ok bool [N] (nodes that may send).
         Returns (new states [N, dim], attention weights [E])."""
         n = x.shape[0]
-        src = nn.Dense(self.dim, kernel_init=_glorot(), name="src")(x)
-        dst = nn.Dense(self.dim, kernel_init=_glorot(), name="dst")(x)
-        dst = dst + nn.Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(
+        src = Dense(self.dim, kernel_init=_glorot(), name="src")(x)
+        dst = Dense(self.dim, kernel_init=_glorot(), name="dst")(x)
+        dst = dst + Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(
             jax.lax.stop_gradient(ctx))
-        edge = nn.Dense(self.dim, kernel_init=_glorot(), name="rel")(rel)
+        edge = Dense(self.dim, kernel_init=_glorot(), name="rel")(rel)
         if relation_ids is not None:
             edge = edge[relation_ids]
         att = self.param("att", _glorot(), (1, self.dim))[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jsteer.backbones.matmul import Dense
 from jsteer.hooks import FiLM
 
 Array = jnp.ndarray
@@ -35,9 +36,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        x = nn.relu(nn.Dense(self.hidden, name="fc1")(x))
+        x = nn.relu(Dense(self.hidden, name="fc1")(x))
         init = nn.initializers.zeros if self.zero_init else nn.initializers.lecun_normal()
-        return nn.Dense(self.hidden, kernel_init=init, name="fc2")(x)
+        return Dense(self.hidden, kernel_init=init, name="fc2")(x)
 
 
 class KFM(nn.Module):
