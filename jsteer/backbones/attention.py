@@ -28,7 +28,7 @@ def _rows(m: Array, g: int, t: int) -> Array:
     bm, km, gm, tm, sm = m.shape
     if gm == 1 and tm == 1:
         return m.reshape(bm, km, 1, sm)
-    if gm == g and tm == t or g == 1:
+    if (gm == g and tm == t) or g == 1:
         return m.reshape(bm, km, gm * tm, sm)
     return jnp.broadcast_to(m, (bm, km, g, t, sm)).reshape(bm, km, g * t, sm)
 

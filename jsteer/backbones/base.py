@@ -1,4 +1,4 @@
-"""Types shared by all backbones: outputs and the decoder KV cache.
+"""Types shared by all backbones: outputs, the decoder KV cache, the activation table.
 
 Every backbone is a Flax linen module whose ``__call__`` returns :class:`ModelOutput`.
 
@@ -22,7 +22,7 @@ at their first real token (``hooks.position_ids`` overrides).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import flax.struct
 import jax
@@ -111,6 +111,29 @@ def gelu_exact(x: jax.Array) -> jax.Array:
     """x * Phi(x) via erf, as PyTorch computes it. jax.nn.gelu(approximate=False) goes through
     erfc, whose XLA:CPU expansion evaluates two branches: ~4x slower, same values in fp32."""
     return x * 0.5 * (1.0 + jax.lax.erf(x * 0.7071067811865476))
+
+
+def _quick_gelu(x):
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+# HF ``hidden_act`` / ``activation_function`` name -> function (the names transformers' ACT2FN uses).
+ACTIVATIONS: Dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": gelu_exact,
+    "gelu_python": gelu_exact,
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_10": lambda x: jnp.clip(gelu_exact(x), -10.0, 10.0),
+    "quick_gelu": _quick_gelu,
+    "relu": jax.nn.relu,
+    "relu6": jax.nn.relu6,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "linear": lambda x: x,
+}
 
 
 def eos_ids(eos_token_id) -> tuple[int, ...]:

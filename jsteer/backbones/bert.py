@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import NEG_INF, ModelOutput, gelu_exact
+from jsteer.backbones.base import ACTIVATIONS, NEG_INF, ModelOutput
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
 from jsteer.hooks import Hooks, apply_embed, apply_film
@@ -46,28 +46,6 @@ Array = jnp.ndarray
 
 # HF model_type -> layout. RoBERTa-style models share the RoBERTa key names and position rule.
 _LAYOUTS = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta"}
-
-
-def _quick_gelu(x):
-    return x * jax.nn.sigmoid(1.702 * x)
-
-
-ACTIVATIONS: Dict[str, Callable[[Array], Array]] = {
-    "gelu": gelu_exact,
-    "gelu_python": gelu_exact,
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_10": lambda x: jnp.clip(gelu_exact(x), -10.0, 10.0),
-    "quick_gelu": _quick_gelu,
-    "relu": jax.nn.relu,
-    "relu6": jax.nn.relu6,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "tanh": jnp.tanh,
-    "sigmoid": jax.nn.sigmoid,
-    "linear": lambda x: x,
-}
 
 
 @dataclasses.dataclass(frozen=True)

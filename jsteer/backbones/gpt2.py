@@ -26,22 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids, gelu_exact
+from jsteer.backbones.base import ACTIVATIONS, KVCache, ModelOutput, attention_slots, default_positions, eos_ids
 from jsteer.backbones.matmul import Dense
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
 
 Array = jnp.ndarray
 
-_ACTIVATIONS = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": gelu_exact,
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-}
+# the activation_function values GPT-2 configs use
+_ACTIVATIONS = {name: ACTIVATIONS[name] for name in
+                ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish", "quick_gelu")}
 
 
 @dataclasses.dataclass(frozen=True)
