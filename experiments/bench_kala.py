@@ -6,9 +6,11 @@ One process, the same CoNLL-2003 batches (MiniLM, batch 32, length-bucketed) for
 system. Steps of the systems are *interleaved* round by round (``--rounds`` x ``--steps``
 each), and the median step time is reported, so a machine shared with other jobs slows all
 of them alike. jsteer steps are the shared Trainer's jitted train step (AdamW, clipping),
-compiled before timing; HF PyTorch is ``BertForTokenClassification`` + ``torch.optim.AdamW``
-on the same weights (fp32, ``--torch-threads``, default the CPU count). On an accelerator the script also
-reports model FLOP utilisation against ``--peak-tflops``.
+compiled before timing; relational KALA runs twice, on the default graph buckets and on
+the same batches with ``--graph-rungs`` smaller ones (``TrainConfig.graph_rungs``). HF PyTorch
+is ``BertForTokenClassification`` + ``torch.optim.AdamW`` on the same weights (fp32,
+``--torch-threads``, default the CPU count). On an accelerator the script also reports model
+FLOP utilisation against ``--peak-tflops``.
 
 Writes experiments/results/kala/bench.json and bench.md.
 """
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=512)
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (accelerators)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--graph-rungs", type=int, default=2,
+                    help="also time relational KALA on the same batches with this many smaller graph buckets")
     ap.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
                     help="torch intra-op threads; match XLA's (1 under --xla_cpu_multi_thread_eigen=false)")
     ap.add_argument("--out", default=str(OUT / "bench.json"))
@@ -62,35 +66,54 @@ def main(argv=None) -> int:
                                   labels=ner_lib.CONLL2003_LABELS, scheme="iob1", train_size=args.examples,
                                   test_size=32)
     memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
-    batches = [kdata.device_batch(b) for _, b in kdata.batches(data.train, args.batch_size, shuffle=True,
-                                                              group_by_length=True)]
-    # one fixed shape for every system: the most common length bucket
-    shapes = [b["input_ids"].shape for b in batches]
-    common = max(set(shapes), key=shapes.count)
-    batches = [b for b in batches if b["input_ids"].shape == common][: args.steps]
-    gshapes = [(b["graph_entity"].shape, b["graph_senders"].shape) for b in batches]
-    batches = [b for b, g in zip(batches, gshapes) if g == gshapes[0]]
+    # the same example groups collated with the default graph buckets and with --graph-rungs
+    # smaller ones (same seed: same shuffled, length-grouped batches)
+    ladders = {0: [], args.graph_rungs: []}
+    for r in ladders:
+        ladders[r] = [kdata.device_batch(b) for _, b in kdata.batches(data.train, args.batch_size, shuffle=True,
+                                                                     group_by_length=True, graph_rungs=r)]
+    # one fixed shape for every system: the most common (length, graph buckets) of training batches
+    signature = lambda b: (b["input_ids"].shape, b["graph_entity"].shape, b["graph_senders"].shape,  # noqa: E731
+                           b["graph_mention"].shape)
+
+    def most_common(idx, bs):
+        sig = [signature(bs[i]) for i in idx]
+        top = max(set(sig), key=sig.count)
+        return [i for i, s in zip(idx, sig) if s == top]
+
+    pick = most_common(range(len(ladders[0])), ladders[0])
+    pick = most_common(pick, ladders[args.graph_rungs])[: args.steps]
+    batches = [ladders[0][i] for i in pick]
+    small = [ladders[args.graph_rungs][i] for i in pick]
+    common = batches[0]["input_ids"].shape
+    gshapes = {r: (bs[pick[0]]["graph_entity"].size, bs[pick[0]]["graph_senders"].size) for r, bs in ladders.items()}
+    real_graph = [float(np.mean([b[k].sum() for b in batches])) for k in ("graph_n_node", "graph_n_edge")]
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
 
     systems = {}
-    for method in ("finetune", "relational"):
+    relational_small = f"jsteer relational, graph_rungs={args.graph_rungs}"
+    for method, name, feed in (("finetune", "jsteer finetune", batches), ("relational", "jsteer relational", batches),
+                               ("relational", relational_small, small)):
+        if name == relational_small and args.graph_rungs == 0:
+            continue
         model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method=method), memory)
         cfg = ktrain.TrainConfig()
         tr = Trainer(ktrain.ner_loss(model), params, ktrain.optimizer_config(cfg, 1000),
                      mesh=data_mesh(jax.devices()[:1]), progress=False, exit_on_preempt=False)
+        own = [kdata.device_batch(b, model.kala.uses_knowledge) for b in feed]  # as ktrain.fit feeds them
         t = time.perf_counter()
-        jax.block_until_ready(tr.train_step(batches[0], 1000)["loss"])
+        jax.block_until_ready(tr.train_step(own[0], 1000)["loss"])
         compile_s = time.perf_counter() - t
 
-        def run(tr=tr):
+        def run(tr=tr, own=own):
             out = []
-            for b in batches:
+            for b in own:
                 t = time.perf_counter()
                 jax.block_until_ready(tr.train_step(b, 1000)["loss"])
                 out.append(time.perf_counter() - t)
             return out
 
-        systems[f"jsteer {method}"] = {"run": run, "compile_s": compile_s, "params": ktrain.count_params(params)}
+        systems[name] = {"run": run, "compile_s": compile_s, "params": ktrain.count_params(params)}
 
     if not args.no_torch:
         import torch
@@ -141,14 +164,17 @@ def main(argv=None) -> int:
     result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
               "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "torch_threads": None if args.no_torch else args.torch_threads, "batch": [args.batch_size, int(common[1])],
-              "graph_shape": [list(x) for x in gshapes[0]], "load_avg": os.getloadavg(), "systems": rows}
+              "graph_nodes_edges": {f"graph_rungs={r}": list(g) for r, g in gshapes.items()},
+              "graph_real_nodes_edges": real_graph, "load_avg": os.getloadavg(), "systems": rows}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     lines = [f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
              f"{result['platform']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}, XLA flags "
              f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
-             f"{args.rounds * len(batches)} interleaved steps.", "",
+             f"{args.rounds * len(batches)} interleaved steps. Graph: {real_graph[0]:.0f} nodes / "
+             f"{real_graph[1]:.0f} edges on average, padded to " + ", ".join(f"{g[0]} / {g[1]} (graph_rungs={r})" for r, g in gshapes.items())
+             + "; the most common shapes of training batches.", "",
              "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |",
              "|---|---|---|---|---|---|"]
     for k, r in rows.items():

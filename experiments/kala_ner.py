@@ -18,6 +18,8 @@ interrupted sweep resumes):
   KALA relational (KFM on the default layers 3 and 5 of MiniLM's 6). Table 1/2 + Table 11.
 - ``ablation``: relational KALA with only gamma or only beta (Table 3).
 - ``layers``: relational KALA with KFM on other layer sets (the layer-location sweep).
+- ``edrop``: relational / point-wise KALA with entity dropout 0.3 (``KalaConfig.entity_dropout``:
+  training nodes made null at random, as out-of-vocabulary test entities are).
 
 Every run also reports F1 on seen / unseen test contexts (Figure 4; see
 :meth:`jsteer.kala.pipeline.NERData.subsets`), training wall time, examples/s, and (seed 0 of
@@ -78,6 +80,8 @@ VARIANTS = {
              ("pointwise", dict(method="pointwise")), ("relational", dict(method="relational"))],
     "ablation": [("relational_gamma_only", dict(method="relational", use_beta=False)),
                  ("relational_beta_only", dict(method="relational", use_gamma=False))],
+    "edrop": [("relational_edrop", dict(method="relational", entity_dropout=0.3)),
+              ("pointwise_edrop", dict(method="pointwise", entity_dropout=0.3))],
     "layers": [("relational_L5", dict(method="relational", layers=(5,))),
                ("relational_L1", dict(method="relational", layers=(1,))),
                ("relational_L135", dict(method="relational", layers=(1, 3, 5)))],
@@ -211,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--kala-lr", type=float, default=1e-3)
+    ap.add_argument("--graph-rungs", type=int, default=0, help="TrainConfig.graph_rungs (smaller graph buckets)")
     ap.add_argument("--max-len", nargs="+", type=int, default=[128], help="one, or one per dataset")
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--variants", nargs="*", default=None,
@@ -263,7 +268,7 @@ def main(argv=None) -> int:
                 if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
                     continue
                 cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=lens[name],
-                                         batch_size=args.batch_size, seed=seed)
+                                         batch_size=args.batch_size, seed=seed, graph_rungs=args.graph_rungs)
                 model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
                                                      seed=seed)
                 t1 = time.time()
@@ -271,10 +276,15 @@ def main(argv=None) -> int:
                 log.unlink(missing_ok=True)
                 measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
                 fit = ktrain.fit(model, params, data.train, cfg, measure_memory=measure, log_path=log)
+                if fit.preempted:  # a truncated run is not a result
+                    print(f"{name} {variant} seed {seed}: stopped by SIGTERM after {fit.steps} steps; not recorded",
+                          flush=True)
+                    return 143
                 t2 = time.time()
                 scores = ktrain.evaluate_ner(model, fit.params, data.test, data.test_tags, data.labels,
                                              subsets=subsets)
                 run = {"group": group, "variant": variant, "seed": seed, "kala": dataclasses.asdict(model.kala),
+                       "graph_rungs": cfg.graph_rungs,
                        **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
                        "examples_per_second": fit.examples_per_second, "steps": fit.steps,
                        "median_step_seconds": fit.median_step_seconds,

@@ -221,6 +221,74 @@ def test_graph_buckets_per_length_bucket_and_shared_doubling():
     assert st["graph_mention"].size == rnd(4 * m32)
 
 
+def test_smaller_graph_rungs_shrink_nodes_and_edges_together():
+    from jsteer.kala.graph import stack_graphs
+
+    def graphs(n_node, n_edge, k=4):
+        g = ExampleGraph(entity=np.arange(1, n_node + 1, dtype=np.int32), senders=np.zeros(n_edge, np.int32),
+                         receivers=np.zeros(n_edge, np.int32), relation=np.ones(n_edge, np.int32), n_local=n_node)
+        tn = np.full((k, 6), -1, np.int32)
+        tn[:, 0] = 0
+        return [g] * k, tn
+
+    sizes = lambda st: (st["graph_entity"].size, st["graph_senders"].size, st["graph_mention"].size)  # noqa: E731
+    small = graphs(2, 5)  # needs 9 nodes, 20 edges, 4 mentioned nodes
+    assert sizes(stack_graphs(*small, 64, 256, 8)) == (64, 256, 8)  # smaller=0: the minima, as before
+    assert sizes(stack_graphs(*small, 64, 256, 8, smaller=1)) == (48, 192, 8)  # x 3/4
+    assert sizes(stack_graphs(*small, 64, 256, 8, smaller=2)) == (32, 128, 8)  # x 1/2; mentions stay
+    assert sizes(stack_graphs(*small, 64, 256, 8, smaller=4)) == (16, 64, 8)  # x 1/4
+    # the smallest rung where nodes *and* edges fit: 33 nodes need 3/4 of 64 although edges fit 1/4
+    assert sizes(stack_graphs(*graphs(8, 5), 64, 256, 8, smaller=4)) == (48, 192, 8)
+    # an overflowing batch doubles all three, whatever ``smaller`` is
+    assert sizes(stack_graphs(*graphs(2, 80), 64, 256, 8, smaller=2)) == (128, 512, 16)
+    st = stack_graphs(*small, 64, 256, 8, smaller=2)
+    assert st["graph_n_node"].sum() == 8 and st["graph_n_edge"].sum() == 20  # real counts kept
+    with pytest.raises(ValueError, match="smaller"):
+        stack_graphs(*small, 64, 256, 8, smaller=-1)
+
+
+def test_training_batches_carry_graphs_only_for_knowledge_models():
+    from jsteer.kala import train as ktrain
+
+    g = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
+                                    np.array([1], np.int32), 2))
+    ex = {"input_ids": np.array([2, 5, 6, 3], np.int32), "labels": np.array([0, 1, 0, 0], np.int32),
+          "graph": g, "token_node": np.array([-1, 0, 1, -1], np.int32), "token_entity": np.array([0, 1, 2, 0])}
+    cfg = ktrain.TrainConfig(batch_size=2)
+    for method, has_graph in (("finetune", False), ("relational", True)):
+        model = KalaModel(tiny_bert(), KalaConfig(method=method, num_entities=3), num_labels=2)
+        batch = next(iter(ktrain._Endless.for_model(model, [ex] * 4, cfg, "ner")))
+        assert ("graph_senders" in batch) == has_graph and "token_node" in batch
+
+
+def test_entity_dropout_nulls_nodes_in_training_only():
+    from jsteer.kala.model import drop_entities
+
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32,
+                     max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+    ids, mask, graph, tok = tiny_inputs()
+    kw = dict(method="relational", num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False, dropout=0.0)
+    model = KalaModel(cfg, KalaConfig(**kw, entity_dropout=0.99), num_labels=3)
+    plain = KalaModel(cfg, KalaConfig(**kw), num_labels=3)
+    p = init_params(plain, jax.random.PRNGKey(0))
+    ref = plain.apply({"params": p}, ids, mask, None, graph, tok)
+    np.testing.assert_array_equal(np.asarray(model.apply({"params": p}, ids, mask, None, graph, tok).logits),
+                                  np.asarray(ref.logits))  # deterministic: no entity dropout
+    # training: (with this key) every node dropped = the plain model on a graph of null entities
+    out = model.apply({"params": p}, ids, mask, None, graph, tok, deterministic=False,
+                      rngs={"dropout": jax.random.PRNGKey(3)})
+    null = graph._replace(nodes={"entity": jnp.zeros_like(graph.nodes["entity"])})
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(plain.apply({"params": p}, ids, mask, None, null,
+                                                                              tok).logits), atol=1e-6)
+    assert np.abs(np.asarray(out.logits - ref.logits)).max() > 1e-4
+    # the rate: about that fraction of nodes become null, the others keep their ids
+    big = graph._replace(nodes={"entity": jnp.arange(1, 20001, dtype=jnp.int32)})
+    ent = np.asarray(drop_entities(big, jax.random.PRNGKey(0), 0.3).nodes["entity"])
+    assert abs((ent == 0).mean() - 0.3) < 0.02 and np.all((ent == 0) | (ent == np.arange(1, 20001)))
+    with pytest.raises(ValueError, match="entity_dropout"):
+        KalaConfig(entity_dropout=1.0)
+
+
 # ------------------------------------------------------------------------------ KFM and model
 
 

@@ -4,7 +4,8 @@
                             [--corpus more.txt] [--strategy capitalised|frequent|both] [--spacy en_core_web_sm]
     jsteer kala train --train train.conll --graph graphs/ --out runs/kala [--test test.conll]
                       [--model minilm] [--method relational] [--layers 3 5] [--epochs 3] [--lr 5e-5]
-                      [--kala-lr 1e-4] [--batch-size 32] [--max-len 128] [--scheme iob1|iob2]
+                      [--kala-lr 1e-4] [--entity-dropout 0.3] [--batch-size 32] [--max-len 128]
+                      [--scheme iob1|iob2]
     jsteer kala eval --run runs/kala --test test.conll [--graph graphs/]
 
 ``train`` writes ``<out>/checkpoints`` (Orbax, resumable), ``<out>/log.jsonl`` (metrics),
@@ -52,6 +53,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--kala-lr", type=float, default=1e-4)
+    p.add_argument("--entity-dropout", type=float, default=0.0,
+                   help="rate of training graph nodes made null (as unseen test entities are)")
+    p.add_argument("--graph-rungs", type=int, default=0,
+                   help="smaller graph buckets batches may take: less padding, more compiled shapes (long runs)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--max-neighbors", type=int, default=4)
@@ -98,12 +103,12 @@ def _train(args) -> int:
                                   scheme=args.scheme, max_len=args.max_len, max_neighbors=args.max_neighbors,
                                   train_size=args.train_size)
     kala = KalaConfig(method=args.method, layers=tuple(args.layers) if args.layers else None,
-                      use_gamma=not args.no_gamma, use_beta=not args.no_beta)
+                      use_gamma=not args.no_gamma, use_beta=not args.no_beta, entity_dropout=args.entity_dropout)
     memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab) \
         if kala.uses_knowledge else None
     model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, kala, memory, seed=args.seed)
     cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, batch_size=args.batch_size, max_len=args.max_len,
-                             epochs=args.epochs, max_steps=args.max_steps, seed=args.seed)
+                             epochs=args.epochs, max_steps=args.max_steps, seed=args.seed, graph_rungs=args.graph_rungs)
     out = pathlib.Path(args.out)
     fit = ktrain.fit(model, params, data.train, cfg, checkpoint_dir=out / "checkpoints", log_path=out / "log.jsonl",
                      progress=sys.stderr.isatty())

@@ -22,7 +22,7 @@ import numpy as np
 from jsteer.data import ner as ner_lib
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
 from jsteer.kala.formats import Mention
-from jsteer.kala.graph import ExampleGraph, stack_graphs
+from jsteer.kala.graph import GRAPH_KEYS, ExampleGraph, stack_graphs
 
 LENGTH_BUCKETS = (32, 64, 128, 256, 384, 512)
 
@@ -90,12 +90,14 @@ def length_bucket(n: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> int:
 
 def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = None,
             keys: Sequence[str] = ("input_ids", "labels"),
-            graph_min: Union[tuple[int, ...], Mapping[int, tuple[int, ...]]] = (0, 0)) -> dict:
+            graph_min: Union[tuple[int, ...], Mapping[int, tuple[int, ...]]] = (0, 0),
+            graph_rungs: int = 0) -> dict:
     """Pad a list of encoded examples to [batch_size, length] arrays + a padded graph batch.
 
     Missing rows (a short last batch) are empty examples: no tokens, labels ignored, no graph.
-    ``graph_min``: smallest node / edge (/ mentioned-node) buckets, one tuple or one per length
-    bucket (see :func:`graph_buckets`).
+    ``graph_min``: node / edge (/ mentioned-node) buckets, one tuple or one per length bucket
+    (see :func:`graph_buckets`); ``graph_rungs``: how many smaller node / edge buckets a batch with
+    a small graph may take (``smaller`` of :func:`jsteer.kala.graph.stack_graphs`).
     Returns int32 NumPy arrays with a leading batch axis: "input_ids", "attention_mask", <keys>,
     "token_node" (node of the padded batch graph per token, -1 none), "token_entity", "example_mask" (1 for real
     rows) and the stacked graph arrays of :func:`jsteer.kala.graph.stack_graphs`.
@@ -125,7 +127,7 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     graphs = [e["graph"] for e in examples] + [ExampleGraph.empty()] * (batch_size - len(examples))
     if isinstance(graph_min, Mapping):
         graph_min = graph_min.get(t, (0, 0))
-    out.update(stack_graphs(graphs, out["token_node"], *graph_min))
+    out.update(stack_graphs(graphs, out["token_node"], *graph_min, smaller=graph_rungs))
     out["example_mask"] = (np.arange(batch_size) < len(examples)).astype(np.int32)
     return out
 
@@ -133,13 +135,14 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
 def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, seed: int = 0,
             keys: Sequence[str] = ("input_ids", "labels"), length: Optional[int] = None,
             group_by_length: bool = False,
-            graph_min: Union[None, tuple[int, ...], Mapping[int, tuple[int, ...]]] = None
-            ) -> Iterator[tuple[np.ndarray, dict]]:
+            graph_min: Union[None, tuple[int, ...], Mapping[int, tuple[int, ...]]] = None,
+            graph_rungs: int = 0) -> Iterator[tuple[np.ndarray, dict]]:
     """Yield (indices of the examples in the batch, collated batch). Without shuffle the order
     is the input order; the last batch is padded with empty rows. ``group_by_length`` (with
     shuffle): sort each run of 16 batches' worth of shuffled examples by length and shuffle the
-    resulting batches, so most batches land in a short length bucket. ``graph_min``: smallest
-    graph buckets, default :func:`graph_buckets` of the examples."""
+    resulting batches, so most batches land in a short length bucket. ``graph_min``: graph
+    buckets, default :func:`graph_buckets` of the examples; ``graph_rungs``: see
+    :func:`collate`."""
     graph_min = graph_buckets(examples, batch_size, length=length) if graph_min is None else graph_min
     order = np.arange(len(examples))
     rng = np.random.default_rng(seed)
@@ -154,7 +157,7 @@ def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, se
             groups += [np.asarray(part[k:k + batch_size]) for k in range(0, len(part), batch_size)]
         groups = [groups[i] for i in rng.permutation(len(groups))]
     for idx in groups:
-        yield idx, collate([examples[i] for i in idx], batch_size, length, keys, graph_min)
+        yield idx, collate([examples[i] for i in idx], batch_size, length, keys, graph_min, graph_rungs)
 
 
 def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[int] = LENGTH_BUCKETS,
@@ -197,6 +200,9 @@ def quarter_octave(n: int, minimum: int = 1) -> int:
     return -(-n // base) * base
 
 
-def device_batch(batch: Mapping) -> dict:
-    """The arrays a model step needs (drops host bookkeeping)."""
-    return {k: v for k, v in batch.items() if k not in ("word_index", "offsets")}
+def device_batch(batch: Mapping, graph: bool = True) -> dict:
+    """The arrays a model step needs (drops host bookkeeping; with ``graph=False`` also the
+    padded graph arrays, whose shapes would make a jitted step of a model that ignores them
+    recompile for every graph bucket)."""
+    drop = ("word_index", "offsets") + (() if graph else GRAPH_KEYS)
+    return {k: v for k, v in batch.items() if k not in drop}

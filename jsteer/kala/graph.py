@@ -160,7 +160,7 @@ GRAPH_KEYS = ("graph_entity", "graph_senders", "graph_receivers", "graph_relatio
 
 
 def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node_min: int = 0,
-                 n_edge_min: int = 0, n_mention_min: int = 0) -> dict[str, np.ndarray]:
+                 n_edge_min: int = 0, n_mention_min: int = 0, smaller: int = 0) -> dict[str, np.ndarray]:
     """:func:`batch_graphs` laid out with a leading batch axis (what the trainer's data
     sharding expects of every input): the padded node / edge arrays, whose bucket sizes are
     multiples of B, are reshaped to [B, n/B]::
@@ -173,8 +173,13 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
         (:func:`mention_positions`)
 
     Buckets: (max(B, ``n_node_min``), max(B, ``n_edge_min``), max(B, ``n_mention_min``)) x 2^k
-    with the smallest k that fits all three; a size whose minimum is 0 (not given) is instead
-    the smallest power-of-two multiple of B that fits. Rounded up to multiples of B.
+    with the smallest k >= 0 that fits all three; a size whose minimum is 0 (not given) is
+    instead the smallest power-of-two multiple of B that fits. Rounded up to multiples of B.
+    ``smaller`` > 0 lets a batch whose graph fits the minima take node / edge buckets of one of
+    ``smaller`` rungs below them instead (x 3/4, 1/2, 3/8, 1/4, ...: the smallest that fits; the
+    mentioned-node bucket stays): the GATv2 cost grows faster than linearly with the padded edge
+    count, and graph sizes within one length bucket spread over an order of magnitude. That
+    costs up to ``smaller`` more compiled shapes per minima tuple.
     :func:`flatten_graphs` restores the GraphsTuple inside jit.
     """
     b = len(graphs)
@@ -184,9 +189,19 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
     need = (sum(g.n_node for g in graphs) + 1, sum(g.n_edge for g in graphs), max(len(mentioned), 1))
     given = [m > 0 for m in (n_node_min, n_edge_min, n_mention_min)]
     mins = [max(m, b) for m in (n_node_min, n_edge_min, n_mention_min)]
-    # the given sizes double together, so overflowing batches take one shape, not a combination
-    doublings = max((int(np.ceil(np.log2(max(n / m, 1.0)))) for n, m, g in zip(need, mins, given) if g), default=0)
+    # the given sizes double together, so a batch takes one rung, not a combination; the smaller
+    # rungs shrink nodes and edges only (the mentioned-node bucket, cheap, stays)
+    if smaller < 0:
+        raise ValueError(f"smaller must be >= 0, got {smaller}")
+    rung = [int(np.ceil(np.log2(max(n, 1) / m))) if g else 0 for n, m, g in zip(need, mins, given)]
+    doublings = max(rung + [0])
     sizes = [m << doublings if g else m for m, g in zip(mins, given)]
+    if doublings == 0 and any(given[:2]):
+        for k in range(smaller, 0, -1):  # the smallest rung whose nodes and edges fit
+            shrunk = [_shrunk(m, k) if g else m for m, g in zip(mins[:2], given[:2])]
+            if all(s >= n for s, n in zip(shrunk, need[:2])):
+                sizes[:2] = shrunk
+                break
     sizes = [s if s >= n else bucket_size(n, s) for s, n in zip(sizes, need)]  # no min given / float rounding
     n_node, n_edge, n_mention = (_multiple(s, b) for s in sizes)
     graph, token_node = batch_graphs(graphs, token_nodes, n_node=n_node, n_edge=n_edge)
@@ -207,6 +222,12 @@ def mention_positions(mention: Array, token_node: Array) -> Array:
 
 def _multiple(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def _shrunk(m: int, k: int) -> int:
+    """Rung k below m: m x 3/4, 1/2, 3/8, 1/4, ... for k = 1, 2, 3, 4, ... (rounded up)."""
+    num = 3 if k % 2 else 4
+    return -(-m * num // (4 << (k // 2)))
 
 
 def flatten_graphs(batch) -> tuple[jraph.GraphsTuple, Array]:

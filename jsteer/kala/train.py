@@ -44,6 +44,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip_norm: Optional[float] = 1.0
     seed: int = 0
+    # smaller graph buckets training batches may take (stack_graphs' ``smaller``): less padding per
+    # step, one more compiled shape per rung and length bucket -- worth it for long runs only
+    graph_rungs: int = 0
 
     def total_steps(self, n_examples: int) -> int:
         per_epoch = -(-n_examples // self.batch_size)
@@ -134,22 +137,30 @@ def measure_step_memory(model: KalaModel, params: dict, examples: Sequence[dict]
     """:func:`step_memory_bytes` of the first batch :func:`fit` would train on, without training
     (same seed -> same examples and shapes for every method)."""
     loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
-    first = next(iter(_Endless(examples, cfg.batch_size, task_keys(task), cfg.seed)))
+    first = next(iter(_Endless.for_model(model, examples, cfg, task)))
     return step_memory_bytes(loss_fn, params, first, cfg, cfg.total_steps(len(examples)))
 
 
 class _Endless:
     """Epoch after epoch of shuffled, length-grouped, collated batches."""
 
-    def __init__(self, examples, batch_size, keys, seed):
+    def __init__(self, examples, batch_size, keys, seed, graph_rungs=0, graph=True):
         self.examples, self.batch_size, self.keys, self.seed = examples, batch_size, keys, seed
+        self.graph_rungs, self.graph = graph_rungs, graph
+
+    @classmethod
+    def for_model(cls, model: KalaModel, examples, cfg: TrainConfig, task: str) -> "_Endless":
+        """Graph arrays only for models that read them (and only then the halved buckets)."""
+        graph = model.kala.uses_knowledge
+        return cls(examples, cfg.batch_size, task_keys(task), cfg.seed, cfg.graph_rungs if graph else 0, graph)
 
     def __iter__(self):
         epoch = 0
         while True:
             for _, batch in kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
-                                          seed=self.seed * 1000 + epoch, keys=self.keys):
-                yield kdata.device_batch(batch)
+                                          seed=self.seed * 1000 + epoch, keys=self.keys,
+                                          graph_rungs=self.graph_rungs):
+                yield kdata.device_batch(batch, self.graph)
             epoch += 1
 
 
@@ -164,6 +175,7 @@ class FitResult:
     step_memory_bytes: Optional[int]
     trainable_params: int
     median_step_seconds: float = float("nan")  # robust to the steps that compiled a new shape
+    preempted: bool = False  # stopped early by SIGTERM (after saving a checkpoint when it has a directory)
 
 
 def task_keys(task: str) -> tuple[str, ...]:
@@ -182,7 +194,7 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     trainer = Trainer(loss_fn, params, optimizer_config(cfg, total), mesh=mesh or data_mesh(jax.devices()[:1]),
                       checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
                       log_every=max(total // 20, 1), seed=cfg.seed, progress=progress, exit_on_preempt=False)
-    stream = _Endless(examples, cfg.batch_size, task_keys(task), cfg.seed)
+    stream = _Endless.for_model(model, examples, cfg, task)
     losses, marks = [], []
 
     def on_step(step, metrics):
@@ -190,7 +202,7 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
         marks.append(time.perf_counter())
 
     t0 = time.perf_counter()
-    trainer.fit(iter(stream), total, on_step=on_step)
+    summary = trainer.fit(iter(stream), total, on_step=on_step)
     mem = None
     if measure_memory:
         first = next(iter(stream))
@@ -202,7 +214,7 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
                      compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
                      examples_per_second=ex_s, step_memory_bytes=mem, trainable_params=count_params(params),
-                     median_step_seconds=med)
+                     median_step_seconds=med, preempted=bool(summary["preempted"]))
 
 
 def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64
@@ -216,7 +228,7 @@ def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_
     preds: list = [None] * len(examples)
     for idx, batch in kdata.batches(examples, batch_size, keys=("input_ids", "labels", "word_index")):
         wi = batch["word_index"]
-        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch)), -1))
+        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)), -1))
         for r, i in enumerate(idx):
             preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
     return preds
@@ -245,7 +257,7 @@ def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], 
 
     out: list = [None] * len(features)
     for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa")):
-        lg = np.asarray(logits_fn(params, kdata.device_batch(batch)))
+        lg = np.asarray(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)))
         for r, i in enumerate(idx):
             out[i] = lg[r, :len(features[i]["input_ids"])]
     return out
