@@ -9,7 +9,9 @@ Measures, with the same weights on both sides (fp32):
 - one MiniLM token-classification training step on [32, 128] (AdamW; dropout on; HF
   ``BertForTokenClassification`` + ``torch.optim.AdamW`` vs jsteer + ``optax.adamw``).
 
-Compilation / warm-up calls are excluded; each number is the median of ``--reps`` timed calls.
+Compilation / warm-up calls are excluded; each number is the median of ``--reps`` timed calls,
+jsteer's and HF's interleaved (``speedup``: ratio of the medians; ``speedup_paired_median``: median
+of the per-pair ratios, the steadier of the two on a shared machine).
 PyTorch gets ``torch.set_num_threads(--threads)`` (default: all cores). Decoding is also
 compared with the memory-bandwidth bound: one decode step must read every parameter once, so
 tokens/s <= batch * bandwidth / param_bytes. On a GPU the bandwidth is ``--bandwidth`` (default
@@ -37,7 +39,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/bench_backbones.json")
     ap.add_argument("--quick", action="store_true", help="small shapes and 2 reps (smoke run)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 5; quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 7; quick 2)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)")
     ap.add_argument("--bandwidth", type=float, default=3.35e12,
                     help="accelerator memory bandwidth in bytes/s for the decode bound (default H100 SXM)")
@@ -51,7 +53,7 @@ def parse_args(argv=None):
         args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 8, 128, 64, (1, 8)
         args.mini_b, args.mini_t = 32, 128
     args.prompt_t = 16
-    args.reps = args.reps or (2 if args.quick else 5)
+    args.reps = args.reps or (2 if args.quick else 7)
     return args
 
 
@@ -71,6 +73,28 @@ def timed(fn, reps: int, warmup: int = 1) -> dict:
             "times_s": [round(t, 5) for t in times]}
 
 
+def timed_pair(fj, fh, reps: int) -> tuple[dict, dict | None]:
+    """:func:`timed` for jsteer's ``fj`` and HF's ``fh`` (None: jsteer only), their timed calls
+    interleaved (j, h, j, h, ...) so that a burst of load on this shared machine slows both
+    sides alike instead of one side's whole series; each dict also gets ``paired_ratio``s."""
+    if fh is None:
+        return timed(fj, reps), None
+    out = []
+    for fn in (fj, fh):  # first (compiling / warm-up) calls
+        t0 = time.perf_counter()
+        fn()
+        out.append({"first_call_s": time.perf_counter() - t0, "times": []})
+    for _ in range(reps):
+        for fn, o in zip((fj, fh), out):
+            t0 = time.perf_counter()
+            fn()
+            o["times"].append(time.perf_counter() - t0)
+    res = [{"median_s": statistics.median(o["times"]), "min_s": min(o["times"]), "first_call_s": o["first_call_s"],
+            "times_s": [round(t, 5) for t in o["times"]]} for o in out]
+    res[1]["paired_ratios"] = [round(h / j, 4) for j, h in zip(out[0]["times"], out[1]["times"])]
+    return res[0], res[1]
+
+
 _OUT: dict = {}  # what main() writes; refreshed after every case so a killed run keeps its numbers
 
 
@@ -87,6 +111,8 @@ def compare(name: str, results: dict, j: dict, h: dict | None, work: float | Non
     if h is not None:
         row["hf_torch"] = h
         row["speedup"] = h["median_s"] / j["median_s"]
+        if "paired_ratios" in h:  # median over the interleaved (jsteer, HF) pairs
+            row["speedup_paired_median"] = statistics.median(h["paired_ratios"])
         if work is not None:
             row[f"hf_{unit}"] = work / h["median_s"]
     results[name] = row
@@ -99,6 +125,8 @@ def compare(name: str, results: dict, j: dict, h: dict | None, work: float | Non
         if work is not None:
             msg += f" ({row[f'hf_{unit}']:8.1f} {unit})"
         msg += f" | speedup x{row['speedup']:.2f}"
+        if "speedup_paired_median" in row:
+            msg += f" (paired x{row['speedup_paired_median']:.2f})"
     print(msg, flush=True)
 
 
@@ -167,8 +195,7 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
     b, t = args.smol_b, args.smol_t
     ids = rng.integers(100, 40000, size=(b, t)).astype(np.int32)
     ids_j = jnp.asarray(ids)
-    j = timed(lambda: lm.forward(ids_j).logits.block_until_ready(), args.reps)
-    h = None
+    hf_fwd = None
     if hf is not None:
         ids_t = torch.from_numpy(ids.astype(np.int64))
 
@@ -176,7 +203,7 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
             with torch.inference_mode():
                 hf(ids_t).logits
 
-        h = timed(hf_fwd, args.reps)
+    j, h = timed_pair(lambda: lm.forward(ids_j).logits.block_until_ready(), hf_fwd, args.reps)
     compare(f"smollm2_forward_B{b}xT{t}", results, j, h)
 
     n = args.new_tokens
@@ -191,8 +218,7 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
             out.tokens.block_until_ready()
             assert int(out.lengths.min()) == n
 
-        j = timed(jx_decode, args.reps)
-        h = None
+        hf_decode = None
         if hf is not None:
             p_t = torch.from_numpy(prompt.astype(np.int64))
 
@@ -202,7 +228,7 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
                                       do_sample=False, pad_token_id=0)
                 assert out.shape[1] == args.prompt_t + n
 
-            h = timed(hf_decode, args.reps)
+        j, h = timed_pair(jx_decode, hf_decode, args.reps)
         name = f"smollm2_greedy{n}_batch{bs}"
         compare(name, results, j, h, work=bs * n, unit="tokens_per_s")
         bound = bs * bandwidth / param_bytes
@@ -249,14 +275,13 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
         hf_tc = transformers.BertForTokenClassification.from_pretrained(str(path), num_labels=labels).train()
         ids_t, mask_t, y_t = (torch.from_numpy(a.astype(np.int64)) for a in (ids, mask, y))
 
-    j = timed(lambda: lm.forward(ids_j, mask_j).hidden.block_until_ready(), args.reps)
-    h = None
+    hf_fwd = None
     if hf_enc is not None:
         def hf_fwd():
             with torch.inference_mode():
                 hf_enc(ids_t, attention_mask=mask_t).last_hidden_state
 
-        h = timed(hf_fwd, args.reps)
+    j, h = timed_pair(lambda: lm.forward(ids_j, mask_j).hidden.block_until_ready(), hf_fwd, args.reps)
     compare(f"minilm_forward_B{b}xT{t}", results, j, h)
 
     # token classification: encoder from MiniLM + fresh head, dropout on, AdamW
@@ -286,8 +311,7 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
         state["p"], state["s"], loss = step(state["p"], state["s"], k)
         loss.block_until_ready()
 
-    j = timed(jx_train, args.reps)
-    h = None
+    hf_train = None
     if hf_tc is not None:
         hopt = torch.optim.AdamW(hf_tc.parameters(), lr=5e-5, weight_decay=0.01)
         y_masked = torch.where(mask_t > 0, y_t, torch.full_like(y_t, -100))
@@ -298,7 +322,7 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
             hopt.step()
             hopt.zero_grad(set_to_none=True)
 
-        h = timed(hf_train, args.reps)
+    j, h = timed_pair(jx_train, hf_train, args.reps)
     compare(f"minilm_tokcls_train_step_B{b}xT{t}", results, j, h)
 
 
