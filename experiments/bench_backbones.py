@@ -76,7 +76,8 @@ def timed(fn, reps: int, warmup: int = 1) -> dict:
 def timed_pair(fj, fh, reps: int) -> tuple[dict, dict | None]:
     """:func:`timed` for jsteer's ``fj`` and HF's ``fh`` (None: jsteer only), their timed calls
     interleaved (j, h, j, h, ...) so that a burst of load on this shared machine slows both
-    sides alike instead of one side's whole series; each dict also gets ``paired_ratio``s."""
+    sides alike instead of one side's whole series. HF's dict also gets ``paired_ratios``
+    (HF time / jsteer time of each pair)."""
     if fh is None:
         return timed(fj, reps), None
     out = []
