@@ -117,6 +117,9 @@ def run_dataset(args) -> None:
                                      batch_size=args.batch_size, seed=seed)
             t1 = time.time()
             fit = vtrain.fit(model, params, train, cfg)
+            if fit.preempted:  # a truncated run is not a result
+                print(f"{method} seed {seed}: stopped by SIGTERM after {fit.steps} steps; not recorded", flush=True)
+                raise SystemExit(143)
             t2 = time.time()
             scores = vtrain.evaluate_ner(model, fit.params, test, data.test_tags, data.labels, subsets=subsets)
             run = {"method": method, "seed": seed, "config": dataclasses.asdict(model.kala), **scores,

@@ -537,3 +537,33 @@ def test_build_graph_ignores_labels(tmp_path):
     assert [(m.id, m.start) for m in ms[1]] == [("german", 1), ("eu", 5)]
     facts = formats.read_facts(tmp_path / "out_a" / "facts.jsonl")
     assert {(f.h, f.r, f.t) for f in facts} == {("eu", "near", "german"), ("german", "near", "eu")}
+
+
+def test_fit_reports_a_sigterm_as_preempted(monkeypatch):
+    """A run stopped by SIGTERM comes back marked, so experiment sweeps never record it as done."""
+    import os
+    import signal
+
+    from jsteer.kala import data as kdata
+    from jsteer.kala import train as ktrain
+
+    g = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
+                                    np.array([1], np.int32), 2))
+    ex = {"input_ids": np.array([2, 5, 6, 3], np.int32), "labels": np.array([0, 1, 0, 0], np.int32),
+          "graph": g, "token_node": np.array([-1, 0, 1, -1], np.int32), "token_entity": np.array([0, 1, 2, 0])}
+    model = KalaModel(tiny_bert(), KalaConfig(method="relational", num_entities=3), num_labels=2)
+    params = init_params(model, jax.random.PRNGKey(0))
+    cfg = ktrain.TrainConfig(batch_size=2, max_steps=6)
+    done = ktrain.fit(model, params, [ex] * 4, cfg)
+    assert not done.preempted and done.steps == 6
+    real, calls = kdata.device_batch, []
+
+    def batch_then_sigterm(batch, graph=True):
+        calls.append(1)
+        if len(calls) == 2:  # SIGTERM while the second batch is prepared
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(batch, graph)
+
+    monkeypatch.setattr(kdata, "device_batch", batch_then_sigterm)
+    cut = ktrain.fit(model, params, [ex] * 4, cfg)
+    assert cut.preempted and cut.steps < 6

@@ -113,7 +113,7 @@ def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: s
         marks.append(time.perf_counter())
 
     t0 = time.perf_counter()
-    trainer.fit(_endless(examples, cfg.batch_size, keys, cfg.seed), total, on_step=on_step)
+    summary = trainer.fit(_endless(examples, cfg.batch_size, keys, cfg.seed), total, on_step=on_step)
     mem = None
     if measure_memory:
         first = next(_endless(examples, cfg.batch_size, keys, cfg.seed))
@@ -124,7 +124,8 @@ def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: s
                      compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
                      examples_per_second=(n - 1) * cfg.batch_size / train_s if n > 1 else float("nan"),
                      step_memory_bytes=mem, trainable_params=count_params(params),
-                     median_step_seconds=float(np.median(np.diff(marks))) if n > 1 else float("nan"))
+                     median_step_seconds=float(np.median(np.diff(marks))) if n > 1 else float("nan"),
+                     preempted=bool(summary["preempted"]))
 
 
 def predict_ner(model, params: dict, examples: Sequence[dict], batch_size: int = 64) -> list[np.ndarray]:
