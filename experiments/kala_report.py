@@ -77,32 +77,32 @@ F1_TARGET = {"conll": 0.4, "ncbi": 1.0}
 TIME_TARGET = 0.15  # relational train wall time within 15% of fine-tuning
 
 
+def f1_target_line(d: str, res: dict, variant: str, name: str) -> str:
+    """``variant``'s F1 gain over fine-tuning on dataset ``d`` against the issue's target (mean
+    over seeds, paired per-seed differences); "" when no seed has both."""
+    diffs = paired(res, "finetune", variant)
+    if not diffs:
+        return ""
+    m, s = mean_std(diffs)
+    target = F1_TARGET[d]
+    sd = f" +- {s:.2f}" if s is not None else ""
+    per = ", ".join(f"{x:+.2f}" for x in diffs)
+    return (f"{DATASETS[d]} F1: {name} - fine-tuning = {m:+.2f}{sd} (per seed {per}; n={len(diffs)}); "
+            f"target >= +{target}: **{'met' if m >= target else 'missed'}**"
+            + ("" if len(diffs) >= 3 else " (fewer than 3 seeds: not meaningful)")
+            + ("; the gain is within one seed std of zero" if s is not None and abs(m) < s else ""))
+
+
 def target_lines(all_res: dict) -> str:
     """The issue's targets, each met / missed with the numbers: F1 gain of relational KALA (and
-    of its entity-dropout variant) over fine-tuning (mean over seeds, paired per-seed
-    differences), and train-time overhead."""
+    of its entity-dropout variant) over fine-tuning, and train-time overhead."""
     out = []
     for d, res in all_res.items():
-        for v, name in (("relational_edrop", "relational + entity dropout"),):
-            diffs = paired(res, "finetune", v)
-            if diffs:
-                m, s = mean_std(diffs)
-                sd = f" +- {s:.2f}" if s is not None else ""
-                out.append(f"{DATASETS[d]} F1: {name} - fine-tuning = {m:+.2f}{sd} (per seed "
-                           + ", ".join(f"{x:+.2f}" for x in diffs) + f"; n={len(diffs)}); target >= "
-                           f"+{F1_TARGET[d]}: **{'met' if m >= F1_TARGET[d] else 'missed'}**")
-        diffs = paired(res, "finetune", "relational")
-        if not diffs:
+        lines = [f1_target_line(d, res, "relational_edrop", "relational + entity dropout"),
+                 f1_target_line(d, res, "relational", "relational")]
+        out += [x for x in lines if x]
+        if not lines[1]:
             continue
-        m, s = mean_std(diffs)
-        target = F1_TARGET[d]
-        verdict = "met" if m >= target else "missed"
-        sd = f" +- {s:.2f}" if s is not None else ""
-        per = ", ".join(f"{x:+.2f}" for x in diffs)
-        out.append(f"{DATASETS[d]} F1: relational - fine-tuning = {m:+.2f}{sd} (per seed {per}; n={len(diffs)}); "
-                   f"target >= +{target}: **{verdict}**"
-                   + ("" if len(diffs) >= 3 else " (fewer than 3 seeds: not meaningful)")
-                   + (f"; the gain is within one seed std of zero" if s is not None and abs(m) < s else ""))
         t = [r for r in paired(res, "finetune", "relational", "train_seconds")]
         ft = mean_std([r["train_seconds"] for r in timed(runs_of(res, "finetune"))])[0]
         rel = mean_std([r["train_seconds"] for r in timed(runs_of(res, "relational"))])[0]

@@ -150,7 +150,7 @@ class _Endless:
 
     @classmethod
     def for_model(cls, model: KalaModel, examples, cfg: TrainConfig, task: str) -> "_Endless":
-        """Graph arrays only for models that read them (and only then the halved buckets)."""
+        """Graph arrays only for models that read them (and only for those the smaller graph buckets)."""
         graph = model.kala.uses_knowledge
         return cls(examples, cfg.batch_size, task_keys(task), cfg.seed, cfg.graph_rungs if graph else 0, graph)
 
