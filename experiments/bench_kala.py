@@ -68,10 +68,9 @@ def main(argv=None) -> int:
     memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
     # the same example groups collated with the default graph buckets and with --graph-rungs
     # smaller ones (same seed: same shuffled, length-grouped batches)
-    ladders = {0: [], args.graph_rungs: []}
-    for r in ladders:
-        ladders[r] = [kdata.device_batch(b) for _, b in kdata.batches(data.train, args.batch_size, shuffle=True,
-                                                                     group_by_length=True, graph_rungs=r)]
+    ladders = {r: [b for _, b in kdata.batches(data.train, args.batch_size, shuffle=True, group_by_length=True,
+                                                graph_rungs=r)]
+               for r in (0, args.graph_rungs)}
     # one fixed shape for every system: the most common (length, graph buckets) of training batches
     signature = lambda b: (b["input_ids"].shape, b["graph_entity"].shape, b["graph_senders"].shape,  # noqa: E731
                            b["graph_mention"].shape)
@@ -91,11 +90,10 @@ def main(argv=None) -> int:
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
 
     systems = {}
-    relational_small = f"jsteer relational, graph_rungs={args.graph_rungs}"
-    for method, name, feed in (("finetune", "jsteer finetune", batches), ("relational", "jsteer relational", batches),
-                               ("relational", relational_small, small)):
-        if name == relational_small and args.graph_rungs == 0:
-            continue
+    runs = [("finetune", "jsteer finetune", batches), ("relational", "jsteer relational", batches)]
+    if args.graph_rungs:
+        runs.append(("relational", f"jsteer relational, graph_rungs={args.graph_rungs}", small))
+    for method, name, feed in runs:
         model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method=method), memory)
         cfg = ktrain.TrainConfig()
         tr = Trainer(ktrain.ner_loss(model), params, ktrain.optimizer_config(cfg, 1000),
@@ -173,7 +171,8 @@ def main(argv=None) -> int:
              f"{result['platform']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}, XLA flags "
              f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
              f"{args.rounds * len(batches)} interleaved steps. Graph: {real_graph[0]:.0f} nodes / "
-             f"{real_graph[1]:.0f} edges on average, padded to " + ", ".join(f"{g[0]} / {g[1]} (graph_rungs={r})" for r, g in gshapes.items())
+             f"{real_graph[1]:.0f} edges on average, padded to "
+             + ", ".join(f"{g[0]} / {g[1]} (graph_rungs={r})" for r, g in gshapes.items())
              + "; the most common shapes of training batches.", "",
              "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |",
              "|---|---|---|---|---|---|"]
