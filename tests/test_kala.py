@@ -247,13 +247,18 @@ def test_smaller_graph_rungs_shrink_nodes_and_edges_together():
         stack_graphs(*small, 64, 256, 8, smaller=-1)
 
 
+def tiny_encoded_example() -> dict:
+    """One encoded NER example (4 tokens, two mentioned entities linked by one fact)."""
+    g = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
+                                    np.array([1], np.int32), 2))
+    return {"input_ids": np.array([2, 5, 6, 3], np.int32), "labels": np.array([0, 1, 0, 0], np.int32),
+            "graph": g, "token_node": np.array([-1, 0, 1, -1], np.int32), "token_entity": np.array([0, 1, 2, 0])}
+
+
 def test_training_batches_carry_graphs_only_for_knowledge_models():
     from jsteer.kala import train as ktrain
 
-    g = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
-                                    np.array([1], np.int32), 2))
-    ex = {"input_ids": np.array([2, 5, 6, 3], np.int32), "labels": np.array([0, 1, 0, 0], np.int32),
-          "graph": g, "token_node": np.array([-1, 0, 1, -1], np.int32), "token_entity": np.array([0, 1, 2, 0])}
+    ex = tiny_encoded_example()
     cfg = ktrain.TrainConfig(batch_size=2)
     for method, has_graph in (("finetune", False), ("relational", True)):
         model = KalaModel(tiny_bert(), KalaConfig(method=method, num_entities=3), num_labels=2)
@@ -547,10 +552,7 @@ def test_fit_reports_a_sigterm_as_preempted(monkeypatch):
     from jsteer.kala import data as kdata
     from jsteer.kala import train as ktrain
 
-    g = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
-                                    np.array([1], np.int32), 2))
-    ex = {"input_ids": np.array([2, 5, 6, 3], np.int32), "labels": np.array([0, 1, 0, 0], np.int32),
-          "graph": g, "token_node": np.array([-1, 0, 1, -1], np.int32), "token_entity": np.array([0, 1, 2, 0])}
+    ex = tiny_encoded_example()
     model = KalaModel(tiny_bert(), KalaConfig(method="relational", num_entities=3), num_labels=2)
     params = init_params(model, jax.random.PRNGKey(0))
     cfg = ktrain.TrainConfig(batch_size=2, max_steps=6)
