@@ -99,7 +99,8 @@ class Evaluator:
 
 def finetune(enc, texts, labels, epochs: float = 2.0, batch: int = 32, lr: float = 5e-5, head_lr: float = 1e-3,
              seed: int = 0, log_every: int = 20) -> tuple:
-    """Full fine-tune of MiniLM + logit head with jsteer.train.Trainer -> (params, history)."""
+    """Full fine-tune of MiniLM + logit head with jsteer.train.Trainer -> (params, history).
+    A SIGTERM exits (143) after the current step, so a cut evaluator is never saved."""
     from jsteer.train import OptimizerConfig, Trainer
 
     labels = np.asarray(labels, np.float32)
@@ -136,7 +137,7 @@ def finetune(enc, texts, labels, epochs: float = 2.0, batch: int = 32, lr: float
                           labels=lambda path, leaf: "head" if path[0] == "head" else "enc",
                           schedule="linear", warmup_steps=max(1, steps // 10), total_steps=steps,
                           weight_decay=0.01, clip_norm=1.0)
-    trainer = Trainer(loss_fn, params, opt, progress=False, log_every=log_every, seed=seed, exit_on_preempt=False)
+    trainer = Trainer(loss_fn, params, opt, progress=False, log_every=log_every, seed=seed)
     hist = {"step": [], "loss": [], "acc": []}
     t0 = time.time()
 

@@ -11,7 +11,6 @@ SRC is anything :func:`jsteer.load` accepts: ``minilm``, ``smollm2-135m``, an HF
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones import DECODER, ENCODER, Family, get_family
+from jsteer.backbones import DECODER, Family, get_family
 from jsteer.tokenizer import Tokenizer
 
 PathLike = str | os.PathLike

@@ -355,3 +355,20 @@ def test_each_variant_beats_plain_finetuning_when_knowledge_is_needed():
     assert f1["finetune"] < 50, f1
     for method in ("ernie", "kbert", "eae", "adapter"):
         assert f1[method] > f1["finetune"] + 20, f1
+
+
+def test_training_batches_carry_what_each_method_reads():
+    """Graph arrays only for models that read them (fine-tuning or K-BERT would recompile per
+    graph bucket); K-BERT's tree arrays for K-BERT."""
+    task = synthetic.make_task(0)
+    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                     max_position_embeddings=64)
+    tc = vtrain.TrainConfig(batch_size=4)
+    kg = task.knowledge_graph()
+    for method, has_graph in (("finetune", False), ("more_params", False), ("pointwise", True), ("ernie", True),
+                              ("kbert", False)):
+        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities))
+        train = task.encode("train", functools.partial(registry.encode_ner, method), kg=kg)[:8]
+        batch = next(iter(vtrain._stream(model, train, tc, "ner")))
+        assert ("graph_senders" in batch) == has_graph, method
+        assert set(kbert.TREE_KEYS) <= set(batch) if method == "kbert" else not set(kbert.TREE_KEYS) & set(batch)

@@ -235,3 +235,24 @@ def test_training_engines_agree(lm):
     assert np.abs(np.asarray(out["jsteer"][0]["p1"]) - np.asarray(init["p1"])).max() > 0.05  # it trained
     with pytest.raises(ValueError, match="unknown training engine"):
         train.train(cache, emb, train.TrainConfig(rank=4, steps=1, engine="torch"))
+
+
+def test_sigterm_ends_steer_training_instead_of_returning_a_cut_steer(lm, monkeypatch):
+    """The engine's preemption exit (143) after the current step: a sweep never records a cut run."""
+    import os
+    import signal
+
+    texts, values = toy.corpus(20, seed=1)
+    cache = train.cache_lm(lm, texts, values, batch_size=16)
+    real, calls = train.sample_batch, []
+
+    def batch_then_sigterm(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # SIGTERM while the second batch is drawn
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train, "sample_batch", batch_then_sigterm)
+    with pytest.raises(SystemExit) as stop:
+        train.train(cache, np.asarray(lm.output_embeddings()), train.TrainConfig(rank=4, steps=6, batch_size=4))
+    assert stop.value.code == 143 and len(calls) < 6

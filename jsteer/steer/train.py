@@ -342,6 +342,8 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
     Adam); "optax" runs a minimal jitted Adam loop (same math, no engine overhead).
     Returns (params, history) with history {"step": [...], "loss": [...], "seconds",
     "steps_per_s", "tokens_per_batch", "final_loss"} (seconds exclude compilation).
+    A SIGTERM stops the "jsteer" engine after the current step with ``sys.exit(143)`` (the
+    engine's preemption exit; nothing to checkpoint), so no caller mistakes a cut run for a steer.
     """
     if cache.num_texts == 0:
         raise ValueError("no training texts in the hidden cache")
@@ -378,7 +380,7 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
                               labels=lambda path, leaf: "steer" if path[0] == "steer" else "frozen",
                               schedule="constant", clip_norm=None, weight_decay=0.0)
         trainer = Trainer(cached_loss_fn(cfg), {"steer": params, "embedding": emb}, opt, progress=False,
-                          log_every=max(cfg.log_every, 1), seed=cfg.seed, exit_on_preempt=False)
+                          log_every=max(cfg.log_every, 1), seed=cfg.seed)
         trainer.fit(batches, cfg.steps, resume=False, on_step=lambda s, m: on_step(s - 1, m["loss"]))
         params = {k: jnp.asarray(x) for k, x in trainer.params["steer"].items()}
     elif cfg.engine == "optax":

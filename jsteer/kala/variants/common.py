@@ -13,8 +13,9 @@ memory initialisation, training engine and evaluation apply unchanged::
               in), "head": head tree, "kala": {"memory": [Ne, De], ...method parts}}
 
 Everything knowledge-related lives under ``"kala"`` so the harness' optimiser puts it in the
-``kala_lr`` group. ``model.kala`` is a :class:`VariantConfig` (``uses_knowledge`` is True, so the
-harness hands the model its graph and ``token_node``).
+``kala_lr`` group. ``model.kala`` is a :class:`VariantConfig` (``uses_knowledge`` is True but for
+K-BERT, whose knowledge arrives in its sentence tree: the harness hands the others their graph and
+``token_node``).
 
 Entities reach tokens as in KALA: ``token_node`` [B,T] points every mention token at its node of
 the batched graph (-1 outside mentions); ``graph.nodes["entity"]`` holds the node's entity id
@@ -91,7 +92,8 @@ class VariantConfig:
 
     @property
     def uses_knowledge(self) -> bool:
-        return True
+        """Whether the model reads the batch graph / ``token_node`` (K-BERT reads its tree extras)."""
+        return self.method != "kbert"
 
     def knowledge_layers(self, num_layers: int) -> tuple[int, ...]:
         """Chosen layers, checked; defaults: ERNIE / adapter the last layers as KALA ((3, 5) for

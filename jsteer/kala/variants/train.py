@@ -17,7 +17,7 @@ For KALA's own models (:class:`jsteer.kala.model.KalaModel`) this computes exact
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,14 +85,14 @@ def loss_fn(model, task: str = "ner") -> Callable:
     return ner if task == "ner" else qa
 
 
-def _endless(examples, batch_size: int, keys, seed: int) -> Iterator[dict]:
-    """Epoch after epoch of shuffled, length-grouped, collated batches (as the harness)."""
-    epoch = 0
-    while True:
-        for _, batch in kdata.batches(examples, batch_size, shuffle=True, group_by_length=True,
-                                      seed=seed * 1000 + epoch, keys=keys):
-            yield kdata.device_batch(batch)
-        epoch += 1
+def _stream(model, examples, cfg: TrainConfig, task: str):
+    """The harness' training batches (:class:`jsteer.kala.train._Endless`) with the model's
+    extra keys; graph arrays only for models that read them (a model that ignores them would
+    recompile its step for every graph bucket)."""
+    if isinstance(model, KalaModel):  # no extra keys
+        return kala_train._Endless.for_model(model, examples, cfg, task)
+    return kala_train._Endless(examples, cfg.batch_size, batch_keys(model, task), cfg.seed,
+                               graph=model.kala.uses_knowledge)
 
 
 def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *, log_path=None,
@@ -105,7 +105,6 @@ def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: s
     trainer = Trainer(loss, params, optimizer_config(cfg, total), mesh=mesh or data_mesh(jax.devices()[:1]),
                       checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
                       log_every=max(total // 20, 1), seed=cfg.seed, progress=progress, exit_on_preempt=False)
-    keys = batch_keys(model, task)
     losses, marks = [], []
 
     def on_step(step, metrics):
@@ -113,10 +112,11 @@ def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: s
         marks.append(time.perf_counter())
 
     t0 = time.perf_counter()
-    summary = trainer.fit(_endless(examples, cfg.batch_size, keys, cfg.seed), total, on_step=on_step)
+    stream = _stream(model, examples, cfg, task)
+    summary = trainer.fit(stream, total, on_step=on_step)
     mem = None
     if measure_memory:
-        first = next(_endless(examples, cfg.batch_size, keys, cfg.seed))
+        first = next(iter(stream))
         mem = kala_train.step_memory_bytes(loss, trainer.params, first, cfg, total)
     n = len(marks)
     train_s = marks[-1] - marks[0] if n > 1 else float("nan")
@@ -135,7 +135,7 @@ def predict_ner(model, params: dict, examples: Sequence[dict], batch_size: int =
     keys = batch_keys(model, "ner") + ("word_index",)
     for idx, batch in kdata.batches(examples, batch_size, keys=keys):
         wi = batch["word_index"]
-        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch)), -1))
+        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)), -1))
         for r, i in enumerate(idx):
             preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
     return preds
