@@ -22,7 +22,10 @@ Protocol (deviations from the paper, which used BERT, are listed in the JSON und
   (lambda multiplies the unit TE), ``row_norm`` (units of the mean input-embedding row norm,
   3.20 for SmolLM2-135M) or ``resid`` (units of the mean residual-stream norm after
   ``--layer`` at the predicting position, measured on the hold-out prompts only). PostTE re-ranks the plain model's scores by w * cos(E_v, TE), w tuned on the same
-  hold-out over 0..30. BTo inserts "the <type>" before the answer.
+  hold-out over 0..30. BTo inserts type words before the answer: "the <type>" (the paper's),
+  "the <type> of" or "the <type> called", the form chosen per relation on the same hold-out
+  (``probe.BTO_FORMS``; with "the <type>" alone a decoder continues "... born in the city" with
+  "of" or a comma, and BTo scored 0.001 macro P@1).
 * CPU budget: at most ``--max-test`` reported prompts per relation (seeded subsample); the
   hold-out is 5% of the full relation.
 * type switching (Table 6): Google-RE place-of-birth facts asked with the date-of-birth
@@ -236,15 +239,24 @@ def markdown(res: dict) -> str:
              *layer_selection_md(res['protocol'].get('layer_selection')),
              "## P@1 / P@10 per relation (paper Tables 4, 7, 8)", "",
              "| relation | n | " + " | ".join(f"{m} P@1" for m in METHODS) + " | " +
-             " | ".join(f"{m} P@10" for m in METHODS) + " | lambda | w |",
-             "|---|---:|" + "---:|" * (2 * len(METHODS)) + "---:|---:|"]
+             " | ".join(f"{m} P@10" for m in METHODS) + " | lambda | w | BTo form |",
+             "|---|---:|" + "---:|" * (2 * len(METHODS)) + "---:|---:|---|"]
     for g in res["relations"]:
         r = rep["per_group"][g]
         t = rep["tuning"][g]
         lines.append(f"| {g} | {r['n_test']} | " + " | ".join(f"{r[m]['P@1']:.3f}" for m in METHODS) + " | " +
-                     " | ".join(f"{r[m]['P@10']:.3f}" for m in METHODS) + f" | {t['lambda']:g} | {t['post_weight']:g} |")
+                     " | ".join(f"{r[m]['P@10']:.3f}" for m in METHODS) + f" | {t['lambda']:g} | {t['post_weight']:g} | "
+                     f"{r.get('BTo_form', '')} |")
     lines.append("| **macro** | | " + " | ".join(f"**{rep['macro'][m]['P@1']:.3f}**" for m in METHODS) + " | " +
-                 " | ".join(f"{rep['macro'][m]['P@10']:.3f}" for m in METHODS) + " | | |")
+                 " | ".join(f"{rep['macro'][m]['P@10']:.3f}" for m in METHODS) + " | | | |")
+    forms = rep.get("bto_forms", [])
+    if len(forms) > 1:
+        lines += ["", "BTo phrasing, hold-out macro P@1 per form (the form used per relation is its hold-out best):", "",
+                  "| form | hold-out macro P@1 | relations using it |", "|---|---:|---:|"]
+        for f in forms:
+            hold = [rep["tuning"][g]["bto_table"][f]["P@1"] for g in res["relations"] if "bto_table" in rep["tuning"][g]]
+            used = sum(rep["per_group"][g].get("BTo_form") == f for g in res["relations"])
+            lines.append(f"| {f} [MASK] | {np.mean(hold):.3f} | {used} |")
     lines += ["", "## Macro P@k", "", "| method | P@1 | P@10 | P@50 | P@100 |", "|---|---:|---:|---:|---:|"]
     for m in METHODS:
         p = rep["macro"][m]

@@ -118,6 +118,10 @@ def test_bad_prompts_are_counted_and_reported():
     assert probe.decoder_qualifies("X (born [MASK]).") and not probe.decoder_qualifies("X plays [MASK] music .")
     assert probe.decoder_prefix("X was born in [MASK] .") == "X was born in"
     assert probe.bto_text("X was born in [MASK] .", "City") == "X was born in the city [MASK] ."
+    assert probe.bto_text("X was born in [MASK] .", "Football_Position", "the {type} of") == \
+        "X was born in the football position of [MASK] ."
+    with pytest.raises(ValueError, match="no {type} slot"):
+        probe.bto_text("X was born in [MASK] .", "City", "the")
 
 
 def test_lama_loaders(shared_data):
@@ -228,6 +232,17 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
     for m in ("B", "BTo", "PostTE", "TE"):
         assert rep["macro"][m]["P@1"] == pytest.approx(np.mean([rep["per_group"][n][m]["P@1"] for n in g]))
     json.dumps(rep)   # JSON-able
+    # BTo's phrasing: the hold-out's best form (P@1, then mean P@10/50/100, then the earlier form) is
+    # the one reported, and its test scores are those of a run with that form alone
+    for name in g:
+        tun = rep["tuning"][name]
+        table = [tun["bto_table"][f] for f in probe.BTO_FORMS]
+        keys = [(t["P@1"], (t["P@10"] + t["P@50"] + t["P@100"]) / 3, -i) for i, t in enumerate(table)]
+        best = max(range(len(keys)), key=keys.__getitem__)
+        assert tun["bto_form"] == rep["per_group"][name]["BTo_form"] == probe.BTO_FORMS[best]
+        alone = probe.evaluate(pm, {name: g[name]}, {}, methods=("B", "BTo"), max_test=20, batch_size=16,
+                               bto_forms=(tun["bto_form"],))
+        assert alone["per_group"][name]["BTo"] == rep["per_group"][name]["BTo"]
 
 
 # ----------------------------------------------------------------------------- decoder

@@ -23,7 +23,10 @@ Scoring
   (P@k = rank < k), the PostTE ranks for a grid of weights, and the top-1 id.
 
 Methods (paper, Tables 4/7/8)
-  * B: plain prompt; * BTo: "the <type> [MASK]" (type words before the answer);
+  * B: plain prompt; * BTo: type words before the answer, "the <type> [MASK]" (the paper's)
+    or "the <type> of [MASK]" / "the <type> called [MASK]" (:data:`BTO_FORMS`), the form tuned
+    per relation on the hold-out like TE's lambda (a decoder rarely continues "... born in the
+    city" with the name, so the paper's form alone makes BTo a straw man there);
   * PostTE: scores + w * cos(E_v, TE), w tuned on the hold-out over 0..30;
   * TE: lambda * TE added at the [MASK] (MLM) / predicting position or all prompt tokens
     (decoders), lambda tuned on a 5% hold-out over 0..5 and reported on the rest.
@@ -63,6 +66,7 @@ MASK = "[MASK]"
 KS = (1, 10, 50, 100)
 LAMBDA_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 POST_GRID = (0.0, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0)
+BTO_FORMS = ("the {type}", "the {type} of", "the {type} called")  # the paper's first
 GOOGLE_RE_TEMPLATES = {
     "place_of_birth": "[X] was born in [Y] .",
     "date_of_birth": "[X] (born [Y]).",
@@ -167,10 +171,13 @@ def load_typed_dataset(root: str | pathlib.Path) -> dict[str, list[Prompt]]:
     return out
 
 
-def bto_text(text: str, type_name: str) -> str:
-    """BTo baseline prompt: "... the <type> [MASK] ..." (type words before the answer)."""
+def bto_text(text: str, type_name: str, form: str = BTO_FORMS[0]) -> str:
+    """BTo baseline prompt: ``form`` (with ``{type}``) before the answer, e.g. "... the city
+    [MASK] ..." or with "the {type} of": "... the city of [MASK] ..."."""
+    if "{type}" not in form:
+        raise ValueError(f"BTo form {form!r} has no {{type}} slot")
     word = type_name.replace("_", " ").lower()
-    return text.replace(MASK, f"the {word} {MASK}", 1)
+    return text.replace(MASK, f"{form.format(type=word)} {MASK}", 1)
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -661,7 +668,7 @@ def split_holdout(n: int, frac: float, seed: int, group: str) -> tuple[np.ndarra
 @dataclasses.dataclass
 class GroupData:
     examples: list[Example]
-    bto: list[Optional[int]]   # index into the BTo example list per example (None: skipped)
+    bto: list[list[Optional[int]]]  # per BTo form, per example: index into the BTo examples (None: skipped)
     holdout: np.ndarray        # global example indices
     test: np.ndarray
     offset: int                # global index of this group's first example
@@ -673,11 +680,12 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
              holdout: float = 0.05, max_test: Optional[int] = None, max_holdout: Optional[int] = None,
              seed: int = 0, batch_size: int = 32,
              methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"), log: Optional[Callable[[str], None]] = None,
-             layer: Optional[int] = None, lam_unit: float = 1.0) -> dict:
+             layer: Optional[int] = None, lam_unit: float = 1.0, bto_forms: Sequence[str] = BTO_FORMS) -> dict:
     """Probe every group (relation) with B / BTo / PostTE / TE and return a JSON-able report.
 
     groups: {name: prompts}; tes: {name: TE [D]} (a group without a TE is probed with B/BTo only);
-    type_names: {name: type} for BTo (default: each prompt's ``type_name``).
+    type_names: {name: type} for BTo (default: each prompt's ``type_name``); ``bto_forms``: the
+    BTo phrasings (:func:`bto_text`), one chosen per group on its hold-out.
     ``max_test`` caps the reported (non-hold-out) prompts per group (seeded subsample);
     ``max_holdout`` caps the hold-out (tiny runs only; the rest of the hold-out is not used).
     ``mode``/``layer``: where TE goes (see :func:`score_rows`); ``lam_unit``: lambda grid values
@@ -699,18 +707,19 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         sk = Skips()
         exs, _ = encode_prompts(prompts, model.tokenizer, kind, skips=sk)
         tname = (type_names or {}).get(name)
-        bto_idx: list[Optional[int]] = [None] * len(exs)
+        bto_idx: list[list[Optional[int]]] = [[None] * len(exs) for _ in bto_forms]
         if "BTo" in methods:
             sk_b = Skips()
-            for j, e in enumerate(exs):
-                t = tname or e.prompt.type_name
-                if not t:
-                    raise ValueError(f"group {name}: BTo needs a type name (type_names or Prompt.type_name)")
-                b, _ = encode_prompts([e.prompt], model.tokenizer, kind, skips=sk_b,
-                                      text_fn=lambda p, t=t: bto_text(p.text, t))
-                if b:
-                    bto_idx[j] = len(bto_examples)
-                    bto_examples.extend(b)
+            for f, form in enumerate(bto_forms):
+                for j, e in enumerate(exs):
+                    t = tname or e.prompt.type_name
+                    if not t:
+                        raise ValueError(f"group {name}: BTo needs a type name (type_names or Prompt.type_name)")
+                    b, _ = encode_prompts([e.prompt], model.tokenizer, kind, skips=sk_b,
+                                          text_fn=lambda p, t=t, form=form: bto_text(p.text, t, form))
+                    if b:
+                        bto_idx[f][j] = len(bto_examples)
+                        bto_examples.extend(b)
             skips_report[f"{name}/BTo"] = sk_b.report()
         hold, test = split_holdout(len(exs), holdout, seed, name)
         if max_holdout is not None:
@@ -777,22 +786,39 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
             predictions[n].append(entry)
 
     if "BTo" in methods:
-        b_idx, b_grp = [], []
+        def bto_ranks(rows):
+            """Gold ranks of (group, global example index, form) rows; a prompt whose BTo form
+            could not be encoded is a miss (same denominator as B)."""
+            at = [data[n].bto[f][i - data[n].offset] for n, i, f in rows]
+            ok = [k for k, x in enumerate(at) if x is not None]
+            ranks = np.full(len(rows), np.iinfo(np.int32).max, np.int64)
+            if ok:
+                rb = run(bto_examples, [at[k] for k in ok], np.zeros((len(ok), 1), np.float32), [0] * len(ok),
+                         te_table, post_grid=(0.0,))
+                ranks[ok] = rb.rank[:, 0]
+            return ranks, np.isin(np.arange(len(rows)), ok)
+
+        form_of = {n: 0 for n in data}
+        if len(bto_forms) > 1:  # the phrasing per group, on its hold-out
+            rows = [(n, i, f) for n, g in data.items() for f in range(len(bto_forms)) for i in g.holdout]
+            ranks, _ = bto_ranks(rows)
+            grp, form = np.array([r[0] for r in rows]), np.array([r[2] for r in rows])
+            for n, g in data.items():
+                if not len(g.holdout):
+                    continue
+                per = [ranks[(grp == n) & (form == f)] for f in range(len(bto_forms))]
+                f_star, table = choose(range(len(bto_forms)), per)
+                form_of[n] = int(f_star)
+                tuning.setdefault(n, {})["bto_form"] = bto_forms[form_of[n]]
+                tuning[n]["bto_table"] = {bto_forms[int(k)]: v for k, v in table.items()}
+        rows = [(n, i, form_of[n]) for n, g in data.items() for i in g.test]
+        ranks, ok = bto_ranks(rows)
+        grp = np.array([n for n, _, _ in rows])
         for n, g in data.items():
-            for i in g.test:
-                if g.bto[i - g.offset] is not None:
-                    b_idx.append(g.bto[i - g.offset])
-                    b_grp.append(n)
-        rb = run(bto_examples, b_idx, np.zeros((len(b_idx), 1), np.float32), [0] * len(b_idx), te_table,
-                 post_grid=(0.0,)) if b_idx else None
-        b_grp = np.array(b_grp)
-        for n, g in data.items():
-            sel = b_grp == n
-            n_ok, n_test = int(sel.sum()), len(g.test)
-            p = precision_at(rb.rank[sel, 0]) if n_ok else {f"P@{k}": 0.0 for k in KS}
-            # prompts whose BTo form could not be encoded count as misses (same denominator as B)
-            results[n]["BTo"] = {k: (v * n_ok / n_test if n_test else float("nan")) for k, v in p.items()}
-            results[n]["BTo_encoded"] = n_ok
+            sel = grp == n
+            results[n]["BTo"] = precision_at(ranks[sel]) if sel.any() else {f"P@{k}": float("nan") for k in KS}
+            results[n]["BTo_encoded"] = int(ok[sel].sum())
+            results[n]["BTo_form"] = bto_forms[form_of[n]]
 
     macro_all = {}
     for m in ("B", "BTo", "PostTE", "TE"):
@@ -800,7 +826,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
             macro_all[m] = macro({n: r[m] for n, r in results.items() if m in r and r["n_test"] > 0})
     return {"kind": kind, "mode": mode, "layer": layer, "lambda_unit": lam_unit,
             "identity": model.identity, "lambda_grid": list(lam_grid),
-            "post_grid": list(post_grid), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
+            "post_grid": list(post_grid), "bto_forms": list(bto_forms), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
             "seed": seed, "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
             "predictions": predictions}
 
