@@ -17,6 +17,10 @@ compared with the memory-bandwidth bound: one decode step must read every parame
 tokens/s <= batch * bandwidth / param_bytes. On a GPU the bandwidth is ``--bandwidth`` (default
 H100 SXM 3.35e12 B/s); on a CPU it is measured here (best of a jitted and a NumPy full read of
 a 1 GiB array, far larger than the caches), and both sides' fraction of that bound is reported.
+Each model's section starts with a matmul probe: one bare fp32 matmul of its FFN shape
+([B*T, D] x [D, F]) timed under jax and under torch, interleaved. Both backbones spend most of
+their time in such products, so the probe's ratio is about the ceiling of the backbone ratios on
+the machine at hand (it is what moves between VMs; see BUILD.md).
 
     python experiments/bench_backbones.py            # full sizes, writes out/bench_backbones.json
     python experiments/bench_backbones.py --quick    # smaller shapes, 2 reps (a smoke run)
@@ -157,6 +161,36 @@ def measure_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes / best
 
 
+def matmul_probe(name: str, results: dict, m: int, k: int, n: int, reps: int, use_torch: bool) -> None:
+    """Time one jitted fp32 [m, k] x [k, n] product under jax and under torch (same operands,
+    calls interleaved, 3 * reps each) and record GFLOP/s of the medians and their ratio."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    aj, bj = jnp.asarray(a), jnp.asarray(b)
+    mm = jax.jit(jnp.matmul)
+    fh = None
+    if use_torch:
+        import torch
+
+        at, bt = torch.from_numpy(a), torch.from_numpy(b)
+        fh = lambda: at @ bt  # noqa: E731
+    j, h = timed_pair(lambda: mm(aj, bj).block_until_ready(), fh, 3 * reps)
+    gflop = 2 * m * k * n / 1e9
+    row = {"shape": [m, k, n], "jax_gflops": gflop / j["median_s"]}
+    msg = f"{name:<32} jax {row['jax_gflops']:6.0f} GFLOP/s"
+    if h is not None:
+        row["torch_gflops"] = gflop / h["median_s"]
+        row["jax_over_torch"] = row["jax_gflops"] / row["torch_gflops"]
+        msg += f" | torch {row['torch_gflops']:6.0f} GFLOP/s | jax/torch x{row['jax_over_torch']:.2f}"
+    results[name] = row
+    _flush(results)
+    print(msg, flush=True)
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 
 
@@ -194,6 +228,8 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
     rng = np.random.default_rng(0)
     b, t = args.smol_b, args.smol_t
+    matmul_probe("matmul_probe_smollm2_ffn", results, b * t, lm.config.hidden_size, lm.config.intermediate_size,
+                 args.reps, use_torch)
     ids = rng.integers(100, 40000, size=(b, t)).astype(np.int32)
     ids_j = jnp.asarray(ids)
     hf_fwd = None
@@ -265,6 +301,8 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
     mask = np.ones((b, t), np.int32)
     mask[b // 2:, t * 3 // 4:] = 0  # some padding, as in real batches
     y = rng.integers(0, labels, size=(b, t)).astype(np.int32)
+    matmul_probe("matmul_probe_minilm_ffn", results, b * t, lm.config.hidden_size, lm.config.intermediate_size,
+                 args.reps, use_torch)
     ids_j, mask_j, y_j = map(jnp.asarray, (ids, mask, y))
 
     hf_enc = hf_tc = None
