@@ -243,6 +243,8 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
         alone = probe.evaluate(pm, {name: g[name]}, {}, methods=("B", "BTo"), max_test=20, batch_size=16,
                                bto_forms=(tun["bto_form"],))
         assert alone["per_group"][name]["BTo"] == rep["per_group"][name]["BTo"]
+    with pytest.raises(ValueError, match="at least one form"):
+        probe.evaluate(pm, g, {}, methods=("B", "BTo"), bto_forms=())
 
 
 # ----------------------------------------------------------------------------- decoder

@@ -692,6 +692,8 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     are in this unit (absolute lambda = value * lam_unit; the report gives values in units).
     """
     _check_mode(mode, layer, model.kind)
+    if "BTo" in methods and not bto_forms:
+        raise ValueError("BTo needs at least one form in bto_forms")
     lam_unit = float(lam_unit)
     if not lam_unit > 0:
         raise ValueError(f"lam_unit must be positive, got {lam_unit}")
@@ -720,7 +722,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
                     if b:
                         bto_idx[f][j] = len(bto_examples)
                         bto_examples.extend(b)
-            skips_report[f"{name}/BTo"] = sk_b.report()
+            skips_report[f"{name}/BTo"] = sk_b.report()  # summed over the forms
         hold, test = split_holdout(len(exs), holdout, seed, name)
         if max_holdout is not None:
             hold = hold[:max_holdout]
