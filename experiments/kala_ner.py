@@ -20,6 +20,9 @@ interrupted sweep resumes):
 - ``layers``: relational KALA with KFM on other layer sets (the layer-location sweep).
 - ``edrop``: relational / point-wise KALA with entity dropout 0.3 (``KalaConfig.entity_dropout``:
   training nodes made null at random, as out-of-vocabulary test entities are).
+- ``edrop_rates``: relational KALA with entity dropout 0.1 / 0.2 / 0.5, for choosing the rate with
+  ``--eval-split dev`` (scores on a ``--test-size`` subset of the dev split, written to
+  ``ner_<dataset>_dev.json``; the test split plays no part).
 
 Every run also reports F1 on seen / unseen test contexts (Figure 4; see
 :meth:`jsteer.kala.pipeline.NERData.subsets`), training wall time, examples/s, and (seed 0 of
@@ -54,12 +57,19 @@ DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "experiments" / "results" / "kala"
 
 # the settings that define a sweep's protocol: runs are comparable only when these agree
-PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len")
+PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len", "eval_split")
+PROTOCOL_DEFAULTS = {"eval_split": "test"}  # what setups written before the key existed used
+
+
+def protocol_diff(a: dict, b: dict) -> dict:
+    """{key: (a's, b's)} of the protocol settings in which two sweeps' setups differ."""
+    get = lambda d, k: d.get(k, PROTOCOL_DEFAULTS.get(k))  # noqa: E731
+    return {k: (get(a, k), get(b, k)) for k in PROTOCOL_KEYS if get(a, k) != get(b, k)}
 
 
 def same_protocol(a: dict, b: dict) -> bool:
-    """Whether two sweeps' setups share data subsets and training hyper-parameters."""
-    return all(a.get(k) == b.get(k) for k in PROTOCOL_KEYS)
+    """Whether two sweeps' setups share data subsets, evaluation split and training hyper-parameters."""
+    return not protocol_diff(a, b)
 
 
 def timed(runs: list[dict]) -> list[dict]:
@@ -82,6 +92,9 @@ VARIANTS = {
                  ("relational_beta_only", dict(method="relational", use_gamma=False))],
     "edrop": [("relational_edrop", dict(method="relational", entity_dropout=0.3)),
               ("pointwise_edrop", dict(method="pointwise", entity_dropout=0.3))],
+    # the rate sweep, for choosing it on the dev split (--eval-split dev); 0.3 is edrop's
+    "edrop_rates": [(f"relational_edrop{round(100 * r):02d}", dict(method="relational", entity_dropout=r))
+                    for r in (0.1, 0.2, 0.5)],
     "layers": [("relational_L5", dict(method="relational", layers=(5,))),
                ("relational_L1", dict(method="relational", layers=(1,))),
                ("relational_L135", dict(method="relational", layers=(1, 3, 5)))],
@@ -151,13 +164,14 @@ def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
     from jsteer.kala import pipeline
 
     spec = DATASETS[name]
-    out_path = pathlib.Path(args.out) if args.out else OUT / f"ner_{name}.json"
+    dev = args.eval_split == "dev"
+    out_path = pathlib.Path(args.out) if args.out else OUT / f"ner_{name}{'_dev' if dev else ''}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
     t0 = time.time()
     gdir = ensure_graph(name)
     labels = getattr(ner_lib, spec["labels"])
-    data = pipeline.load_ner_data(DATA / spec["train"], DATA / spec["test"], gdir, lm.tokenizer, labels=labels,
+    data = pipeline.load_ner_data(DATA / spec["train"], DATA / spec[args.eval_split], gdir, lm.tokenizer, labels=labels,
                                   scheme=spec["scheme"], max_len=max_len, train_size=train_size,
                                   test_size=test_size)
     memory = cached_memory(name, lm, data, train_size, max_len)
@@ -165,7 +179,7 @@ def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
     setup = {
         "dataset": name, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr,
-        "max_len": max_len, "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
+        "max_len": max_len, "eval_split": args.eval_split, "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
         "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
         "n_unseen_contexts": len(subsets["unseen"]), "unseen_min": pipeline.UNSEEN_MIN,
         "graph": json.loads((gdir / "summary.json").read_text()) | {"relations": None},
@@ -178,7 +192,7 @@ def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
     }
     old = results.get("setup")
     if old and results["runs"]:
-        diff = {k: (old.get(k), setup[k]) for k in PROTOCOL_KEYS if old.get(k) != setup[k]}
+        diff = protocol_diff(old, setup)
         if diff:
             raise SystemExit(f"{out_path}: its runs used another protocol {diff}; pass --out or move it away")
     results["setup"] = setup
@@ -225,6 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-only", action="store_true",
                     help="only measure each variant's step memory (compile, no training) into the JSON's "
                          "'step_memory' (first seed's first batch: the same shapes for every variant)")
+    ap.add_argument("--eval-split", choices=("test", "dev"), default="test",
+                    help="score on the official test split, or on the dev split to choose settings without "
+                         "touching test (default output ner_<dataset>_dev.json; --test-size then sizes dev)")
     ap.add_argument("--out", default=None, help="output JSON (only with a single dataset)")
     ap.add_argument("--backfill", action="store_true", help="only fill median step times from the run logs")
     args = ap.parse_args(argv)

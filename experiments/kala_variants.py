@@ -30,7 +30,7 @@ import pathlib
 import sys
 import time
 
-from kala_ner import PROTOCOL_KEYS, same_protocol, timed  # the harness experiment (same directory)
+from kala_ner import protocol_diff, same_protocol, timed  # the harness experiment (same directory)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "kala"
@@ -98,7 +98,7 @@ def run_dataset(args) -> None:
     print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'])[:300]}", flush=True)
     if results["runs"]:
         old = prev_setup or {}
-        diff = {k: (old.get(k), results["setup"][k]) for k in PROTOCOL_KEYS if old.get(k) != results["setup"][k]}
+        diff = protocol_diff(old, results["setup"])
         if diff:
             raise SystemExit(f"{out_path}: its runs used another protocol {diff}; pass --out or move it away")
 
