@@ -360,6 +360,8 @@ def test_each_variant_beats_plain_finetuning_when_knowledge_is_needed():
 def test_training_batches_carry_what_each_method_reads():
     """Graph arrays only for models that read them (fine-tuning or K-BERT would recompile per
     graph bucket); K-BERT's tree arrays for K-BERT."""
+    from jsteer.kala import train as ktrain
+
     task = synthetic.make_task(0)
     cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                      max_position_embeddings=64)
@@ -369,6 +371,6 @@ def test_training_batches_carry_what_each_method_reads():
                               ("kbert", False)):
         model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities))
         train = task.encode("train", functools.partial(registry.encode_ner, method), kg=kg)[:8]
-        batch = next(iter(vtrain._stream(model, train, tc, "ner")))
+        batch = next(iter(ktrain._Endless.for_model(model, train, tc, "ner", vtrain.batch_keys(model))))
         assert ("graph_senders" in batch) == has_graph, method
         assert set(kbert.TREE_KEYS) <= set(batch) if method == "kbert" else not set(kbert.TREE_KEYS) & set(batch)

@@ -149,10 +149,13 @@ class _Endless:
         self.graph_rungs, self.graph = graph_rungs, graph
 
     @classmethod
-    def for_model(cls, model: KalaModel, examples, cfg: TrainConfig, task: str) -> "_Endless":
-        """Graph arrays only for models that read them (and only for those the smaller graph buckets)."""
+    def for_model(cls, model, examples, cfg: TrainConfig, task: str, keys=None) -> "_Endless":
+        """Graph arrays only for models that read them (``model.kala.uses_knowledge``; and only for
+        those the smaller graph buckets). ``keys``: the per-token batch keys (default
+        :func:`task_keys`; the variants harness adds its models' extra keys)."""
         graph = model.kala.uses_knowledge
-        return cls(examples, cfg.batch_size, task_keys(task), cfg.seed, cfg.graph_rungs if graph else 0, graph)
+        return cls(examples, cfg.batch_size, keys or task_keys(task), cfg.seed, cfg.graph_rungs if graph else 0,
+                   graph)
 
     def __iter__(self):
         epoch = 0

@@ -792,13 +792,14 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
             """Gold ranks of (group, global example index, form) rows; a prompt whose BTo form
             could not be encoded is a miss (same denominator as B)."""
             at = [data[n].bto[f][i - data[n].offset] for n, i, f in rows]
-            ok = [k for k, x in enumerate(at) if x is not None]
+            ok = np.array([x is not None for x in at], bool)
             ranks = np.full(len(rows), np.iinfo(np.int32).max, np.int64)
-            if ok:
-                rb = run(bto_examples, [at[k] for k in ok], np.zeros((len(ok), 1), np.float32), [0] * len(ok),
+            if ok.any():
+                n_ok = int(ok.sum())
+                rb = run(bto_examples, [x for x in at if x is not None], np.zeros((n_ok, 1), np.float32), [0] * n_ok,
                          te_table, post_grid=(0.0,))
                 ranks[ok] = rb.rank[:, 0]
-            return ranks, np.isin(np.arange(len(rows)), ok)
+            return ranks, ok
 
         form_of = {n: 0 for n in data}
         if len(bto_forms) > 1:  # the phrasing per group, on its hold-out

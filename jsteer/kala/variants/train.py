@@ -85,16 +85,6 @@ def loss_fn(model, task: str = "ner") -> Callable:
     return ner if task == "ner" else qa
 
 
-def _stream(model, examples, cfg: TrainConfig, task: str):
-    """The harness' training batches (:class:`jsteer.kala.train._Endless`) with the model's
-    extra keys; graph arrays only for models that read them (a model that ignores them would
-    recompile its step for every graph bucket)."""
-    if isinstance(model, KalaModel):  # no extra keys
-        return kala_train._Endless.for_model(model, examples, cfg, task)
-    return kala_train._Endless(examples, cfg.batch_size, batch_keys(model, task), cfg.seed,
-                               graph=model.kala.uses_knowledge)
-
-
 def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *, log_path=None,
         checkpoint_dir=None, eval_fn=None, eval_every=None, progress: bool = False, measure_memory: bool = False,
         mesh=None) -> FitResult:
@@ -112,7 +102,7 @@ def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: s
         marks.append(time.perf_counter())
 
     t0 = time.perf_counter()
-    stream = _stream(model, examples, cfg, task)
+    stream = kala_train._Endless.for_model(model, examples, cfg, task, batch_keys(model, task))
     summary = trainer.fit(stream, total, on_step=on_step)
     mem = None
     if measure_memory:
