@@ -3,13 +3,25 @@
     python experiments/kala_ner.py --dataset conll --groups main --seeds 0 1 2
     python experiments/kala_ner.py --dataset ncbi --groups ablation layers --seeds 0
 
-The protocol of the saved results (experiments/results/kala/ner_*.json; runs seed-major over both
-datasets, so an interrupted sweep still has every dataset's first seeds)::
+The protocol of the saved results (experiments/results/kala/ner_*.json; each dataset has its own
+subset sizes, length and epochs, so one call per dataset; runs go seed-major, so an interrupted sweep
+still has every variant's first seeds)::
 
-    P="--dataset conll ncbi --train-size 1200 700 --test-size 600 400 --max-len 64 128 --epochs 1 \\
-       --batch-size 16 --lr 3e-4 --kala-lr 1e-3 --memory"
-    python experiments/kala_ner.py $P --seeds 0 1 2 --variants finetune relational
-    python experiments/kala_ner.py $P --seeds 0 1 2 --variants pointwise
+    P="--batch-size 16 --lr 3e-4 --kala-lr 1e-3 --seeds 0 1 2"
+    CONLL="--dataset conll --train-size 3000 --test-size 1000 --max-len 64 --epochs 2"
+    NCBI="--dataset ncbi --train-size 700 --test-size 400 --max-len 128 --epochs 3"
+    python experiments/kala_ner.py $CONLL $P --groups main --memory
+    python experiments/kala_ner.py $CONLL $P --groups edrop --graph-rungs 2
+    python experiments/kala_ner.py $NCBI $P --groups main ablation layers --memory
+    python experiments/kala_ner.py $NCBI $P --groups edrop --graph-rungs 2
+
+The entity-dropout rate sweep on the dev split (``ner_<dataset>_dev.json``; the test runs' protocol;
+``--graph-rungs`` only changes padding, the sweeps ran with the default 0)::
+
+    python experiments/kala_ner.py $CONLL $P --eval-split dev --groups main edrop edrop_rates \
+        --variants finetune relational_edrop relational_edrop10 relational_edrop50
+    python experiments/kala_ner.py $NCBI $P --eval-split dev --groups main edrop edrop_rates \
+        --variants finetune relational_edrop relational_edrop10 relational_edrop50 --memory
 
 Groups (each run is one (variant, seed); finished runs in the output JSON are skipped, so an
 interrupted sweep resumes):
@@ -20,8 +32,8 @@ interrupted sweep resumes):
 - ``layers``: relational KALA with KFM on other layer sets (the layer-location sweep).
 - ``edrop``: relational / point-wise KALA with entity dropout 0.3 (``KalaConfig.entity_dropout``:
   training nodes made null at random, as out-of-vocabulary test entities are).
-- ``edrop_rates``: relational KALA with entity dropout 0.1 / 0.2 / 0.5, for choosing the rate with
-  ``--eval-split dev`` (scores on a ``--test-size`` subset of the dev split, written to
+- ``edrop_rates``: relational KALA with entity dropout 0.1 / 0.5 (with ``edrop``'s 0.3: the rate
+  sweep), for choosing the rate with ``--eval-split dev`` (scores on a ``--test-size`` subset of the dev split, written to
   ``ner_<dataset>_dev.json``; the test split plays no part).
 
 Every run also reports F1 on seen / unseen test contexts (Figure 4; see
@@ -94,7 +106,7 @@ VARIANTS = {
               ("pointwise_edrop", dict(method="pointwise", entity_dropout=0.3))],
     # the rate sweep, for choosing it on the dev split (--eval-split dev); 0.3 is edrop's
     "edrop_rates": [(f"relational_edrop{round(100 * r):02d}", dict(method="relational", entity_dropout=r))
-                    for r in (0.1, 0.2, 0.5)],
+                    for r in (0.1, 0.5)],
     "layers": [("relational_L5", dict(method="relational", layers=(5,))),
                ("relational_L1", dict(method="relational", layers=(1,))),
                ("relational_L135", dict(method="relational", layers=(1, 3, 5)))],
