@@ -36,12 +36,42 @@ def write_json(path, obj):
 # ----------------------------------------------------------------------------- data
 
 
-def sst5(split: str):
+def sst5(split: str, fine: bool = False):
+    """SST-5 without its neutral class 2 -> (texts, labels): binary (1 for 3-4, 0 for 0-1), or the
+    five-class labels 0, 1, 3, 4 with ``fine``."""
     from jsteer.data import readers
 
     recs = readers.read_jsonl_labeled(DATA / "sst5" / f"{split}.jsonl", label_set=("0", "1", "2", "3", "4"))
     keep = [r for r in recs if r.label != "2"]
+    if fine:
+        return [r.text for r in keep], np.asarray([int(r.label) for r in keep])
     return [r.text for r in keep], np.asarray([1 if r.label in ("3", "4") else 0 for r in keep])
+
+
+def steer_split(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The seeded halves of SST-5 train (without class 2, ``n`` texts): (steer half, evaluator half).
+    The sentiment steer never sees the evaluator's half."""
+    perm = np.random.default_rng(0).permutation(n)
+    return perm[: n // 2], perm[n // 2:]
+
+
+def balanced_keep(values: np.ndarray, n: int) -> np.ndarray:
+    """Sorted indices of n // 2 texts with a positive and n // 2 with a negative steer value (seeded)."""
+    pos, neg = np.flatnonzero(values > 0), np.flatnonzero(values < 0)
+    r = np.random.default_rng(1)
+    return np.sort(np.concatenate([r.choice(pos, n // 2, replace=False), r.choice(neg, n // 2, replace=False)]))
+
+
+def sentiment_steer_texts(n: int) -> tuple[list, np.ndarray]:
+    """The sentiment steer's training texts: n class-balanced texts of the steer half of SST-5 train
+    -> (texts, values [n, 2]). Column 0: the issue's binary values (labels 3-4 -> +1, 0-1 -> -1);
+    column 1: the original LM-Steer code's graded values label / 2 - 1 (-1, -0.5, +0.5, +1)."""
+    texts, fine = sst5("train", fine=True)
+    steer_idx, _ = steer_split(len(texts))
+    fine = fine[steer_idx]
+    keep = balanced_keep(np.where(fine >= 3, 1.0, -1.0), n)
+    values = np.stack([np.where(fine[keep] >= 3, 1.0, -1.0), fine[keep] / 2 - 1], axis=1)
+    return [texts[steer_idx[i]] for i in keep], values.astype(np.float32)
 
 
 def jigsaw_splits(seed: int = 0):

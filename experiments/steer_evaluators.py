@@ -162,8 +162,7 @@ def sentiment_data():
     Train = the half of SST-5 train that the steer never sees (same seeded split as the
     experiment) + SST-5 dev; test = SST-5 test."""
     tr, ytr = C.sst5("train")
-    perm = np.random.default_rng(0).permutation(len(tr))
-    clf_idx = perm[len(perm) // 2:]
+    _, clf_idx = C.steer_split(len(tr))
     dv, ydv = C.sst5("dev")
     te, yte = C.sst5("test")
     x = [detok_sst(tr[i]) for i in clf_idx] + [detok_sst(t) for t in dv]

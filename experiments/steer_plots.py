@@ -158,7 +158,55 @@ def bench_table(bench: dict) -> str:
     return "\n".join(out)
 
 
-def markdown(res: dict, bench: dict = None) -> str:
+SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
+          "sweep_smollm2_graded.json": "Binary vs graded SST-5 steer values"}
+
+
+def _recipe(name: str, cfg: dict) -> str:
+    out = [f"rank {cfg['rank'] or 'full'}", f"{cfg['steps']} steps"]
+    out += [f"lr {cfg['lr']:g}"] if cfg["lr"] != 1e-2 else []
+    out += [f"l2 {cfg['l2']:g}"] if cfg["l2"] != 1e-6 else []
+    out += ["graded values"] if cfg.get("labels") == "graded" else []
+    return ", ".join(out) + (" (main run)" if name == "main_run" else "")
+
+
+def recipe_sweep_table(sw: dict) -> str:
+    """One held-out recipe sweep (``steer_sweep.py``'s JSON): per config, positivity / perplexity
+    rise at each steer value and the values its rule chooses."""
+    vals = [f"+{v:g}" for v in sw["setup"]["strengths"]] + [f"-{v:g}" for v in sw["setup"]["strengths"]]
+    lim = sw["setup"]["max_ppl_rise"]
+    out = [f"| recipe | \\|\\|W\\|\\|_F | {' | '.join(vals)} | chosen (ppl rise <= {lim:.0%}) |",
+           "|---" * (len(vals) + 3) + "|"]
+    for name, row in sw["configs"].items():
+        cells = [f"{row['table'][v]['positivity']:.2f} / {row['table'][v]['ppl_rise']:+.0%}" for v in vals]
+        c = row["chosen"]
+        out.append(f"| {_recipe(name, row['config'])} | {row['W_fro_norm']:.0f} | {' | '.join(cells)} | "
+                   f"+{c['positive']:g}: {c['positivity_pos']:.2f}, -{c['negative']:g}: {c['positivity_neg']:.2f} |")
+    met = [n for n, r in sw["configs"].items()
+           if r["chosen"]["positivity_pos"] >= 0.8 and r["chosen"]["positivity_neg"] <= 0.2]
+    out += ["", f"Unsteered: positivity {sw['base']['positivity']:.2f} on these prompts. "
+            + (f"Within the limit, {', '.join(met)} reach >= 0.80 / <= 0.20." if met else
+               f"No recipe reaches >= 0.80 / <= 0.20 within a {lim:.0%} perplexity rise.")]
+    for note in sw.get("notes", []):
+        out += ["", note]
+    return "\n".join(out)
+
+
+def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
+    """The held-out recipe sweeps present under ``results`` (:data:`SWEEPS`) as markdown."""
+    parts = []
+    for fname, what in SWEEPS.items():
+        p = results / fname
+        if p.exists():
+            sw = json.loads(p.read_text())
+            parts += [f"### {what} (`{fname}`)", "",
+                      f"Sentiment steer retrained on {sw['setup']['texts']}, scored on {sw['setup']['prompts']} "
+                      f"x {sw['setup']['samples_per_prompt']} samples (dummy off; never the test prompts). "
+                      "Cells: positivity / perplexity rise at steer value k x eps0.", "", recipe_sweep_table(sw), ""]
+    return "\n".join(parts)
+
+
+def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS) -> str:
     """Every table of the experiment as one markdown document (results.md)."""
     ev = res.get("evaluators", {})
     parts = ["# LM-Steer on SmolLM2-135M: results", "",
@@ -175,6 +223,9 @@ def markdown(res: dict, bench: dict = None) -> str:
               "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
               "", "## Targets", ""]
     parts += [f"- {k}: measured {v[0]:.3f} -> {'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
+    sweeps = recipe_sweeps(results)
+    if sweeps:
+        parts += ["", "## Recipe sweeps (held-out prompts; experiments/steer_sweep.py)", "", sweeps.rstrip()]
     if bench:
         parts += ["", "## Benchmark", "", bench_table(bench)]
     if res.get("notes"):
@@ -266,7 +317,7 @@ def main():
     bench = json.loads(bp.read_text()) if bp.exists() else None
     pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     md = pathlib.Path(a.out) / "results.md"
-    md.write_text(markdown(res, bench))
+    md.write_text(markdown(res, bench, pathlib.Path(a.json).parent))
     print("wrote", md)
     for f in plot_all(res, pathlib.Path(a.out)):
         print("wrote", f)

@@ -163,9 +163,6 @@ def main():
     save()
 
     # ------------------------------------------------------------------ steers
-    sst_tr, sst_ytr = C.sst5("train")
-    perm = np.random.default_rng(0).permutation(len(sst_tr))
-    steer_idx = perm[: len(perm) // 2]  # the other half (+ dev) trains the sentiment evaluator
     jig_steer, _, jig_test = C.jigsaw_splits(0)
     emb = np.asarray(lm.output_embeddings(), np.float32)
     steers = {}
@@ -181,18 +178,14 @@ def main():
             cache = train.HiddenCache.load(str(cpath))
         else:
             C.log(f"caching hidden states for {name}")
-            if name == "sentiment":
-                texts = [sst_tr[i] for i in steer_idx]
-                values = np.where(sst_ytr[steer_idx] == 1, 1.0, -1.0)
-                max_len, n = 64, a.sst_texts
+            if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
+                texts, values = C.sentiment_steer_texts(a.sst_texts)
+                values, max_len = values[:, 0], 64  # the binary values (the issue's)
             else:
                 texts, values = jig_steer[0], np.where(jig_steer[1] == 0, 1.0, -1.0)  # non-toxic = +1
-                max_len, n = 32, a.jigsaw_texts
-            pos, neg = np.flatnonzero(values > 0), np.flatnonzero(values < 0)
-            r = np.random.default_rng(1)
-            keep = np.sort(np.concatenate([r.choice(pos, n // 2, replace=False), r.choice(neg, n // 2, replace=False)]))
-            cache = train.cache_lm(lm, [texts[i] for i in keep], values[keep], max_len=max_len, batch_size=32,
-                                   progress=True)
+                keep = C.balanced_keep(values, a.jigsaw_texts)
+                texts, values, max_len = [texts[i] for i in keep], values[keep], 32
+            cache = train.cache_lm(lm, texts, values, max_len=max_len, batch_size=32, progress=True)
             cache.save(str(cpath))
         t_cache = time.time() - t0
         steps = a.steps if name == "sentiment" else (a.detox_steps or a.steps)

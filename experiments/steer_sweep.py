@@ -1,23 +1,33 @@
-"""Held-out sweep of the sentiment steer's training recipe (rank, steps, lr, l2) on SmolLM2-135M.
+"""Held-out sweep of the sentiment steer's training recipe (rank, steps, lr, l2, steer values) on SmolLM2-135M.
 
     .venv/bin/python experiments/steer_sweep.py --configs r1000,r32,r8,r8_s400,r1000_l1e-4
+    .venv/bin/python experiments/steer_sweep.py --configs r1000,r1000_graded --strengths 1,1.25,1.5,1.75,2,3 \
+        --out experiments/results/steer/sweep_smollm2_graded.json
 
-Every config trains a sentiment steer from the hidden-state cache of ``steer_smollm2.py``
-(``--work``, same 1600 SST-5 texts) and is scored on the *held-out* neutral prompts of that run
-only (``prompts.held_out_select`` of its JSON; never the reported test prompts), dummy off, at
+Every config trains a sentiment steer from a hidden-state cache of the main run's 1600 SST-5
+texts (``steer_common.sentiment_steer_texts``; built once under ``--work``) and is scored on the
+*held-out* neutral prompts of that run only (``prompts.held_out_select`` of its JSON; never the
+reported test prompts), dummy off, at
 steer values +-``--strengths`` x eps0: positivity (the MiniLM evaluator) and perplexity rise under
 the unsteered model, the same generation settings and seeds as the main run's strength choice.
 A config's summary follows the main run's rule (``steer_smollm2.SELECTION_RULE``): per
 direction the best positivity among values with a perplexity rise <= 30%, and their gap.
-Writes experiments/results/steer/sweep_smollm2.json (finished configs are skipped on rerun).
+Writes ``--out`` (default experiments/results/steer/sweep_smollm2.json; finished configs are skipped
+on rerun). The main run's own steer is listed as ``main_run`` when the evaluator is the one that
+scored it (the evaluator artifact is cached; a fresh machine retrains it, and then ``r1000`` is
+the main recipe's rerun).
 
 Config names: ``r<rank>`` (``rfull``: a full-rank W), then optional ``_s<steps>``,
-``_lr<lr>``, ``_l<l2>``; defaults are the main run's (150 steps, lr 1e-2, l2 1e-6, init 1e-2).
+``_lr<lr>``, ``_l<l2>``, ``_graded``; defaults are the main run's (150 steps, lr 1e-2, l2 1e-6,
+init 1e-2, binary steer values: SST-5 labels 3-4 -> +1, 0-1 -> -1, as the issue specifies).
+``_graded`` trains on the same texts with the original LM-Steer code's values label / 2 - 1
+(-1, -0.5, +0.5, +1).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import re
@@ -34,13 +44,17 @@ MAX_RISE = 0.3  # the main run's perplexity limit (issue 4's fluency target)
 
 
 def parse_config(name: str) -> dict:
-    """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4} over the defaults."""
-    m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+))*)", name)
+    """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary} over the
+    defaults ('_graded': labels graded)."""
+    m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded))*)", name)
     if not m:
-        raise ValueError(f"bad config name {name!r}: want r<rank|full>[_s<steps>][_lr<lr>][_l<l2>]")
-    cfg = {"rank": None if m.group(1) == "full" else int(m.group(1)), "steps": 150, "lr": 1e-2, "l2": 1e-6}
+        raise ValueError(f"bad config name {name!r}: want r<rank|full>[_s<steps>][_lr<lr>][_l<l2>][_graded]")
+    cfg = {"rank": None if m.group(1) == "full" else int(m.group(1)), "steps": 150, "lr": 1e-2, "l2": 1e-6,
+           "labels": "binary"}
     for part in filter(None, m.group(2).split("_")):
-        if part.startswith("lr"):
+        if part == "graded":
+            cfg["labels"] = "graded"
+        elif part.startswith("lr"):
             cfg["lr"] = float(part[2:])
         elif part.startswith("s"):
             cfg["steps"] = int(part[1:])
@@ -83,13 +97,21 @@ def main(argv=None) -> int:
     res["setup"] = {"prompts": f"{len(sel)} held-out neutral prompts of {pathlib.Path(args.main_json).name}",
                     "samples_per_prompt": args.samples, "max_new_tokens": 20, "top_p": 0.9, "seed": 0,
                     "dummy": "off", "strengths": strengths, "max_ppl_rise": MAX_RISE,
-                    "texts": "the main run's sentiment cache (SST-5)", "init_scale": 1e-2, "eps0": 1e-3,
+                    "texts": "the main run's 1600 SST-5 steer texts", "init_scale": 1e-2, "eps0": 1e-3,
                     "batch_size": 32, "tokens_per_batch": 768}
     res.setdefault("configs", {})
     lm = jsteer.load("smollm2-135m")
     pos_clf = EV.get("sentiment", jsteer.load("minilm"))
+    res["setup"]["evaluator"] = {k: pos_clf.meta.get(k) for k in ("accuracy", "epochs", "steps")}
     emb = np.asarray(lm.output_embeddings(), np.float32)
-    cache = train.HiddenCache.load(str(pathlib.Path(args.work) / "cache_sentiment.npz"))
+    cpath = pathlib.Path(args.work) / "cache_sentiment_labels.npz"  # values: [binary, graded]
+    if cpath.exists():
+        cache = train.HiddenCache.load(str(cpath))
+    else:
+        texts, values = C.sentiment_steer_texts(1600)
+        cache = train.cache_lm(lm, texts, values, max_len=64, batch_size=32, progress=True)
+        cpath.parent.mkdir(parents=True, exist_ok=True)
+        cache.save(str(cpath))
 
     def evaluate(params, value):
         eps = jnp.broadcast_to(jnp.asarray([value * 1e-3, 0.0], jnp.float32), (args.gen_batch, 2))
@@ -116,8 +138,10 @@ def main(argv=None) -> int:
                          "positivity_neg": nr["positivity"], "gap": pr["positivity"] - nr["positivity"]}
 
     # the main run's steer (r1000, 150 steps), already scored on these prompts by its strength choice
+    # (only comparable when scored by the same evaluator)
     sel_table = main_res["strength_selection"]["sentiment"]
-    if all(f"off/s{sg * v:+g}" in sel_table for v in strengths for sg in (1, -1)):
+    same_clf = pos_clf.meta.get("accuracy") == main_res["evaluators"]["sentiment"]["accuracy"]
+    if same_clf and all(f"off/s{sg * v:+g}" in sel_table for v in strengths for sg in (1, -1)):
         row = {"config": {"rank": 1000, "steps": 150, "lr": 1e-2, "l2": 1e-6},
                "W_fro_norm": main_res["training"]["sentiment"]["W_fro_norm"]["steer"],
                "source": "steer_smollm2.py strength_selection (dummy off)",
@@ -130,7 +154,8 @@ def main(argv=None) -> int:
             continue
         tcfg = train.TrainConfig(rank=cfg["rank"], steps=cfg["steps"], lr=cfg["lr"], l2=cfg["l2"], init_scale=1e-2,
                                  batch_size=32, tokens_per_batch=768, log_every=25)
-        params, hist = train.train(cache, emb, tcfg)
+        col = ["binary", "graded"].index(cfg["labels"])
+        params, hist = train.train(dataclasses.replace(cache, values=cache.values[:, col:col + 1]), emb, tcfg)
         w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
         row = {"config": cfg, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
                "W_fro_norm": float(np.linalg.norm(w[0])), "table": {}}
