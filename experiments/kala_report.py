@@ -254,8 +254,8 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "mentions, so without it no training mention is ever null).", "",
              "Targets (issue 6):", "", target_lines(all_res), "",
              "### Entity-dropout rate, chosen on the dev split", "",
-             "The rate of the runs above (0.3) was set before any tuning; the sweep below scores 0.1 / 0.3 / "
-             "0.5 on the dev split (same training subset, seeds and protocol; the test split plays no part).", "",
+             "The rate of the runs above was set before any tuning; the sweep below scores it and other rates "
+             "on the dev split (same training subset, seeds and protocol; the test split plays no part).", "",
              edrop_rate_lines(all_res, results) or "(no dev sweep yet)",
              "", table(all_res, ABLATION, title="## gamma / beta ablation (Table 3): test F1 (%)"), "",
              "## Seen vs unseen contexts (Figure 4): test F1 (%)", "",

@@ -69,9 +69,9 @@ def sentiment_steer_texts(n: int) -> tuple[list, np.ndarray]:
     texts, fine = sst5("train", fine=True)
     steer_idx, _ = steer_split(len(texts))
     fine = fine[steer_idx]
-    keep = balanced_keep(np.where(fine >= 3, 1.0, -1.0), n)
-    values = np.stack([np.where(fine[keep] >= 3, 1.0, -1.0), fine[keep] / 2 - 1], axis=1)
-    return [texts[steer_idx[i]] for i in keep], values.astype(np.float32)
+    values = np.stack([np.where(fine >= 3, 1.0, -1.0), fine / 2 - 1], axis=1).astype(np.float32)
+    keep = balanced_keep(values[:, 0], n)
+    return [texts[steer_idx[i]] for i in keep], values[keep]
 
 
 def jigsaw_splits(seed: int = 0):
