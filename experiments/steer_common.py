@@ -74,6 +74,20 @@ def sentiment_steer_texts(n: int) -> tuple[list, np.ndarray]:
     return [texts[steer_idx[i]] for i in keep], values[keep]
 
 
+def sentiment_neutral_texts(n: int) -> tuple[list, np.ndarray]:
+    """n texts of SST-5 train's neutral class 2 (seeded), steer value 0 in both columns -> (texts,
+    values [n, 2]). The original LM-Steer code trains on them too (label / 2 - 1 = 0: only the
+    dummy steer fits them); the evaluators never see class 2."""
+    from jsteer.data import readers
+
+    recs = readers.read_jsonl_labeled(DATA / "sst5" / "train.jsonl", label_set=("0", "1", "2", "3", "4"))
+    neutral = [r.text for r in recs if r.label == "2"]
+    if n > len(neutral):
+        raise ValueError(f"asked for {n} neutral SST-5 texts; train has {len(neutral)}")
+    pick = np.sort(np.random.default_rng(2).choice(len(neutral), n, replace=False))
+    return [neutral[i] for i in pick], np.zeros((n, 2), np.float32)
+
+
 def jigsaw_splits(seed: int = 0):
     """The Jigsaw subset (one file) split 40 / 40 / 20 into steer-train / evaluator-train / test.
     Labels: 1 toxic, 0 non-toxic."""

@@ -159,7 +159,7 @@ def bench_table(bench: dict) -> str:
 
 
 SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
-          "sweep_smollm2_graded.json": "Binary vs graded SST-5 steer values"}
+          "sweep_smollm2_graded.json": "Binary vs graded SST-5 steer values, with and without SST-5's neutral class"}
 
 
 def _recipe(name: str, cfg: dict) -> str:
@@ -167,6 +167,7 @@ def _recipe(name: str, cfg: dict) -> str:
     out += [f"lr {cfg['lr']:g}"] if cfg["lr"] != 1e-2 else []
     out += [f"l2 {cfg['l2']:g}"] if cfg["l2"] != 1e-6 else []
     out += ["graded values"] if cfg.get("labels") == "graded" else []
+    out += [f"+{cfg['neutral_texts']} neutral texts at 0"] if cfg.get("neutral_texts") else []
     return ", ".join(out) + (" (main run)" if name == "main_run" else "")
 
 

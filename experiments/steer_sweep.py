@@ -1,8 +1,8 @@
 """Held-out sweep of the sentiment steer's training recipe (rank, steps, lr, l2, steer values) on SmolLM2-135M.
 
     .venv/bin/python experiments/steer_sweep.py --configs r1000,r32,r8,r8_s400,r1000_l1e-4
-    .venv/bin/python experiments/steer_sweep.py --configs r1000,r1000_graded --strengths 1,1.25,1.5,1.75,2,3 \
-        --out experiments/results/steer/sweep_smollm2_graded.json
+    .venv/bin/python experiments/steer_sweep.py --configs r1000,r1000_graded,r1000_graded_neutral,r1000_neutral \
+        --strengths 1,1.25,1.5,1.75,2,3 --out experiments/results/steer/sweep_smollm2_graded.json
 
 Every config trains a sentiment steer from a hidden-state cache of the main run's 1600 SST-5
 texts (``steer_common.sentiment_steer_texts``; built once under ``--work``) and is scored on the
@@ -18,10 +18,12 @@ scored it (the evaluator artifact is cached; a fresh machine retrains it, and th
 the main recipe's rerun).
 
 Config names: ``r<rank>`` (``rfull``: a full-rank W), then optional ``_s<steps>``,
-``_lr<lr>``, ``_l<l2>``, ``_graded``; defaults are the main run's (150 steps, lr 1e-2, l2 1e-6,
-init 1e-2, binary steer values: SST-5 labels 3-4 -> +1, 0-1 -> -1, as the issue specifies).
+``_lr<lr>``, ``_l<l2>``, ``_graded``, ``_neutral``; defaults are the main run's (150 steps, lr 1e-2,
+l2 1e-6, init 1e-2, binary steer values: SST-5 labels 3-4 -> +1, 0-1 -> -1, as the issue specifies).
 ``_graded`` trains on the same texts with the original LM-Steer code's values label / 2 - 1
-(-1, -0.5, +0.5, +1).
+(-1, -0.5, +0.5, +1). ``_neutral`` adds NEUTRAL_TEXTS texts of SST-5's neutral class at value 0
+(the original code trains on all five classes; only the dummy steer fits these), about the
+original's share of them (1624 of 8544).
 """
 
 from __future__ import annotations
@@ -41,19 +43,23 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import steer_common as C  # noqa: E402
 
 MAX_RISE = 0.3  # the main run's perplexity limit (issue 4's fluency target)
+STEER_TEXTS, NEUTRAL_TEXTS, MAX_LEN, BATCH = 1600, 400, 64, 32  # the main run's cache; 400 = its 20% share
+DEFAULTS = {"steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary", "neutral_texts": 0}  # the main run's recipe
 
 
 def parse_config(name: str) -> dict:
     """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary} over the
     defaults ('_graded': labels graded)."""
-    m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded))*)", name)
+    m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral))*)", name)
     if not m:
-        raise ValueError(f"bad config name {name!r}: want r<rank|full>[_s<steps>][_lr<lr>][_l<l2>][_graded]")
-    cfg = {"rank": None if m.group(1) == "full" else int(m.group(1)), "steps": 150, "lr": 1e-2, "l2": 1e-6,
-           "labels": "binary"}
+        raise ValueError(f"bad config name {name!r}: "
+                         "want r<rank|full>[_s<steps>][_lr<lr>][_l<l2>][_graded][_neutral]")
+    cfg = dict(DEFAULTS, rank=None if m.group(1) == "full" else int(m.group(1)))
     for part in filter(None, m.group(2).split("_")):
         if part == "graded":
             cfg["labels"] = "graded"
+        elif part == "neutral":
+            cfg["neutral_texts"] = NEUTRAL_TEXTS
         elif part.startswith("lr"):
             cfg["lr"] = float(part[2:])
         elif part.startswith("s"):
@@ -94,24 +100,33 @@ def main(argv=None) -> int:
     sel = main_res["prompts"]["held_out_select"]
     out_path = pathlib.Path(args.out)
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
+    scored_by = res.get("setup", {}).get("evaluator", "not recorded") if res.get("base") else None
     res["setup"] = {"prompts": f"{len(sel)} held-out neutral prompts of {pathlib.Path(args.main_json).name}",
                     "samples_per_prompt": args.samples, "max_new_tokens": 20, "top_p": 0.9, "seed": 0,
                     "dummy": "off", "strengths": strengths, "max_ppl_rise": MAX_RISE,
-                    "texts": "the main run's 1600 SST-5 steer texts", "init_scale": 1e-2, "eps0": 1e-3,
-                    "batch_size": 32, "tokens_per_batch": 768}
+                    "texts": f"the main run's {STEER_TEXTS} SST-5 steer texts", "init_scale": 1e-2,
+                    "eps0": 1e-3, "batch_size": BATCH, "tokens_per_batch": 768}
     res.setdefault("configs", {})
     lm = jsteer.load("smollm2-135m")
     pos_clf = EV.get("sentiment", jsteer.load("minilm"))
-    res["setup"]["evaluator"] = {k: pos_clf.meta.get(k) for k in ("accuracy", "epochs", "steps")}
+    clf = {k: pos_clf.meta.get(k) for k in ("accuracy", "epochs", "steps")}
+    if scored_by not in (None, clf):
+        raise SystemExit(f"{out_path} was scored by another sentiment evaluator ({scored_by}; now {clf}): "
+                         "its rows would not compare with new ones; write to a new --out")
+    res["setup"]["evaluator"] = clf
     emb = np.asarray(lm.output_embeddings(), np.float32)
-    cpath = pathlib.Path(args.work) / "cache_sentiment_labels.npz"  # values: [binary, graded]
-    if cpath.exists():
-        cache = train.HiddenCache.load(str(cpath))
-    else:
-        texts, values = C.sentiment_steer_texts(1600)
-        cache = train.cache_lm(lm, texts, values, max_len=64, batch_size=32, progress=True)
-        cpath.parent.mkdir(parents=True, exist_ok=True)
-        cache.save(str(cpath))
+
+    def cached(fname, texts_fn):  # hidden-state cache of texts_fn() under --work, built once
+        path = pathlib.Path(args.work) / fname
+        if path.exists():
+            return train.HiddenCache.load(str(path))
+        cache = train.cache_lm(lm, *texts_fn(), max_len=MAX_LEN, batch_size=BATCH, progress=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cache.save(str(path))
+        return cache
+
+    # values: [binary, graded]
+    cache = cached("cache_sentiment_labels.npz", lambda: C.sentiment_steer_texts(STEER_TEXTS))
 
     def evaluate(params, value):
         eps = jnp.broadcast_to(jnp.asarray([value * 1e-3, 0.0], jnp.float32), (args.gen_batch, 2))
@@ -142,7 +157,7 @@ def main(argv=None) -> int:
     sel_table = main_res["strength_selection"]["sentiment"]
     same_clf = pos_clf.meta.get("accuracy") == main_res["evaluators"]["sentiment"]["accuracy"]
     if same_clf and all(f"off/s{sg * v:+g}" in sel_table for v in strengths for sg in (1, -1)):
-        row = {"config": {"rank": 1000, "steps": 150, "lr": 1e-2, "l2": 1e-6},
+        row = {"config": dict(DEFAULTS, rank=1000),
                "W_fro_norm": main_res["training"]["sentiment"]["W_fro_norm"]["steer"],
                "source": "steer_smollm2.py strength_selection (dummy off)",
                "table": {f"{sg * v:+g}": sel_table[f"off/s{sg * v:+g}"] for v in strengths for sg in (1, -1)}}
@@ -153,9 +168,13 @@ def main(argv=None) -> int:
         if name in res["configs"]:
             continue
         tcfg = train.TrainConfig(rank=cfg["rank"], steps=cfg["steps"], lr=cfg["lr"], l2=cfg["l2"], init_scale=1e-2,
-                                 batch_size=32, tokens_per_batch=768, log_every=25)
+                                 batch_size=BATCH, tokens_per_batch=768, log_every=25)
         col = ["binary", "graded"].index(cfg["labels"])
-        params, hist = train.train(dataclasses.replace(cache, values=cache.values[:, col:col + 1]), emb, tcfg)
+        data = cache
+        if cfg["neutral_texts"]:
+            data = train.HiddenCache.concat([cache, cached(f"cache_sentiment_neutral{cfg['neutral_texts']}.npz",
+                                                           lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]))])
+        params, hist = train.train(dataclasses.replace(data, values=data.values[:, col:col + 1]), emb, tcfg)
         w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
         row = {"config": cfg, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
                "W_fro_norm": float(np.linalg.norm(w[0])), "table": {}}

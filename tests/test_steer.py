@@ -268,3 +268,22 @@ def test_to_hooks_picks_the_cheaper_form_for_decoding():
     assert forced.p1 is not None and forced.w is None
     np.testing.assert_allclose(np.asarray(auto_hi.w), np.einsum("sdr,ser->sde", np.asarray(hi["p1"]),
                                                                 np.asarray(hi["p2"])), rtol=1e-5, atol=1e-6)
+
+
+def test_hidden_cache_concat_inverts_subset():
+    """Caching texts in parts and concatenating equals caching them at once (rows, owners, values)."""
+    from jsteer.steer import train
+
+    rng = np.random.default_rng(0)
+    encs = [list(rng.integers(1, 50, size=n)) for n in (3, 7, 2, 5, 4)]
+    vals = np.stack([np.array([1, -1, 0, 1, -1]), np.arange(5)], 1).astype(np.float32)
+    hidden_fn = lambda ids, mask: jnp.stack([ids, ids * 2], -1).astype(jnp.float32)  # [b, T, 2]
+    full = train.cache_hidden(hidden_fn, encs, vals, batch_size=2)
+    parts = [full.subset(np.array([0, 1])), full.subset(np.array([2])), full.subset(np.array([3, 4]))]
+    cat = train.HiddenCache.concat(parts)
+    for f in ("hidden", "targets", "seq", "values", "offsets"):
+        np.testing.assert_array_equal(getattr(cat, f), getattr(full, f), err_msg=f)
+    with pytest.raises(ValueError, match="steer-value columns 1 != 2"):
+        train.HiddenCache.concat([full, train.cache_hidden(hidden_fn, encs, vals[:, 0])])
+    with pytest.raises(ValueError, match="no caches"):
+        train.HiddenCache.concat([])

@@ -142,6 +142,25 @@ class HiddenCache:
                            seq=np.repeat(np.arange(len(texts), dtype=np.int32), counts),
                            values=self.values[texts], offsets=np.concatenate([[0], np.cumsum(counts)]))
 
+    @classmethod
+    def concat(cls, caches: Sequence["HiddenCache"]) -> "HiddenCache":
+        """One cache holding the texts of ``caches`` in order (e.g. another class's texts cached
+        separately). Every cache needs the same hidden size and number of steer-value columns."""
+        if not caches:
+            raise ValueError("HiddenCache.concat: no caches given")
+        for c in caches[1:]:
+            for what, a, b in (("hidden size", c.hidden.shape[1], caches[0].hidden.shape[1]),
+                               ("steer-value columns", c.values.shape[1], caches[0].values.shape[1])):
+                if a != b:
+                    raise ValueError(f"HiddenCache.concat: {what} {a} != {b}")
+        starts = np.cumsum([0] + [c.num_texts for c in caches[:-1]])
+        rows = np.cumsum([0] + [c.num_tokens for c in caches[:-1]])
+        return cls(hidden=np.concatenate([c.hidden for c in caches]),
+                   targets=np.concatenate([c.targets for c in caches]),
+                   seq=np.concatenate([c.seq + s for c, s in zip(caches, starts)]).astype(np.int32),
+                   values=np.concatenate([c.values for c in caches]),
+                   offsets=np.concatenate([caches[0].offsets[:1]] + [c.offsets[1:] + r for c, r in zip(caches, rows)]))
+
     def save(self, path: str) -> None:
         np.savez(path, hidden=self.hidden, targets=self.targets, seq=self.seq, values=self.values,
                  offsets=self.offsets)
