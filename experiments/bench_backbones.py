@@ -10,8 +10,9 @@ Measures, with the same weights on both sides (fp32):
   ``BertForTokenClassification`` + ``torch.optim.AdamW`` vs jsteer + ``optax.adamw``).
 
 Compilation / warm-up calls are excluded; each number is the median of ``--reps`` timed calls,
-jsteer's and HF's interleaved (``speedup``: ratio of the medians; ``speedup_paired_median``: median
-of the per-pair ratios, the steadier of the two on a shared machine).
+jsteer's and HF's interleaved, each timed call right after an untimed one of the same side
+(``speedup``: ratio of the medians; ``speedup_paired_median``: median of the per-pair ratios, the
+steadier of the two on a shared machine).
 PyTorch gets ``torch.set_num_threads(--threads)`` (default: all cores). Decoding is also
 compared with the memory-bandwidth bound: one decode step must read every parameter once, so
 tokens/s <= batch * bandwidth / param_bytes. On a GPU the bandwidth is ``--bandwidth`` (default
@@ -61,6 +62,9 @@ def parse_args(argv=None):
     return args
 
 
+SETTLE = 1  # untimed same-side calls before each timed one in timed_pair
+
+
 def timed(fn, reps: int, warmup: int = 1) -> dict:
     """Run ``fn`` (which must block until its result is ready) warmup + reps times."""
     t0 = time.perf_counter()
@@ -77,11 +81,14 @@ def timed(fn, reps: int, warmup: int = 1) -> dict:
             "times_s": [round(t, 5) for t in times]}
 
 
-def timed_pair(fj, fh, reps: int) -> tuple[dict, dict | None]:
+def timed_pair(fj, fh, reps: int, settle: int = SETTLE) -> tuple[dict, dict | None]:
     """:func:`timed` for jsteer's ``fj`` and HF's ``fh`` (None: jsteer only), their timed calls
     interleaved (j, h, j, h, ...) so that a burst of load on this shared machine slows both
-    sides alike instead of one side's whole series. HF's dict also gets ``paired_ratios``
-    (HF time / jsteer time of each pair)."""
+    sides alike instead of one side's whole series. Each timed call follows ``settle`` untimed
+    calls of the same side, so no side is timed on the call right after the other's: measured
+    on the 2-core VM, the first jsteer MiniLM train step after HF train steps took 4.2 s, the
+    next ones 2.6 s (HF's were level, ~2.6 s), and a training loop runs steps back to back.
+    HF's dict also gets ``paired_ratios`` (HF time / jsteer time of each pair)."""
     if fh is None:
         return timed(fj, reps), None
     out = []
@@ -91,6 +98,8 @@ def timed_pair(fj, fh, reps: int) -> tuple[dict, dict | None]:
         out.append({"first_call_s": time.perf_counter() - t0, "times": []})
     for _ in range(reps):
         for fn, o in zip((fj, fh), out):
+            for _ in range(settle):
+                fn()
             t0 = time.perf_counter()
             fn()
             o["times"].append(time.perf_counter() - t0)
@@ -390,6 +399,7 @@ def main(argv=None) -> int:
                   flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     settings["decode_batches"] = list(args.decode_batches)
+    settings["settle_calls"] = SETTLE
     print(f"jax {jax.__version__} on {jax.default_backend()}; {os.cpu_count()} cores; reps {args.reps}", flush=True)
 
     out = pathlib.Path(args.out)

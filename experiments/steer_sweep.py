@@ -48,8 +48,8 @@ DEFAULTS = {"steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary", "neutral_t
 
 
 def parse_config(name: str) -> dict:
-    """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary} over the
-    defaults ('_graded': labels graded)."""
+    """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary, neutral_texts: 0}
+    over DEFAULTS ('_graded': labels graded; '_neutral': neutral_texts NEUTRAL_TEXTS)."""
     m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral))*)", name)
     if not m:
         raise ValueError(f"bad config name {name!r}: "
