@@ -324,8 +324,9 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
         res["torch"] = _rates(sum(t_times), sum(t_cpu), t_batches, t_losses)
         res["torch"].update(_steady(t_steps, t_batches, args.block))
         res["speedup_examples_per_s"] = res["jsteer"]["examples_per_s"] / res["torch"]["examples_per_s"]
-        res["speedup_steady_examples_per_s"] = (
-            res["jsteer"]["steady_examples_per_s"] / res["torch"]["steady_examples_per_s"])
+        if "steady_examples_per_s" in res["jsteer"]:  # absent with --block 1
+            res["speedup_steady_examples_per_s"] = (
+                res["jsteer"]["steady_examples_per_s"] / res["torch"]["steady_examples_per_s"])
         res["speedup_examples_per_cpu_s"] = (
             res["jsteer"]["examples_per_cpu_s"] / res["torch"]["examples_per_cpu_s"])
     res["load_avg_1min"] = os.getloadavg()[0]

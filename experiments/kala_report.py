@@ -73,6 +73,14 @@ def paired(res: dict, a: str, b: str, key: str = "f1") -> list[float]:
     return [rb[s] - ra[s] for s in sorted(set(ra) & set(rb)) if ra[s] is not None and rb[s] is not None]
 
 
+def same_seeds(res: dict, base: str, variant: str) -> list[dict]:
+    """``base``'s runs of the seeds ``variant`` ran: time comparisons pair runs of one seed, which
+    the seed-major sweeps ran close together, under like load (extra seeds of one variant, run
+    on another day, would otherwise move the other's ratio)."""
+    seeds = {r["seed"] for r in runs_of(res, variant)}
+    return [r for r in runs_of(res, base) if r["seed"] in seeds]
+
+
 F1_TARGET = {"conll": 0.4, "ncbi": 1.0}
 TIME_TARGET = 0.15  # relational train wall time within 15% of fine-tuning
 
@@ -104,9 +112,10 @@ def target_lines(all_res: dict) -> str:
         if not lines[1]:
             continue
         t = [r for r in paired(res, "finetune", "relational", "train_seconds")]
-        ft = mean_std([r["train_seconds"] for r in timed(runs_of(res, "finetune"))])[0]
+        ft_runs = timed(same_seeds(res, "finetune", "relational"))
+        ft = mean_std([r["train_seconds"] for r in ft_runs])[0]
         rel = mean_std([r["train_seconds"] for r in timed(runs_of(res, "relational"))])[0]
-        st_ft = mean_std([r.get("median_step_seconds") for r in timed(runs_of(res, "finetune"))])[0]
+        st_ft = mean_std([r.get("median_step_seconds") for r in ft_runs])[0]
         st_rel = mean_std([r.get("median_step_seconds") for r in timed(runs_of(res, "relational"))])[0]
         if ft and rel and t:
             ratio = rel / ft
@@ -155,11 +164,11 @@ def cost_table(all_res: dict) -> str:
     lines = ["| dataset | method | median step (s) | vs fine-tuning | train wall (s) | step memory (MiB) | params (M) |",
              "|---|---|---|---|---|---|---|"]
     for d, res in all_res.items():
-        base = mean_std([r.get("median_step_seconds") for r in timed(runs_of(res, "finetune"))])[0]
         for v, name in MAIN:
             rs = timed(runs_of(res, v))
             if not rs:
                 continue
+            base = mean_std([r.get("median_step_seconds") for r in timed(same_seeds(res, "finetune", v))])[0]
             step = mean_std([r.get("median_step_seconds") for r in rs])[0]
             wall = mean_std([r["train_seconds"] for r in rs])[0]
             mem = [r["step_memory_bytes"] for r in rs if r.get("step_memory_bytes")] or \
@@ -263,7 +272,8 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "", table(all_res, MAIN + edrop, "f1_unseen", title="Unseen (>= 3 mentioned entities outside it)"), "",
              table(all_res, LAYERS, title="## KFM layer location (MiniLM has 6 layers, 0-based): test F1 (%)"), "",
              "## Training cost (Table 11)", "",
-             "Median train-step time of each run (steps that compiled a new shape excluded by the median). "
+             "Median train-step time of each run (steps that compiled a new shape excluded by the median), "
+             "mean over seeds; \"vs fine-tuning\" divides by fine-tuning's runs of the same seeds. "
              "Runs were measured at different times on a shared 2-core machine whose load varied (load "
              "average 2-20), so ratios between runs are noisy; the interleaved benchmark below is the "
              "controlled comparison. Step memory: bytes XLA plans for one AdamW step (arguments + "
