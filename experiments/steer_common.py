@@ -36,13 +36,16 @@ def write_json(path, obj):
 # ----------------------------------------------------------------------------- data
 
 
+def _sst5_records(split: str) -> list:
+    from jsteer.data import readers
+
+    return readers.read_jsonl_labeled(DATA / "sst5" / f"{split}.jsonl", label_set=("0", "1", "2", "3", "4"))
+
+
 def sst5(split: str, fine: bool = False):
     """SST-5 without its neutral class 2 -> (texts, labels): binary (1 for 3-4, 0 for 0-1), or the
     five-class labels 0, 1, 3, 4 with ``fine``."""
-    from jsteer.data import readers
-
-    recs = readers.read_jsonl_labeled(DATA / "sst5" / f"{split}.jsonl", label_set=("0", "1", "2", "3", "4"))
-    keep = [r for r in recs if r.label != "2"]
+    keep = [r for r in _sst5_records(split) if r.label != "2"]
     if fine:
         return [r.text for r in keep], np.asarray([int(r.label) for r in keep])
     return [r.text for r in keep], np.asarray([1 if r.label in ("3", "4") else 0 for r in keep])
@@ -78,14 +81,26 @@ def sentiment_neutral_texts(n: int) -> tuple[list, np.ndarray]:
     """n texts of SST-5 train's neutral class 2 (seeded), steer value 0 in both columns -> (texts,
     values [n, 2]). The original LM-Steer code trains on them too (label / 2 - 1 = 0: only the
     dummy steer fits them); the evaluators never see class 2."""
-    from jsteer.data import readers
-
-    recs = readers.read_jsonl_labeled(DATA / "sst5" / "train.jsonl", label_set=("0", "1", "2", "3", "4"))
-    neutral = [r.text for r in recs if r.label == "2"]
+    neutral = [r.text for r in _sst5_records("train") if r.label == "2"]
     if n > len(neutral):
         raise ValueError(f"asked for {n} neutral SST-5 texts; train has {len(neutral)}")
     pick = np.sort(np.random.default_rng(2).choice(len(neutral), n, replace=False))
     return [neutral[i] for i in pick], np.zeros((n, 2), np.float32)
+
+
+def cached_hidden(lm, path: pathlib.Path, texts_values, max_len: int, batch_size: int = 32):
+    """The hidden-state cache at ``path``; absent, built from ``texts_values()`` -> (texts, values)
+    with ``train.cache_lm`` and saved there first."""
+    from jsteer.steer import train
+
+    path = pathlib.Path(path)
+    if path.exists():
+        return train.HiddenCache.load(str(path))
+    log(f"caching hidden states -> {path.name}")
+    cache = train.cache_lm(lm, *texts_values(), max_len=max_len, batch_size=batch_size, progress=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cache.save(str(path))
+    return cache
 
 
 def jigsaw_splits(seed: int = 0):

@@ -174,19 +174,16 @@ def main():
             steers[name], meta = artifact.load(str(art), model_identity=lm.identity)
             continue
         t0 = time.time()
-        if cpath.exists():
-            cache = train.HiddenCache.load(str(cpath))
-        else:
-            C.log(f"caching hidden states for {name}")
+
+        def texts_values(name=name):
             if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
                 texts, values = C.sentiment_steer_texts(a.sst_texts)
-                values, max_len = values[:, 0], 64  # the binary values (the issue's)
-            else:
-                texts, values = jig_steer[0], np.where(jig_steer[1] == 0, 1.0, -1.0)  # non-toxic = +1
-                keep = C.balanced_keep(values, a.jigsaw_texts)
-                texts, values, max_len = [texts[i] for i in keep], values[keep], 32
-            cache = train.cache_lm(lm, texts, values, max_len=max_len, batch_size=32, progress=True)
-            cache.save(str(cpath))
+                return texts, values[:, 0]  # the binary values (the issue's)
+            texts, values = jig_steer[0], np.where(jig_steer[1] == 0, 1.0, -1.0)  # non-toxic = +1
+            keep = C.balanced_keep(values, a.jigsaw_texts)
+            return [texts[i] for i in keep], values[keep]
+
+        cache = C.cached_hidden(lm, cpath, texts_values, max_len=64 if name == "sentiment" else 32)
         t_cache = time.time() - t0
         steps = a.steps if name == "sentiment" else (a.detox_steps or a.steps)
         cfg_n = train.TrainConfig(rank=a.rank, steps=steps, batch_size=a.batch_size, l2=a.l2,

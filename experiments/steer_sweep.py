@@ -115,18 +115,9 @@ def main(argv=None) -> int:
                          "its rows would not compare with new ones; write to a new --out")
     res["setup"]["evaluator"] = clf
     emb = np.asarray(lm.output_embeddings(), np.float32)
-
-    def cached(fname, texts_fn):  # hidden-state cache of texts_fn() under --work, built once
-        path = pathlib.Path(args.work) / fname
-        if path.exists():
-            return train.HiddenCache.load(str(path))
-        cache = train.cache_lm(lm, *texts_fn(), max_len=MAX_LEN, batch_size=BATCH, progress=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cache.save(str(path))
-        return cache
-
-    # values: [binary, graded]
-    cache = cached("cache_sentiment_labels.npz", lambda: C.sentiment_steer_texts(STEER_TEXTS))
+    work = pathlib.Path(args.work)
+    cache = C.cached_hidden(lm, work / "cache_sentiment_labels.npz",  # values: [binary, graded]
+                            lambda: C.sentiment_steer_texts(STEER_TEXTS), MAX_LEN, BATCH)
 
     def evaluate(params, value):
         eps = jnp.broadcast_to(jnp.asarray([value * 1e-3, 0.0], jnp.float32), (args.gen_batch, 2))
@@ -155,7 +146,7 @@ def main(argv=None) -> int:
     # the main run's steer (r1000, 150 steps), already scored on these prompts by its strength choice
     # (only comparable when scored by the same evaluator)
     sel_table = main_res["strength_selection"]["sentiment"]
-    same_clf = pos_clf.meta.get("accuracy") == main_res["evaluators"]["sentiment"]["accuracy"]
+    same_clf = clf == {k: main_res["evaluators"]["sentiment"].get(k) for k in clf}
     if same_clf and all(f"off/s{sg * v:+g}" in sel_table for v in strengths for sg in (1, -1)):
         row = {"config": dict(DEFAULTS, rank=1000),
                "W_fro_norm": main_res["training"]["sentiment"]["W_fro_norm"]["steer"],
@@ -172,8 +163,9 @@ def main(argv=None) -> int:
         col = ["binary", "graded"].index(cfg["labels"])
         data = cache
         if cfg["neutral_texts"]:
-            data = train.HiddenCache.concat([cache, cached(f"cache_sentiment_neutral{cfg['neutral_texts']}.npz",
-                                                           lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]))])
+            neutral = C.cached_hidden(lm, work / f"cache_sentiment_neutral{cfg['neutral_texts']}.npz",
+                                      lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]), MAX_LEN, BATCH)
+            data = train.HiddenCache.concat([cache, neutral])
         params, hist = train.train(dataclasses.replace(data, values=data.values[:, col:col + 1]), emb, tcfg)
         w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
         row = {"config": cfg, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
