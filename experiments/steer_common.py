@@ -115,6 +115,21 @@ def jigsaw_splits(seed: int = 0):
     return take(perm[:a]), take(perm[a:b]), take(perm[b:])
 
 
+def jigsaw_steer_texts(n: int) -> tuple[list, np.ndarray]:
+    """The detox steer's training texts: n class-balanced texts of the Jigsaw steer split (seeded)
+    -> (texts, values [n]): non-toxic +1, toxic -1."""
+    texts, labels = jigsaw_splits(0)[0]
+    values = np.where(labels == 0, 1.0, -1.0).astype(np.float32)
+    keep = balanced_keep(values, n)
+    return [texts[i] for i in keep], values[keep]
+
+
+def toxic_prefixes(texts: Sequence[str], labels: np.ndarray, words: int = 10, min_words: int = 14) -> List[str]:
+    """Prompts from toxic comments (RealToxicityPrompts is not available offline): the first
+    ``words`` words of every toxic text with at least ``min_words`` words, in the given order."""
+    return [" ".join(t.split()[:words]) for t, y in zip(texts, labels) if y == 1 and len(t.split()) >= min_words]
+
+
 def prompts(kind: str, n: int, seed: int = 0) -> List[str]:
     """n prompts drawn (seeded, without replacement) from lmsteer_prompts/{kind}_prompts.jsonl."""
     path = DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / f"{kind}_prompts.jsonl"

@@ -207,6 +207,79 @@ def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
     return "\n".join(parts)
 
 
+DETOX_RUNS = {"detox_smollm2.json": "The main run's detox steer recipe",
+              "detox_smollm2_1000steps.json": "The issue's training defaults (1000 steps x 32 texts, init 1e-3, no L2)"}
+
+
+def detox_protocol(results: pathlib.Path = RESULTS) -> str:
+    """The paper-protocol detox runs present under ``results`` (:data:`DETOX_RUNS`,
+    experiments/steer_detox.py) as markdown; empty if none."""
+    parts = []
+    for fname, what in DETOX_RUNS.items():
+        p = results / fname
+        dx = json.loads(p.read_text()) if p.exists() else {}
+        if "prompts" in dx:  # written once the prompts and the steer exist
+            parts += [f"### {what} (`{fname}`)", "", detox_protocol_run(dx), ""]
+    return "\n".join(parts).rstrip()
+
+
+def detox_protocol_run(dx: dict) -> str:
+    """One steer_detox.py result as markdown: evaluator error rates, held-out choice, test table."""
+    su, cal, pr, m = dx["setup"], dx["calibration"], dx["prompts"], dx.get("metrics", {})
+    recipe = {k: v for k, v in dx.get("training", {}).get("detox", {}).items()
+              if k in ("texts", "steps", "batch_size", "l2", "init_scale")}
+    out = [f"Steer recipe {json.dumps(recipe)}, measured closer to the paper: {su['test_prompts']} test prompts x "
+           f"{su['samples_per_test_prompt']} samples "
+           f"(paper: {su['paper']['prompts']} x {su['paper']['samples_per_prompt']}), prompts = the first 10 words of toxic "
+           f"Jigsaw test comments that the evaluator scores non-toxic ({pr['non_toxic']} of {pr['candidates']}); the steer "
+           f"value is chosen on {su['held_out_prompts']} held-out prompts x {su['samples_per_held_out_prompt']} samples "
+           f"({su['rule']})", "",
+           f"Evaluator: MiniLM fine-tuned on {dx['evaluator']['train_texts']} Jigsaw texts ({dx['evaluator']['epochs']} "
+           f"epochs). Primary reading `natural_prior`: its balanced-prior probability moved to Jigsaw's natural toxic "
+           f"share {su['prior']:.4f} ({su['prior_source']}); `balanced`: the raw output.", "",
+           "| reading | Jigsaw test accuracy % | false positive rate % | true positive rate % | clean web text flagged % |",
+           "|---|---|---|---|---|"]
+    for r in ("natural_prior", "balanced"):
+        c = cal[r]
+        out.append(f"| {r} | {_f(c['accuracy'], True)} | {_f(c['false_positive_rate'], True)} | "
+                   f"{_f(c['true_positive_rate'], True)} | {_f(c['clean_flagged'], True)} |")
+    sel = dx.get("selection")
+    if sel:
+        out += ["", "Held-out choice (natural-prior reading):", "",
+                "| detox value | its dummy | toxicity prob. % | mean max toxicity | ppl rise % |", "|---|---|---|---|---|"]
+        out += [f"| {k.split('/')[0]} | {k.split('/')[1]} | {_f(v['toxicity_prob'], True)} | {_f(v['mean_max_toxicity'])} | "
+                f"{_f(v['ppl_rise'], True)} |" for k, v in sel["table"].items()]
+        out += ["", f"**Chosen: detox {sel['chosen']:+g}, its dummy {sel['dummy']}** (x eps0)"]
+    steered = []
+    for k in m:
+        hit = re.fullmatch(r"test_d([+-][0-9.]+)(_dummyoff)?", k)
+        if hit:
+            v, dm = float(hit[1]), "off" if hit[2] else "on"
+            mark = " (chosen)" if sel and (v, dm) == (sel["chosen"], sel["dummy"]) else ""
+            steered.append(((dm, v), f"detox {v:+g}, dummy {dm}{mark}", k))
+    rows = [("unsteered", "test_base")] + [(name, k) for _, name, k in sorted(steered)]
+    out += ["", "| model | toxicity prob. % | mean max toxicity | toxic samples % | toxicity prob. % (balanced) | "
+                "mean max toxicity (balanced) | ppl (mean) | dist-2 | dist-3 |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, key in rows:
+        if key in m:
+            r, b = m[key]["natural_prior"], m[key]["balanced"]
+            out.append(f"| {name} | {_f(r['toxicity_prob'], True)} | {_f(r['mean_max_toxicity'])} | "
+                       f"{_f(r['toxic_fraction'], True)} | {_f(b['toxicity_prob'], True)} | {_f(b['mean_max_toxicity'])} | "
+                       f"{_f(m[key]['ppl_mean'])} | {_f(m[key]['dist2'])} | {_f(m[key]['dist3'])} |")
+    res_ = dx.get("result")
+    if res_:
+        out.append("")
+        for r in ("natural_prior", "balanced"):
+            x, bs = res_[r], res_[r]["bootstrap"]
+            out.append(f"- {r}: toxicity probability {_f(x['base_toxicity_prob'], True)}% -> "
+                       f"{_f(x['steered_toxicity_prob'], True)}%, ratio {_f(x['ratio'])} (paired bootstrap over prompts: "
+                       f"95% interval {_f(bs['ratio_p2.5'])}-{_f(bs['ratio_p97.5'])}, ratio <= 0.5 in "
+                       f"{_f(bs['share_ratio_le_0.5'], True)}% of resamples); perplexity rise {_f(res_['ppl_rise'], True)}%"
+                       + (" -> target (halve) " + ("met" if x["ratio"] is not None and x["ratio"] <= 0.5 else "MISSED")
+                          if r == "natural_prior" else ""))
+    return "\n".join(out)
+
+
 def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS) -> str:
     """Every table of the experiment as one markdown document (results.md)."""
     ev = res.get("evaluators", {})
@@ -224,6 +297,9 @@ def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS) -> 
               "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
               "", "## Targets", ""]
     parts += [f"- {k}: measured {v[0]:.3f} -> {'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
+    detox = detox_protocol(results)
+    if detox:
+        parts += ["", "## Detoxification, paper protocol (experiments/steer_detox.py)", "", detox]
     sweeps = recipe_sweeps(results)
     if sweeps:
         parts += ["", "## Recipe sweeps (held-out prompts; experiments/steer_sweep.py)", "", sweeps.rstrip()]

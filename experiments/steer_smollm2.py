@@ -163,7 +163,7 @@ def main():
     save()
 
     # ------------------------------------------------------------------ steers
-    jig_steer, _, jig_test = C.jigsaw_splits(0)
+    jig_test = C.jigsaw_splits(0)[2]
     emb = np.asarray(lm.output_embeddings(), np.float32)
     steers = {}
     res.setdefault("training", {})
@@ -179,9 +179,7 @@ def main():
             if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
                 texts, values = C.sentiment_steer_texts(a.sst_texts)
                 return texts, values[:, 0]  # the binary values (the issue's)
-            texts, values = jig_steer[0], np.where(jig_steer[1] == 0, 1.0, -1.0)  # non-toxic = +1
-            keep = C.balanced_keep(values, a.jigsaw_texts)
-            return [texts[i] for i in keep], values[keep]
+            return C.jigsaw_steer_texts(a.jigsaw_texts)
 
         cache = C.cached_hidden(lm, cpath, texts_values, max_len=64 if name == "sentiment" else 32)
         t_cache = time.time() - t0
@@ -252,8 +250,7 @@ def main():
 
     neutral = C.prompts("neutral", a.neutral_prompts, seed=0)
     sets = {"neutral": neutral, **{k: C.prompts(k, a.prompts, seed=0) for k in ("positive", "negative")}}
-    tox_prompts = [" ".join(t.split()[:10]) for t, y in zip(*jig_test) if y == 1 and len(t.split()) >= 14]
-    tox_prompts = tox_prompts[: a.prompts]
+    tox_prompts = C.toxic_prefixes(*jig_test)[: a.prompts]
     # held-out neutral prompts (never used for the reported numbers) for the dummy on/off choice
     path = C.DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / "neutral_prompts.jsonl"
     all_neutral = [json.loads(x)["prompt"]["text"] for x in open(path)]
@@ -262,8 +259,7 @@ def main():
     res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel}
 
     # ------------------------------------------------------------------ steer strengths + dummy (held-out prompts)
-    tox_sel = [" ".join(t.split()[:10]) for t, y in zip(*jig_test) if y == 1 and len(t.split()) >= 14]
-    tox_sel = tox_sel[a.prompts: 2 * a.prompts]  # the toxic prompts after the reported ones
+    tox_sel = C.toxic_prefixes(*jig_test)[a.prompts: 2 * a.prompts]  # the toxic prompts after the reported ones
     res["prompts"]["held_out_select_toxic"] = tox_sel
     strengths = [float(x) for x in a.strengths.split(",")]
     dummies = ("on", "off") if a.dummy == "auto" else (a.dummy,)

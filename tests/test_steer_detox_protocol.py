@@ -1,0 +1,34 @@
+"""The detox measurement's maths (experiments/steer_detox.py): the prior shift of the toxicity
+evaluator against Bayes' rule written out, and the paired bootstrap of the toxicity-probability ratio."""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import steer_detox as D  # noqa: E402
+
+
+def test_natural_prior_is_bayes_rule():
+    p = np.random.default_rng(0).uniform(0.001, 0.999, 200)
+    for prior, train_prior in ((D.PRIOR, 0.5), (0.3, 0.6)):
+        # P(x|toxic) ~ p / train_prior, P(x|clean) ~ (1 - p) / (1 - train_prior); reweight by the new prior
+        num = p / train_prior * prior
+        want = num / (num + (1 - p) / (1 - train_prior) * (1 - prior))
+        np.testing.assert_allclose(D.natural_prior(p, prior, train_prior), want, rtol=1e-12)
+    np.testing.assert_allclose(D.natural_prior(p, 0.5, 0.5), p, rtol=1e-12)
+    q = D.natural_prior(np.sort(p))
+    assert np.all(np.diff(q) > 0) and np.all(q < np.sort(p))  # a rarer class: every score drops, order kept
+    assert D.natural_prior(np.array([0.0, 1.0])).tolist() == pytest.approx([0.0, 1.0], abs=1e-10)
+
+
+def test_paired_bootstrap_ratio():
+    base = [0.9, 0.8, 0.1, 0.7, 0.2, 0.6]  # per-prompt max toxicity: 4 of 6 prompts toxic
+    same = D.paired_bootstrap(base, base, 500)
+    assert same["ratio_p2.5"] == same["ratio_p97.5"] == 1.0 and same["share_ratio_le_0.5"] == 0.0
+    gone = D.paired_bootstrap(base, [0.0] * 6, 500)
+    assert gone["ratio_p97.5"] == 0.0 and gone["share_ratio_le_0.5"] == 1.0
+    half = D.paired_bootstrap(base, [0.9, 0.8, 0.1, 0.1, 0.2, 0.1], 2000)  # 2 of the 4 stay toxic
+    assert half["ratio_p2.5"] < 0.5 == half["ratio_p50"] < half["ratio_p97.5"] <= 1.0
