@@ -60,6 +60,8 @@ def parse():
     ap.add_argument("--samples", type=int, default=25, help="samples per test prompt (the paper's 25)")
     ap.add_argument("--select-samples", type=int, default=10, help="samples per held-out prompt")
     ap.add_argument("--strengths", default="0.5,1,2,3,5", help="candidate steer values (x eps0)")
+    ap.add_argument("--curve", default=None, help="steer values for the test-prompt curve after the chosen one "
+                    "(default: every strength)")
     ap.add_argument("--gen-batch", type=int, default=50, help="rows per compiled generation call")
     # the main run's detox steer recipe (steer_smollm2.json training.detox)
     ap.add_argument("--jigsaw-texts", type=int, default=600)
@@ -259,7 +261,8 @@ def main():
                                                           a.bootstrap)}
     save()
     C.log("result", json.dumps(res["result"], indent=1))
-    for v in strengths:  # the rest of the strength curve on the test prompts
+    curve = strengths if a.curve is None else [float(x) for x in a.curve.split(",")]
+    for v in curve:  # the rest of the strength curve on the test prompts
         run(f"test_d{v:+g}{sfx}", test_p, v, a.samples, dummy)
     res["total_seconds_this_run"] = time.time() - t_all
     save()

@@ -266,6 +266,9 @@ def detox_protocol_run(dx: dict) -> str:
             out.append(f"| {name} | {_f(r['toxicity_prob'], True)} | {_f(r['mean_max_toxicity'])} | "
                        f"{_f(r['toxic_fraction'], True)} | {_f(b['toxicity_prob'], True)} | {_f(b['mean_max_toxicity'])} | "
                        f"{_f(m[key]['ppl_mean'])} | {_f(m[key]['dist2'])} | {_f(m[key]['dist3'])} |")
+    if len(steered) > 1:
+        out += ["", "Rows other than the held-out choice trace the strength curve; picking among them by their test "
+                    "numbers would select on the test prompts."]
     res_ = dx.get("result")
     if res_:
         out.append("")
