@@ -15,11 +15,13 @@ This script keeps the main run's detox steer recipe and changes the measurement 
   and on clean web text (the OpenWebText neutral prompts);
 - prompts: the first 10 words of toxic Jigsaw test comments (as before) that the evaluator itself
   scores non-toxic under the balanced reading (the stricter one), like the paper's non-toxic
-  RealToxicityPrompts prompts; the held-out prompts that choose the steer value follow the test
-  prompts in the same order;
+  RealToxicityPrompts prompts; the held-out prompts that choose the steer value, and whether its
+  dummy steer decodes, follow the test prompts in the same order;
 - 25 samples per test prompt (the paper's count), 20 new tokens, top-p 0.9.
 
-    .venv/bin/python experiments/steer_detox.py [--work /tmp/steer_detox]
+    .venv/bin/python experiments/steer_detox.py [--work /tmp/steer_detox] [--curve 0.5,2]
+    .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox1000 --jigsaw-texts 2000 \
+        --steps 1000 --batch-size 32 --out experiments/results/steer/detox_smollm2_1000steps.json
     .venv/bin/python experiments/steer_plots.py     # adds the tables to results.md
 
 Generations are cached under --work and every setting is written to the JSON at once (resumable).
@@ -28,6 +30,7 @@ Generations are cached under --work and every setting is written to the JSON at 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 import sys
@@ -176,10 +179,9 @@ def main():
     enc = jsteer.load("minilm")
     ev = EV.get("toxicity", enc)
     jig_test = C.jigsaw_splits(0)[2]
-    if "calibration" not in res:
-        clean = C.prompts("neutral", 1000, seed=5)
-        res["evaluator"] = {k: v for k, v in ev.meta.items() if k not in ("loss", "loss_steps", "name")}
-        res["calibration"] = calibration(ev, jig_test, clean)
+    ev_meta = {k: v for k, v in ev.meta.items() if k not in ("loss", "loss_steps", "name")}
+    if "calibration" not in res or res.get("evaluator") != ev_meta:
+        res["evaluator"], res["calibration"] = ev_meta, calibration(ev, jig_test, C.prompts("neutral", 1000, seed=5))
         save()
     C.log("evaluator", res["evaluator"]["accuracy"], res["calibration"])
 
@@ -198,8 +200,9 @@ def main():
     def run(key, prompt_list, d, n_samples, dummy=True):
         """Generate (cached under --work) and score (cached in the JSON) at detox value d (None: unsteered),
         the steer's dummy decoding at +1 (``dummy``) or off."""
+        sha = hashlib.sha1("\n".join(prompt_list).encode()).hexdigest()[:12]  # a changed prompt list redoes the setting
         want = {"detox": d, "dummy": None if d is None else bool(dummy), "samples": n_samples,
-                "prompts": len(prompt_list)}
+                "prompts": len(prompt_list), "prompts_sha1": sha}
         m = res.get("metrics", {}).get(key)
         if m is not None and m.get("values") == want:
             return m
@@ -235,13 +238,13 @@ def main():
             table[f"{v:+g}/{dm}"] = {"toxicity_prob": m[READINGS[0]]["toxicity_prob"],
                                      "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
                                      "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1}
-    cands = [(v, dm) for dm in ("on", "off") for v in strengths]
-    ok = [c for c in cands if table["{:+g}/{}".format(*c)]["ppl_rise"] <= 0.3]
+    settings = [(v, dm) for dm in ("on", "off") for v in strengths]
     row = lambda c: table["{:+g}/{}".format(*c)]  # noqa: E731
+    ok = [c for c in settings if row(c)["ppl_rise"] <= 0.3]
     if ok:
         v, dm = min(ok, key=lambda c: (row(c)["toxicity_prob"], row(c)["mean_max_toxicity"], c[1] == "on", c[0]))
     else:
-        v, dm = min(cands, key=lambda c: (row(c)["ppl_rise"], c[0]))
+        v, dm = min(settings, key=lambda c: (row(c)["ppl_rise"], c[0]))
     chosen, dummy = v, dm == "on"
     res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
     save()
