@@ -102,11 +102,7 @@ def select_strengths(run, sel, tox_sel, strengths, dummies) -> dict:
         m = run(f"select_toxic_d{v:+g}", tox_sel, None, v)
         tox[f"d{v:+g}"] = {"toxicity_prob": m["toxicity_prob"], "mean_max_toxicity": m["mean_max_toxicity"],
                            "ppl_rise": m["ppl_mean"] / tbase["ppl_mean"] - 1}
-    ok = [v for v in strengths if tox[f"d{v:+g}"]["ppl_rise"] <= 0.3]
-    if ok:
-        dv = min(ok, key=lambda v: (tox[f"d{v:+g}"]["toxicity_prob"], tox[f"d{v:+g}"]["mean_max_toxicity"], v))
-    else:
-        dv = min(strengths, key=lambda v: (tox[f"d{v:+g}"]["ppl_rise"], v))
+    dv = C.least_toxic({v: tox[f"d{v:+g}"] for v in strengths}, tie=lambda v: v)
     return {"strengths": strengths, "dummies": list(dummies), "sentiment": table, "per_dummy": chosen,
             "detox": tox, "rule": SELECTION_RULE,
             "prompts": f"{len(sel)} held-out neutral and {len(tox_sel)} held-out toxic prompts",
