@@ -111,6 +111,32 @@ def _filter_sorted(logits: Array, top_k: Array, top_p: Array) -> Array:
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _order_keys(x: Array) -> Array:
+    """float32 [..] -> uint32 keys in the same order (-inf lowest, +inf highest; no NaNs expected)."""
+    u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _nucleus_bisect(logits: Array, top_p: Array) -> Array:
+    """logits [B,V], top_p [B] -> the nucleus threshold as an order key [B, 1] (keep keys >= it),
+    found without sorting: the smallest logit value x whose strictly-higher mass G(x) is < top_p,
+    the same set a descending sort keeps (its mass before a token < top_p). G falls as x rises, so
+    32 halvings of the uint32 key range pin x exactly; only the summation order of the mass differs
+    from the sorted cumsum."""
+    keys = _order_keys(logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    hi = keys.max(axis=-1, keepdims=True)              # G(max) = 0 < top_p
+    lo = jnp.zeros_like(hi)                            # below every key: G = 1 >= top_p
+
+    def halve(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2
+        above = jnp.sum(jnp.where(keys > mid, probs, 0.0), axis=-1, keepdims=True) < top_p[:, None]
+        return jnp.where(above, lo, mid), jnp.where(above, mid, hi)
+
+    return lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
                         candidates: int = NUCLEUS_CANDIDATES) -> Array:
     """logits [B,V] (temperature applied) -> logits with tokens outside the top-k, then
@@ -120,8 +146,10 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
     A full-vocabulary sort per decode step costs more than a small model's forward on CPU, so
     the filter first takes the ``candidates`` best tokens (``lax.top_k``). That is exact
     whenever the kept set lies inside them (top_k <= candidates, or no top-k and the
-    candidates already hold top_p of the mass: the usual case); otherwise the batch falls back
-    to the full sort."""
+    candidates already hold top_p of the mass: the usual case for a peaked distribution). Rows
+    without top-k whose nucleus is wider (flat distributions, often one row in a large sampling
+    batch) get their threshold by bisection (:func:`_nucleus_bisect`, no sort); only a top_k
+    between ``candidates`` and V falls back to the full sort."""
     v = logits.shape[-1]
     c = min(candidates, v)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
@@ -133,8 +161,15 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
     no_filter = (k[:, 0] == v) & (top_p >= 1.0)
     threshold = jnp.where(no_filter[:, None], -jnp.inf, threshold)
     exact = no_filter | (k[:, 0] <= c) | ((k[:, 0] == v) & (probs.sum(axis=-1) >= top_p))
-    return lax.cond(jnp.all(exact), lambda x: jnp.where(x >= threshold, x, -jnp.inf),
-                    lambda x: _filter_sorted(x, top_k, top_p), logits)
+
+    def wide_nucleus(x):
+        cut = _nucleus_bisect(x, top_p)
+        return jnp.where(exact[:, None], jnp.where(x >= threshold, x, -jnp.inf),
+                         jnp.where(_order_keys(x) >= cut, x, -jnp.inf))
+
+    branch = jnp.where(jnp.all(exact), 0, jnp.where(jnp.any((k[:, 0] > c) & (k[:, 0] < v)), 2, 1))
+    return lax.switch(branch, [lambda x: jnp.where(x >= threshold, x, -jnp.inf), wide_nucleus,
+                               lambda x: _filter_sorted(x, top_k, top_p)], logits)
 
 
 def _next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array,

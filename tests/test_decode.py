@@ -123,6 +123,25 @@ def test_top_p_candidate_fast_path_is_exact(scale):
     assert (kept[[0, 4]] > 16).any() == (scale < 1)     # the flat case really exercises the fallback
 
 
+def test_wide_nucleus_bisection_matches_sort():
+    """Rows whose nucleus is wider than the candidates take the bisection threshold (no sort): the
+    same kept set as the full sort and the NumPy reference, with ties, -inf and negative logits."""
+    rs = np.random.RandomState(2)
+    logits = (rs.randn(12, 3000) * 0.3 - 4.0).astype(np.float32)
+    logits[1, :1500] = np.round(logits[1, :1500], 1)       # many exact ties
+    logits[2, rs.rand(3000) < 0.3] = -np.inf               # masked tokens
+    logits[3] = 0.0                                         # all equal: the whole row is kept
+    top_k = np.zeros(12, np.int32)
+    top_p = np.linspace(0.05, 0.99, 12).astype(np.float32)
+    x, k, p = jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)
+    got = np.asarray(decode._filter_top_k_top_p(x, k, p, candidates=16))
+    np.testing.assert_array_equal(got, np.asarray(decode._filter_sorted(x, k, p)))
+    untied = [b for b in range(12) if b not in (1, 3)]  # the NumPy reference cuts a tie at the boundary
+    np.testing.assert_array_equal(got[untied], _filter_reference(logits, top_k, top_p)[untied])
+    assert (np.isfinite(got).sum(axis=1) > 16).sum() >= 10   # most rows really took the bisection
+    assert np.isfinite(got[3]).all()
+
+
 def test_stop_ids_pad_and_lengths(tiny):
     _, model, params = tiny
     ids, mask = prompts()
