@@ -5,6 +5,7 @@ Every random choice is seeded and recorded in the output JSON."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -247,6 +248,11 @@ def perplexities(lm, prompts_: Sequence[str], conts: Sequence[str], batch: int =
 
 
 # ----------------------------------------------------------------------------- sampling
+
+
+def prompts_sha1(prompt_list: Sequence[str]) -> str:
+    """Short identity of a prompt list for cache keys: a setting scored on other prompts is redone."""
+    return hashlib.sha1("\n".join(prompt_list).encode()).hexdigest()[:12]
 
 
 def sample(lm, hooks_for_rows, prompt_list: Sequence[str], n_samples: int, max_new_tokens: int = 20,

@@ -30,7 +30,6 @@ Generations are cached under --work and every setting is written to the JSON at 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import pathlib
 import sys
@@ -60,11 +59,16 @@ def parse():
     ap.add_argument("--out", default=str(C.RESULTS / "detox_smollm2.json"))
     ap.add_argument("--prompts", type=int, default=40, help="test prompts")
     ap.add_argument("--select-prompts", type=int, default=20, help="held-out prompts for the steer value")
+    ap.add_argument("--skip-prompts", type=int, default=0,
+                    help="non-toxic prefixes skipped before the test prompts: a fresh split after a run whose test "
+                    "rows have been read (its test + held-out prompts)")
+    ap.add_argument("--dummy", choices=("both", "on", "off"), default="both",
+                    help="dummy settings on the held-out grid")
     ap.add_argument("--samples", type=int, default=25, help="samples per test prompt (the paper's 25)")
     ap.add_argument("--select-samples", type=int, default=10, help="samples per held-out prompt")
     ap.add_argument("--strengths", default="0.5,1,2,3,5", help="candidate steer values (x eps0)")
     ap.add_argument("--curve", default=None, help="steer values for the test-prompt curve after the chosen one "
-                    "(default: every strength)")
+                    "(default: every strength; '' for none)")
     ap.add_argument("--gen-batch", type=int, default=50, help="rows per compiled generation call")
     # the main run's detox steer recipe (steer_smollm2.json training.detox)
     ap.add_argument("--jigsaw-texts", type=int, default=600)
@@ -151,11 +155,12 @@ def main():
     out_path = pathlib.Path(a.out)
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
     strengths = [float(x) for x in a.strengths.split(",")]
+    dummies = ("on", "off") if a.dummy == "both" else (a.dummy,)
     res["setup"] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "test_prompts": a.prompts, "held_out_prompts": a.select_prompts, "samples_per_test_prompt": a.samples,
         "samples_per_held_out_prompt": a.select_samples, "max_new_tokens": 20, "top_p": 0.9, "temperature": 1.0,
-        "strengths": strengths, "eps0": EPS0, "prior": PRIOR,
+        "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "eps0": EPS0, "prior": PRIOR,
         "prior_source": "toxic share of the Jigsaw Toxic Comment Classification train set (15,294 / 159,571)",
         "primary_reading": READINGS[0], "rule": SELECTION_RULE,
         "paper": {"prompts": "10K non-toxic RealToxicityPrompts prompts", "samples_per_prompt": 25,
@@ -177,10 +182,13 @@ def main():
 
     cands = C.toxic_prefixes(*jig_test)
     keep = [p for p, s in zip(cands, ev.prob(cands)) if s < 0.5]
-    if len(keep) < a.prompts + a.select_prompts:
-        raise SystemExit(f"only {len(keep)} non-toxic prefixes; asked for {a.prompts} + {a.select_prompts}")
-    test_p, sel_p = keep[: a.prompts], keep[a.prompts: a.prompts + a.select_prompts]
-    res["prompts"] = {"candidates": len(cands), "non_toxic": len(keep), "test": test_p, "held_out": sel_p}
+    n0 = a.skip_prompts
+    if len(keep) < n0 + a.prompts + a.select_prompts:
+        raise SystemExit(f"only {len(keep)} non-toxic prefixes; asked for {n0} skipped + {a.prompts} + "
+                         f"{a.select_prompts}")
+    test_p, sel_p = keep[n0: n0 + a.prompts], keep[n0 + a.prompts: n0 + a.prompts + a.select_prompts]
+    res["prompts"] = {"candidates": len(cands), "non_toxic": len(keep), "skipped": n0, "test": test_p,
+                      "held_out": sel_p}
 
     lm = jsteer.load("smollm2-135m")
     emb = np.asarray(lm.output_embeddings(), np.float32)
@@ -190,9 +198,8 @@ def main():
     def run(key, prompt_list, d, n_samples, dummy=True):
         """Generate (cached under --work) and score (cached in the JSON) at detox value d (None: unsteered),
         the steer's dummy decoding at +1 (``dummy``) or off."""
-        sha = hashlib.sha1("\n".join(prompt_list).encode()).hexdigest()[:12]  # a changed prompt list redoes the setting
         want = {"detox": d, "dummy": None if d is None else bool(dummy), "samples": n_samples,
-                "prompts": len(prompt_list), "prompts_sha1": sha}
+                "prompts": len(prompt_list), "prompts_sha1": C.prompts_sha1(prompt_list)}
         m = res.get("metrics", {}).get(key)
         if m is not None and m.get("values") == want:
             return m
@@ -222,13 +229,13 @@ def main():
     # the steer value and the dummy's use at decoding, chosen on held-out prompts only
     base_sel = run("select_base", sel_p, None, a.select_samples)
     table = {}
-    for dm in ("on", "off"):
+    for dm in dummies:
         for v in strengths:
             m = run(f"select_d{v:+g}" + ("" if dm == "on" else "_dummyoff"), sel_p, v, a.select_samples, dm == "on")
             table[f"{v:+g}/{dm}"] = {"toxicity_prob": m[READINGS[0]]["toxicity_prob"],
                                      "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
                                      "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1}
-    v, dm = C.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in ("on", "off") for v in strengths},
+    v, dm = C.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
                           tie=lambda c: (c[1] == "on", c[0]), fallback_tie=lambda c: c[0])
     chosen, dummy = v, dm == "on"
     res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
@@ -249,7 +256,7 @@ def main():
                                                           a.bootstrap)}
     save()
     C.log("result", json.dumps(res["result"], indent=1))
-    curve = strengths if a.curve is None else [float(x) for x in a.curve.split(",")]
+    curve = strengths if a.curve is None else [float(x) for x in a.curve.split(",") if x]
     for v in curve:  # the rest of the strength curve on the test prompts
         run(f"test_d{v:+g}{sfx}", test_p, v, a.samples, dummy)
     res["total_seconds_this_run"] = time.time() - t_all

@@ -218,9 +218,10 @@ def main():
 
     def run(key, prompt_list, s=None, d=None, s_dummy=True, seed=0, d_dummy=True):
         """Generate (cached under --work) and evaluate (cached in the results JSON). A cached entry
-        made with other steer values or dummy settings under the same key is redone."""
+        made with other steer values, dummy settings, prompts or sample count under the same key is redone."""
         want = {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None,
-                "detox_dummy": bool(d_dummy) if d is not None else None}
+                "detox_dummy": bool(d_dummy) if d is not None else None, "samples": a.samples,
+                "prompts_sha1": C.prompts_sha1(prompt_list)}
         if key in res.get("metrics", {}) and res["metrics"][key].get("values") == want:
             return res["metrics"][key]
         path = work / f"gen_{key}.json"
