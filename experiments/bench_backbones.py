@@ -53,9 +53,11 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 2, 32, 16, (1, 2)
+        args.sample_batch, args.sample_tokens = 4, 8
         args.mini_b, args.mini_t = 8, 32
     else:
         args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 8, 128, 64, (1, 8)
+        args.sample_batch, args.sample_tokens = 50, 20   # LM-Steer's evaluation decoding
         args.mini_b, args.mini_t = 32, 128
     args.prompt_t = 16
     args.reps = args.reps or (2 if args.quick else 7)
@@ -287,6 +289,30 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
         print(f"{'':<32} bandwidth bound {bound:8.1f} tokens/s (jsteer {100 * r['fraction_of_bound']:.0f}%"
               + (f", HF {100 * r['hf_fraction_of_bound']:.0f}%" if "hf_fraction_of_bound" in r else "") + ")",
               flush=True)
+
+
+    # top-p sampling at temperature 1, as the LM-Steer evaluations decode (25 samples x 2 prompts per call)
+    bs, n = args.sample_batch, args.sample_tokens
+    prompt = rng.integers(100, 40000, size=(bs, args.prompt_t)).astype(np.int32)
+    p_j, m_j = jnp.asarray(prompt), jnp.ones_like(jnp.asarray(prompt))
+    seed = iter(range(1 << 30))
+
+    def jx_sample():
+        out = decode.generate(lm.module, lm.params, p_j, m_j, max_new_tokens=n, temperature=1.0, top_p=0.9,
+                              stop_ids=(), rng=jax.random.PRNGKey(next(seed)))
+        out.tokens.block_until_ready()
+
+    hf_sample = None
+    if hf is not None:
+        p_t = torch.from_numpy(prompt.astype(np.int64))
+
+        def hf_sample():
+            with torch.inference_mode():
+                hf.generate(p_t, attention_mask=torch.ones_like(p_t), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=True, temperature=1.0, top_p=0.9, top_k=0, pad_token_id=0)
+
+    j, h = timed_pair(jx_sample, hf_sample, args.reps)
+    compare(f"smollm2_top_p0.9_sample{n}_batch{bs}", results, j, h, work=bs * n, unit="tokens_per_s")
 
 
 # ----------------------------------------------------------------------------- MiniLM
