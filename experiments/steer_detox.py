@@ -22,6 +22,10 @@ This script keeps the main run's detox steer recipe and changes the measurement 
     .venv/bin/python experiments/steer_detox.py [--work /tmp/steer_detox] [--curve 0.5,2]
     .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox1000 --jigsaw-texts 2000 \
         --steps 1000 --batch-size 32 --out experiments/results/steer/detox_smollm2_1000steps.json
+    # a fresh split (the first two runs' test rows had been read), a larger held-out set, dummy off:
+    .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox_fresh --skip-prompts 60 \
+        --prompts 120 --select-prompts 80 --select-samples 25 --strengths 0.5,1,1.5,2,3 --dummy off \
+        --curve "" --out experiments/results/steer/detox_smollm2_fresh.json
     .venv/bin/python experiments/steer_plots.py     # adds the tables to results.md
 
 Generations are cached under --work and every setting is written to the JSON at once (resumable).

@@ -208,7 +208,8 @@ def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
 
 
 DETOX_RUNS = {"detox_smollm2.json": "The main run's detox steer recipe",
-              "detox_smollm2_1000steps.json": "The issue's training defaults (1000 steps x 32 texts, init 1e-3, no L2)"}
+              "detox_smollm2_1000steps.json": "The issue's training defaults (1000 steps x 32 texts, init 1e-3, no L2)",
+              "detox_smollm2_fresh.json": "The main run's detox steer recipe, fresh prompt split with a larger held-out set"}
 
 
 def detox_protocol(results: pathlib.Path = RESULTS) -> str:
@@ -231,8 +232,10 @@ def detox_protocol_run(dx: dict) -> str:
     out = [f"Steer recipe {json.dumps(recipe)}, measured closer to the paper: {su['test_prompts']} test prompts x "
            f"{su['samples_per_test_prompt']} samples "
            f"(paper: {su['paper']['prompts']} x {su['paper']['samples_per_prompt']}), prompts = the first 10 words of toxic "
-           f"Jigsaw test comments that the evaluator scores non-toxic ({pr['non_toxic']} of {pr['candidates']}); the steer "
-           f"value is chosen on {su['held_out_prompts']} held-out prompts x {su['samples_per_held_out_prompt']} samples "
+           f"Jigsaw test comments that the evaluator scores non-toxic ({pr['non_toxic']} of {pr['candidates']}"
+           + (f"; the first {pr['skipped']} skipped: the earlier runs' test and held-out prompts" if pr.get("skipped") else "")
+           + f"); the steer value is chosen on {su['held_out_prompts']} held-out prompts x "
+           f"{su['samples_per_held_out_prompt']} samples, dummy settings {'/'.join(su.get('dummy_grid', ['on', 'off']))} "
            f"({su['rule']})", "",
            f"Evaluator: MiniLM fine-tuned on {dx['evaluator']['train_texts']} Jigsaw texts ({dx['evaluator']['epochs']} "
            f"epochs). Primary reading `natural_prior`: its balanced-prior probability moved to Jigsaw's natural toxic "
