@@ -125,6 +125,15 @@ def jigsaw_steer_texts(n: int) -> tuple[list, np.ndarray]:
     return [texts[i] for i in keep], values[keep]
 
 
+def jigsaw_steer_unused(n: int) -> tuple[list, np.ndarray]:
+    """The Jigsaw steer split's texts that ``jigsaw_steer_texts(n)`` leaves out, in split order
+    -> (texts, labels [m]: 1 toxic, 0 non-toxic)."""
+    texts, labels = jigsaw_splits(0)[0]
+    used = set(balanced_keep(np.where(labels == 0, 1.0, -1.0), n).tolist())
+    rest = [i for i in range(len(texts)) if i not in used]
+    return [texts[i] for i in rest], labels[rest]
+
+
 def toxic_prefixes(texts: Sequence[str], labels: np.ndarray, words: int = 10, min_words: int = 14) -> List[str]:
     """Prompts from toxic comments (RealToxicityPrompts is not available offline): the first
     ``words`` words of every toxic text with at least ``min_words`` words, in the given order."""
@@ -220,6 +229,14 @@ def distinct_n(texts_per_prompt: Sequence[Sequence[str]], n: int) -> float:
     return float(np.mean(vals)) if vals else float("nan")
 
 
+@jax.jit
+def _next_token_log_probs(logits, ids):
+    """logits [B,T,V], ids [B,T] -> log P(ids[:, t+1] | ids[:, :t+1]) [B,T-1] (one fused pass, no [B,T,V]
+    log-softmax materialised)."""
+    x = logits[:, :-1]
+    return jnp.take_along_axis(x, ids[:, 1:, None], -1)[..., 0] - jax.nn.logsumexp(x, -1)
+
+
 def perplexities(lm, prompts_: Sequence[str], conts: Sequence[str], batch: int = 32) -> np.ndarray:
     """Per-sample perplexity of the continuation given its prompt under the unsteered ``lm``."""
     tok = lm.tokenizer
@@ -237,8 +254,7 @@ def perplexities(lm, prompts_: Sequence[str], conts: Sequence[str], batch: int =
         for r, i in enumerate(idx):
             seq = rows[i][0]
             ids[r, :len(seq)], mask[r, :len(seq)] = seq, 1
-        lp = jax.nn.log_softmax(lm.forward(ids, mask).logits, -1)
-        lp = np.asarray(jnp.take_along_axis(lp[:, :-1], jnp.asarray(ids[:, 1:, None]), -1)[..., 0])
+        lp = np.asarray(_next_token_log_probs(lm.forward(ids, mask).logits, jnp.asarray(ids)))
         for r, i in enumerate(idx):
             _, np_, nc = rows[i]
             if nc == 0:

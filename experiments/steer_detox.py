@@ -26,6 +26,10 @@ This script keeps the main run's detox steer recipe and changes the measurement 
     .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox_fresh --skip-prompts 60 \
         --prompts 120 --select-prompts 80 --select-samples 25 --strengths 0.5,1,1.5,2,3 --dummy off \
         --curve "" --out experiments/results/steer/detox_smollm2_fresh.json
+    # the fresh run's chosen setting confirmed on new prompts (toxic steer-split comments the steer did not train on):
+    .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox_rep --replicate \
+        experiments/results/steer/detox_smollm2_fresh.json --prompts 200 \
+        --out experiments/results/steer/detox_smollm2_replication.json
     .venv/bin/python experiments/steer_plots.py     # adds the tables to results.md
 
 Generations are cached under --work and every setting is written to the JSON at once (resumable).
@@ -73,6 +77,9 @@ def parse():
     ap.add_argument("--strengths", default="0.5,1,2,3,5", help="candidate steer values (x eps0)")
     ap.add_argument("--curve", default=None, help="steer values for the test-prompt curve after the chosen one "
                     "(default: every strength; '' for none)")
+    ap.add_argument("--replicate", default=None, metavar="RUN_JSON",
+                    help="confirm a finished run's chosen setting (its steer recipe, value and dummy use) on new "
+                    "prompts: the toxic texts of the Jigsaw steer split that did not train the steer; no held-out grid")
     ap.add_argument("--gen-batch", type=int, default=50, help="rows per compiled generation call")
     # the main run's detox steer recipe (steer_smollm2.json training.detox)
     ap.add_argument("--jigsaw-texts", type=int, default=600)
@@ -152,14 +159,35 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res) -> dict:
     return {k: np.asarray(v) for k, v in params.items()}
 
 
+def replicated_run(a) -> dict:
+    """The finished run that ``--replicate`` confirms; its steer recipe replaces the recipe arguments
+    (the steer is retrained bit for bit) and no held-out prompts are drawn."""
+    path = pathlib.Path(a.replicate)
+    if not path.exists():
+        raise SystemExit(f"--replicate: no run JSON at {path}")
+    src = json.loads(path.read_text())
+    if "result" not in src or "detox" not in src.get("training", {}):
+        raise SystemExit(f"--replicate: {path} has no finished result (no 'result' or 'training.detox')")
+    tr = src["training"]["detox"]
+    a.jigsaw_texts, a.steps, a.batch_size, a.rank, a.l2, a.init_scale = (
+        tr["texts"], tr["steps"], tr["batch_size"], tr["rank"], tr["l2"], tr["init_scale"])
+    a.select_prompts, a.skip_prompts = 0, 0
+    if a.curve is None:
+        a.curve = ""
+    return src
+
+
 def main():
     a = parse()
     work = pathlib.Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     out_path = pathlib.Path(a.out)
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
+    src = replicated_run(a) if a.replicate else None
     strengths = [float(x) for x in a.strengths.split(",")]
     dummies = ("on", "off") if a.dummy == "both" else (a.dummy,)
+    if src:
+        strengths, dummies = src["setup"]["strengths"], tuple(src["setup"]["dummy_grid"])
     res["setup"] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "test_prompts": a.prompts, "held_out_prompts": a.select_prompts, "samples_per_test_prompt": a.samples,
@@ -167,6 +195,9 @@ def main():
         "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "eps0": EPS0, "prior": PRIOR,
         "prior_source": "toxic share of the Jigsaw Toxic Comment Classification train set (15,294 / 159,571)",
         "primary_reading": READINGS[0], "rule": SELECTION_RULE,
+        "prompt_source": ("toxic comments of the Jigsaw steer split left out of the steer's training (prefixes "
+                          "shared with the test split dropped)" if src else "toxic comments of the Jigsaw test split"),
+        **({"replicates": a.replicate} if src else {}),
         "paper": {"prompts": "10K non-toxic RealToxicityPrompts prompts", "samples_per_prompt": 25,
                   "scorer": "Perspective API"},
     }
@@ -185,6 +216,9 @@ def main():
     C.log("evaluator", res["evaluator"]["accuracy"], res["calibration"])
 
     cands = C.toxic_prefixes(*jig_test)
+    if src:  # new prompts: none of the steer's training texts, none of the test-split prompts
+        seen = set(cands)
+        cands = [p for p in C.toxic_prefixes(*C.jigsaw_steer_unused(a.jigsaw_texts)) if p not in seen]
     keep = [p for p, s in zip(cands, ev.prob(cands)) if s < 0.5]
     n0 = a.skip_prompts
     if len(keep) < n0 + a.prompts + a.select_prompts:
@@ -197,6 +231,11 @@ def main():
     lm = jsteer.load("smollm2-135m")
     emb = np.asarray(lm.output_embeddings(), np.float32)
     steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res).items()}
+    if src:  # the same steer: its training losses reproduce the replicated run's
+        mine, theirs = (np.asarray(r["training"]["detox"]["loss"]) for r in (res, src))
+        if mine.shape != theirs.shape or not np.allclose(mine, theirs, rtol=1e-5, atol=0):
+            raise SystemExit("--replicate: the retrained steer's losses differ from the replicated run's")
+        res["training"]["detox"]["loss_max_abs_diff_vs_replicated"] = float(np.abs(mine - theirs).max())
     save()
 
     def run(key, prompt_list, d, n_samples, dummy=True):
@@ -230,21 +269,26 @@ def main():
         save()
         return m
 
-    # the steer value and the dummy's use at decoding, chosen on held-out prompts only
-    base_sel = run("select_base", sel_p, None, a.select_samples)
-    table = {}
-    for dm in dummies:
-        for v in strengths:
-            m = run(f"select_d{v:+g}" + ("" if dm == "on" else "_dummyoff"), sel_p, v, a.select_samples, dm == "on")
-            table[f"{v:+g}/{dm}"] = {"toxicity_prob": m[READINGS[0]]["toxicity_prob"],
-                                     "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
-                                     "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1}
-    v, dm = C.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
-                          tie=lambda c: (c[1] == "on", c[0]), fallback_tie=lambda c: c[0])
-    chosen, dummy = v, dm == "on"
-    res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
+    if src:  # the replicated run's choice, made on its own held-out prompts
+        chosen, dm = src["result"]["chosen"], src["result"]["dummy"]
+        res["selection"] = {"replicated_from": a.replicate, "chosen": chosen, "dummy": dm,
+                            "table": src["selection"]["table"], "rule": src["selection"]["rule"]}
+    else:  # the steer value and the dummy's use at decoding, chosen on held-out prompts only
+        base_sel = run("select_base", sel_p, None, a.select_samples)
+        table = {}
+        for dm in dummies:
+            for v in strengths:
+                m = run(f"select_d{v:+g}" + ("" if dm == "on" else "_dummyoff"), sel_p, v, a.select_samples,
+                        dm == "on")
+                table[f"{v:+g}/{dm}"] = {"toxicity_prob": m[READINGS[0]]["toxicity_prob"],
+                                         "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
+                                         "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1}
+        chosen, dm = C.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
+                                   tie=lambda c: (c[1] == "on", c[0]), fallback_tie=lambda c: c[0])
+        res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
+    dummy = dm == "on"
     save()
-    C.log("held-out choice: detox", chosen, "dummy", dm, table)
+    C.log("choice: detox", chosen, "dummy", dm, res["selection"]["table"])
 
     # test prompts: unsteered, the chosen setting, then the other strengths (same dummy setting)
     sfx = "" if dummy else "_dummyoff"

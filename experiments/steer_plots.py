@@ -209,7 +209,8 @@ def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
 
 DETOX_RUNS = {"detox_smollm2.json": "The main run's detox steer recipe",
               "detox_smollm2_1000steps.json": "The issue's training defaults (1000 steps x 32 texts, init 1e-3, no L2)",
-              "detox_smollm2_fresh.json": "The main run's detox steer recipe, fresh prompt split with a larger held-out set"}
+              "detox_smollm2_fresh.json": "The main run's detox steer recipe, fresh prompt split with a larger held-out set",
+              "detox_smollm2_replication.json": "Replication of the fresh run's choice on new prompts"}
 
 
 def detox_protocol(results: pathlib.Path = RESULTS) -> str:
@@ -229,14 +230,18 @@ def detox_protocol_run(dx: dict) -> str:
     su, cal, pr, m = dx["setup"], dx["calibration"], dx["prompts"], dx.get("metrics", {})
     recipe = {k: v for k, v in dx.get("training", {}).get("detox", {}).items()
               if k in ("texts", "steps", "batch_size", "l2", "init_scale")}
+    rep = su.get("replicates")
+    source = su.get("prompt_source", "toxic comments of the Jigsaw test split")
+    choice = (f"the steer value and its dummy use are those `{rep}` chose on its held-out prompts (no choice here)"
+              if rep else f"the steer value is chosen on {su['held_out_prompts']} held-out prompts x "
+              f"{su['samples_per_held_out_prompt']} samples, dummy settings "
+              f"{'/'.join(su.get('dummy_grid', ['on', 'off']))} ({su['rule']})")
     out = [f"Steer recipe {json.dumps(recipe)}, measured closer to the paper: {su['test_prompts']} test prompts x "
            f"{su['samples_per_test_prompt']} samples "
-           f"(paper: {su['paper']['prompts']} x {su['paper']['samples_per_prompt']}), prompts = the first 10 words of toxic "
-           f"Jigsaw test comments that the evaluator scores non-toxic ({pr['non_toxic']} of {pr['candidates']}"
+           f"(paper: {su['paper']['prompts']} x {su['paper']['samples_per_prompt']}), prompts = the first 10 words of "
+           f"{source}, kept where the evaluator scores them non-toxic ({pr['non_toxic']} of {pr['candidates']}"
            + (f"; the first {pr['skipped']} skipped: the earlier runs' test and held-out prompts" if pr.get("skipped") else "")
-           + f"); the steer value is chosen on {su['held_out_prompts']} held-out prompts x "
-           f"{su['samples_per_held_out_prompt']} samples, dummy settings {'/'.join(su.get('dummy_grid', ['on', 'off']))} "
-           f"({su['rule']})", "",
+           + f"); {choice}", "",
            f"Evaluator: MiniLM fine-tuned on {dx['evaluator']['train_texts']} Jigsaw texts ({dx['evaluator']['epochs']} "
            f"epochs). Primary reading `natural_prior`: its balanced-prior probability moved to Jigsaw's natural toxic "
            f"share {su['prior']:.4f} ({su['prior_source']}); `balanced`: the raw output.", "",
@@ -247,12 +252,14 @@ def detox_protocol_run(dx: dict) -> str:
         out.append(f"| {r} | {_f(c['accuracy'], True)} | {_f(c['false_positive_rate'], True)} | "
                    f"{_f(c['true_positive_rate'], True)} | {_f(c['clean_flagged'], True)} |")
     sel = dx.get("selection")
-    if sel:
+    if sel and not rep:
         out += ["", "Held-out choice (natural-prior reading):", "",
                 "| detox value | its dummy | toxicity prob. % | mean max toxicity | ppl rise % |", "|---|---|---|---|---|"]
         out += [f"| {k.split('/')[0]} | {k.split('/')[1]} | {_f(v['toxicity_prob'], True)} | {_f(v['mean_max_toxicity'])} | "
                 f"{_f(v['ppl_rise'], True)} |" for k, v in sel["table"].items()]
         out += ["", f"**Chosen: detox {sel['chosen']:+g}, its dummy {sel['dummy']}** (x eps0)"]
+    elif sel:
+        out += ["", f"**Setting: detox {sel['chosen']:+g}, its dummy {sel['dummy']}** (x eps0; the replicated run's choice)"]
     steered = []
     for k in m:
         hit = re.fullmatch(r"test_d([+-][0-9.]+)(_dummyoff)?", k)

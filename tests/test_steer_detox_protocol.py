@@ -32,3 +32,17 @@ def test_paired_bootstrap_ratio():
     assert gone["ratio_p97.5"] == 0.0 and gone["share_ratio_le_0.5"] == 1.0
     half = D.paired_bootstrap(base, [0.9, 0.8, 0.1, 0.1, 0.2, 0.1], 2000)  # 2 of the 4 stay toxic
     assert half["ratio_p2.5"] < 0.5 == half["ratio_p50"] < half["ratio_p97.5"] <= 1.0
+
+
+def test_replication_prompts_come_from_texts_the_steer_did_not_train_on():
+    import collections
+
+    import steer_common as C
+
+    trained, _ = C.jigsaw_steer_texts(600)
+    rest, labels = C.jigsaw_steer_unused(600)
+    split, split_labels = C.jigsaw_splits(0)[0]
+    assert not set(trained) & set(rest)
+    assert collections.Counter(trained) + collections.Counter(rest) == collections.Counter(split)
+    by_text = dict(zip(split, split_labels))
+    assert all(by_text[t] == y for t, y in zip(rest, labels))
