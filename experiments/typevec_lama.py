@@ -4,6 +4,9 @@ PostTE, TE per relation and macro) and Table 6 (type switching).
     .venv/bin/python experiments/typevec_lama.py [--max-test 100] [--small]
     .venv/bin/python experiments/typevec_lama.py --mode layer --layers 16,22,26,29 --lambda-unit resid \
         --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --tag smollm2_layersel
+    .venv/bin/python experiments/typevec_lama.py --mode layer --layers 16,22,26,29 --lambda-unit resid \
+        --lambdas 0,0.02,0.04,0.06,0.08,0.1,0.125,0.15,0.175,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 \
+        --tag smollm2_layersel_fine
 
 Writes experiments/results/typevec/lama_<tag>.json, .md and .png (``--tag``, default smollm2).
 
