@@ -187,7 +187,7 @@ def main():
     strengths = [float(x) for x in a.strengths.split(",")]
     dummies = ("on", "off") if a.dummy == "both" else (a.dummy,)
     if src:
-        strengths, dummies = src["setup"]["strengths"], tuple(src["setup"]["dummy_grid"])
+        strengths, dummies = src["setup"]["strengths"], tuple(src["setup"].get("dummy_grid", ("on", "off")))
     res["setup"] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "test_prompts": a.prompts, "held_out_prompts": a.select_prompts, "samples_per_test_prompt": a.samples,
