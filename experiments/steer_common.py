@@ -116,21 +116,26 @@ def jigsaw_splits(seed: int = 0):
     return take(perm[:a]), take(perm[a:b]), take(perm[b:])
 
 
+def _jigsaw_steer_split(n: int):
+    """The Jigsaw steer split and which of its texts train the detox steer -> (texts, labels,
+    values [N] (non-toxic +1, toxic -1), keep: sorted indices of the n class-balanced ones)."""
+    texts, labels = jigsaw_splits(0)[0]
+    values = np.where(labels == 0, 1.0, -1.0).astype(np.float32)
+    return texts, labels, values, balanced_keep(values, n)
+
+
 def jigsaw_steer_texts(n: int) -> tuple[list, np.ndarray]:
     """The detox steer's training texts: n class-balanced texts of the Jigsaw steer split (seeded)
     -> (texts, values [n]): non-toxic +1, toxic -1."""
-    texts, labels = jigsaw_splits(0)[0]
-    values = np.where(labels == 0, 1.0, -1.0).astype(np.float32)
-    keep = balanced_keep(values, n)
+    texts, _, values, keep = _jigsaw_steer_split(n)
     return [texts[i] for i in keep], values[keep]
 
 
 def jigsaw_steer_unused(n: int) -> tuple[list, np.ndarray]:
     """The Jigsaw steer split's texts that ``jigsaw_steer_texts(n)`` leaves out, in split order
     -> (texts, labels [m]: 1 toxic, 0 non-toxic)."""
-    texts, labels = jigsaw_splits(0)[0]
-    used = set(balanced_keep(np.where(labels == 0, 1.0, -1.0), n).tolist())
-    rest = [i for i in range(len(texts)) if i not in used]
+    texts, labels, _, keep = _jigsaw_steer_split(n)
+    rest = np.setdiff1d(np.arange(len(texts)), keep)
     return [texts[i] for i in rest], labels[rest]
 
 
