@@ -219,6 +219,16 @@ def test_graph_buckets_per_length_bucket_and_shared_doubling():
     st = stack_graphs([e["graph"] for e in big], np.stack([e["token_node"] for e in big]), n32, e32, m32)
     assert st["graph_senders"].size == rnd(4 * e32) and st["graph_entity"].size == rnd(4 * n32)
     assert st["graph_mention"].size == rnd(4 * m32)
+    # through collate, an overflowing short batch instead takes the long batches' shape, which the
+    # run compiles anyway (same rows, more padding); a long one with no longer bucket doubles
+    grown = kdata.collate(big, 4, graph_min=mins)
+    assert grown["input_ids"].shape == (4, 64)
+    assert (grown["graph_entity"].size, grown["graph_senders"].size) == (rnd(n64), rnd(e64))
+    small = kdata.collate(big, 4, length=32, graph_min=mins)
+    np.testing.assert_array_equal(grown["input_ids"][:, :32], small["input_ids"])
+    assert not grown["attention_mask"][:, 32:].any() and np.all(grown["labels"][:, 32:] == -100)
+    huge = [example(50, 12, 40) for _ in range(3)] + [example(50, 12, 200)]
+    assert kdata.collate(huge, 4, graph_min=mins)["graph_senders"].size == rnd(2 * e64)
 
 
 def test_smaller_graph_rungs_shrink_nodes_and_edges_together():
@@ -362,7 +372,7 @@ def test_modulation_reaches_only_mention_tokens():
 
 @pytest.mark.parametrize("method", ["pointwise", "relational"])
 def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
-    from jsteer.kala.graph import flatten_graphs, mention_positions, stack_graphs
+    from jsteer.kala.graph import flatten_graphs, last_layer_edges, mention_positions, stack_graphs
 
     cfg = tiny_bert()
     g1 = add_self_loops(ExampleGraph(np.array([1, 0, 2, 3], np.int32), np.array([2, 1, 3], np.int32),
@@ -384,12 +394,25 @@ def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
     ids = jnp.asarray(np.arange(12).reshape(2, 6) % 40 + 2)
     mask = jnp.ones_like(ids)
 
-    def loss(p, m):
-        return jnp.sum(model.apply({"params": p}, ids, mask, None, graph, tok, mention=m).logits ** 2)
+    last = last_layer_edges(st)
+    # the last GNN layer's edges: exactly those into mentioned nodes, then padding N-1 -> N-1
+    rcv, n_into = np.asarray(graph.receivers), np.isin(np.asarray(graph.receivers), np.asarray(mention)[:4]).sum()
+    assert 0 < n_into < rcv.size and last[0].shape[0] % 2 == 0
+    np.testing.assert_array_equal(np.asarray(last[1])[:n_into], rcv[np.isin(rcv, np.asarray(mention)[:4])])
+    assert np.all(np.asarray(last[0])[n_into:] == st["graph_entity"].size - 1)
 
-    np.testing.assert_allclose(loss(p, mention), loss(p, None), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(jax.grad(loss)(p, mention)), jax.tree.leaves(jax.grad(loss)(p, None))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    def loss(p, m, e=None, det=True):
+        return jnp.sum(model.apply({"params": p}, ids, mask, None, graph, tok, det, mention=m, last_edges=e,
+                                   rngs={"dropout": jax.random.PRNGKey(3)}).logits ** 2)
+
+    for det in (True, False):  # dropout draws the same per-node masks either way
+        full = loss(p, None, det=det)
+        for m, e in ((mention, None), (mention, last)):
+            np.testing.assert_allclose(loss(p, m, e, det), full, rtol=1e-6)
+            for a, b in zip(jax.tree.leaves(jax.grad(loss)(p, m, e, det)), jax.tree.leaves(jax.grad(loss)(p, None, None, det))):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="pass mention"):
+        loss(p, None, last)
 
 
 def test_default_layers_and_config_errors():

@@ -22,7 +22,7 @@ import numpy as np
 from jsteer.data import ner as ner_lib
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
 from jsteer.kala.formats import Mention
-from jsteer.kala.graph import GRAPH_KEYS, ExampleGraph, stack_graphs
+from jsteer.kala.graph import GRAPH_KEYS, ExampleGraph, graph_need, stack_graphs
 
 LENGTH_BUCKETS = (32, 64, 128, 256, 384, 512)
 
@@ -98,6 +98,10 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     ``graph_min``: node / edge (/ mentioned-node) buckets, one tuple or one per length bucket
     (see :func:`graph_buckets`); ``graph_rungs``: how many smaller node / edge buckets a batch with
     a small graph may take (``smaller`` of :func:`jsteer.kala.graph.stack_graphs`).
+    With per-length buckets (and no fixed ``length``), a batch whose graph overflows its length
+    bucket's graph buckets is padded to the next longer length bucket whose graph buckets hold it
+    (padding tokens change nothing), a shape the run compiles anyway; only where none holds it do
+    the graph buckets double (a new shape: a compile, which on CPU costs tens of steps).
     Returns int32 NumPy arrays with a leading batch axis: "input_ids", "attention_mask", <keys>,
     "token_node" (node of the padded batch graph per token, -1 none), "token_entity", "example_mask" (1 for real
     rows) and the stacked graph arrays of :func:`jsteer.kala.graph.stack_graphs`.
@@ -105,6 +109,8 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     if len(examples) > batch_size:
         raise ValueError(f"{len(examples)} examples do not fit batch_size={batch_size}")
     t = length or length_bucket(max(len(e["input_ids"]) for e in examples))
+    if length is None and isinstance(graph_min, Mapping) and t in graph_min:
+        t = _length_for_graph(examples, t, graph_min)
     fill = {"input_ids": 0, "labels": ner_lib.IGNORE_INDEX, "token_type_ids": 0, "token_node": -1,
             "token_entity": 0, "word_index": -1, "start_positions": 0, "end_positions": 0}
     out = {}
@@ -130,6 +136,16 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     out.update(stack_graphs(graphs, out["token_node"], *graph_min, smaller=graph_rungs))
     out["example_mask"] = (np.arange(batch_size) < len(examples)).astype(np.int32)
     return out
+
+
+def _length_for_graph(examples: Sequence[dict], t: int, graph_min: Mapping[int, tuple[int, ...]]) -> int:
+    """``t``, or the shortest longer length bucket of ``graph_min`` whose graph buckets hold the
+    batch's graph when ``t``'s do not (``t`` again when none does)."""
+    need = graph_need([e["graph"] for e in examples], [e["token_node"] for e in examples])
+    fits = lambda mins: all(m >= n for m, n in zip(mins, need))  # noqa: E731
+    if fits(graph_min[t]):
+        return t
+    return next((u for u in sorted(graph_min) if u > t and fits(graph_min[u])), t)
 
 
 def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, seed: int = 0,
@@ -171,8 +187,9 @@ def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[i
     is t plus two standard deviations of that total (or, if larger, the 95th percentile of the
     totals of B examples adjacent in length, as length-grouped batches are), rounded up to a
     quarter octave (2^k x 1, 1.25, 1.5 or 1.75). Most batches of a length bucket then share one
-    graph shape, and a rare larger one doubles all three sizes
-    (:func:`jsteer.kala.graph.stack_graphs`), so the number of compiled shapes stays bounded.
+    graph shape; a rare larger one moves to a longer length bucket (:func:`collate`) or, failing
+    that, doubles all three sizes (:func:`jsteer.kala.graph.stack_graphs`), so the number of
+    compiled shapes stays bounded.
     ``length``: every batch padded to this length instead (one group).
     Returns {length bucket: (node, edge, mentioned-node buckets)}.
     """

@@ -156,7 +156,14 @@ def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
 
 
 GRAPH_KEYS = ("graph_entity", "graph_senders", "graph_receivers", "graph_relation", "graph_n_node", "graph_n_edge",
-              "graph_mention")
+              "graph_mention", "graph_last_senders", "graph_last_receivers", "graph_last_relation")
+
+
+def graph_need(graphs: Sequence[ExampleGraph], token_nodes: Sequence[np.ndarray]) -> tuple[int, int, int]:
+    """(nodes + 1 padding node, edges, distinct mentioned nodes (at least 1)) that
+    :func:`stack_graphs` must fit for these graphs; token_nodes: each example's [T] local nodes."""
+    mentioned = sum(np.unique(np.asarray(t)[np.asarray(t) >= 0]).size for t in token_nodes)
+    return sum(g.n_node for g in graphs) + 1, sum(g.n_edge for g in graphs), max(mentioned, 1)
 
 
 def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node_min: int = 0,
@@ -171,6 +178,10 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
         graph_mention [B, M/B]: the nodes some token mentions, ascending, padded with the last
         (always a padding) node N - 1 -- the only nodes whose KFM output reaches a token
         (:func:`mention_positions`)
+        graph_last_senders / graph_last_receivers / graph_last_relation [B, L/B]: the edges into
+        those nodes, padded with N - 1 -> N - 1 (relation 0) -- all the last GNN layer needs
+        (:func:`last_layer_edges`); L = E/2 rounded up to a multiple of B, or E when more edges
+        than that go into mentioned nodes
 
     Buckets: (max(B, ``n_node_min``), max(B, ``n_edge_min``), max(B, ``n_mention_min``)) x 2^k
     with the smallest k >= 0 that fits all three; a size whose minimum is 0 (not given) is
@@ -186,7 +197,7 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
     offsets = np.cumsum([0] + [g.n_node for g in graphs])[:-1, None]
     mentioned = np.unique(np.where(token_nodes >= 0, token_nodes + offsets, -1))
     mentioned = mentioned[mentioned >= 0].astype(np.int32)
-    need = (sum(g.n_node for g in graphs) + 1, sum(g.n_edge for g in graphs), max(len(mentioned), 1))
+    need = graph_need(graphs, token_nodes)
     given = [m > 0 for m in (n_node_min, n_edge_min, n_mention_min)]
     mins = [max(m, b) for m in (n_node_min, n_edge_min, n_mention_min)]
     # the given sizes double together, so a batch takes one rung, not a combination; the smaller
@@ -207,10 +218,18 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
     graph, token_node = batch_graphs(graphs, token_nodes, n_node=n_node, n_edge=n_edge)
     mention = np.full(n_mention, n_node - 1, np.int32)
     mention[:len(mentioned)] = mentioned
+    into = np.flatnonzero(np.isin(graph.receivers, mentioned))  # padding edges point at a padding node
+    n_last = _multiple(max(n_edge // 2, b), b)
+    n_last = n_last if len(into) <= n_last else n_edge
+    last = {k: np.full(n_last, fill, np.int32) for k, fill in
+            (("senders", n_node - 1), ("receivers", n_node - 1), ("relation", 0))}
+    for k, v in (("senders", graph.senders), ("receivers", graph.receivers), ("relation", graph.edges["relation"])):
+        last[k][:len(into)] = v[into]
     return {"graph_entity": graph.nodes["entity"].reshape(b, -1), "graph_senders": graph.senders.reshape(b, -1),
             "graph_receivers": graph.receivers.reshape(b, -1), "graph_relation": graph.edges["relation"].reshape(b, -1),
             "graph_n_node": np.asarray(graph.n_node[:b], np.int32), "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
-            "token_node": token_node, "graph_mention": mention.reshape(b, -1)}
+            "token_node": token_node, "graph_mention": mention.reshape(b, -1),
+            **{f"graph_last_{k}": v.reshape(b, -1) for k, v in last.items()}}
 
 
 def mention_positions(mention: Array, token_node: Array) -> Array:
@@ -247,6 +266,17 @@ def flatten_graphs(batch) -> tuple[jraph.GraphsTuple, Array]:
         globals=None,
     )
     return graph, jnp.asarray(batch["token_node"])
+
+
+def last_layer_edges(batch) -> Optional[tuple[Array, Array, Array]]:
+    """(senders, receivers, relation ids), each int [L], of the edges into mentioned nodes from a
+    batch with :func:`stack_graphs`'s keys; None when the batch has none. The last GNN layer's
+    output is read only at mentioned nodes (``mention`` of :class:`jsteer.kala.model.KalaModel`),
+    and in KALA's subgraphs about a third of the edges end there, so that layer may skip the rest
+    (:class:`RelationalGraph`'s ``last_edges``) with the same result at those nodes."""
+    if "graph_last_senders" not in batch:
+        return None
+    return tuple(jnp.asarray(batch[f"graph_last_{k}"]).reshape(-1) for k in ("senders", "receivers", "relation"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,15 +358,25 @@ class RelationalGraph(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, rel: Array, ctx: Array, graph: jraph.GraphsTuple,
-                 deterministic: bool = True, return_attention: bool = False, relation_table: bool = False):
+                 deterministic: bool = True, return_attention: bool = False, relation_table: bool = False,
+                 last_edges: Optional[tuple[Array, Array, Array]] = None):
         """x [N, De], rel [E, Dr] per edge (or the table [R, Dr] indexed by
-        ``graph.edges["relation"]`` when ``relation_table``), ctx [N, D]."""
+        ``graph.edges["relation"]`` when ``relation_table``), ctx [N, D].
+
+        ``last_edges``: (senders, receivers, relation ids) int [L] that the last layer runs on
+        instead of the whole edge list (with ``relation_table``): every edge into the nodes whose
+        output is read (:func:`last_layer_edges`). Only those nodes' outputs are then valid, and
+        that layer's attention weights are over these L edges."""
         senders, receivers = graph.senders, graph.receivers
         ids = graph.edges["relation"] if relation_table else None
+        if last_edges is not None and not relation_table:
+            raise ValueError("last_edges needs relation_table=True (per-edge relation rows cannot follow the subset)")
         n = x.shape[0]
         ok = graph.nodes["entity"] != 0
         attentions = []
         for i in range(self.num_layers):
+            if last_edges is not None and i == self.num_layers - 1:
+                senders, receivers, ids = last_edges
             x, alpha = RelationalGATv2(self.dim, name=f"layer_{i}")(x, rel, ctx, senders, receivers, ok, ids)
             attentions.append(alpha)
             x = nn.Dropout(self.dropout)(nn.relu(x), deterministic=deterministic)

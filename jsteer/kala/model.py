@@ -133,24 +133,31 @@ class KnowledgeModule(nn.Module):
             self.graphs = {l: RelationalGraph(de, k.gnn_layers, k.dropout, name=f"graph_{l}") for l in self.layers}
 
     def entity_states(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
-                      deterministic: bool = True) -> Array:
-        """Node representations [N, De] for the KFM at ``layer`` (context [B,T,D]: its input)."""
+                      deterministic: bool = True, last_edges=None) -> Array:
+        """Node representations [N, De] for the KFM at ``layer`` (context [B,T,D]: its input);
+        with ``last_edges`` (see :class:`jsteer.kala.graph.RelationalGraph`) valid only at the
+        nodes those edges end in."""
         ent = graph.nodes["entity"]
         x = self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
         if self.kala.method == "relational":
             ctx = node_context(context, token_node, x.shape[0])
-            x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True)
+            x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True,
+                                   last_edges=last_edges)
         return x
 
     def __call__(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
-                 deterministic: bool = True, mention: Optional[Array] = None):
+                 deterministic: bool = True, mention: Optional[Array] = None, last_edges=None):
         """-> FiLM for ``layer`` with [B, T, D] fields (zero outside mention tokens). The four
         maps run once per graph node and are gathered per token (same values as running them
         per token: a node's vector is the same at every token mentioning it); with ``mention``
         ([M] ascending node ids covering every node a token mentions, see
         :func:`jsteer.kala.graph.stack_graphs`) only on those nodes -- neighbour-only and
-        padding nodes never reach a token, and they are most of the graph."""
-        x = self.entity_states(layer, context, graph, token_node, deterministic)
+        padding nodes never reach a token, and they are most of the graph. ``last_edges``
+        (with ``mention``; :func:`jsteer.kala.graph.last_layer_edges`): the edges into those
+        nodes, the only ones the last GNN layer then runs on."""
+        if last_edges is not None and mention is None:
+            raise ValueError("last_edges restricts the GNN's last layer to the mentioned nodes; pass mention too")
+        x = self.entity_states(layer, context, graph, token_node, deterministic, last_edges)
         if mention is not None:
             x, token_node = x[mention], mention_positions(mention, token_node)
         table = self.kfms[layer](x, jnp.ones(x.shape[:1], x.dtype))
@@ -184,9 +191,11 @@ class KalaModel(nn.Module):
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
                  token_node: Optional[Array] = None, deterministic: bool = True,
-                 mention: Optional[Array] = None) -> ModelOutput:
+                 mention: Optional[Array] = None, last_edges=None) -> ModelOutput:
         """``mention``: optional [M] ascending ids of the nodes tokens mention (restricts the KFM
-        maps to them; same output)."""
+        maps to them; same output). ``last_edges``: optional (senders, receivers, relation ids)
+        int [L] of the edges into those nodes (:func:`jsteer.kala.graph.last_layer_edges`; needs
+        ``mention``): the relational GNN's last layer runs on them only (same output)."""
         b, t = input_ids.shape
         if self.kala.uses_knowledge:
             if graph is None or token_node is None:
@@ -200,7 +209,7 @@ class KalaModel(nn.Module):
         for i, layer in enumerate(self.encoder.layers):
             hooks = None
             if i in self.kfm_layers:
-                hooks = Hooks(film={i: self.knowledge(i, h, graph, token_node, deterministic, mention)})
+                hooks = Hooks(film={i: self.knowledge(i, h, graph, token_node, deterministic, mention, last_edges)})
             h = layer(h, bias, hooks, deterministic)
         if self.kala.method == "more_params":
             h = self.extra(h, bias, None, deterministic)

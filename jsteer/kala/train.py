@@ -24,7 +24,7 @@ import optax
 
 from jsteer.data import ner as ner_lib
 from jsteer.kala import data as kdata
-from jsteer.kala.graph import flatten_graphs
+from jsteer.kala.graph import flatten_graphs, last_layer_edges
 from jsteer.kala.metrics import ner_report
 from jsteer.kala.model import KalaModel
 from jsteer.train import OptimizerConfig, Trainer, data_mesh, make_optimizer, resolve_labels
@@ -76,9 +76,10 @@ def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=Non
     rngs = None if deterministic else {"dropout": rng}
     mention = batch.get("graph_mention") if graph is not None else None
     mention = None if mention is None else jnp.asarray(mention).reshape(-1)
+    last = last_layer_edges(batch) if mention is not None else None
     return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
                        batch.get("token_type_ids"), graph, token_node, deterministic=deterministic, rngs=rngs,
-                       mention=mention)
+                       mention=mention, last_edges=last)
 
 
 def ner_loss(model: KalaModel) -> Callable:
