@@ -163,9 +163,12 @@ SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
 
 
 def _recipe(name: str, cfg: dict) -> str:
+    """A sweep config in words; lr and l2 only where they differ from the main run's recipe."""
+    from steer_sweep import DEFAULTS  # the sweep's script, beside this one
+
     out = [f"rank {cfg['rank'] or 'full'}", f"{cfg['steps']} steps"]
-    out += [f"lr {cfg['lr']:g}"] if cfg["lr"] != 1e-2 else []
-    out += [f"l2 {cfg['l2']:g}"] if cfg["l2"] != 1e-6 else []
+    out += [f"lr {cfg['lr']:g}"] if cfg["lr"] != DEFAULTS["lr"] else []
+    out += [f"l2 {cfg['l2']:g}"] if cfg["l2"] != DEFAULTS["l2"] else []
     out += ["graded values"] if cfg.get("labels") == "graded" else []
     out += [f"+{cfg['neutral_texts']} neutral texts at 0"] if cfg.get("neutral_texts") else []
     return ", ".join(out) + (" (main run)" if name == "main_run" else "")
@@ -265,7 +268,7 @@ def detox_protocol_run(dx: dict) -> str:
         hit = re.fullmatch(r"test_d([+-][0-9.]+)(_dummyoff)?", k)
         if hit:
             v, dm = float(hit[1]), "off" if hit[2] else "on"
-            mark = " (chosen)" if sel and (v, dm) == (sel["chosen"], sel["dummy"]) else ""
+            mark = (" (replicated choice)" if rep else " (chosen)") if sel and (v, dm) == (sel["chosen"], sel["dummy"]) else ""
             steered.append(((dm, v), f"detox {v:+g}, dummy {dm}{mark}", k))
     rows = [("unsteered", "test_base")] + [(name, k) for _, name, k in sorted(steered)]
     out += ["", "| model | toxicity prob. % | mean max toxicity | toxic samples % | toxicity prob. % (balanced) | "
