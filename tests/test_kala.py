@@ -68,6 +68,34 @@ def test_gatv2_matches_numpy_reference():
         assert s == pytest.approx(1.0 if ok[g.senders[g.receivers == i]].any() else 0.0, abs=1e-6)
 
 
+def test_gatv2_on_target_nodes_equals_the_full_layer_there():
+    # ctx given for a few nodes only (ctx_nodes) and states computed for target nodes only, with the
+    # edges into them (receivers as positions in targets, an out-of-range one dropped): the same rows
+    g = hand_graph()
+    rng = np.random.default_rng(3)
+    n, de = g.n_node, 6
+    x, rel = jnp.asarray(rng.normal(size=(n, de)), jnp.float32), jnp.asarray(rng.normal(size=(g.n_edge, 4)), jnp.float32)
+    nodes = np.array([0, 3])
+    ctx_m = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
+    ctx = jnp.zeros((n, 5)).at[nodes].set(ctx_m)
+    ok = jnp.asarray(g.entity != 0)
+    layer = RelationalGATv2(de)
+    args = (jnp.asarray(g.senders), jnp.asarray(g.receivers), ok)
+    params = layer.init(jax.random.PRNGKey(1), x, rel, ctx, *args)["params"]
+    full, full_alpha = layer.apply({"params": params}, x, rel, ctx, *args)
+    into = np.isin(g.receivers, nodes)
+    pos = np.where(into, np.searchsorted(nodes, g.receivers), 7)  # 7 >= M: dropped
+    part, alpha = layer.apply({"params": params}, x, rel, ctx_m, jnp.asarray(g.senders), jnp.asarray(pos), ok,
+                              ctx_nodes=jnp.asarray(nodes), targets=jnp.asarray(nodes))
+    assert part.shape == (2, de)
+    np.testing.assert_allclose(part, np.asarray(full)[nodes], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(alpha)[into], np.asarray(full_alpha)[into], rtol=1e-6, atol=1e-7)
+    assert np.all(np.asarray(alpha)[~into] == 0.0)
+    # ctx_nodes alone (all nodes' states): the same as the dense ctx
+    again, _ = layer.apply({"params": params}, x, rel, ctx_m, *args, ctx_nodes=jnp.asarray(nodes))
+    np.testing.assert_allclose(again, full, rtol=1e-6, atol=1e-6)
+
+
 def test_null_senders_get_exactly_zero_weight():
     g = hand_graph()
     graph, _ = batch_graphs([g], np.full((1, 4), -1))

@@ -322,26 +322,40 @@ class RelationalGATv2(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, rel: Array, ctx: Array, senders: Array, receivers: Array,
-                 sender_ok: Array, relation_ids: Optional[Array] = None) -> tuple[Array, Array]:
+                 sender_ok: Array, relation_ids: Optional[Array] = None, ctx_nodes: Optional[Array] = None,
+                 targets: Optional[Array] = None) -> tuple[Array, Array]:
         """x [N, De] node states, rel [E, Dr] relation embeddings of the edges (or, with
         ``relation_ids`` int [E], the relation table [R, Dr]: projected once per relation, not
         per edge -- the same values, R << E), ctx [N, D] mention contexts (gradient stopped
         here), senders/receivers int [E], sender_ok bool [N] (nodes that may send).
-        Returns (new states [N, dim], attention weights [E])."""
+
+        ``ctx_nodes`` int [K]: ctx is then [K, D], the contexts of these nodes only (every other
+        node's is zero, as for neighbour-only nodes; rows of a repeated node add up), so its
+        projection runs on K rows instead of N. ``targets`` int [M]: compute the new states of
+        these nodes only; ``receivers`` then index ``targets`` (a receiver >= M drops its edge).
+
+        Returns (new states [N, dim] -- [M, dim] with ``targets`` --, attention weights [E])."""
         n = x.shape[0]
         src = Dense(self.dim, kernel_init=_glorot(), name="src")(x)
-        dst = Dense(self.dim, kernel_init=_glorot(), name="dst")(x)
-        dst = dst + Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(
-            jax.lax.stop_gradient(ctx))
+        c = Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(jax.lax.stop_gradient(ctx))
+        if ctx_nodes is not None:
+            c = jnp.zeros((n, self.dim), c.dtype).at[ctx_nodes].add(c)
+        dst_dense = Dense(self.dim, kernel_init=_glorot(), name="dst")
+        if targets is None:
+            dst, n_out = dst_dense(x) + c, n
+        else:
+            dst, n_out = dst_dense(x[targets]) + c[targets], targets.shape[0]
         edge = Dense(self.dim, kernel_init=_glorot(), name="rel")(rel)
         if relation_ids is not None:
             edge = edge[relation_ids]
         att = self.param("att", _glorot(), (1, self.dim))[0]
-        z = nn.leaky_relu(dst[receivers] + src[senders] + edge, self.negative_slope)
+        # an extra segment n_out collects dropped edges (receivers >= n_out) and is cut off
+        receivers = jnp.minimum(receivers, n_out)
+        z = nn.leaky_relu(dst[jnp.minimum(receivers, n_out - 1)] + src[senders] + edge, self.negative_slope)
         logits = jnp.einsum("ed,d->e", z, att)
-        ok = sender_ok[senders]
-        alpha = jraph.segment_softmax(jnp.where(ok, logits, NEG), receivers, n) * ok
-        out = jax.ops.segment_sum(alpha[:, None] * src[senders], receivers, n)
+        ok = sender_ok[senders] & (receivers < n_out)
+        alpha = jraph.segment_softmax(jnp.where(ok, logits, NEG), receivers, n_out + 1) * ok
+        out = jax.ops.segment_sum(alpha[:, None] * src[senders], receivers, n_out + 1)[:n_out]
         out = out + self.param("bias", nn.initializers.zeros, (self.dim,))
         return out, alpha
 
@@ -359,25 +373,36 @@ class RelationalGraph(nn.Module):
     @nn.compact
     def __call__(self, x: Array, rel: Array, ctx: Array, graph: jraph.GraphsTuple,
                  deterministic: bool = True, return_attention: bool = False, relation_table: bool = False,
-                 last_edges: Optional[tuple[Array, Array, Array]] = None):
+                 last_edges: Optional[tuple[Array, Array, Array]] = None, mention: Optional[Array] = None):
         """x [N, De], rel [E, Dr] per edge (or the table [R, Dr] indexed by
-        ``graph.edges["relation"]`` when ``relation_table``), ctx [N, D].
+        ``graph.edges["relation"]`` when ``relation_table``), ctx [N, D] (or, with ``mention``,
+        [M, D]: the contexts of the ``mention`` nodes, every other node's being zero).
 
-        ``last_edges``: (senders, receivers, relation ids) int [L] that the last layer runs on
-        instead of the whole edge list (with ``relation_table``): every edge into the nodes whose
-        output is read (:func:`last_layer_edges`). Only those nodes' outputs are then valid, and
-        that layer's attention weights are over these L edges."""
+        ``mention`` int [M]: ascending ids of the nodes whose output is read (and the only ones
+        with a mention context), e.g. :func:`stack_graphs`'s ``graph_mention``. ``last_edges``
+        (needs ``mention`` and ``relation_table``): (senders, receivers, relation ids) int [L],
+        the edges into the ``mention`` nodes (:func:`last_layer_edges`), which the last layer runs
+        on instead of the whole edge list, computing those nodes' states only. Only their outputs
+        are then valid, and that layer's attention weights are over these L edges."""
         senders, receivers = graph.senders, graph.receivers
         ids = graph.edges["relation"] if relation_table else None
         if last_edges is not None and not relation_table:
             raise ValueError("last_edges needs relation_table=True (per-edge relation rows cannot follow the subset)")
+        if last_edges is not None and mention is None:
+            raise ValueError("last_edges restricts the last layer to the mentioned nodes; pass mention too")
         n = x.shape[0]
         ok = graph.nodes["entity"] != 0
         attentions = []
         for i in range(self.num_layers):
+            layer = RelationalGATv2(self.dim, name=f"layer_{i}")
             if last_edges is not None and i == self.num_layers - 1:
                 senders, receivers, ids = last_edges
-            x, alpha = RelationalGATv2(self.dim, name=f"layer_{i}")(x, rel, ctx, senders, receivers, ok, ids)
+                at = jnp.minimum(jnp.searchsorted(mention, receivers), mention.shape[0] - 1)
+                into = jnp.where(mention[at] == receivers, at, mention.shape[0])  # position in mention
+                x_m, alpha = layer(x, rel, ctx, senders, into, ok, ids, ctx_nodes=mention, targets=mention)
+                x = jnp.zeros((n, self.dim), x_m.dtype).at[mention].set(x_m)
+            else:
+                x, alpha = layer(x, rel, ctx, senders, receivers, ok, ids, ctx_nodes=mention)
             attentions.append(alpha)
             x = nn.Dropout(self.dropout)(nn.relu(x), deterministic=deterministic)
             got = jax.ops.segment_max(ok[senders].astype(jnp.int32), receivers, n) > 0

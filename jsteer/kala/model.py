@@ -133,17 +133,21 @@ class KnowledgeModule(nn.Module):
             self.graphs = {l: RelationalGraph(de, k.gnn_layers, k.dropout, name=f"graph_{l}") for l in self.layers}
 
     def entity_states(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
-                      deterministic: bool = True, last_edges=None) -> Array:
-        """Node representations [N, De] for the KFM at ``layer`` (context [B,T,D]: its input);
-        with ``last_edges`` (see :class:`jsteer.kala.graph.RelationalGraph`) valid only at the
-        nodes those edges end in."""
+                      deterministic: bool = True, mention: Optional[Array] = None, last_edges=None) -> Array:
+        """Node representations for the KFM at ``layer`` (context [B,T,D]: its input): [N, De],
+        or with ``mention`` (see :meth:`__call__`) [M, De], those nodes' rows."""
         ent = graph.nodes["entity"]
+        if self.kala.method != "relational":  # point-wise: a memory lookup per node
+            ent = ent if mention is None else ent[mention]
+            return self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
         x = self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
-        if self.kala.method == "relational":
+        if mention is None:
             ctx = node_context(context, token_node, x.shape[0])
-            x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True,
-                                   last_edges=last_edges)
-        return x
+        else:  # the mentioned nodes' contexts only: every other node's is zero
+            ctx = node_context(context, mention_positions(mention, token_node), mention.shape[0])
+        x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True,
+                               last_edges=last_edges, mention=mention)
+        return x if mention is None else x[mention]
 
     def __call__(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
                  deterministic: bool = True, mention: Optional[Array] = None, last_edges=None):
@@ -157,9 +161,9 @@ class KnowledgeModule(nn.Module):
         nodes, the only ones the last GNN layer then runs on."""
         if last_edges is not None and mention is None:
             raise ValueError("last_edges restricts the GNN's last layer to the mentioned nodes; pass mention too")
-        x = self.entity_states(layer, context, graph, token_node, deterministic, last_edges)
+        x = self.entity_states(layer, context, graph, token_node, deterministic, mention, last_edges)
         if mention is not None:
-            x, token_node = x[mention], mention_positions(mention, token_node)
+            token_node = mention_positions(mention, token_node)
         table = self.kfms[layer](x, jnp.ones(x.shape[:1], x.dtype))
         return jax.tree.map(lambda v: gather_tokens(v, token_node), table)
 
