@@ -94,6 +94,10 @@ def test_gatv2_on_target_nodes_equals_the_full_layer_there():
     # ctx_nodes alone (all nodes' states): the same as the dense ctx
     again, _ = layer.apply({"params": params}, x, rel, ctx_m, *args, ctx_nodes=jnp.asarray(nodes))
     np.testing.assert_allclose(again, full, rtol=1e-6, atol=1e-6)
+    graph, _ = batch_graphs([g], np.full((1, 4), -1), n_node=8, n_edge=16)
+    model = RelationalGraph(de)
+    with pytest.raises(ValueError, match=r"ctx must hold those nodes' contexts \[2, D\], got \(8, 5\)"):
+        model.init(jax.random.PRNGKey(0), jnp.zeros((8, de)), rel, jnp.zeros((8, 5)), graph, mention=jnp.asarray(nodes))
 
 
 def test_null_senders_get_exactly_zero_weight():

@@ -390,6 +390,9 @@ class RelationalGraph(nn.Module):
             raise ValueError("last_edges needs relation_table=True (per-edge relation rows cannot follow the subset)")
         if last_edges is not None and mention is None:
             raise ValueError("last_edges restricts the last layer to the mentioned nodes; pass mention too")
+        if mention is not None and ctx.shape[0] != mention.shape[0]:
+            raise ValueError(f"with mention [{mention.shape[0]}], ctx must hold those nodes' contexts "
+                             f"[{mention.shape[0]}, D], got {tuple(ctx.shape)}")
         n = x.shape[0]
         ok = graph.nodes["entity"] != 0
         attentions = []
