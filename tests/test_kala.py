@@ -420,6 +420,7 @@ def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
     assert np.all(np.asarray(mention)[4:] == st["graph_entity"].size - 1) and mention.shape[0] >= 8
     pos = np.asarray(mention_positions(mention, tok))
     np.testing.assert_array_equal(np.where(tn >= 0, np.asarray(mention)[np.maximum(pos, 0)], -1), np.asarray(tok))
+    np.testing.assert_array_equal(mention_positions(mention, jnp.asarray([2, 4, -1])), [-1, 2, -1])  # 2: not mentioned
     model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
                                       kfm_zero_init=False), num_labels=3)
     p = init_params(model, jax.random.PRNGKey(0))

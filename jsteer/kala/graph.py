@@ -233,10 +233,12 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
 
 
 def mention_positions(mention: Array, token_node: Array) -> Array:
-    """Token -> position in ``mention`` (the ascending mentioned nodes of :func:`stack_graphs`,
-    [M]) of its node; -1 for tokens outside mentions. token_node [B, T] -> [B, T]."""
-    pos = jnp.searchsorted(mention, jnp.maximum(token_node, 0)).astype(token_node.dtype)
-    return jnp.where(token_node >= 0, pos, -1)
+    """Node -> its position in ``mention`` (the ascending mentioned nodes of :func:`stack_graphs`,
+    [M]); -1 for tokens outside mentions (node < 0) and for nodes not in ``mention``.
+    token_node int [...] (e.g. [B, T]) -> the same shape."""
+    at = jnp.minimum(jnp.searchsorted(mention, jnp.maximum(token_node, 0)), mention.shape[0] - 1)
+    at = at.astype(token_node.dtype)
+    return jnp.where((token_node >= 0) & (mention[at] == token_node), at, -1)
 
 
 def _multiple(n: int, k: int) -> int:
@@ -400,9 +402,10 @@ class RelationalGraph(nn.Module):
             layer = RelationalGATv2(self.dim, name=f"layer_{i}")
             if last_edges is not None and i == self.num_layers - 1:
                 senders, receivers, ids = last_edges
-                at = jnp.minimum(jnp.searchsorted(mention, receivers), mention.shape[0] - 1)
-                into = jnp.where(mention[at] == receivers, at, mention.shape[0])  # position in mention
+                into = mention_positions(mention, receivers)
+                into = jnp.where(into < 0, mention.shape[0], into)  # not a mentioned node: dropped
                 x_m, alpha = layer(x, rel, ctx, senders, into, ok, ids, ctx_nodes=mention, targets=mention)
+                # back to [N, D] so that dropout below draws the same mask as the full graph's
                 x = jnp.zeros((n, self.dim), x_m.dtype).at[mention].set(x_m)
             else:
                 x, alpha = layer(x, rel, ctx, senders, receivers, ok, ids, ctx_nodes=mention)
