@@ -19,7 +19,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "cli")
+_SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "cli", "data", "train",
+               "steer", "typevec", "kala", "kalm")
 
 
 def __getattr__(name):  # lazy: importing jsteer stays cheap (no orbax / tokenizers until used)
@@ -33,7 +34,7 @@ def __getattr__(name):  # lazy: importing jsteer stays cheap (no orbax / tokeniz
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(list(globals()) + list(_LAZY) + list(_SUBMODULES))
 
 
 __all__ = ["load", "save", "LM", "save_artifact", "load_artifact", "Tokenizer",

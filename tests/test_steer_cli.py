@@ -72,3 +72,94 @@ def test_cli_empty_training_file(models, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["steer", "generate", "--model", "x"])  # missing --steer and prompts: argparse usage error
     np.testing.assert_equal((tmp_path / "s").exists(), False)
+
+
+def _train_args(d, out, model="toy0", data="train.jsonl", *extra):
+    return ["steer", "train", "--model", str(d / model), "--data", str(d / data), "--out", str(out),
+            "--rank", "8", "--steps", "30", "--batch-size", "16", *extra]
+
+
+def test_cli_cache_is_reused_only_for_the_same_model_and_data(models, tmp_path, capsys):
+    d = models
+    cache = tmp_path / "hidden"  # no suffix: NumPy writes hidden.npz, which is what gets reused
+    assert main(_train_args(d, tmp_path / "a", "toy0", "train.jsonl", "--cache", str(cache))) == 0
+    assert (tmp_path / "hidden.npz").exists() and "reusing" not in capsys.readouterr().out
+    assert main(_train_args(d, tmp_path / "b", "toy0", "train.jsonl", "--cache", str(cache))) == 0
+    assert "reusing cached hidden states" in capsys.readouterr().out
+    # another model, or the same path with other contents: refused, naming what differs
+    assert main(_train_args(d, tmp_path / "c", "toy1", "train.jsonl", "--cache", str(cache))) == 2
+    assert "model: cached" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    other = tmp_path / "other.jsonl"
+    other.write_text((d / "train.jsonl").read_text().replace("good", "bad"))
+    assert main(_train_args(tmp_path, tmp_path / "e", str(d / "toy0"), "other.jsonl", "--cache", str(cache))) == 2
+    err = capsys.readouterr().err
+    assert "data: cached" in err and "data_sha256: cached" in err
+    assert main(_train_args(d, tmp_path / "f", "toy0", "train.jsonl", "--cache", str(cache), "--max-len", "8")) == 2
+    assert "max_len: cached 128, now 8" in capsys.readouterr().err
+
+
+def test_cli_highlight_span_indexes_tokens_and_explain_orients_directions(models, tmp_path, capsys):
+    d = models
+    assert main(_train_args(d, tmp_path / "s", "toy0", "train.jsonl", "--steps", "200")) == 0
+    capsys.readouterr()
+    assert main(["steer", "highlight", "--model", str(d / "toy0"), "--steer", str(tmp_path / "s"), "--value", "3",
+                 "--json", "the plot was good great happy and the end"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    s, e = res["span"]
+    assert len(res["tokens"]) == len(res["scores"]) == 9  # every word scored, the first one too
+    assert " ".join(t.strip() for t in res["tokens"][s:e]) == res["span_text"]
+    assert set(res["span_text"].split()) <= set(toy.POSITIVE), res
+
+    # -W promotes what W demotes: explain lists the same tokens with + and - swapped
+    params, meta = artifact.load(str(tmp_path / "s"))
+    artifact.save(str(tmp_path / "neg"), {"p1": -params["p1"], "p2": params["p2"]}, base_model=meta["base_model"],
+                  hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"], eps0=meta["eps0"],
+                  dummy=meta["dummy"], steer_names=meta["steer_names"])
+    lists = {}
+    for name in ("s", "neg"):
+        assert main(["steer", "explain", "--model", str(d / "toy0"), "--steer", str(tmp_path / name), "--dirs", "1",
+                     "--top", "3", "--json"]) == 0
+        top = json.loads(capsys.readouterr().out)[0]
+        lists[name] = ([t for t, _ in top["top"]], [t for t, _ in top["bottom"]])
+    assert lists["s"][0] == lists["neg"][1] and lists["s"][1] == lists["neg"][0]
+    assert set(lists["s"][0]) & set(toy.POSITIVE) and set(lists["s"][1]) & set(toy.NEGATIVE), lists
+
+
+def test_with_start_token_scores_the_first_word_of_a_bos_less_encoding():
+    from jsteer.steer.cli import _with_start_token
+
+    class Tok:
+        def __init__(self, bos, eos):
+            self.bos_id, self.eos_id = bos, eos
+
+    assert _with_start_token(Tok(1, 2), [7, 8]) == [1, 7, 8]
+    assert _with_start_token(Tok(1, 2), [1, 7, 8]) == [1, 7, 8]  # the tokenizer added it already
+    assert _with_start_token(Tok(None, 2), [7]) == [2, 7]
+    assert _with_start_token(Tok(None, None), [7, 8]) == [7, 8]
+
+
+def test_cli_bad_training_settings_fail_before_any_work(models, tmp_path, capsys):
+    for flag, value, what in (("--steps", "0", "steps must be >= 1"), ("--batch-size", "0", "batch_size must be >= 1"),
+                              ("--lr", "0", "lr must be > 0")):
+        args = _train_args(models, tmp_path / "s", "toy0", "train.jsonl", "--cache", str(tmp_path / "c.npz"))
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+        assert main(args) == 2
+        assert what in capsys.readouterr().err
+        assert not (tmp_path / "s").exists() and not (tmp_path / "c.npz").exists()
+
+
+def test_cli_baselines_train_at_their_own_eps0(models, tmp_path, capsys):
+    """The blacklist baseline at the CLI's default (eps0 1 for baselines) learns: positive words'
+    logit offsets rise above the negative words' at +1."""
+    d = models
+    assert main(_train_args(d, tmp_path / "bl", "toy0", "train.jsonl", "--baseline", "blacklist", "--steps", "100")) == 0
+    params, meta = artifact.load(str(tmp_path / "bl"))
+    assert meta["eps0"] == 1.0
+    tok = jsteer.load(str(d / "toy0")).tokenizer
+    bias = np.asarray(params["offset"][0])  # the user steer's offset [V]
+    pos = bias[[tok.token_to_id(w) for w in toy.POSITIVE]].mean()
+    neg = bias[[tok.token_to_id(w) for w in toy.NEGATIVE]].mean()
+    assert pos - neg > 0.5, (pos, neg)

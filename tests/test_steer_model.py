@@ -112,6 +112,13 @@ def test_steered_generation_changes_with_eps_without_recompiling(lm, trained):
     out_neg = run(-5.0)
     out_mid = run(0.5)
     assert decode.compiled_count() == n_compiled, "a new eps value recompiled the generate loop"
+    # eps of another flavour (weak-typed from a Python product, or bf16) reuses the loop too
+    eps = head.make_eps(np.full((len(prompts), 1), 2.0), cfg.eps0)
+    weak = jnp.asarray(np.rint(np.asarray(eps) / cfg.eps0).astype(np.int32)) * cfg.eps0
+    assert weak.weak_type and weak.dtype == jnp.float32
+    for other in (weak, jnp.asarray(eps, jnp.bfloat16)):
+        lm.generate(prompts, max_new_tokens=12, temperature=1.0, seed=1, hooks=head.to_hooks(params, other))
+    assert decode.compiled_count() == n_compiled, "a weak-typed / bf16 eps recompiled the generate loop"
     count = lambda outs, vocab: sum(w in vocab for o in outs for w in o.split())
     assert count(out_pos, pos) > count(out_pos, neg) and count(out_neg, neg) > count(out_neg, pos), (out_pos, out_neg)
     assert out_mid != out_pos

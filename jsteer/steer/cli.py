@@ -8,7 +8,8 @@
     jsteer steer transfer --steer steers/sentiment --from smollm2-135m --to OTHER --out steers/sent-other
 
 ``--value`` is in units of the artifact's eps0 (the original's ``--steer_values``); the
-domain-shift ("dummy") steer is kept at ``--dummy`` (default 1) for every artifact.
+domain-shift ("dummy") steer is kept at ``--dummy`` (default 1) for every artifact, so composing
+N artifacts applies N domain shifts (``--dummy 0`` applies none).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import argparse
 import json
 import sys
 import time
+
+
+# generic sentence openings: their mean final hidden state is the typical context for `explain`
+GENERIC_CONTEXTS = ("The", "I think that the", "It was a", "This is one of the", "When we got there, the")
 
 
 def register(subparsers) -> None:
@@ -37,7 +42,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--eps0", type=float, default=1e-3)
+    p.add_argument("--eps0", type=float, default=None,
+                   help="steer scale (default 1e-3; 1 for --baseline, whose parameters act on logits directly)")
     p.add_argument("--init-scale", type=float, default=1e-3)
     p.add_argument("--l2", type=float, default=0.0, help="L2 penalty weight on the steer params")
     p.add_argument("--no-dummy", action="store_true", help="no domain-shift steer")
@@ -66,7 +72,8 @@ def register(subparsers) -> None:
     p.add_argument("--against", choices=("opposite", "dummy", "base"), default="opposite",
                    help="reference distribution: the steer at -value (default; cancels what both signs share), "
                         "only the domain-shift steer on, or the unsteered model")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON line per text: tokens (every scored token), scores, span [start, end) into tokens")
     p.set_defaults(func=_highlight)
 
     p = sub.add_parser("explain", help="SVD of W: top / bottom tokens of the leading directions")
@@ -75,6 +82,9 @@ def register(subparsers) -> None:
     p.add_argument("--index", type=int, default=0, help="which steer in the artifact (default 0)")
     p.add_argument("--dirs", type=int, default=5)
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--context", action="append", default=None,
+                   help="text(s) whose mean final hidden state orients the directions (repeatable; default: "
+                        "a few generic sentence openings)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_explain)
 
@@ -93,7 +103,9 @@ def _model_steers(p) -> None:
     p.add_argument("--steer", action="append", required=True, help="artifact folder (repeat to compose)")
     p.add_argument("--value", action="append", type=float, default=None,
                    help="strength of each --steer in units of eps0 (repeat in the same order; default 5)")
-    p.add_argument("--dummy", type=float, default=1.0, help="value of each artifact's domain-shift steer")
+    p.add_argument("--dummy", type=float, default=1.0,
+                   help="value of each artifact's domain-shift steer (default 1, as trained). Each artifact "
+                        "brings its own, so composing N artifacts applies N of them: use 0 to apply none")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -134,6 +146,20 @@ def load_steers(lm, paths, values, dummy: float = 1.0):
 # ----------------------------------------------------------------------------- verbs
 
 
+def _cache_key(args, lm) -> dict:
+    """What cached hidden states depend on: a cache built from another model, data file or text
+    cut is refused on reuse."""
+    import os
+
+    from jsteer.convert.hf import file_sha256
+
+    if not os.path.isfile(args.data):
+        raise ValueError(f"--data {args.data}: no such file")
+    return {"model": lm.identity, "data": os.path.abspath(args.data), "data_sha256": file_sha256(args.data),
+            "format": args.format, "max_len": args.max_len, "limit": args.limit,
+            "seed": args.seed if args.limit else None}
+
+
 def _train(args) -> int:
     import os
 
@@ -143,19 +169,22 @@ def _train(args) -> int:
 
     lm = _load_model(args.model)
     kind = args.baseline or "steer"
-    cfg = train.TrainConfig(rank=None if args.full_rank else args.rank, init_scale=args.init_scale, eps0=args.eps0,
+    eps0 = args.eps0 if args.eps0 is not None else (train.BASELINE_EPS0 if args.baseline else 1e-3)
+    cfg = train.TrainConfig(rank=None if args.full_rank else args.rank, init_scale=args.init_scale, eps0=eps0,
                             lr=args.lr, steps=args.steps, batch_size=args.batch_size, l2=args.l2,
                             dummy=not args.no_dummy, seed=args.seed, kind=kind)
     t0 = time.time()
-    if args.cache and os.path.exists(args.cache):
-        cache = train.HiddenCache.load(args.cache)
-        print(f"reusing cached hidden states {args.cache} ({cache.num_texts} texts, {cache.num_tokens} tokens)")
+    key = _cache_key(args, lm) if args.cache else None
+    if args.cache and os.path.exists(train.npz_path(args.cache)):
+        cache = train.HiddenCache.load(args.cache, key=key)
+        print(f"reusing cached hidden states {train.npz_path(args.cache)} ({cache.num_texts} texts, "
+              f"{cache.num_tokens} tokens)")
     else:
         texts, values = train.load_labeled(args.data, args.format, limit=args.limit, seed=args.seed)
         print(f"{len(texts)} texts ({int((values > 0).sum())} positive, {int((values < 0).sum())} negative)")
         cache = train.cache_lm(lm, texts, values, max_len=args.max_len, progress=True)
         if args.cache:
-            cache.save(args.cache)
+            cache.save(args.cache, key=key)
     t1 = time.time()
     emb = np.asarray(lm.output_embeddings(), np.float32)
     params, hist = train.train(cache, emb, cfg, progress=True)
@@ -207,23 +236,34 @@ def _highlight(args) -> int:
     emb = lm.output_embeddings()
     jp = {k: jnp.asarray(v) for k, v in params.items()}
     for text in args.texts:
-        ids = lm.tokenizer.encode(text)
+        ids = _with_start_token(lm.tokenizer, lm.tokenizer.encode(text))
         if len(ids) < 2:
-            raise ValueError(f"text {text!r} has fewer than 2 tokens: nothing to score")
+            raise ValueError(f"text {text!r} has fewer than 2 tokens and the tokenizer no bos/eos token "
+                             "to predict the first from: nothing to score")
         out = lm.forward(jnp.asarray([ids]))
         scores, (s, e, tot) = highlight.highlight(jp, out.hidden[:, :-1], emb, jnp.asarray([ids[1:]]),
                                                   jnp.asarray(eps), max_len=args.max_span,
                                                   eps_base=jnp.asarray(base_eps))
+        # the scored tokens: ids[1:] (each predicted from the ones before); span indexes them
         toks = [lm.tokenizer.decode([i], skip_special_tokens=False) for i in ids[1:]]
         s, e = int(s[0]), int(e[0])
         span = lm.tokenizer.decode(ids[1 + s:1 + e])
         if args.json:
             print(json.dumps({"text": text, "tokens": toks, "scores": np.asarray(scores[0]).round(4).tolist(),
-                              "span": [s + 1, e + 1], "span_text": span, "span_score": float(tot[0])}))
+                              "span": [s, e], "span_text": span, "span_score": float(tot[0])}))
         else:
             marked = "".join(f"[{t}]" if s <= i < e else t for i, t in enumerate(toks))
             print(f"{lm.tokenizer.decode(ids[:1])}{marked}\n  best span: {span!r} (score {float(tot[0]):.3f})")
     return 0
+
+
+def _with_start_token(tokenizer, ids):
+    """``ids`` behind the tokenizer's bos (else eos) token when the encoding does not start with
+    it, so that the text's first token is scored too (predicted from the document start)."""
+    start = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+    if start is None or (ids and ids[0] == start):
+        return list(ids)
+    return [start] + list(ids)
 
 
 def _explain(args) -> int:
@@ -234,8 +274,9 @@ def _explain(args) -> int:
     lm = _load_model(args.model)
     params, meta = artifact.load(args.steer, model_identity=lm.identity)
     emb = np.asarray(lm.output_embeddings(), np.float32)
-    dec = lambda i: lm.tokenizer.id_to_token(i)
-    res = interpret.explain(params, emb, steer=args.index, n_dirs=args.dirs, top=args.top, decode=dec)
+    dec = lambda i: lm.tokenizer.decode([i]) or lm.tokenizer.id_to_token(i)  # noqa: E731
+    res = interpret.explain(params, emb, steer=args.index, n_dirs=args.dirs, top=args.top, decode=dec,
+                            mean_hidden=_mean_context(lm, args.context or GENERIC_CONTEXTS))
     if args.json:
         print(json.dumps(res))
         return 0
@@ -244,6 +285,22 @@ def _explain(args) -> int:
         print("  +: " + " ".join(t for t, _ in d["top"]))
         print("  -: " + " ".join(t for t, _ in d["bottom"]))
     return 0
+
+
+def _mean_context(lm, texts):
+    """Mean final hidden state over every position of ``texts`` [D]: the typical context c_bar
+    that orients each SVD direction (its sign is otherwise arbitrary), so that "+" lists the
+    tokens a positive steer value promotes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rows = []
+    for text in texts:
+        ids = _with_start_token(lm.tokenizer, lm.tokenizer.encode(text))
+        if not ids:
+            raise ValueError(f"--context {text!r} encodes to no tokens")
+        rows.append(np.asarray(lm.forward(jnp.asarray([ids])).hidden[0], np.float64))
+    return np.concatenate(rows).mean(0)
 
 
 def _transfer(args) -> int:

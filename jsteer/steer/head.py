@@ -158,12 +158,15 @@ def full_matrix(params: Params) -> Array:
 
 
 def to_steer(params: Params, eps: Array) -> Steer:
-    """The hook value the backbones understand: ``Hooks(steer=to_steer(params, eps))``."""
+    """The hook value the backbones understand: ``Hooks(steer=to_steer(params, eps))``. eps is
+    cast to a (non-weak) float32 array, so that a Python-scalar product, a weak-typed or a bf16
+    eps reuses the compiled decode loop instead of tracing a new one."""
     k = kind(params)
+    eps = jnp.asarray(eps, jnp.float32)
     if k == "lowrank":
-        return Steer(eps=jnp.asarray(eps), p1=params["p1"], p2=params["p2"])
+        return Steer(eps=eps, p1=params["p1"], p2=params["p2"])
     if k == "full":
-        return Steer(eps=jnp.asarray(eps), w=params["w"])
+        return Steer(eps=eps, w=params["w"])
     raise ValueError(f"a {k} baseline is not a bilinear steer and has no Steer hook")
 
 

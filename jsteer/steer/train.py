@@ -16,6 +16,8 @@ kept for the speed comparison in experiments/bench_steer.py.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -46,6 +48,26 @@ class TrainConfig:
     tokens_per_batch: Optional[int] = None  # static token budget per step; None: from data
     log_every: int = 50
     engine: str = "jsteer"          # "jsteer" (jsteer.train.Trainer) | "optax" (minimal loop)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eps0", "lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"TrainConfig.rank must be >= 1 (or None for a full W), got {self.rank}")
+        if self.kind not in ("steer", "blacklist", "offset"):
+            raise ValueError(f"unknown steer kind {self.kind!r}: use steer, blacklist or offset")
+        if self.engine not in ("jsteer", "optax"):
+            raise ValueError(f"unknown training engine {self.engine!r}: use 'jsteer' or 'optax'")
+
+
+# The baselines' parameters act on logits / hidden states directly, not through c^T W e_v, so
+# the steer's eps0 = 1e-3 would leave them untrainable: Adam moves a parameter ~lr per step,
+# i.e. a logit by ~eps0 * lr = 1e-5. They train at this eps0 unless one is given.
+BASELINE_EPS0 = 1.0
 
 
 # ----------------------------------------------------------------------------- data
@@ -161,14 +183,42 @@ class HiddenCache:
                    values=np.concatenate([c.values for c in caches]),
                    offsets=np.concatenate([caches[0].offsets[:1]] + [c.offsets[1:] + r for c, r in zip(caches, rows)]))
 
-    def save(self, path: str) -> None:
-        np.savez(path, hidden=self.hidden, targets=self.targets, seq=self.seq, values=self.values,
-                 offsets=self.offsets)
+    def save(self, path: str, key: Optional[dict] = None) -> str:
+        """Write an ``.npz`` (the suffix is added when missing, as NumPy does) atomically, with
+        ``key``: what the states were computed from (model identity, data file, ...), which
+        :meth:`load` checks. Returns the path written."""
+        path = npz_path(path)
+        tmp = f"{path}.tmp-{os.getpid()}.npz"
+        try:
+            np.savez(tmp, hidden=self.hidden, targets=self.targets, seq=self.seq, values=self.values,
+                     offsets=self.offsets, key=np.asarray(json.dumps(key or {}, sort_keys=True)))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return path
 
     @classmethod
-    def load(cls, path: str) -> "HiddenCache":
-        z = np.load(path)
-        return cls(**{k: z[k] for k in ("hidden", "targets", "seq", "values", "offsets")})
+    def load(cls, path: str, key: Optional[dict] = None) -> "HiddenCache":
+        """Read :meth:`save`'s file. With ``key``, every entry of it must equal the one saved:
+        hidden states of another model, data file or truncation are refused, naming the field."""
+        path = npz_path(path)
+        with np.load(path) as z:
+            saved = json.loads(str(z["key"])) if "key" in z.files else {}
+            if key is not None:
+                diff = sorted(k for k in key if saved.get(k) != key[k])
+                if diff:
+                    raise ValueError(
+                        f"{path}: these cached hidden states do not match this run ("
+                        + "; ".join(f"{k}: cached {saved.get(k)!r}, now {key[k]!r}" for k in diff)
+                        + "); delete the file or give another cache path")
+            return cls(**{k: z[k] for k in ("hidden", "targets", "seq", "values", "offsets")})
+
+
+def npz_path(path: str) -> str:
+    """``path`` with the ``.npz`` suffix :func:`numpy.savez` would give it."""
+    path = os.fspath(path)
+    return path if path.endswith(".npz") else path + ".npz"
 
 
 def cache_hidden(hidden_fn: Callable[[Array, Array], Array], encodings: Sequence[Sequence[int]],
@@ -402,15 +452,13 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
                           log_every=max(cfg.log_every, 1), seed=cfg.seed)
         trainer.fit(batches, cfg.steps, resume=False, on_step=lambda s, m: on_step(s - 1, m["loss"]))
         params = {k: jnp.asarray(x) for k, x in trainer.params["steer"].items()}
-    elif cfg.engine == "optax":
+    else:  # "optax" (TrainConfig validates the name)
         opt = optax.adam(cfg.lr)
         opt_state = opt.init(params)
         step = make_step(cached_loss_fn(cfg), opt)
         for i, batch in enumerate(batches):
             params, opt_state, loss, _ = step(params, opt_state, {"embedding": emb}, batch)
             on_step(i, loss)
-    else:
-        raise ValueError(f"unknown training engine {cfg.engine!r}: use 'jsteer' or 'optax'")
     jax.block_until_ready(params)
     secs = time.time() - timer["t0"] if timer["t0"] is not None else 0.0
     hist["seconds"] = secs
