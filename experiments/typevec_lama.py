@@ -2,6 +2,7 @@
 PostTE, TE per relation and macro) and Table 6 (type switching).
 
     .venv/bin/python experiments/typevec_lama.py [--max-test 100] [--small]
+    .venv/bin/python experiments/typevec_lama.py --switch-only [--tag smollm2]   # Table 6 only, see below
     .venv/bin/python experiments/typevec_lama.py --mode layer --layers 16,22,26,29 --lambda-unit resid \
         --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --tag smollm2_layersel
     .venv/bin/python experiments/typevec_lama.py --mode layer --layers 16,22,26,29 --lambda-unit resid \
@@ -33,8 +34,13 @@ Protocol (deviations from the paper, which used BERT, are listed in the JSON und
   hold-out is 5% of the full relation.
 * type switching (Table 6): Google-RE place-of-birth facts asked with the date-of-birth
   template "[X] (born [Y])."; TEs E_city and E_city^optim = E_city minus its projection on
-  E_year. SmolLM2 splits years into digits, so E_year is built from the *first token* of each
-  year label (the token a next-token prediction of a year starts with).
+  E_year. SmolLM2 has no year token: " 1985" is " " + "1" + "9" + "8" + "5". E_year is the
+  type vector of the ten digit tokens "0".."9", the tokens every year answer is written with
+  (:func:`year_examples`; checked against every KG year label). Runs before this change built
+  E_year from the first token of 10 sampled year labels, which is the whitespace token " "
+  (id 216) for every year: one example, labelled "2012" in their JSON.
+  ``--switch-only`` re-runs just this part with the City vector, mode, layer and lambda unit
+  / grid of the existing ``lama_<tag>.json`` and replaces its ``type_switching`` (and the .md).
 """
 
 from __future__ import annotations
@@ -130,9 +136,91 @@ def select_layer(pm, groups, tes, candidates, lams, args) -> dict:
             "rule": "best macro hold-out P@1 at per-relation tuned lambda (ties: mean P@10/50/100, then earlier)"}
 
 
+def year_examples(tok, kg) -> tuple[list[int], list[str]]:
+    """E_year's examples for a digit-splitting vocabulary -> (ids of "0".."9", their text).
+
+    A year answer after "(born" is " " + one token per digit in SmolLM2; the " " token is in
+    every answer and says nothing about years, and the first digits of the KG's years are
+    just "1", "2", "3". The digit tokens are what years are made of, so all ten are the
+    examples. Raises if a digit is not one token or a KG year label uses any other word token."""
+    from jsteer.typevec import sampling
+
+    ids = [sampling.single_token_id(tok, d, leading_space=False) for d in "0123456789"]
+    if None in ids or len(set(ids)) != 10:
+        raise ValueError(f"E_year: the digits are not ten single tokens in this vocabulary ({ids})")
+    for e in sampling.load_kg_samples(sampling.kg_path(kg, "Year")):
+        other = [i for i in sampling.encode_plain(tok, " " + e.label)
+                 if i not in ids and sampling.is_word_token(tok, i)]
+        if other:
+            raise ValueError(f"E_year: KG year {e.label!r} has non-digit word tokens {other}; the digit "
+                             f"examples do not describe this vocabulary's years")
+    return ids, [sampling.decode_token(tok, i) for i in ids]
+
+
+def type_switching(pm, groups, city, kg, *, mode, layer, lams, unit, max_switch, max_holdout, seed,
+                   batch_size) -> dict:
+    """Table 6: place-of-birth facts asked with the date-of-birth template, with E_city and
+    E_city^optim (E_city minus its projection on E_year, :func:`year_examples`)."""
+    from jsteer.typevec import core, probe
+
+    sw = probe.switch_prompts(groups["City/place_of_birth"])
+    year_ids, year_tokens = year_examples(pm.tokenizer, kg)
+    year = core.make(pm.embedding(), jnp.asarray(year_ids))
+    city_opt = core.project_out(city, year)
+    switch = {"prompt_example": sw[0].text, "gold_example": sw[0].gold,
+              "year_examples": "the ten digit tokens (every KG year is ' ' + its digit tokens)",
+              "year_tokens": year_tokens, "year_token_ids": year_ids, "cos_city_year": float(jnp.vdot(city, year))}
+    for label, te in (("E_city", city), ("E_city_optim", city_opt)):
+        r = probe.evaluate(pm, {"DoB->PoB": sw}, {"DoB->PoB": te}, mode=mode, lam_grid=lams,
+                           holdout=0.05, max_test=max_switch, max_holdout=max_holdout, seed=seed,
+                           batch_size=batch_size, methods=("B", "TE"), log=log, layer=layer, lam_unit=unit)
+        switch[label] = {"B": r["per_group"]["DoB->PoB"]["B"], "TE": r["per_group"]["DoB->PoB"]["TE"],
+                         "lambda": r["tuning"]["DoB->PoB"]["lambda"],
+                         "lambda_table": r["tuning"]["DoB->PoB"]["lambda_table"],
+                         "n_test": r["per_group"]["DoB->PoB"]["n_test"], "skips": r["skips"]["DoB->PoB"],
+                         "predictions": r["predictions"]["DoB->PoB"]}
+        log(label, json.dumps({"B": switch[label]["B"]["P@1"], "TE": switch[label]["TE"]["P@1"],
+                               "lambda": switch[label]["lambda"]}))
+    return switch
+
+
+def switch_targets(switch: dict) -> dict:
+    return {"switch_P@1_optim": switch["E_city_optim"]["TE"]["P@1"],
+            "switch_ge_0.10": max(switch["E_city"]["TE"]["P@1"], switch["E_city_optim"]["TE"]["P@1"]) >= 0.10}
+
+
+def rerun_switching(args, path: pathlib.Path) -> dict:
+    """``--switch-only``: Table 6 again with the protocol recorded in ``path`` (a full run's
+    JSON); returns that result with ``type_switching`` and its targets replaced."""
+    import jsteer
+    from jsteer.typevec import probe, sampling
+
+    if not path.is_file():
+        raise FileNotFoundError(f"--switch-only needs a full run's {path}; run without --switch-only first")
+    res = json.loads(path.read_text())
+    pr = res["protocol"]
+    lm = jsteer.load("smollm2-135m")
+    if lm.identity != res["identity"]:
+        raise ValueError(f"{path} was made with model {res['identity']}, not {lm.identity}")
+    pm = probe.from_lm(lm)
+    kg = DATA / "type_embedding" / "kg_samples"
+    city = sampling.type_vectors(pm.embedding(), lm.tokenizer, kg, ["City"], n=10, seed=pr["seed"])[0][0]
+    groups = probe.load_typed_dataset(DATA / "type_embedding" / "processed_lama")
+    res["type_switching"] = type_switching(
+        pm, groups, city, kg, mode=pr["mode"], layer=pr["layer"], lams=pr["lambda_grid"],
+        unit=pr["lambda_unit_value"], max_switch=pr["max_switch"], max_holdout=args.max_holdout, seed=pr["seed"],
+        batch_size=args.batch_size)
+    res["targets"].update(switch_targets(res["type_switching"]))
+    pr["deviations"] = [d for d in pr["deviations"] if not d.startswith("E_year")] + [YEAR_DEVIATION]
+    return res
+
+
+YEAR_DEVIATION = "E_year from the ten digit tokens (SmolLM2 writes a year as ' ' + one token per digit)"
+
+
 def run(args) -> dict:
     import jsteer
-    from jsteer.typevec import core, probe, sampling
+    from jsteer.typevec import probe, sampling
 
     t0 = time.time()
     lm = jsteer.load("smollm2-135m")
@@ -169,24 +257,9 @@ def run(args) -> dict:
     log("macro", json.dumps({m: rep["macro"][m]["P@1"] for m in METHODS}))
 
     # ---------------------------------------------------------------- type switching (Table 6)
-    pob = groups["City/place_of_birth"]
-    sw = probe.switch_prompts(pob)
-    city = by_type["City"]
-    year_s = sampling.sample_type(kg, "Year", tok, n=10, seed=args.seed, first_token=True)
-    year = core.make(pm.embedding(), jnp.asarray(year_s.token_ids))
-    city_opt = core.project_out(city, year)
-    switch = {"prompt_example": sw[0].text, "gold_example": sw[0].gold, "year_tokens": list(year_s.labels),
-              "year_token_ids": list(year_s.token_ids), "cos_city_year": float(jnp.vdot(city, year))}
-    for label, te in (("E_city", city), ("E_city_optim", city_opt)):
-        r = probe.evaluate(pm, {"DoB->PoB": sw}, {"DoB->PoB": te}, mode=args.mode, lam_grid=lams,
-                           holdout=0.05, max_test=args.max_switch, max_holdout=args.max_holdout, seed=args.seed,
-                           batch_size=args.batch_size, methods=("B", "TE"), log=log, layer=layer, lam_unit=unit)
-        switch[label] = {"B": r["per_group"]["DoB->PoB"]["B"], "TE": r["per_group"]["DoB->PoB"]["TE"],
-                         "lambda": r["tuning"]["DoB->PoB"]["lambda"], "lambda_table": r["tuning"]["DoB->PoB"]["lambda_table"],
-                         "n_test": r["per_group"]["DoB->PoB"]["n_test"], "skips": r["skips"]["DoB->PoB"],
-                         "predictions": r["predictions"]["DoB->PoB"]}
-        log(label, json.dumps({"B": switch[label]["B"]["P@1"], "TE": switch[label]["TE"]["P@1"],
-                               "lambda": switch[label]["lambda"]}))
+    switch = type_switching(pm, groups, by_type["City"], kg, mode=args.mode, layer=layer, lams=lams, unit=unit,
+                            max_switch=args.max_switch, max_holdout=args.max_holdout, seed=args.seed,
+                            batch_size=args.batch_size)
 
     b1, te1 = rep["macro"]["B"]["P@1"], rep["macro"]["TE"]["P@1"]
     return {
@@ -205,15 +278,14 @@ def run(args) -> dict:
                    if layer is not None else ""),
                 f"lambda grid in units of '{args.lambda_unit}' ({unit:.4f}), not the paper's absolute 0..5",
                 "reported prompts subsampled to max_test per relation (CPU budget)",
-                "E_year from the first token of each year label (SmolLM2 splits digits)",
+                YEAR_DEVIATION,
             ]},
         "qualifying": qual, "relations": names,
         "type_samples": {s.type_name: s.report() for s in samples},
         "probe": rep, "type_switching": switch,
         "targets": {"TE_over_B_P@1": (te1 / b1) if b1 > 0 else None, "TE_ge_1.25x_B": te1 >= 1.25 * b1,
                     "TE_beats_BTo": te1 > rep["macro"]["BTo"]["P@1"], "TE_beats_PostTE": te1 > rep["macro"]["PostTE"]["P@1"],
-                    "switch_P@1_optim": switch["E_city_optim"]["TE"]["P@1"],
-                    "switch_ge_0.10": max(switch["E_city"]["TE"]["P@1"], switch["E_city_optim"]["TE"]["P@1"]) >= 0.10},
+                    **switch_targets(switch)},
     }
 
 
@@ -266,7 +338,8 @@ def markdown(res: dict) -> str:
         lines.append(f"| {m} | {p['P@1']:.3f} | {p['P@10']:.3f} | {p['P@50']:.3f} | {p['P@100']:.3f} |")
     sw = res["type_switching"]
     lines += ["", "## Type switching (paper Table 6): date-of-birth prompts, place-of-birth answers", "",
-              f"Example: `{sw['prompt_example']}` -> {sw['gold_example']}; cos(E_city, E_year) = {sw['cos_city_year']:.3f}", "",
+              f"Example: `{sw['prompt_example']}` -> {sw['gold_example']}; cos(E_city, E_year) = {sw['cos_city_year']:.3f}; "
+              f"E_year from the tokens {sw['year_tokens']}", "",
               "| vector | lambda | n | B P@1 | TE P@1 | B P@10 | TE P@10 |", "|---|---:|---:|---:|---:|---:|---:|"]
     for k in ("E_city", "E_city_optim"):
         s = sw[k]
@@ -323,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny run (3 relations, 12 prompts) for CI / notebooks")
     ap.add_argument("--tag", default="smollm2")
+    ap.add_argument("--switch-only", action="store_true",
+                    help="re-run only type switching (Table 6) on the existing lama_<tag>.json, with its protocol")
     args = ap.parse_args(argv)
     if args.small or os.environ.get("JSTEER_SMALL"):
         args.max_test, args.max_switch, args.max_holdout = 8, 8, 8
@@ -330,7 +405,7 @@ def main(argv=None) -> int:
         args.lambdas = "0,0.75"
         args.batch_size = 16
         args.tag = args.tag + "_small"
-    res = run(args)
+    res = rerun_switching(args, OUT / f"lama_{args.tag}.json") if args.switch_only else run(args)
     OUT.mkdir(parents=True, exist_ok=True)
     write_json(OUT / f"lama_{args.tag}.json", res)
     (OUT / f"lama_{args.tag}.md").write_text(markdown(res))

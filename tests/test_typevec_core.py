@@ -259,3 +259,110 @@ def test_row_norm_unit_and_residual_hooks():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="layer"):
             inject.residual_hooks(te, 1.0, where, bad)
+
+
+# ----------------------------------------------------------------------------- audit fixes
+
+
+@pytest.fixture(scope="module")
+def digit_tok():
+    """A byte-level BPE vocabulary that writes " 1985" as " " + "1" + "9" + "8" + "5" (as SmolLM2
+    does), with single tokens for a few words and for " ." (punctuation only)."""
+    vocab = {}
+    for ch in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789Ġ.()":
+        vocab.setdefault(ch, len(vocab))
+    for w in ("London", "Paris", "Rome", "Berlin", "the", "."):
+        vocab.setdefault("Ġ" + w, len(vocab))
+    vocab["<|endoftext|>"] = len(vocab)
+    tk = RawTokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return Tokenizer(tk, {"eos": vocab["<|endoftext|>"], "pad": vocab["<|endoftext|>"]})
+
+
+def test_make_rejects_ids_outside_the_vocabulary_and_nans_under_jit():
+    e = jnp.asarray(_emb(v=50))
+    for method in ("svd", "mean"):
+        for bad in ([3, 50], [3, -1]):
+            with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 50\)"):
+                core.make(e, jnp.asarray(bad), method=method)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.make_all(e, jnp.asarray([[1, 2], [3, 60]]))
+    # masked-out padding ids are not examples: any value is fine and changes nothing
+    np.testing.assert_allclose(np.asarray(core.make(e, jnp.asarray([3, 5, -1]), mask=jnp.asarray([1, 1, 0]))),
+                               np.asarray(core.make(e, jnp.asarray([3, 5]))), atol=1e-6)
+    # under jit the ids are traced: an out-of-range id (negative too, no wrap-around) gives NaN
+    jmake = jax.jit(core.make, static_argnames=("method",))
+    np.testing.assert_allclose(np.asarray(jmake(e, jnp.asarray([3, 5]))), np.asarray(core.make(e, jnp.asarray([3, 5]))),
+                               atol=1e-6)
+    for bad in ([3, 50], [3, -1]):
+        for method in ("svd", "mean"):
+            assert np.isnan(np.asarray(jmake(e, jnp.asarray(bad), method=method))).all(), (bad, method)
+
+
+def test_empty_type_lists_are_explicit_errors(shared_data, minilm_tok):
+    with pytest.raises(ValueError, match="at least one type vector"):
+        core.combine([], [])
+    with pytest.raises(ValueError, match="non-empty"):
+        core.make_all(jnp.asarray(_emb()), jnp.zeros((0, 3), jnp.int32))
+    with pytest.raises(ValueError, match="no types given"):
+        sampling.type_vectors(jnp.asarray(_emb(v=30522)), minilm_tok, shared_data / "type_embedding" / "kg_samples", [])
+
+
+def test_make_all_passes_center():
+    e = jnp.asarray(_emb())
+    ids = jnp.asarray([[3, 7, 11, 19], [23, 29, 31, 37]])
+    c = core.vocab_center(e)
+    got = np.asarray(core.make_all(e, ids, center=c))
+    for k in range(2):
+        np.testing.assert_allclose(got[k], np.asarray(core.make(e, ids[k], center=c)), atol=1e-5)
+    assert not np.allclose(got, np.asarray(core.make_all(e, ids)), atol=1e-3)
+
+
+def test_type_examples_are_word_tokens_with_few_examples_reported(tmp_path, digit_tok):
+    (tmp_path / "Year.csv").write_text("Label,URI,Indegree,Outdegree,Degree\n2012,u,1,1,9\n1985,u,1,1,5\n"
+                                       "1990,u,1,1,4\n1700,u,1,1,3\n")
+    space = digit_tok.token_to_id("Ġ")
+    # no year is a single token; their first tokens are all " ": never an example
+    with pytest.raises(ValueError, match="type Year: none of the 4 KG labels"):
+        sampling.sample_type(tmp_path, "Year", digit_tok, n=10)
+    # first_token: the first *word* token ("1" / "2"): 2 distinct of 10 asked, used with a warning ...
+    with pytest.warns(sampling.FewExamplesWarning, match="type Year: 2 distinct example tokens used, 10 requested"):
+        s = sampling.sample_type(tmp_path, "Year", digit_tok, n=10, first_token=True)
+    # ... or refused below the minimum (one distinct token by default: that word is no type)
+    with pytest.raises(ValueError, match=r"type Year: only 2 distinct example token\(s\) usable, at least 3"):
+        sampling.sample_type(tmp_path, "Year", digit_tok, n=10, first_token=True, min_examples=3)
+    (tmp_path / "Y1.csv").write_text("Label,URI,Indegree,Outdegree,Degree\n1985,u,1,1,5\n1990,u,1,1,4\n")
+    with pytest.raises(ValueError, match=r"type Y1: only 1 distinct example token\(s\) usable, at least 2"):
+        sampling.sample_type(tmp_path, "Y1", digit_tok, n=10, first_token=True)
+    assert space not in s.token_ids
+    assert sorted(s.tokens) == ["1", "2"] and sorted(s.token_ids) == sorted(digit_tok.token_to_id(d) for d in "12")
+    rep = s.report()
+    assert rep["tokens"] == list(s.tokens) and rep["n_requested"] == 10 and rep["n_used"] == 2
+    # a label that is one punctuation-only token is skipped and counted, and so is such a word
+    (tmp_path / "City.csv").write_text("Label,URI,Indegree,Outdegree,Degree\nLondon,u,1,1,5\nParis,u,1,1,3\n"
+                                       "Rome,u,1,1,1\n.,u,1,1,50\n")
+    c = sampling.sample_type(tmp_path, "City", digit_tok, strategy="top", n=3)
+    assert c.tokens == (" London", " Paris", " Rome") and c.skipped_non_word == 1
+    ids, skipped = sampling.tokens_from_words(["London", ".", "Paris"], digit_tok)
+    assert skipped == ["."] and ids == [digit_tok.token_to_id("ĠLondon"), digit_tok.token_to_id("ĠParis")]
+
+
+def test_artifact_records_tokens_and_types_and_resolves_types(tmp_path):
+    tes = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    artifact.save(tmp_path / "tv", tes, names=["City^optim(Year)", "cities", "Country"], base_model="m",
+                  vocab_size=100, method="derived", tokens=[[1, 2], [3], [4]], labels=[["a", "b"], ["c"], ["d"]],
+                  token_strings=[[" a", " b"], [" c"], [" d"]], types=["City", "", "Country"])
+    _, meta = artifact.load(tmp_path / "tv")
+    assert meta["token_strings"] == [[" a", " b"], [" c"], [" d"]] and meta["types"] == ["City", "", "Country"]
+    rows, missing = artifact.rows_for_types(meta, ["City", "Country", "Year"])
+    assert rows == {"City": 0, "Country": 2} and list(missing) == ["Year"]
+    assert "--artifact-type NAME=Year" in missing["Year"]
+    rows, _ = artifact.rows_for_types(meta, ["City"], {"cities": "City"})   # the mapping wins
+    assert rows == {"City": 1}
+    with pytest.raises(ValueError, match=r"several artifact vectors"):
+        artifact.rows_for_types({"names": ["City", "City^optim(Year)"], "types": ["City", "City"]}, ["City"])
+    with pytest.raises(KeyError, match="no vector named"):
+        artifact.rows_for_types(meta, ["City"], {"town": "City"})
+    # artifacts written before `types` existed: by name
+    assert artifact.rows_for_types({"names": ["City"]}, ["City"])[0] == {"City": 0}

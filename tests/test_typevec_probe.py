@@ -373,3 +373,85 @@ def test_evaluate_holdout_only_tunes_without_reporting(gpt2, bpe_tok):  # noqa: 
     assert hold["tuning"] == full["tuning"]
     assert hold["per_group"]["R"]["n_test"] == 0 and "TE" not in hold["per_group"]["R"]
     assert hold["macro"]["TE"]["P@1"] != hold["macro"]["TE"]["P@1"]  # NaN: nothing reported
+
+
+# ----------------------------------------------------------------------------- audit fixes
+
+
+def _city_prompts(rel="R", n_words=4):
+    words = ["London", "Paris", "Rome", "Berlin"][:n_words]
+    return [probe.Prompt(f"the {a} {b} [MASK] .", c, rel, "City") for a in words for b in words for c in words[:2]]
+
+
+def test_untuned_group_uses_lambda_zero_and_is_marked(gpt2, bpe_tok):  # noqa: F811
+    """A group with a TE but no hold-out prompt (one prompt; or holdout=0) is not a KeyError:
+    lambda 0 and PostTE weight 0, so TE and PostTE equal B, marked untuned."""
+    cfg, module, params = gpt2
+    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in ("London", "Paris", "Rome")]))
+    kw = dict(lam_grid=(0.0, 3.0), post_grid=(5.0,), batch_size=8, bto_forms=("the {type}",))
+    rep = probe.evaluate(pm, {"City/X": [probe.Prompt("the London [MASK] .", "Paris", "X", "City")],
+                              "City/R": _city_prompts()}, {"City/X": te, "City/R": te}, holdout=0.25, **kw)
+    x = rep["per_group"]["City/X"]
+    assert x["untuned"] is True and rep["tuning"]["City/X"]["untuned"] is True and rep["untuned"] == ["City/X"]
+    assert rep["tuning"]["City/X"]["lambda"] == 0.0 and rep["tuning"]["City/X"]["post_weight"] == 0.0
+    assert x["n_test"] == 1 and x["TE"] == x["B"] and x["PostTE"] == x["B"]
+    assert rep["per_group"]["City/R"]["untuned"] is False
+    json.dumps(rep)
+    # holdout=0: no hold-out at all (not one prompt per group), every group untuned
+    assert len(probe.split_holdout(100, 0.0, 0, "R")[0]) == 0
+    rep0 = probe.evaluate(pm, {"City/R": _city_prompts()}, {"City/R": te}, holdout=0.0, **kw)
+    assert rep0["per_group"]["City/R"]["n_test"] == len(_city_prompts()) and rep0["untuned"] == ["City/R"]
+    with pytest.raises(ValueError, match=r"hold-out fraction must be in \[0, 1\)"):
+        probe.split_holdout(10, 1.0, 0, "R")
+
+
+def test_macro_is_over_the_same_relations_for_every_method(gpt2, bpe_tok):  # noqa: F811
+    cfg, module, params = gpt2
+    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in ("London", "Paris", "Rome")]))
+    groups = {"City/A": _city_prompts("A"), "Country/B": _city_prompts("B", 3)}
+    with pytest.warns(UserWarning, match=r"1 of 2 groups have no type vector.*Country/B"):
+        rep = probe.evaluate(pm, groups, {"City/A": te}, lam_grid=(0.0, 3.0), post_grid=(0.0, 5.0), holdout=0.25,
+                             batch_size=8, bto_forms=("the {type}",))
+    assert rep["no_te"] == ["Country/B"] and rep["macro_relations"] == ["City/A"]
+    assert "no PostTE/TE result" in rep["macro_excluded"]["Country/B"]
+    assert rep["per_group"]["Country/B"]["B"] != rep["per_group"]["City/A"]["B"]   # so a mixed macro would show
+    for m in ("B", "BTo", "PostTE", "TE"):
+        assert rep["macro"][m] == rep["per_group"]["City/A"][m], m
+    # B / BTo only: every group counts
+    rep = probe.evaluate(pm, groups, {}, methods=("B", "BTo"), holdout=0.25, batch_size=8, bto_forms=("the {type}",))
+    assert rep["macro_relations"] == ["City/A", "Country/B"] and rep["no_te"] == []
+    assert rep["macro"]["B"]["P@1"] == pytest.approx(np.mean([rep["per_group"][g]["B"]["P@1"] for g in groups]))
+
+
+def test_evaluate_needs_groups_and_mlm_refuses_mode_all(mlm):
+    _, module, params, tok = mlm
+    pm = probe.for_bert_mlm(module, params, tok)
+    with pytest.raises(ValueError, match="no groups"):
+        probe.evaluate(pm, {}, {})
+    exs, _ = probe.encode_prompts([probe.Prompt("Dante was born in [MASK] .", "florence")], tok, "mlm")
+    with pytest.raises(ValueError, match=r"mode 'all' is for decoders only.*\[MASK\]"):
+        probe.score_rows(pm, exs, [0], [1.0], [0], jnp.zeros((1, 384)), mode="all")
+
+
+def test_load_lama_dataset_with_types(tmp_path):
+    (tmp_path / "relations.jsonl").write_text(
+        '{"relation": "P19", "template": "[X] was born in [Y] ."}\n'
+        '{"relation": "P999", "template": "[X] likes [Y] ."}\n')
+    (tmp_path / "TREx").mkdir()
+    (tmp_path / "Google_RE").mkdir()
+    (tmp_path / "TREx" / "P19.jsonl").write_text('{"sub_label": "Dante", "obj_label": "Florence"}\n'
+                                                 '{"sub_label": "Moe", "obj_label": "Toronto"}\n')
+    (tmp_path / "TREx" / "P999.jsonl").write_text('{"sub_label": "Dante", "obj_label": "pasta"}\n')
+    (tmp_path / "TREx" / "P888.jsonl").write_text('{"sub_label": "Dante", "obj_label": "x"}\n')
+    (tmp_path / "Google_RE" / "place_of_birth_test.jsonl").write_text('{"sub_label": "Ann", "obj_label": "Rome"}\n')
+    groups, skipped = probe.load_lama_dataset(tmp_path)
+    assert list(groups) == ["City/P19", "City/place_of_birth"]
+    p = groups["City/P19"][1]
+    assert (p.text, p.gold, p.relation, p.type_name, p.subject) == ("Moe was born in [MASK] .", "Toronto", "P19",
+                                                                    "City", "Moe")
+    assert groups["City/place_of_birth"][0].text == "Ann was born in [MASK] ."
+    assert set(skipped) == {"P888", "P999"} and "--lama-type P999=TYPE" in skipped["P999"]
+    groups, skipped = probe.load_lama_dataset(tmp_path, {**probe.LAMA_TYPES, "P999": "Food", "P888": "X"})
+    assert groups["Food/P999"][0].type_name == "Food" and "no template" in skipped["P888"]

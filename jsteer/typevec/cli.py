@@ -6,13 +6,25 @@
     jsteer typevec neighbours --model minilm --type City [-k 10]
     jsteer typevec neighbours --model minilm --artifact tv/city [--name city]
     jsteer typevec probe --model smollm2-135m --relation City/P19 --relation Country/P17 \\
-        [--artifact tv/smollm2] [--mode all] [--max-test 100] [--out report.json]
+        [--artifact tv/smollm2 [--artifact-type NAME=TYPE]] [--mode all] [--max-test 100] [--out report.json]
+    jsteer typevec probe --model smollm2-135m --lama ../shared/data/lama [--lama-type P279=Genre]
 
 Type examples come from the KG lists in ``--kg`` (default ``../shared/data/type_embedding/
 kg_samples`` beside the repository), sampled with ``--strategy`` (weighted by degree by
-default, 10 tokens, ``--seed``); only single-token entries are used and the skipped count is
-printed. ``probe`` reads the type-grouped LAMA CSVs in ``--data`` and builds each relation's
-type vector from its type's KG list unless ``--artifact`` supplies it (by type name).
+default, 10 tokens, ``--seed``); only entries that are one word token are used (``--first-token``:
+the first word token of multi-token entries), the tokens used and the skipped counts are
+printed, and fewer usable tokens than ``--n`` is warned about.
+
+``probe`` reads the type-grouped LAMA CSVs in ``--data``, or raw LAMA with ``--lama DIR``
+(``DIR/relations.jsonl`` templates, ``DIR/<source>/<relation>.jsonl`` facts; each relation's
+answer type from ``--lama-type REL=TYPE`` or the default map ``probe.LAMA_TYPES``, the types of
+the typed CSVs). Each relation's type vector is built from its type's KG list unless
+``--artifact`` supplies it: by the base type recorded with each vector (``make --project-out``
+records "City" for "City^optim(Year)"), by name, or as mapped by ``--artifact-type``.
+A relation with no usable prompt or no type is skipped, and one whose type gets no vector is
+probed with B/BTo only; both are reported (stderr and the JSON: ``skipped_relations``,
+``no_te``, ``type_vectors``). Every method's macro is over the same relations
+(``macro_relations``); the run fails only when no relation is left with a type vector.
 """
 
 from __future__ import annotations
@@ -53,14 +65,24 @@ def register(subparsers) -> None:
 
     p = sub.add_parser("probe", help="LAMA cloze probing: B, BTo, PostTE and TE (lambda tuned on a hold-out)")
     _model(p)
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="type-grouped LAMA CSV folder (synth_<Type>/...)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", default=str(DEFAULT_DATA), help="type-grouped LAMA CSV folder (synth_<Type>/...)")
+    src.add_argument("--lama", default=None, metavar="DIR",
+                     help="raw LAMA folder: relations.jsonl and <source>/<relation>.jsonl fact files")
+    p.add_argument("--lama-type", action="append", default=None, metavar="REL=TYPE",
+                   help="answer type of a raw LAMA relation (repeatable; overrides probe.LAMA_TYPES)")
     p.add_argument("--relation", action="append", default=None,
-                   help="<Type>/<relation> to probe, e.g. City/P19 (repeatable; default: all that qualify)")
-    p.add_argument("--artifact", default=None, help="type vectors by type name (default: built from --kg)")
+                   help="<Type>/<relation> (or just <relation>) to probe, e.g. City/P19 (repeatable; "
+                        "default: all that qualify)")
+    p.add_argument("--artifact", default=None, help="type vectors by type (default: built from --kg)")
+    p.add_argument("--artifact-type", action="append", default=None, metavar="NAME=TYPE",
+                   help="use the artifact vector NAME for TYPE, e.g. 'City^optim(Country)=City' (repeatable)")
     p.add_argument("--kg", default=str(DEFAULT_KG))
     p.add_argument("--strategy", default="weighted", choices=("weighted", "top", "bottom", "uniform"))
     p.add_argument("--n", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first-token", action="store_true",
+                   help="represent multi-token KG labels by their first word token (e.g. years in SmolLM2)")
     p.add_argument("--mode", choices=("pos", "all", "layer"), default="pos",
                    help="decoders: TE at the predicting position (pos), at every prompt token (all), or in "
                         "the residual stream of the predicting position after --layer (layer; not in the paper)")
@@ -68,7 +90,8 @@ def register(subparsers) -> None:
     p.add_argument("--lambdas", default="0,1,2,3,4,5", help="lambda grid tuned on the hold-out")
     p.add_argument("--lambda-unit", choices=("norm", "one"), default="one",
                    help="lambda times a unit TE (default, as the paper) or times the mean input-embedding norm")
-    p.add_argument("--holdout", type=float, default=0.05)
+    p.add_argument("--holdout", type=float, default=0.05,
+                   help="fraction of each relation's prompts that tunes lambda / w / the BTo form (0: no tuning)")
     p.add_argument("--max-test", type=int, default=None, help="cap on reported prompts per relation")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default=None, help="write the full JSON report here")
@@ -87,42 +110,58 @@ def _source(p):
     p.add_argument("--strategy", default="weighted", choices=("weighted", "top", "bottom", "uniform"))
     p.add_argument("--n", type=int, default=10, help="examples per type")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--first-token", action="store_true",
+                   help="represent multi-token KG labels by their first word token (e.g. years in SmolLM2)")
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _sample(args, lm, type_name: str):
+    """One KG type's examples, with what was used printed."""
+    from jsteer.typevec import sampling
+
+    s = sampling.sample_type(args.kg, type_name, lm.tokenizer, strategy=args.strategy, n=args.n, seed=args.seed,
+                             first_token=args.first_token)
+    _log(f"{type_name}: {len(s.token_ids)} example tokens {list(s.tokens)} of {args.n} requested (labels "
+         f"{list(s.labels)}; skipped {s.skipped_multi_token} multi-token and {s.skipped_non_word} "
+         f"whitespace/punctuation-only of {s.n_entries} KG entries)")
+    return s
+
+
 def _vectors(args, lm, method: str):
-    """-> (names, tes [K, D], tokens, labels, sampling reports) from --type / --words."""
+    """-> (names, tes [K, D], tokens, labels, sampling reports, token strings, types) from --type / --words."""
     import jax.numpy as jnp
 
     from jsteer.typevec import core, sampling
 
     emb = lm.input_embeddings()
-    names, tes, tokens, labels, reports = [], [], [], [], []
+    names, tes, tokens, labels, reports, strings, types = [], [], [], [], [], [], []
     if args.words:
         words = [w.strip() for w in args.words.split(",") if w.strip()]
         ids, skipped = sampling.tokens_from_words(words, lm.tokenizer)
         if skipped:
-            _log(f"skipped {len(skipped)} words that are not a single token: {skipped}")
+            _log(f"skipped {len(skipped)} words that are not a single word token (or repeat one): {skipped}")
         names.append(args.name or words[0])
         tes.append(core.make(emb, jnp.asarray(ids), method=method))
         tokens.append(ids)
         labels.append([w for w in words if w not in skipped])
         reports.append({"words": words, "skipped_multi_token": len(skipped)})
+        strings.append([sampling.decode_token(lm.tokenizer, i) for i in ids])
+        types.append("")
     for t in args.type or []:
-        s = sampling.sample_type(args.kg, t, lm.tokenizer, strategy=args.strategy, n=args.n, seed=args.seed)
-        _log(f"{t}: {len(s.labels)} examples {list(s.labels)} (skipped {s.skipped_multi_token} of "
-             f"{s.n_entries} KG entries that are not a single token)")
+        s = _sample(args, lm, t)
         names.append(t)
         tes.append(core.make(emb, jnp.asarray(s.token_ids), method=method))
         tokens.append(list(s.token_ids))
         labels.append(list(s.labels))
         reports.append(s.report())
+        strings.append(list(s.tokens))
+        types.append(t)
     if not names:
         raise ValueError("give --type TYPE (repeatable) or --words w1,w2,...")
-    return names, jnp.stack(tes), tokens, labels, reports
+    return names, jnp.stack(tes), tokens, labels, reports, strings, types
 
 
 def _print_neighbours(lm, names, tes, k):
@@ -141,23 +180,23 @@ def _make(args) -> int:
     import jax.numpy as jnp
 
     import jsteer
-    from jsteer.typevec import artifact, core, sampling
+    from jsteer.typevec import artifact, core
 
     lm = jsteer.load(args.model)
-    names, tes, tokens, labels, reports = _vectors(args, lm, args.method)
+    names, tes, tokens, labels, reports, strings, types = _vectors(args, lm, args.method)
     method = args.method
     extra = {}
     if args.project_out:
-        s = sampling.sample_type(args.kg, args.project_out, lm.tokenizer, strategy=args.strategy, n=args.n,
-                                 seed=args.seed)
+        s = _sample(args, lm, args.project_out)
         other = core.make(lm.input_embeddings(), jnp.asarray(s.token_ids), method=args.method)
         tes = jnp.stack([core.project_out(te, other) for te in tes])
+        # the projected vector still stands for its base type (recorded in `types`), for probe --artifact
         names = [f"{n}^optim({args.project_out})" for n in names]
         method, extra = "derived", {"project_out": args.project_out, "project_out_tokens": list(s.token_ids),
-                                    "base_method": args.method}
+                                    "project_out_token_strings": list(s.tokens), "base_method": args.method}
     path = artifact.save(args.out, tes, names=names, base_model=lm.identity,
                          vocab_size=int(lm.input_embeddings().shape[0]), method=method, tokens=tokens,
-                         labels=labels, sampling=reports, extra=extra)
+                         labels=labels, sampling=reports, extra=extra, token_strings=strings, types=types)
     _print_neighbours(lm, names, tes, args.k)
     print(f"wrote {len(names)} type vector(s) to {path}")
     return 0
@@ -181,31 +220,109 @@ def _neighbours(args) -> int:
     return 0
 
 
-def _probe(args) -> int:
+def _pairs(items, flag: str) -> dict[str, str]:
+    """["A=B", ...] -> {A: B}, for ``flag``."""
+    out = {}
+    for it in items or []:
+        k, sep, v = it.partition("=")
+        if not sep or not k.strip() or not v.strip():
+            raise ValueError(f"{flag} wants KEY=VALUE, got {it!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _probe_groups(args, pm) -> tuple[dict, dict]:
+    """The relations to probe -> ({"<Type>/<rel>": prompts}, {relation: why it is skipped})."""
+    from jsteer.typevec import probe
+
+    skipped: dict[str, str] = {}
+    if args.lama:
+        types = {**probe.LAMA_TYPES, **_pairs(args.lama_type, "--lama-type")}
+        groups, skipped = probe.load_lama_dataset(args.lama, types)
+    else:
+        if args.lama_type:
+            raise ValueError("--lama-type only applies to raw LAMA (--lama DIR)")
+        groups = probe.load_typed_dataset(args.data)
+    if args.relation:
+        pick = {}
+        for r in args.relation:
+            hits = [g for g in groups if r in (g, g.split("/", 1)[1])]
+            if not hits and r.split("/")[-1] not in skipped:
+                raise ValueError(f"unknown relation {r!r}; known: {sorted(groups)}")
+            pick.update({g: groups[g] for g in hits})
+        wanted = {r.split("/")[-1] for r in args.relation}
+        skipped = {r: why for r, why in skipped.items() if r in wanted}
+        groups = pick
+    elif pm.kind == "decoder":
+        for g, ps in list(groups.items()):
+            n_ok = sum(probe.decoder_qualifies(p.text) for p in ps)
+            if n_ok <= len(ps) / 2:
+                skipped[g] = (f"not a next-token relation: only {n_ok} of {len(ps)} prompts have nothing but "
+                              f"punctuation after [MASK] (e.g. {ps[0].text!r})" if ps else "no prompts")
+                del groups[g]
+    return groups, skipped
+
+
+def _drop_unusable(groups: dict, pm, skipped: dict) -> dict:
+    """Relations with no prompt the model can be asked (encoded as in evaluate) go to ``skipped``."""
+    from jsteer.typevec import probe
+
+    out = {}
+    for g, ps in groups.items():
+        exs, sk = probe.encode_prompts(ps, pm.tokenizer, pm.kind)
+        if exs:
+            out[g] = ps
+        else:
+            skipped[g] = f"no usable prompt of {len(ps)} ({sk.report()['by_reason']})"
+    return out
+
+
+def _probe_vectors(args, lm, pm, types) -> tuple[dict, dict]:
+    """Each type's vector -> ({type: TE [D]}, report {"source", "used", "missing": {type: why}})."""
     import jax.numpy as jnp
+
+    from jsteer.typevec import artifact, sampling
+
+    if args.artifact:
+        if args.first_token:
+            raise ValueError("--first-token applies to vectors built from --kg, not to --artifact")
+        tes_a, meta = artifact.load(args.artifact, model_identity=lm.identity)
+        rows, missing = artifact.rows_for_types(meta, types, _pairs(args.artifact_type, "--artifact-type"))
+        used = {t: {"name": meta["names"][i], "tokens": (meta.get("token_strings") or [[]] * len(tes_a))[i]}
+                for t, i in rows.items()}
+        return {t: jnp.asarray(tes_a[i]) for t, i in rows.items()}, \
+            {"source": str(args.artifact), "used": used, "missing": missing}
+    if args.artifact_type:
+        raise ValueError("--artifact-type only applies with --artifact")
+    vecs, samples, missing = sampling.available_type_vectors(
+        pm.embedding(), lm.tokenizer, args.kg, types, strategy=args.strategy, n=args.n, seed=args.seed,
+        first_token=args.first_token)
+    for t, s in samples.items():
+        _log(f"{t}: {len(s.token_ids)} example tokens {list(s.tokens)} of {args.n} requested")
+    return vecs, {"source": str(args.kg), "used": {t: s.report() for t, s in samples.items()}, "missing": missing}
+
+
+def _probe(args) -> int:
     import numpy as np
 
     import jsteer
-    from jsteer.typevec import artifact, probe, sampling
+    from jsteer.typevec import probe
 
     lm = jsteer.load(args.model)
     pm = probe.from_lm(lm)
-    groups = probe.load_typed_dataset(args.data)
-    if args.relation:
-        missing = [r for r in args.relation if r not in groups]
-        if missing:
-            raise ValueError(f"unknown relation(s) {missing}; known: {sorted(groups)}")
-        groups = {r: groups[r] for r in args.relation}
-    elif pm.kind == "decoder":
-        groups = {k: v for k, v in groups.items() if sum(probe.decoder_qualifies(p.text) for p in v) > len(v) / 2}
+    groups, skipped = _probe_groups(args, pm)
+    groups = _drop_unusable(groups, pm, skipped)
     types = sorted({k.split("/")[0] for k in groups})
-    if args.artifact:
-        tes_a, meta = artifact.load(args.artifact, model_identity=lm.identity)
-        by_type = {t: jnp.asarray(artifact.get(tes_a, meta, t)) for t in types if t in meta["names"]}
-    else:
-        tes_k, _ = sampling.type_vectors(pm.embedding(), lm.tokenizer, args.kg, types, strategy=args.strategy,
-                                         n=args.n, seed=args.seed)
-        by_type = dict(zip(types, tes_k))
+    by_type, vec_report = _probe_vectors(args, lm, pm, types)
+    for g, why in skipped.items():
+        _log(f"skipped {g}: {why}")
+    for t, why in vec_report["missing"].items():
+        _log(f"warning: no type vector for {t} ({why}); its relations get B/BTo only and are left out of the macro")
+    if not any(g.split("/")[0] in by_type for g in groups):
+        why = {**skipped, **{g: vec_report["missing"][g.split("/")[0]] for g in groups}}
+        raise ValueError("nothing to probe: no relation has usable prompts and a type vector; "
+                         + "; ".join(f"{g}: {w}" for g, w in why.items()))
+    _log(f"probing {len(groups)} relation(s); skipped {len(skipped)}")
     scale = float(np.mean(np.linalg.norm(np.asarray(pm.embedding()), axis=1))) if args.lambda_unit == "norm" else 1.0
     tes = {g: by_type[g.split("/")[0]] * scale for g in groups if g.split("/")[0] in by_type}
     lams = [float(x) for x in args.lambdas.split(",")]
@@ -213,15 +330,28 @@ def _probe(args) -> int:
                          max_test=args.max_test, seed=args.seed, batch_size=args.batch_size, log=_log,
                          layer=args.layer if args.mode == "layer" else None)
     rep["lambda_unit"] = {"kind": args.lambda_unit, "scale": scale}
-    methods = [m for m in ("B", "BTo", "PostTE", "TE") if m in rep["macro"]]
+    rep["skipped_relations"] = skipped
+    rep["type_vectors"] = vec_report
+    _print_report(rep)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(rep, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _print_report(rep: dict) -> None:
+    """The P@1 table; relations left out of the macro are marked with '*'."""
+    methods = list(rep["macro"])
     print(f"{'relation':28s} {'n':>5s} " + " ".join(f"{m + ' P@1':>10s}" for m in methods) + "  lambda")
     for g, r in rep["per_group"].items():
         if r["n_test"] == 0:
             continue
         vals = " ".join(f"{r[m]['P@1']:10.3f}" if m in r else f"{'-':>10s}" for m in methods)
-        print(f"{g:28s} {r['n_test']:5d} {vals}  {rep['tuning'].get(g, {}).get('lambda', '-')}")
-    print(f"{'macro':28s} {'':5s} " + " ".join(f"{rep['macro'][m]['P@1']:10.3f}" for m in methods))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(rep, indent=1))
-        print(f"wrote {args.out}")
-    return 0
+        lam = rep["tuning"].get(g, {}).get("lambda", "-")
+        lam = f"{lam} (untuned)" if r.get("untuned") else lam
+        mark = "*" if g in rep["macro_excluded"] else " "
+        print(f"{g + mark:28s} {r['n_test']:5d} {vals}  {lam}")
+    n = len(rep["macro_relations"])
+    print(f"{f'macro ({n} rel.)':28s} {'':5s} " + " ".join(f"{rep['macro'][m]['P@1']:10.3f}" for m in methods))
+    if rep["macro_excluded"]:
+        print("* not in the macro: " + "; ".join(f"{g}: {w}" for g, w in rep["macro_excluded"].items()))

@@ -36,25 +36,51 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jnp.ndarray
 
 METHODS = ("svd", "mean")
 
 
+def check_ids(token_ids, vocab_size: int, mask=None) -> None:
+    """Raise ValueError for example ids outside [0, vocab_size) (masked-out ids are not checked).
+
+    Only concrete ids are checked; traced ids (under ``jit`` / ``vmap``) pass through, see
+    :func:`example_rows` for what happens to them there."""
+    if isinstance(token_ids, jax.core.Tracer) or isinstance(mask, jax.core.Tracer):
+        return
+    ids = np.asarray(token_ids)
+    if mask is not None:
+        ids = ids[np.asarray(mask) != 0]
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"example token ids {sorted(set(bad.tolist()))[:10]} are outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
 def example_rows(embedding: Array, token_ids: Array, mask: Optional[Array] = None) -> Array:
-    """Gather example rows. embedding [V, D], token_ids [N] int, mask [N] -> X [N, D] (masked rows 0)."""
+    """Gather example rows. embedding [V, D], token_ids [N] int, mask [N] -> X [N, D] (masked rows 0).
+
+    Concrete ids outside [0, V) are a ValueError. Under ``jit`` the ids cannot be checked: an
+    unmasked out-of-range id (negative ones included; they do not wrap around) gives a NaN row,
+    hence a NaN type vector, never a silently wrong one. Masked-out ids may be anything."""
     if embedding.ndim != 2:
         raise ValueError(f"embedding must be [V, D], got shape {embedding.shape}")
     token_ids = jnp.asarray(token_ids)
     if token_ids.ndim != 1 or token_ids.shape[0] == 0:
         raise ValueError(f"token_ids must be a non-empty [N] vector of example token ids, got shape {token_ids.shape}")
-    x = jnp.take(embedding, token_ids, axis=0).astype(jnp.float32)
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.shape != token_ids.shape:
             raise ValueError(f"mask shape {mask.shape} must match token_ids shape {token_ids.shape}")
-        x = x * mask.astype(x.dtype)[:, None]
+    vocab = embedding.shape[0]
+    check_ids(token_ids, vocab, mask)
+    # jnp.take wraps negative ids and fills ids >= V with NaN: send negative ids to V as well
+    safe = jnp.where(token_ids < 0, vocab, token_ids)
+    x = jnp.take(embedding, safe, axis=0, mode="fill", fill_value=jnp.nan).astype(jnp.float32)
+    if mask is not None:
+        x = jnp.where(mask[:, None] != 0, x * mask.astype(x.dtype)[:, None], 0.0)
     return x
 
 
@@ -85,6 +111,8 @@ def make(embedding: Array, token_ids: Array, method: str = "svd", mask: Optional
       whole vocabulary, :func:`vocab_center`): in strongly anisotropic embedding spaces the
       uncentred v1 is mostly the direction shared by *all* tokens; centring keeps what is
       specific to the type. Not in the paper (whose default, ``None``, is kept here).
+    Jittable (``method`` static). Concrete ids outside [0, V) raise ValueError; traced ones
+    cannot be checked and give a NaN TE (see :func:`example_rows`).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -92,7 +120,7 @@ def make(embedding: Array, token_ids: Array, method: str = "svd", mask: Optional
     if center is not None:
         x = x - jnp.asarray(center, x.dtype)[None, :]
         if mask is not None:
-            x = x * jnp.asarray(mask, x.dtype)[:, None]
+            x = jnp.where(jnp.asarray(mask)[:, None] != 0, x, 0.0)
     if mask is None:
         mean = jnp.mean(x, axis=0)
     else:
@@ -109,14 +137,19 @@ def vocab_center(embedding: Array) -> Array:
     return jnp.mean(jnp.asarray(embedding, jnp.float32), axis=0)
 
 
-def make_all(embedding: Array, token_ids: Array, mask: Optional[Array] = None, method: str = "svd") -> Array:
-    """Several types at once: token_ids [K, N], mask [K, N] -> TEs [K, D] (vmapped :func:`make`)."""
+def make_all(embedding: Array, token_ids: Array, mask: Optional[Array] = None, method: str = "svd",
+             center: Optional[Array] = None) -> Array:
+    """Several types at once: token_ids [K, N], mask [K, N], center [D] -> TEs [K, D] (vmapped :func:`make`)."""
     token_ids = jnp.asarray(token_ids)
-    if token_ids.ndim != 2:
-        raise ValueError(f"token_ids must be [K, N] for make_all, got shape {token_ids.shape}")
+    if token_ids.ndim != 2 or 0 in token_ids.shape:
+        raise ValueError(f"token_ids must be a non-empty [K, N] array for make_all, got shape {token_ids.shape}")
     if mask is None:
         mask = jnp.ones(token_ids.shape, jnp.float32)
-    return jax.vmap(lambda t, m: make(embedding, t, method, m))(token_ids, mask)
+    mask = jnp.asarray(mask)
+    if mask.shape != token_ids.shape:
+        raise ValueError(f"mask shape {mask.shape} must match token_ids shape {token_ids.shape}")
+    check_ids(token_ids, embedding.shape[0], mask)   # inside vmap the ids are traced
+    return jax.vmap(lambda t, m: make(embedding, t, method, m, center))(token_ids, mask)
 
 
 def project_out(te_a: Array, te_b: Array) -> Array:
@@ -130,6 +163,8 @@ def project_out(te_a: Array, te_b: Array) -> Array:
 
 def combine(tes: Sequence[Array] | Array, coefs: Sequence[float] | Array) -> Array:
     """Linear combination sum_k c_k TE_k (sums with +1, differences with -1). tes [K, D] -> [D]."""
+    if len(tes) == 0:
+        raise ValueError("combine needs at least one type vector (got none)")
     tes = jnp.stack([jnp.asarray(t) for t in tes]) if isinstance(tes, (list, tuple)) else jnp.asarray(tes)
     coefs = jnp.asarray(coefs, tes.dtype)
     if coefs.shape != tes.shape[:1]:

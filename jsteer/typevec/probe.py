@@ -49,6 +49,7 @@ import json
 import math
 import pathlib
 import re
+import warnings
 import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -109,9 +110,10 @@ def fill_template(template: str, subject: str) -> str:
 
 
 def load_lama_jsonl(path: str | pathlib.Path, template: Optional[str] = None,
-                    relations: Optional[Mapping[str, str]] = None) -> list[Prompt]:
+                    relations: Optional[Mapping[str, str]] = None, type_name: str = "") -> list[Prompt]:
     """Raw LAMA facts -> prompts. The template comes from ``template`` or from ``relations``
-    keyed by the file stem (``P19``, ``place_of_birth`` for ``place_of_birth_test``)."""
+    keyed by the file stem (``P19``, ``place_of_birth`` for ``place_of_birth_test``);
+    ``type_name`` is the answer type recorded in every prompt."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"LAMA file not found: {path}")
@@ -129,8 +131,52 @@ def load_lama_jsonl(path: str | pathlib.Path, template: Optional[str] = None,
             sub, obj = d["sub_label"], d["obj_label"]
         except (json.JSONDecodeError, KeyError) as e:
             raise ValueError(f"{path}:{i}: bad LAMA fact ({e})") from None
-        out.append(Prompt(fill_template(template, sub), str(obj), rel, subject=sub))
+        out.append(Prompt(fill_template(template, sub), str(obj), rel, type_name, sub))
     return out
+
+
+# The answer type of each LAMA relation, as in the type-grouped CSVs (synth_<Type>/<src>/<rel>.csv).
+LAMA_TYPES = {
+    **{r: "City" for r in ("P19", "P20", "P36", "P47", "P131", "P159", "P190", "P276", "P740", "P937",
+                           "place_of_birth", "place_of_death")},
+    **{r: "Country" for r in ("P17", "P27", "P495", "P530", "P1001", "P1376")},
+    **{r: "Language" for r in ("P37", "P103", "P364", "P407", "P1412")},
+    **{r: "Organization" for r in ("P108", "P178")},
+    "P30": "Continent", "P413": "Football Position", "P136": "Genre", "P463": "Group", "P176": "Manufacturer",
+    "P1303": "Musical Instrument", "P106": "Occupation", "P264": "Record Label", "P140": "Religion",
+    "P39": "Religious Position", "P101": "Specialization", "P449": "TV Network", "date_of_birth": "Year",
+}
+
+
+def load_lama_dataset(root: str | pathlib.Path, types: Optional[Mapping[str, str]] = None
+                      ) -> tuple[dict[str, list[Prompt]], dict[str, str]]:
+    """Raw LAMA: ``root/relations.jsonl`` plus fact files ``root/<src>/<rel>.jsonl`` (or
+    ``root/<rel>.jsonl``; ``_test`` is dropped from the stem).
+
+    types: {relation: answer type}, default :data:`LAMA_TYPES`.
+    -> ({"<Type>/<rel>": prompts}, {relation: why it was skipped}); a relation is skipped when
+    it has no type or no template."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"LAMA folder not found: {root}")
+    relations = load_relations(root / "relations.jsonl")
+    types = LAMA_TYPES if types is None else types
+    files = sorted(p for p in [*root.glob("*.jsonl"), *root.glob("*/*.jsonl")] if p.name != "relations.jsonl")
+    if not files:
+        raise FileNotFoundError(f"no <relation>.jsonl fact files under {root}")
+    groups, skipped, seen = {}, {}, {}
+    for f in files:
+        rel = f.stem.replace("_test", "")
+        if rel in seen:
+            raise ValueError(f"relation {rel} has two fact files: {seen[rel]} and {f}")
+        seen[rel] = f
+        if rel not in types:
+            skipped[rel] = f"no answer type for relation {rel} (give one with --lama-type {rel}=TYPE)"
+        elif rel not in relations:
+            skipped[rel] = f"no template for relation {rel} in {root / 'relations.jsonl'}"
+        else:
+            groups[f"{types[rel]}/{rel}"] = load_lama_jsonl(f, relations=relations, type_name=types[rel])
+    return dict(sorted(groups.items())), skipped
 
 
 def load_typed_csv(path: str | pathlib.Path, type_name: Optional[str] = None) -> list[Prompt]:
@@ -605,6 +651,9 @@ def score(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int],
 def _check_mode(mode: str, layer: Optional[int], kind: str) -> None:
     if mode not in ("pos", "all", "layer"):
         raise ValueError(f"mode must be 'pos', 'all' or 'layer', got {mode!r}")
+    if mode == "all" and kind == "mlm":
+        # every attended token of an MLM prompt includes [CLS] / [SEP]; the paper puts TE at [MASK]
+        raise ValueError("mode 'all' is for decoders only; an MLM takes the TE at its [MASK] (mode 'pos')")
     if mode == "layer":
         if kind != "decoder":
             raise ValueError("mode 'layer' (residual-stream TE) is for decoders only")
@@ -655,10 +704,13 @@ def choose(values: Sequence[float], ranks_per_value: Sequence[np.ndarray]) -> tu
 
 
 def split_holdout(n: int, frac: float, seed: int, group: str) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic per-group split -> (holdout idx, rest idx); at least 1 hold-out when n >= 2."""
+    """Deterministic per-group split -> (holdout idx, rest idx); at least 1 hold-out when n >= 2
+    and frac > 0; none when frac == 0."""
+    if not 0.0 <= frac < 1.0:
+        raise ValueError(f"hold-out fraction must be in [0, 1), got {frac}")
     rng = np.random.default_rng([seed, zlib.crc32(group.encode())])
     perm = rng.permutation(n)
-    h = 0 if n < 2 else max(1, int(round(frac * n)))
+    h = 0 if n < 2 or frac == 0 else max(1, int(round(frac * n)))
     return np.sort(perm[:h]), np.sort(perm[h:])
 
 
@@ -690,13 +742,24 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     ``max_holdout`` caps the hold-out (tiny runs only; the rest of the hold-out is not used).
     ``mode``/``layer``: where TE goes (see :func:`score_rows`); ``lam_unit``: lambda grid values
     are in this unit (absolute lambda = value * lam_unit; the report gives values in units).
+
+    A group with a TE but no hold-out prompt (``holdout=0``, a 1-prompt group) is *untuned*:
+    lambda 0 and PostTE weight 0 (so TE = PostTE = B), marked ``"untuned": true`` in
+    ``per_group`` and ``tuning``. The macro of every method is over the same groups: those with
+    reported prompts and a result for every method (``macro_relations``); groups without a TE
+    while TE / PostTE are asked for are listed in ``no_te`` and warned about (through ``log``
+    when given, else :func:`warnings.warn`); every group left out of the macro is in
+    ``macro_excluded`` with the reason.
     """
     _check_mode(mode, layer, model.kind)
+    if not groups:
+        raise ValueError("evaluate: no groups (relations) to probe")
     if "BTo" in methods and not bto_forms:
         raise ValueError("BTo needs at least one form in bto_forms")
     lam_unit = float(lam_unit)
     if not lam_unit > 0:
         raise ValueError(f"lam_unit must be positive, got {lam_unit}")
+    warn = (lambda s: log("warning: " + s)) if log else (lambda s: warnings.warn(s, stacklevel=3))
     log = log or (lambda s: None)
     kind = model.kind
     lam_grid = sorted({0.0, *(float(x) for x in lam_grid)})   # lambda = 0 is B and tunes PostTE
@@ -754,12 +817,19 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         res = run(all_examples, hold_idx, np.asarray(grid, np.float32), [te_index[n] for n in hold_grp], te_table)
         for n in names_te:
             sel = hold_grp == n
+            if not sel.any():   # no hold-out prompt in this group: untuned (below)
+                continue
             lam_star, lam_table = choose(grid, [res.rank[sel, j] for j in range(len(grid))])
             w_star, w_table = choose(post_grid, [res.post_rank[w, sel, 0] for w in range(len(post_grid))])
             best_lam[n], best_w[n] = lam_star, w_star
             tuning[n] = {"lambda": lam_star, "lambda_table": lam_table, "post_weight": w_star,
                          "post_table": w_table, "n_holdout": int(sel.sum())}
             log(f"{n}: tuned lambda={lam_star} post_weight={w_star}")
+    untuned = [n for n in names_te if n not in best_lam]
+    for n in untuned:   # no hold-out prompt: nothing to tune on, so the TE is not applied
+        best_lam[n], best_w[n] = 0.0, 0.0
+        tuning[n] = {"lambda": 0.0, "post_weight": 0.0, "untuned": True, "n_holdout": 0}
+        log(f"{n}: no hold-out prompt, untuned (lambda 0, post_weight 0: TE and PostTE equal B)")
 
     # phase 2: reported prompts at lambda 0 (B, PostTE) and at the tuned lambda (TE)
     test_idx = [i for g in data.values() for i in g.test]
@@ -775,9 +845,12 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         rb = res.rank[sel, 0] if res is not None else np.array([])
         results[n]["B"] = precision_at(rb)
         results[n]["n_test"] = int(len(g.test))
+        if n in te_index:
+            results[n]["untuned"] = n in untuned
         if n in te_index and res is not None:  # res is None when no prompt is reported (max_test=0)
-            if "PostTE" in methods:
-                results[n]["PostTE"] = precision_at(res.post_rank[post_grid.index(best_w[n]), sel, 0])
+            if "PostTE" in methods:   # weight 0 (untuned) leaves B's scores, whatever post_grid holds
+                post = rb if n in untuned else res.post_rank[post_grid.index(best_w[n]), sel, 0]
+                results[n]["PostTE"] = precision_at(post)
             if "TE" in methods:
                 results[n]["TE"] = precision_at(res.rank[sel, 1])
         for j in np.flatnonzero(sel)[:5]:
@@ -823,15 +896,34 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
             results[n]["BTo_encoded"] = int(ok[sel].sum())
             results[n]["BTo_form"] = bto_forms[form_of[n]]
 
-    macro_all = {}
-    for m in ("B", "BTo", "PostTE", "TE"):
-        if m in methods:
-            macro_all[m] = macro({n: r[m] for n, r in results.items() if m in r and r["n_test"] > 0})
+    reported = [m for m in ("B", "BTo", "PostTE", "TE") if m in methods]
+    excluded = macro_exclusions(results, reported)
+    no_te = [n for n in data if n not in te_index] if {"TE", "PostTE"} & set(methods) else []
+    if no_te:
+        msg = (f"{len(no_te)} of {len(data)} groups have no type vector (probed with B/BTo only, not in the "
+               f"macro): {no_te}")
+        warn(msg)
+    in_macro = [n for n in results if n not in excluded]
+    macro_all = {m: macro({n: results[n][m] for n in in_macro}) for m in reported}
     return {"kind": kind, "mode": mode, "layer": layer, "lambda_unit": lam_unit,
             "identity": model.identity, "lambda_grid": list(lam_grid),
             "post_grid": list(post_grid), "bto_forms": list(bto_forms), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
-            "seed": seed, "per_group": results, "macro": macro_all, "tuning": tuning, "skips": skips_report,
-            "predictions": predictions}
+            "seed": seed, "per_group": results, "macro": macro_all, "macro_relations": in_macro,
+            "macro_excluded": excluded, "no_te": no_te, "untuned": untuned, "tuning": tuning,
+            "skips": skips_report, "predictions": predictions}
+
+
+def macro_exclusions(results: Mapping[str, Mapping], methods: Sequence[str]) -> dict[str, str]:
+    """{group: why it is left out of the macro}: no reported prompt, or no result for one of
+    ``methods`` (every method's macro is then over the same groups)."""
+    out = {}
+    for n, r in results.items():
+        lacking = [m for m in methods if m not in r]
+        if r["n_test"] == 0:
+            out[n] = "no reported prompt"
+        elif lacking:
+            out[n] = f"no {'/'.join(lacking)} result (no type vector)"
+    return out
 
 
 # ----------------------------------------------------------------------------- type switching
