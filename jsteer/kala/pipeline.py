@@ -26,7 +26,7 @@ from jsteer.data import ner as ner_lib
 from jsteer.data.readers import read_conll
 from jsteer.kala import data as kdata
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab, init_memory
-from jsteer.kala.formats import read_facts, read_mentions
+from jsteer.kala.formats import FormatError, read_facts, read_mentions
 from jsteer.kala.model import KalaConfig, KalaModel, init_params
 
 UNSEEN_MIN = 3  # a test context is "unseen" with at least this many out-of-vocabulary entities
@@ -58,13 +58,43 @@ def _subsample(n_total: int, n: Optional[int], seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(n_total, size=n, replace=False).tolist())
 
 
+def mentions_path(graph_dir, conll_path) -> pathlib.Path:
+    """Where build-graph writes the mentions of ``conll_path``: ``<graph_dir>/<name>.mentions.jsonl``."""
+    return pathlib.Path(graph_dir) / f"{pathlib.Path(conll_path).name}.mentions.jsonl"
+
+
+def missing_mentions_error(conll_path, graph_dir) -> FormatError:
+    """The error for a CoNLL file the graph folder has no mentions of, naming the command that
+    annotates it without touching the graph's facts (or, with no lexicon there, what to do)."""
+    graph_dir = pathlib.Path(graph_dir)
+    lexicon = graph_dir / "lexicon.tsv"
+    if lexicon.is_file():
+        fix = (f"annotate it with the graph's lexicon (facts and lexicon stay as they are): "
+               f"jsteer kala build-graph {conll_path} --lexicon {lexicon} --out {graph_dir}")
+    else:
+        fix = (f"{graph_dir} has no lexicon.tsv to annotate it with (a spaCy graph?); write the mentions file "
+               f"yourself (format: jsteer.kala.formats) or rebuild the graph with this file among its inputs")
+    return FormatError(mentions_path(graph_dir, conll_path), None, None,
+                       f"no such file: the graph folder has no mentions for {conll_path}; {fix}")
+
+
 def read_split(path, graph_dir, labels: Sequence[str], scheme: str, size: Optional[int] = None,
-               subsample_seed: int = 0) -> list[tuple[list[str], list[str], list]]:
+               subsample_seed: int = 0, lexicon=None) -> list[tuple[list[str], list[str], list]]:
     """CoNLL file + its ``<name>.mentions.jsonl`` under ``graph_dir`` -> [(words, tags, mentions)]
-    (a seeded random subset of ``size`` sentences, in file order; None: all)."""
+    (a seeded random subset of ``size`` sentences, in file order; None: all).
+
+    Without a mentions file: with ``lexicon`` (a :class:`jsteer.kala.builder.Lexicon`) the
+    sentences are annotated with it in memory, as ``build-graph --lexicon`` would; otherwise a
+    FormatError names the command that writes the file."""
     sents = read_conll(path, scheme=scheme, label_set=labels)
-    mpath = pathlib.Path(graph_dir) / f"{pathlib.Path(path).name}.mentions.jsonl"
-    mentions = read_mentions(mpath, {i: list(s.tokens) for i, s in enumerate(sents)})
+    words = {i: list(s.tokens) for i, s in enumerate(sents)}
+    mpath = mentions_path(graph_dir, path)
+    if mpath.is_file():
+        mentions = read_mentions(mpath, words)
+    elif lexicon is not None:
+        mentions = {i: lexicon.match(w) for i, w in words.items()}
+    else:
+        raise missing_mentions_error(path, graph_dir)
     idx = _subsample(len(sents), size, subsample_seed)
     return [(list(sents[i].tokens), list(sents[i].tags), mentions.get(i, [])) for i in idx]
 

@@ -6,8 +6,10 @@ File format (SQuAD v1.1)::
         "qas": [{"id": str, "question": str, "answers": [{"text": str, "answer_start": int}]}]}]}]}
 
 Long contexts are split into windows: ``[CLS] question [SEP] context window [SEP]`` of at most
-``max_len`` tokens, consecutive windows starting ``stride`` context tokens apart (the original
-run_squad's ``doc_stride``, default 128), so they overlap when the window is longer. A window
+``max_len`` tokens, consecutive windows starting ``min(stride, room)`` context tokens apart
+(``room``: the context tokens a window holds; ``stride`` is the original run_squad's
+``doc_stride``, default 128), so they overlap when the window is longer and never skip a
+context token when ``stride`` is larger (run_squad caps the step the same way). A window
 that does not contain the whole answer is labelled with the ``[CLS]`` position 0. At
 prediction time every window's best span (n-best start x end, length <= ``max_answer_len``)
 competes on start + end logit, and the winner is cut from the context by character offsets.
@@ -96,7 +98,13 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
               max_neighbors: int = 4) -> list[dict]:
     """One question -> windows (features), each a dict of int32 arrays [L] plus bookkeeping:
     input_ids, token_type_ids, start_positions, end_positions (scalars), offsets [L, 2]
-    (context char span, -1 outside the context), token_node, token_entity, graph, qid."""
+    (context char span, -1 outside the context), token_node, token_entity, graph, qid.
+
+    Windows start ``min(stride, room)`` context tokens apart, so every context token is in at
+    least one window; ``stride`` must be at least 1."""
+    if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+        raise ValueError(f"encode_qa: stride must be an integer >= 1 (context tokens between window starts), "
+                         f"got {stride!r}")
     raw = raw_tokenizer(tokenizer)
     cls_id, sep_id, _ = special_ids(tokenizer)
     vocab = vocab or EntityVocab([])
@@ -136,7 +144,7 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
                       "token_node": tn, "token_entity": ent, "graph": graph, "qid": ex.qid})
         if end >= len(c_ids):
             break
-        start += stride
+        start += min(stride, room)
     return feats
 
 

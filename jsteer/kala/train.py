@@ -174,12 +174,13 @@ class FitResult:
     losses: list
     train_seconds: float  # wall time of steps 2..N (the first, compiling step excluded)
     compile_seconds: float  # wall time of step 1
-    steps: int
+    steps: int  # optimiser steps this call ran (0 when a resumed run was already complete)
     examples_per_second: float
     step_memory_bytes: Optional[int]
     trainable_params: int
     median_step_seconds: float = float("nan")  # robust to the steps that compiled a new shape
     preempted: bool = False  # stopped early by SIGTERM (after saving a checkpoint when it has a directory)
+    last_step: int = 0  # the optimiser step reached: ``steps`` plus any restored from a checkpoint
 
 
 def task_keys(task: str) -> tuple[str, ...]:
@@ -218,7 +219,7 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
                      compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
                      examples_per_second=ex_s, step_memory_bytes=mem, trainable_params=count_params(params),
-                     median_step_seconds=med, preempted=bool(summary["preempted"]))
+                     median_step_seconds=med, preempted=bool(summary["preempted"]), last_step=int(summary["step"]))
 
 
 def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64
