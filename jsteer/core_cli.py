@@ -25,7 +25,8 @@ def register(subparsers) -> None:
                               description="Load SRC and write it as a jsteer (Orbax) checkpoint folder DST.")
     p.add_argument("src", help="embedded name (minilm, smollm2-135m), HF folder, .gguf file or jsteer checkpoint")
     p.add_argument("dst", help="output folder (replaced atomically if it already holds a jsteer checkpoint)")
-    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="parameter dtype to store (default float32)")
+    p.add_argument("--dtype", choices=_DTYPES, default=None,
+                   help="parameter dtype to store (default: as stored for a jsteer checkpoint, else float32)")
     p.add_argument("--head", choices=_HEADS, default="auto", help="BERT head to keep (default: from the weights)")
     p.set_defaults(func=_convert)
 
@@ -44,7 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=_DTYPES, default="float32")
+    p.add_argument("--dtype", choices=_DTYPES, default=None,
+                   help="activation / parameter dtype (default: as stored for a jsteer checkpoint, else float32)")
     p.set_defaults(func=_generate)
 
 
@@ -63,7 +65,8 @@ def _convert(args) -> int:
     out = jsteer.save(lm, args.dst)
     t2 = time.perf_counter()
     print(f"loaded {lm} in {t1 - t0:.1f}s")
-    print(f"saved {out} in {t2 - t1:.1f}s ({_count(lm.params):,} params, {args.dtype}, identity {lm.identity})")
+    dtype = lm.provenance.get("dtype") or str(lm.dtype)
+    print(f"saved {out} in {t2 - t1:.1f}s ({_count(lm.params):,} params, {dtype}, identity {lm.identity})")
     return 0
 
 
@@ -114,16 +117,14 @@ def _tok_summary(tok) -> dict:
 
 def _checkpoint_info(path: pathlib.Path) -> dict:
     """Sidecar + Orbax metadata only: no weights are read."""
+    import jax
     import numpy as np
-    import orbax.checkpoint as ocp
 
     from jsteer import io
     from jsteer.tokenizer import Tokenizer
 
     meta = io._read_sidecar(path, io.CHECKPOINT_FORMAT)
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.metadata((path / io.PARAMS_DIR).absolute()).item_metadata.tree
-    import jax
+    tree = io.read_tree_metadata(path / io.PARAMS_DIR)
 
     n = int(sum(np.prod(m.shape, dtype=np.int64) for m in jax.tree.leaves(tree)))
     tok = Tokenizer.from_json(meta["tokenizer"])

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsteer.backbones.base import check_position_ids
 from jsteer.hooks import Hooks
 
 Array = jnp.ndarray
@@ -226,6 +227,33 @@ def _generate(module, params, input_ids, attention_mask, temperature, top_k, top
     return GenerateOutput(tokens=tokens, lengths=lengths)
 
 
+def _check_position_budget(module, attention_mask, hooks: Optional[Hooks], max_new_tokens: int) -> None:
+    """Learned position tables (GPT-2): the prompt's positions and the ones generated tokens
+    continue at (one past the largest prompt position) must fit the table; a row past it would
+    gather NaN. Skipped for RoPE models and for traced (jitted) masks / hooks."""
+    config = getattr(module, "config", None)
+    size = getattr(config, "position_table_size", None)
+    if size is None or isinstance(attention_mask, jax.core.Tracer):
+        return
+    mask = np.asarray(attention_mask)
+    explicit = None if hooks is None else hooks.position_ids
+    if explicit is None:
+        start = int(mask.sum(axis=1).max())
+        what = f"a prompt of {start} tokens"
+    elif isinstance(explicit, jax.core.Tracer):
+        return
+    else:
+        check_position_ids(explicit, size, "generate")
+        pos = np.asarray(explicit)
+        if pos.shape != mask.shape:
+            raise ValueError(f"generate: hooks.position_ids has shape {pos.shape}, the prompt {mask.shape}")
+        start = int(np.where(mask > 0, pos + 1, 0).max())  # decoding continues here
+        what = f"prompt positions up to {start - 1}"
+    if start + max_new_tokens > size:
+        raise ValueError(f"generate: {what} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"position table (n_positions {size})")
+
+
 def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: int,
              temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (), rng=None,
              hooks: Optional[Hooks] = None, pad_id: int = 0) -> GenerateOutput:
@@ -254,12 +282,7 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
             raise ValueError(f"generate: prompts must be left-padded (rows {bad.tolist()} are not)")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    n_positions = getattr(getattr(module, "config", None), "n_positions", None)  # learned positions
-    if n_positions is not None and not isinstance(attention_mask, jax.core.Tracer):
-        longest = int(np.asarray(attention_mask).sum(axis=1).max())
-        if longest + max_new_tokens > n_positions:
-            raise ValueError(f"generate: a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds "
-                             f"the model's n_positions {n_positions}")
+    _check_position_budget(module, attention_mask, hooks, int(max_new_tokens))
     temperature = _per_row(temperature, b, jnp.float32, "temperature")
     top_k = _per_row(top_k, b, jnp.int32, "top_k")
     top_p = _per_row(top_p, b, jnp.float32, "top_p")

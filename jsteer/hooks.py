@@ -6,6 +6,8 @@ skipped entirely in Python, so ``Hooks()`` and ``hooks=None`` leave outputs bit-
 
 All fields are JAX pytrees: values (strengths, offsets, eps) are traced, so changing them
 never recompiles; only *which* fields / layers are present is static structure.
+Zero-valued fields (e.g. ``embed_offset`` of zeros) compute the same function but are not
+guaranteed bit-identical to an absent field (~1e-6: XLA fuses the extra ops differently).
 
 Shapes (B batch, T tokens, D hidden, S steers, R rank):
 
@@ -14,6 +16,8 @@ Shapes (B batch, T tokens, D hidden, S steers, R rank):
 - ``step_offset``   [B, D]     added to the embedding of every *generated* token
                                (Type Embeddings "all tokens" mode while generating).
 - ``film``          {layer: FiLM}  per-layer, per-token feature modulation (KALA's KFM).
+                               Keys are 0-based layer indices in range(num_layers); a
+                               backbone raises ValueError for any other key.
 - ``attn_bias``     [B, T, T]  additive attention bias (0 visible, large negative hidden),
                                applied on top of the padding / causal mask (K-BERT).
 - ``position_ids``  [B, T]     explicit positions (K-BERT soft positions).
@@ -27,6 +31,7 @@ from typing import Optional
 
 import flax.struct
 import jax.numpy as jnp
+import numpy as np
 
 Array = jnp.ndarray
 
@@ -97,6 +102,25 @@ def apply_step_embed(x: Array, hooks: Optional[Hooks]) -> Array:
     if hooks is None or hooks.step_offset is None:
         return x
     return x + hooks.step_offset[:, None, :].astype(x.dtype)
+
+
+def check_film_layers(hooks: Optional[Hooks], num_layers: int) -> None:
+    """Raise ValueError unless every ``hooks.film`` key is an int in range(num_layers).
+
+    Negative keys are refused rather than normalised: ``-1`` and ``num_layers - 1`` would be
+    distinct dict keys, so :func:`compose` would not chain them.
+    """
+    if hooks is None or hooks.film is None:
+        return
+    for key in hooks.film:
+        is_int = isinstance(key, (int, np.integer)) and not isinstance(key, bool)
+        if is_int and 0 <= key < num_layers:
+            continue
+        hint = ""
+        if is_int and -num_layers <= key < 0:
+            hint = f"; negative indices are not supported: write {num_layers + key} for layer {key}"
+        raise ValueError(f"hooks.film has key {key!r}: keys must be int layer indices in "
+                         f"range({num_layers}) (this model has {num_layers} layers){hint}")
 
 
 def apply_film(h: Array, hooks: Optional[Hooks], layer: int, where: str) -> Array:

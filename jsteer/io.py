@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import uuid
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones import DECODER, Family, get_family
+from jsteer.backbones.base import check_position_ids
 from jsteer.tokenizer import Tokenizer
 
 PathLike = str | os.PathLike
@@ -154,6 +156,9 @@ class LM:
         attention_mask = jnp.asarray(attention_mask, jnp.int32)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {attention_mask.shape} does not match input_ids {input_ids.shape}")
+        if hooks is not None:  # checked here: inside the jitted call the values are traced
+            check_position_ids(hooks.position_ids, getattr(self.config, "position_table_size", None),
+                               f"{self.family} forward")
         arrays = {k: v for k, v in kw.items() if not _is_static(v)}
         static_kw = tuple(sorted((k, v) for k, v in kw.items() if _is_static(v)))
         return _forward(self.module, self.params, input_ids, attention_mask, hooks, arrays, static_kw)
@@ -197,7 +202,7 @@ class LM:
             prompts = [prompts]
         from jsteer import decode
 
-        ids, mask = self.tokenizer.batch_encode(prompts, left_pad=True)
+        ids, mask = self._start_empty_prompts(*self.tokenizer.batch_encode(prompts, left_pad=True))
         t0 = ids.shape[1]
         t = _bucket_length(t0)
         ids, mask = _pad_to(ids, mask, t, True, self._pad_value())
@@ -211,6 +216,21 @@ class LM:
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         texts = [self.tokenizer.decode(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
         return (texts, tokens, lengths) if return_ids else texts
+
+    def _start_empty_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Left-padded ids / mask [B, T]: a prompt that encodes to zero tokens starts from the
+        tokenizer's bos token (else eos), as HF generate does without input ids."""
+        empty = np.nonzero(mask.sum(axis=1) == 0)[0]
+        if not len(empty):
+            return ids, mask
+        tok = self.tokenizer
+        start = tok.bos_id if tok.bos_id is not None else tok.eos_id
+        if start is None:
+            raise ValueError(f"generate: prompt {int(empty[0])} encodes to zero tokens and the tokenizer has no "
+                             f"bos or eos token to start from")
+        ids, mask = ids.copy(), mask.copy()
+        ids[empty, -1], mask[empty, -1] = start, 1
+        return ids, mask
 
     def __repr__(self) -> str:
         src = self.provenance.get("source", "?")
@@ -277,17 +297,17 @@ def _pad_hooks(hooks, t0: int, t: int):
 # ----------------------------------------------------------------------------- load
 
 
-def load(src: PathLike, dtype: Any = jnp.float32, head: Any = _AUTO) -> LM:
+def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
     """Load a model from an embedded name, HF folder, ``.gguf`` file or jsteer checkpoint.
 
-    ``dtype``: floating params are cast to it (and used as the activation dtype).
+    ``dtype``: floating params are cast to it (and used as the activation dtype). None: as
+    stored for a jsteer checkpoint (a bfloat16 checkpoint loads as bfloat16), float32 for HF
+    folders, GGUF files and embedded models.
     ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
     An embedded name wins over a folder of the same name: write ``./minilm`` for the folder.
     """
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"dtype must be a floating type, got {dtype}")
+    dtype = _check_dtype(dtype)
     if isinstance(src, str) and src in EMBEDDED:
         path, embedded = embedded_path(src), src
     else:
@@ -301,20 +321,41 @@ def load(src: PathLike, dtype: Any = jnp.float32, head: Any = _AUTO) -> LM:
         with open(path, "rb") as f:
             magic = f.read(4)
         if path.suffix == ".gguf" or magic == b"GGUF":
-            lm = _load_gguf(path, dtype, head)
+            lm = _load_gguf(path, _or_f32(dtype), head)
         else:
             raise ValueError(f"{path}: unsupported model file (expected a .gguf file, an HF folder "
                              f"or a jsteer checkpoint folder)")
     elif (path / SIDECAR).is_file():
         lm = _load_checkpoint(path, dtype, head)
     elif (path / "config.json").is_file():
-        lm = _load_hf(path, dtype, head)
+        lm = _load_hf(path, _or_f32(dtype), head)
     else:
         raise FileNotFoundError(f"{path}: not a model folder (no {SIDECAR} of a jsteer checkpoint, "
                                 f"no config.json of an HF checkpoint)")
     if embedded:
         lm.provenance["embedded"] = embedded
     return lm
+
+
+def _check_dtype(dtype) -> Optional[np.dtype]:
+    """None (keep the source's dtype) or a floating dtype."""
+    if dtype is None:
+        return None
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating type, got {dtype}")
+    return dtype
+
+
+def _or_f32(dtype: Optional[np.dtype]) -> np.dtype:
+    """The dtype for a source that stores no jsteer dtype (HF, GGUF): float32 unless asked."""
+    return jnp.dtype(jnp.float32) if dtype is None else dtype
+
+
+def _stored_dtype(params) -> np.dtype:
+    """Dtype of the first floating leaf (what a checkpoint's weights were saved as)."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.dtype(leaves[0].dtype) if leaves else jnp.dtype(jnp.float32)
 
 
 def _cast(params, dtype):
@@ -380,8 +421,11 @@ def state_dict_sha256(state_dict: Mapping[str, np.ndarray]) -> str:
 def from_state_dict(hf_config: Mapping, state_dict: Mapping[str, np.ndarray], tokenizer: Tokenizer, *,
                     head: Any = _AUTO, dtype: Any = jnp.float32, provenance: Optional[dict] = None) -> LM:
     """Build an LM from an HF-style config dict and state dict already in memory (e.g. a torch
-    model's ``state_dict()`` as NumPy, or :func:`jsteer.convert.gguf.read_gguf` output)."""
+    model's ``state_dict()`` as NumPy, or :func:`jsteer.convert.gguf.read_gguf` output).
+    ``dtype`` None means float32."""
     from jsteer.convert.hf import detect_family
+
+    dtype = _or_f32(_check_dtype(dtype))
 
     family = detect_family(hf_config)
     prov = dict(provenance or {})
@@ -443,6 +487,7 @@ def _read_sidecar(path: pathlib.Path, fmt: str) -> dict:
 
 
 def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
+    """``dtype`` None: keep the stored dtype (params and activations)."""
     meta = _read_sidecar(path, CHECKPOINT_FORMAT)
     for key in ("family", "hf_config", "tokenizer", "provenance"):
         if key not in meta:
@@ -459,12 +504,33 @@ def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
             raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r}")
     config = fam.config_from_hf(meta["hf_config"])
     tokenizer = Tokenizer.from_json(meta["tokenizer"])
+    if dtype is None:
+        dtype = _stored_dtype(params)
     prov = dict(meta["provenance"])
     prov["checkpoint"] = str(path.resolve())
     prov["dtype"] = jnp.dtype(dtype).name
     module = fam.build(config, head, dtype)
+    _check_param_shapes(path, module, params)
     return LM(family=fam.name, config=getattr(module, "config", config), params=_cast(params, dtype), module=module,
               tokenizer=tokenizer, hf_config=dict(meta["hf_config"]), head=head, provenance=prov)
+
+
+def _check_param_shapes(path: pathlib.Path, module, params) -> None:
+    """Every param the module's init creates must be in ``params`` with the same shape; raise
+    ValueError naming the first tensor that is missing or mis-shaped (e.g. a sidecar config
+    edited after saving). Extra tensors are ignored, as ``module.apply`` ignores them."""
+    dummy = jnp.zeros((1, 1), jnp.int32)
+    expected = jax.eval_shape(module.init, jax.random.PRNGKey(0), dummy)["params"]
+    got = {jax.tree_util.keystr(k, simple=True, separator="/"): np.shape(v)
+           for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for key, want in jax.tree_util.tree_flatten_with_path(expected)[0]:
+        name = jax.tree_util.keystr(key, simple=True, separator="/")
+        if name not in got:
+            raise ValueError(f"{path}: corrupt or incomplete checkpoint: tensor {name!r} is missing from "
+                             f"{PARAMS_DIR}/ (the config in {SIDECAR} expects shape {tuple(want.shape)})")
+        if tuple(got[name]) != tuple(want.shape):
+            raise ValueError(f"{path}: corrupt or incomplete checkpoint: tensor {name!r} has shape "
+                             f"{tuple(got[name])} but the config in {SIDECAR} implies {tuple(want.shape)}")
 
 
 # ----------------------------------------------------------------------------- save
@@ -551,28 +617,83 @@ def _write_tree(path: pathlib.Path, tree) -> None:
         ckptr.wait_until_finished()
 
 
+def _short(e: BaseException) -> str:
+    """One line for a user-facing message: the first line of the innermost cause (TensorStore's
+    names the damaged array; the outer Orbax errors run to pages of spec). The whole exception
+    stays chained as the cause."""
+    root = e
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    lines = str(root).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(root).__name__}: {first[:300]}{'...' if len(first) > 300 else ''}"
+
+
+_ORPHANED_READ = "Encountered error while reading array index"
+
+
+def _quiet_orphaned_reads() -> None:
+    """After a failed restore Orbax leaves shard readers pending; when they are finalized (often
+    at exit) each prints "Exception ignored in <coroutine>" and the full TensorStore spec. Drop
+    exactly those reports; every other unraisable exception reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jsteer_orbax_filter", False):
+        return
+
+    def hook(unraisable):
+        if str(unraisable.exc_value).startswith(_ORPHANED_READ):
+            return
+        previous(unraisable)
+
+    hook._jsteer_orbax_filter = True
+    sys.unraisablehook = hook
+
+
+def read_tree_metadata(path: pathlib.Path):
+    """Shapes / dtypes of an Orbax tree folder (no array is read): a pytree of array metadata.
+
+    Raises FileNotFoundError if the folder is missing and ValueError ``corrupt or incomplete
+    checkpoint`` if its metadata cannot be read."""
+    import orbax.checkpoint as ocp
+
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: missing Orbax tree (incomplete checkpoint?)")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.metadata(path.absolute()).item_metadata.tree
+    except Exception as e:  # Orbax raises many types here (AttributeError when _METADATA is gone)
+        raise ValueError(f"{path}: corrupt or incomplete checkpoint: cannot read its metadata ({_short(e)})") from e
+    if tree is None:
+        raise ValueError(f"{path}: corrupt or incomplete checkpoint: no tree metadata")
+    return tree
+
+
 def _restore_tree(path: pathlib.Path, target: Any = None):
     import orbax.checkpoint as ocp
 
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: missing Orbax tree (incomplete checkpoint?)")
     device = jax.devices()[0]
-    with ocp.StandardCheckpointer() as ckptr:
-        if target is None:
-            meta = ckptr.metadata(path.absolute()).item_metadata.tree
-            target = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)),
-                meta)
-        else:
-            target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                               sharding=getattr(x, "sharding", None)
-                                               or jax.sharding.SingleDeviceSharding(device)),
-                target)
-        try:
+    given = target is not None
+    if not given:
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)),
+            read_tree_metadata(path))
+    else:
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: missing Orbax tree (incomplete checkpoint?)")
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                           sharding=getattr(x, "sharding", None)
+                                           or jax.sharding.SingleDeviceSharding(device)),
+            target)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(path.absolute(), target)
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{path}: cannot restore the Orbax tree ({e})") from None
+    except Exception as e:  # truncated / missing array files surface as TensorStore errors
+        _quiet_orphaned_reads()
+        what = ("corrupt or incomplete checkpoint, or a tree that does not match the target" if given
+                else "corrupt or incomplete checkpoint")
+        raise ValueError(f"{path}: {what}: {_short(e)}") from e
 
 
 # ----------------------------------------------------------------------------- atomic folders

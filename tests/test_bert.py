@@ -239,11 +239,67 @@ def test_identity_hooks_bit_identical(bert_setup):
     ids, mask, tt = _batch(cfg.pad_token_id, seed=10)
     module = jb.BertForMaskedLM(cfg)
     base = _run(module, params, ids, mask, tt, output_hidden_states=True)
-    for hooks in (Hooks(), Hooks(film={5: FiLM()})):  # empty hooks; FiLM for a layer that does not exist
+    for hooks in (Hooks(), Hooks(film={1: FiLM()})):  # empty hooks; an empty FiLM
         out = _run(module, params, ids, mask, tt, hooks=hooks, output_hidden_states=True)
         assert np.array_equal(np.asarray(out.logits), np.asarray(base.logits))
         for a, b in zip(out.hidden_states, base.hidden_states):
             assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("key", [-1, 2, 5, "1"])
+def test_film_on_a_missing_layer_is_an_error(bert_setup, key):
+    _, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=11)
+    big = jnp.full((B, T, cfg.hidden_size), 5.0)
+    with pytest.raises(ValueError, match=rf"hooks.film has key {key!r}: .*range\({cfg.num_layers}\)"):
+        _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(film={key: FiLM(gamma_out=big, beta_out=big)}))
+
+
+# ----------------------------------------------------------------------------- position limits
+
+
+@pytest.fixture(scope="module")
+def tiny_roberta():
+    """RoBERTa with a 10-row position table and pad_token_id 1: real tokens use rows 2..9."""
+    torch.manual_seed(0)
+    hc = transformers.RobertaConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32, max_position_embeddings=10, pad_token_id=1,
+                                    type_vocab_size=1)
+    hc._attn_implementation = "eager"
+    hf = _randomise(transformers.RobertaModel(hc, add_pooling_layer=False))
+    cfg = jb.BertConfig.from_hf(hc.to_dict())
+    return hf, cfg, jb.params_from_hf(_state(hf), cfg)
+
+
+def test_roberta_length_limit_matches_hf(tiny_roberta):
+    """The longest input is max_position_embeddings - pad_token_id - 1 (HF raises past it);
+    before, lengths up to max_position_embeddings gathered NaN from the position table."""
+    hf, cfg, params = tiny_roberta
+    limit = cfg.max_position_embeddings - cfg.pad_token_id - 1
+    fits = np.full((1, limit), 5, np.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(fits, dtype=torch.long)).last_hidden_state.numpy()
+        with pytest.raises((IndexError, RuntimeError)):
+            hf(torch.tensor(np.full((1, limit + 1), 5), dtype=torch.long))
+    out = jb.BertModel(cfg).apply({"params": params}, jnp.asarray(fits))
+    assert _maxdiff(out.hidden, ref) <= 1e-5
+    for t in (limit + 1, cfg.max_position_embeddings):
+        with pytest.raises(ValueError, match=rf"input length {t} exceeds the {limit} tokens this RoBERTa-style"):
+            jb.BertModel(cfg).apply({"params": params}, jnp.full((1, t), 5, jnp.int32))
+
+
+def test_explicit_position_ids_are_checked_against_the_table(tiny_roberta):
+    hf, cfg, params = tiny_roberta
+    t = cfg.max_position_embeddings - 1  # longer than default positions allow, fine with explicit ones
+    ids = np.full((1, t), 5, np.int32)
+    pos = np.arange(t, dtype=np.int32)[None] + 1  # rows 1..9: inside the table
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(pos, dtype=torch.long))
+    out = jb.BertModel(cfg).apply({"params": params}, jnp.asarray(ids), hooks=Hooks(position_ids=jnp.asarray(pos)))
+    assert _maxdiff(out.hidden, ref.last_hidden_state.numpy()) <= 1e-5
+    for bad in (pos + 1, pos - 2):  # row 10 (one past the table), row -1
+        with pytest.raises(ValueError, match=r"hooks.position_ids must lie in \[0, 10\)"):
+            jb.BertModel(cfg).apply({"params": params}, jnp.asarray(ids), hooks=Hooks(position_ids=jnp.asarray(bad)))
 
 
 # ----------------------------------------------------------------------------- real MiniLM

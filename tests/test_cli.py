@@ -92,3 +92,47 @@ def test_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["convert", "minilm"])  # DST missing: argparse usage error
     np.testing.assert_equal(capsys.readouterr().err.count("usage"), 1)
+
+
+def test_convert_keeps_a_checkpoints_dtype(tmp_path, capsys):
+    """`convert --dtype bfloat16`, then `convert` and `info` of the result without --dtype:
+    still bfloat16 (the default dtype is the stored one for jsteer checkpoints)."""
+    src = tmp_path / "gpt2"
+    make_tiny_decoder(src, "gpt2")
+    assert main(["convert", str(src), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert main(["convert", str(tmp_path / "bf16"), str(tmp_path / "again")]) == 0
+    assert "bfloat16" in capsys.readouterr().out
+    lm = jsteer.load(tmp_path / "again")
+    assert {str(x.dtype) for x in __import__("jax").tree.leaves(lm.params)} == {"bfloat16"}
+    assert main(["info", str(tmp_path / "again"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["provenance"]["dtype"] == "bfloat16"
+    assert main(["convert", str(src), str(tmp_path / "f32")]) == 0  # an HF source: float32
+    assert "float32" in capsys.readouterr().out
+
+
+def test_generate_with_an_empty_prompt(tmp_path, capsys):
+    src = tmp_path / "gpt2"
+    make_tiny_decoder(src, "gpt2")
+    assert main(["generate", str(src), "w1 w2", "", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:] == [jsteer.load(src).generate([""], max_new_tokens=4)[0], "---"]
+
+
+def test_damaged_checkpoint_is_reported_in_one_line(tmp_path):
+    """A truncated array file: exit code 2 and a one-line error, not pages of TensorStore spec
+    (also at interpreter exit, when Orbax's abandoned readers are finalised)."""
+    import subprocess
+    import sys
+
+    from test_io import ROOT, _damage
+
+    src = tmp_path / "llama"
+    make_tiny_decoder(src, "llama")
+    assert main(["convert", str(src), str(tmp_path / "ck")]) == 0
+    _damage(tmp_path / "ck", "truncated array file")
+    r = subprocess.run([sys.executable, "-m", "jsteer.cli", "generate", str(tmp_path / "ck"), "w1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("jsteer generate: error:")]
+    assert len(errors) == 1 and "corrupt or incomplete checkpoint" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and "TensorStore" not in r.stderr and len(r.stderr.splitlines()) < 10

@@ -396,3 +396,65 @@ def test_greedy_generate_matches_hf(setup):
     np.testing.assert_array_equal(np.asarray(out.lengths), [n_new, n_new])
     # generated continuations are not trivially constant
     assert len(set(ref.ravel().tolist())) > 3
+
+
+# ----------------------------------------------------------------------------- explicit positions, FiLM keys
+
+
+def _soft_positions(mask, seed):
+    """Increasing positions with gaps (K-BERT style) on real tokens, 0 on pads: [B, T]."""
+    steps = np.random.default_rng(seed).integers(1, 4, size=mask.shape) * mask
+    return np.maximum(np.cumsum(steps, -1) - 1, 0) * mask
+
+
+def test_explicit_positions_under_cache_continue_after_the_largest(setup):
+    """A prompt prefilled with explicit positions, then steps with default positions (as
+    jsteer.decode runs it) == one full forward whose positions go on at max + 1, max + 2."""
+    _, cfg, params, module, fwd = setup
+    ids, mask = _batch(seed=12, t=T + 2)
+    pos = _soft_positions(mask[:, :T], seed=13)
+    top = pos.max(-1, keepdims=True)
+    full_pos = np.concatenate([pos, top + 1, top + 2], axis=1).astype(np.int32)
+    full = fwd(params, ids, mask, Hooks(position_ids=jnp.asarray(full_pos)), False)
+
+    run = jax.jit(lambda p, i, m, h, c: module.apply({"params": p}, i, m, hooks=h, cache=c))
+    out = run(params, jnp.asarray(ids[:, :T]), jnp.asarray(mask[:, :T]),
+              Hooks(position_ids=jnp.asarray(pos, jnp.int32)), cfg.init_cache(B, T + 2))
+    np.testing.assert_array_equal(np.asarray(out.cache.pos), top[:, 0] + 1)
+    logits = [np.asarray(out.logits)]
+    cache = out.cache
+    for i in (T, T + 1):
+        out = run(params, jnp.asarray(ids[:, i:i + 1]), jnp.ones((B, 1), jnp.int32), None, cache)
+        cache = out.cache
+        logits.append(np.asarray(out.logits))
+    assert _maxdiff(np.concatenate(logits, axis=1), full.logits, mask) <= TOL
+    np.testing.assert_array_equal(np.asarray(cache.pos), top[:, 0] + 3)
+
+
+def test_explicit_positions_are_checked_against_n_positions(setup):
+    _, cfg, params, module, _ = setup
+    from jsteer.decode import generate
+
+    ids, mask = _batch(seed=14)
+    pos = np.where(mask > 0, cfg.n_positions - 3, 0).astype(np.int32)  # decoding continues at P - 2
+    pos[:, -1] = cfg.n_positions - 3
+    generate(module, params, ids, mask, max_new_tokens=2, hooks=Hooks(position_ids=jnp.asarray(pos)))  # fits
+    with pytest.raises(ValueError, match=rf"prompt positions up to {cfg.n_positions - 3} \+ max_new_tokens 3 "
+                                         rf"exceeds .*n_positions {cfg.n_positions}"):
+        generate(module, params, ids, mask, max_new_tokens=3, hooks=Hooks(position_ids=jnp.asarray(pos)))
+    pos[0, -1] = cfg.n_positions  # one past the table: would gather NaN
+    msg = rf"hooks.position_ids must lie in \[0, {cfg.n_positions}\).*got values from 0 to {cfg.n_positions}"
+    with pytest.raises(ValueError, match=msg):
+        generate(module, params, ids, mask, max_new_tokens=1, hooks=Hooks(position_ids=jnp.asarray(pos)))
+    with pytest.raises(ValueError, match=msg):
+        module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask),
+                     hooks=Hooks(position_ids=jnp.asarray(pos)))
+
+
+@pytest.mark.parametrize("key", [-1, L, 99, "1"])
+def test_film_on_a_missing_layer_is_an_error(setup, key):
+    _, _, params, module, fwd = setup
+    ids, mask = _batch(seed=15)
+    big = jnp.full((B, T, D), 5.0)
+    with pytest.raises(ValueError, match=rf"hooks.film has key {key!r}: .*range\({L}\)"):
+        fwd(params, ids, mask, Hooks(film={key: FiLM(gamma_out=big, beta_out=big)}), False)

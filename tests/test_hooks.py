@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.hooks import FiLM, Hooks, Steer, apply_embed, apply_film, apply_steer, compose, steer_delta
+from jsteer.hooks import (FiLM, Hooks, Steer, apply_embed, apply_film, apply_steer, check_film_layers, compose,
+                          steer_delta)
 
 B, T, D, S, R = 2, 3, 8, 2, 4
 
@@ -107,3 +108,17 @@ def test_hooks_are_pytrees_and_jit_without_recompiling_on_values():
                       steer=Steer(eps=scale * jnp.ones((S,)), p1=jnp.ones((S, D, R)), p2=jnp.ones((S, D, R))))
         f(h, hooks).block_until_ready()
     assert len(traces) == 1
+
+
+def test_check_film_layers_accepts_layer_indices_only():
+    z = FiLM(beta_out=jnp.zeros((B, T, D)))
+    check_film_layers(None, 2)
+    check_film_layers(Hooks(), 2)
+    check_film_layers(Hooks(film={0: z, np.int64(1): z}), 2)  # NumPy ints index layers too
+    for key in (2, 99, "1", 1.0, True):
+        with pytest.raises(ValueError, match=rf"hooks.film has key {key!r}: .*range\(2\)"):
+            check_film_layers(Hooks(film={key: z}), 2)
+    with pytest.raises(ValueError, match="negative indices are not supported: write 1 for layer -1"):
+        check_film_layers(Hooks(film={-1: z}), 2)
+    with pytest.raises(ValueError, match=r"key -3: .*range\(2\)\ \(this model has 2 layers\)$"):
+        check_film_layers(Hooks(film={-3: z}), 2)

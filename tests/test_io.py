@@ -300,6 +300,51 @@ def test_generate_pads_prompt_shaped_hooks(tiny_gpt2):
     assert np.array_equal(short, long) and not np.array_equal(short, plain)
 
 
+def _hf_greedy(hf, ids, n, stops):
+    import torch
+
+    ids = torch.tensor([ids], dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=list(stops), pad_token_id=1)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_generate_starts_an_empty_prompt_from_bos_else_eos(tiny_gpt2):
+    """An empty prompt (this tokenizer adds no bos) continues the bos token, as HF generate does
+    without input ids; without a bos, the eos token; without either it is an error."""
+    from jsteer.tokenizer import Tokenizer
+
+    path, hf = tiny_gpt2
+    lm = jsteer.load(path)
+    tok = lm.tokenizer
+    assert tok.encode("") == [] and (tok.bos_id, tok.eos_id) == (2, 3)
+    texts, tokens, lengths = lm.generate(["w1 w2", ""], max_new_tokens=6, return_ids=True)
+    assert tokens[1, :lengths[1]].tolist() == _hf_greedy(hf, [tok.bos_id], 6, tok.stop_ids)
+    assert tokens[0].tolist() == lm.generate(["w1 w2"], max_new_tokens=6, return_ids=True)[1][0].tolist()
+
+    no_bos = Tokenizer.from_json(tok.to_json())
+    no_bos.special_ids["bos"] = None
+    out = lm.replace(tokenizer=no_bos).generate([""], max_new_tokens=6, return_ids=True)
+    assert out[1][0, :out[2][0]].tolist() == _hf_greedy(hf, [tok.eos_id], 6, tok.stop_ids)
+
+    neither = Tokenizer.from_json(tok.to_json())
+    neither.special_ids.update(bos=None, eos=None)
+    with pytest.raises(ValueError, match="prompt 1 encodes to zero tokens"):
+        lm.replace(tokenizer=neither).generate(["w1", ""], max_new_tokens=2)
+
+
+def test_forward_checks_explicit_positions_against_the_table(tiny_gpt2):
+    """LM.forward is jitted, so the backbone sees traced positions: the wrapper checks them."""
+    path, _ = tiny_gpt2
+    lm = jsteer.load(path)
+    ids = np.array([[5, 6, 7]], np.int32)
+    inside = lm.forward(ids, hooks=Hooks(position_ids=jnp.asarray([[0, 1, 127]])))
+    assert np.isfinite(np.asarray(inside.logits)).all()
+    with pytest.raises(ValueError, match=r"gpt2 forward: hooks.position_ids must lie in \[0, 128\)"):
+        lm.forward(ids, hooks=Hooks(position_ids=jnp.asarray([[0, 1, 128]])))
+
+
 # ----------------------------------------------------------------------------- save / load checkpoints
 
 
@@ -324,6 +369,54 @@ def test_round_trip_bit_exact(minilm, tmp_path):
     jsteer.save(back, tmp_path / "ck2")
     again = jsteer.load(tmp_path / "ck2")
     assert again.identity == minilm.identity and again.provenance["source"] == prov["source"]
+
+
+def test_checkpoint_loads_in_its_stored_dtype(tiny_gpt2, tmp_path):
+    """dtype=None (the default) keeps a checkpoint's dtype through save / load / save; HF
+    sources still default to float32; an explicit dtype casts."""
+    path, _ = tiny_gpt2
+    assert jsteer.load(path).dtype == jnp.float32
+    bf16 = jsteer.load(path, dtype="bfloat16")
+    jsteer.save(bf16, tmp_path / "ck")
+    back = jsteer.load(tmp_path / "ck")
+    assert leaves_equal(back.params, bf16.params)
+    assert back.module.dtype == jnp.bfloat16 and back.provenance["dtype"] == "bfloat16"
+    ids = np.array([[5, 6, 7]], np.int32)
+    assert np.array_equal(back.forward(ids).logits, bf16.forward(ids).logits)
+    jsteer.save(back, tmp_path / "ck2")
+    assert leaves_equal(jsteer.load(tmp_path / "ck2").params, bf16.params)
+    f32 = jsteer.load(tmp_path / "ck", dtype="float32")
+    assert {x.dtype for x in jax.tree.leaves(f32.params)} == {jnp.dtype(jnp.float32)}
+    assert f32.module.dtype == jnp.float32 and f32.provenance["dtype"] == "float32"
+
+
+def _damage(ck: pathlib.Path, how: str) -> None:
+    if how == "truncated array file":
+        files = [p for p in (ck / "params").rglob("*") if p.is_file()]
+        biggest = max(files, key=lambda p: p.stat().st_size)  # array data, not metadata
+        biggest.write_bytes(biggest.read_bytes()[:100])
+    elif how == "deleted _METADATA":
+        (ck / "params" / "_METADATA").unlink()
+    else:
+        side = json.loads((ck / "jsteer.json").read_text())
+        side["hf_config"]["intermediate_size"] += 1
+        (ck / "jsteer.json").write_text(json.dumps(side))
+
+
+@pytest.mark.parametrize("how, detail", [
+    ("truncated array file", r"Error reading \"[\w.]+/"),  # names the damaged tensor
+    ("deleted _METADATA", r"cannot read its metadata"),
+    ("edited intermediate_size", r"tensor 'layers_0/mlp/down_proj/kernel' has shape \(64, 32\) but the config "
+                                 r"in jsteer.json implies \(65, 32\)"),
+])
+def test_damaged_checkpoint_is_a_clear_error(tiny_llama, tmp_path, how, detail):
+    path, _ = tiny_llama
+    ck = tmp_path / "ck"
+    jsteer.save(jsteer.load(path), ck)
+    _damage(ck, how)
+    with pytest.raises(ValueError, match=rf"ck(/params)?: corrupt or incomplete checkpoint: .*{detail}") as e:
+        jsteer.load(ck)
+    assert len(str(e.value)) < 400 and "\n" not in str(e.value)
 
 
 def _tiny_lm(path):

@@ -247,3 +247,12 @@ def test_steer_matches_numpy(gqa_untied):
     expected = c_steered @ e.T
     np.testing.assert_allclose(np.asarray(out.logits), expected, rtol=1e-4, atol=1e-4)
     assert np.abs(expected - c @ e.T).max() > 1e-2
+
+
+@pytest.mark.parametrize("key", [-1, 2, 99, "1"])
+def test_film_on_a_missing_layer_is_an_error(gqa_untied, key):
+    _, cfg, params = gqa_untied
+    ids, mask = left_padded()
+    big = jnp.full((3, T, 32), 5.0)
+    with pytest.raises(ValueError, match=rf"hooks.film has key {key!r}: .*range\({cfg.num_layers}\)"):
+        run(cfg, params, ids, mask, hooks=Hooks(film={key: FiLM(gamma_out=big, beta_out=big)}))

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Optional, Tuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jnp.ndarray
 
@@ -51,7 +52,8 @@ class KVCache:
     k, v:  tuples of L arrays [B, S, H_kv, Dh]
     mask:  [B, S] int32, 1 where a slot holds a real (non-pad) token
     index: [] int32, next slot to write (same for all rows; rows are left-padded)
-    pos:   [B] int32, next position id per row (= number of real tokens so far)
+    pos:   [B] int32, next position id per row: one past the largest real position so far
+           (= number of real tokens so far with default positions)
     """
 
     k: Tuple[Array, ...]
@@ -78,6 +80,31 @@ def default_positions(attention_mask: Array, cache: Optional[KVCache]) -> Array:
     start = 0 if cache is None else cache.pos[:, None]
     pos = start + jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1
     return jnp.maximum(pos, 0)
+
+
+def next_positions(cache: "KVCache", attention_mask: Array, positions: Array) -> Array:
+    """[B] next position id per row after writing T tokens: one past the largest real
+    token's position (positions [B,T], mask [B,T]); rows without a real token keep
+    ``cache.pos``. With default positions this is ``cache.pos + mask.sum(-1)``; with explicit
+    ``hooks.position_ids`` decoding continues after the largest one."""
+    last = jnp.max(jnp.where(attention_mask > 0, positions.astype(jnp.int32) + 1, 0), axis=-1)
+    return jnp.maximum(cache.pos, last).astype(jnp.int32)
+
+
+def check_position_ids(position_ids, table_size: Optional[int], where: str) -> None:
+    """Raise ValueError if concrete ``position_ids`` fall outside [0, table_size).
+
+    A learned position table gathers NaN for an out-of-range row (``jnp.take`` fill mode), so
+    this is checked wherever the values are known. Traced values (under ``jit``) cannot be
+    checked here; :meth:`jsteer.io.LM.forward` and :func:`jsteer.decode.generate` check them
+    before tracing. ``table_size`` None (RoPE: no table) checks nothing.
+    """
+    if position_ids is None or table_size is None or isinstance(position_ids, jax.core.Tracer):
+        return
+    p = np.asarray(position_ids)
+    if p.size and (p.min() < 0 or p.max() >= table_size):
+        raise ValueError(f"{where}: hooks.position_ids must lie in [0, {table_size}) (the model's position "
+                         f"table has {table_size} rows), got values from {p.min()} to {p.max()}")
 
 
 def attention_slots(mask: Array, bias: Optional[Array], cache: Optional["KVCache"]):

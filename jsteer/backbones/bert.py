@@ -18,11 +18,11 @@ so ``{"encoder": p["encoder"]}`` moves an encoder between heads unchanged.
 
 Hook points (see :mod:`jsteer.hooks`): ``embed_offset`` is added to the word-embedding lookup
 before position / token-type embeddings and the embedding LayerNorm (HF's ``inputs_embeds``);
-``position_ids`` are raw rows of the position table (RoBERTa: real tokens start at
-``pad_token_id + 1``); ``attn_bias`` [B, T, T] is added to the scores of every head on top of
-the padding mask; FiLM ``"in"`` acts on the attention block output after its LayerNorm (the FFN
-input and FFN residual), ``"out"`` on the layer output after the FFN LayerNorm. Layers are
-0-based.
+``position_ids`` are raw rows of the position table, in [0, max_position_embeddings) (checked
+when concrete; RoBERTa: real tokens start at ``pad_token_id + 1``); ``attn_bias`` [B, T, T] is
+added to the scores of every head on top of the padding mask; FiLM ``"in"`` acts on the
+attention block output after its LayerNorm (the FFN input and FFN residual), ``"out"`` on the
+layer output after the FFN LayerNorm. FiLM keys are 0-based layer indices in range(num_layers).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import ACTIVATIONS, NEG_INF, ModelOutput
+from jsteer.backbones.base import ACTIVATIONS, NEG_INF, ModelOutput, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
-from jsteer.hooks import Hooks, apply_embed, apply_film
+from jsteer.hooks import Hooks, apply_embed, apply_film, check_film_layers
 
 Array = jnp.ndarray
 
@@ -84,6 +84,19 @@ class BertConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def position_table_size(self) -> int:
+        """Rows of the learned position table: valid position ids are 0 .. max_position_embeddings-1."""
+        return self.max_position_embeddings
+
+    @property
+    def max_input_length(self) -> int:
+        """Longest input the default positions fit: max_position_embeddings, less the
+        ``pad_token_id + 1`` rows RoBERTa-style models reserve below their first position."""
+        if self.layout == "roberta":
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> "BertConfig":
@@ -165,6 +178,24 @@ def default_position_ids(config: BertConfig, input_ids: Array) -> Array:
     return jnp.cumsum(real, axis=1) * real + config.pad_token_id
 
 
+def _check_length(config: BertConfig, t: int, explicit_positions: bool) -> None:
+    """Refuse T tokens the position table cannot hold (an out-of-range row gathers NaN).
+
+    Default positions need T <= :attr:`BertConfig.max_input_length` (RoBERTa reserves
+    ``pad_token_id + 1`` rows); explicit ``hooks.position_ids`` are checked by value instead.
+    """
+    c = config
+    if explicit_positions or t <= c.max_input_length:
+        if t > c.max_position_embeddings:
+            raise ValueError(f"input length {t} exceeds max_position_embeddings {c.max_position_embeddings}")
+        return
+    if c.layout == "roberta":
+        raise ValueError(f"input length {t} exceeds the {c.max_input_length} tokens this RoBERTa-style model can "
+                         f"position (max_position_embeddings {c.max_position_embeddings} - pad_token_id "
+                         f"{c.pad_token_id} - 1: its positions start at pad_token_id + 1)")
+    raise ValueError(f"input length {t} exceeds max_position_embeddings {c.max_position_embeddings}")
+
+
 def attention_bias(attention_mask: Optional[Array], hooks: Optional[Hooks], batch: int, length: int
                    ) -> Optional[Array]:
     """Additive attention bias [B, 1, T|1, S] (fp32) from a [B, S] 0/1 mask and ``hooks.attn_bias``.
@@ -239,6 +270,7 @@ class BertEmbeddings(nn.Module):
             position_ids = hooks.position_ids
             if position_ids.shape != input_ids.shape:
                 raise ValueError(f"hooks.position_ids must be {input_ids.shape}, got {position_ids.shape}")
+            check_position_ids(position_ids, self.config.position_table_size, "BERT embeddings")
         else:
             position_ids = default_position_ids(self.config, input_ids)
         if token_type_ids is None:
@@ -325,9 +357,8 @@ class BertEncoder(nn.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
         b, t = input_ids.shape
-        if t > self.config.max_position_embeddings:
-            raise ValueError(
-                f"input length {t} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        _check_length(self.config, t, explicit_positions=hooks is not None and hooks.position_ids is not None)
+        check_film_layers(hooks, self.config.num_layers)
         bias = attention_bias(attention_mask, hooks, b, t)
         h = self.embeddings(input_ids, token_type_ids, hooks, deterministic)
         states = [h] if output_hidden_states else None

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import ACTIVATIONS, KVCache, ModelOutput, attention_slots, default_positions, eos_ids
+from jsteer.backbones.base import (ACTIVATIONS, KVCache, ModelOutput, attention_slots, check_position_ids,
+                                   default_positions, eos_ids, next_positions)
 from jsteer.backbones.matmul import Dense
-from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
+from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed, check_film_layers
 
 Array = jnp.ndarray
 
@@ -73,6 +74,11 @@ class GPT2Config:
     def stop_ids(self) -> Tuple[int, ...]:
         """eos ids as a tuple (HF configs store one id or a list)."""
         return eos_ids(self.eos_token_id)
+
+    @property
+    def position_table_size(self) -> int:
+        """Rows of the learned position table: valid position ids are 0 .. n_positions-1."""
+        return self.n_positions
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "GPT2Config":
@@ -226,7 +232,9 @@ class GPT2LMHeadModel(nn.Module):
 
         Hooks as in :mod:`jsteer.backbones.llama`: ``embed_offset`` is added to the token
         embedding (before the position embedding); with ``step=True`` (generated tokens)
-        ``step_offset`` is added instead. ``position_ids`` [B,T] replace the default positions.
+        ``step_offset`` is added instead. ``position_ids`` [B,T] replace the default positions
+        (values in [0, n_positions), checked when concrete; with a cache the next position
+        becomes one past the largest real one, as in LLaMA).
         ``attn_bias`` [B,T,T] is added to the scores of the T new tokens against themselves
         (with a cache, earlier slots get no bias). FiLM ``in`` acts on the ln_2 output (MLP
         input), ``out`` on the residual stream after the MLP add. ``steer`` transforms the ln_f
@@ -246,6 +254,7 @@ class GPT2LMHeadModel(nn.Module):
         if cache is None and t > cfg.n_positions:
             raise ValueError(f"input length {t} exceeds GPT-2's n_positions {cfg.n_positions} (learned positions)")
         mask = attention_mask.astype(jnp.int32)
+        check_film_layers(hooks, cfg.n_layer)
         init = nn.initializers.normal(cfg.initializer_range)
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
                        embedding_init=init, name="wte")
@@ -256,6 +265,7 @@ class GPT2LMHeadModel(nn.Module):
         x = apply_step_embed(x, hooks) if step else apply_embed(x, hooks)
         if hooks is not None and hooks.position_ids is not None:
             positions = hooks.position_ids
+            check_position_ids(positions, cfg.n_positions, "GPT-2")
         else:
             positions = default_positions(mask, cache)
         x = x + wpe(positions)
@@ -285,7 +295,7 @@ class GPT2LMHeadModel(nn.Module):
         new_cache = None
         if cache is not None:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask, index=index + t,
-                                pos=cache.pos + mask.sum(axis=-1))
+                                pos=next_positions(cache, mask, positions))
         return ModelOutput(logits=logits.astype(jnp.float32), hidden=hidden,
                            hidden_states=tuple(hidden_states) if output_hidden_states else None,
                            cache=new_cache)

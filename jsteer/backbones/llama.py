@@ -42,9 +42,9 @@ import numpy as np
 from jax import lax
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids
+from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids, next_positions
 from jsteer.backbones.matmul import Dense
-from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed
+from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed, check_film_layers
 
 Array = jnp.ndarray
 
@@ -104,6 +104,11 @@ class LlamaConfig:
     def stop_ids(self) -> Tuple[int, ...]:
         """eos ids as a tuple (HF configs store one id or a list)."""
         return eos_ids(self.eos_token_id)
+
+    @property
+    def position_table_size(self) -> None:
+        """None: RoPE positions index no table (any position id is valid)."""
+        return None
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> "LlamaConfig":
@@ -340,6 +345,7 @@ class LlamaForCausalLM(nn.Module):
         if attention_mask.shape != (b, t):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}, input_ids {input_ids.shape}")
         mask = attention_mask.astype(jnp.int32)
+        check_film_layers(hooks, c.num_layers)
 
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
                          embedding_init=nn.initializers.normal(0.02), name="embed")
@@ -382,10 +388,8 @@ class LlamaForCausalLM(nn.Module):
 
         new_cache = None
         if cache is not None:
-            # next position: one past the last real token's (= pos + #real tokens by default)
-            last = jnp.max(jnp.where(mask > 0, positions + 1, 0), axis=-1)
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask, index=index + t,
-                                pos=jnp.maximum(cache.pos, last).astype(jnp.int32))
+                                pos=next_positions(cache, mask, positions))
         return ModelOutput(logits=logits.astype(jnp.float32), hidden=hidden,
                            hidden_states=None if hidden_states is None else tuple(hidden_states),
                            cache=new_cache)
