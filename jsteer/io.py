@@ -113,8 +113,11 @@ class LM:
 
     @property
     def identity(self) -> str:
-        """``sha256:<hex>`` of the source weight files (survives save / load)."""
+        """``sha256:<hex>`` of the source weight files (survives save / load); for a model whose
+        params were replaced (:meth:`replace`, e.g. fine-tuned), of the params themselves."""
         sha = self.provenance.get("sha256")
+        if not sha and self.provenance.get("sha256_of") == "params":
+            sha = self.provenance["sha256"] = params_sha256(self.params)  # computed once, then kept
         if not sha:
             raise ValueError("this LM has no source sha256 in its provenance (built by hand?)")
         return f"sha256:{sha}"
@@ -135,7 +138,15 @@ class LM:
         return self.fam.output_embeddings(self.params, self.config)
 
     def replace(self, **changes) -> "LM":
-        """A copy with some fields changed (e.g. ``params``)."""
+        """A copy with some fields changed (e.g. ``params``). New params without a given
+        ``provenance`` make another model: its :attr:`identity` becomes a hash of those params
+        (provenance ``derived_from`` keeps the original's), so that steers and type vectors
+        bound to the original are not silently applied to, say, a fine-tuned copy."""
+        if "params" in changes and "provenance" not in changes and changes["params"] is not self.params:
+            prov = {k: v for k, v in self.provenance.items() if k not in ("sha256", "sha256_of")}
+            prov.update(sha256=None, sha256_of="params",
+                        derived_from=self.provenance.get("derived_from") or self.provenance.get("sha256"))
+            changes["provenance"] = prov
         return dataclasses.replace(self, **changes)
 
     # -------------------------------------------------------------- forward
@@ -536,6 +547,17 @@ def _check_param_shapes(path: pathlib.Path, module, params) -> None:
 # ----------------------------------------------------------------------------- save
 
 
+def params_sha256(params) -> str:
+    """Hex sha256 over a params pytree: every leaf's key path, dtype, shape and bytes, in key order."""
+    h = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(params)[0],
+                             key=lambda kv: jax.tree_util.keystr(kv[0])):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def _jsteer_version() -> str:
     import jsteer
 
@@ -551,6 +573,8 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
     if not isinstance(lm, LM):
         raise TypeError(f"save expects an LM, got {type(lm).__name__}")
     prov = {k: v for k, v in lm.provenance.items() if k != "checkpoint"}
+    if prov.get("sha256_of") == "params":  # derived params: their hash travels with them
+        prov["sha256"] = lm.identity.split(":", 1)[1]
     prov.update(dtype=jnp.dtype(lm.dtype).name, jsteer_version=_jsteer_version(), date=_now())
     config_dict = dataclasses.asdict(lm.config)  # jsteer field names, for people reading the sidecar
     meta = {"format": CHECKPOINT_FORMAT, "family": lm.family, "head": lm.head,

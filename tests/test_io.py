@@ -604,3 +604,21 @@ def test_from_state_dict(tiny_gpt2):
     assert lm.identity == io.from_state_dict(hf.config.to_dict(), dict(sd), tok).identity
     sd["transformer.ln_f.bias"] = sd["transformer.ln_f.bias"] + 1.0
     assert io.from_state_dict(hf.config.to_dict(), sd, tok).identity != lm.identity
+
+
+def test_replaced_params_are_another_model(tiny_gpt2, tmp_path):
+    """A copy with new params (e.g. fine-tuned) gets its own identity, a hash of those params,
+    which survives save / load: artifacts bound to the original are refused on it."""
+    from jsteer.steer import artifact
+
+    path, _ = tiny_gpt2
+    lm = jsteer.load(path)
+    assert lm.replace(tokenizer=lm.tokenizer).identity == lm.identity
+    bumped = lambda: jax.tree.map(lambda x: x + 0.5, lm.params)  # noqa: E731
+    ft = lm.replace(params=bumped())
+    assert ft.identity != lm.identity and ft.provenance["derived_from"] == lm.provenance["sha256"]
+    assert lm.replace(params=bumped()).identity == ft.identity  # the params' content, not the object
+    jsteer.save(ft, tmp_path / "ft")
+    assert jsteer.load(tmp_path / "ft").identity == ft.identity
+    with pytest.raises(artifact.WrongModelError, match="steer transfer"):
+        artifact.check_model({"base_model": lm.identity}, ft.identity)
