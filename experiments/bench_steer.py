@@ -122,8 +122,16 @@ def main():
     b_full = {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "values": jnp.asarray(values[:, None])}
     frozen_c = {"embedding": emb}
     frozen_f = {"embedding": emb, "backbone": lm.params}
-    steps = {"cached": lambda: step_cached(params, st, frozen_c, b_cached)[2],
-             "full_forward": lambda: step_full(params, st, frozen_f, b_full)[2]}
+    # each form trains its own copy: a step donates the params and optimizer state it is given
+    state = {k: (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, st)) for k in ("cached", "full_forward")}
+
+    def run(k, step, frozen, batch):
+        p, s, loss, _ = step(*state[k], frozen, batch)
+        state[k] = (p, s)
+        return loss
+
+    steps = {"cached": lambda: run("cached", step_cached, frozen_c, b_cached),
+             "full_forward": lambda: run("full_forward", step_full, frozen_f, b_full)}
     # same objective: both losses agree on the same texts
     l_c, l_f = float(steps["cached"]()), float(steps["full_forward"]())
     times = {k: [] for k in steps}

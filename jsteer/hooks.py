@@ -101,7 +101,20 @@ def apply_step_embed(x: Array, hooks: Optional[Hooks]) -> Array:
     """x: [B, 1, D] embedding of a generated token -> x + step_offset."""
     if hooks is None or hooks.step_offset is None:
         return x
-    return x + hooks.step_offset[:, None, :].astype(x.dtype)
+    off = hooks.step_offset
+    if off.ndim != 2 or off.shape[1] != x.shape[-1] or off.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"hooks.step_offset must be [B={x.shape[0]}, D={x.shape[-1]}] (one offset per row "
+                         f"for every generated token), got {tuple(off.shape)}")
+    return x + off[:, None, :].astype(x.dtype)
+
+
+def check_encoder_hooks(hooks: Optional[Hooks]) -> None:
+    """Encoders have no output-embedding head to steer and no generated tokens: a steer or
+    step offset handed to one is an error, not silently dropped."""
+    if hooks is not None and (hooks.steer is not None or hooks.step_offset is not None):
+        which = "steer" if hooks.steer is not None else "step_offset"
+        raise ValueError(f"hooks.{which} acts on a decoder's next-token head; encoder (BERT-family) models "
+                         "take embed_offset, film, attn_bias and position_ids only")
 
 
 def check_film_layers(hooks: Optional[Hooks], num_layers: int) -> None:

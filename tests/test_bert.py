@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from jsteer.backbones import bert as jb
-from jsteer.hooks import FiLM, Hooks
+from jsteer.hooks import FiLM, Hooks, Steer
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
 B, T = 3, 7
@@ -253,6 +253,15 @@ def test_film_on_a_missing_layer_is_an_error(bert_setup, key):
     big = jnp.full((B, T, cfg.hidden_size), 5.0)
     with pytest.raises(ValueError, match=rf"hooks.film has key {key!r}: .*range\({cfg.num_layers}\)"):
         _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(film={key: FiLM(gamma_out=big, beta_out=big)}))
+
+
+def test_decoder_only_hooks_are_refused(bert_setup):
+    _, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=11)
+    d = cfg.hidden_size
+    with pytest.raises(ValueError, match="hooks.steer acts on a decoder"):
+        _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt,
+             hooks=Hooks(steer=Steer(eps=jnp.ones((1,)), w=jnp.ones((1, d, d)))))
 
 
 # ----------------------------------------------------------------------------- position limits

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.hooks import (FiLM, Hooks, Steer, apply_embed, apply_film, apply_steer, check_film_layers, compose,
-                          steer_delta)
+from jsteer.hooks import (FiLM, Hooks, Steer, apply_embed, apply_film, apply_step_embed, apply_steer,
+                          check_encoder_hooks, check_film_layers, compose, steer_delta)
 
 B, T, D, S, R = 2, 3, 8, 2, 4
 
@@ -72,6 +72,23 @@ def test_steer_eps_shape_errors():
 def test_embed_offset_shape_error():
     with pytest.raises(ValueError, match="embed_offset"):
         apply_embed(jnp.zeros((B, T, D)), Hooks(embed_offset=jnp.zeros((B, T + 1, D))))
+
+
+def test_step_offset_shape_errors_and_broadcast():
+    x = jnp.zeros((B, 1, D))
+    for bad in (jnp.zeros((D,)), jnp.zeros((B, T, D)), jnp.zeros((B, D + 1)), jnp.zeros((B + 1, D))):
+        with pytest.raises(ValueError, match=r"step_offset must be \[B=2, D=8\]"):
+            apply_step_embed(x, Hooks(step_offset=bad))
+    off = _rand(3, 1, D)  # one offset for every row
+    np.testing.assert_array_equal(apply_step_embed(x, Hooks(step_offset=jnp.asarray(off))), np.broadcast_to(off, (B, D))[:, None])
+
+
+def test_encoders_refuse_decoder_only_hooks():
+    check_encoder_hooks(Hooks(embed_offset=jnp.zeros((B, T, D))))  # fine
+    with pytest.raises(ValueError, match="hooks.steer acts on a decoder"):
+        check_encoder_hooks(Hooks(steer=Steer(eps=jnp.zeros((S,)), w=jnp.zeros((S, D, D)))))
+    with pytest.raises(ValueError, match="hooks.step_offset acts on a decoder"):
+        check_encoder_hooks(Hooks(step_offset=jnp.zeros((B, D))))
 
 
 def test_compose_chains_film_and_adds_offsets_and_stacks_steers():

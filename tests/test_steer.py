@@ -113,6 +113,9 @@ def test_bad_inputs_raise_clear_errors():
 def test_make_eps_appends_dummy_steer():
     np.testing.assert_allclose(head.make_eps(5.0, 1e-3), [5e-3, 1e-3], rtol=1e-6)
     np.testing.assert_allclose(head.make_eps([[1, -1], [2, 0]], 0.5), [[0.5, -0.5, 0.5], [1, 0, 0.5]])
+    # callable from jitted code with traced values
+    np.testing.assert_allclose(jax.jit(head.make_eps)(jnp.asarray([[1.0, -1], [2, 0]]), 0.5),
+                               [[0.5, -0.5, 0.5], [1, 0, 0.5]])
     np.testing.assert_allclose(head.make_eps([2.0], 0.1, dummy=False), [0.2], rtol=1e-6)
 
 

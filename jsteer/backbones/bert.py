@@ -40,7 +40,7 @@ from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, ModelOutput, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
-from jsteer.hooks import Hooks, apply_embed, apply_film, check_film_layers
+from jsteer.hooks import Hooks, apply_embed, apply_film, check_encoder_hooks, check_film_layers
 
 Array = jnp.ndarray
 
@@ -359,6 +359,7 @@ class BertEncoder(nn.Module):
         b, t = input_ids.shape
         _check_length(self.config, t, explicit_positions=hooks is not None and hooks.position_ids is not None)
         check_film_layers(hooks, self.config.num_layers)
+        check_encoder_hooks(hooks)
         bias = attention_bias(attention_mask, hooks, b, t)
         h = self.embeddings(input_ids, token_type_ids, hooks, deterministic)
         states = [h] if output_hidden_states else None

@@ -83,17 +83,19 @@ def _batches(ids: np.ndarray, mask: np.ndarray, batch_size: int, seed: int) -> I
 
 
 def train(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, cfg: LMTrainConfig,
-          log_path=None, progress: bool = False) -> tuple[dict, dict]:
+          log_path=None, progress: bool = False, mesh=None) -> tuple[dict, dict]:
     """Train on ``ids`` / ``mask`` [N, L+1] (:func:`jsteer.kalm.data.encode_lines`) -> (params,
-    info: losses, seconds (steps 2..N), compile_seconds). A SIGTERM ends the process after the
-    current step (``sys.exit(143)``, the engine's preemption exit) rather than return a cut run."""
+    info: losses, seconds (steps 2..N), compile_seconds). Data-parallel over ``mesh`` (default:
+    every device; the batch size must divide by the device count). A SIGTERM ends the process
+    after the current step (``sys.exit(143)``, the engine's preemption exit) rather than return
+    a cut run."""
     if len(ids) < cfg.batch_size:
         raise ValueError(f"{len(ids)} training lines do not fill one batch of {cfg.batch_size}")
     # a short run still reaches the peak learning rate (warmup at most a tenth of the steps)
     warmup = min(cfg.warmup_steps, max(cfg.steps // 10, 1))
     opt = OptimizerConfig(learning_rate=cfg.lr, schedule="linear", warmup_steps=warmup,
                           total_steps=cfg.steps, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
-    trainer = Trainer(loss_fn(model, vocab), params, opt, mesh=data_mesh(jax.devices()[:1]), log_path=log_path,
+    trainer = Trainer(loss_fn(model, vocab), params, opt, mesh=mesh or data_mesh(), log_path=log_path,
                       log_every=max(cfg.steps // 20, 1), seed=cfg.seed, progress=progress)
     losses, marks = [], []
 

@@ -244,14 +244,14 @@ def make_eps(values: Union[float, Sequence[float], np.ndarray], eps0: float = 1e
     domain-shift steer trained at +1 (the original decodes with ``--steer_values 5 1``).
     Returns float32 [S] or [B, S] with S = S_user + dummy.
     """
-    v = np.asarray(values, np.float32)
+    v = jnp.asarray(values, jnp.float32)  # jnp throughout: callable under jit with traced values
     if v.ndim == 0:
         v = v[None]
     if v.ndim > 2:
         raise ValueError(f"steer values must be a scalar, [S] or [B, S], got shape {v.shape}")
     if dummy:
-        v = np.concatenate([v, np.ones(v.shape[:-1] + (1,), np.float32)], axis=-1)
-    return jnp.asarray(v * eps0)
+        v = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), jnp.float32)], axis=-1)
+    return v * eps0
 
 
 def stack(params_list: Sequence[Params]) -> dict:

@@ -16,6 +16,7 @@ kept for the speed comparison in experiments/bench_steer.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -388,9 +389,10 @@ def init_params(cfg: TrainConfig, hidden_dim: int, vocab_size: int, num_user_ste
 
 def make_step(loss_fn, optimizer):
     """Jitted Adam step on the "steer" entry of params; every other entry stays frozen.
-    step(trainable, opt_state, frozen, batch) -> (trainable, opt_state, loss, aux)."""
+    step(trainable, opt_state, frozen, batch) -> (trainable, opt_state, loss, aux); the
+    trainable params and optimizer state passed in are donated (do not reuse them)."""
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(trainable, opt_state, frozen, batch):
         def f(tr):
             return loss_fn({**frozen, "steer": tr}, batch, None)
@@ -451,7 +453,9 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
         trainer = Trainer(cached_loss_fn(cfg), {"steer": params, "embedding": emb}, opt, progress=False,
                           log_every=max(cfg.log_every, 1), seed=cfg.seed)
         trainer.fit(batches, cfg.steps, resume=False, on_step=lambda s, m: on_step(s - 1, m["loss"]))
-        params = {k: jnp.asarray(x) for k, x in trainer.params["steer"].items()}
+        # host copies: the engine's arrays live on its device mesh, which would clash with a
+        # model pinned to one device (e.g. restored from a checkpoint) in one jitted call
+        params = {k: jnp.asarray(np.asarray(x)) for k, x in trainer.params["steer"].items()}
     else:  # "optax" (TrainConfig validates the name)
         opt = optax.adam(cfg.lr)
         opt_state = opt.init(params)
