@@ -124,6 +124,40 @@ def test_conll_bad_data_names_file_and_line(tmp_path, content, line, message):
     assert str(e.value).startswith(f"{path}:{line}:" if line else f"{path}:")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"token_column": 2}, r"token_column=2 is outside the 2 columns of line 'EU B-ORG'"),
+    ({"tag_column": -3}, r"tag_column=-3 is outside the 2 columns"),
+])
+def test_conll_column_outside_the_line_names_file_and_line(tmp_path, kwargs, message):
+    path = write(tmp_path / "c.txt", "EU B-ORG\nrejects O\n")
+    with pytest.raises(DataError, match=message) as e:
+        readers.read_conll(path, **kwargs)
+    assert e.value.path == str(path) and e.value.line == 1
+
+
+@pytest.mark.parametrize("reader, lines, message", [
+    ("read_lama_relations", ['5'], "JSON line is not an object: '5'"),
+    ("read_lama_relations", [{"relation": "P1", "template": None}], "field 'template' must be a string, got None"),
+    ("read_lama_relations", [{"relation": 7, "template": "[X] in [Y]"}], "field 'relation' must be a string, got 7"),
+    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "predicate_id": "P1", "evidences": ["oops"]}],
+     "each of 'evidences' must be an object with 'masked_sentence', got 'oops'"),
+    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "predicate_id": "P1", "evidences": "oops"}],
+     "field 'evidences' must be a list"),
+    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "pred": 3}], "field 'pred' must be a string, got 3"),
+    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "pred": "/x/y", "masked_sentences": "a [MASK]"}],
+     "field 'masked_sentences' must be a list"),
+])
+def test_lama_wrong_json_types_name_file_and_line(tmp_path, reader, lines, message):
+    """Valid JSON of the wrong shape is a DataError at its line, never a raw TypeError."""
+    good = {"read_lama_relations": {"relation": "P0", "template": "[X] is [Y]"},
+            "read_lama_jsonl": {"sub_label": "a", "obj_label": "b", "predicate_id": "P0"}}[reader]
+    path = write(tmp_path / "x.jsonl", json.dumps(good) + "\n" + "\n".join(
+        line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    with pytest.raises(DataError, match=message) as e:
+        getattr(readers, reader)(path)
+    assert e.value.path == str(path) and e.value.line == 2
+
+
 def test_labeled_text_readers_and_errors(tmp_path):
     good = write(tmp_path / "s.jsonl", '{"sentence": "fine film", "label": "3"}\n{"sentence": "bad", "label": 0}\n')
     recs = readers.read_jsonl_labeled(good, label_set=list("01234"))
@@ -256,6 +290,13 @@ def _batcher(ex, batch_size=8, **kw):
 def test_bucket_boundaries_and_pick():
     assert batching.bucket_boundaries(128, 16) == (16, 32, 64, 128)
     assert batching.bucket_boundaries(100, 16) == (16, 32, 64, 100)
+    # a small growth would round down to repeated lengths (16, 16, 17, ...): each is one longer
+    assert batching.bucket_boundaries(24, 16, 1.05) == tuple(range(16, 25))
+    assert batching.bucket_boundaries(16, 16, 1.05) == (16,)
+    for growth in (1.01, 1.05, 1.3, 1.5):
+        b = batching.bucket_boundaries(40, 3, growth)
+        assert b[0] == 3 and b[-1] == 40 and all(x < y for x, y in zip(b, b[1:])), (growth, b)
+        _batcher(_examples(4), buckets=b)  # the Batcher accepts them
     assert batching.pick_bucket(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         batching.pick_bucket(33, (16, 32))

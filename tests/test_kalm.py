@@ -92,6 +92,54 @@ def test_mixture_is_a_distribution_and_matches_numpy(share):
     assert post[1, 0, 0] == 0.0 and post[1, 0, 3] == pytest.approx(1.0)  # word 9: only type 3
 
 
+def _np_logsumexp(x, axis=-1):
+    top = np.max(x, axis=axis, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):  # log(0) = -inf for an impossible word
+        return np.squeeze(top, axis) + np.log(np.sum(np.exp(x - top), axis=axis))
+
+
+def _np_log_softmax(x, mask):
+    z = np.where(mask, x, -np.inf)
+    return z - _np_logsumexp(z)[..., None]
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_word_log_probs_with_extreme_logits_match_numpy_log_space(share):
+    """Logits 250 nats apart: every word's log P(y | c) matches a float64 log-space NumPy
+    re-derivation (a word ~100 nats below the best one does not underflow to -1e30)."""
+    general = np.ones(V, bool)
+    general[0] = False  # word 0: in no vocabulary at all
+    vocab = TypedVocab.build(V, TYPES, general)
+    head = KalmHead(KalmConfig(num_types=len(TYPES), type_dim=4, share_word_embedding=share), vocab.num_pairs, D)
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 3, D))
+    logits = jax.random.normal(jax.random.PRNGKey(1), (2, 3, V)).at[..., 7].set(150.0).at[..., 3].set(-100.0)
+    logits = logits.at[..., 6].set(-60.0)
+    p = perturb(head.init(jax.random.PRNGKey(2), h, logits, vocab)["params"], jax.random.PRNGKey(3))
+    if not share:  # untied rows do not see the general logits: push word 3 down in type 1 too
+        p["typed_bias"] = p["typed_bias"].at[int(vocab.pair_index[3, 0])].add(-100.0)
+    out = head.apply({"params": p}, h, logits, vocab)
+    got = np.asarray(word_log_probs(out, vocab), np.float64)
+
+    p, h, lg = jax.tree.map(lambda x: np.asarray(x, np.float64), (p, h, logits))
+    ltype = _np_log_softmax(np.einsum("btd,de,ke->btk", h, p["type_proj"]["kernel"], p["type_embed"]), True)
+    terms = [ltype[..., 0:1] + _np_log_softmax(lg, general)]  # each [B, T, V], -inf where impossible
+    for j, words in enumerate(TYPES):
+        u = [int(np.asarray(vocab.pair_index)[w, j]) for w in words]
+        z = np.einsum("btd,ud->btu", h, p["typed_out"][u]) + p["typed_bias"][u] + (lg[..., words] if share else 0)
+        lj = np.full((2, 3, V), -np.inf)
+        lj[..., words] = _np_log_softmax(z, True)
+        terms.append(ltype[..., j + 1:j + 2] + lj)
+    want = _np_logsumexp(np.stack(terms), axis=0)
+
+    assert np.all(got[..., 0] == np.float32(-1e30)) and np.all(np.isneginf(want[..., 0]))
+    assert want[..., 3].max() < -95  # far below the best word (word 7, log P ~ 0)
+    np.testing.assert_allclose(got[..., 1:], want[..., 1:], rtol=1e-6, atol=1e-4)
+    targets = jnp.asarray([[3, 6, 7], [9, 5, 3]])
+    np.testing.assert_allclose(np.asarray(token_log_prob(out, vocab, targets)),
+                               np.take_along_axis(got, np.asarray(targets)[..., None], -1)[..., 0], atol=1e-4)
+
+
 def test_shared_typed_rows_start_at_the_word_embedding():
     """share_word_embedding with zero offsets: P(y | type j, c) is the general softmax renormalised
     over V_j; the untied head has no such tie."""
@@ -217,6 +265,7 @@ def test_kalm_types_held_out_words_from_context():
     params, info = ktrain.train(model, params, ids, mask, tv, ktrain.LMTrainConfig(lr=1e-2, batch_size=32, steps=80,
                                                                                    warmup_steps=5))
     assert info["losses"][-1] < 0.6 * info["losses"][0]
+    assert len(jax.tree.leaves(params)[0].sharding.device_set) == jax.device_count()  # data-parallel by default
     # after "eat the" the model expects a fruit, after "sip the" a drink: held-out words get typed
     test = [["eat", "the", "kiwi", ",", "sip", "the", "water"], ["sip", "the", "water", ",", "eat", "the", "kiwi"]]
     tid, tmask = kdata.encode_lines(test, vocab, length=9)

@@ -316,3 +316,109 @@ def test_optimizer_labels_pytree_and_partition_roundtrip():
     tr, fr = optim.partition(params, mask)
     assert tr["embed"]["embedding"] is None and fr["body"]["kernel"] is None
     assert tree_equal(optim.combine(mask, tr, fr), params)
+
+
+# ----------------------------------------------------------------------------- NaN guard, keep-best, tokens/s
+
+
+def poisoned_batches(bad_step, n=40):
+    """Plain iterator: batch ``i`` (step i + 1) is flagged ``bad`` when step == bad_step."""
+    for i in range(n):
+        yield {"x": np.ones((2, 3), np.float32), "bad": np.full((2,), i + 1 == bad_step)}
+
+
+def nan_loss(p, b, rng):
+    """Loss (and so gradient) NaN on a flagged batch."""
+    loss = jnp.mean((b["x"] @ p["w"]) ** 2)
+    return loss * jnp.where(b["bad"].any(), jnp.nan, 1.0), {}
+
+
+@jax.custom_vjp
+def poison_grad(w, bad):
+    """Identity on ``w``; its gradient is NaN where ``bad``."""
+    return w
+
+
+poison_grad.defvjp(lambda w, bad: (w, bad), lambda bad, g: (g * jnp.where(bad, jnp.nan, 1.0), None))
+
+
+def nan_grad_loss(p, b, rng):
+    """Finite loss but a NaN gradient on a flagged batch."""
+    return jnp.mean((b["x"] @ poison_grad(p["w"], b["bad"].any())) ** 2), {}
+
+
+@pytest.mark.parametrize("loss_fn", [nan_loss, nan_grad_loss])
+def test_non_finite_step_stops_before_any_checkpoint_holds_it(tmp_path, loss_fn):
+    """Non-finite from step 6, logged every 10, saved every 2: the save at step 6 raises, naming
+    step 6; only the finite steps 2 and 4 are on disk, and resuming gets finite params."""
+    params = {"w": jnp.ones((3, 2))}
+    cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant", clip_norm=None)
+    kw = dict(mesh=data_mesh(jax.devices()[:1]), checkpoint_dir=tmp_path / "ckpt", progress=False)
+    tr = Trainer(loss_fn, params, cfg, save_every=2, log_every=10, keep=3, **kw)
+    with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient norm at step 6\b"):
+        tr.fit(poisoned_batches(bad_step=6), 20)
+    assert tr.checkpointer.all_steps() == [2, 4]
+    again = Trainer(loss_fn, params, cfg, **kw)
+    assert again.restore() and again.step == 4
+    assert np.isfinite(np.asarray(again.state.params["w"])).all()
+
+
+@pytest.mark.parametrize("fold, where", [(256, r"at step 3\b"), (4, r"at one of steps 1\.\.4\b")])
+def test_non_finite_step_between_log_lines_is_caught_at_the_next_log_line(monkeypatch, fold, where):
+    """No checkpoints: the step-3 NaN is found at the step-5 log line, named by its own step (or
+    by the range of steps whose flags were folded into one after ``fold`` unchecked steps)."""
+    monkeypatch.setattr("jsteer.train.loop._FINITE_FOLD", fold)
+    tr = Trainer(nan_grad_loss, {"w": jnp.ones((3, 2))}, OptimizerConfig(learning_rate=1e-2),
+                 mesh=data_mesh(jax.devices()[:1]), log_every=5, progress=False)
+    steps = []
+    with pytest.raises(FloatingPointError, match=where):
+        tr.fit(poisoned_batches(bad_step=3), 20, on_step=lambda s, m: steps.append(s))
+    assert steps[-1] == 5
+
+
+def test_keep_best_saves_every_evaluation_step(tmp_path):
+    """eval_every=3 and save_every=2 never line up before the end: the best evaluation (step 3)
+    is still checkpointed and kept beside the latest."""
+    scores = iter([0.9, 0.1, 0.2, 0.3])
+
+    def batches():
+        while True:
+            yield {"x": np.ones((2, 3), np.float32)}
+
+    tr = Trainer(lambda p, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2), {}), {"w": jnp.ones((3, 1))},
+                 OptimizerConfig(learning_rate=1e-3), mesh=data_mesh(jax.devices()[:1]), progress=False,
+                 checkpoint_dir=tmp_path / "ckpt", keep=1, best_metric="eval/s", best_mode="max",
+                 eval_fn=lambda p: {"s": next(scores)}, eval_every=3, save_every=2)
+    tr.fit(batches(), 12)
+    assert tr.checkpointer.all_steps() == [3, 12]
+    assert tr.checkpointer.best_step() == 3
+    assert tr.checkpointer.metrics(3)["eval/s"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("fields, aux_tokens, want", [
+    ({"ids", "mask"}, True, 2 * 4),  # KALM: aux["tokens"] = the predicted positions mask[:, 1:]
+    ({"ids", "mask"}, False, 2 * 5),  # sum of "mask"
+    ({"ids"}, False, 2 * 6),  # size of "ids"
+    ({"input_ids", "attention_mask"}, False, 2 * 5),
+])
+def test_tokens_per_s_counts_aux_tokens_or_known_fields(tmp_path, fields, aux_tokens, want):
+    """Rows of 6 ids with 5 real positions; tokens_per_s * interval_s is the step's token count."""
+    mask = np.array([[1, 1, 1, 1, 1, 0]] * 2, np.int32)
+    batch = {"ids": np.ones((2, 6), np.int32), "mask": mask, "input_ids": np.ones((2, 6), np.int32),
+             "attention_mask": mask}
+    batch = {k: v for k, v in batch.items() if k in fields}
+
+    def loss_fn(p, b, rng):
+        loss = jnp.sum(p["w"] ** 2)
+        if not aux_tokens:
+            return loss, {}
+        return loss, {"tokens": b["mask"][:, 1:].astype(jnp.float32).sum()}
+
+    log = tmp_path / "log.jsonl"
+    tr = Trainer(loss_fn, {"w": jnp.ones((2,))}, OptimizerConfig(learning_rate=1e-3),
+                 mesh=data_mesh(jax.devices()[:1]), progress=False, log_path=log, log_every=1)
+    tr.fit(iter([batch] * 3), 3)
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(recs) == 3
+    for r in recs:
+        assert r["tokens_per_s"] * r["interval_s"] == pytest.approx(want, rel=1e-6)

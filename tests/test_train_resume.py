@@ -154,3 +154,44 @@ def test_sigterm_saves_and_exits_then_resume_is_bit_exact(tmp_path):
     t.fit(make_problem.cached[2](), N_STEPS)
     assert t.step == N_STEPS
     assert_bit_equal(t.params, reference()[0])
+
+
+def test_resume_without_a_data_position_warns_raises_or_is_allowed(tmp_path):
+    """A plain generator (no state()) leaves no data position in its checkpoints: resuming
+    restarts it, which warns by default, is refused with "raise" and is silent with "allow";
+    a finished run or a Batcher-written checkpoint resumes without a word."""
+    import warnings
+
+    import jax.numpy as jnp
+    import pytest
+
+    def gen():
+        i = 0
+        while True:
+            yield {"x": np.full((2, 3), i, np.float32)}
+            i += 1
+
+    def make(ckpt=tmp_path / "gen"):
+        return Trainer(lambda p, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2) * 1e-3, {}), {"w": jnp.ones((3, 1))},
+                       OptimizerConfig(learning_rate=1e-3), mesh=data_mesh(jax.devices()[:1]), progress=False,
+                       checkpoint_dir=ckpt, exit_on_preempt=False, log_path=tmp_path / "log.jsonl")
+
+    t = make()
+    t.fit(gen(), 6, on_step=lambda s, m: t.request_stop() if s == 3 else None)
+    assert t.checkpointer.all_steps() == [3]
+    with pytest.raises(ValueError, match=r"checkpoint at step 3 .* holds no data position"):
+        make().fit(gen(), 6, nonresumable_data="raise")
+    assert make().checkpointer.all_steps() == [3]  # refused before any step
+    with pytest.warns(RuntimeWarning, match="holds no data position.*replay"):
+        assert make().fit(gen(), 6)["step"] == 6
+    assert "holds no data position" in (tmp_path / "log.jsonl").read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make().fit(gen(), 8, nonresumable_data="allow")
+        assert make().fit(gen(), 8, nonresumable_data="raise")["step"] == 8  # finished: nothing replayed
+        batches = make_problem.cached[2]
+        t1 = trainer(tmp_path / "batcher", save_every=2)
+        t1.fit(batches(), 2)
+        trainer(tmp_path / "batcher").fit(batches(), 3, nonresumable_data="raise")
+    with pytest.raises(ValueError, match="nonresumable_data must be one of"):
+        make().fit(gen(), 8, nonresumable_data="ignore")

@@ -28,14 +28,20 @@ Example = Mapping[str, Any]
 
 
 def bucket_boundaries(max_len: int, min_len: int = 16, growth: float = 2.0) -> tuple[int, ...]:
-    """Geometric bucket lengths ``min_len, min_len*growth, ...`` capped by and ending at ``max_len``."""
+    """Geometric bucket lengths ``min_len, min_len*growth, ...`` capped by and ending at ``max_len``.
+
+    Strictly increasing (what :class:`Batcher` requires): where rounding down would repeat a
+    length (small ``growth``), the next bucket is one longer than the last.
+    """
     if min_len < 1 or max_len < min_len or growth <= 1.0:
         raise ValueError(f"need 1 <= min_len <= max_len and growth > 1 (got {min_len}, {max_len}, {growth})")
     out = []
     b = float(min_len)
-    while int(b) < max_len:
-        out.append(int(b))
+    length = min_len
+    while length < max_len:
+        out.append(length)
         b *= growth
+        length = max(int(b), length + 1)
     out.append(max_len)
     return tuple(out)
 

@@ -160,6 +160,7 @@ def read_conll(
         if ncols is None:
             if len(cols) < 2:
                 raise DataError(path, ln, f"malformed line {line!r}: need at least 2 columns (token and tag)")
+            _check_columns(path, ln, line, len(cols), token_column=token_column, tag_column=tag_column)
             ncols = len(cols)
         elif len(cols) != ncols:
             raise DataError(path, ln, f"malformed line {line!r}: {len(cols)} columns, file started with {ncols}")
@@ -175,6 +176,13 @@ def read_conll(
     if not out:
         raise DataError(path, None, "no sentences found")
     return out
+
+
+def _check_columns(path, ln, line: str, ncols: int, **columns: int) -> None:
+    """Each ``name=index`` of ``columns`` must index a line of ``ncols`` columns."""
+    for name, col in columns.items():
+        if not -ncols <= col < ncols:
+            raise DataError(path, ln, f"{name}={col} is outside the {ncols} columns of line {line!r}")
 
 
 # ----------------------------------------------------------------------------- labeled text
@@ -334,9 +342,13 @@ def read_lama_relations(path: PathLike) -> dict[str, str]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(path, ln, f"invalid JSON: {e.msg} at column {e.colno}") from None
+        if not isinstance(rec, dict):
+            raise DataError(path, ln, f"JSON line is not an object: {line!r}")
         for f in ("relation", "template"):
             if f not in rec:
                 raise DataError(path, ln, f"missing field {f!r}")
+            if not isinstance(rec[f], str):
+                raise DataError(path, ln, f"field {f!r} must be a string, got {rec[f]!r}")
         if "[X]" not in rec["template"] or "[Y]" not in rec["template"]:
             raise DataError(path, ln, f"template {rec['template']!r} lacks [X] or [Y]")
         out[rec["relation"]] = rec["template"]
@@ -359,11 +371,11 @@ def read_lama_jsonl(path: PathLike) -> list[LamaFact]:
             if not isinstance(rec.get(f), str) or not rec[f]:
                 raise DataError(path, ln, f"missing or empty field {f!r}")
         if "predicate_id" in rec:
-            relation = rec["predicate_id"]
-            sents = [e.get("masked_sentence") for e in rec.get("evidences", [])]
+            relation = _string_field(path, ln, rec, "predicate_id")
+            sents = [_evidence_sentence(path, ln, e) for e in _list_field(path, ln, rec, "evidences")]
         elif "pred" in rec:
-            relation = rec["pred"].rstrip("/").rsplit("/", 1)[-1]
-            sents = rec.get("masked_sentences", [])
+            relation = _string_field(path, ln, rec, "pred").rstrip("/").rsplit("/", 1)[-1]
+            sents = _list_field(path, ln, rec, "masked_sentences")
         else:
             raise DataError(path, ln, "neither 'predicate_id' (T-REx) nor 'pred' (Google-RE) present")
         for s in sents:
@@ -373,6 +385,27 @@ def read_lama_jsonl(path: PathLike) -> list[LamaFact]:
             LamaFact(relation, rec["sub_label"], rec["obj_label"], tuple(sents), str(rec.get("uuid", "")), str(path), ln)
         )
     return out
+
+
+def _string_field(path, ln, rec: Mapping, field: str) -> str:
+    if not isinstance(rec[field], str):
+        raise DataError(path, ln, f"field {field!r} must be a string, got {rec[field]!r}")
+    return rec[field]
+
+
+def _list_field(path, ln, rec: Mapping, field: str) -> list:
+    """``rec[field]`` (absent: empty), which must be a JSON list."""
+    value = rec.get(field, [])
+    if not isinstance(value, list):
+        raise DataError(path, ln, f"field {field!r} must be a list, got {value!r}")
+    return value
+
+
+def _evidence_sentence(path, ln, evidence):
+    """``masked_sentence`` of one T-REx evidence (checked to be a string by the caller)."""
+    if not isinstance(evidence, dict):
+        raise DataError(path, ln, f"each of 'evidences' must be an object with 'masked_sentence', got {evidence!r}")
+    return evidence.get("masked_sentence")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -226,14 +226,20 @@ def type_posterior(out: KalmOutput, vocab: TypedVocab, targets: Array) -> Array:
 
 
 def word_log_probs(out: KalmOutput, vocab: TypedVocab) -> Array:
-    """The full mixture log P(y | c) over the vocabulary [B, T, V] (for small B*T)."""
+    """The full mixture log P(y | c) over the vocabulary [B, T, V] (for small B*T).
+
+    Each word's terms (its general term [B, T] and one per pair of the word) are summed by a
+    logsumexp around that word's own largest term, so a word far below the best one (more
+    than ~87 nats in fp32) keeps its log probability instead of underflowing to NEG.
+    """
     general = out.type_logp[..., :1] + out.general_logp  # [B, T, V]
     if vocab.num_pairs == 0:  # no entity types: the plain head
         return general
     typed = jnp.take(out.type_logp[..., 1:], vocab.pair_type, axis=-1) + out.typed_logp  # [B, T, P]
-    top = jax.lax.stop_gradient(jnp.maximum(general.max(-1, keepdims=True), typed.max(-1, keepdims=True)))
-    probs = jnp.exp(general - top).at[..., vocab.pair_word].add(jnp.exp(typed - top))
-    return jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)) + top, NEG)
+    top = jax.lax.stop_gradient(general.at[..., vocab.pair_word].max(typed))  # per-word max [B, T, V]
+    sums = jnp.exp(general - top).at[..., vocab.pair_word].add(jnp.exp(typed - top[..., vocab.pair_word]))
+    # sums >= 1 (the top term is exp(0)); a word with no term above NEG stays exactly NEG
+    return jnp.where(top > NEG / 2, jnp.log(sums) + top, NEG)
 
 
 def expected_type_embedding(type_logp: Array, type_embed: Array) -> Array:

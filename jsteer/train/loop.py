@@ -13,10 +13,17 @@ the initial params pytree and an :class:`~jsteer.train.optim.OptimizerConfig` wh
 
 ``batches`` is any iterator of dicts of host arrays with a leading batch axis (each host
 gives its own rows). If it has ``state()`` / ``set_state(state)`` (like
-:class:`jsteer.data.batching.Batcher`) its position is checkpointed and restored.
+:class:`jsteer.data.batching.Batcher`) its position is checkpointed and restored; resuming
+from a checkpoint without a data position restarts the data from its beginning, which
+``fit`` warns about (``nonresumable_data``).
+
+A step whose loss or gradient norm is not finite stops the run with ``FloatingPointError``
+at the next log line or save, whichever comes first: no checkpoint is written from it.
 
 Logging: a tqdm bar (step rate, ETA, loss) and, with ``log_path``, one JSON line per
-``log_every`` steps (``step, loss, lr, grad_norm, examples_per_s, tokens_per_s, ...``) and
+``log_every`` steps (``step, loss, lr, grad_norm, examples_per_s, tokens_per_s, ...``; the
+token count is the loss's ``aux["tokens"]`` when it has one, else the batch's
+``attention_mask`` / ``mask`` sum or ``input_ids`` / ``ids`` size) and
 one per evaluation (``eval/<name>``). SIGTERM (preemption) finishes the current step, saves a
 checkpoint, waits for it and exits with status 143.
 """
@@ -24,13 +31,13 @@ checkpoint, waits for it and exits with status 143.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
@@ -45,6 +52,8 @@ PyTree = Any
 EXIT_PREEMPTED = 143  # 128 + SIGTERM
 _STEP_CACHE: dict = {}
 _STEP_CACHE_SIZE = 8
+_FINITE_FOLD = 256  # unchecked per-step finiteness flags kept before folding them into one
+NONRESUMABLE_DATA = ("warn", "allow", "raise")
 
 
 class FitResult(dict):
@@ -63,7 +72,8 @@ class Trainer:
         stored in bf16 once).
       checkpoint_dir: Orbax directory; a later ``fit`` resumes from its latest checkpoint.
       keep / best_metric / best_mode: keep the last ``keep`` checkpoints and the best one by
-        ``best_metric`` (a logged name such as ``"eval/loss"``).
+        ``best_metric`` (a logged name such as ``"eval/loss"``); with ``best_metric`` every
+        evaluation step is also saved, so each evaluation can become the best checkpoint.
       save_every: save every N steps (default: ``eval_every``); a final save always happens.
       log_path: JSONL metrics file (appended; only process 0 writes).
       eval_fn: ``params -> {name: float}``, run every ``eval_every`` steps and at the end.
@@ -145,6 +155,8 @@ class Trainer:
         self.state = jax.device_put(state, self._state_shardings)
         self._step_fn = None
         self._step_total = None
+        # (finite flag [] on device, steps it covers) of the steps not yet checked on the host
+        self._unchecked: list[tuple[jax.Array, int]] = []
 
         self.checkpointer = (
             Checkpointer(checkpoint_dir, keep=keep, best_metric=best_metric, best_mode=best_mode, async_save=async_save)
@@ -217,15 +229,47 @@ class Trainer:
         return self._step_fn
 
     def train_step(self, batch: Mapping[str, np.ndarray], total_steps: int) -> dict:
-        """One step on host rows ``batch``; returns the metrics (device arrays)."""
+        """One step on host rows ``batch``; returns the metrics (device arrays).
+
+        The step's finiteness flag is kept (not synced) for :meth:`check_finite`.
+        """
         fn = self._get_step_fn(total_steps)
         self.state, metrics = fn(self.state, self.frozen, step_lib.global_batch(batch, self.mesh))
+        metrics = dict(metrics)
+        self._unchecked.append((metrics.pop("finite"), 1))
+        if len(self._unchecked) >= _FINITE_FOLD:
+            flags, counts = zip(*self._unchecked)
+            self._unchecked = [(jnp.all(jnp.stack(flags)), sum(counts))]
         return metrics
+
+    def check_finite(self) -> None:
+        """Raise ``FloatingPointError`` if a step since the last check had a non-finite loss or
+        gradient norm (one host sync; a no-op when every step was checked already)."""
+        if not self._unchecked:
+            return
+        flags = np.asarray(jax.device_get([f for f, _ in self._unchecked]))
+        counts = [n for _, n in self._unchecked]
+        self._unchecked = []
+        if flags.all():
+            return
+        first = self.step - sum(counts) + 1  # first step the flags cover
+        bad = int(np.argmin(flags))
+        lo = first + sum(counts[:bad])
+        hi = lo + counts[bad] - 1
+        where = f"step {lo}" if lo == hi else f"one of steps {lo}..{hi}"
+        raise FloatingPointError(
+            f"non-finite loss or gradient norm at {where}; training stopped and no checkpoint was saved "
+            f"from that step on (the latest checkpoint, if any, predates it)"
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, batches=None, metrics=None, wait: bool = False) -> None:
-        if self.checkpointer is None or self.step in self.checkpointer.all_steps():
+        """Checkpoint the current step (after :meth:`check_finite`: never a non-finite state)."""
+        if self.checkpointer is None:
+            return
+        self.check_finite()
+        if self.step in self.checkpointer.all_steps():
             return
         meta = {"data": _iter_state(batches), "precision": self.precision}
         self.checkpointer.save(self.step, self.state, meta=meta, metrics=metrics)
@@ -234,19 +278,41 @@ class Trainer:
 
     def restore(self, batches=None, step: Optional[int] = None) -> bool:
         """Load the latest (or given) checkpoint into the trainer and the iterator position."""
+        return self._restore(batches, step) is not None
+
+    def _restore(self, batches, step: Optional[int]) -> Optional[dict]:
+        """:meth:`restore`; returns the checkpoint's meta (None: nothing restored)."""
         if self.checkpointer is None or (step is None and self.checkpointer.latest_step() is None):
-            return False
+            return None
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self._state_shardings
         )
         state, meta = self.checkpointer.restore(step, target)
         self.state = state
+        self._unchecked = []
         data = meta.get("data")
         if data is not None and batches is not None:
             if not hasattr(batches, "set_state"):
                 raise ValueError("checkpoint has a data position but the batch iterator has no set_state()")
             batches.set_state(data)
-        return True
+        return meta
+
+    def _check_data_position(self, meta: Optional[dict], num_steps: int, policy: str) -> None:
+        """Resuming from a checkpoint that holds no data position replays data from its start:
+        warn (``policy="warn"``), accept silently (``"allow"``) or refuse (``"raise"``)."""
+        if meta is None or meta.get("data") is not None or self.step >= num_steps or policy == "allow":
+            return
+        msg = (
+            f"resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}, which holds no "
+            f"data position (the batch iterator that wrote it had no state()): the data restarts from its "
+            f"beginning, so steps {self.step + 1}.. train again on examples already seen. Use an iterator with "
+            f"state()/set_state() (e.g. jsteer.data.batching.Batcher), or pass nonresumable_data='allow' to "
+            f"accept the replay."
+        )
+        if policy == "raise":
+            raise ValueError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        self._log({"step": self.step, "event": f"warning: {msg}"})
 
     # ------------------------------------------------------------------ fit
 
@@ -263,13 +329,20 @@ class Trainer:
         *,
         resume: bool = True,
         on_step: Optional[Callable[[int, dict], None]] = None,
+        nonresumable_data: str = "warn",
     ) -> FitResult:
         """Train until ``state.step == num_steps`` (a total, so a resumed run stops at the same step).
 
         ``on_step(step, metrics)`` is called after each step (metrics are device arrays).
+        ``nonresumable_data``: what a resume from a checkpoint without a data position (written
+        from an iterator with no ``state()``) does, since ``batches`` then starts from its
+        beginning: ``"warn"`` (RuntimeWarning and a log line), ``"allow"`` or ``"raise"``
+        (ValueError).
         """
+        if nonresumable_data not in NONRESUMABLE_DATA:
+            raise ValueError(f"nonresumable_data must be one of {NONRESUMABLE_DATA}, got {nonresumable_data!r}")
         if resume:
-            self.restore(batches)
+            self._check_data_position(self._restore(batches, None), num_steps, nonresumable_data)
         start = self.step
         it = iter(batches)
         self._stop_reason = None
@@ -285,8 +358,8 @@ class Trainer:
                     batch = next(it)
                 except StopIteration:
                     break
-                window.add(batch)
                 metrics = self.train_step(batch, num_steps)
+                window.add(batch, metrics)
                 step += 1
                 if on_step is not None:
                     on_step(step, metrics)
@@ -300,8 +373,7 @@ class Trainer:
                     result["last"] = record
                     if bar is not None:
                         bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
-                    if not math.isfinite(record["loss"]):
-                        raise FloatingPointError(f"loss is {record['loss']} at step {step}")
+                    self.check_finite()
                 evaluated = False
                 if self.eval_every and step % self.eval_every == 0 and step != num_steps:
                     last_eval = self.evaluate()
@@ -312,7 +384,8 @@ class Trainer:
                     result["preempted"] = True
                     self._log({"step": step, "event": f"stopped ({self._stop_reason}); checkpoint saved"})
                     break
-                if self.save_every and step % self.save_every == 0 and step != num_steps:
+                periodic = self.save_every and step % self.save_every == 0 and step != num_steps
+                if periodic or (evaluated and self.best_metric is not None):
                     self.save(batches, metrics=last_eval if evaluated else None)
             result["step"] = step
             if not result["preempted"] and step == num_steps:
@@ -364,28 +437,47 @@ class Trainer:
 
 
 class _Window:
-    """Throughput over the steps since the last log line (host-side counts)."""
+    """Throughput over the steps since the last log line.
+
+    Examples are counted on the host. Tokens come from the loss's ``aux["tokens"]`` (a
+    global count, kept on device and summed at :meth:`rates`, which runs at a log line
+    that syncs anyway), else from the host batch: the sum of ``attention_mask`` / ``mask``
+    or the size of ``input_ids`` / ``ids``.
+    """
+
+    MASKS = ("attention_mask", "mask")
+    IDS = ("input_ids", "ids")
 
     def __init__(self):
         self.t0 = time.perf_counter()
         self.examples = 0
         self.tokens = 0
+        self.device_tokens: list = []
 
-    def add(self, batch) -> None:
+    def add(self, batch, metrics: Mapping[str, Any]) -> None:
+        """Count one step: host rows ``batch`` and the step's ``metrics`` (device arrays)."""
         if "example_mask" in batch:
             n = int(np.sum(batch["example_mask"]))
         else:
             n = int(np.shape(next(iter(batch.values())))[0])
         self.examples += n * jax.process_count()
-        if "attention_mask" in batch:
-            self.tokens += int(np.sum(batch["attention_mask"])) * jax.process_count()
-        elif "input_ids" in batch:
-            self.tokens += int(np.size(batch["input_ids"])) * jax.process_count()
+        if "tokens" in metrics:
+            self.device_tokens.append(metrics["tokens"])
+            return
+        mask = next((k for k in self.MASKS if k in batch), None)
+        ids = next((k for k in self.IDS if k in batch), None)
+        if mask is not None:
+            self.tokens += int(np.sum(batch[mask])) * jax.process_count()
+        elif ids is not None:
+            self.tokens += int(np.size(batch[ids])) * jax.process_count()
 
     def rates(self) -> dict:
+        tokens = self.tokens
+        if self.device_tokens:
+            tokens += float(np.sum(jax.device_get(self.device_tokens)))
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        out = {"examples_per_s": self.examples / dt, "tokens_per_s": self.tokens / dt, "interval_s": dt}
-        self.t0, self.examples, self.tokens = time.perf_counter(), 0, 0
+        out = {"examples_per_s": self.examples / dt, "tokens_per_s": tokens / dt, "interval_s": dt}
+        self.t0, self.examples, self.tokens, self.device_tokens = time.perf_counter(), 0, 0, []
         return out
 
 

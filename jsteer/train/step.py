@@ -114,7 +114,8 @@ def make_train_step(
 
     ``frozen`` holds the non-trainable params (None at trainable leaves); they are inputs,
     never differentiated. ``metrics``: ``loss``, ``grad_norm``, ``lr`` (first group) and
-    ``lr/<group>``, plus the loss function's aux values.
+    ``lr/<group>``, ``finite`` (bool []: loss and grad_norm are both finite), plus the loss
+    function's aux values.
     """
 
     def step_fn(state: TrainState, frozen: PyTree, batch):
@@ -128,7 +129,8 @@ def make_train_step(
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        grad_norm = optax.tree.norm(grads)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
         lrs = {f"lr/{g}": s(state.step) for g, s in schedules.items()}
         metrics["lr"] = next(iter(lrs.values()))
         if len(lrs) > 1:
