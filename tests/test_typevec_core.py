@@ -181,7 +181,8 @@ def test_sampling_counts_skips_and_rejects_unusable_lists(tmp_path, bpe_tok):
     p = tmp_path / "T.csv"
     p.write_text("Label,URI,Indegree,Outdegree,Degree\nLondon,u,1,1,5\nParis,u,1,1,3\nLondres,u,1,1,9\n"
                  "Rome,u,1,1,1\n,u,1,1,1\n")
-    s = sampling.sample_type(tmp_path, "T", bpe_tok, strategy="top", n=10)
+    with pytest.warns(sampling.FewExamplesWarning, match="3 distinct example tokens used, 10 requested"):
+        s = sampling.sample_type(tmp_path, "T", bpe_tok, strategy="top", n=10)
     assert s.labels == ("London", "Paris", "Rome")
     assert s.skipped_multi_token == 1 and s.skipped_examples == ("Londres",)
     assert s.report()["skipped_multi_token"] == 1
