@@ -143,11 +143,50 @@ class LM:
         (provenance ``derived_from`` keeps the original's), so that steers and type vectors
         bound to the original are not silently applied to, say, a fine-tuned copy."""
         if "params" in changes and "provenance" not in changes and changes["params"] is not self.params:
-            prov = {k: v for k, v in self.provenance.items() if k not in ("sha256", "sha256_of")}
-            prov.update(sha256=None, sha256_of="params",
-                        derived_from=self.provenance.get("derived_from") or self.provenance.get("sha256"))
-            changes["provenance"] = prov
+            changes["provenance"] = _derived_provenance(self.provenance)
         return dataclasses.replace(self, **changes)
+
+    def with_head(self, head: Optional[str], num_labels: Optional[int] = None, seed: int = 0) -> "LM":
+        """A BERT-family copy with a freshly initialised ``head`` ("token_classification", "qa",
+        "mlm"; None: the bare encoder) on the same encoder weights. ``num_labels``
+        (token_classification) defaults to the config's; config, ``hf_config`` and module follow.
+        Params are drawn with :func:`jsteer.backbones.bert.init_head` from ``PRNGKey(seed)``.
+
+        Identity: a "token_classification" / "qa" head (or none) keeps the source's
+        :attr:`identity`, as ``jsteer.load(src, head=None)`` and ``jsteer.load(src)`` share
+        one: everything bound to an identity reads only the encoder (type vectors: input
+        embeddings; KALA entity-memory caches: encoder features; steers: decoders only). A fresh
+        "mlm" head changes the MLM logits that type-vector probing scores, so it gives another
+        model as :meth:`replace` does. Training the head (``replace(params=...)``) does too.
+        Provenance records ``fresh_head`` (head, num_labels, seed)."""
+        if self.family != "bert":
+            raise ValueError(f"with_head: heads are BERT-only; this LM is {self.family!r}")
+        self.fam.check_head(head)
+        if num_labels is not None and head != "token_classification":
+            raise ValueError(f"with_head: num_labels is for head='token_classification', not {head!r}")
+        from jsteer.backbones.bert import init_head
+
+        config, hf_config = self.config, dict(self.hf_config)
+        if num_labels is not None:
+            if int(num_labels) < 1:
+                raise ValueError(f"with_head: num_labels must be >= 1, got {num_labels}")
+            config = dataclasses.replace(config, num_labels=int(num_labels))
+            hf_config["num_labels"] = int(num_labels)
+            for k in ("id2label", "label2id"):  # stale label names would disagree with num_labels
+                if len(hf_config.get(k) or {}) != int(num_labels):
+                    hf_config.pop(k, None)
+        params = {k: v for k, v in self.params.items() if k != "head"}
+        if head is not None:
+            params["head"] = _cast(init_head(jax.random.PRNGKey(seed), config, head), self.dtype)
+        module = self.fam.build(config, head, self.dtype)
+        if head != "mlm" and self.provenance.get("sha256_of") == "params":
+            self.identity  # a derived source: fix its identity (a hash of its params) before they change
+        prov = _derived_provenance(self.provenance) if head == "mlm" else dict(self.provenance)
+        prov.pop("checkpoint", None)
+        prov["fresh_head"] = {"head": head, "seed": int(seed),
+                              "num_labels": config.num_labels if head == "token_classification" else None}
+        return dataclasses.replace(self, config=getattr(module, "config", config), params=params, module=module,
+                                   hf_config=hf_config, head=head, provenance=prov)
 
     # -------------------------------------------------------------- forward
 
@@ -247,6 +286,14 @@ class LM:
         src = self.provenance.get("source", "?")
         head = f", head={self.head!r}" if self.family == "bert" else ""
         return f"LM(family={self.family!r}{head}, dtype={jnp.dtype(self.dtype).name}, source={src!r})"
+
+
+def _derived_provenance(prov: dict) -> dict:
+    """Provenance of a model derived from one with ``prov`` by new params: identity becomes a
+    hash of the params (computed on first use), ``derived_from`` keeps the original's."""
+    out = {k: v for k, v in prov.items() if k not in ("sha256", "sha256_of")}
+    out.update(sha256=None, sha256_of="params", derived_from=prov.get("derived_from") or prov.get("sha256"))
+    return out
 
 
 _TRACES = [0]
@@ -408,7 +455,7 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
         if head is None:
             raise
         raise ValueError(f"{source}: the weights have no {head!r} head ({e.args[0]}); load with head=None and "
-                         f"add a fresh head (jsteer.backbones.bert.init_head)") from None
+                         f"add a fresh one: lm.with_head({head!r}[, num_labels=N])") from None
     params = _cast(params, dtype)
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype
@@ -512,7 +559,8 @@ def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
         if head is None and isinstance(params, dict):
             params = {k: v for k, v in params.items() if k != "head"}
         else:
-            raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r}")
+            raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r} "
+                             f"(load it as saved, then lm.with_head({head!r}) for a fresh one)")
     config = fam.config_from_hf(meta["hf_config"])
     tokenizer = Tokenizer.from_json(meta["tokenizer"])
     if dtype is None:
@@ -712,12 +760,16 @@ def _restore_tree(path: pathlib.Path, target: Any = None):
             target)
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore(path.absolute(), target)
+            tree = ckptr.restore(path.absolute(), target)
     except Exception as e:  # truncated / missing array files surface as TensorStore errors
         _quiet_orphaned_reads()
         what = ("corrupt or incomplete checkpoint, or a tree that does not match the target" if given
                 else "corrupt or incomplete checkpoint")
         raise ValueError(f"{path}: {what}: {_short(e)}") from e
+    # without a target, hand back uncommitted arrays (as a load from HF files does): Orbax pins
+    # them to device 0, and jit then refuses to mix them with mesh-placed arrays (e.g. freshly
+    # trained steer params) on a multi-device host
+    return tree if given else jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), tree)
 
 
 # ----------------------------------------------------------------------------- atomic folders

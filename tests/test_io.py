@@ -192,8 +192,45 @@ def test_tiny_bert_mlm_head_auto_and_override(tmp_path):
     back = jsteer.load(tmp_path / "ck")
     assert back.head == "mlm" and leaves_equal(back.params, lm.params)
     assert jsteer.load(tmp_path / "ck", head=None).head is None
-    with pytest.raises(ValueError, match="saved with head 'mlm'"):
+    with pytest.raises(ValueError, match=r"saved with head 'mlm'.*with_head\('qa'\)"):
         jsteer.load(tmp_path / "ck", head="qa")
+
+
+def test_with_head_adds_a_fresh_head(tmp_path, tiny_gpt2):
+    """LM.with_head: the head the weights lack, fresh, on unchanged encoder outputs; the source's
+    identity is kept except for a fresh MLM head; it survives save / load."""
+    make_tiny_bert_mlm(tmp_path / "bert")
+    with pytest.raises(ValueError, match=r"lm.with_head\('token_classification'"):
+        jsteer.load(tmp_path / "bert", head="token_classification")
+    mlm = jsteer.load(tmp_path / "bert")
+    bare = jsteer.load(tmp_path / "bert", head=None)
+    ids, mask = bare.encode_batch(["w1 w2 w3", "w4"])
+    ref = bare.forward(ids, mask).hidden
+
+    tc = bare.with_head("token_classification", num_labels=5)
+    out = tc.forward(ids, mask)
+    assert out.logits.shape == ids.shape + (5,) and np.array_equal(out.hidden, ref)
+    assert tc.head == "token_classification" and tc.config.num_labels == 5 and tc.hf_config["num_labels"] == 5
+    assert tc.identity == bare.identity == mlm.identity
+    assert tc.provenance["fresh_head"] == {"head": "token_classification", "seed": 0, "num_labels": 5}
+    assert leaves_equal(tc.params["head"], bare.with_head("token_classification", num_labels=5).params["head"])
+    assert not leaves_equal(tc.params["head"], bare.with_head("token_classification", 5, seed=1).params["head"])
+    jsteer.save(tc, tmp_path / "tc")
+    back = jsteer.load(tmp_path / "tc")
+    assert back.head == "token_classification" and back.identity == tc.identity
+    assert np.array_equal(back.forward(ids, mask).logits, out.logits)
+
+    qa = mlm.with_head("qa")  # replaces the MLM head
+    assert qa.forward(ids, mask).logits.shape == ids.shape + (2,) and set(qa.params) == {"encoder", "head"}
+    assert np.array_equal(qa.forward(ids, mask).hidden, ref) and qa.identity == mlm.identity
+    assert mlm.with_head(None).forward(ids, mask).logits is None
+
+    fresh_mlm = mlm.with_head("mlm")  # MLM logits feed type-vector probing: another model
+    assert fresh_mlm.identity != mlm.identity and fresh_mlm.provenance["derived_from"] == mlm.provenance["sha256"]
+    with pytest.raises(ValueError, match="num_labels is for"):
+        bare.with_head("qa", num_labels=3)
+    with pytest.raises(ValueError, match="BERT-only"):
+        jsteer.load(tiny_gpt2[0]).with_head("qa")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -622,3 +659,19 @@ def test_replaced_params_are_another_model(tiny_gpt2, tmp_path):
     assert jsteer.load(tmp_path / "ft").identity == ft.identity
     with pytest.raises(artifact.WrongModelError, match="steer transfer"):
         artifact.check_model({"base_model": lm.identity}, ft.identity)
+
+
+def test_checkpoint_params_mix_with_mesh_placed_arrays(tiny_gpt2, tmp_path):
+    """A reloaded checkpoint is not pinned to one device: on a multi-device host (the tests run
+    with 8 simulated devices) it runs in one jitted call with arrays replicated over a mesh."""
+    from jsteer.train.step import data_mesh, replicated
+
+    path, _ = tiny_gpt2
+    jsteer.save(jsteer.load(path), tmp_path / "ck")
+    lm = jsteer.load(tmp_path / "ck")
+    assert not any(getattr(x, "_committed", False) for x in jax.tree.leaves(lm.params))
+    d = lm.input_embeddings().shape[1]
+    offset = jax.device_put(jnp.zeros((1, 3, d)), replicated(data_mesh()))
+    assert len(offset.sharding.device_set) == jax.device_count() > 1
+    out = lm.forward(jnp.asarray([[1, 2, 3]]), hooks=jsteer.Hooks(embed_offset=offset))
+    np.testing.assert_allclose(out.logits, lm.forward(jnp.asarray([[1, 2, 3]])).logits, atol=1e-6)

@@ -17,6 +17,28 @@ Pieces (each module's docstring has the details):
   :mod:`~jsteer.kala.train`, :mod:`~jsteer.kala.pipeline`, :mod:`~jsteer.kala.cli`,
   :mod:`~jsteer.kala.runs`      tasks, metrics, training on ``jsteer.train.Trainer``, CLI and its
                                 run folders (run.json: no mixing of runs on resume).
+
+NER runs from the shell (``jsteer kala build-graph / train / eval``) or from Python
+(:mod:`~jsteer.kala.pipeline`). Extractive QA is Python only: a SQuAD v1.1 file, a mentions
+file keyed by question id (character offsets, :mod:`~jsteer.kala.formats`) and facts::
+
+    import jax, jsteer
+    from jsteer.kala import KalaConfig, KalaModel, init_params, qa, read_facts, read_mentions, train
+    from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab
+
+    enc = jsteer.load("minilm")
+    examples = qa.read_squad("squad.json")
+    mentions = read_mentions("squad.mentions.jsonl", {e.qid: e.context for e in examples})
+    facts = read_facts("facts.jsonl")
+    vocab, relations = EntityVocab.from_mentions(mentions.values()), RelationVocab.from_facts(facts)
+    kg = KnowledgeGraph(facts, relations)
+    feats = [f for e in examples for f in qa.encode_qa(e, enc.tokenizer, mentions.get(e.qid, ()), vocab, kg)]
+    model = KalaModel(enc.config, KalaConfig(num_entities=len(vocab), num_relations=len(relations)), task="qa")
+    params = init_params(model, jax.random.PRNGKey(0), encoder_params=enc.params["encoder"])
+    fit = train.fit(model, params, feats, train.TrainConfig(), task="qa")
+    train.evaluate_qa(model, fit.params, feats, examples)      # {"exact_match": ..., "f1": ...} in percent
+
+(Use separate train / test files in practice; build the vocabularies from the training mentions.)
 """
 
 from jsteer.kala.formats import Fact, FormatError, Mention, read_facts, read_mentions  # noqa: F401

@@ -1,8 +1,8 @@
 """``jsteer typevec``: make type vectors, show their nearest tokens, probe LAMA with them.
 
-    jsteer typevec make --model smollm2-135m --type City --type Year --out tv/smollm2
+    jsteer typevec make --model smollm2-135m --type City --type Country --out tv/smollm2
     jsteer typevec make --model minilm --words "paris,london,rome" --name city --out tv/city
-    jsteer typevec make --model smollm2-135m --type City --project-out Year --out tv/city_optim
+    jsteer typevec make --model smollm2-135m --type City --project-out Year --first-token --out tv/city_optim
     jsteer typevec neighbours --model minilm --type City [-k 10]
     jsteer typevec neighbours --model minilm --artifact tv/city [--name city]
     jsteer typevec probe --model smollm2-135m --relation City/P19 --relation Country/P17 \\
@@ -13,7 +13,9 @@ Type examples come from the KG lists in ``--kg`` (default ``../shared/data/type_
 kg_samples`` beside the repository), sampled with ``--strategy`` (weighted by degree by
 default, 10 tokens, ``--seed``); only entries that are one word token are used (``--first-token``:
 the first word token of multi-token entries), the tokens used and the skipped counts are
-printed, and fewer usable tokens than ``--n`` is warned about.
+printed, and fewer usable tokens than ``--n`` is warned about. SmolLM2 writes years as digit
+tokens, so Year needs ``--first-token`` (it applies to every type of the command) and yields
+only "1", "2", "3"; ``experiments/typevec_lama.py`` builds E_year from the ten digits instead.
 
 ``probe`` reads the type-grouped LAMA CSVs in ``--data``, or raw LAMA with ``--lama DIR``
 (``DIR/relations.jsonl`` templates, ``DIR/<source>/<relation>.jsonl`` facts; each relation's

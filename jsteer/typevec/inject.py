@@ -22,10 +22,16 @@ injection and of the mean residual norm at the layer for :func:`residual_hooks`.
 
 All functions are pure and jittable; lambda may be a scalar or one value per row [B], and is
 a traced value (sweeping it never recompiles).
+
+The package re-exports :func:`inject` under this module's name, so ``jsteer.typevec.inject``
+is this module and is also callable as that function: ``tv.inject(te, lam, where)`` and
+``import jsteer.typevec.inject as I; I.last_positions(mask)`` both work.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Optional
 
 import jax.numpy as jnp
@@ -122,3 +128,13 @@ def residual_hooks(te: Array, lam, where: Array, layer: int, hooks: Optional[Hoo
         return Hooks(film=film)
     from jsteer.hooks import compose
     return compose(hooks, Hooks(film=film))
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`inject` (see the module docstring)."""
+
+    def __call__(self, te: Array, lam, where: Array, hooks: Optional[Hooks] = None) -> Hooks:
+        return inject(te, lam, where, hooks)
+
+
+sys.modules[__name__].__class__ = _CallableModule
