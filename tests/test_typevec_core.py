@@ -44,12 +44,16 @@ def minilm_tok():
 def bpe_tok():
     """A tiny byte-level BPE vocabulary where " London" and "London" are different tokens."""
     words = ["London", "Paris", "Rome", "the", "Berlin"]
+    return _byte_bpe("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZĠ",
+                     [t for w in words for t in (w, "Ġ" + w)])
+
+
+def _byte_bpe(chars: str, tokens) -> Tokenizer:
+    """Byte-level BPE tokenizer over single ``chars`` plus whole ``tokens`` (no merges), with
+    <|endoftext|> as eos / pad."""
     vocab = {}
-    for ch in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZĠ":
-        vocab.setdefault(ch, len(vocab))
-    for w in words:
-        vocab.setdefault(w, len(vocab))
-        vocab.setdefault("Ġ" + w, len(vocab))
+    for t in list(chars) + list(tokens):
+        vocab.setdefault(t, len(vocab))
     vocab["<|endoftext|>"] = len(vocab)
     tk = RawTokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -269,16 +273,8 @@ def test_row_norm_unit_and_residual_hooks():
 def digit_tok():
     """A byte-level BPE vocabulary that writes " 1985" as " " + "1" + "9" + "8" + "5" (as SmolLM2
     does), with single tokens for a few words and for " ." (punctuation only)."""
-    vocab = {}
-    for ch in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789Ġ.()":
-        vocab.setdefault(ch, len(vocab))
-    for w in ("London", "Paris", "Rome", "Berlin", "the", "."):
-        vocab.setdefault("Ġ" + w, len(vocab))
-    vocab["<|endoftext|>"] = len(vocab)
-    tk = RawTokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    return Tokenizer(tk, {"eos": vocab["<|endoftext|>"], "pad": vocab["<|endoftext|>"]})
+    return _byte_bpe("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789Ġ.()",
+                     ["Ġ" + w for w in ("London", "Paris", "Rome", "Berlin", "the", ".")])
 
 
 def test_make_rejects_ids_outside_the_vocabulary_and_nans_under_jit():
