@@ -308,6 +308,33 @@ def test_training_batches_carry_graphs_only_for_knowledge_models():
         assert ("graph_senders" in batch) == has_graph and "token_node" in batch
 
 
+def test_training_stream_resumes_at_its_saved_position():
+    """The batch stream's state() / set_state() continue exactly where a run stopped, across
+    epochs (what the trainer checkpoints for --resume)."""
+    from jsteer.kala import train as ktrain
+
+    ex = tiny_encoded_example()
+    examples = [dict(ex, input_ids=np.array([2, 5 + i, 6, 3], np.int32)) for i in range(6)]  # 3 batches / epoch
+    model = KalaModel(tiny_bert(), KalaConfig(method="relational", num_entities=3), num_labels=2)
+    cfg = ktrain.TrainConfig(batch_size=2, seed=3)
+    make = lambda: ktrain._Endless.for_model(model, examples, cfg, "ner")  # noqa: E731
+    it = iter(make())
+    straight = [np.asarray(next(it)["input_ids"]) for _ in range(7)]
+    for stop in (1, 3, 4):
+        first = make()
+        it = iter(first)
+        for _ in range(stop):
+            next(it)
+        again = make()
+        again.set_state(json.loads(json.dumps(first.state())))  # as it travels in a checkpoint
+        rest = iter(again)
+        for k in range(stop, 7):
+            np.testing.assert_array_equal(np.asarray(next(rest)["input_ids"]), straight[k])
+    other = ktrain._Endless.for_model(model, examples[:4], cfg, "ner")
+    with pytest.raises(ValueError, match="6 examples"):
+        other.set_state(first.state())
+
+
 def test_entity_dropout_nulls_nodes_in_training_only():
     from jsteer.kala.model import drop_entities
 

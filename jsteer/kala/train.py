@@ -143,11 +143,24 @@ def measure_step_memory(model: KalaModel, params: dict, examples: Sequence[dict]
 
 
 class _Endless:
-    """Epoch after epoch of shuffled, length-grouped, collated batches."""
+    """Epoch after epoch of shuffled, length-grouped, collated batches. Its position
+    (:meth:`state` / :meth:`set_state`) is checkpointed by the trainer, so a resumed run
+    continues with the batch an uninterrupted one would have taken (each epoch's order is a
+    function of the seed and the epoch)."""
 
     def __init__(self, examples, batch_size, keys, seed, graph_rungs=0, graph=True):
         self.examples, self.batch_size, self.keys, self.seed = examples, batch_size, keys, seed
         self.graph_rungs, self.graph = graph_rungs, graph
+        self._epoch, self._index = 0, 0  # the next batch: batch _index of epoch _epoch
+
+    def state(self) -> dict:
+        return {"epoch": self._epoch, "index": self._index, "seed": self.seed, "num_examples": len(self.examples)}
+
+    def set_state(self, state) -> None:
+        if int(state["seed"]) != self.seed or int(state["num_examples"]) != len(self.examples):
+            raise ValueError(f"data position is for seed {state['seed']} / {state['num_examples']} examples, "
+                             f"this run has seed {self.seed} / {len(self.examples)} examples")
+        self._epoch, self._index = int(state["epoch"]), int(state["index"])
 
     @classmethod
     def for_model(cls, model, examples, cfg: TrainConfig, task: str, keys=None) -> "_Endless":
@@ -159,13 +172,15 @@ class _Endless:
                    graph)
 
     def __iter__(self):
-        epoch = 0
         while True:
-            for _, batch in kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
-                                          seed=self.seed * 1000 + epoch, keys=self.keys,
-                                          graph_rungs=self.graph_rungs):
+            batches = kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
+                                    seed=self.seed * 1000 + self._epoch, keys=self.keys, graph_rungs=self.graph_rungs)
+            for i, (_, batch) in enumerate(batches):
+                if i < self._index:  # already trained on (a resumed run)
+                    continue
+                self._index = i + 1
                 yield kdata.device_batch(batch, self.graph)
-            epoch += 1
+            self._epoch, self._index = self._epoch + 1, 0
 
 
 @dataclasses.dataclass
