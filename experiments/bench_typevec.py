@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args(argv)
-    if os.environ.get("JSTEER_SMALL"):
+    if os.environ.get("JSTEER_SMALL") == "1":
         args.relations, args.prompts, args.lambdas = 2, 8, "0,2"
 
     import jax
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     for k in ("jsteer_rows", "jsteer_grid"):
         res[k]["ranks"] = None   # not kept in the JSON
     OUT.mkdir(parents=True, exist_ok=True)
-    name = "bench_typevec_small.json" if os.environ.get("JSTEER_SMALL") else "bench_typevec.json"
+    name = "bench_typevec_small.json" if os.environ.get("JSTEER_SMALL") == "1" else "bench_typevec.json"
     (OUT / name).write_text(json.dumps(res, indent=1))
     print(f"wrote {OUT / name}")
     return 0

@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="retrieval,kurtosis,aa,layers,toxic")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args(argv)
-    small = args.small or bool(os.environ.get("JSTEER_SMALL"))
+    small = args.small or os.environ.get("JSTEER_SMALL") == "1"
     import jsteer
 
     parts = args.parts.split(",")

@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-only", action="store_true",
                     help="re-run only type switching (Table 6) on the existing lama_<tag>.json, with its protocol")
     args = ap.parse_args(argv)
-    if args.small or os.environ.get("JSTEER_SMALL"):
+    if args.small or os.environ.get("JSTEER_SMALL") == "1":
         args.max_test, args.max_switch, args.max_holdout = 8, 8, 8
         args.relations = args.relations or "City/P36,Country/P1376"
         args.lambdas = "0,0.75"
