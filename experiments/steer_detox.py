@@ -264,7 +264,7 @@ def main():
         m = score(lm, ev, g["prompts"], g["samples"])
         m["values"], m["gen_seconds"] = want, g["seconds"]
         res.setdefault("metrics", {})[key] = m
-        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(3)]
+        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(min(3, len(g["prompts"])))]
         C.log(key, {r: round(m[r]["toxicity_prob"], 3) for r in READINGS}, "ppl", round(m["ppl_mean"], 2))
         save()
         return m

@@ -240,7 +240,7 @@ def main():
         m = C.summarize(lm, pos_clf, tox_clf, g["prompts"], g["samples"])
         m["values"], m["gen_seconds"], m["eval_seconds"] = g["values"], g["seconds"], time.time() - t0
         res.setdefault("metrics", {})[key] = m
-        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(3)]
+        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(min(3, len(g["prompts"])))]
         C.log(key, {k: round(v, 3) for k, v in m.items() if isinstance(v, float)})
         save()
         return m

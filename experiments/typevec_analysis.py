@@ -204,8 +204,8 @@ def toxic(smol, small: bool) -> dict:
     te = core.make(smol.input_embeddings(), jnp.asarray(ids))
     enc = jsteer.load("minilm")
     ev_path = C.RESULTS / "evaluators.json"
-    if ev_path.is_file():
-        ev = json.loads(ev_path.read_text())
+    ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
+    if "head" in ev.get("toxicity", {}):  # the logistic-head layout (evaluators.json before 2026-11-21)
         clf = C.Classifier.from_dict(enc, ev["toxicity"]["head"])
         ev_info = {"source": str(ev_path.relative_to(ROOT)), "accuracy": ev["toxicity"].get("accuracy")}
     else:
