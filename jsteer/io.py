@@ -124,8 +124,7 @@ class LM:
 
     @property
     def dtype(self):
-        leaves = [x for x in jax.tree.leaves(self.params) if jnp.issubdtype(x.dtype, jnp.floating)]
-        return leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
+        return _stored_dtype(self.params)
 
     def input_embeddings(self) -> jax.Array:
         """Token-embedding matrix [V, D]."""
@@ -596,14 +595,9 @@ def _check_param_shapes(path: pathlib.Path, module, params) -> None:
 
 
 def params_sha256(params) -> str:
-    """Hex sha256 over a params pytree: every leaf's key path, dtype, shape and bytes, in key order."""
-    h = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_flatten_with_path(params)[0],
-                             key=lambda kv: jax.tree_util.keystr(kv[0])):
-        a = np.ascontiguousarray(np.asarray(leaf))
-        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}|".encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
+    """:func:`state_dict_sha256` of a params pytree, each leaf named by its key path."""
+    return state_dict_sha256({jax.tree_util.keystr(path): np.asarray(leaf)
+                              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]})
 
 
 def _jsteer_version() -> str:

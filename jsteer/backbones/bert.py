@@ -185,11 +185,9 @@ def _check_length(config: BertConfig, t: int, explicit_positions: bool) -> None:
     ``pad_token_id + 1`` rows); explicit ``hooks.position_ids`` are checked by value instead.
     """
     c = config
-    if explicit_positions or t <= c.max_input_length:
-        if t > c.max_position_embeddings:
-            raise ValueError(f"input length {t} exceeds max_position_embeddings {c.max_position_embeddings}")
+    if t <= (c.max_position_embeddings if explicit_positions else c.max_input_length):
         return
-    if c.layout == "roberta":
+    if c.layout == "roberta" and not explicit_positions:
         raise ValueError(f"input length {t} exceeds the {c.max_input_length} tokens this RoBERTa-style model can "
                          f"position (max_position_embeddings {c.max_position_embeddings} - pad_token_id "
                          f"{c.pad_token_id} - 1: its positions start at pad_token_id + 1)")
