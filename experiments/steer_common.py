@@ -89,18 +89,38 @@ def sentiment_neutral_texts(n: int) -> tuple[list, np.ndarray]:
     return [neutral[i] for i in pick], np.zeros((n, 2), np.float32)
 
 
+def hidden_cache_key(lm, texts: Sequence[str], values, max_len: int) -> dict:
+    """What an experiment's cached hidden states depend on, in the fields of ``jsteer steer train
+    --cache``'s key: the model's identity, ``data_sha256`` and ``max_len``. The experiments pick
+    their texts from several files by seeded selections, so ``data_sha256`` hashes the chosen texts
+    and their steer values themselves (the CLI hashes its one data file and records the format,
+    limit and seed of its selection instead)."""
+    v = np.ascontiguousarray(values, np.float32)
+    h = hashlib.sha256(json.dumps(list(texts)).encode())
+    h.update(json.dumps(v.shape).encode())
+    h.update(v.tobytes())
+    return {"model": lm.identity, "texts": len(texts), "data_sha256": h.hexdigest(), "max_len": max_len}
+
+
 def cached_hidden(lm, path: pathlib.Path, texts_values, max_len: int, batch_size: int = 32):
-    """The hidden-state cache at ``path``; absent, built from ``texts_values()`` -> (texts, values)
-    with ``train.cache_lm`` and saved there first."""
+    """The hidden-state cache at ``path`` when its key (:func:`hidden_cache_key`) matches this run:
+    same model, texts, values and max_len. Otherwise (absent, or made by another model or from other
+    texts: logged) built from ``texts_values()`` -> (texts, values) with ``train.cache_lm`` and saved
+    there, with its key, first."""
     from jsteer.steer import train
 
     path = pathlib.Path(path)
-    if path.exists():
-        return train.HiddenCache.load(str(path))
+    texts, values = texts_values()
+    key = hidden_cache_key(lm, texts, values, max_len)
+    if os.path.exists(train.npz_path(str(path))):
+        try:
+            return train.HiddenCache.load(str(path), key=key)
+        except ValueError as e:
+            log(f"rebuilding {path.name}, made by another run: {e}")
     log(f"caching hidden states -> {path.name}")
-    cache = train.cache_lm(lm, *texts_values(), max_len=max_len, batch_size=batch_size, progress=True)
+    cache = train.cache_lm(lm, texts, values, max_len=max_len, batch_size=batch_size, progress=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    cache.save(str(path))
+    cache.save(str(path), key=key)
     return cache
 
 

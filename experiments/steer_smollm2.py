@@ -163,21 +163,25 @@ def main():
     emb = np.asarray(lm.output_embeddings(), np.float32)
     steers = {}
     res.setdefault("training", {})
+
+    def texts_values(name):
+        if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
+            texts, values = C.sentiment_steer_texts(a.sst_texts)
+            return texts, values[:, 0]  # the binary values (the issue's)
+        return C.jigsaw_steer_texts(a.jigsaw_texts)
+
+    def steer_cache(name):
+        """The steer ``name``'s hidden-state cache under --work (rebuilt when another run made it)."""
+        return C.cached_hidden(lm, work / f"cache_{name}.npz", lambda: texts_values(name),
+                               max_len=64 if name == "sentiment" else 32)
+
     for name in ("sentiment", "detox"):
         art = work / f"steer_{name}"
-        cpath = work / f"cache_{name}.npz"
         if art.exists():
             steers[name], meta = artifact.load(str(art), model_identity=lm.identity)
             continue
         t0 = time.time()
-
-        def texts_values(name=name):
-            if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
-                texts, values = C.sentiment_steer_texts(a.sst_texts)
-                return texts, values[:, 0]  # the binary values (the issue's)
-            return C.jigsaw_steer_texts(a.jigsaw_texts)
-
-        cache = C.cached_hidden(lm, cpath, texts_values, max_len=64 if name == "sentiment" else 32)
+        cache = steer_cache(name)
         t_cache = time.time() - t0
         steps = a.steps if name == "sentiment" else (a.detox_steps or a.steps)
         cfg_n = train.TrainConfig(rank=a.rank, steps=steps, batch_size=a.batch_size, l2=a.l2,
@@ -340,7 +344,7 @@ def main():
         dec = lambda i: lm.tokenizer.decode([i])
         res["interpret"] = {}
         for name in ("sentiment", "detox"):
-            cache = train.HiddenCache.load(str(work / f"cache_{name}.npz"))
+            cache = steer_cache(name)
             mean_h = cache.hidden.mean(0)
             ex = interpret.explain(steers[name], emb, steer=0, n_dirs=3, top=12, decode=dec, mean_hidden=mean_h)
             res["interpret"][name] = ex

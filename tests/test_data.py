@@ -103,6 +103,33 @@ def test_read_conll_iob1_documents_and_lines(tmp_path):
     assert [s.doc for s in sents] == [0, 0, 1]
 
 
+def test_read_conll_tokens_only_reads_labeled_and_one_column_files_alike(tmp_path):
+    from jsteer.kala import builder
+
+    # What jsteer.kala.builder.read_sentences (its own splitter before it used read_conll) gave.
+    want = [["EU", "rejects", "German", "call"], ["Peter", "Blackburn", "Smith"], ["BRUSSELS"]]
+    four = write(tmp_path / "four.txt", CONLL)
+    one = write(tmp_path / "one.txt", "".join(ln.split()[0] + "\n" if ln.strip() else "\n"
+                                              for ln in CONLL.splitlines()))
+    assert one.read_text().startswith("-DOCSTART-\n\nEU\nrejects\n")
+    labeled = readers.read_conll(four, scheme="iob1")
+    for path in (four, one):
+        sents = readers.read_conll(path, tag_column=None)
+        assert [list(s.tokens) for s in sents] == want
+        assert all(s.tags == () for s in sents)
+        assert [(s.line, s.doc) for s in sents] == [(s.line, s.doc) for s in labeled]
+        assert builder.read_sentences(path) == want
+    bad = write(tmp_path / "bad.txt", "EU\nrejects O\n")
+    with pytest.raises(DataError, match=r"bad.txt:2: malformed line 'rejects O': 2 columns, file started with 1"):
+        readers.read_conll(bad, tag_column=None)
+    with pytest.raises(DataError, match="no sentences found"):
+        readers.read_conll(write(tmp_path / "docs.txt", "-DOCSTART-\n\n"), tag_column=None)
+    with pytest.raises(DataError, match=r"token_column=1 is outside the 1 columns of line 'EU'"):
+        readers.read_conll(one, tag_column=None, token_column=1)
+    with pytest.raises(ValueError, match="need a tag_column"):
+        readers.read_conll(four, tag_column=None, scheme="iob1")
+
+
 @pytest.mark.parametrize(
     "content, line, message",
     [

@@ -290,3 +290,66 @@ def test_hidden_cache_concat_inverts_subset():
         train.HiddenCache.concat([full, train.cache_hidden(hidden_fn, encs, vals[:, 0])])
     with pytest.raises(ValueError, match="no caches"):
         train.HiddenCache.concat([])
+
+
+def test_train_config_validates_kind_and_init_params_builds_each_kind():
+    from jsteer.steer import train
+
+    with pytest.raises(ValueError, match="unknown steer kind 'lowrank': use steer, blacklist or offset"):
+        train.TrainConfig(kind="lowrank")
+    for kind, want in (("steer", "lowrank"), ("blacklist", "blacklist"), ("offset", "offset")):
+        params = train.init_params(train.TrainConfig(kind=kind, rank=R), D, V, num_user_steers=2)
+        assert head.kind(params) == want
+        assert head.num_steers(params) == 3  # 2 user steers + the dummy
+
+
+def test_experiment_hidden_caches_are_keyed_by_model_and_texts(tmp_path, monkeypatch, capsys):
+    """experiments/steer_common.cached_hidden reuses a cache only when the model, texts, values and
+    max_len that made it are this run's; otherwise it says so and rebuilds it (keyed)."""
+    import pathlib
+    import types
+
+    from jsteer.steer import train
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    import steer_common as C
+
+    built = []
+
+    def fake_cache_lm(lm, texts, values, max_len, batch_size, progress):
+        built.append((lm.identity, list(texts), max_len))
+        n = len(texts)
+        return train.HiddenCache(hidden=np.full((n, 2), len(built), np.float32), targets=np.zeros(n, np.int32),
+                                 seq=np.arange(n, dtype=np.int32), values=np.asarray(values, np.float32)[:, None],
+                                 offsets=np.arange(n + 1))
+
+    monkeypatch.setattr(train, "cache_lm", fake_cache_lm)
+    lm_a, lm_b = types.SimpleNamespace(identity="sha256:aaa"), types.SimpleNamespace(identity="sha256:bbb")
+    path = tmp_path / "cache.npz"
+    data = lambda texts, values: (lambda: (texts, np.asarray(values, np.float32)))
+
+    first = C.cached_hidden(lm_a, path, data(["good film", "bad film"], [1, -1]), max_len=8)
+    assert len(built) == 1 and path.exists()
+    again = C.cached_hidden(lm_a, path, data(["good film", "bad film"], [1, -1]), max_len=8)
+    assert len(built) == 1  # same model, texts, values and max_len: reused
+    np.testing.assert_array_equal(again.hidden, first.hidden)
+    # The file carries its key, checked by HiddenCache.load as for `jsteer steer train --cache`.
+    with pytest.raises(ValueError, match=r"do not match this run \(model: cached 'sha256:aaa', now 'sha256:bbb'\)"):
+        train.HiddenCache.load(str(path), key=C.hidden_cache_key(lm_b, ["good film", "bad film"], [1, -1], 8))
+
+    capsys.readouterr()
+    for n, (lm, texts, values, max_len) in enumerate([
+            (lm_b, ["good film", "bad film"], [1, -1], 8),    # another model
+            (lm_b, ["good film", "awful film"], [1, -1], 8),  # other texts
+            (lm_b, ["good film", "awful film"], [-1, 1], 8),  # other steer values
+            (lm_b, ["good film", "awful film"], [-1, 1], 4)], 2):  # another cut
+        cache = C.cached_hidden(lm, path, data(texts, values), max_len=max_len)
+        assert len(built) == n and built[-1] == (lm.identity, texts, max_len)
+        assert cache.hidden[0, 0] == n
+        assert "rebuilding cache.npz, made by another run" in capsys.readouterr().out
+    assert C.cached_hidden(lm_b, path, data(["good film", "awful film"], [-1, 1]), max_len=4).hidden[0, 0] == 5
+    assert len(built) == 5
+    # A cache saved without a key (before the experiments keyed theirs) is rebuilt too.
+    train.HiddenCache.load(str(path)).save(str(path))
+    C.cached_hidden(lm_b, path, data(["good film", "awful film"], [-1, 1]), max_len=4)
+    assert len(built) == 6

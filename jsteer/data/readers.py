@@ -93,7 +93,7 @@ def read_conll(
     path: PathLike,
     *,
     token_column: int = 0,
-    tag_column: int = -1,
+    tag_column: Optional[int] = -1,
     delimiter: Optional[str] = None,
     scheme: Optional[str] = None,
     label_set: Optional[Sequence[str]] = None,
@@ -101,16 +101,24 @@ def read_conll(
     """Parse a CoNLL-style column file into sentences.
 
     Args:
+      tag_column: the tags' column; None reads tokens only (every sentence's ``tags`` is
+        ``()``): no tag is read, so the file may be unlabeled, one column (tokens) or more.
       delimiter: column separator; None splits on any whitespace.
       scheme: None (tags are opaque strings), ``"iob1"`` (checked, converted to IOB2) or
         ``"iob2"`` (checked: every entity opens with ``B-``).
       label_set: allowed tags (after conversion); any other tag is an error.
 
     Every token line must have the same number of columns as the file's first token line
-    (at least 2). ``-DOCSTART-`` lines start a new document and are not sentences.
+    (at least 2, or 1 when reading tokens only). ``-DOCSTART-`` lines start a new document
+    and are not sentences. Tokens-only reading gives the same sentences, lines and documents
+    as reading the labeled file.
     """
     if scheme not in (None, "iob1", "iob2"):
         raise ValueError(f"scheme must be None, 'iob1' or 'iob2', got {scheme!r}")
+    tagged = tag_column is not None
+    if not tagged and (scheme is not None or label_set is not None):
+        raise ValueError("scheme and label_set check tags: they need a tag_column")
+    columns = {"token_column": token_column, **({"tag_column": tag_column} if tagged else {})}
     allowed = None if label_set is None else frozenset(label_set)
     out: list[TaggedSentence] = []
     ncols: Optional[int] = None
@@ -158,9 +166,9 @@ def read_conll(
                 doc_has_sentences = False
             continue
         if ncols is None:
-            if len(cols) < 2:
+            if tagged and len(cols) < 2:
                 raise DataError(path, ln, f"malformed line {line!r}: need at least 2 columns (token and tag)")
-            _check_columns(path, ln, line, len(cols), token_column=token_column, tag_column=tag_column)
+            _check_columns(path, ln, line, len(cols), **columns)
             ncols = len(cols)
         elif len(cols) != ncols:
             raise DataError(path, ln, f"malformed line {line!r}: {len(cols)} columns, file started with {ncols}")
@@ -170,8 +178,9 @@ def read_conll(
             start = ln
             doc_has_sentences = True
         tokens.append(cols[token_column])
-        tags.append(cols[tag_column])
-        tag_lines.append(ln)
+        if tagged:
+            tags.append(cols[tag_column])
+            tag_lines.append(ln)
     flush()
     if not out:
         raise DataError(path, None, "no sentences found")

@@ -301,31 +301,13 @@ def _dep_relation(doc, a: Mention, b: Mention) -> str:
 
 
 def read_sentences(path: PathLike) -> list[list[str]]:
-    """Token column (the first) of a CoNLL file; labels are never read, so a file may have one
-    column only (tokens). Blank lines separate sentences and ``-DOCSTART-`` lines are skipped,
-    giving the same sentences in the same order as :func:`jsteer.data.readers.read_conll` finds
-    in the labelled file (mention keys are sentence indices). Every token line must have as many
-    columns as the first one; problems raise DataError naming file and line."""
-    from jsteer.data.readers import DataError, iter_lines
+    """Token column (the first) of a CoNLL file, read by :func:`jsteer.data.readers.read_conll`
+    without tags: labels are never read, so a file may have one column only (tokens), and the
+    sentences are those, in that order, that ``read_conll`` finds in the labelled file (mention
+    keys are sentence indices). Problems raise DataError naming file and line."""
+    from jsteer.data.readers import read_conll
 
-    out, cur, ncols = [], [], None
-    for ln, line in iter_lines(path):
-        cols = line.split()
-        if not cols or cols[0] == "-DOCSTART-":
-            if cur:
-                out.append(cur)
-            cur = []
-            continue
-        if ncols is None:
-            ncols = len(cols)
-        elif len(cols) != ncols:
-            raise DataError(path, ln, f"malformed line {line!r}: {len(cols)} columns, file started with {ncols}")
-        cur.append(cols[0])
-    if cur:
-        out.append(cur)
-    if not out:
-        raise DataError(path, None, "no sentences found")
-    return out
+    return [list(s.tokens) for s in read_conll(path, tag_column=None)]
 
 
 def read_text_corpus(path: PathLike) -> list[list[str]]:

@@ -32,6 +32,15 @@ from jsteer.steer import head
 Array = jnp.ndarray
 
 
+# The steer kinds TrainConfig accepts -> init(key, cfg, hidden_dim, vocab_size, num_steers) of
+# their params: the one list of kinds (TrainConfig validates against it, init_params looks up).
+_INIT_PARAMS = {
+    "steer": lambda key, cfg, d, v, s: head.init(key, d, s, rank=cfg.rank, scale=cfg.init_scale),
+    "blacklist": lambda key, cfg, d, v, s: head.init_blacklist(key, v, s, scale=cfg.init_scale),
+    "offset": lambda key, cfg, d, v, s: head.init_offset(key, d, s, scale=cfg.init_scale),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Paper defaults (Han et al.; the original's sentiment / detox runs), all overridable."""
@@ -59,8 +68,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.rank is not None and self.rank < 1:
             raise ValueError(f"TrainConfig.rank must be >= 1 (or None for a full W), got {self.rank}")
-        if self.kind not in ("steer", "blacklist", "offset"):
-            raise ValueError(f"unknown steer kind {self.kind!r}: use steer, blacklist or offset")
+        if self.kind not in _INIT_PARAMS:
+            *rest, last = _INIT_PARAMS
+            raise ValueError(f"unknown steer kind {self.kind!r}: use {', '.join(rest)} or {last}")
         if self.engine not in ("jsteer", "optax"):
             raise ValueError(f"unknown training engine {self.engine!r}: use 'jsteer' or 'optax'")
 
@@ -376,15 +386,8 @@ def forward_loss_fn(hidden_fn: Callable[[Any, Array, Array], Array], cfg: TrainC
 
 
 def init_params(cfg: TrainConfig, hidden_dim: int, vocab_size: int, num_user_steers: int = 1) -> dict:
-    key = jax.random.PRNGKey(cfg.seed)
-    s = num_user_steers + int(cfg.dummy)
-    if cfg.kind == "steer":
-        return head.init(key, hidden_dim, s, rank=cfg.rank, scale=cfg.init_scale)
-    if cfg.kind == "blacklist":
-        return head.init_blacklist(key, vocab_size, s, scale=cfg.init_scale)
-    if cfg.kind == "offset":
-        return head.init_offset(key, hidden_dim, s, scale=cfg.init_scale)
-    raise ValueError(f"unknown steer kind {cfg.kind!r}: use steer, blacklist or offset")
+    init = _INIT_PARAMS[cfg.kind]  # a kind TrainConfig accepted
+    return init(jax.random.PRNGKey(cfg.seed), cfg, hidden_dim, vocab_size, num_user_steers + int(cfg.dummy))
 
 
 def make_step(loss_fn, optimizer):
