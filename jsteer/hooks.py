@@ -22,7 +22,8 @@ Shapes (B batch, T tokens, D hidden, S steers, R rank):
                                applied on top of the padding / causal mask (K-BERT).
 - ``position_ids``  [B, T]     explicit positions (K-BERT soft positions).
 - ``steer``         :class:`Steer`  LM-Steer transform of the final hidden state before the
-                               output embedding (decoders).
+                               output embedding (decoders), and its baselines: a hidden
+                               offset, a logit offset (soft word blacklist).
 """
 
 from __future__ import annotations
@@ -58,12 +59,19 @@ class Steer:
 
     Low rank: W_i = P1_i P2_i^T with ``p1``/``p2`` [S, D, R]. Full rank: ``w`` [S, D, D]
     (``p1``/``p2`` None). ``eps`` is [S] (shared by all rows) or [B, S] (per row).
+
+    The paper's baselines use the same S steers and eps: ``vec`` [S, D] adds sum_i eps_i v_i
+    to c (context-vector offset); ``bias`` [S, V] adds sum_i eps_i b_i to the logits (soft word
+    blacklist). Fields may be combined (a stacked bilinear steer and baseline); a steer that a
+    field does not describe has zeros there.
     """
 
     eps: Array
     p1: Optional[Array] = None
     p2: Optional[Array] = None
     w: Optional[Array] = None
+    vec: Optional[Array] = None
+    bias: Optional[Array] = None
 
 
 @flax.struct.dataclass
@@ -148,37 +156,75 @@ def apply_film(h: Array, hooks: Optional[Hooks], layer: int, where: str) -> Arra
     raise ValueError(f"where must be 'in' or 'out', got {where!r}")
 
 
-def steer_delta(h: Array, steer: Steer) -> Array:
-    """sum_i eps_i W_i h for h [..., D] (leading dim B when eps is [B, S]) -> [..., D]."""
-    eps = steer.eps
-    if steer.w is not None:
-        proj = jnp.einsum("...d,sed->...se", h, steer.w.astype(h.dtype))  # W_i h
-    elif steer.p1 is not None and steer.p2 is not None:
-        # (P1 P2^T) h = P1 (P2^T h)
-        low = jnp.einsum("...d,sdr->...sr", h, steer.p2.astype(h.dtype))
-        proj = jnp.einsum("...sr,sdr->...sd", low, steer.p1.astype(h.dtype))
-    else:
-        raise ValueError("Steer needs either w [S,D,D] or both p1 and p2 [S,D,R]")
-    n_steers = proj.shape[-2]
+def _steer_count(steer: Steer) -> int:
+    """S, checked to agree across the Steer's fields."""
+    sizes = {name: getattr(steer, name).shape[0] for name in ("w", "p1", "p2", "vec", "bias")
+             if getattr(steer, name) is not None}
+    if not sizes or (steer.p1 is None) != (steer.p2 is None):
+        raise ValueError("Steer needs w [S,D,D], both p1 and p2 [S,D,R], vec [S,D] or bias [S,V]")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"Steer fields disagree on the number of steers S: {sizes}")
+    return next(iter(sizes.values()))
+
+
+def _eps_scale(eps: Array, n_steers: int, lead: tuple, ndim: int) -> Array:
+    """eps [S] or [B, S] -> a scale that broadcasts against [..., S] with ``ndim`` leading dims
+    (leading shape ``lead``)."""
     if eps.ndim == 1:
         if eps.shape[0] != n_steers:
             raise ValueError(f"steer eps has shape {eps.shape}, expected [{n_steers}] or [B, {n_steers}]")
-        scale = eps
-    elif eps.ndim == 2:
-        if eps.shape[1] != n_steers or eps.shape[0] != h.shape[0]:
-            raise ValueError(
-                f"steer eps has shape {eps.shape}, expected [{h.shape[0]}, {n_steers}] (batch, steers)")
-        scale = eps.reshape(eps.shape[:1] + (1,) * (h.ndim - 2) + eps.shape[1:])
-    else:
-        raise ValueError(f"steer eps must be [S] or [B, S], got shape {eps.shape}")
-    return jnp.einsum("...sd,...s->...d", proj, scale.astype(h.dtype))
+        return eps
+    if eps.ndim == 2:
+        if eps.shape[1] != n_steers or not lead or eps.shape[0] != lead[0]:
+            b = lead[0] if lead else "B"
+            raise ValueError(f"steer eps has shape {eps.shape}, expected [{b}, {n_steers}] (batch, steers)")
+        return eps.reshape(eps.shape[:1] + (1,) * (ndim - 1) + eps.shape[1:])
+    raise ValueError(f"steer eps must be [S] or [B, S], got shape {eps.shape}")
+
+
+def steer_delta(h: Array, steer: Steer) -> Array:
+    """sum_i eps_i (W_i h + v_i) for h [..., D] (leading dim B when eps is [B, S]) -> [..., D]."""
+    n_steers = _steer_count(steer)
+    scale = _eps_scale(steer.eps, n_steers, h.shape[:1] if h.ndim >= 2 else (), h.ndim - 1).astype(h.dtype)
+    terms = []
+    if steer.w is not None:
+        proj = jnp.einsum("...d,sed->...se", h, steer.w.astype(h.dtype))  # W_i h
+        terms.append(jnp.einsum("...sd,...s->...d", proj, scale))
+    elif steer.p1 is not None:
+        # (P1 P2^T) h = P1 (P2^T h)
+        low = jnp.einsum("...d,sdr->...sr", h, steer.p2.astype(h.dtype))
+        proj = jnp.einsum("...sr,sdr->...sd", low, steer.p1.astype(h.dtype))
+        terms.append(jnp.einsum("...sd,...s->...d", proj, scale))
+    if steer.vec is not None:
+        if steer.vec.shape[-1] != h.shape[-1]:
+            raise ValueError(f"steer vec must be [S, {h.shape[-1]}], got {tuple(steer.vec.shape)}")
+        terms.append(jnp.einsum("...s,sd->...d", scale, steer.vec.astype(h.dtype)))
+    if not terms:  # a logit-only (blacklist) steer
+        return jnp.zeros_like(h)
+    return jnp.broadcast_to(sum(terms[1:], terms[0]), h.shape)
 
 
 def apply_steer(h: Array, hooks: Optional[Hooks]) -> Array:
-    """Final hidden states [B, T, D] -> steered hidden states c + sum_i eps_i W_i c."""
+    """Final hidden states [B, T, D] -> steered hidden states c + sum_i eps_i (W_i c + v_i)."""
     if hooks is None or hooks.steer is None:
         return h
-    return h + steer_delta(h, hooks.steer)
+    s = hooks.steer
+    if s.w is None and s.p1 is None and s.vec is None:  # logit-only: apply_steer_logits
+        return h
+    return h + steer_delta(h, s)
+
+
+def apply_steer_logits(logits: Array, hooks: Optional[Hooks]) -> Array:
+    """Logits [B, T, V] -> logits + sum_i eps_i b_i (the soft-blacklist baseline); identity
+    without a ``bias``."""
+    if hooks is None or hooks.steer is None or hooks.steer.bias is None:
+        return logits
+    steer = hooks.steer
+    if steer.bias.shape[-1] != logits.shape[-1]:
+        raise ValueError(f"steer bias must be [S, {logits.shape[-1]}] (one offset per vocabulary entry), "
+                         f"got {tuple(steer.bias.shape)}")
+    scale = _eps_scale(steer.eps, _steer_count(steer), logits.shape[:1], logits.ndim - 1)
+    return logits + jnp.einsum("...s,sv->...v", scale.astype(logits.dtype), steer.bias.astype(logits.dtype))
 
 
 def compose(*hooks: Optional[Hooks]) -> Optional[Hooks]:
@@ -229,18 +275,34 @@ def _compose_film(f1: FiLM, f2: FiLM) -> FiLM:
 
 
 def _stack_steers(s1: Steer, s2: Steer) -> Steer:
-    def as_full(s: Steer) -> Array:
-        return s.w if s.w is not None else jnp.einsum("sdr,ser->sde", s.p1, s.p2)
+    """Steers of s1 then of s2, one eps; a field only one of them has is zero for the other's."""
+    n1, n2 = _steer_count(s1), _steer_count(s2)
+
+    def as_full(s: Steer) -> Optional[Array]:
+        if s.w is not None:
+            return s.w
+        return None if s.p1 is None else jnp.einsum("sdr,ser->sde", s.p1, s.p2)
+
+    def cat(a: Optional[Array], b: Optional[Array]) -> Optional[Array]:
+        if a is None and b is None:
+            return None
+        ref = a if a is not None else b
+        a = jnp.zeros((n1,) + ref.shape[1:], ref.dtype) if a is None else a
+        b = jnp.zeros((n2,) + ref.shape[1:], ref.dtype) if b is None else b
+        return jnp.concatenate([a, b])
 
     def eps2(e, other):
         return e if e.ndim == other.ndim else (
             jnp.broadcast_to(e, (other.shape[0],) + e.shape) if e.ndim == 1 else e)
 
     e1, e2 = eps2(s1.eps, s2.eps), eps2(s2.eps, s1.eps)
-    eps = jnp.concatenate([e1, e2], axis=-1)
-    if s1.w is None and s2.w is None and s1.p1.shape[-1] == s2.p1.shape[-1]:
-        return Steer(eps=eps, p1=jnp.concatenate([s1.p1, s2.p1]), p2=jnp.concatenate([s1.p2, s2.p2]))
-    return Steer(eps=eps, w=jnp.concatenate([as_full(s1), as_full(s2)]))
+    out = Steer(eps=jnp.concatenate([e1, e2], axis=-1), vec=cat(s1.vec, s2.vec), bias=cat(s1.bias, s2.bias))
+    if s1.w is None and s2.w is None and (s1.p1 is None or s2.p1 is None
+                                          or s1.p1.shape[-1] == s2.p1.shape[-1]):
+        if s1.p1 is None and s2.p1 is None:
+            return out
+        return out.replace(p1=cat(s1.p1, s2.p1), p2=cat(s1.p2, s2.p2))
+    return out.replace(w=cat(as_full(s1), as_full(s2)))
 
 
 def _compose2(a: Hooks, b: Hooks) -> Hooks:

@@ -163,3 +163,22 @@ def test_cli_baselines_train_at_their_own_eps0(models, tmp_path, capsys):
     pos = bias[[tok.token_to_id(w) for w in toy.POSITIVE]].mean()
     neg = bias[[tok.token_to_id(w) for w in toy.NEGATIVE]].mean()
     assert pos - neg > 0.5, (pos, neg)
+
+
+def _sentiment_words(d, steer, value, capsys):
+    """`jsteer steer generate` samples at ``value``: (positive, negative) toy words generated."""
+    capsys.readouterr()
+    assert main(["steer", "generate", "--model", str(d / "toy0"), "--steer", str(steer), "--value", str(value),
+                 "--samples", "24", "--max-new-tokens", "8", "--json", "the movie was", "we saw the film and it"]) == 0
+    words = [w for x in capsys.readouterr().out.strip().splitlines() for w in json.loads(x)["continuation"].split()]
+    return sum(w in toy.POSITIVE for w in words), sum(w in toy.NEGATIVE for w in words)
+
+
+@pytest.mark.parametrize("kind", ["blacklist", "offset"])
+def test_cli_baselines_generate_and_steer(models, tmp_path, capsys, kind):
+    """A trained baseline artifact decodes through `jsteer steer generate` (it was refused) and
+    steers: +value yields more positive than negative toy words, -value the reverse."""
+    d = models
+    assert main(_train_args(d, tmp_path / kind, "toy0", "train.jsonl", "--baseline", kind, "--steps", "150")) == 0
+    (pp, pn), (mp, mn) = (_sentiment_words(d, tmp_path / kind, v, capsys) for v in (3, -3))
+    assert pp > 2 * pn + 2 and mn > 2 * mp + 2, (kind, (pp, pn), (mp, mn))

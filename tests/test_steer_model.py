@@ -263,3 +263,44 @@ def test_sigterm_ends_steer_training_instead_of_returning_a_cut_steer(lm, monkey
     with pytest.raises(SystemExit) as stop:
         train.train(cache, np.asarray(lm.output_embeddings()), train.TrainConfig(rank=4, steps=6, batch_size=4))
     assert stop.value.code == 143 and len(calls) < 6
+
+
+@pytest.mark.parametrize("kind", ["blacklist", "offset"])
+def test_baselines_decode_through_the_steer_hook(lm, fwd, kind):
+    """A baseline in ``Hooks(steer=...)`` gives the logits of ``head.apply`` (the training math),
+    leaves the hidden states alone, and is exact at eps = 0."""
+    ids, mask = lm.tokenizer.batch_encode(["the movie was good", "we saw it"], left_pad=True)
+    base = fwd(lm.params, ids, mask, None)
+    key = jax.random.PRNGKey(5)
+    p = (head.init_blacklist(key, lm.config.vocab_size, 2, scale=1.0) if kind == "blacklist"
+         else head.init_offset(key, lm.config.hidden_size, 2, scale=1.0))
+    eps = jnp.asarray([[0.8, -0.5], [-1.0, 0.3]])
+    steered = fwd(lm.params, ids, mask, head.to_hooks(p, eps))
+    np.testing.assert_array_equal(steered.hidden, base.hidden)
+    want = head.apply(p, base.hidden, lm.output_embeddings(), eps)
+    np.testing.assert_allclose(steered.logits, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(steered.logits) - np.asarray(base.logits)).max() > 0.1
+    zero = fwd(lm.params, ids, mask, head.to_hooks(p, jnp.zeros((2, 2))))
+    np.testing.assert_allclose(zero.logits, base.logits, rtol=0, atol=1e-6)
+
+
+def test_steer_and_baselines_compose_in_one_hook(lm, fwd):
+    """compose(steer, blacklist, offset) = each effect in its place: W and v on the final hidden
+    state, b on the logits (NumPy re-derivation), in one forward."""
+    from jsteer.hooks import compose
+
+    ids, mask = lm.tokenizer.batch_encode(["the movie was good", "we saw it"], left_pad=True)
+    D, V = lm.config.hidden_size, lm.config.vocab_size
+    st = head.init(jax.random.PRNGKey(1), D, 1, rank=4, scale=1.0)
+    bl = head.init_blacklist(jax.random.PRNGKey(2), V, 2, scale=1.0)
+    off = head.init_offset(jax.random.PRNGKey(3), D, 1, scale=1.0)
+    e_st, e_bl, e_off = jnp.asarray([0.4]), jnp.asarray([[0.7, -0.2], [0.1, 0.5]]), jnp.asarray([-0.9])
+    hooks = compose(head.to_hooks(st, e_st, cheapest=False), head.to_hooks(bl, e_bl), head.to_hooks(off, e_off))
+    assert hooks.steer.eps.shape == (2, 4)
+    out = fwd(lm.params, ids, mask, hooks)
+    c = np.asarray(fwd(lm.params, ids, mask, None).hidden, np.float64)
+    w = np.asarray(st["p1"][0], np.float64) @ np.asarray(st["p2"][0], np.float64).T
+    c2 = c + 0.4 * c @ w.T - 0.9 * np.asarray(off["vec"][0], np.float64)
+    want = c2 @ np.asarray(lm.output_embeddings(), np.float64).T
+    want += (np.asarray(e_bl, np.float64) @ np.asarray(bl["offset"], np.float64))[:, None, :]
+    np.testing.assert_allclose(out.logits, want, rtol=1e-4, atol=1e-4)

@@ -44,7 +44,7 @@ from jax import lax
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids, next_positions
 from jsteer.backbones.matmul import Dense
-from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_step_embed, check_film_layers
+from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_steer_logits, apply_step_embed, check_film_layers
 
 Array = jnp.ndarray
 
@@ -390,7 +390,8 @@ class LlamaForCausalLM(nn.Module):
         if cache is not None:
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), mask=key_mask, index=index + t,
                                 pos=next_positions(cache, mask, positions))
-        return ModelOutput(logits=logits.astype(jnp.float32), hidden=hidden,
+        logits = apply_steer_logits(logits.astype(jnp.float32), hooks)
+        return ModelOutput(logits=logits, hidden=hidden,
                            hidden_states=None if hidden_states is None else tuple(hidden_states),
                            cache=new_cache)
 

@@ -133,8 +133,6 @@ def load_steers(lm, paths, values, dummy: float = 1.0):
     plist, eps, metas = [], [], []
     for path, v in zip(paths, values):
         params, meta = artifact.load(path, model_identity=lm.identity)
-        if meta["kind"] not in ("lowrank", "full"):
-            raise ValueError(f"{path}: a {meta['kind']} baseline cannot be applied through the steer hook")
         n_user = head.num_steers(params) - int(meta["dummy"])
         vals = [v] + [0.0] * (n_user - 1) + ([dummy] if meta["dummy"] else [])
         plist.append(params)

@@ -23,6 +23,10 @@ Two baselines share the calling convention ``fn(params, hidden, embedding, eps) 
   logits = c E^T + sum_i eps_i b_i
 - context-vector offset: a learned hidden offset per steer, ``{"vec": [S, D]}``:
   logits = (c + sum_i eps_i v_i) E^T
+
+Both decode like a steer: :func:`to_hooks` / :func:`to_steer` carry them in the backbones'
+``Hooks(steer=...)`` (``Steer.bias`` / ``Steer.vec``), so ``generate`` compares them with
+LM-Steer under the same sampling.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.hooks import Hooks, Steer, steer_delta
+from jsteer.hooks import Hooks, Steer, apply_steer_logits, steer_delta
 
 Array = jnp.ndarray
 Params = Mapping[str, Array]
@@ -167,7 +171,9 @@ def to_steer(params: Params, eps: Array) -> Steer:
         return Steer(eps=eps, p1=params["p1"], p2=params["p2"])
     if k == "full":
         return Steer(eps=eps, w=params["w"])
-    raise ValueError(f"a {k} baseline is not a bilinear steer and has no Steer hook")
+    if k == "offset":
+        return Steer(eps=eps, vec=params["vec"])
+    return Steer(eps=eps, bias=params["offset"])  # blacklist: a logit offset
 
 
 def to_hooks(params: Params, eps: Array, cheapest: bool = True) -> Hooks:
@@ -190,9 +196,6 @@ def steer_hidden(params: Params, hidden: Array, eps: Array) -> Array:
     """hidden [..., D] (leading B when eps is [B, S]) -> c + sum_i eps_i W_i c (or + sum eps_i v_i)."""
     k = validate(params, hidden_dim=hidden.shape[-1])
     eps = check_eps(eps, num_steers(params), hidden.shape[0] if hidden.ndim >= 2 else None)
-    if k == "offset":
-        scale = eps if eps.ndim == 1 else eps.reshape(eps.shape[:1] + (1,) * (hidden.ndim - 2) + eps.shape[1:])
-        return hidden + jnp.einsum("...s,sd->...d", scale.astype(hidden.dtype), params["vec"].astype(hidden.dtype))
     if k == "blacklist":
         return hidden
     return hidden + steer_delta(hidden, to_steer(params, eps))
@@ -210,9 +213,7 @@ def apply(params: Params, hidden: Array, embedding: Array, eps: Array) -> Array:
     h = steer_hidden(params, hidden, eps)
     logits = jnp.einsum("...d,vd->...v", h, embedding.astype(h.dtype))
     if k == "blacklist":
-        eps = jnp.asarray(eps)
-        scale = eps if eps.ndim == 1 else eps.reshape(eps.shape[:1] + (1,) * (hidden.ndim - 2) + eps.shape[1:])
-        logits = logits + jnp.einsum("...s,sv->...v", scale.astype(h.dtype), params["offset"].astype(h.dtype))
+        logits = apply_steer_logits(logits, Hooks(steer=to_steer(params, eps)))
     return logits
 
 
@@ -256,17 +257,27 @@ def make_eps(values: Union[float, Sequence[float], np.ndarray], eps0: float = 1e
 
 def stack(params_list: Sequence[Params]) -> dict:
     """Several steers in one head (composition): concatenate along S. Low-rank steers of
-    equal rank stay low rank; otherwise every steer is expanded to full W."""
+    equal rank stay low rank; otherwise every steer is expanded to full W. Baselines stack
+    with baselines of their own kind; to mix kinds, compose their hooks
+    (``jsteer.hooks.compose(Hooks(steer=to_steer(a, eps_a)), Hooks(steer=to_steer(b, eps_b)))``)."""
     if not params_list:
         raise ValueError("stack needs at least one steer")
     kinds = {kind(p) for p in params_list}
-    dims = {dim(p) for p in params_list}
+    if kinds == {"blacklist"}:
+        sizes = {p["offset"].shape[1] for p in params_list}
+        if len(sizes) != 1:
+            raise ValueError(f"cannot stack word blacklists over different vocabularies {sorted(sizes)}")
+        return {"offset": jnp.concatenate([jnp.asarray(p["offset"]) for p in params_list])}
+    dims = {dim(p) for p in params_list if kind(p) != "blacklist"}
     if len(dims) != 1:
         raise ValueError(f"cannot stack steers of different hidden sizes {sorted(dims)}")
+    if kinds == {"offset"}:
+        return {"vec": jnp.concatenate([jnp.asarray(p["vec"]) for p in params_list])}
     if kinds == {"lowrank"} and len({p["p1"].shape[-1] for p in params_list}) == 1:
         return {"p1": jnp.concatenate([jnp.asarray(p["p1"]) for p in params_list]),
                 "p2": jnp.concatenate([jnp.asarray(p["p2"]) for p in params_list])}
     if kinds <= {"lowrank", "full"}:
         return {"w": jnp.concatenate([full_matrix({k: jnp.asarray(v) for k, v in p.items()})
                                       for p in params_list])}
-    raise ValueError(f"only bilinear steers can be stacked, got kinds {sorted(kinds)}")
+    raise ValueError(f"stack takes steers of one family (bilinear, blacklist or offset), got kinds {sorted(kinds)}: "
+                     "compose mixed kinds as hooks with jsteer.hooks.compose")
