@@ -179,7 +179,9 @@ class LM:
             params["head"] = _cast(init_head(jax.random.PRNGKey(seed), config, head), self.dtype)
         module = self.fam.build(config, head, self.dtype)
         if head != "mlm" and self.provenance.get("sha256_of") == "params":
-            self.identity  # a derived source: fix its identity (a hash of its params) before they change
+            # a derived source's identity is a hash of its params, computed lazily by .identity and
+            # stored in its provenance: compute it now, before the params change, so the copy keeps it
+            _ = self.identity
         prov = _derived_provenance(self.provenance) if head == "mlm" else dict(self.provenance)
         prov.pop("checkpoint", None)
         prov["fresh_head"] = {"head": head, "seed": int(seed),
@@ -189,14 +191,25 @@ class LM:
 
     # -------------------------------------------------------------- forward
 
-    def forward(self, input_ids, attention_mask=None, hooks=None, **kw):
+    def forward(self, input_ids, attention_mask=None, hooks=None, *, mesh=None, **kw):
         """input_ids [B, T] -> ModelOutput (logits [B, T, V] or head-specific, hidden [B, T, D]).
 
         Jitted: compiled once per (module, input shape, hooks structure), shared by every LM
         with an equal module (e.g. a model and its reloaded checkpoint). Extra keyword arguments go
         to the module (``token_type_ids`` for BERT, ``cache`` for decoders,
         ``output_hidden_states=True``); Python scalars among them are static.
+
+        ``mesh``: None runs where the arrays are (default; one device unless the caller placed
+        them). A ``jax.sharding.Mesh`` with a ``"data"`` axis (:func:`jsteer.train.data_mesh`), or
+        True for every device of this process, runs data-parallel: params replicated on the mesh
+        (placed once and kept, see :meth:`params_on`), the batch (ids, mask, batch-shaped hooks
+        and keyword arrays whose leading dim is B) padded with copies of row 0 to a multiple of
+        the ``"data"`` size and split over it. Outputs have the unsharded call's shapes and values
+        (to fp32 rounding: each device multiplies fewer rows): with B a multiple of the ``"data"``
+        size they stay split over ``"data"``; otherwise the padding rows are cut off and the
+        outputs come back replicated over the mesh.
         """
+        mesh = _resolve_mesh(mesh, "forward")
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
@@ -210,9 +223,30 @@ class LM:
                                f"{self.family} forward")
         arrays = {k: v for k, v in kw.items() if not _is_static(v)}
         static_kw = tuple(sorted((k, v) for k, v in kw.items() if _is_static(v)))
-        return _forward(self.module, self.params, input_ids, attention_mask, hooks, arrays, static_kw)
+        if mesh is None:
+            return _forward(self.module, self.params, input_ids, attention_mask, hooks, arrays, static_kw)
+        split = _BatchSplit(mesh, input_ids.shape[0])
+        out = _forward(self.module, self.params_on(mesh), split.rows(input_ids), split.rows(attention_mask),
+                       split.hooks(hooks), split.tree(arrays), static_kw)
+        return split.drop_padding(out)
 
     __call__ = forward
+
+    def params_on(self, mesh) -> Any:
+        """``params`` replicated over every device of ``mesh`` (what ``forward`` / ``generate``
+        with ``mesh=`` run on). Placed on first use and kept on this LM for that mesh (one mesh
+        at a time), so later calls transfer nothing; new params (``replace``, or assigning
+        ``lm.params``) are placed afresh. The LM's own ``params`` and identity are unchanged.
+        ``mesh`` None: ``params`` as they are."""
+        mesh = _resolve_mesh(mesh, "params_on")
+        if mesh is None:
+            return self.params
+        cached = self.__dict__.get("_params_on_mesh")
+        if cached is not None and cached[0] is self.params and cached[1] == mesh:
+            return cached[2]
+        placed = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.__dict__["_params_on_mesh"] = (self.params, mesh, placed)
+        return placed
 
     # -------------------------------------------------------------- text helpers
 
@@ -236,7 +270,7 @@ class LM:
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, hooks=None,
-                 stop_ids: Optional[Sequence[int]] = None, return_ids: bool = False):
+                 stop_ids: Optional[Sequence[int]] = None, return_ids: bool = False, mesh=None):
         """Continue each prompt; returns the decoded continuations (list[str]).
 
         Prompts are left-padded to a length bucket so different texts of similar length reuse
@@ -244,9 +278,21 @@ class LM:
         specials; override with ``stop_ids``). Prompt-shaped hooks ([B, T0, ...] with T0 the
         unpadded prompt length) are left-padded to the bucket. ``return_ids=True`` returns
         (texts, tokens [B, max_new_tokens], lengths [B]).
+
+        Sampling: row b draws with ``fold_in(split(PRNGKey(seed), B)[b], step)``, so a row's
+        samples depend on the seed, the batch size B and its own prompt / hooks only.
+
+        ``mesh`` (see :meth:`forward`): a ``jax.sharding.Mesh`` with a ``"data"`` axis, or True
+        for every device of this process, decodes data-parallel: params replicated, the B
+        prompts (and batch-shaped hooks) padded with copies of row 0 to a multiple of the
+        ``"data"`` size and split over it. Padding rows reuse row 0's key, so they neither
+        change the real rows' samples nor keep the loop running after the real rows stop:
+        tokens equal the unsharded call's, greedy or sampled with the same seed (the logits
+        agree to fp32 rounding, so only a near-tie between two tokens could tip differently).
         """
         if not self.is_decoder:
             raise ValueError(f"generate needs a decoder; {self.family!r} is an encoder")
+        mesh = _resolve_mesh(mesh, "generate")
         if isinstance(prompts, str):
             prompts = [prompts]
         from jsteer import decode
@@ -258,11 +304,19 @@ class LM:
         if hooks is not None and t != t0:
             hooks = _pad_hooks(hooks, t0, t)
         stops = tuple(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
-        out = decode.generate(self.module, self.params, jnp.asarray(ids), jnp.asarray(mask),
+        rows = ids.shape[0]
+        rng = jax.random.PRNGKey(seed)
+        if mesh is None:
+            params, ids, mask = self.params, jnp.asarray(ids), jnp.asarray(mask)
+        else:  # rng: the row keys decode.generate derives from it unsharded, padded with row 0's
+            split = _BatchSplit(mesh, rows)
+            params, ids, mask = self.params_on(mesh), split.rows(ids), split.rows(mask)
+            rng, hooks = split.rows(jax.random.split(rng, rows)), split.hooks(hooks)
+        out = decode.generate(self.module, params, ids, mask,
                               max_new_tokens=int(max_new_tokens), temperature=temperature, top_k=top_k,
-                              top_p=top_p, stop_ids=stops, rng=jax.random.PRNGKey(seed), hooks=hooks,
+                              top_p=top_p, stop_ids=stops, rng=rng, hooks=hooks,
                               pad_id=self._pad_value())
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
         texts = [self.tokenizer.decode(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
         return (texts, tokens, lengths) if return_ids else texts
 
@@ -312,6 +366,102 @@ def _forward(module, params, input_ids, attention_mask, hooks, arrays, static_kw
 
 def _is_static(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
+
+
+# ----------------------------------------------------------------------------- data-parallel calls
+
+_DATA_AXIS = "data"  # the mesh axis the batch is split over (jsteer.train.data_mesh names it so)
+
+# Hooks fields that hold one row per batch element, with their documented rank: a leaf of that
+# rank whose leading dim is B is split over "data"; anything else (e.g. a [1, D] step offset
+# broadcast over rows) is replicated. Steer: ``eps`` [B, S] is per row; its other fields are per
+# steer ([S, ...]) and always replicated, even where S happens to equal B.
+_HOOK_ROW_RANK = {"embed_offset": 3, "step_offset": 2, "attn_bias": 3, "position_ids": 2}
+
+
+def _resolve_mesh(mesh, where: str):
+    """None / False -> None; True -> a "data" mesh over this process's devices; a Mesh is checked."""
+    if mesh is None or mesh is False:
+        return None
+    if mesh is True:
+        from jsteer.train.step import data_mesh
+
+        return data_mesh(jax.local_devices())
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"LM.{where}: mesh must be a jax.sharding.Mesh with a {_DATA_AXIS!r} axis, True (every "
+                        f"device of this process) or None, got {type(mesh).__name__}")
+    if _DATA_AXIS not in mesh.axis_names:
+        raise ValueError(f"LM.{where}: the mesh has axes {tuple(mesh.axis_names)} but no {_DATA_AXIS!r} axis to "
+                         f"split the batch over; build one with jsteer.train.data_mesh()")
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        raise ValueError(f"LM.{where}: the mesh spans devices of other processes; mesh= splits one process's "
+                         f"batch over its own devices (pass data_mesh(jax.local_devices()) or mesh=True)")
+    return mesh
+
+
+class _BatchSplit:
+    """Pads B rows to a multiple of the mesh's "data" size (copies of row 0) and places arrays:
+    batch leaves split over "data", everything else replicated; :meth:`drop_padding` undoes the
+    padding on outputs."""
+
+    def __init__(self, mesh, batch: int):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        n = int(mesh.shape[_DATA_AXIS])
+        self.batch, self.padded = batch, -(-batch // n) * n
+        self._split = NamedSharding(mesh, PartitionSpec(_DATA_AXIS))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+
+    def rows(self, x):
+        """[B, ...] -> [B_padded, ...] split over "data" (padding rows copy row 0)."""
+        extra = self.padded - self.batch
+        if extra:
+            xp = jnp if isinstance(x, jax.Array) else np
+            x = xp.concatenate([x, xp.repeat(x[:1], extra, axis=0)])
+        return jax.device_put(x, self._split)
+
+    def replicated(self, x):
+        return None if x is None else jax.device_put(x, self._replicated)
+
+    def _is_rows(self, x, rank: Optional[int] = None) -> bool:
+        return np.ndim(x) >= 1 and np.shape(x)[0] == self.batch and (rank is None or np.ndim(x) == rank)
+
+    def tree(self, tree):
+        """Any pytree (module keyword arrays: token_type_ids [B, T], a KV cache): leaves whose
+        leading dim is B are split, others replicated."""
+        return jax.tree.map(lambda x: self.rows(x) if self._is_rows(x) else self.replicated(x), tree)
+
+    def hooks(self, hooks):
+        if hooks is None:
+            return None
+
+        def place(x, rank):
+            if x is None:
+                return None
+            return self.rows(x) if self._is_rows(x, rank) else self.replicated(x)
+
+        changes = {}
+        for f in dataclasses.fields(hooks):
+            value = getattr(hooks, f.name)
+            if value is None:
+                continue
+            if f.name in _HOOK_ROW_RANK:
+                changes[f.name] = place(value, _HOOK_ROW_RANK[f.name])
+            elif f.name == "film":  # {layer: FiLM}, every field [B, T, D]
+                changes[f.name] = {k: jax.tree.map(lambda x: place(x, 3), v) for k, v in value.items()}
+            elif f.name == "steer":
+                changes[f.name] = dataclasses.replace(
+                    jax.tree.map(self.replicated, value), eps=place(value.eps, 2))
+            else:
+                raise ValueError(f"mesh=: no rule for splitting hooks.{f.name} over the batch "
+                                 f"(add it to jsteer.io._HOOK_ROW_RANK)")
+        return dataclasses.replace(hooks, **changes)
+
+    def drop_padding(self, tree):
+        """Outputs [B_padded, ...] -> [B, ...] (other leaves, e.g. a cache's scalar index, kept)."""
+        if self.padded == self.batch:
+            return tree
+        return jax.tree.map(lambda x: x[: self.batch] if np.ndim(x) >= 1 and x.shape[0] == self.padded else x, tree)
 
 
 def _bucket_length(n: int) -> int:
