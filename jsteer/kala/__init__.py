@@ -5,7 +5,8 @@ Pieces (each module's docstring has the details):
 - :mod:`~jsteer.kala.formats`   JSON Lines mentions (text, start, end, id) and facts (h, r, t),
                                 validated with errors naming file, line and field.
 - :mod:`~jsteer.kala.builder`   offline graph builder for a CoNLL file: mined lexicon (or
-                                spaCy), entity ids by normalised surface form, pattern facts.
+                                spaCy), entity ids by normalised surface form, pattern facts;
+                                :mod:`~jsteer.kala.qa_builder` the same for SQuAD contexts.
 - :mod:`~jsteer.kala.entities`  entity / relation vocabularies, per-example subgraphs, entity
                                 memory initialised from contextual mention features.
 - :mod:`~jsteer.kala.graph`     relation-aware GATv2 on ``jraph.GraphsTuple``, null masking,
@@ -18,9 +19,11 @@ Pieces (each module's docstring has the details):
   :mod:`~jsteer.kala.runs`      tasks, metrics, training on ``jsteer.train.Trainer``, CLI and its
                                 run folders (run.json: no mixing of runs on resume).
 
-NER runs from the shell (``jsteer kala build-graph / train / eval``) or from Python
-(:mod:`~jsteer.kala.pipeline`). Extractive QA is Python only: a SQuAD v1.1 file, a mentions
-file keyed by question id (character offsets, :mod:`~jsteer.kala.formats`) and facts::
+NER and extractive QA run from the shell (``jsteer kala build-graph / train / eval`` on CoNLL
+or SQuAD v1.1 files, :mod:`~jsteer.kala.cli`) or from Python (:mod:`~jsteer.kala.pipeline`).
+For QA, ``build-graph`` mines mentions in the contexts (:mod:`~jsteer.kala.qa_builder`); by
+hand it takes a SQuAD v1.1 file, a mentions file keyed by question id (character offsets,
+:mod:`~jsteer.kala.formats`) and facts::
 
     import jax, jsteer
     from jsteer.kala import KalaConfig, KalaModel, init_params, qa, read_facts, read_mentions, train

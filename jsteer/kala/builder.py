@@ -396,18 +396,41 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
     ``fact_entities`` / ``fact_entities_in_mentions`` count the entities the facts name and how
     many of them are mention ids; with none, the graph gives no mention any neighbour (warned).
     """
+    check_unique_names(conll_paths)
+    out = pathlib.Path(out_dir)
+    per_file = {str(p): read_sentences(p) for p in conll_paths}
+    all_sents = [s for ss in per_file.values() for s in ss]
+    mentions_flat, knowledge = annotate_sentences(
+        all_sents, out, facts_path=facts_path, corpus_paths=corpus_paths, strategy=strategy, min_count=min_count,
+        max_len=max_len, spacy_model=spacy_model, lexicon_path=lexicon_path)
+    summary = write_knowledge(out, knowledge, mentions_flat)
+    k = 0
+    for p, sents in per_file.items():
+        ms = {i: mentions_flat[k + i] for i in range(len(sents))}
+        k += len(sents)
+        name = pathlib.Path(p).name
+        write_mentions(out / f"{name}.mentions.jsonl", ms)
+        summary["files"][name] = {"sentences": len(sents), "mentions": sum(len(m) for m in ms.values()),
+                                  "mentions_file": f"{name}.mentions.jsonl"}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *, facts_path: Optional[PathLike],
+                       corpus_paths: Sequence[PathLike], strategy: str, min_count: int, max_len: int,
+                       spacy_model: Optional[str], lexicon_path: Optional[PathLike]) -> tuple[list, dict]:
+    """Mentions per sentence (token lists) and the graph's knowledge, with :func:`build_graph`'s
+    options: spaCy, annotate-only with ``lexicon_path``, else a lexicon mined from the sentences
+    (+ ``corpus_paths``) and facts extracted between mentions (``facts_path`` replaces them).
+    Reads and checks everything, writes nothing. Returns (mentions_flat, knowledge) for
+    :func:`write_knowledge`."""
     if spacy_model is not None and lexicon_path is not None:
         raise ValueError("--spacy and --lexicon are alternatives: give one")
     if lexicon_path is not None and corpus_paths:
         raise ValueError("--corpus only feeds lexicon mining; it has no use with --lexicon (annotate only)")
-    check_unique_names(conll_paths)
-    nlp = load_spacy(spacy_model) if spacy_model is not None else None
-    out = pathlib.Path(out_dir)
-    per_file = {str(p): read_sentences(p) for p in conll_paths}
-    all_sents = [s for ss in per_file.values() for s in ss]
     copy_facts = None
     if spacy_model is not None:
-        mentions_flat, facts = spacy_annotate(all_sents, nlp)
+        mentions_flat, facts = spacy_annotate(all_sents, load_spacy(spacy_model))
         lexicon = None
     elif lexicon_path is not None:
         lexicon_path = pathlib.Path(lexicon_path)
@@ -426,28 +449,29 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
         facts = extract_facts(all_sents, mentions_flat)
     if facts_path is not None and lexicon_path is None:
         facts = read_facts(facts_path)
+    return mentions_flat, {"facts": facts, "lexicon": lexicon, "lexicon_path": lexicon_path,
+                           "copy_facts": copy_facts, "facts_path": facts_path,
+                           "strategy": "spacy:" + spacy_model if spacy_model else strategy}
+
+
+def write_knowledge(out: pathlib.Path, knowledge: dict, mentions_flat) -> dict:
+    """Create ``out`` and write (or, annotating only, copy) its facts.jsonl and lexicon.tsv from
+    :func:`annotate_sentences`' result. Returns the summary so far (an annotate-only run extends
+    the folder's existing one); its ``files`` entries are the caller's to add."""
+    facts, lexicon, lexicon_path = knowledge["facts"], knowledge["lexicon"], knowledge["lexicon_path"]
     out.mkdir(parents=True, exist_ok=True)
     if lexicon_path is None:
         write_facts(out / "facts.jsonl", facts)
         if lexicon is not None:
             lexicon.save(out / "lexicon.tsv")
-        summary = {"strategy": "spacy:" + spacy_model if spacy_model else strategy}
+        summary = {"strategy": knowledge["strategy"]}
     else:
-        _copy(copy_facts, out / "facts.jsonl")
+        _copy(knowledge["copy_facts"], out / "facts.jsonl")
         _copy(lexicon_path, out / "lexicon.tsv")
         old = out / "summary.json"
         summary = json.loads(old.read_text()) if old.is_file() else {"strategy": f"lexicon:{lexicon_path}"}
     summary.setdefault("files", {})
-    summary.update(_knowledge_summary(facts, lexicon, mentions_flat, facts_path))
-    k = 0
-    for p, sents in per_file.items():
-        ms = {i: mentions_flat[k + i] for i in range(len(sents))}
-        k += len(sents)
-        name = pathlib.Path(p).name
-        write_mentions(out / f"{name}.mentions.jsonl", ms)
-        summary["files"][name] = {"sentences": len(sents), "mentions": sum(len(m) for m in ms.values()),
-                                  "mentions_file": f"{name}.mentions.jsonl"}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary.update(_knowledge_summary(facts, lexicon, mentions_flat, knowledge["facts_path"]))
     return summary
 
 

@@ -1,4 +1,4 @@
-"""End-to-end NER pieces shared by the CLI, the experiments and the notebook.
+"""End-to-end NER and extractive QA pieces shared by the CLI, the experiments and the notebook.
 
     data = load_ner_data(train, test, graph_dir, tokenizer, labels=CONLL2003_LABELS, scheme="iob1")
     memory = memory_from_backbone(config, encoder_params, data.train, data.vocab)
@@ -6,6 +6,13 @@
     result = train.fit(model, params, data.train, TrainConfig())
     scores = train.evaluate_ner(model, result.params, data.test, data.test_tags, data.labels,
                                 subsets=data.subsets())
+
+Extractive QA the same way, on SQuAD-format files (``build_model`` picks the QA head)::
+
+    data = load_qa_data(train_json, test_json, graph_dir, tokenizer, max_len=384, stride=128)
+    model, params = build_model(config, encoder_params, data, KalaConfig(method="relational"), memory)
+    result = train.fit(model, params, data.train, TrainConfig(), task="qa")
+    scores = train.evaluate_qa(model, result.params, data.test, data.test_examples)
 
 The graph directory is what ``jsteer kala build-graph`` writes (``<file>.mentions.jsonl``,
 ``facts.jsonl``). The entity vocabulary is built from the *training* mentions only.
@@ -28,6 +35,7 @@ from jsteer.kala import data as kdata
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab, init_memory
 from jsteer.kala.formats import FormatError, read_facts, read_mentions
 from jsteer.kala.model import KalaConfig, KalaModel, init_params
+from jsteer.kala.qa import QAExample, encode_qa, read_squad
 
 UNSEEN_MIN = 3  # a test context is "unseen" with at least this many out-of-vocabulary entities
 
@@ -50,6 +58,16 @@ class NERData:
         unseen = [i for i, e in enumerate(self.test) if e["n_unseen"] >= UNSEEN_MIN]
         seen = [i for i, e in enumerate(self.test) if e["n_unseen"] == 0 and e["graph"].n_local > 0]
         return {"seen": seen, "unseen": unseen}
+
+
+@dataclasses.dataclass
+class QAData:
+    train: list[dict]  # features (windows) of the training questions
+    test: list[dict]  # features of the test questions (empty without a test file)
+    test_examples: list[QAExample]
+    vocab: EntityVocab
+    relations: RelationVocab
+    kg: KnowledgeGraph
 
 
 def _subsample(n_total: int, n: Optional[int], seed: int) -> list[int]:
@@ -125,6 +143,59 @@ def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[
                    vocab=vocab, relations=relations, kg=kg)
 
 
+def read_qa_split(path, graph_dir, size: Optional[int] = None, subsample_seed: int = 0,
+                  lexicon=None) -> list[tuple[QAExample, list]]:
+    """SQuAD-format file + its ``<name>.mentions.jsonl`` under ``graph_dir`` (keyed by question
+    id, character spans) -> [(question, its mentions)] (a seeded random subset of ``size``
+    questions, in file order; None: all). Without a mentions file: annotated in memory with
+    ``lexicon`` (:func:`jsteer.kala.qa_builder.annotate`) or, with none, a FormatError naming the
+    command that writes the file."""
+    from jsteer.kala.qa_builder import annotate
+
+    examples = read_squad(path)
+    mpath = mentions_path(graph_dir, path)
+    if mpath.is_file():
+        mentions = read_mentions(mpath, {e.qid: e.context for e in examples})
+    elif lexicon is not None:
+        mentions = annotate(examples, lexicon)
+    else:
+        raise missing_mentions_error(path, graph_dir)
+    return [(examples[i], mentions.get(examples[i].qid, [])) for i in _subsample(len(examples), size, subsample_seed)]
+
+
+def encode_qa_split(split, tokenizer, vocab: EntityVocab, kg: KnowledgeGraph, max_len: int = 384,
+                    stride: int = 128, max_query: int = 64, max_neighbors: int = 4) -> list[dict]:
+    """Every question's windows (:func:`jsteer.kala.qa.encode_qa`), in order."""
+    return [f for ex, ms in split for f in encode_qa(ex, tokenizer, ms, vocab, kg, max_len, stride, max_query,
+                                                     max_neighbors)]
+
+
+def qa_data(train_split, test_split, facts, tokenizer, max_len: int = 384, stride: int = 128, max_query: int = 64,
+            max_neighbors: int = 4) -> QAData:
+    """:class:`QAData` from read splits (:func:`read_qa_split`) and facts: the vocabularies from
+    the training mentions, both splits encoded into windows."""
+    vocab = EntityVocab.from_mentions([ms for _, ms in train_split])
+    relations = RelationVocab.from_facts(facts)
+    kg = KnowledgeGraph(facts, relations)
+    enc = dict(max_len=max_len, stride=stride, max_query=max_query, max_neighbors=max_neighbors)
+    return QAData(train=encode_qa_split(train_split, tokenizer, vocab, kg, **enc),
+                  test=encode_qa_split(test_split, tokenizer, vocab, kg, **enc),
+                  test_examples=[ex for ex, _ in test_split], vocab=vocab, relations=relations, kg=kg)
+
+
+def load_qa_data(train_path, test_path, graph_dir, tokenizer, max_len: int = 384, stride: int = 128,
+                 max_query: int = 64, max_neighbors: int = 4, train_size: Optional[int] = None,
+                 test_size: Optional[int] = None, subsample_seed: int = 0, facts_path=None) -> QAData:
+    """Read SQuAD-format train / test files (``test_path`` None: no test set) and their
+    knowledge files; encode both into windows. ``train_size`` / ``test_size``: a seeded random
+    subset of questions (None: all)."""
+    graph_dir = pathlib.Path(graph_dir)
+    train = read_qa_split(train_path, graph_dir, train_size, subsample_seed)
+    test = read_qa_split(test_path, graph_dir, test_size, subsample_seed) if test_path is not None else []
+    facts = read_facts(facts_path or graph_dir / "facts.jsonl")
+    return qa_data(train, test, facts, tokenizer, max_len, stride, max_query, max_neighbors)
+
+
 def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[dict], vocab: EntityVocab,
                          batch_size: int = 64) -> np.ndarray:
     """Entity memory [len(vocab), D]: mean last-layer features over mention tokens (see
@@ -138,16 +209,20 @@ def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[
     def hidden_fn(batch):
         return np.asarray(hidden(encoder_params, batch["input_ids"], batch["attention_mask"]))
 
-    return init_memory(hidden_fn, (b for _, b in kdata.batches(examples, batch_size)), len(vocab),
-                       config.hidden_size)
+    return init_memory(hidden_fn, (b for _, b in kdata.batches(examples, batch_size, keys=("input_ids",))),
+                       len(vocab), config.hidden_size)
 
 
-def build_model(config: BertConfig, encoder_params, data: NERData, kala: KalaConfig,
+def build_model(config: BertConfig, encoder_params, data, kala: KalaConfig,
                 memory: Optional[np.ndarray] = None, seed: int = 0) -> tuple[KalaModel, dict]:
-    """A KALA NER model over ``config`` with the pretrained encoder and a fresh head; ``kala``'s
-    entity / relation counts are filled in from ``data``."""
+    """A KALA model over ``config`` with the pretrained encoder and a fresh head: NER for
+    :class:`NERData`, span QA for :class:`QAData`; ``kala``'s entity / relation counts are
+    filled in from ``data``."""
     kala = dataclasses.replace(kala, num_entities=len(data.vocab), num_relations=len(data.relations))
-    model = KalaModel(config, kala, task="ner", num_labels=len(data.labels))
+    if isinstance(data, QAData):
+        model = KalaModel(config, kala, task="qa")
+    else:
+        model = KalaModel(config, kala, task="ner", num_labels=len(data.labels))
     params = init_params(model, jax.random.PRNGKey(seed), encoder_params=encoder_params,
                          memory=jnp.asarray(memory) if (memory is not None and kala.uses_knowledge) else None)
     return model, params

@@ -44,6 +44,23 @@ class QAExample:
     answers: tuple[tuple[str, int], ...]  # (text, answer_start)
 
 
+def is_squad_file(path: PathLike) -> bool:
+    """Whether ``path`` is meant as a SQuAD-format file rather than CoNLL: a ``.json`` name, or
+    contents that parse as one JSON object (no CoNLL file does). Says nothing about its validity:
+    :func:`read_squad` checks that."""
+    path = pathlib.Path(path)
+    if path.suffix.lower() == ".json":
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read(1024).lstrip()[:1] != "{":
+                return False
+            f.seek(0)
+            return isinstance(json.load(f), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
 def read_squad(path: PathLike) -> list[QAExample]:
     """Parse a SQuAD-format file; problems raise FormatError naming the JSON path of the field."""
     path = pathlib.Path(path)
@@ -84,6 +101,11 @@ def read_squad(path: PathLike) -> list[QAExample]:
                     answers.append((text, start))
                 out.append(QAExample(qid, need(qa, "question", str, w), ctx, tuple(answers)))
     return out
+
+
+def gold_answers(examples: Sequence[QAExample]) -> dict[str, list[str]]:
+    """{question id: gold answer texts}, as :func:`jsteer.kala.metrics.squad_scores` takes them."""
+    return {e.qid: [t for t, _ in e.answers] for e in examples}
 
 
 def write_squad(path: PathLike, examples: Sequence[QAExample]) -> None:

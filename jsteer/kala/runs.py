@@ -1,8 +1,8 @@
 """The run folder of ``jsteer kala train``: one run per folder, resumed only as the same run.
 
-``<out>/run.json`` records what decides the trained numbers: ``config`` (method, KALA and
-training options, label set, model) and ``data`` (SHA-256 of the training file, of its mentions
-file and of the graph's facts), plus ``paths`` for reference (not compared). A new run needs an
+``<out>/run.json`` records what decides the trained numbers: ``config`` (task, method, KALA
+and training options, label set or QA windowing, model) and ``data`` (SHA-256 of the training
+file, of its mentions file and of the graph's facts), plus ``paths`` for reference (not compared). A new run needs an
 empty (or absent) ``--out``; ``--resume`` continues the recorded run and is refused when
 anything in ``config`` or ``data`` differs, naming each differing field.
 """
@@ -70,6 +70,8 @@ def check_resume(out: pathlib.Path, record: Mapping) -> None:
         old = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if isinstance(old.get("config"), dict):
+        old["config"].setdefault("task", "ner")  # records that predate the field are NER runs
     diff = differences(old, _json(record))
     if diff:
         raise ValueError(f"--resume: {out} holds a run with a different configuration or data; differing: "

@@ -283,13 +283,22 @@ def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], 
     return out
 
 
+def predict_qa(model: KalaModel, params: dict, features: Sequence[dict], examples: Sequence, batch_size: int = 64,
+               max_answer_len: int = 30) -> dict[str, str]:
+    """{question id: answer text}: the best span over each question's windows (the predictions
+    file the SQuAD evaluation script reads)."""
+    from jsteer.kala import qa as qa_lib
+
+    logits = predict_qa_logits(model, params, features, batch_size)
+    return qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples},
+                                  max_answer_len=max_answer_len)
+
+
 def evaluate_qa(model: KalaModel, params: dict, features: Sequence[dict], examples: Sequence, batch_size: int = 64,
                 max_answer_len: int = 30) -> dict:
     """SQuAD EM / F1 (percent) of the best span over each question's windows."""
     from jsteer.kala import qa as qa_lib
     from jsteer.kala.metrics import squad_scores
 
-    logits = predict_qa_logits(model, params, features, batch_size)
-    preds = qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples},
-                                   max_answer_len=max_answer_len)
-    return squad_scores(preds, {e.qid: [t for t, _ in e.answers] for e in examples})
+    preds = predict_qa(model, params, features, examples, batch_size, max_answer_len)
+    return squad_scores(preds, qa_lib.gold_answers(examples))
