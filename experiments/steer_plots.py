@@ -159,14 +159,18 @@ def bench_table(bench: dict) -> str:
 
 
 SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
-          "sweep_smollm2_graded.json": "Binary vs graded SST-5 steer values, with and without SST-5's neutral class"}
+          "sweep_smollm2_graded.json": "Binary vs graded SST-5 steer values, with and without SST-5's neutral class",
+          "sweep_smollm2_baselines.json": "LM-Steer vs the issue's baselines (soft word blacklist, context-vector "
+                                          "offset), same texts and training budget"}
 
 
 def _recipe(name: str, cfg: dict) -> str:
     """A sweep config in words; lr and l2 only where they differ from the main run's recipe."""
     from steer_sweep import DEFAULTS  # the sweep's script, beside this one
 
-    out = [f"rank {cfg['rank'] or 'full'}", f"{cfg['steps']} steps"]
+    kind = cfg.get("kind", "steer")
+    what = {"blacklist": "blacklist baseline", "offset": "context-offset baseline"}
+    out = [what[kind] if kind in what else f"rank {cfg['rank'] or 'full'}", f"{cfg['steps']} steps"]
     out += [f"lr {cfg['lr']:g}"] if cfg["lr"] != DEFAULTS["lr"] else []
     out += [f"l2 {cfg['l2']:g}"] if cfg["l2"] != DEFAULTS["l2"] else []
     out += ["graded values"] if cfg.get("labels") == "graded" else []
@@ -174,17 +178,23 @@ def _recipe(name: str, cfg: dict) -> str:
     return ", ".join(out) + (" (main run)" if name == "main_run" else "")
 
 
+def _has_baselines(sw: dict) -> bool:
+    return any(r["config"].get("kind", "steer") != "steer" for r in sw["configs"].values())
+
+
 def recipe_sweep_table(sw: dict) -> str:
     """One held-out recipe sweep (``steer_sweep.py``'s JSON): per config, positivity / perplexity
     rise at each steer value and the values its rule chooses."""
     vals = [f"+{v:g}" for v in sw["setup"]["strengths"]] + [f"-{v:g}" for v in sw["setup"]["strengths"]]
     lim = sw["setup"]["max_ppl_rise"]
-    out = [f"| recipe | \\|\\|W\\|\\|_F | {' | '.join(vals)} | chosen (ppl rise <= {lim:.0%}) |",
+    norm = "\\|\\|W\\|\\|_F" + (" (baselines: \\|\\|b\\|\\| or \\|\\|v\\|\\|)" if _has_baselines(sw) else "")
+    out = [f"| recipe | {norm} | {' | '.join(vals)} | chosen (ppl rise <= {lim:.0%}) |",
            "|---" * (len(vals) + 3) + "|"]
     for name, row in sw["configs"].items():
         cells = [f"{row['table'][v]['positivity']:.2f} / {row['table'][v]['ppl_rise']:+.0%}" for v in vals]
         c = row["chosen"]
-        out.append(f"| {_recipe(name, row['config'])} | {row['W_fro_norm']:.0f} | {' | '.join(cells)} | "
+        norm = row.get("W_fro_norm", row.get("param_fro_norm"))
+        out.append(f"| {_recipe(name, row['config'])} | {norm:.0f} | {' | '.join(cells)} | "
                    f"+{c['positive']:g}: {c['positivity_pos']:.2f}, -{c['negative']:g}: {c['positivity_neg']:.2f} |")
     met = [n for n, r in sw["configs"].items()
            if r["chosen"]["positivity_pos"] >= 0.8 and r["chosen"]["positivity_neg"] <= 0.2]
@@ -206,7 +216,9 @@ def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
             parts += [f"### {what} (`{fname}`)", "",
                       f"Sentiment steer retrained on {sw['setup']['texts']}, scored on {sw['setup']['prompts']} "
                       f"x {sw['setup']['samples_per_prompt']} samples (dummy off; never the test prompts). "
-                      "Cells: positivity / perplexity rise at steer value k x eps0.", "", recipe_sweep_table(sw), ""]
+                      "Cells: positivity / perplexity rise at steer value k x eps0"
+                      + (" (baselines: their own eps0, 1)." if _has_baselines(sw) else "."),
+                      "", recipe_sweep_table(sw), ""]
     return "\n".join(parts)
 
 

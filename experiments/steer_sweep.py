@@ -17,7 +17,9 @@ on rerun). The main run's own steer is listed as ``main_run`` when the evaluator
 scored it (the evaluator artifact is cached; a fresh machine retrains it, and then ``r1000`` is
 the main recipe's rerun).
 
-Config names: ``r<rank>`` (``rfull``: a full-rank W), then optional ``_s<steps>``,
+Config names: ``r<rank>`` (``rfull``: a full-rank W), or ``blacklist`` / ``offset`` (the issue's
+baselines: a learned logit offset / context-vector offset, trained at ``train.BASELINE_EPS0`` and
+decoded through the same steer hook, their values in units of that eps0), then optional ``_s<steps>``,
 ``_lr<lr>``, ``_l<l2>``, ``_graded``, ``_neutral``; defaults are the main run's (150 steps, lr 1e-2,
 l2 1e-6, init 1e-2, binary steer values: SST-5 labels 3-4 -> +1, 0-1 -> -1, as the issue specifies).
 ``_graded`` trains on the same texts with the original LM-Steer code's values label / 2 - 1
@@ -44,18 +46,23 @@ import steer_common as C  # noqa: E402
 
 MAX_RISE = 0.3  # the main run's perplexity limit (issue 4's fluency target)
 STEER_TEXTS, NEUTRAL_TEXTS, MAX_LEN, BATCH = 1600, 400, 64, 32  # the main run's cache; 400 = its 20% share
-DEFAULTS = {"steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary", "neutral_texts": 0}  # the main run's recipe
+DEFAULTS = {"kind": "steer", "steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary",
+            "neutral_texts": 0}  # the main run's recipe
 
 
 def parse_config(name: str) -> dict:
-    """'r8_s400_lr3e-3_l1e-4' -> {rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary, neutral_texts: 0}
-    over DEFAULTS ('_graded': labels graded; '_neutral': neutral_texts NEUTRAL_TEXTS)."""
-    m = re.fullmatch(r"r(\d+|full)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral))*)", name)
+    """'r8_s400_lr3e-3_l1e-4' -> {kind: steer, rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary,
+    neutral_texts: 0} over DEFAULTS ('_graded': labels graded; '_neutral': neutral_texts NEUTRAL_TEXTS;
+    'blacklist...' / 'offset...': that baseline, rank None)."""
+    m = re.fullmatch(r"(r(\d+|full)|blacklist|offset)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral))*)", name)
     if not m:
         raise ValueError(f"bad config name {name!r}: "
-                         "want r<rank|full>[_s<steps>][_lr<lr>][_l<l2>][_graded][_neutral]")
-    cfg = dict(DEFAULTS, rank=None if m.group(1) == "full" else int(m.group(1)))
-    for part in filter(None, m.group(2).split("_")):
+                         "want r<rank|full>|blacklist|offset[_s<steps>][_lr<lr>][_l<l2>][_graded][_neutral]")
+    if m.group(2) is None:
+        cfg = dict(DEFAULTS, kind=m.group(1), rank=None)
+    else:
+        cfg = dict(DEFAULTS, rank=None if m.group(2) == "full" else int(m.group(2)))
+    for part in filter(None, m.group(3).split("_")):
         if part == "graded":
             cfg["labels"] = "graded"
         elif part == "neutral":
@@ -119,8 +126,8 @@ def main(argv=None) -> int:
     cache = C.cached_hidden(lm, work / "cache_sentiment_labels.npz",  # values: [binary, graded]
                             lambda: C.sentiment_steer_texts(STEER_TEXTS), MAX_LEN, BATCH)
 
-    def evaluate(params, value):
-        eps = jnp.broadcast_to(jnp.asarray([value * 1e-3, 0.0], jnp.float32), (args.gen_batch, 2))
+    def evaluate(params, value, eps0=1e-3):
+        eps = jnp.broadcast_to(jnp.asarray([value * eps0, 0.0], jnp.float32), (args.gen_batch, 2))
         hooks = head.to_hooks(params, eps)
         t0 = time.time()
         samples = C.sample(lm, lambda b: hooks if b == args.gen_batch else head.to_hooks(
@@ -158,8 +165,10 @@ def main(argv=None) -> int:
     for name, cfg in configs.items():
         if name in res["configs"]:
             continue
+        eps0 = 1e-3 if cfg.get("kind", "steer") == "steer" else train.BASELINE_EPS0
         tcfg = train.TrainConfig(rank=cfg["rank"], steps=cfg["steps"], lr=cfg["lr"], l2=cfg["l2"], init_scale=1e-2,
-                                 batch_size=BATCH, tokens_per_batch=768, log_every=25)
+                                 batch_size=BATCH, tokens_per_batch=768, log_every=25,
+                                 kind=cfg.get("kind", "steer"), eps0=eps0)
         col = ["binary", "graded"].index(cfg["labels"])
         data = cache
         if cfg["neutral_texts"]:
@@ -167,12 +176,16 @@ def main(argv=None) -> int:
                                       lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]), MAX_LEN, BATCH)
             data = train.HiddenCache.concat([cache, neutral])
         params, hist = train.train(dataclasses.replace(data, values=data.values[:, col:col + 1]), emb, tcfg)
-        w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
-        row = {"config": cfg, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
-               "W_fro_norm": float(np.linalg.norm(w[0])), "table": {}}
+        row = {"config": cfg, "eps0": eps0, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
+               "table": {}}
+        if tcfg.kind == "steer":
+            w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
+            row["W_fro_norm"] = float(np.linalg.norm(w[0]))
+        else:  # the user steer's offset b [V] or v [D]
+            row["param_fro_norm"] = float(np.linalg.norm(np.asarray(next(iter(params.values())))[0]))
         for v in strengths:
             for sgn in (1.0, -1.0):
-                m = evaluate(params, sgn * v)
+                m = evaluate(params, sgn * v, eps0)
                 m["ppl_rise"] = m["ppl_mean"] / base_ppl - 1
                 row["table"][f"{sgn * v:+g}"] = m
                 C.log(name, f"{sgn * v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
@@ -180,10 +193,11 @@ def main(argv=None) -> int:
         res["configs"][name] = row
         C.log(name, row["chosen"])
         C.write_json(out_path, res)
-    print("\n| config | W norm | + value | positivity | - value | positivity | gap |\n|---|---|---|---|---|---|---|")
+    print("\n| config | param norm | + value | positivity | - value | positivity | gap |\n|---|---|---|---|---|---|---|")
     for name, row in res["configs"].items():
         c = row["chosen"]
-        print(f"| {name} | {row['W_fro_norm']:.0f} | +{c['positive']:g} | {c['positivity_pos']:.2f} | "
+        norm = row.get("W_fro_norm", row.get("param_fro_norm"))
+        print(f"| {name} | {norm:.0f} | +{c['positive']:g} | {c['positivity_pos']:.2f} | "
               f"-{c['negative']:g} | {c['positivity_neg']:.2f} | {c['gap']:.2f} |")
     return 0
 

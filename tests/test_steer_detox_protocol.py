@@ -46,3 +46,16 @@ def test_replication_prompts_come_from_texts_the_steer_did_not_train_on():
     assert collections.Counter(trained) + collections.Counter(rest) == collections.Counter(split)
     by_text = dict(zip(split, split_labels))
     assert all(by_text[t] == y for t, y in zip(rest, labels))
+
+
+def test_sweep_config_names_cover_the_baselines():
+    """steer_sweep.py config names: the steer recipes as before, and the issue's two baselines."""
+    import steer_sweep as S
+
+    assert S.parse_config("r8_s400_lr3e-3")["kind"] == "steer"
+    assert S.parse_config("r8_s400_lr3e-3")["rank"] == 8 and S.parse_config("rfull")["rank"] is None
+    bl = S.parse_config("blacklist_s300_graded")
+    assert (bl["kind"], bl["rank"], bl["steps"], bl["labels"]) == ("blacklist", None, 300, "graded")
+    assert S.parse_config("offset")["kind"] == "offset"
+    with pytest.raises(ValueError, match="bad config name"):
+        S.parse_config("wordlist")
