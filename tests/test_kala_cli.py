@@ -328,3 +328,17 @@ def test_qa_contexts_are_matched_as_words_with_character_spans():
     assert [(m.text, m.id) for m in got["q"]] == [("Bank of England", "bank of england"), ("U.S.", "u.s"),
                                                   ("London", "london"), ("Bank of  England", "bank of england")]
     assert all(ctx[m.start:m.end] == m.text for m in got["q"]) and got["q2"] == got["q"]
+
+
+def test_ner_without_test_file_encodes_no_test_split(tmp_path, tiny_bert_dir):
+    """`kala train` without --test: the training file is not encoded a second time as a test split."""
+    import jsteer
+    from jsteer.kala import pipeline
+
+    train = conll(tmp_path / "train.conll", _people_places(12))
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
+    tok = jsteer.load(str(tiny_bert_dir)).tokenizer
+    data = pipeline.load_ner_data(train, None, gdir, tok, labels=("O", "B-PER", "I-PER", "B-LOC", "I-LOC"),
+                                  scheme="iob2", max_len=16, train_size=6)
+    assert len(data.train) == 6 and data.test == [] and data.test_tags == []

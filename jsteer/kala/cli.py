@@ -334,7 +334,7 @@ def _train(args) -> int:
     if lm.family != "bert":
         raise ValueError(f"KALA needs a BERT-family encoder; {args.model} is {lm.family}")
     if task == "ner":
-        data = pipeline.load_ner_data(args.train, args.test or args.train, args.graph, lm.tokenizer, labels=labels,
+        data = pipeline.load_ner_data(args.train, args.test, args.graph, lm.tokenizer, labels=labels,
                                       scheme=args.scheme, max_len=args.max_len, max_neighbors=args.max_neighbors,
                                       train_size=args.train_size)
     else:

@@ -129,10 +129,11 @@ def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[
     """Read CoNLL train / test files and their knowledge files; encode both splits.
 
     ``train_size`` / ``test_size`` take a seeded random subset of sentences (None: all).
+    ``test_path`` None: no test split (``test`` and ``test_tags`` empty).
     """
     graph_dir = pathlib.Path(graph_dir)
     train = read_split(train_path, graph_dir, labels, scheme, train_size, subsample_seed)
-    test = read_split(test_path, graph_dir, labels, scheme, test_size, subsample_seed)
+    test = [] if test_path is None else read_split(test_path, graph_dir, labels, scheme, test_size, subsample_seed)
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
     vocab = EntityVocab.from_mentions([m for _, _, m in train])
     relations = RelationVocab.from_facts(facts)
