@@ -158,10 +158,15 @@ def apply_film(h: Array, hooks: Optional[Hooks], layer: int, where: str) -> Arra
 
 def _steer_count(steer: Steer) -> int:
     """S, checked to agree across the Steer's fields."""
-    sizes = {name: getattr(steer, name).shape[0] for name in ("w", "p1", "p2", "vec", "bias")
-             if getattr(steer, name) is not None}
-    if not sizes or (steer.p1 is None) != (steer.p2 is None):
+    ranks = {"w": 3, "p1": 3, "p2": 3, "vec": 2, "bias": 2}
+    present = {name: getattr(steer, name) for name in ranks if getattr(steer, name) is not None}
+    if not present or (steer.p1 is None) != (steer.p2 is None):
         raise ValueError("Steer needs w [S,D,D], both p1 and p2 [S,D,R], vec [S,D] or bias [S,V]")
+    for name, x in present.items():
+        if x.ndim != ranks[name]:
+            want = {"w": "[S, D, D]", "p1": "[S, D, R]", "p2": "[S, D, R]", "vec": "[S, D]", "bias": "[S, V]"}[name]
+            raise ValueError(f"Steer.{name} must be {want} (one row per steer), got shape {tuple(x.shape)}")
+    sizes = {name: x.shape[0] for name, x in present.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"Steer fields disagree on the number of steers S: {sizes}")
     return next(iter(sizes.values()))
@@ -296,6 +301,9 @@ def _stack_steers(s1: Steer, s2: Steer) -> Steer:
             jnp.broadcast_to(e, (other.shape[0],) + e.shape) if e.ndim == 1 else e)
 
     e1, e2 = eps2(s1.eps, s2.eps), eps2(s2.eps, s1.eps)
+    if e1.ndim == 2 and e1.shape[0] != e2.shape[0]:
+        raise ValueError(f"cannot compose steers with per-row eps of different batch sizes: eps {tuple(s1.eps.shape)} "
+                         f"and {tuple(s2.eps.shape)} ([B, S] each, the same B)")
     out = Steer(eps=jnp.concatenate([e1, e2], axis=-1), vec=cat(s1.vec, s2.vec), bias=cat(s1.bias, s2.bias))
     if s1.w is None and s2.w is None and (s1.p1 is None or s2.p1 is None
                                           or s1.p1.shape[-1] == s2.p1.shape[-1]):

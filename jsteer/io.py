@@ -235,17 +235,19 @@ class LM:
     def params_on(self, mesh) -> Any:
         """``params`` replicated over every device of ``mesh`` (what ``forward`` / ``generate``
         with ``mesh=`` run on). Placed on first use and kept on this LM for that mesh (one mesh
-        at a time), so later calls transfer nothing; new params (``replace``, or assigning
-        ``lm.params``) are placed afresh. The LM's own ``params`` and identity are unchanged.
-        ``mesh`` None: ``params`` as they are."""
+        at a time), so later calls transfer nothing; new params (``replace``, assigning
+        ``lm.params``, or replacing one of its arrays in place) are placed afresh. The LM's own
+        ``params`` and identity are unchanged. ``mesh`` None: ``params`` as they are."""
         mesh = _resolve_mesh(mesh, "params_on")
         if mesh is None:
             return self.params
+        leaves = jax.tree.leaves(self.params)  # compared one by one: an entry replaced in place is new params
         cached = self.__dict__.get("_params_on_mesh")
-        if cached is not None and cached[0] is self.params and cached[1] == mesh:
+        if (cached is not None and cached[1] == mesh and len(cached[0]) == len(leaves)
+                and all(a is b for a, b in zip(cached[0], leaves))):
             return cached[2]
         placed = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        self.__dict__["_params_on_mesh"] = (self.params, mesh, placed)
+        self.__dict__["_params_on_mesh"] = (leaves, mesh, placed)
         return placed
 
     # -------------------------------------------------------------- text helpers
@@ -435,9 +437,13 @@ class _BatchSplit:
         if hooks is None:
             return None
 
-        def place(x, rank):
+        def place(x, rank, name, broadcast_ok=True):
             if x is None:
                 return None
+            if np.ndim(x) == rank and np.shape(x)[0] != self.batch and not (broadcast_ok and np.shape(x)[0] == 1):
+                # checked here: after padding, the backbone would compare it with the padded batch
+                raise ValueError(f"hooks.{name} has a leading (batch) dim of {np.shape(x)[0]}, but the batch has "
+                                 f"{self.batch} rows" + ("" if not broadcast_ok else " (or 1, shared by every row)"))
             return self.rows(x) if self._is_rows(x, rank) else self.replicated(x)
 
         changes = {}
@@ -446,12 +452,13 @@ class _BatchSplit:
             if value is None:
                 continue
             if f.name in _HOOK_ROW_RANK:
-                changes[f.name] = place(value, _HOOK_ROW_RANK[f.name])
+                changes[f.name] = place(value, _HOOK_ROW_RANK[f.name], f.name)
             elif f.name == "film":  # {layer: FiLM}, every field [B, T, D]
-                changes[f.name] = {k: jax.tree.map(lambda x: place(x, 3), v) for k, v in value.items()}
+                changes[f.name] = {k: jax.tree.map(lambda x, k=k: place(x, 3, f"film[{k}]"), v)
+                                   for k, v in value.items()}
             elif f.name == "steer":
                 changes[f.name] = dataclasses.replace(
-                    jax.tree.map(self.replicated, value), eps=place(value.eps, 2))
+                    jax.tree.map(self.replicated, value), eps=place(value.eps, 2, "steer.eps", broadcast_ok=False))
             else:
                 raise ValueError(f"mesh=: no rule for splitting hooks.{f.name} over the batch "
                                  f"(add it to jsteer.io._HOOK_ROW_RANK)")

@@ -139,3 +139,18 @@ def test_check_film_layers_accepts_layer_indices_only():
         check_film_layers(Hooks(film={-1: z}), 2)
     with pytest.raises(ValueError, match=r"key -3: .*range\(2\)\ \(this model has 2 layers\)$"):
         check_film_layers(Hooks(film={-3: z}), 2)
+
+
+def test_steer_field_rank_and_compose_batch_errors():
+    """A 1-D blacklist bias / offset vec names the field (not eps); composing per-row eps of two
+    batch sizes names eps."""
+    from jsteer.hooks import apply_steer_logits
+
+    with pytest.raises(ValueError, match=r"Steer.bias must be \[S, V\]"):
+        apply_steer_logits(jnp.zeros((B, T, 64)), Hooks(steer=Steer(eps=jnp.ones((1,)), bias=jnp.ones((64,)))))
+    with pytest.raises(ValueError, match=r"Steer.vec must be \[S, D\]"):
+        steer_delta(jnp.zeros((B, T, D)), Steer(eps=jnp.ones((1,)), vec=jnp.ones((D,))))
+    a = Hooks(steer=Steer(eps=jnp.ones((2, 1)), vec=jnp.ones((1, D))))
+    b = Hooks(steer=Steer(eps=jnp.ones((3, 1)), vec=jnp.ones((1, D))))
+    with pytest.raises(ValueError, match="per-row eps of different batch sizes"):
+        compose(a, b)

@@ -267,3 +267,28 @@ def test_mesh_without_data_axis_is_a_clear_error(lms):
         lm.generate(["w1"], max_new_tokens=2, mesh=bad)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
         lm.forward(*batch(3), mesh="data")
+
+
+def test_params_replaced_in_place_are_placed_afresh(lms, mesh):
+    """An array of lm.params replaced in place (same dict) is not served from the placed copy."""
+    lm = lms["llama"].replace(tokenizer=lms["llama"].tokenizer)
+    lm.params = jax.tree.map(lambda x: x, lm.params)  # own containers, so the shared fixture is untouched
+    ids, mask = batch(3)
+    lm.forward(ids, mask, mesh=mesh)
+    lm.params["norm"]["scale"] = lm.params["norm"]["scale"] * 3.0
+    assert_close(lm.forward(ids, mask, mesh=mesh).logits, lm.forward(ids, mask).logits)
+
+
+def test_batch_shaped_hooks_of_another_batch_size_are_refused(lms, mesh):
+    """With 3 rows, hooks of 8 (the padded size) or 4 rows are errors naming the field and B = 3,
+    as without a mesh; a leading dim of 1 still broadcasts."""
+    lm = lms["llama"]
+    ids, mask = batch(3)
+    for hooks, field in ((Hooks(embed_offset=jnp.zeros((8, 7, D))), "embed_offset"),
+                         (Hooks(step_offset=jnp.zeros((4, D))), "step_offset"),
+                         (Hooks(steer=Steer(eps=jnp.zeros((8, 1)), vec=jnp.ones((1, D)))), "steer.eps"),
+                         (Hooks(film={1: FiLM(gamma_in=jnp.zeros((8, 7, D)))}), r"film\[1\]")):
+        with pytest.raises(ValueError, match=rf"hooks.{field} has a leading \(batch\) dim of \d, but the batch has 3"):
+            lm.forward(ids, mask, hooks=hooks, mesh=mesh)
+    one = Hooks(embed_offset=jnp.full((1, 7, D), 0.1))
+    assert_close(lm.forward(ids, mask, hooks=one, mesh=mesh).logits, lm.forward(ids, mask, hooks=one).logits)

@@ -93,6 +93,19 @@ def test_baselines_match_numpy():
                                atol=1e-4)
 
 
+def test_apply_on_bf16_inputs_computes_in_float32():
+    """A bf16 model's hidden states and embeddings give float32 logits computed from them upcast
+    (as the backbones' logits are float32): bf16 log-prob differences would be multiples of 1/64."""
+    h, emb = jnp.asarray(_rand(1, B, T, D), jnp.bfloat16), jnp.asarray(_rand(2, V, D), jnp.bfloat16)
+    eps = jnp.asarray(_rand(3, B, S))
+    for p in (head.init(jax.random.PRNGKey(0), D, S, rank=R, scale=1.0),
+              head.init_blacklist(jax.random.PRNGKey(1), V, S, scale=1.0)):
+        out = head.apply(p, h, emb, eps)
+        assert out.dtype == jnp.float32
+        want = head.apply(p, h.astype(jnp.float32), emb.astype(jnp.float32), eps)
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
 def test_bad_inputs_raise_clear_errors():
     p = head.init(jax.random.PRNGKey(0), D, S, rank=R)
     h, emb = jnp.asarray(_rand(1, B, T, D)), jnp.asarray(_rand(2, V, D))

@@ -182,3 +182,14 @@ def test_cli_baselines_generate_and_steer(models, tmp_path, capsys, kind):
     assert main(_train_args(d, tmp_path / kind, "toy0", "train.jsonl", "--baseline", kind, "--steps", "150")) == 0
     (pp, pn), (mp, mn) = (_sentiment_words(d, tmp_path / kind, v, capsys) for v in (3, -3))
     assert pp > 2 * pn + 2 and mn > 2 * mp + 2, (kind, (pp, pn), (mp, mn))
+    # composed with a bilinear steer in one call (each at its own strength)
+    assert main(_train_args(d, tmp_path / "s", "toy0", "train.jsonl")) == 0
+    capsys.readouterr()
+    assert main(["steer", "generate", "--model", str(d / "toy0"), "--steer", str(tmp_path / "s"), "--value", "2",
+                 "--steer", str(tmp_path / kind), "--value", "-3", "--samples", "2", "--json", "the movie was"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2
+    if kind == "blacklist":  # vocabulary-space: refused by transfer before the map is fitted
+        assert main(["steer", "transfer", "--steer", str(tmp_path / kind), "--from", str(d / "toy0"), "--to",
+                     str(d / "toy1"), "--out", str(tmp_path / "t")]) == 2
+        err = capsys.readouterr().err
+        assert "cannot be transferred by H" in err and "anchor" not in err and not (tmp_path / "t").exists()

@@ -120,8 +120,8 @@ def _load_model(src: str):
     return lm
 
 
-def load_steers(lm, paths, values, dummy: float = 1.0):
-    """Load artifacts for ``lm`` and stack them: -> (params, eps [S], metas)."""
+def _load_each(lm, paths, values, dummy: float):
+    """Load artifacts for ``lm``: -> ([params], [eps [S_i]], [meta]), one per artifact."""
     import numpy as np
 
     from jsteer.steer import artifact, head
@@ -136,9 +136,33 @@ def load_steers(lm, paths, values, dummy: float = 1.0):
         n_user = head.num_steers(params) - int(meta["dummy"])
         vals = [v] + [0.0] * (n_user - 1) + ([dummy] if meta["dummy"] else [])
         plist.append(params)
-        eps.extend(np.asarray(vals, np.float32) * meta["eps0"])
+        eps.append(np.asarray(vals, np.float32) * meta["eps0"])
         metas.append(meta)
-    return head.stack(plist), np.asarray(eps, np.float32), metas
+    return plist, eps, metas
+
+
+def load_steers(lm, paths, values, dummy: float = 1.0):
+    """Load artifacts for ``lm`` and stack them (steers of one family: bilinear, blacklist or
+    offset): -> (params, eps [S], metas)."""
+    import numpy as np
+
+    from jsteer.steer import head
+
+    plist, eps, metas = _load_each(lm, paths, values, dummy)
+    return head.stack(plist), np.concatenate(eps), metas
+
+
+def steer_hooks(lm, paths, values, dummy: float = 1.0):
+    """Load artifacts for ``lm`` -> one ``Hooks`` carrying all of them, each in its cheapest
+    exact form with its own strength; bilinear steers and baselines may be mixed."""
+    import jax.numpy as jnp
+
+    from jsteer.hooks import compose
+    from jsteer.steer import head
+
+    plist, eps, _ = _load_each(lm, paths, values, dummy)
+    return compose(*(head.to_hooks({k: jnp.asarray(v) for k, v in p.items()}, jnp.asarray(e))
+                     for p, e in zip(plist, eps)))
 
 
 # ----------------------------------------------------------------------------- verbs
@@ -200,16 +224,9 @@ def _train(args) -> int:
 
 
 def _generate(args) -> int:
-    import jax.numpy as jnp
-
-    from jsteer.hooks import Hooks
-    from jsteer.steer import head
-
     lm = _load_model(args.model)
-    params, eps, _ = load_steers(lm, args.steer, args.value, args.dummy)
+    hooks = steer_hooks(lm, args.steer, args.value, args.dummy)
     prompts = [p for p in args.prompts for _ in range(args.samples)]
-    params = head.for_inference({k: jnp.asarray(v) for k, v in params.items()})
-    hooks = Hooks(steer=head.to_steer(params, jnp.asarray(eps)))
     outs = lm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, hooks=hooks)
     for p, o in zip(prompts, outs):
@@ -308,6 +325,8 @@ def _transfer(args) -> int:
 
     src, dst = _load_model(args.src), _load_model(args.dst)
     params, meta = artifact.load(args.steer, model_identity=src.identity)
+    if meta["kind"] == "blacklist":  # before fitting the map
+        raise ValueError(f"{args.steer}: {transfer.BLACKLIST_NOT_TRANSFERABLE}")
     ids_a, ids_b = transfer.shared_anchors(src.tokenizer.backend.get_vocab(), dst.tokenizer.backend.get_vocab(),
                                            args.max_anchors)
     ea, eb = np.asarray(src.output_embeddings()), np.asarray(dst.output_embeddings())

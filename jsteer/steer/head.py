@@ -155,7 +155,7 @@ def full_matrix(params: Params) -> Array:
         return params["w"]
     if k == "lowrank":
         return jnp.einsum("sdr,ser->sde", params["p1"], params["p2"])
-    raise ValueError(f"a {k} baseline has no steer matrix W")
+    raise ValueError(f"the {k} baseline has no steer matrix W")
 
 
 # ----------------------------------------------------------------------------- apply
@@ -210,6 +210,10 @@ def apply(params: Params, hidden: Array, embedding: Array, eps: Array) -> Array:
     if embedding.ndim != 2 or embedding.shape[1] != hidden.shape[-1]:
         raise ValueError(f"embedding must be [V, {hidden.shape[-1]}], got {tuple(embedding.shape)}")
     k = validate(params, hidden_dim=None, vocab_size=embedding.shape[0])
+    # at least float32, as the backbones' logits: log-prob differences (highlighting) of bf16
+    # logits are multiples of 1/64 and can flip sign
+    dtype = jnp.promote_types(jnp.result_type(hidden, embedding), jnp.float32)
+    hidden, embedding = jnp.asarray(hidden, dtype), jnp.asarray(embedding, dtype)
     h = steer_hidden(params, hidden, eps)
     logits = jnp.einsum("...d,vd->...v", h, embedding.astype(h.dtype))
     if k == "blacklist":

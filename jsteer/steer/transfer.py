@@ -64,10 +64,16 @@ def fit_map(emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.n
     return ht.T.astype(np.float32)
 
 
+BLACKLIST_NOT_TRANSFERABLE = ("a word-blacklist steer lives in vocabulary space (one logit offset per token of its "
+                              "model) and cannot be transferred by H")
+
+
 def transfer(params: head.Params, h_map: np.ndarray) -> dict:
     """Steer params for model B from params for model A and H [D_A, D_B] (see module doc)."""
     h_map = jnp.asarray(h_map, jnp.float32)
     k = head.kind(params)
+    if k == "blacklist":
+        raise ValueError(BLACKLIST_NOT_TRANSFERABLE)
     d_a = head.dim(params)
     if h_map.ndim != 2 or h_map.shape[0] != d_a:
         raise ValueError(f"transfer map must be [D_A={d_a}, D_B], got {tuple(h_map.shape)}")
@@ -76,9 +82,7 @@ def transfer(params: head.Params, h_map: np.ndarray) -> dict:
                 "p2": jnp.einsum("ab,sar->sbr", h_map, params["p2"])}
     if k == "full":
         return {"w": jnp.einsum("ab,sac,cd->sbd", h_map, params["w"], h_map)}
-    if k == "offset":  # e_A^T v ~= e_B^T H^T v
-        return {"vec": jnp.einsum("ab,sa->sb", h_map, params["vec"])}
-    raise ValueError("a word-blacklist steer lives in vocabulary space and cannot be transferred by H")
+    return {"vec": jnp.einsum("ab,sa->sb", h_map, params["vec"])}  # offset: e_A^T v ~= e_B^T H^T v
 
 
 def anchor_fit_error(emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.ndarray,
