@@ -342,3 +342,207 @@ def test_ner_without_test_file_encodes_no_test_split(tmp_path, tiny_bert_dir):
     data = pipeline.load_ner_data(train, None, gdir, tok, labels=("O", "B-PER", "I-PER", "B-LOC", "I-LOC"),
                                   scheme="iob2", max_len=16, train_size=6)
     assert len(data.train) == 6 and data.test == [] and data.test_tags == []
+
+
+# --- resume at the data position, SIGTERM, empty / unanswerable training sets, metrics.json, predictions paths ---
+
+def _sigterm_at_batch(monkeypatch, n):
+    """A real SIGTERM to this process while the ``n``-th training batch is prepared (the trainer's
+    handler stops after that step and saves a checkpoint, as a preempted job does)."""
+    import os
+    import signal
+
+    from jsteer.kala import data as kdata
+
+    real, calls = kdata.device_batch, []
+
+    def batch_then_sigterm(batch, graph=True):
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(batch, graph)
+
+    monkeypatch.setattr(kdata, "device_batch", batch_then_sigterm)
+
+
+def _assert_trees_close(a, b):
+    import jax
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_fit_resumes_at_the_recorded_data_position(tmp_path, tiny_bert_dir, monkeypatch):
+    """kala.train.fit interrupted (SIGTERM) after 3 of 6 steps and resumed from its checkpoint
+    continues with the 4th batch, not the first again: the same losses and params as an
+    uninterrupted run, and no "no data position" warning."""
+    import warnings
+
+    import jsteer
+    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala.model import KalaConfig
+
+    train = squad(tmp_path / "train.json", 24)
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
+    lm = jsteer.load(str(tiny_bert_dir))
+    data = pipeline.load_qa_data(train, None, gdir, lm.tokenizer, max_len=16, stride=4)
+    # finetune: one compiled shape, fast; the stream's position is the same for graph batches
+    # (and the trainer's dropout key is restored with its state)
+    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method="finetune"))
+    cfg = ktrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=4, max_len=16, max_steps=6)
+    assert len(data.train) >= 4 * 6  # one epoch covers all 6 steps: a replay would take other batches
+    straight = ktrain.fit(model, params, data.train, cfg, task="qa", checkpoint_dir=tmp_path / "a")
+    assert straight.last_step == 6 and not straight.preempted
+
+    with monkeypatch.context() as m:
+        _sigterm_at_batch(m, 3)
+        cut = ktrain.fit(model, params, data.train, cfg, task="qa", checkpoint_dir=tmp_path / "b")
+    assert cut.preempted and cut.last_step == cut.steps == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = ktrain.fit(model, params, data.train, cfg, task="qa", checkpoint_dir=tmp_path / "b")
+    assert not [w for w in caught if "data position" in str(w.message)], [str(w.message) for w in caught]
+    assert resumed.steps == 3 and resumed.last_step == 6 and not resumed.preempted
+    np.testing.assert_allclose(cut.losses + resumed.losses, straight.losses, rtol=1e-6)
+    _assert_trees_close(resumed.params, straight.params)
+
+
+def test_cli_sigterm_stops_unfinished_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_bert_dir, capsys,
+                                                                                 monkeypatch):
+    """SIGTERM during `kala train`: checkpoint, a message naming --resume, exit 143, no model/ or
+    metrics.json (the run is not finished); the same command with --resume then ends with the
+    params, final loss, scores and predictions of an uninterrupted run."""
+    from jsteer.io import load_artifact
+
+    train, test = squad(tmp_path / "train.json", 24), squad(tmp_path / "test.json", 6, seed=1)
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
+
+    def args(out):
+        return ["kala", "train", "--train", str(train), "--test", str(test), "--graph", str(gdir), "--out", str(out),
+                "--model", str(tiny_bert_dir), "--method", "finetune", "--max-steps", "6", "--batch-size", "4",
+                "--max-len", "16", "--stride", "4", "--lr", "3e-3"]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert jsteer_main(args(a)) == 0
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _sigterm_at_batch(m, 3)
+        assert jsteer_main(args(b)) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM at step 3 of 6" in err and "--resume" in err
+    assert not (b / "model").exists() and not (b / "metrics.json").exists()
+    assert not (b / "test.json.predictions.json").exists()
+    assert (b / "checkpoints").is_dir()
+    assert jsteer_main(args(b) + ["--resume"]) == 0
+    assert "data position" not in capsys.readouterr().err and "data position" not in (b / "log.jsonl").read_text()
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
+    assert (mb["steps"], mb["steps_run"]) == (6, 3)
+    assert mb["final_loss"] == pytest.approx(ma["final_loss"], rel=1e-6)
+    assert mb["test"]["exact_match"] == ma["test"]["exact_match"] and mb["test"]["f1"] == pytest.approx(ma["test"]["f1"])
+    _assert_trees_close(load_artifact(b / "model")[0], load_artifact(a / "model")[0])
+    assert (json.loads((b / "test.json.predictions.json").read_text())
+            == json.loads((a / "test.json.predictions.json").read_text()))
+
+
+def test_cli_train_refuses_empty_and_unanswerable_training_sets(tmp_path, tiny_bert_dir, capsys):
+    """--train-size < 1 is an argument error; a SQuAD file without questions (it hung in an endless
+    loop over zero batches) and SQuAD v2.0 questions without answers are refused naming the file,
+    before the model is loaded (--model nope); fit and the batch stream refuse no examples."""
+    from jsteer.kala import qa, train as ktrain
+
+    train = squad(tmp_path / "train.json", 8)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"version": "1.1", "data": []}))
+    v2 = tmp_path / "v2.json"
+    ctx = "Today Anna visited Paris."
+    qa.write_squad(v2, [qa.QAExample("a", "who ?", ctx, (("Anna", 6),)), qa.QAExample("b", "why ?", ctx, ())])
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(train), str(empty), str(v2), "--out", str(gdir)]) == 0
+    base = ["kala", "train", "--graph", str(gdir), "--out", str(tmp_path / "run"), "--model", "nope"]
+    for size in ("0", "-3"):
+        with pytest.raises(SystemExit) as e:
+            jsteer_main(base + ["--train", str(train), "--train-size", size])
+        assert e.value.code == 2
+        assert f"--train-size: must be an integer >= 1, got {size}" in capsys.readouterr().err
+    assert jsteer_main(base + ["--train", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"{empty}: no questions to train on" in err and "Traceback" not in err
+    assert jsteer_main(base + ["--train", str(v2)]) == 2
+    err = capsys.readouterr().err
+    assert f"{v2}: training question 'b' has no answers" in err and "SQuAD v2.0 unanswerable" in err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="no training examples"):
+        ktrain.fit(None, {}, [], ktrain.TrainConfig(max_steps=1), task="qa")
+    with pytest.raises(ValueError, match="no training examples"):
+        ktrain._Endless([], 4, ktrain.task_keys("qa"), 0)
+
+
+def test_cli_metrics_json_is_strict_json_after_one_step(tmp_path, tiny_bert_dir, capsys):
+    """A run of <= 1 step (or the resume of a finished run) has no step time: null in metrics.json
+    and on stdout, never NaN (invalid JSON)."""
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in {text}"))
+
+    train = squad(tmp_path / "train.json", 8)
+    gdir, out = tmp_path / "graph", tmp_path / "run"
+    assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
+    args = ["kala", "train", "--train", str(train), "--graph", str(gdir), "--out", str(out), "--model",
+            str(tiny_bert_dir), "--method", "finetune", "--max-steps", "1", "--batch-size", "8", "--max-len", "16",
+            "--stride", "4"]
+    for extra in ([], ["--resume"]):
+        capsys.readouterr()
+        assert jsteer_main(args + extra) == 0
+        printed = strict(capsys.readouterr().out.strip().splitlines()[-1])
+        metrics = strict((out / "metrics.json").read_text())
+        assert printed == metrics and metrics["steps"] == 1
+        assert metrics["train_seconds"] is None and metrics["examples_per_second"] is None
+        assert metrics["final_loss"] is not None
+
+
+def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path, tiny_bert_dir, capsys,
+                                                                        monkeypatch):
+    """eval --predictions equal to --test (it overwrote the gold answers), another SQuAD data file
+    or a folder is refused before the model is loaded; so is a train --test whose predictions
+    path is a folder."""
+    import jsteer
+    from jsteer import io as jio
+
+    train, test = squad(tmp_path / "train.json", 8), squad(tmp_path / "test.json", 4, seed=1)
+    gdir, out = tmp_path / "graph", tmp_path / "run"
+    assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
+    args = ["kala", "train", "--train", str(train), "--graph", str(gdir), "--out", str(out), "--model",
+            str(tiny_bert_dir), "--method", "finetune", "--max-steps", "1", "--batch-size", "8", "--max-len", "16",
+            "--stride", "4"]
+    assert jsteer_main(args) == 0
+    gold, gold_train = test.read_bytes(), train.read_bytes()
+    folder = tmp_path / "somedir"
+    folder.mkdir()
+    (out / "test.json.predictions.json").mkdir()  # train's default predictions path, taken by a folder
+    capsys.readouterr()
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the predictions path was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(jio, "load_artifact", no_load)
+        m.setattr(jsteer, "load", no_load)
+        cases = [(["--predictions", str(test)], f"--predictions {test} is the --test file"),
+                 (["--predictions", str(tmp_path / "." / "test.json")], "is the --test file"),
+                 (["--predictions", str(train)], f"--predictions {train} is a SQuAD-format data file"),
+                 (["--predictions", str(folder)], f"--predictions {folder} is a folder")]
+        for extra, msg in cases:
+            assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test)] + extra) == 2, extra
+            err = capsys.readouterr().err
+            assert msg in err and "Traceback" not in err, (extra, err)
+        assert jsteer_main(args + ["--resume", "--test", str(test)]) == 2
+        err = capsys.readouterr().err
+        assert f"the predictions file {out / 'test.json.predictions.json'} is a folder" in err
+    assert test.read_bytes() == gold and train.read_bytes() == gold_train
+    preds = tmp_path / "preds.json"
+    assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test), "--predictions", str(preds)]) == 0
+    assert set(json.loads(preds.read_text())) == {"s1q0", "s1q1", "s1q2", "s1q3"}
+    assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test), "--predictions", str(preds)]) == 0

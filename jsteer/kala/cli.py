@@ -30,11 +30,17 @@ files to a graph, keeping its lexicon and facts.
 with the entity vocabulary, relations, configs and labels in its metadata) and
 ``<out>/metrics.json``. ``--out`` must be new or empty; ``--resume`` continues the run recorded
 there and is refused when its configuration (the task included) or data differ (see
-:mod:`jsteer.kala.runs`).
+:mod:`jsteer.kala.runs`); it continues at the step and the data position of the latest checkpoint,
+so it ends with the numbers of an uninterrupted run. SIGTERM (preemption) stops ``train`` after the
+current step with a checkpoint and exit status 143, writing neither ``model`` nor ``metrics.json``
+(resume it with ``--resume``). Non-finite numbers (``train_seconds`` of a run of <= 1 step) are
+``null`` in ``metrics.json``. QA training takes SQuAD v1.1 questions, each with an answer (SQuAD
+v2.0 unanswerable questions are refused).
 The NER label set is O plus B-X and I-X for every entity type X of the training file (or ``--labels``).
 QA scores are SQuAD v1.1 exact match and F1 (percent) of the best span over a question's
 windows; the predictions, ``{question id: answer text}`` as the SQuAD evaluation script reads
-them, go to ``<run>/<test file name>.predictions.json`` (``eval --predictions``: elsewhere).
+them, go to ``<run>/<test file name>.predictions.json`` (``eval --predictions``: elsewhere; never
+the ``--test`` file, another SQuAD-format data file or a folder).
 ``eval`` on a file the graph folder has no mentions for annotates it in memory with the
 folder's lexicon.tsv.
 """
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import warnings
@@ -134,7 +141,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-answer-len", type=_positive_int, default=None,
                    help="QA: longest predicted answer, in tokens (default 30)")
     p.add_argument("--max-neighbors", type=int, default=4)
-    p.add_argument("--train-size", type=int, default=None,
+    p.add_argument("--train-size", type=_positive_int, default=None,
                    help="random subset of training sentences (NER) or questions (QA)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_train)
@@ -327,8 +334,11 @@ def _train(args) -> int:
     runs.check(out, record, args.resume)
     if task == "qa":  # every input checked before the (slow) model load
         train_split = pipeline.read_qa_split(args.train, args.graph, args.train_size)
+        pipeline.check_train_split(args.train, train_split)  # questions, each with an answer (no SQuAD v2.0)
         test_split = pipeline.read_qa_split(args.test, args.graph) if args.test else []
         _check_gold(args.test, [ex for ex, _ in test_split])
+        if args.test:
+            _check_predictions_path(_predictions_path(out, args.test), args.test, "the predictions file")
         facts = read_facts(pathlib.Path(args.graph) / "facts.jsonl")
     lm = jsteer.load(args.model)
     if lm.family != "bert":
@@ -350,6 +360,14 @@ def _train(args) -> int:
     runs.write(out, record)  # only now: a command that failed before training leaves --out as it was
     fit = ktrain.fit(model, params, data.train, cfg, task=task, checkpoint_dir=out / "checkpoints",
                      log_path=out / "log.jsonl", progress=sys.stderr.isatty())
+    if fit.preempted:  # SIGTERM: the trainer saved a checkpoint; the run is not finished
+        from jsteer.train.loop import EXIT_PREEMPTED
+
+        print(f"jsteer kala train: stopped by SIGTERM at step {fit.last_step} of "
+              f"{cfg.total_steps(len(data.train))}; checkpoint saved in {out / 'checkpoints'}. The run is not "
+              f"finished (no model/ or metrics.json written): continue it with the same command plus --resume",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
     if fit.steps == 0:
         print(f"{out}: the checkpoint is already at step {fit.last_step}; no training step run", file=sys.stderr)
     meta = {"task": task, "model": str(args.model), "kala": dataclasses.asdict(model.kala),
@@ -370,9 +388,52 @@ def _train(args) -> int:
     elif args.test:
         metrics["test"] = _qa_scores(model, fit.params, data.test, data.test_examples, args.max_answer_len,
                                      _predictions_path(out, args.test))
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    print(json.dumps(metrics))
+    metrics = _json_safe(metrics)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, allow_nan=False))
+    print(json.dumps(metrics, allow_nan=False))
     return 0
+
+
+def _json_safe(obj):
+    """``obj`` with every non-finite float as None: JSON has no NaN / Infinity (a run of <= 1
+    step has no train_seconds or examples_per_second)."""
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def _check_predictions_path(path, test, what="--predictions") -> None:
+    """Where QA predictions go must not be the --test file (its gold answers), another
+    SQuAD-format data file, or a folder: checked before any model is loaded."""
+    path, test = pathlib.Path(path), pathlib.Path(test)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give the path of a file to write the {{question id: answer}} "
+                         f"predictions to")
+    same = path.resolve() == test.resolve() or (path.exists() and test.exists() and path.samefile(test))
+    if same:
+        raise ValueError(f"{what} {path} is the --test file {test}; writing the predictions there would replace its "
+                         f"gold answers: choose another path")
+    if path.is_file() and _is_squad_data(path):
+        raise ValueError(f"{what} {path} is a SQuAD-format data file (it has \"data\"); writing the predictions there "
+                         f"would replace it: choose another path")
+
+
+def _is_squad_data(path) -> bool:
+    """Whether ``path`` holds a SQuAD-format dataset (a JSON object with a "data" list; a
+    predictions file maps ids to answer strings)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read(1024).lstrip()[:1] != "{":
+                return False
+            f.seek(0)
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("data"), list)
 
 
 def _predictions_path(run, test) -> pathlib.Path:
@@ -407,6 +468,8 @@ def _eval(args) -> int:
     from jsteer.kala.formats import read_facts
     from jsteer.kala.model import KalaConfig, KalaModel
 
+    if args.predictions is not None:  # before anything is loaded or evaluated
+        _check_predictions_path(args.predictions, args.test)
     params, meta = load_artifact(pathlib.Path(args.run) / "model")
     task = meta.get("task")
     if task not in TASK_FILES:
@@ -416,6 +479,8 @@ def _eval(args) -> int:
                          f"{TASK_FILES[_task_of(args.test)]}; evaluate it on {TASK_FILES[task]}")
     if args.predictions is not None and task != "qa":
         raise ValueError("--predictions is for QA runs; an NER eval prints its scores only")
+    if task == "qa" and args.predictions is None:
+        _check_predictions_path(_predictions_path(args.run, args.test), args.test, "the predictions path")
     lm = jsteer.load(meta["model"])
     graph = args.graph or meta["graph"]
     vocab, relations = EntityVocab(meta["entities"]), RelationVocab(meta["relations"])

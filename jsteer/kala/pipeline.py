@@ -71,6 +71,8 @@ class QAData:
 
 
 def _subsample(n_total: int, n: Optional[int], seed: int) -> list[int]:
+    if n is not None and n < 1:
+        raise ValueError(f"a subset size must be >= 1 (None: all), got {n}")
     if n is None or n >= n_total:
         return list(range(n_total))
     return sorted(np.random.default_rng(seed).choice(n_total, size=n, replace=False).tolist())
@@ -133,6 +135,8 @@ def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[
     """
     graph_dir = pathlib.Path(graph_dir)
     train = read_split(train_path, graph_dir, labels, scheme, train_size, subsample_seed)
+    if not train:
+        raise ValueError(f"{train_path}: no sentences to train on (an empty CoNLL file)")
     test = [] if test_path is None else read_split(test_path, graph_dir, labels, scheme, test_size, subsample_seed)
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
     vocab = EntityVocab.from_mentions([m for _, _, m in train])
@@ -164,6 +168,19 @@ def read_qa_split(path, graph_dir, size: Optional[int] = None, subsample_seed: i
     return [(examples[i], mentions.get(examples[i].qid, [])) for i in _subsample(len(examples), size, subsample_seed)]
 
 
+def check_train_split(path, split) -> None:
+    """A QA training split (:func:`read_qa_split`) must hold questions, each with a gold answer:
+    ValueError naming ``path`` otherwise (an empty file; SQuAD v2.0 unanswerable questions, which
+    would train as [CLS] spans that a v1.1 model never predicts)."""
+    if not split:
+        raise ValueError(f"{path}: no questions to train on (its \"data\" holds none)")
+    for ex, _ in split:
+        if not ex.answers:
+            raise ValueError(f"{path}: training question {ex.qid!r} has no answers; SQuAD v2.0 unanswerable "
+                             f"questions are not supported (extractive QA here is SQuAD v1.1: every training "
+                             f"question needs at least one answer span); remove them from the file")
+
+
 def encode_qa_split(split, tokenizer, vocab: EntityVocab, kg: KnowledgeGraph, max_len: int = 384,
                     stride: int = 128, max_query: int = 64, max_neighbors: int = 4) -> list[dict]:
     """Every question's windows (:func:`jsteer.kala.qa.encode_qa`), in order."""
@@ -192,6 +209,7 @@ def load_qa_data(train_path, test_path, graph_dir, tokenizer, max_len: int = 384
     subset of questions (None: all)."""
     graph_dir = pathlib.Path(graph_dir)
     train = read_qa_split(train_path, graph_dir, train_size, subsample_seed)
+    check_train_split(train_path, train)
     test = read_qa_split(test_path, graph_dir, test_size, subsample_seed) if test_path is not None else []
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
     return qa_data(train, test, facts, tokenizer, max_len, stride, max_query, max_neighbors)

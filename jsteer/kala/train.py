@@ -149,6 +149,8 @@ class _Endless:
     function of the seed and the epoch)."""
 
     def __init__(self, examples, batch_size, keys, seed, graph_rungs=0, graph=True):
+        if len(examples) == 0:
+            raise ValueError("no training examples: an empty batch stream has no batch to train on")
         self.examples, self.batch_size, self.keys, self.seed = examples, batch_size, keys, seed
         self.graph_rungs, self.graph = graph_rungs, graph
         self._epoch, self._index = 0, 0  # the next batch: batch _index of epoch _epoch
@@ -175,11 +177,15 @@ class _Endless:
         while True:
             batches = kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
                                     seed=self.seed * 1000 + self._epoch, keys=self.keys, graph_rungs=self.graph_rungs)
+            n = 0
             for i, (_, batch) in enumerate(batches):
+                n = i + 1
                 if i < self._index:  # already trained on (a resumed run)
                     continue
                 self._index = i + 1
                 yield kdata.device_batch(batch, self.graph)
+            if n == 0:  # never spin on an epoch without batches
+                raise ValueError(f"epoch {self._epoch} of {len(self.examples)} training examples has no batch")
             self._epoch, self._index = self._epoch + 1, 0
 
 
@@ -205,10 +211,18 @@ def task_keys(task: str) -> tuple[str, ...]:
 
 def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *,
         log_path=None, checkpoint_dir=None, eval_fn=None, eval_every=None, progress: bool = False,
-        measure_memory: bool = False, mesh=None) -> FitResult:
+        measure_memory: bool = False, mesh=None, nonresumable_data: str = "warn") -> FitResult:
     """Train on encoded examples for ``cfg.epochs`` (or ``cfg.max_steps``) with the shared
     :class:`jsteer.train.Trainer` (one device by default: graphs are per example, so the data
-    axis may be widened with ``mesh`` when the batch divides it)."""
+    axis may be widened with ``mesh`` when the batch divides it).
+
+    With ``checkpoint_dir`` holding a checkpoint the run resumes from it, the batch stream at the
+    recorded position (same params as an uninterrupted run). ``nonresumable_data``: what a
+    checkpoint without a data position (written before streams were checkpointed) does, see
+    :meth:`jsteer.train.Trainer.fit`. A SIGTERM stops after the current step and saves a
+    checkpoint: the result then has ``preempted=True``. Raises ValueError without examples."""
+    if len(examples) == 0:
+        raise ValueError("fit: no training examples (an empty training file, or a train size of 0?)")
     loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
     total = cfg.total_steps(len(examples))
     trainer = Trainer(loss_fn, params, optimizer_config(cfg, total), mesh=mesh or data_mesh(jax.devices()[:1]),
@@ -222,7 +236,9 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
         marks.append(time.perf_counter())
 
     t0 = time.perf_counter()
-    summary = trainer.fit(iter(stream), total, on_step=on_step)
+    # the stream itself, not iter(stream): the trainer checkpoints its state() and restores it
+    # with set_state(), so a resumed run continues at the batch an uninterrupted one would take
+    summary = trainer.fit(stream, total, on_step=on_step, nonresumable_data=nonresumable_data)
     mem = None
     if measure_memory:
         first = next(iter(stream))
