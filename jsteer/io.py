@@ -24,6 +24,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -855,16 +856,32 @@ def _short(e: BaseException) -> str:
 _ORPHANED_READ = "Encountered error while reading array index"
 
 
+def _is_orphaned_read(exc) -> bool:
+    return str(exc).startswith(_ORPHANED_READ)
+
+
+class _OrphanedReadLogFilter(logging.Filter):
+    """asyncio's "Task exception was never retrieved" log record of an abandoned Orbax read."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _is_orphaned_read(record.exc_info[1]))
+
+
 def _quiet_orphaned_reads() -> None:
     """After a failed restore Orbax leaves shard readers pending; when they are finalized (often
-    at exit) each prints "Exception ignored in <coroutine>" and the full TensorStore spec. Drop
-    exactly those reports; every other unraisable exception reaches the previous hook."""
+    at exit) each prints "Exception ignored in <coroutine>" and the full TensorStore spec, or,
+    when its asyncio task is collected, asyncio logs "Task exception was never retrieved" with a
+    traceback. Drop exactly those reports; every other unraisable exception reaches the previous
+    hook, and every other asyncio record is logged."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrphanedReadLogFilter) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_OrphanedReadLogFilter())
     previous = sys.unraisablehook
     if getattr(previous, "_jsteer_orbax_filter", False):
         return
 
     def hook(unraisable):
-        if str(unraisable.exc_value).startswith(_ORPHANED_READ):
+        if _is_orphaned_read(unraisable.exc_value):
             return
         previous(unraisable)
 

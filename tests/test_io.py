@@ -675,3 +675,31 @@ def test_checkpoint_params_mix_with_mesh_placed_arrays(tiny_gpt2, tmp_path):
     assert len(offset.sharding.device_set) == jax.device_count() > 1
     out = lm.forward(jnp.asarray([[1, 2, 3]]), hooks=jsteer.Hooks(embed_offset=offset))
     np.testing.assert_allclose(out.logits, lm.forward(jnp.asarray([[1, 2, 3]])).logits, atol=1e-6)
+
+
+def test_orphaned_orbax_reads_are_not_logged_by_asyncio(caplog):
+    """After a failed restore, an abandoned Orbax read's task may be collected with its exception
+    unretrieved; asyncio then logs "Task exception was never retrieved" with a traceback (seen in
+    CI's damaged-checkpoint test). That record is dropped; any other task's error still is logged."""
+    import asyncio
+    import gc
+
+    from jsteer import io as jio
+
+    jio._quiet_orphaned_reads()
+
+    async def orphaned():
+        raise Exception(jio._ORPHANED_READ + ": (slice(0, 32, 1),). See full TensorStore details")
+
+    async def other():
+        raise Exception("some other failure")
+
+    loop = asyncio.new_event_loop()
+    with caplog.at_level("ERROR", logger="asyncio"):
+        tasks = [loop.create_task(orphaned()), loop.create_task(other())]
+        loop.run_until_complete(asyncio.sleep(0.01))
+        del tasks
+        gc.collect()
+    loop.close()
+    logged = [str(r.exc_info[1]) for r in caplog.records if r.name == "asyncio" and r.exc_info]
+    assert logged == ["some other failure"], logged
