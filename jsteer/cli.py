@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 METHOD_GROUPS = ("steer", "typevec", "kala", "kalm")
@@ -32,9 +33,31 @@ def main(argv=None) -> int:
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
-        print(f"jsteer {args.command}: error: {e}", file=sys.stderr)
+        from jsteer import io
+
+        print(f"jsteer {args.command}: error: {e}", file=io.REAL_STDERR[-1] if io.REAL_STDERR else sys.stderr)
         return 2
 
 
+def _exit(code: int) -> None:
+    """Exit with ``code``; after a failed checkpoint restore without interpreter finalisation,
+    whose abandoned Orbax reads would print tracebacks from their threads as they shut down."""
+    from jsteer import io
+
+    if io.ORPHANED_READS:
+        for stream in (sys.stdout, sys.stderr, *io.REAL_STDERR):
+            stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def run() -> None:
+    """The ``jsteer`` console script: :func:`main`, then exit with its status."""
+    from jsteer import io
+
+    io.CLI_PROCESS.append(True)
+    _exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

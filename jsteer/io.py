@@ -17,6 +17,7 @@ once complete, so an interrupted save leaves the previous one loadable.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -29,6 +30,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 import uuid
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -856,6 +858,51 @@ def _short(e: BaseException) -> str:
 _ORPHANED_READ = "Encountered error while reading array index"
 
 
+ORPHANED_READS = []  # set when a restore failed and left Orbax reads running (the CLI then exits hard)
+# the CLI process (jsteer.cli.run) sets this: after a failed restore, file descriptor 2 and
+# sys.stderr stay on /dev/null (the abandoned reads' threads keep printing tracebacks until
+# exit) and REAL_STDERR holds a stream on the real one, for the CLI's one-line error
+CLI_PROCESS = []
+REAL_STDERR = []
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success():
+    """Capture file descriptor 2 (where TensorStore's threads print) while restoring: replayed
+    when the restore succeeds, dropped when it fails (a failed restore's reader threads print
+    their TensorStore specs and tracebacks there; the ValueError raised says what went wrong)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (e.g. some notebook kernels): leave it alone
+        yield
+        return
+    with tempfile.TemporaryFile() as buf:
+        os.dup2(buf.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            if not ok and CLI_PROCESS:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 2)
+                os.close(devnull)
+                REAL_STDERR.append(os.fdopen(saved, "w", buffering=1))
+                sys.stderr = open(os.devnull, "w")
+            else:
+                os.dup2(saved, 2)
+                os.close(saved)
+            if ok:
+                buf.seek(0)
+                data = buf.read()
+                if data:
+                    os.write(2, data)
+            else:
+                ORPHANED_READS.append(True)
+
+
 def _is_orphaned_read(exc) -> bool:
     return str(exc).startswith(_ORPHANED_READ)
 
@@ -927,7 +974,7 @@ def _restore_tree(path: pathlib.Path, target: Any = None):
                                            or jax.sharding.SingleDeviceSharding(device)),
             target)
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with _stderr_kept_on_success(), ocp.StandardCheckpointer() as ckptr:
             tree = ckptr.restore(path.absolute(), target)
     except Exception as e:  # truncated / missing array files surface as TensorStore errors
         _quiet_orphaned_reads()
