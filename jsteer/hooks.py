@@ -191,14 +191,14 @@ def steer_delta(h: Array, steer: Steer) -> Array:
     """sum_i eps_i (W_i h + v_i) for h [..., D] (leading dim B when eps is [B, S]) -> [..., D]."""
     n_steers = _steer_count(steer)
     scale = _eps_scale(steer.eps, n_steers, h.shape[:1] if h.ndim >= 2 else (), h.ndim - 1).astype(h.dtype)
-    terms = []
+    terms, proj = [], None
     if steer.w is not None:
         proj = jnp.einsum("...d,sed->...se", h, steer.w.astype(h.dtype))  # W_i h
-        terms.append(jnp.einsum("...sd,...s->...d", proj, scale))
     elif steer.p1 is not None:
         # (P1 P2^T) h = P1 (P2^T h)
         low = jnp.einsum("...d,sdr->...sr", h, steer.p2.astype(h.dtype))
         proj = jnp.einsum("...sr,sdr->...sd", low, steer.p1.astype(h.dtype))
+    if proj is not None:
         terms.append(jnp.einsum("...sd,...s->...d", proj, scale))
     if steer.vec is not None:
         if steer.vec.shape[-1] != h.shape[-1]:

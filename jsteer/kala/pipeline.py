@@ -35,7 +35,7 @@ from jsteer.kala import data as kdata
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab, init_memory
 from jsteer.kala.formats import FormatError, read_facts, read_mentions
 from jsteer.kala.model import KalaConfig, KalaModel, init_params
-from jsteer.kala.qa import QAExample, encode_qa, read_squad
+from jsteer.kala.qa import QAExample, encode_qa, first_unanswered, read_squad
 
 UNSEEN_MIN = 3  # a test context is "unseen" with at least this many out-of-vocabulary entities
 
@@ -174,11 +174,11 @@ def check_train_split(path, split) -> None:
     would train as [CLS] spans that a v1.1 model never predicts)."""
     if not split:
         raise ValueError(f"{path}: no questions to train on (its \"data\" holds none)")
-    for ex, _ in split:
-        if not ex.answers:
-            raise ValueError(f"{path}: training question {ex.qid!r} has no answers; SQuAD v2.0 unanswerable "
-                             f"questions are not supported (extractive QA here is SQuAD v1.1: every training "
-                             f"question needs at least one answer span); remove them from the file")
+    ex = first_unanswered([ex for ex, _ in split])
+    if ex is not None:
+        raise ValueError(f"{path}: training question {ex.qid!r} has no answers; SQuAD v2.0 unanswerable "
+                         f"questions are not supported (extractive QA here is SQuAD v1.1: every training "
+                         f"question needs at least one answer span); remove them from the file")
 
 
 def encode_qa_split(split, tokenizer, vocab: EntityVocab, kg: KnowledgeGraph, max_len: int = 384,

@@ -153,6 +153,11 @@ def gold_answers(examples: Sequence[QAExample]) -> dict[str, list[str]]:
     return {e.qid: [t for t, _ in e.answers] for e in examples}
 
 
+def first_unanswered(examples: Sequence[QAExample]) -> Optional[QAExample]:
+    """The first question without a gold answer (SQuAD v2.0's unanswerable ones), or None."""
+    return next((ex for ex in examples if not ex.answers), None)
+
+
 def write_squad(path: PathLike, examples: Sequence[QAExample]) -> None:
     data = [{"title": ex.qid, "paragraphs": [{"context": ex.context, "qas": [
         {"id": ex.qid, "question": ex.question,
