@@ -206,11 +206,15 @@ def test_cli_qa_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     assert json.loads((out / "test.json.predictions.json").read_text()) == preds  # train --test wrote them too
     # the same questions with the model's answers as gold: EM 100 (scored against the --test file's answers;
     # a file the graph has no mentions for is annotated in memory with its lexicon)
+    # (the first two with an answer_start that misses the text: EM / F1 need only the texts, so they are
+    # repaired and said in one line)
     qa.write_squad(tmp_path / "as_gold.json", [qa.QAExample(e.qid, e.question, e.context,
-                                                            ((preds[e.qid], e.context.index(preds[e.qid])),))
-                                               for e in examples])
+                                                            ((preds[e.qid], e.context.index(preds[e.qid]) + (i < 2)),))
+                                               for i, e in enumerate(examples)])
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(tmp_path / "as_gold.json")]) == 0
-    assert _last_json(capsys.readouterr().out)["exact_match"] == 100.0
+    std = capsys.readouterr()
+    assert _last_json(std.out)["exact_match"] == 100.0
+    assert "jsteer kala eval: WARNING: " in std.err and "as_gold.json: 2 answer(s) whose answer_start" in std.err
     # a QA run takes no NER data: eval on a CoNLL file, resume with a CoNLL --train
     conll_file = conll(tmp_path / "t.conll", _people_places(4))
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(conll_file)]) == 2
@@ -257,7 +261,9 @@ def test_cli_qa_errors_name_the_file_and_the_mix(tmp_path, capsys):
     broken = json.loads(test.read_text())
     broken["data"][0]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] = 1
     (tmp_path / "broken.json").write_text(json.dumps(broken))
-    assert jsteer_main(base + ["--train", str(train), "--test", str(tmp_path / "broken.json")]) == 2
+    (gdir / "broken.json.mentions.jsonl").write_text((gdir / "test.json.mentions.jsonl").read_text())
+    # training labels need answer_start: a training file's is an error (a test file's is repaired: see below)
+    assert jsteer_main(base + ["--train", str(tmp_path / "broken.json"), "--test", str(test)]) == 2
     assert "broken.json: field 'data[0].paragraphs[0].qas[0].answers[0].answer_start'" in capsys.readouterr().err
     ner_run = tmp_path / "ner_run"
     save_artifact(ner_run / "model", {"w": np.zeros(1, np.float32)}, {"task": "ner"})
@@ -546,3 +552,108 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test), "--predictions", str(preds)]) == 0
     assert set(json.loads(preds.read_text())) == {"s1q0", "s1q1", "s1q2", "s1q3"}
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test), "--predictions", str(preds)]) == 0
+
+
+# --- one train command per --out at a time ---------------------------------------------------------
+
+def _hold_lock(path):
+    """Another process holding ``path``'s flock, as a running ``kala train`` does; kill it to end."""
+    import subprocess
+    import sys
+
+    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "print('held', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_cli_train_refuses_an_out_folder_another_train_uses(tmp_path, capsys):
+    """Two train commands on one --out (two --resume of a run, or two new runs both past the
+    emptiness check) would write one folder at once: while another process holds the folder, train
+    is refused at once (before any model is loaded; the model path here does not exist), naming
+    the folder, and changes nothing in it. The lock ends with its process (killed: no stale lock)."""
+    from jsteer.kala import runs
+
+    train = conll(tmp_path / "train.conll", _people_places(8))
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
+    running, new = tmp_path / "running", tmp_path / "new"
+    running.mkdir()
+    new.mkdir()
+    (running / "run.json").write_text(json.dumps({"config": {"method": "finetune"}, "data": {}}))
+    (running / "log.jsonl").write_text("")
+    before = {p.name: p.read_bytes() for p in running.iterdir()}
+    holders = [_hold_lock(running), _hold_lock(new)]
+    try:
+        capsys.readouterr()
+        for out, extra in ((running, ["--resume"]), (new, []), (new, ["--resume"])):
+            assert jsteer_main(_train_args(train, gdir, out, tmp_path / "no-model", *extra)) == 2
+            err = capsys.readouterr().err
+            assert f"--out {out} is in use: another jsteer kala train is running in it" in err, err
+            assert "Traceback" not in err
+        assert {p.name: p.read_bytes() for p in running.iterdir()} == before
+        assert list(new.iterdir()) == []  # still there (it was not this command's), still empty
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+    with runs.lock(running):  # the killed holder left no lock behind
+        with pytest.raises(ValueError, match=f"--out {running} is in use"):
+            with runs.lock(running):  # a second open of the folder is a second holder, even in one process
+                pass
+    with runs.lock(running):  # released at the end of the block
+        pass
+
+
+def test_cli_train_that_fails_before_training_leaves_no_out_folder(tmp_path, capsys, monkeypatch):
+    """The lock creates --out; a new run that fails before training (here: no such model) removes
+    it again, and the parent folders it made, but never a folder that was there before. Without
+    flock (OSError from the file system) train runs unlocked rather than failing."""
+    import errno
+
+    from jsteer.kala import runs
+
+    train = conll(tmp_path / "train.conll", _people_places(8))
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "runs" / "a" / "run"
+    assert jsteer_main(_train_args(train, gdir, out, tmp_path / "no-model")) == 2
+    assert "no model at" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs").mkdir()
+    assert jsteer_main(_train_args(train, gdir, out, tmp_path / "no-model", "--resume")) == 2
+    assert list((tmp_path / "runs").iterdir()) == []  # made by the user: kept
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(runs.fcntl, "flock", no_flock)
+    with runs.lock(out):
+        assert out.is_dir() and list(out.iterdir()) == []  # a new run still finds it empty
+    with pytest.raises(KeyError):
+        with runs.lock(out):
+            raise KeyError("boom")
+    assert out.is_dir()  # not created by this block: kept
+
+
+def test_cli_qa_build_graph_refuses_to_replace_a_graph_without_overwrite(tmp_path, capsys):
+    """SQuAD graphs get build_graph's guard: refused without --overwrite, nothing written; with it
+    the graph is replaced and the old mentions of files not given now are deleted (warned)."""
+    a, b = squad(tmp_path / "a.json", 8), squad(tmp_path / "b.json", 8, seed=1)
+    gdir = tmp_path / "graph"
+    assert jsteer_main(["kala", "build-graph", str(a), "--out", str(gdir)]) == 0
+    before = {p.name: p.read_bytes() for p in gdir.iterdir()}
+    capsys.readouterr()
+    assert jsteer_main(["kala", "build-graph", str(b), "--out", str(gdir)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {gdir} already holds a graph (a.json.mentions.jsonl, facts.jsonl, lexicon.tsv" in err
+    assert "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in gdir.iterdir()} == before
+    assert jsteer_main(["kala", "build-graph", str(b), "--out", str(gdir), "--overwrite"]) == 0
+    assert ("WARNING: --overwrite: deleted the replaced graph's mentions of files not given now: "
+            "a.json.mentions.jsonl") in capsys.readouterr().err
+    assert sorted(p.name for p in gdir.iterdir()) == ["b.json.mentions.jsonl", "facts.jsonl", "lexicon.tsv",
+                                                      "summary.json"]

@@ -206,3 +206,70 @@ def test_qa_annotate_only_keeps_graph_wide_fact_counts(tmp_path):
     s = qa_builder.build_qa_graph([new], g, lexicon_path=g / "lexicon.tsv")
     assert (s["fact_entities"], s["fact_entities_in_mentions"]) == (3, 3)
     assert s["files"]["new.json"]["fact_entities_in_mentions"] == 1
+
+
+def test_qa_entity_memory_is_built_on_the_segment_the_model_sees():
+    """QA windows put the context in segment 1; the entity memory (mean last-layer features over
+    a mention's tokens) must be computed on those same inputs, token_type_ids included."""
+    import jax
+
+    from jsteer.backbones.bert import BertConfig, BertEncoder
+    from jsteer.kala import pipeline
+    from jsteer.kala.entities import EntityVocab
+    from jsteer.kala.formats import Mention
+
+    ctx = "Anna visited Paris in 1900 ."
+    ex = qa.QAExample("q", "where ?", ctx, (("Paris", ctx.index("Paris")),))
+    mentions = [Mention("Paris", ctx.index("Paris"), ctx.index("Paris") + 5, "paris"),
+                Mention("Anna", 0, 4, "anna")]
+    vocab = EntityVocab(["anna", "paris"])
+    feats = qa.encode_qa(ex, _bert_tokenizer(), mentions, vocab, max_len=16)
+    cfg = BertConfig(vocab_size=len(_VOCAB), hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                     max_position_embeddings=32)
+    enc = BertEncoder(cfg)
+    f = feats[0]
+    ids = f["input_ids"][None]
+    params = enc.init(jax.random.PRNGKey(0), ids)["params"]
+    # a segment embedding far from segment 0's, so the two readings differ clearly
+    params["embeddings"]["token_type"]["embedding"] = \
+        jax.random.normal(jax.random.PRNGKey(1), params["embeddings"]["token_type"]["embedding"].shape)
+
+    mem = pipeline.memory_from_backbone(cfg, params, feats, vocab, batch_size=2)
+
+    def mean_over(tt, entity):
+        h = np.asarray(enc.apply({"params": params}, ids, np.ones_like(ids), tt)[0][0], np.float64)
+        return h[f["token_entity"] == vocab(entity)].mean(0)
+
+    seg = f["token_type_ids"][None]
+    assert seg[0, f["token_entity"] == vocab("paris")].tolist() == [1]
+    for name in ("anna", "paris"):
+        np.testing.assert_allclose(mem[vocab(name)], mean_over(seg, name), atol=1e-5)
+        assert np.abs(mem[vocab(name)] - mean_over(np.zeros_like(seg), name)).max() > 1e-2
+
+
+def test_bad_answer_start_is_an_error_for_training_and_repaired_for_scoring(tmp_path):
+    """A training read refuses an answer_start that misses its text; a test read (EM / F1 need only
+    the texts) moves it to the text's nearest occurrence, keeps a text the context lacks with start
+    -1 (no token label), and says so in one warning."""
+    ctx = "Paris is in France . Anna visited Paris in 1900 ."
+    second = ctx.index("Paris", 1)
+    path = tmp_path / "dev.json"
+    qa.write_squad(path, [qa.QAExample("good", "where ?", ctx, (("Paris", second),)),
+                          qa.QAExample("moved", "where ?", ctx, (("Paris", second + 3), ("1900", ctx.index("1900")))),
+                          qa.QAExample("absent", "where ?", ctx, (("Rome", 4),)),
+                          qa.QAExample("negative", "where ?", ctx, (("Anna", -3),))])
+    with pytest.raises(FormatError, match=r"data\[1\].paragraphs\[0\].qas\[0\].answers\[0\].answer_start"):
+        qa.read_squad(path)
+    with pytest.warns(UserWarning, match=r"dev.json: 3 answer\(s\) whose answer_start does not point at the answer "
+                      r"text: 2 moved to the text's nearest occurrence in the context, 1 not in the context "
+                      r"\(scored by text only\); first: 'data\[1\]"):
+        examples = qa.read_squad(path, strict=False)
+    assert [e.answers for e in examples] == [(("Paris", second),), (("Paris", second), ("1900", ctx.index("1900"))),
+                                             (("Rome", -1),), (("Anna", ctx.index("Anna")),)]
+    tk = _bert_tokenizer(["is", "France", "Rome"])
+    (absent,) = qa.encode_qa(examples[2], tk, max_len=32)
+    assert (int(absent["start_positions"]), int(absent["end_positions"])) == (0, 0)
+    (moved,) = qa.encode_qa(examples[1], tk, max_len=32)
+    sp, ep = int(moved["start_positions"]), int(moved["end_positions"])
+    assert ctx[moved["offsets"][sp, 0]:moved["offsets"][ep, 1]] == "Paris" and moved["offsets"][sp, 0] == second
+    assert qa.gold_answers(examples)["absent"] == ["Rome"]  # still scored

@@ -6,7 +6,7 @@ read** (only the first, token column of a CoNLL file; token-only files work too)
 
 1. Entity vocabulary (lexicon), mined from unlabeled text (the given CoNLL files' tokens plus
    optional extra text files, one sentence a line, whitespace-tokenised; a SQuAD graph splits
-   them into words as its contexts, see :mod:`jsteer.kala.qa_builder`):
+   their lines into words and sentences as its contexts, see :mod:`jsteer.kala.qa_builder`):
 
    - ``"capitalised"`` (news / proper names): maximal runs of capitalised tokens, at most
      ``max_len`` long, allowing the connectors of/de/van/von/der/du/la/del/da inside a run
@@ -69,6 +69,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 from jsteer.kala.formats import Fact, Mention, read_facts, write_facts, write_mentions
 
 PathLike = Union[str, os.PathLike]
+GRAPH_FILES = ("facts.jsonl", "lexicon.tsv", "summary.json")  # plus <file>.mentions.jsonl
 
 STOPWORDS = frozenset("""
 a an the and or but if of in on at to for from by with without as is are was were be been being
@@ -352,6 +353,51 @@ def check_unique_names(conll_paths: Sequence[PathLike]) -> None:
         seen[name] = str(p)
 
 
+def graph_files(out_dir: PathLike) -> list[str]:
+    """Names of the graph files (facts, lexicon, summary, mentions) already in ``out_dir``."""
+    out = pathlib.Path(out_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name in GRAPH_FILES or p.name.endswith(".mentions.jsonl"))
+
+
+def check_graph_out(paths: Sequence[PathLike], out_dir: PathLike, *, overwrite: bool = False,
+                    lexicon_path: Optional[PathLike] = None) -> list[str]:
+    """Refuse to mine a new graph from ``paths`` (no ``lexicon_path``) over one already in
+    ``out_dir`` unless ``overwrite``: it would replace the facts.jsonl and lexicon.tsv that models
+    trained on the folder use. Returns the mentions files already there (for
+    :func:`remove_stale_mentions`)."""
+    out = pathlib.Path(out_dir)
+    if overwrite and lexicon_path is not None:
+        raise ValueError("--overwrite has no use with --lexicon (annotate only: the graph's lexicon and facts are "
+                         "kept, and only the given files' mentions are written)")
+    existing = graph_files(out)
+    if existing and lexicon_path is None and not overwrite:
+        shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
+        lexicon = out / "lexicon.tsv"
+        keep = (f"to add these files to the graph, keeping its lexicon and facts: jsteer kala build-graph "
+                f"{' '.join(map(str, paths))} --lexicon {lexicon} --out {out}; " if lexicon.is_file() else "")
+        raise ValueError(f"--out {out} already holds a graph ({shown}); building there without --lexicon would "
+                         f"mine a new lexicon and replace its facts.jsonl and lexicon.tsv, which models trained on "
+                         f"this folder use. {keep}to replace the graph: add --overwrite (overwrite=True), or choose "
+                         f"a new --out")
+    return [n for n in existing if n.endswith(".mentions.jsonl")]
+
+
+def remove_stale_mentions(paths: Sequence[PathLike], out_dir: PathLike, before: Sequence[str]) -> list[str]:
+    """After a graph was replaced: delete the mentions files ``before`` (the old graph's) that
+    were not written for ``paths`` now, as they were matched with the old lexicon; warns naming
+    them. Returns their names."""
+    written = {f"{pathlib.Path(p).name}.mentions.jsonl" for p in paths}
+    stale = [n for n in before if n not in written]
+    for n in stale:
+        (pathlib.Path(out_dir) / n).unlink()
+    if stale:
+        warnings.warn(f"--overwrite: deleted the replaced graph's mentions of files not given now: "
+                      f"{', '.join(stale)}", stacklevel=3)
+    return stale
+
+
 def fact_match(facts: Sequence[Fact], mentions: Iterable[Sequence[Mention]]) -> tuple[int, int]:
     """(entities named by the facts, how many of them are the id of some mention)."""
     in_facts = {f.h for f in facts} | {f.t for f in facts}
@@ -390,9 +436,13 @@ def _lexicon_facts(lexicon_path: pathlib.Path, out: pathlib.Path, facts_path: Op
 def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_path: Optional[PathLike] = None,
                 corpus_paths: Sequence[PathLike] = (), strategy: str = "capitalised", min_count: int = 2,
                 max_len: int = 4, spacy_model: Optional[str] = None,
-                lexicon_path: Optional[PathLike] = None) -> dict:
+                lexicon_path: Optional[PathLike] = None, overwrite: bool = False) -> dict:
     """Write ``<name>.mentions.jsonl`` per CoNLL file, ``facts.jsonl``, ``lexicon.tsv`` and a
     ``summary.json`` under ``out_dir``. Returns the summary.
+
+    An ``out_dir`` that already holds a graph is refused (ValueError naming its files) unless
+    ``overwrite`` (replace it: the mentions files of inputs not given now are deleted, warned) or
+    ``lexicon_path``: a new lexicon and facts would replace those its trained models use.
 
     ``lexicon_path``: annotate only -- match this lexicon (a ``lexicon.tsv``) instead of mining
     one, and keep the graph's facts: ``facts_path`` if given, else ``out_dir``'s facts.jsonl
@@ -407,6 +457,7 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
     own mentions); with none in the files given, no mention gets a neighbour (warned).
     """
     check_unique_names(conll_paths)
+    before = check_graph_out(conll_paths, out_dir, overwrite=overwrite, lexicon_path=lexicon_path)
     out = pathlib.Path(out_dir)
     per_file = {str(p): read_sentences(p) for p in conll_paths}
     all_sents = [s for ss in per_file.values() for s in ss]
@@ -425,6 +476,8 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
                                   "fact_entities_in_mentions": file_fact_entities(knowledge, ms.values()),
                                   "mentions_file": f"{name}.mentions.jsonl"}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if overwrite:
+        remove_stale_mentions(conll_paths, out, before)
     return summary
 
 

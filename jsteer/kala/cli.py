@@ -28,14 +28,14 @@ files to a graph, keeping its lexicon and facts.
 ``train`` writes ``<out>/run.json`` (configuration and data fingerprints), ``<out>/checkpoints``
 (Orbax), ``<out>/log.jsonl`` (metrics), ``<out>/model`` (the trained params as a jsteer artifact
 with the entity vocabulary, relations, configs and labels in its metadata) and
-``<out>/metrics.json``. ``--out`` must be new or empty; ``--resume`` continues the run recorded
-there and is refused when its configuration (the task included) or data differ (see
-:mod:`jsteer.kala.runs`); it continues at the step and the data position of the latest checkpoint,
-so it ends with the numbers of an uninterrupted run. SIGTERM (preemption) stops ``train`` after the
-current step with a checkpoint and exit status 143, writing neither ``model`` nor ``metrics.json``
-(resume it with ``--resume``). Non-finite numbers (``train_seconds`` of a run of <= 1 step) are
-``null`` in ``metrics.json``. QA training takes SQuAD v1.1 questions, each with an answer (SQuAD
-v2.0 unanswerable questions are refused).
+``<out>/metrics.json``. ``--out`` must be new or empty (a second ``train`` on a folder in use is
+refused); ``--resume`` continues the run recorded there and is refused when its configuration
+(the task included) or data differ (see :mod:`jsteer.kala.runs`); it continues at the step and
+the data position of the latest checkpoint, so it ends with the numbers of an uninterrupted run.
+SIGTERM (preemption) stops ``train`` after the current step with a checkpoint and exit status
+143, writing neither ``model`` nor ``metrics.json`` (resume it with ``--resume``). Non-finite
+numbers (``train_seconds`` of a run of <= 1 step) are ``null`` in ``metrics.json``. QA training
+takes SQuAD v1.1 questions, each with an answer (SQuAD v2.0 unanswerable questions are refused).
 The NER label set is O plus B-X and I-X for every entity type X of the training file (or ``--labels``).
 QA scores are SQuAD v1.1 exact match and F1 (percent) of the best span over a question's
 windows; the predictions, ``{question id: answer text}`` as the SQuAD evaluation script reads
@@ -48,6 +48,7 @@ folder's lexicon.tsv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -57,7 +58,6 @@ import warnings
 
 
 TASK_FILES = {"ner": "a CoNLL file (NER)", "qa": "a SQuAD-format JSON file (extractive QA)"}
-GRAPH_FILES = ("facts.jsonl", "lexicon.tsv", "summary.json")  # plus <file>.mentions.jsonl
 QA_DEFAULTS = {"max_len": 384, "stride": 128, "max_query": 64, "max_answer_len": 30}  # as jsteer.kala.qa
 NER_DEFAULTS = {"max_len": 128, "scheme": "iob1"}
 
@@ -87,7 +87,12 @@ def register(subparsers) -> None:
                         "contexts are read; mentions are keyed by question id), not both kinds at once")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--facts", default=None, help="JSON Lines triples {h, r, t} to use instead of extracted facts")
-    p.add_argument("--corpus", nargs="*", default=(), help="extra unlabeled text, one sentence a line")
+    p.add_argument("--corpus", nargs="*", default=(),
+                   help="extra unlabeled text files for lexicon mining only (no mentions or facts are taken from "
+                        "them; not with --lexicon). CoNLL graphs: one sentence a line, words split at whitespace. "
+                        "SQuAD graphs: each line is split into words and sentences as the contexts are "
+                        "(punctuation split off: 'Paris,' -> 'Paris' ','; a sentence ends at . ! or ?, not after "
+                        "an initial or a title such as 'Dr.'), so a line may hold several sentences")
     p.add_argument("--strategy", choices=("capitalised", "frequent", "both"), default="capitalised")
     p.add_argument("--min-count", type=int, default=2)
     p.add_argument("--max-len", type=int, default=4, help="longest entity surface form, in words")
@@ -110,7 +115,9 @@ def register(subparsers) -> None:
     p.add_argument("--task", choices=("ner", "qa"), default=None,
                    help="default: from --train (qa for a SQuAD-format JSON file, ner for CoNLL)")
     p.add_argument("--graph", required=True, help="folder written by build-graph")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True,
+                   help="the run folder: new or empty (or the run to --resume); one train command uses it at a time "
+                        "(another one on it is refused)")
     p.add_argument("--model", default="minilm", help="anything jsteer.load accepts (a BERT-family encoder)")
     p.add_argument("--method", choices=("finetune", "more_params", "pointwise", "relational"), default="relational")
     p.add_argument("--layers", type=int, nargs="*", default=None, help="KFM layers (default: the last layers)")
@@ -213,30 +220,17 @@ def _parse_labels(text: str) -> tuple[str, ...]:
     return labels
 
 
-def _graph_files(out: pathlib.Path) -> list[str]:
-    """Names of the graph files (facts, lexicon, summary, mentions) already in ``out``."""
-    if not out.is_dir():
-        return []
-    return sorted(p.name for p in out.iterdir() if p.name in GRAPH_FILES or p.name.endswith(".mentions.jsonl"))
-
-
-def _check_graph_out(args) -> list[str]:
-    """Refuse to mine a new graph over an existing one without ``--overwrite``; returns the
-    mentions files already in ``--out``."""
-    out = pathlib.Path(args.out)
-    existing = _graph_files(out)
-    if args.overwrite and args.lexicon is not None:
-        raise ValueError("--overwrite has no use with --lexicon (annotate only: the graph's lexicon and facts are "
-                         "kept, and only the given files' mentions are written)")
-    if existing and args.lexicon is None and not args.overwrite:
-        shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
-        lexicon = out / "lexicon.tsv"
-        keep = (f"to add these files to the graph, keeping its lexicon and facts: jsteer kala build-graph "
-                f"{' '.join(map(str, args.files))} --lexicon {lexicon} --out {out}; " if lexicon.is_file() else "")
-        raise ValueError(f"--out {out} already holds a graph ({shown}); building there without --lexicon would "
-                         f"mine a new lexicon and replace its facts.jsonl and lexicon.tsv, which models trained on "
-                         f"this folder use. {keep}to replace the graph: add --overwrite (or choose a new --out)")
-    return [n for n in existing if n.endswith(".mentions.jsonl")]
+@contextlib.contextmanager
+def _warning_lines(command: str):
+    """Warnings raised in the block, each as one plain stderr line ``jsteer kala <command>:
+    WARNING: ...`` (not Python's file:line + source echo); printed when the block raises too."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                print(f"jsteer kala {command}: WARNING: {w.message}", file=sys.stderr)
 
 
 def _build_graph(args) -> int:
@@ -249,24 +243,11 @@ def _build_graph(args) -> int:
         conll = [p for p, k in kinds.items() if k == "ner"]
         raise ValueError(f"{squad[0]} is {TASK_FILES['qa']} and {conll[0]} is {TASK_FILES['ner']}; give files of "
                          f"one kind (build one graph folder per task)")
-    qa = "qa" in kinds.values()
-    before = _check_graph_out(args)
-    build = build_qa_graph if qa else build_graph
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        s = build(args.files, args.out, facts_path=args.facts, corpus_paths=args.corpus,
-                  strategy=args.strategy, min_count=args.min_count, max_len=args.max_len,
-                  spacy_model=args.spacy, lexicon_path=args.lexicon)
-    for w in caught:  # one plain line each, not Python's file:line + source echo
-        print(f"jsteer kala build-graph: WARNING: {w.message}", file=sys.stderr)
-    if args.overwrite:
-        written = {f"{pathlib.Path(p).name}.mentions.jsonl" for p in args.files}
-        stale = [n for n in before if n not in written]
-        for n in stale:
-            (pathlib.Path(args.out) / n).unlink()
-        if stale:
-            print(f"--overwrite: deleted the replaced graph's mentions of files not given now: {', '.join(stale)}",
-                  file=sys.stderr)
+    options = dict(facts_path=args.facts, corpus_paths=args.corpus, strategy=args.strategy,
+                   min_count=args.min_count, max_len=args.max_len, spacy_model=args.spacy, lexicon_path=args.lexicon)
+    with _warning_lines("build-graph"):
+        build = build_qa_graph if "qa" in kinds.values() else build_graph
+        s = build(args.files, args.out, overwrite=args.overwrite, **options)
     for name, f in s["files"].items():
         count = (f"{f['questions']} questions, {f['contexts']} contexts" if "questions" in f
                  else f"{f['sentences']} sentences")
@@ -315,13 +296,20 @@ def _last_logged_loss(log_path: pathlib.Path):
 
 
 def _train(args) -> int:
+    from jsteer.kala import runs
+
+    out = pathlib.Path(args.out)
+    with runs.lock(out):  # first and throughout: no other train command checks or writes --out meanwhile
+        return _train_locked(args, out)
+
+
+def _train_locked(args, out: pathlib.Path) -> int:
     import jsteer
     from jsteer.io import save_artifact
     from jsteer.kala import pipeline, runs, train as ktrain
     from jsteer.kala.formats import read_facts
     from jsteer.kala.model import KalaConfig
 
-    out = pathlib.Path(args.out)
     if not args.resume:
         runs.check_fresh(out)  # before anything slow
     task = _resolve_task(args)
@@ -335,7 +323,8 @@ def _train(args) -> int:
     if task == "qa":  # every input checked before the (slow) model load
         train_split = pipeline.read_qa_split(args.train, args.graph, args.train_size)
         pipeline.check_train_split(args.train, train_split)  # questions, each with an answer (no SQuAD v2.0)
-        test_split = pipeline.read_qa_split(args.test, args.graph) if args.test else []
+        with _warning_lines("train"):  # a test answer_start that misses its text: repaired, said
+            test_split = pipeline.read_qa_split(args.test, args.graph, strict=False) if args.test else []
         _check_gold(args.test, [ex for ex, _ in test_split])
         if args.test:
             _check_predictions_path(_predictions_path(out, args.test), args.test, "the predictions file")
@@ -489,7 +478,8 @@ def _eval(args) -> int:
     kg = KnowledgeGraph(read_facts(pathlib.Path(graph) / "facts.jsonl"), relations)
     lexicon = _eval_lexicon(args.test, graph)
     if task == "qa":
-        split = pipeline.read_qa_split(args.test, graph, lexicon=lexicon)
+        with _warning_lines("eval"):
+            split = pipeline.read_qa_split(args.test, graph, lexicon=lexicon, strict=False)
         examples = [ex for ex, _ in split]
         _check_gold(args.test, examples)
         test = pipeline.encode_qa_split(split, lm.tokenizer, vocab, kg, meta["max_len"], meta["stride"],

@@ -149,15 +149,16 @@ def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[
 
 
 def read_qa_split(path, graph_dir, size: Optional[int] = None, subsample_seed: int = 0,
-                  lexicon=None) -> list[tuple[QAExample, list]]:
+                  lexicon=None, strict: bool = True) -> list[tuple[QAExample, list]]:
     """SQuAD-format file + its ``<name>.mentions.jsonl`` under ``graph_dir`` (keyed by question
     id, character spans) -> [(question, its mentions)] (a seeded random subset of ``size``
     questions, in file order; None: all). Without a mentions file: annotated in memory with
     ``lexicon`` (:func:`jsteer.kala.qa_builder.annotate`) or, with none, a FormatError naming the
-    command that writes the file."""
+    command that writes the file. ``strict``: see :func:`jsteer.kala.qa.read_squad` (False for test
+    files, which are scored on answer texts)."""
     from jsteer.kala.qa_builder import annotate
 
-    examples = read_squad(path)
+    examples = read_squad(path, strict)
     mpath = mentions_path(graph_dir, path)
     if mpath.is_file():
         mentions = read_mentions(mpath, {e.qid: e.context for e in examples})
@@ -210,7 +211,8 @@ def load_qa_data(train_path, test_path, graph_dir, tokenizer, max_len: int = 384
     graph_dir = pathlib.Path(graph_dir)
     train = read_qa_split(train_path, graph_dir, train_size, subsample_seed)
     check_train_split(train_path, train)
-    test = read_qa_split(test_path, graph_dir, test_size, subsample_seed) if test_path is not None else []
+    test = read_qa_split(test_path, graph_dir, test_size, subsample_seed, strict=False) \
+        if test_path is not None else []
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
     return qa_data(train, test, facts, tokenizer, max_len, stride, max_query, max_neighbors)
 
@@ -218,17 +220,20 @@ def load_qa_data(train_path, test_path, graph_dir, tokenizer, max_len: int = 384
 def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[dict], vocab: EntityVocab,
                          batch_size: int = 64) -> np.ndarray:
     """Entity memory [len(vocab), D]: mean last-layer features over mention tokens (see
-    :func:`jsteer.kala.entities.init_memory`)."""
+    :func:`jsteer.kala.entities.init_memory`), computed on the inputs the model is trained on:
+    QA windows with their ``token_type_ids`` (the context is segment 1)."""
     enc = BertEncoder(config)
+    keys = ("input_ids", "token_type_ids") if examples and "token_type_ids" in examples[0] else ("input_ids",)
 
     @jax.jit
-    def hidden(params, ids, mask):
-        return enc.apply({"params": params}, ids, mask)[0]
+    def hidden(params, ids, mask, token_types):
+        return enc.apply({"params": params}, ids, mask, token_types)[0]
 
     def hidden_fn(batch):
-        return np.asarray(hidden(encoder_params, batch["input_ids"], batch["attention_mask"]))
+        return np.asarray(hidden(encoder_params, batch["input_ids"], batch["attention_mask"],
+                                 batch.get("token_type_ids")))
 
-    return init_memory(hidden_fn, (b for _, b in kdata.batches(examples, batch_size, keys=("input_ids",))),
+    return init_memory(hidden_fn, (b for _, b in kdata.batches(examples, batch_size, keys=keys)),
                        len(vocab), config.hidden_size)
 
 

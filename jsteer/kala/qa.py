@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import re
+import warnings
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -44,7 +45,7 @@ class QAExample:
     qid: str
     question: str
     context: str
-    answers: tuple[tuple[str, int], ...]  # (text, answer_start)
+    answers: tuple[tuple[str, int], ...]  # (text, answer_start); -1: not in the context (read_squad)
 
 
 _SQUAD_SHAPE = '{"version": "1.1", "data": [{"title": ..., "paragraphs": [{"context": ..., "qas": [...]}]}]}'
@@ -102,8 +103,20 @@ def is_squad_file(path: PathLike) -> bool:
     return isinstance(obj, dict)
 
 
-def read_squad(path: PathLike) -> list[QAExample]:
-    """Parse a SQuAD-format file; problems raise FormatError naming the JSON path of the field."""
+def _locate(ctx: str, text: str, start: int) -> int:
+    """The start of the occurrence of ``text`` in ``ctx`` nearest to ``start``; -1 if none."""
+    found = [m.start() for m in re.finditer(re.escape(text), ctx)] if text else []
+    return min(found, key=lambda i: (abs(i - start), i)) if found else -1
+
+
+def read_squad(path: PathLike, strict: bool = True) -> list[QAExample]:
+    """Parse a SQuAD-format file; problems raise FormatError naming the JSON path of the field.
+
+    An answer whose ``answer_start`` does not point at its text in the context is an error with
+    ``strict`` (training labels are built from it). Without (test and graph-building reads: EM / F1
+    compare answer texts only), it is moved to the occurrence of the text nearest to the given
+    start, or, where the context does not hold the text, kept for scoring with ``answer_start``
+    -1 (no token span); one warning counts both and names the first such answer."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FormatError(path, None, None, "no such file")
@@ -124,7 +137,7 @@ def read_squad(path: PathLike) -> list[QAExample]:
             raise FormatError(path, None, f"{where}.{key}", f"expected {kind.__name__}, got {json.dumps(v)[:40]}")
         return v
 
-    out, seen = [], set()
+    out, seen, moved, unlocated = [], set(), [], []
     for a, art in enumerate(need(obj, "data", list, "$")):
         for p, par in enumerate(need(art, "paragraphs", list, f"data[{a}]")):
             where = f"data[{a}].paragraphs[{p}]"
@@ -139,12 +152,21 @@ def read_squad(path: PathLike) -> list[QAExample]:
                 for k, ans in enumerate(need(qa, "answers", list, w)):
                     text = need(ans, "text", str, f"{w}.answers[{k}]")
                     start = need(ans, "answer_start", int, f"{w}.answers[{k}]")
-                    if ctx[start:start + len(text)] != text:
-                        raise FormatError(path, None, f"{w}.answers[{k}].answer_start",
-                                          f"context[{start}:{start + len(text)}] = "
-                                          f"{ctx[start:start + len(text)]!r} is not the answer {text!r}")
+                    if start < 0 or ctx[start:start + len(text)] != text:
+                        field = f"{w}.answers[{k}].answer_start"
+                        problem = (f"context[{start}:{start + len(text)}] = {ctx[start:start + len(text)]!r} is "
+                                   f"not the answer {text!r}")
+                        if strict:
+                            raise FormatError(path, None, field, problem)
+                        start = _locate(ctx, text, start)
+                        (moved if start >= 0 else unlocated).append(f"'{field}': {problem}")
                     answers.append((text, start))
                 out.append(QAExample(qid, need(qa, "question", str, w), ctx, tuple(answers)))
+    if moved or unlocated:
+        warnings.warn(f"{path}: {len(moved) + len(unlocated)} answer(s) whose answer_start does not point at the "
+                      f"answer text: {len(moved)} moved to the text's nearest occurrence in the context, "
+                      f"{len(unlocated)} not in the context (scored by text only); first: {(moved or unlocated)[0]}",
+                      stacklevel=2)
     return out
 
 
@@ -209,7 +231,8 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
         for j, (s, e) in enumerate(c_off):
             if s < m.end and e > m.start:
                 tok_node_ctx[j] = node_of[m.id]
-    answer = _answer_tokens(ex.answers[0], c_off) if ex.answers else None
+    located = [a for a in ex.answers if a[1] >= 0]  # answer_start -1: scored by text only (read_squad)
+    answer = _answer_tokens(located[0], c_off) if located else None
     feats = []
     start = 0
     while True:

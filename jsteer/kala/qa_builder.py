@@ -99,16 +99,18 @@ def annotate(examples: Sequence[QAExample], lexicon: builder.Lexicon) -> dict[st
 def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, *, facts_path: Optional[PathLike] = None,
                    corpus_paths: Sequence[PathLike] = (), strategy: str = "capitalised", min_count: int = 2,
                    max_len: int = 4, spacy_model: Optional[str] = None,
-                   lexicon_path: Optional[PathLike] = None) -> dict:
+                   lexicon_path: Optional[PathLike] = None, overwrite: bool = False) -> dict:
     """Write ``<name>.mentions.jsonl`` per SQuAD file (keyed by question id, character spans),
     ``facts.jsonl``, ``lexicon.tsv`` and ``summary.json`` under ``out_dir``, with the options of
     :func:`jsteer.kala.builder.build_graph` (which documents them); ``corpus_paths`` lines are
     split into words as the contexts are. Returns the summary, whose ``files`` entries count
     questions, distinct contexts, the mentions in those contexts and the facts' entities among them.
-    Every input is read and checked before ``out_dir`` is created or written."""
+    Every input is read and checked before ``out_dir`` is created or written; a graph already
+    there is replaced only with ``overwrite`` (see :func:`jsteer.kala.builder.build_graph`)."""
     builder.check_unique_names(squad_paths)
+    before = builder.check_graph_out(squad_paths, out_dir, overwrite=overwrite, lexicon_path=lexicon_path)
     out = pathlib.Path(out_dir)
-    per_file = {str(p): read_squad(p) for p in squad_paths}
+    per_file = {str(p): read_squad(p, strict=False) for p in squad_paths}  # answers are never read
     contexts = _contexts([e for exs in per_file.values() for e in exs])
     sentences = {c: context_sentences(c) for c in contexts}
     all_sents = [[w for w, _, _ in s] for c in contexts for s in sentences[c]]
@@ -132,4 +134,6 @@ def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, *, facts_
                                       knowledge, [by_context[c] for c in ctxs]),
                                   "mentions_file": f"{name}.mentions.jsonl"}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if overwrite:
+        builder.remove_stale_mentions(squad_paths, out, before)
     return summary

@@ -4,19 +4,62 @@
 and training options, label set or QA windowing, model) and ``data`` (SHA-256 of the training
 file, of its mentions file and of the graph's facts), plus ``paths`` for reference (not compared). A new run needs an
 empty (or absent) ``--out``; ``--resume`` continues the recorded run and is refused when
-anything in ``config`` or ``data`` differs, naming each differing field.
+anything in ``config`` or ``data`` differs, naming each differing field. One command at a time
+uses a folder: ``train`` holds :func:`lock` on it throughout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): runs go unlocked
+    fcntl = None
 
 RECORD = "run.json"
 COMPARED = ("config", "data")
 
 
+@contextlib.contextmanager
+def lock(out: pathlib.Path) -> Iterator[None]:
+    """Hold an exclusive lock on the run folder ``out`` (created if absent) for the block, so no
+    two ``jsteer kala train`` commands use it at once; raises ValueError at once if another holds it.
+
+    The lock is ``flock`` on the folder itself: no file lands in it (a new run still finds it
+    empty), and it ends with its process, so a crashed command leaves none behind. Where the file
+    system has no ``flock``, the block runs unlocked. When the block raises, the folders created
+    here are removed again if they are still empty (a command that failed before writing its run
+    record leaves ``out`` as it was)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    created = [p for p in (out, *out.parents) if not p.exists()]  # innermost first
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ValueError(f"--out {out} is in use: another jsteer kala train is running in it (it holds "
+                                 f"the folder's lock); wait for that one to end, or choose another --out") from None
+            # no flock on this file system (e.g. ENOLCK): run unlocked
+        yield
+    except BaseException:
+        for p in created:
+            try:
+                p.rmdir()
+            except OSError:  # not empty: the run started writing there
+                break
+        raise
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _json(obj: Any) -> Any:
