@@ -12,7 +12,8 @@
 
     .venv/bin/python experiments/bench_typevec.py [--relations 4 --prompts 24 --lambdas 0,1,2,3,4,5]
 
-Both sides get the same (prompt, lambda) rows and must agree on the gold ranks. Writes
+Both sides get the same (prompt, lambda) rows; their gold-rank agreement is recorded (jsteer's
+batched rows are checked against its own row-by-row scores). Writes
 experiments/results/typevec/bench_typevec.json. The machine's load average is recorded: on a
 shared CPU both numbers move together, compare the ratio.
 """

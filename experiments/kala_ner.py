@@ -49,7 +49,7 @@ intra_op_parallelism_threads=1"`` there, which wastes less under contention): th
 sentences, the test set a subset of ``--test-size`` sentences of the official test split;
 ``--epochs`` epochs of batch ``--batch-size`` at length <= ``--max-len`` (length-bucketed; 99.6% of
 CoNLL-2003 training sentences fit 64 MiniLM subwords, NCBI-Disease sentences are longer, hence 128
-there). A short schedule (one epoch) with a higher lr than the paper's 5e-5 and batch 16 (more
+there). A short schedule (2 epochs on CoNLL-2003, 3 on NCBI-Disease) with a higher lr than the paper's 5e-5 and batch 16 (more
 updates per CPU-second), the same for every method. These subsets are far
 below the paper's full-data runs, so absolute F1 is lower; all methods share them.
 """

@@ -1,6 +1,6 @@
 """Training wall time of relational KALA vs plain fine-tuning (issue 6's <= 15% target), measured cleanly.
 
-    python experiments/kala_walltime.py --dataset conll ncbi --seeds 0 1
+    python experiments/kala_walltime.py --dataset conll ncbi --seeds 0 1 2
 
 The F1 sweeps (kala_ner.py) time their runs too, but on a shared CPU, one after another, with a
 persistent compilation cache that was cold for some runs and warm for others. Here every run is

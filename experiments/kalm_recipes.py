@@ -1,7 +1,7 @@
 """KALM on the recipe data: perplexity vs the plain LM head, and unsupervised typing of
 ingredient words whose lexicon entries were held out of the type vocabularies.
 
-    python experiments/kalm_recipes.py                       # full run: ~30 min on a shared 2-core CPU
+    python experiments/kalm_recipes.py                       # full run: ~12 min on a shared 2-core CPU
     python experiments/kalm_recipes.py --small               # minutes-scale smoke run
     python experiments/kalm_recipes.py --report experiments/results/kalm/recipes.json   # markdown only
 

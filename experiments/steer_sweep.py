@@ -1,6 +1,8 @@
 """Held-out sweep of the sentiment steer's training recipe (rank, steps, lr, l2, steer values) on SmolLM2-135M.
 
-    .venv/bin/python experiments/steer_sweep.py --configs r1000,r32,r8,r8_s400,r1000_l1e-4
+    .venv/bin/python experiments/steer_sweep.py --configs r32,r8,r4,r8_s400   # sweep_smollm2.json (+ the main run's r1000)
+    .venv/bin/python experiments/steer_sweep.py --configs r1000,blacklist,offset --strengths 1,2,3,5 \
+        --work /tmp/steer_exp_bl --out experiments/results/steer/sweep_smollm2_baselines.json
     .venv/bin/python experiments/steer_sweep.py --configs r1000,r1000_graded,r1000_graded_neutral,r1000_neutral \
         --strengths 1,1.25,1.5,1.75,2,3 --out experiments/results/steer/sweep_smollm2_graded.json
 

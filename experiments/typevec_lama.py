@@ -1,7 +1,9 @@
 """Type Embeddings on LAMA with SmolLM2-135M (decoder): the paper's Tables 4/7/8 (B, BTo,
 PostTE, TE per relation and macro) and Table 6 (type switching).
 
-    .venv/bin/python experiments/typevec_lama.py [--max-test 100] [--small]
+    # the committed lama_smollm2.json (the paper's absolute lambda grid 0..5; the defaults are in row-norm units):
+    .venv/bin/python experiments/typevec_lama.py --lambda-unit abs --lambdas 0,0.5,1,1.5,2,2.5,3,3.5,4,4.5,5
+    .venv/bin/python experiments/typevec_lama.py --small     # tiny run for CI / notebooks (lama_smollm2_small)
     .venv/bin/python experiments/typevec_lama.py --switch-only [--tag smollm2]   # Table 6 only, see below
     .venv/bin/python experiments/typevec_lama.py --mode layer --layers 16,22,26,29 --lambda-unit resid \
         --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --tag smollm2_layersel
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-holdout", type=int, default=None, help="cap the 5%% hold-out (tiny runs only)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--small", action="store_true", help="tiny run (3 relations, 12 prompts) for CI / notebooks")
+    ap.add_argument("--small", action="store_true", help="tiny run (2 relations, 8 test / 8 switching / 8 hold-out prompts, lambda 0 / 0.75) for CI / notebooks")
     ap.add_argument("--tag", default="smollm2")
     ap.add_argument("--switch-only", action="store_true",
                     help="re-run only type switching (Table 6) on the existing lama_<tag>.json, with its protocol")
