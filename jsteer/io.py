@@ -303,6 +303,7 @@ class LM:
         from jsteer import decode
 
         ids, mask = self._start_empty_prompts(*self.tokenizer.batch_encode(prompts, left_pad=True))
+        prompt_ids = [row[m > 0] for row, m in zip(ids, mask)]
         t0 = ids.shape[1]
         t = _bucket_length(t0)
         ids, mask = _pad_to(ids, mask, t, True, self._pad_value())
@@ -322,7 +323,7 @@ class LM:
                               top_p=top_p, stop_ids=stops, rng=rng, hooks=hooks,
                               pad_id=self._pad_value())
         tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
-        texts = [self.tokenizer.decode(tokens[b, : lengths[b]]) for b in range(tokens.shape[0])]
+        texts = [self.tokenizer.decode_continuation(prompt_ids[b], tokens[b, : lengths[b]]) for b in range(rows)]
         return (texts, tokens, lengths) if return_ids else texts
 
     def _start_empty_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -611,10 +612,11 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
     try:
         params = fam.params_from_hf(state_dict, config, head)
     except KeyError as e:
-        if head is None:
-            raise
+        if head is None:  # a ValueError naming the source: a KeyError's message prints quoted
+            raise ValueError(f"{source}: {e.args[0]}") from None
+        fresh = f"lm.with_head({head!r})" if head in ("mlm", "qa") else f"lm.with_head({head!r}, num_labels=N)"
         raise ValueError(f"{source}: the weights have no {head!r} head ({e.args[0]}); load with head=None and "
-                         f"add a fresh one: lm.with_head({head!r}[, num_labels=N])") from None
+                         f"add a fresh one: {fresh}") from None
     params = _cast(params, dtype)
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype

@@ -280,6 +280,18 @@ class Tokenizer:
         return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)],
                                skip_special_tokens=skip_special_tokens)
 
+    def decode_continuation(self, prompt_ids: Iterable[int], new_ids: Iterable[int]) -> str:
+        """The text ``new_ids`` add after ``prompt_ids``: decode(prompt + new) minus decode(prompt).
+        Decoding ``new_ids`` alone loses what depends on the left context: a SentencePiece
+        (Metaspace) decoder strips the word-boundary space of the first token it sees, so
+        ['▁great', '▁day'] after "The movie was" alone reads "great day", not " great day".
+        Falls back to decoding ``new_ids`` alone where the joint text does not start with the
+        prompt's (e.g. a character split across the boundary)."""
+        prompt = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
+        new = [int(i) for i in np.asarray(new_ids).reshape(-1)]
+        head, full = self.decode(prompt), self.decode(prompt + new)
+        return full[len(head):] if full.startswith(head) else self.decode(new)
+
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tk.token_to_id(token)
 

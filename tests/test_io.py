@@ -294,7 +294,46 @@ def test_generate_matches_hf_greedy(family, tiny_gpt2, tiny_llama):
         n = int(lengths[b])
         assert tokens[b, :n].tolist() == ref, (prompt, tokens[b].tolist(), ref)
         assert (tokens[b, n:] == lm.tokenizer.pad_id).all()
-        assert texts[b] == lm.tokenizer.decode(ref)
+        # the text the tokens add to the prompt (prompt + text reads as the whole sequence decoded)
+        assert prompt + texts[b] == lm.tokenizer.decode(ids[0].tolist() + ref)
+
+
+def _metaspace_tokenizer(path: pathlib.Path):
+    """A SentencePiece-style (Llama-2 / Mistral) tokenizer: '▁' marks a word start, and its
+    decoder drops the '▁' of the first token of the text it decodes."""
+    from tokenizers import Tokenizer as RustTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(DEC_SPECIALS + ["▁" + w for w in WORDS])}
+    tk = RustTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tk.add_special_tokens(DEC_SPECIALS)
+    tk.save(str(path / "tokenizer.json"))
+
+
+def test_generated_text_keeps_the_word_boundary_of_its_first_token(tmp_path, tiny_llama):
+    """With a Metaspace decoder, decoding the new tokens alone loses the space the first one
+    carries ("w1 w2" + "w7" instead of " w7"); generate returns the text the tokens add to the
+    prompt, so prompt + text is the whole sequence decoded, as HF's decode of prompt + output."""
+    import shutil
+
+    path, _ = tiny_llama
+    sp = tmp_path / "sp"
+    shutil.copytree(path, sp)
+    (sp / "tokenizer.json").unlink()
+    _metaspace_tokenizer(sp)
+    lm = jsteer.load(str(sp))
+    tok = lm.tokenizer
+    prompt_ids = tok.encode("w1 w2")
+    assert [tok.id_to_token(i) for i in prompt_ids] == ["▁w1", "▁w2"]
+    new = [tok.token_to_id("▁w7"), tok.token_to_id("▁w9")]
+    assert tok.decode(new) == "w7 w9"  # what decoding the continuation alone gives
+    assert tok.decode_continuation(prompt_ids, new) == " w7 w9"
+    texts, tokens, lengths = lm.generate(["w1 w2", "w5"], max_new_tokens=5, return_ids=True)
+    for prompt, text, row, n in zip(["w1 w2", "w5"], texts, tokens, lengths):
+        assert int(n) > 0 and text.startswith(" ")
+        assert prompt + text == tok.decode(tok.encode(prompt) + row[:n].tolist())
 
 
 def test_generate_reuses_compiled_loop_within_bucket(tiny_gpt2):
@@ -576,6 +615,35 @@ def test_save_refuses_to_clobber_foreign_folder(minilm, tmp_path):
 
 
 # ----------------------------------------------------------------------------- errors
+
+
+def test_missing_tensor_is_a_value_error_naming_folder_and_tensor(tmp_path, tiny_llama, capsys):
+    """A weight file without one of the model's tensors: a ValueError naming the folder and the
+    tensor (the CLI's one-line error, not a quoted KeyError); a requested head the weights lack
+    suggests the with_head call that works for it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jsteer.cli import main as jsteer_main
+
+    path, _ = tiny_llama
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{bad}: params_from_hf: missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+        jsteer.load(bad)
+    assert jsteer_main(["info", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jsteer info: error: {bad}: params_from_hf: missing tensor") and '"' not in err
+    mlm = tmp_path / "mlm"
+    make_tiny_bert_mlm(mlm)
+    with pytest.raises(ValueError, match=r"add a fresh one: lm.with_head\('qa'\)$"):
+        jsteer.load(mlm, head="qa")
+    with pytest.raises(ValueError, match=r"lm.with_head\('token_classification', num_labels=N\)$"):
+        jsteer.load(mlm, head="token_classification")
 
 
 def test_load_errors(tmp_path, monkeypatch):

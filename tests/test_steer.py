@@ -168,6 +168,13 @@ def test_transfer_between_different_sizes_and_anchor_errors():
         transfer.shared_anchors({"a": 0}, {"b": 0})
     a, b = transfer.shared_anchors({"x": 0, "y": 1, "z": 2}, {"z": 5, "x": 9})
     assert a.tolist() == [0, 2] and b.tolist() == [9, 5]
+    # word-initial pieces match across tokenizer kinds: byte-level 'Ġthe' (GPT-2, SmolLM2) = SentencePiece '▁the'
+    byte_level = {"the": 3, "\u0120the": 4, "\u0120movie": 5, "ing": 6, "\u0120London": 7}
+    sentencepiece = {"<s>": 0, "\u2581the": 10, "the": 11, "\u2581movie": 12, "ing": 13, "\u2581Paris": 14}
+    a, b = transfer.shared_anchors(byte_level, sentencepiece)
+    assert list(zip(a.tolist(), b.tolist())) == [(3, 11), (4, 10), (5, 12), (6, 13)]
+    a, b = transfer.shared_anchors(byte_level, sentencepiece, skip=[4])
+    assert 4 not in a.tolist() and (5, 12) in zip(a.tolist(), b.tolist())
 
 
 # ----------------------------------------------------------------------------- highlighting

@@ -25,15 +25,34 @@ import numpy as np
 from jsteer.steer import head
 
 
+_WORD_START = ("\u0120", "\u2581")  # 'Ġ' (byte-level BPE: GPT-2, LLaMA-3, SmolLM2), '▁' (SentencePiece)
+
+
+def _canonical(token: str) -> str:
+    """A token string with its word-start marker written as a space, so that 'Ġthe' (byte-level
+    BPE) and '▁the' (SentencePiece) are the same word-initial piece."""
+    return " " + token[1:] if token[:1] in _WORD_START else token
+
+
 def shared_anchors(vocab_a: dict, vocab_b: dict, max_anchors: Optional[int] = None,
                    skip: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
-    """Token ids of strings present in both vocabularies (token -> id dicts).
+    """Token ids of strings present in both vocabularies (token -> id dicts), word-start markers
+    matched across tokenizer kinds ('Ġthe' <-> '▁the'; within a vocabulary the lowest id of a
+    string wins).
 
     Ordered by A's id (frequent BPE merges first in most tokenizers), optionally truncated.
     Returns (ids_a [N], ids_b [N]) int32.
     """
     skip = set(skip)
-    pairs = sorted((ia, vocab_b[t]) for t, ia in vocab_a.items() if t in vocab_b and ia not in skip)
+    by_string_b: dict = {}
+    for t, ib in sorted(vocab_b.items(), key=lambda kv: kv[1]):
+        by_string_b.setdefault(_canonical(t), ib)
+    pairs, seen = [], set()
+    for t, ia in sorted(vocab_a.items(), key=lambda kv: kv[1]):
+        c = _canonical(t)
+        if c in by_string_b and c not in seen and ia not in skip:
+            seen.add(c)
+            pairs.append((ia, by_string_b[c]))
     if max_anchors is not None:
         pairs = pairs[:max_anchors]
     if not pairs:
