@@ -484,3 +484,22 @@ def test_activations_match_torch(name):
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-6)
     if name == "gelu":  # the erf form keeps bf16 inputs in bf16
         assert jb.ACTIVATIONS[name](jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("family", ["Bert", "Roberta"])
+def test_sequence_classification_weights_load_as_the_bare_encoder_with_a_warning(family):
+    """A head jsteer does not build (sequence classification: BERT's classifier.weight, RoBERTa's
+    classifier.dense / out_proj) is not silently dropped: loading says so and builds the encoder."""
+    from jsteer.backbones import get_family
+
+    config_cls = getattr(transformers, family + "Config")
+    hf = _hf(getattr(transformers, family + "ForSequenceClassification"), config_cls, num_labels=3)
+    with pytest.warns(UserWarning, match=rf"{family}ForSequenceClassification: classifier\..*loading the bare encoder"):
+        assert get_family("bert").detect_head(_state(hf), {"architectures": [type(hf).__name__]}) is None
+    tok = _hf(getattr(transformers, family + "ForTokenClassification"), config_cls, num_labels=3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert get_family("bert").detect_head(_state(tok), {"architectures": [type(tok).__name__]}) == \
+            "token_classification"

@@ -215,6 +215,11 @@ def test_bad_training_inputs_give_clear_errors(lm, tmp_path):
         train.cache_hidden(lambda i, m: None, [[2, 5], [2]], np.ones(2))
     with pytest.raises(ValueError, match="none of the 1 training texts"):
         train.cache_lm(lm, [""], np.ones(1))
+    import types
+
+    gpt2_like = types.SimpleNamespace(config=types.SimpleNamespace(position_table_size=64), tokenizer=lm.tokenizer)
+    with pytest.raises(ValueError, match=r"max_len 128 \(--max-len\) exceeds the model's 64 learned positions"):
+        train.cache_lm(gpt2_like, ["good film"], np.ones(1))  # before any text is encoded or run
 
 
 def test_sst5_and_jigsaw_label_mapping(shared_data):

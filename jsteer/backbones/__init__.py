@@ -60,6 +60,13 @@ class Family:
             return "qa"
         if "classifier.weight" in state_dict and "ForTokenClassification" in archs:
             return "token_classification"
+        unused = sorted(n for n in names if n.startswith("classifier."))
+        if unused:  # e.g. a sequence-classification or multiple-choice head: not one jsteer builds
+            import warnings
+
+            warnings.warn(f"the weights hold a head jsteer does not build ({archs or 'architecture not given'}: "
+                          f"{', '.join(unused)}); loading the bare encoder without it (heads: mlm, qa, "
+                          f"token_classification)", stacklevel=3)
         return None
 
     def check_head(self, head: Optional[str]) -> None:

@@ -292,6 +292,10 @@ def encode_texts(tokenizer, texts: Sequence[str], values: np.ndarray, max_len: i
 def cache_lm(lm, texts: Sequence[str], values: np.ndarray, max_len: int = 128, batch_size: int = 16,
              progress: bool = False) -> HiddenCache:
     """:func:`cache_hidden` for a ``jsteer.io.LM`` (final-norm output of ``lm.forward``)."""
+    table = getattr(lm.config, "position_table_size", None)  # learned positions (GPT-2); RoPE has no table
+    if table is not None and max_len > table:
+        raise ValueError(f"max_len {max_len} (--max-len) exceeds the model's {table} learned positions: "
+                         f"use max_len <= {table}")
     encs, values, dropped = encode_texts(lm.tokenizer, texts, values, max_len)
     if not encs:
         raise ValueError(f"none of the {len(texts)} training texts has 2 or more tokens")
