@@ -370,7 +370,14 @@ def _folder_special_tokens(folder: pathlib.Path) -> dict[str, str | int]:
 def _merge_special(tk, names: Mapping[str, str | int], explicit: Optional[Mapping[str, Optional[int]]]
                    ) -> dict[str, Optional[int]]:
     out: dict[str, Optional[int]] = {}
+    size = tk.get_vocab_size(with_added_tokens=True)
     for role, v in names.items():
+        if isinstance(v, int) and not 0 <= v < size:  # an id from config.json (HF's defaults, e.g. GPT-2's 50256)
+            import warnings
+
+            warnings.warn(f"config.json {role}_token_id {v} is outside the tokenizer's vocabulary (size {size}); "
+                          f"ignored (the {role} token is taken from the tokenizer's own tokens)", stacklevel=4)
+            continue
         out[role] = v if isinstance(v, int) else tk.token_to_id(v)
     for role, v in (explicit or {}).items():
         if v is not None:

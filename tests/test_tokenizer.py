@@ -89,6 +89,15 @@ def test_special_ids_from_config_files(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (1, 2, 3, 0)
     assert tok.stop_ids == (2, 3)  # eos first, then the other end-of-text special
     assert tok.encode("hi there") == [4, 5]
+    # HF's default GPT-2 ids (50256) in config.json beside a small vocabulary: ignored, said (HF's
+    # tokenizer never reads config.json); the roles come from the tokenizer's tokens
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 50256, "eos_token_id": 50256}))
+    with pytest.warns(UserWarning) as caught:
+        tok = Tokenizer.from_dir(tmp_path)
+    assert [str(w.message).split(";")[0] for w in caught] == [
+        f"config.json {r}_token_id 50256 is outside the tokenizer's vocabulary (size 6)" for r in ("bos", "eos")]
+    assert tok.eos_id == 3 and tok.bos_id is None  # <|endoftext|> guessed, as HF's GPT2Tokenizer names it
 
 
 def test_batch_encode_padding(minilm_dir):
