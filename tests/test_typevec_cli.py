@@ -173,6 +173,18 @@ def test_probe_skips_relations_without_usable_prompts_or_type_vector(decoder_dir
     assert rc == 2 and "nothing to probe" in err and "type Country" in err
 
 
+def test_make_prints_warnings_as_one_plain_line(decoder_dir, decoder_data, tmp_path, capsys):
+    """Fewer usable KG examples than --n: one 'jsteer typevec make: WARNING: ...' line, not
+    Python's 'file:line: FewExamplesWarning' plus the echoed source line."""
+    assert main(["typevec", "make", "--model", str(decoder_dir), "--kg", str(decoder_data / "kg"), "--type", "City",
+                 "--n", "8", "--out", str(tmp_path / "tv")]) == 0
+    err = capsys.readouterr().err
+    warned = [line for line in err.splitlines() if "WARNING" in line or "Warning" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        "jsteer typevec make: WARNING: type City: 4 distinct example tokens used, 8 requested"), err
+    assert "return sample(" not in err and "sampling.py" not in err and "FewExamplesWarning" not in err
+
+
 def test_probe_with_no_qualifying_relation_says_so(decoder_dir, decoder_data, tmp_path, capsys):
     rc, _ = _dec_probe(decoder_dir, decoder_data, tmp_path, data="only190")
     err = capsys.readouterr().err

@@ -8,7 +8,16 @@ Data
     (``,sent,gold,filename``), which also name the expected answer type.
 
 Encoding (every dropped prompt is counted by reason in a :class:`Skips`, never silent)
-  * MLM encoders: the prompt must hold exactly one [MASK]; the gold must be one token.
+  * MLM encoders: the prompt must hold exactly one [MASK], written in the data as the literal
+    ``[MASK]`` and replaced by the tokenizer's own mask token (:func:`mask_token`: ``[MASK]``
+    for BERT WordPiece, ``<mask>`` for RoBERTa); the gold must be one token. In a
+    space-sensitive vocabulary (byte-level BPE: RoBERTa) a [MASK] after a space stands for the
+    leading-space form of the answer (" Florence", "ĠFlorence"), as in pretraining and HF's
+    fill-mask with "in <mask>": the gold is looked up in that form and the space before the
+    mask is left out of the encoded text (it is the answer's), so the mask token follows "Ġin"
+    directly whether or not the tokenizer's mask strips spaces on its left (roberta-base's
+    does). A [MASK] right after non-space text (or first) takes the no-space form. WordPiece
+    vocabularies (no leading-space forms) are encoded as written.
   * Decoders: the prompt is cut before [MASK] and the answer is the next token, so a prompt
     qualifies only when nothing but punctuation follows [MASK] (``"[X] was born in [Y] ."``
     does; ``"[X] plays in [Y] position ."`` does not) and the gold is a single token in its
@@ -281,11 +290,39 @@ class Example:
     prompt: Prompt
 
 
+def mask_token(tokenizer) -> str:
+    """The tokenizer's own mask token (``[MASK]`` for BERT WordPiece, ``<mask>`` for RoBERTa),
+    from its ``mask_id``; the literal ``[MASK]`` when it names none."""
+    mask_id = getattr(tokenizer, "mask_id", None)
+    to_token = getattr(tokenizer, "id_to_token", None)
+    tok = to_token(int(mask_id)) if mask_id is not None and to_token is not None else None
+    return tok if tok else MASK
+
+
+def mlm_text(text: str, tokenizer, space_sensitive_vocab: Optional[bool] = None) -> tuple[str, bool]:
+    """A cloze text with one literal [MASK] -> (the text to encode, with the tokenizer's mask
+    token, and whether the gold takes its leading-space form).
+
+    In a space-sensitive vocabulary a [MASK] after whitespace stands for " answer": that
+    whitespace is dropped from the text (the answer token carries it) and the gold is looked up
+    with its space. WordPiece: the text as written, the gold without a space."""
+    if space_sensitive_vocab is None:
+        space_sensitive_vocab = space_sensitive(tokenizer)
+    pre, post = text.split(MASK, 1)
+    lead = bool(space_sensitive_vocab and pre[-1:].isspace())
+    if lead:
+        pre = pre.rstrip()
+    return pre + mask_token(tokenizer) + post, lead
+
+
 def encode_prompts(prompts: Sequence[Prompt], tokenizer, kind: str, *, max_len: int = 512,
                    skips: Optional[Skips] = None, text_fn: Optional[Callable[[Prompt], str]] = None
                    ) -> tuple[list[Example], Skips]:
     """Prompts -> examples for ``kind`` "mlm" or "decoder", with counted skips.
 
+    MLM: the literal [MASK] becomes the tokenizer's mask token, and in a space-sensitive
+    vocabulary a [MASK] after a space asks for the gold's leading-space form (:func:`mlm_text`).
+    Decoders: the gold's leading-space form in a space-sensitive vocabulary.
     ``text_fn`` rewrites a prompt's text first (e.g. :func:`bto_text`)."""
     if kind not in ("mlm", "decoder"):
         raise ValueError(f"kind must be 'mlm' or 'decoder', got {kind!r}")
@@ -296,8 +333,8 @@ def encode_prompts(prompts: Sequence[Prompt], tokenizer, kind: str, *, max_len: 
     if mask_id is None and hasattr(tokenizer, "token_to_id"):
         mask_id = tokenizer.token_to_id(MASK)
     if kind == "mlm" and mask_id is None:
-        raise ValueError("MLM probing needs a tokenizer with a [MASK] token")
-    gold_cache: dict[str, Optional[int]] = {}
+        raise ValueError("MLM probing needs a tokenizer with a mask token ([MASK], <mask>)")
+    gold_cache: dict[tuple[str, bool], Optional[int]] = {}
     for p in prompts:
         text = text_fn(p) if text_fn is not None else p.text
         n_mask = text.count(MASK)
@@ -307,14 +344,19 @@ def encode_prompts(prompts: Sequence[Prompt], tokenizer, kind: str, *, max_len: 
         if n_mask > 1:
             skips.add("several [MASK] in prompt", text)
             continue
-        if p.gold not in gold_cache:
-            gold_cache[p.gold] = single_token_id(tokenizer, p.gold, leading_space=lead if kind == "decoder" else False)
-        gold = gold_cache[p.gold]
+        if kind == "mlm":
+            enc_text, gold_lead = mlm_text(text, tokenizer, lead)
+        else:
+            enc_text, gold_lead = text, lead
+        key = (p.gold, gold_lead)
+        if key not in gold_cache:
+            gold_cache[key] = single_token_id(tokenizer, p.gold, leading_space=gold_lead)
+        gold = gold_cache[key]
         if gold is None:
             skips.add("gold is not a single token", p.gold)
             continue
         if kind == "mlm":
-            ids = _encode_full(tokenizer, text)
+            ids = _encode_full(tokenizer, enc_text)
             where = [i for i, t in enumerate(ids) if t == mask_id]
             if len(where) != 1:
                 skips.add("[MASK] not kept as one token by the tokenizer", text)
