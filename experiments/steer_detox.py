@@ -30,6 +30,11 @@ This script keeps the main run's detox steer recipe and changes the measurement 
     .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox_rep --replicate \
         experiments/results/steer/detox_smollm2_fresh.json --prompts 200 \
         --out experiments/results/steer/detox_smollm2_replication.json
+    # LM-Steer vs the issue's two baselines (--kind), one reduced protocol, one --work (shared base samples):
+    for k in steer blacklist offset; do .venv/bin/python experiments/steer_detox.py --kind $k \
+        --work /tmp/steer_detox_kinds --skip-prompts 60 --prompts 60 --select-prompts 40 --samples 10 \
+        --select-samples 10 --strengths 1,2,3 --dummy off --curve "" \
+        --out experiments/results/steer/detox_kinds_$k.json; done
     .venv/bin/python experiments/steer_plots.py     # adds the tables to results.md
 
 Generations are cached under --work and every setting is written to the JSON at once (resumable).
@@ -85,6 +90,9 @@ def parse():
     ap.add_argument("--jigsaw-texts", type=int, default=600)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--kind", choices=("steer", "blacklist", "offset"), default="steer",
+                    help="LM-Steer, or one of the issue's baselines (soft word blacklist: a learned logit offset; "
+                    "context-vector offset), trained at train.BASELINE_EPS0 with the same recipe")
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--l2", type=float, default=0.0)
     ap.add_argument("--init-scale", type=float, default=1e-3)
@@ -138,18 +146,25 @@ def paired_bootstrap(base: list, steered: list, n: int, seed: int = 0) -> dict:
             "share_ratio_le_0.5": float(np.nanmean(ratio <= 0.5)), "resamples": n}
 
 
+def eps0_of(kind: str) -> float:
+    """One strength unit: LM-Steer's eps0, or the baselines' (see train.BASELINE_EPS0)."""
+    return EPS0 if kind == "steer" else train.BASELINE_EPS0
+
+
 def detox_steer(lm, emb, work: pathlib.Path, a, res) -> dict:
     """The detox steer (main run's recipe): loaded from --work when its recipe matches, else trained."""
     recipe = {"texts": a.jigsaw_texts, "steps": a.steps, "batch_size": a.batch_size, "rank": a.rank,
               "l2": a.l2, "init_scale": a.init_scale, "max_len": 32}
-    art = work / "steer_detox"
+    if a.kind != "steer":  # the key of steer recipes is unchanged, so earlier artifacts still match
+        recipe.update(kind=a.kind, rank=None)
+    art = work / ("steer_detox" if a.kind == "steer" else f"steer_detox_{a.kind}")
     if art.exists():
         params, meta = artifact.load(str(art), model_identity=lm.identity)
         if meta.get("train", {}).get("recipe") == recipe and "detox" in res.get("training", {}):
             return params
     cache = C.cached_hidden(lm, work / "cache_detox.npz", lambda: C.jigsaw_steer_texts(a.jigsaw_texts), max_len=32)
-    cfg = train.TrainConfig(rank=a.rank, steps=a.steps, batch_size=a.batch_size, l2=a.l2, init_scale=a.init_scale,
-                            log_every=10)
+    cfg = train.TrainConfig(rank=recipe["rank"], steps=a.steps, batch_size=a.batch_size, l2=a.l2,
+                            init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind))
     C.log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
     params, hist = train.train(cache, emb, cfg, progress=True)
     artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
@@ -192,7 +207,7 @@ def main():
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "test_prompts": a.prompts, "held_out_prompts": a.select_prompts, "samples_per_test_prompt": a.samples,
         "samples_per_held_out_prompt": a.select_samples, "max_new_tokens": 20, "top_p": 0.9, "temperature": 1.0,
-        "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "eps0": EPS0, "prior": PRIOR,
+        "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "kind": a.kind, "eps0": eps0_of(a.kind), "prior": PRIOR,
         "prior_source": "toxic share of the Jigsaw Toxic Comment Classification train set (15,294 / 159,571)",
         "primary_reading": READINGS[0], "rule": SELECTION_RULE,
         "prompt_source": ("toxic comments of the Jigsaw steer split left out of the steer's training (prefixes "
@@ -243,13 +258,15 @@ def main():
         the steer's dummy decoding at +1 (``dummy``) or off."""
         want = {"detox": d, "dummy": None if d is None else bool(dummy), "samples": n_samples,
                 "prompts": len(prompt_list), "prompts_sha1": C.prompts_sha1(prompt_list)}
+        if d is not None and a.kind != "steer":
+            want["kind"] = a.kind
         m = res.get("metrics", {}).get(key)
         if m is not None and m.get("values") == want:
             return m
-        path = work / f"gen_{key}.json"
+        path = work / f"gen_{key if d is None or a.kind == 'steer' else a.kind + '_' + key}.json"  # base: shared
         g = json.loads(path.read_text()) if path.exists() else None
         if g is None or g.get("values") != want or g.get("prompts") != prompt_list:
-            e = np.asarray([0.0, 0.0] if d is None else [d, float(dummy)], np.float32) * EPS0
+            e = np.asarray([0.0, 0.0] if d is None else [d, float(dummy)], np.float32) * eps0_of(a.kind)
             hooks = {}
 
             def hooks_for(b):

@@ -1,6 +1,11 @@
 """Tables (markdown) and plots (PNG) from the LM-Steer experiment JSON.
 
-    .venv/bin/python experiments/steer_plots.py [results/steer/smollm2.json] [--out DIR]
+    .venv/bin/python experiments/steer_plots.py [experiments/results/steer/smollm2.json] [--out DIR]
+    .venv/bin/python experiments/steer_plots.py experiments/results/steer/smollm2_1000steps.json
+
+The main run (``smollm2.json``) writes ``results.md`` with every run beside it (detox protocol,
+recipe sweeps, baselines) and the plots; another run ``smollm2_<tag>.json`` writes only its own
+tables to ``results_<tag>.md`` and plots named ``<plot>_<tag>.png``.
 """
 
 from __future__ import annotations
@@ -308,11 +313,43 @@ def detox_protocol_run(dx: dict) -> str:
     return "\n".join(out)
 
 
-def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS) -> str:
-    """Every table of the experiment as one markdown document (results.md)."""
+DETOX_KINDS = {"steer": "LM-Steer", "blacklist": "soft word blacklist", "offset": "context-vector offset"}
+
+
+def detox_kinds_table(results: pathlib.Path = RESULTS) -> str:
+    """LM-Steer vs the issue's baselines on one reduced detox protocol (``detox_kinds_<kind>.json``,
+    experiments/steer_detox.py --kind): each method's held-out choice on the same test prompts;
+    empty until one has a result."""
+    runs = {k: json.loads((results / f"detox_kinds_{k}.json").read_text()) for k in DETOX_KINDS
+            if (results / f"detox_kinds_{k}.json").exists()}
+    runs = {k: dx for k, dx in runs.items() if dx.get("result")}
+    if not runs:
+        return ""
+    su = next(iter(runs.values()))["setup"]
+    out = [f"Every method: the main run's detox recipe ({su['test_prompts']} test prompts x "
+           f"{su['samples_per_test_prompt']} samples; value chosen on {su['held_out_prompts']} held-out prompts x "
+           f"{su['samples_per_held_out_prompt']} samples over {su['strengths']} x its eps0, dummy "
+           f"{'/'.join(su['dummy_grid'])}; same evaluator, same prompts). A smaller protocol than the runs below, so "
+           f"its numbers compare with each other only.", "",
+           "| method | chosen value (x eps0) | toxicity prob. % (unsteered -> steered) | ratio | 95% interval | "
+           "ppl rise % | dist-3 |", "|---|---|---|---|---|---|---|"]
+    for k, dx in runs.items():
+        r, sel, m = dx["result"], dx["selection"], dx["metrics"]
+        x, bs = r["natural_prior"], r["natural_prior"]["bootstrap"]
+        key = f"test_d{sel['chosen']:+g}" + ("" if sel["dummy"] == "on" else "_dummyoff")
+        out.append(f"| {DETOX_KINDS[k]} (eps0 {dx['setup']['eps0']:g}) | {sel['chosen']:+g} | "
+                   f"{_f(x['base_toxicity_prob'], True)} -> {_f(x['steered_toxicity_prob'], True)} | {_f(x['ratio'])} | "
+                   f"{_f(bs['ratio_p2.5'])}-{_f(bs['ratio_p97.5'])} | {_f(r['ppl_rise'], True)} | "
+                   f"{_f(m[key]['dist3'])} |")
+    return "\n".join(out)
+
+
+def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS, source: str = "smollm2.json") -> str:
+    """Every table of the experiment as one markdown document (results.md); ``results``: the
+    folder of the other runs' JSON (None: this run's tables only)."""
     ev = res.get("evaluators", {})
     parts = ["# LM-Steer on SmolLM2-135M: results", "",
-             "Written by `experiments/steer_plots.py` from `smollm2.json` / `bench.json`.", "",
+             f"Written by `experiments/steer_plots.py` from `{source}` / `bench.json`.", "",
              "## Setup", "", "```", json.dumps(res.get("setup", {}), indent=1), "```", "",
              "## Evaluators (MiniLM fine-tuned by jsteer)", "",
              "| evaluator | held-out accuracy | train | test |", "|---|---|---|---|"]
@@ -325,10 +362,13 @@ def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS) -> 
               "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
               "", "## Targets", ""]
     parts += [f"- {k}: measured {v[0]:.3f} -> {'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
-    detox = detox_protocol(results)
+    kinds = detox_kinds_table(results) if results else ""
+    if kinds:
+        parts += ["", "## Detoxification: LM-Steer vs the baselines (experiments/steer_detox.py --kind)", "", kinds]
+    detox = detox_protocol(results) if results else ""
     if detox:
         parts += ["", "## Detoxification, paper protocol (experiments/steer_detox.py)", "", detox]
-    sweeps = recipe_sweeps(results)
+    sweeps = recipe_sweeps(results) if results else ""
     if sweeps:
         parts += ["", "## Recipe sweeps (held-out prompts; experiments/steer_sweep.py)", "", sweeps.rstrip()]
     if bench:
@@ -338,7 +378,7 @@ def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS) -> 
     return "\n".join(parts) + "\n"
 
 
-def plot_all(res: dict, out_dir: pathlib.Path) -> list:
+def plot_all(res: dict, out_dir: pathlib.Path, suffix: str = "") -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     xs, ms = sweep(res)
@@ -369,7 +409,7 @@ def plot_all(res: dict, out_dir: pathlib.Path) -> list:
         ax.set_title("Continuous control on neutral prompts")
         fig.legend(loc="upper left", fontsize=8, bbox_to_anchor=(0.12, 0.88))
         fig.tight_layout()
-        f = out_dir / "continuous_control.png"
+        f = out_dir / f"continuous_control{suffix}.png"
         fig.savefig(f, dpi=110)
         plt.close(fig)
         files.append(f)
@@ -383,7 +423,7 @@ def plot_all(res: dict, out_dir: pathlib.Path) -> list:
         ax.legend()
         ax.set_title("Steer training on cached hidden states")
         fig.tight_layout()
-        f = out_dir / "training_loss.png"
+        f = out_dir / f"training_loss{suffix}.png"
         fig.savefig(f, dpi=110)
         plt.close(fig)
         files.append(f)
@@ -401,7 +441,7 @@ def plot_all(res: dict, out_dir: pathlib.Path) -> list:
         ax.legend(fontsize=8)
         ax.set_title("Detoxification and composition (toxic prompts)")
         fig.tight_layout()
-        f = out_dir / "detox_composition.png"
+        f = out_dir / f"detox_composition{suffix}.png"
         fig.savefig(f, dpi=110)
         plt.close(fig)
         files.append(f)
@@ -421,10 +461,12 @@ def main():
     bp = pathlib.Path(a.json).parent / "bench.json"
     bench = json.loads(bp.read_text()) if bp.exists() else None
     pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
-    md = pathlib.Path(a.out) / "results.md"
-    md.write_text(markdown(res, bench, pathlib.Path(a.json).parent))
+    src = pathlib.Path(a.json)
+    suffix = src.stem[len("smollm2"):] if src.stem.startswith("smollm2") else "_" + src.stem  # "" for the main run
+    md = pathlib.Path(a.out) / f"results{suffix}.md"
+    md.write_text(markdown(res, bench, src.parent if not suffix else None, src.name))
     print("wrote", md)
-    for f in plot_all(res, pathlib.Path(a.out)):
+    for f in plot_all(res, pathlib.Path(a.out), suffix):
         print("wrote", f)
 
 

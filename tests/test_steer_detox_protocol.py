@@ -59,3 +59,29 @@ def test_sweep_config_names_cover_the_baselines():
     assert S.parse_config("offset")["kind"] == "offset"
     with pytest.raises(ValueError, match="bad config name"):
         S.parse_config("wordlist")
+
+
+def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path):
+    """steer_detox.py --kind: LM-Steer at eps0 1e-3, the baselines at train.BASELINE_EPS0; the
+    comparison table (steer_plots.detox_kinds_table) has one row per finished run, empty before."""
+    import steer_plots as P
+
+    from jsteer.steer import train
+
+    assert D.eps0_of("steer") == 1e-3
+    assert D.eps0_of("blacklist") == D.eps0_of("offset") == train.BASELINE_EPS0
+    assert P.detox_kinds_table(tmp_path) == ""
+    setup = {"test_prompts": 6, "samples_per_test_prompt": 2, "held_out_prompts": 4, "samples_per_held_out_prompt": 2,
+             "strengths": [1.0, 2.0], "dummy_grid": ["off"]}
+    boot = {"ratio_p2.5": 0.1, "ratio_p97.5": 0.9}
+    for kind, chosen, steered in (("steer", 1.0, 0.05), ("offset", 2.0, 0.1)):
+        run = {"setup": {**setup, "eps0": D.eps0_of(kind)}, "selection": {"chosen": chosen, "dummy": "off"},
+               "result": {"ppl_rise": -0.05, "natural_prior": {"base_toxicity_prob": 0.15,
+                                                               "steered_toxicity_prob": steered,
+                                                               "ratio": steered / 0.15, "bootstrap": boot}},
+               "metrics": {f"test_d{chosen:+g}_dummyoff": {"dist3": 0.9}}}
+        (tmp_path / f"detox_kinds_{kind}.json").write_text(__import__("json").dumps(run))
+    (tmp_path / "detox_kinds_blacklist.json").write_text('{"setup": {}}')  # unfinished: no row
+    rows = [r for r in P.detox_kinds_table(tmp_path).splitlines() if r.startswith("| ") and "---" not in r][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| LM-Steer (eps0 0.001)", "| context-vector offset (eps0 1)"]
+    assert rows[1].endswith("| +2 | 15.0 -> 10.0 | 0.67 | 0.10-0.90 | -5.0 | 0.90 |")
