@@ -7,6 +7,12 @@ An encoded example is a dict of NumPy arrays (unpadded, length L <= max_len)::
     token_entity  int32 [L]  its entity-vocabulary index (0 none / null)
     graph         ExampleGraph
     n_unseen      number of distinct mentioned entities outside the training vocabulary
+    pad_id        the tokenizer's padding id (:func:`collate` pads input_ids with it)
+
+Special tokens follow the tokenizer's own framing (:func:`framing`: ``[CLS] ... [SEP]`` for
+BERT, ``<s> ... </s>`` for RoBERTa) and words are encoded one at a time, as HF's
+``tokenizer(words, is_split_into_words=True)``: byte-level BPE (RoBERTa) words with a leading
+space, as with HF's ``add_prefix_space=True``.
 
 :func:`batches` pads examples to a static batch size and a length bucket and batches their
 graphs to node / edge buckets chosen per length bucket (:func:`graph_buckets`,
@@ -15,6 +21,9 @@ graphs to node / edge buckets chosen per length bucket (:func:`graph_buckets`,
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -38,13 +47,113 @@ def raw_tokenizer(tok):
     raise TypeError(f"expected a tokenizers.Tokenizer or a jsteer Tokenizer, got {type(tok).__name__}")
 
 
-def special_ids(tok) -> tuple[int, int, int]:
-    """(cls, sep, unk) ids of a BERT WordPiece tokenizer."""
+@dataclasses.dataclass(frozen=True)
+class Framing:
+    """How a tokenizer frames one sequence and a pair with special tokens, and how it takes
+    pre-split words: what HF's ``tokenizer(words, is_split_into_words=True)`` and
+    ``tokenizer(question, context)`` give (see :func:`framing`).
+
+    BERT WordPiece: ``[CLS] A [SEP]`` and ``[CLS] A [SEP] B [SEP]``, token types 0 then 1.
+    RoBERTa-family (byte-level BPE; XLM-R / CamemBERT SentencePiece): ``<s> A </s>`` and
+    ``<s> A </s></s> B </s>``, every token type 0 (their type_vocab_size is 1).
+    """
+
+    kind: str  # the tokenizer kind, for messages: "WordPiece", "byte-level BPE", "Unigram", ...
+    prefix: tuple[int, ...]  # before the sequence (single and pair): (cls,)
+    suffix: tuple[int, ...]  # after a single sequence: (sep,)
+    middle: tuple[int, ...]  # between the two sequences of a pair: (sep,) BERT, (sep, sep) RoBERTa
+    end: tuple[int, ...]  # after the second sequence of a pair: (sep,)
+    types: tuple  # token types of the pair: (prefix's, A's, middle's, B's, end's), specials' as tuples
+    unk_id: Optional[int]
+    pad_id: int
+    word_prefix: str = ""  # put before each pre-split word: " " for byte-level BPE (HF's add_prefix_space=True)
+
+    def pair(self, a: Sequence[int], b: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(ids, token types) of the pair ``a``, ``b`` (ids without special tokens); ``b``
+        starts at ``len(prefix) + len(a) + len(middle)``."""
+        t_pre, t_a, t_mid, t_b, t_end = self.types
+        ids = [*self.prefix, *a, *self.middle, *b, *self.end]
+        return ids, [*t_pre, *[t_a] * len(a), *t_mid, *[t_b] * len(b), *t_end]
+
+
+def tokenizer_kind(raw) -> str:
+    """A ``tokenizers.Tokenizer``'s kind, for messages: its model ("WordPiece", "BPE",
+    "Unigram", ...), "byte-level BPE" behind a byte-level pre-tokenizer."""
+    model = type(raw.model).__name__
+    return f"byte-level {model}" if _byte_level(raw) else model
+
+
+def _byte_level(raw) -> bool:
+    """Whether the pre-tokenizer is byte-level (GPT-2 / RoBERTa), alone or in a sequence."""
+    pre = raw.pre_tokenizer
+    if pre is None:
+        return False
+    state = json.loads(pre.__getstate__())
+    parts = state.get("pretokenizers", []) if state.get("type") == "Sequence" else [state]
+    return any(p.get("type") == "ByteLevel" for p in parts)
+
+
+def _role(tok, raw, role: str, names: Sequence[str]) -> Optional[int]:
+    """A special token's id: a jsteer Tokenizer's own role id, else the first of ``names`` in the vocabulary."""
+    roles = getattr(tok, "special_ids", None)
+    if isinstance(roles, Mapping) and roles.get(role) is not None:
+        return int(roles[role])
+    return next((raw.token_to_id(t) for t in names if raw.token_to_id(t) is not None), None)
+
+
+_PROBES = ("a", "A", "1", ".", "the", "[UNK]", "<unk>")  # texts framed to see a tokenizer's special tokens
+
+
+def _shape(enc) -> str:
+    """An encoding's layout, one letter a token: s special, a first sequence, b second."""
+    return "".join("s" if i is None else "ab"[i] for i in enc.sequence_ids)
+
+
+def framing(tok, task: str = "NER") -> Framing:
+    """The :class:`Framing` of a tokenizer (a jsteer Tokenizer or a ``tokenizers.Tokenizer``).
+
+    The special tokens and token types are read off the tokenizer's own post-processor (a probe
+    sequence and pair encoded with special tokens), so inputs are framed as HF's tokenizer
+    frames them. A tokenizer without a post-processor (a bare ``tokenizers.Tokenizer``) gets
+    BERT's framing with its ``[CLS]`` / ``[SEP]`` (a jsteer Tokenizer's cls / sep roles); one with
+    neither, or with a framing other than ``prefix A suffix`` / ``prefix A middle B end``, is
+    refused (ValueError naming its kind and ``task``). Byte-level BPE tokenizers get a space
+    before each pre-split word (HF's token-classification recipe for RoBERTa,
+    ``add_prefix_space=True``: every word, the first included, takes its in-sentence form)."""
     raw = raw_tokenizer(tok)
-    ids = [raw.token_to_id(t) for t in ("[CLS]", "[SEP]", "[UNK]")]
-    if any(i is None for i in ids):
-        raise ValueError("tokenizer lacks [CLS]/[SEP]/[UNK]; KALA's NER pipeline expects a BERT WordPiece vocab")
-    return tuple(ids)
+    kind = tokenizer_kind(raw)
+    pad = _role(tok, raw, "pad", ("[PAD]", "<pad>"))
+    common = dict(unk_id=_role(tok, raw, "unk", ("[UNK]", "<unk>")), pad_id=0 if pad is None else pad,
+                  word_prefix=" " if _byte_level(raw) else "")
+    probe = next((t for t in _PROBES if raw.encode(t, add_special_tokens=False).ids), None)
+    if probe is None:
+        raise ValueError(f"the {kind} tokenizer encodes none of {list(_PROBES)} to a token (an empty vocabulary?); "
+                         f"KALA's {task} input cannot be tokenized with it")
+    single, pair = raw.encode(probe, add_special_tokens=True), raw.encode(probe, probe, add_special_tokens=True)
+    if "s" not in _shape(pair):  # no post-processor: BERT's framing with the [CLS] / [SEP] roles
+        cls_id, sep_id = _role(tok, raw, "cls", ("[CLS]",)), _role(tok, raw, "sep", ("[SEP]",))
+        if cls_id is None or sep_id is None:
+            raise ValueError(f"the {kind} tokenizer adds no special tokens (no post-processor) and has no [CLS] / "
+                             f"[SEP] tokens; KALA's {task} input needs a BERT-family framing ([CLS] ... [SEP], or "
+                             f"RoBERTa's <s> ... </s>): use the model's own tokenizer.json")
+        return Framing(kind, prefix=(cls_id,), suffix=(sep_id,), middle=(sep_id,), end=(sep_id,),
+                       types=((0,), 0, (0,), 1, (1,)), **common)
+    m, m1 = re.fullmatch(r"(s*)(a+)(s*)(b+)(s*)", _shape(pair)), re.fullmatch(r"(s*)(a+)(s*)", _shape(single))
+    if m is None or m1 is None or single.ids[:m1.end(1)] != pair.ids[:m.end(1)]:
+        raise ValueError(f"the {kind} tokenizer frames a pair as {pair.tokens} and one sequence as {single.tokens}; "
+                         f"KALA's {task} input needs a BERT-family framing ([CLS] A [SEP] B [SEP], or RoBERTa's "
+                         f"<s> A </s></s> B </s>)")
+    ids, tt = pair.ids, pair.type_ids
+    part = lambda k: tuple(ids[m.start(k):m.end(k)])  # noqa: E731
+    types = lambda k: tuple(tt[m.start(k):m.end(k)])  # noqa: E731
+    return Framing(kind, prefix=part(1), suffix=tuple(single.ids[m1.start(3):]), middle=part(3), end=part(5),
+                   types=(types(1), tt[m.start(2)], types(3), tt[m.start(4)], types(5)), **common)
+
+
+def special_ids(tok) -> tuple[Optional[int], Optional[int], Optional[int]]:
+    """(cls, sep, unk) ids: the tokens around one sequence (:func:`framing`) and the unknown token."""
+    f = framing(tok)
+    return (f.prefix[0] if f.prefix else None, f.suffix[-1] if f.suffix else None, f.unk_id)
 
 
 def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optional[KnowledgeGraph],
@@ -69,9 +178,14 @@ def encode_ner(words: Sequence[str], tags: Sequence[str], mentions: Sequence[Men
                label_names: Sequence[str], vocab: EntityVocab, kg: Optional[KnowledgeGraph] = None,
                max_len: int = 128, max_neighbors: int = 4) -> dict:
     """One sentence -> an encoded example (see the module docstring). Word-level mention spans."""
-    cls_id, sep_id, unk_id = special_ids(tokenizer)
-    enc = ner_lib.encode_tagged(raw_tokenizer(tokenizer), words, ner_lib.label_encoder(label_names)(tags),
-                                max_len=max_len, cls_id=cls_id, sep_id=sep_id, unk_id=unk_id)
+    fr = framing(tokenizer, "NER")
+    if len(fr.prefix) > 1 or len(fr.suffix) > 1:
+        raise ValueError(f"the {fr.kind} tokenizer puts {len(fr.prefix)} / {len(fr.suffix)} special tokens before / "
+                         f"after a sentence; KALA's NER input takes one each ([CLS] ... [SEP] or <s> ... </s>)")
+    pieces = [fr.word_prefix + w for w in words] if fr.word_prefix else words
+    enc = ner_lib.encode_tagged(raw_tokenizer(tokenizer), pieces, ner_lib.label_encoder(label_names)(tags),
+                                max_len=max_len, cls_id=fr.prefix[0] if fr.prefix else None,
+                                sep_id=fr.suffix[0] if fr.suffix else None, unk_id=fr.unk_id)
     graph, node_of = example_knowledge(mentions, vocab, kg, max_neighbors)
     word_node = np.full(len(words), -1, np.int32)
     for m in mentions:
@@ -82,7 +196,7 @@ def encode_ner(words: Sequence[str], tags: Sequence[str], mentions: Sequence[Men
     token_node = np.where(widx >= 0, word_node[np.maximum(widx, 0)], -1).astype(np.int32)
     token_entity = np.where(token_node >= 0, graph.entity[np.maximum(token_node, 0)] if graph.n_node else 0, 0)
     enc.update(token_node=token_node, token_entity=token_entity.astype(np.int32), graph=graph,
-               n_unseen=sum(1 for e in node_of if vocab(e) == 0), num_words=len(words))
+               n_unseen=sum(1 for e in node_of if vocab(e) == 0), num_words=len(words), pad_id=fr.pad_id)
     return enc
 
 
@@ -100,6 +214,8 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     """Pad a list of encoded examples to [batch_size, length] arrays + a padded graph batch.
 
     Missing rows (a short last batch) are empty examples: no tokens, labels ignored, no graph.
+    ``input_ids`` are padded with the examples' ``pad_id`` (the tokenizer's: 0 for BERT's
+    ``[PAD]``, 1 for RoBERTa's ``<pad>``, whose position ids count the tokens that are not it).
     ``graph_min``: node / edge (/ mentioned-node) buckets, one tuple or one per length bucket
     (see :func:`graph_buckets`); ``graph_rungs``: how many smaller node / edge buckets a batch with
     a small graph may take (``smaller`` of :func:`jsteer.kala.graph.stack_graphs`).
@@ -116,7 +232,8 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     t = length or length_bucket(max(len(e["input_ids"]) for e in examples))
     if length is None and isinstance(graph_min, Mapping) and t in graph_min:
         t = _length_for_graph(examples, t, graph_min)
-    fill = {"input_ids": 0, "labels": ner_lib.IGNORE_INDEX, "token_type_ids": 0, "token_node": -1,
+    pad = int(examples[0].get("pad_id", 0)) if examples else 0
+    fill = {"input_ids": pad, "labels": ner_lib.IGNORE_INDEX, "token_type_ids": 0, "token_node": -1,
             "token_entity": 0, "word_index": -1, "start_positions": 0, "end_positions": 0}
     out = {}
     for k in list(keys) + ["token_node", "token_entity"]:
@@ -134,7 +251,7 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
         mask[i, :len(e["input_ids"])] = 1
     out["attention_mask"] = mask
     if "input_ids" not in out:
-        out["input_ids"] = np.zeros((batch_size, t), np.int32)
+        out["input_ids"] = np.full((batch_size, t), pad, np.int32)
     graphs = [e["graph"] for e in examples] + [ExampleGraph.empty()] * (batch_size - len(examples))
     if isinstance(graph_min, Mapping):
         graph_min = graph_min.get(t, (0, 0))

@@ -237,11 +237,25 @@ def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[
                        len(vocab), config.hidden_size)
 
 
+def check_token_types(config: BertConfig, examples: Sequence[dict]) -> None:
+    """ValueError when the examples' token types (QA: the tokenizer's pair framing) exceed the
+    model's ``type_vocab_size`` (a row past the table would be read as garbage): BERT's pairs
+    use types 0 and 1, RoBERTa-family models (type_vocab_size 1) need their own tokenizer's
+    all-zero types."""
+    top = max((int(e["token_type_ids"].max()) for e in examples
+               if "token_type_ids" in e and e["token_type_ids"].size), default=0)
+    if top >= config.type_vocab_size:
+        raise ValueError(f"the tokenizer gives token type {top}, but the {config.layout} model has type_vocab_size "
+                         f"{config.type_vocab_size} (types 0..{config.type_vocab_size - 1}): use the model's own "
+                         f"tokenizer")
+
+
 def build_model(config: BertConfig, encoder_params, data, kala: KalaConfig,
                 memory: Optional[np.ndarray] = None, seed: int = 0) -> tuple[KalaModel, dict]:
     """A KALA model over ``config`` with the pretrained encoder and a fresh head: NER for
     :class:`NERData`, span QA for :class:`QAData`; ``kala``'s entity / relation counts are
     filled in from ``data``."""
+    check_token_types(config, list(data.train) + list(data.test))
     kala = dataclasses.replace(kala, num_entities=len(data.vocab), num_relations=len(data.relations))
     if isinstance(data, QAData):
         model = KalaModel(config, kala, task="qa")

@@ -6,13 +6,15 @@ File format (SQuAD v1.1)::
         "qas": [{"id": str, "question": str, "answers": [{"text": str, "answer_start": int}]}]}]}]}
 
 Long contexts are split into windows: ``[CLS] question [SEP] context window [SEP]`` of at most
-``max_len`` tokens, consecutive windows starting ``min(stride, room)`` context tokens apart
+``max_len`` tokens (framed as the tokenizer frames a pair, :func:`jsteer.kala.data.framing`:
+RoBERTa's ``<s> question </s></s> context window </s>``, all token type 0, as HF's
+``tokenizer(question, context)``), consecutive windows starting ``min(stride, room)`` context tokens apart
 (``room``: the context tokens a window holds; ``stride`` is the original run_squad's
 ``doc_stride``, default 128), so they overlap when the window is longer and never skip a
 context token when ``stride`` is larger (run_squad caps the step the same way). The answer's
 tokens are those holding its characters (leading / trailing whitespace and characters the
 tokenizer drops, such as a soft hyphen, have none); a window that does not contain all of
-them is labelled with the ``[CLS]`` position 0. At
+them is labelled with the ``[CLS]`` (``<s>``) position 0. At
 prediction time every window's best span (n-best start x end, length <= ``max_answer_len``)
 competes on start + end logit, and the winner is cut from the context by character offsets.
 
@@ -33,7 +35,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from jsteer.kala.data import example_knowledge, raw_tokenizer, special_ids
+from jsteer.kala.data import example_knowledge, framing, raw_tokenizer
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph
 from jsteer.kala.formats import FormatError, Mention
 
@@ -209,7 +211,7 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
               max_neighbors: int = 4) -> list[dict]:
     """One question -> windows (features), each a dict of int32 arrays [L] plus bookkeeping:
     input_ids, token_type_ids, start_positions, end_positions (scalars), offsets [L, 2]
-    (context char span, -1 outside the context), token_node, token_entity, graph, qid.
+    (context char span, -1 outside the context), token_node, token_entity, graph, qid, pad_id.
 
     Windows start ``min(stride, room)`` context tokens apart, so every context token is in at
     least one window; ``stride`` must be at least 1."""
@@ -217,12 +219,12 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
         raise ValueError(f"encode_qa: stride must be an integer >= 1 (context tokens between window starts), "
                          f"got {stride!r}")
     raw = raw_tokenizer(tokenizer)
-    cls_id, sep_id, _ = special_ids(tokenizer)
+    fr = framing(tokenizer, "QA")
     vocab = vocab or EntityVocab([])
     q_ids = raw.encode(ex.question, add_special_tokens=False).ids[:max_query]
     enc = raw.encode(ex.context, add_special_tokens=False)
     c_ids, c_off = enc.ids, enc.offsets
-    room = max_len - len(q_ids) - 3
+    room = max_len - len(q_ids) - len(fr.prefix) - len(fr.middle) - len(fr.end)
     if room <= 0:
         raise ValueError(f"max_len={max_len} leaves no room for the context after a {len(q_ids)}-token question")
     graph, node_of = example_knowledge(mentions, vocab, kg, max_neighbors)
@@ -237,9 +239,8 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
     start = 0
     while True:
         end = min(start + room, len(c_ids))
-        ids = [cls_id] + q_ids + [sep_id] + c_ids[start:end] + [sep_id]
-        n_q = len(q_ids) + 2
-        tt = [0] * n_q + [1] * (end - start + 1)
+        ids, tt = fr.pair(q_ids, c_ids[start:end])
+        n_q = len(fr.prefix) + len(q_ids) + len(fr.middle)  # the window's first context token
         off = np.full((len(ids), 2), -1, np.int32)
         off[n_q:n_q + end - start] = np.asarray(c_off[start:end], np.int32).reshape(-1, 2)
         tn = np.full(len(ids), -1, np.int32)
@@ -250,7 +251,7 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
         ent = np.where(tn >= 0, graph.entity[np.maximum(tn, 0)] if graph.n_node else 0, 0).astype(np.int32)
         feats.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(tt, np.int32),
                       "start_positions": np.int32(sp), "end_positions": np.int32(ep), "offsets": off,
-                      "token_node": tn, "token_entity": ent, "graph": graph, "qid": ex.qid})
+                      "token_node": tn, "token_entity": ent, "graph": graph, "qid": ex.qid, "pad_id": fr.pad_id})
         if end >= len(c_ids):
             break
         start += min(stride, room)
