@@ -129,8 +129,10 @@ def test_padding_uses_pad_id_and_hidden_states_match_hf(roberta_dir):
     assert (batch["input_ids"][:, t:] == 1).all() and (batch["input_ids"][2] == 1).all()
     assert (batch["attention_mask"][:2, :t] == ref["attention_mask"].numpy()).all()
 
-    ctx, questions = "Today Anna visited Paris and met Tom in London .", ["who visited paris ?", "where did anna meet tom ?"]
-    feats = [f for i, q in enumerate(questions) for f in qa.encode_qa(qa.QAExample(str(i), q, ctx, ()), tok, max_len=64)]
+    ctx = "Today Anna visited Paris and met Tom in London ."
+    questions = ["who visited paris ?", "where did anna meet tom ?"]
+    feats = [f for i, q in enumerate(questions)
+             for f in qa.encode_qa(qa.QAExample(str(i), q, ctx, ()), tok, max_len=64)]
     qbatch = kdata.collate(feats, 2, keys=("input_ids", "token_type_ids"))
     qref = _hf_tokenizer(roberta_dir)(questions, [ctx] * 2, padding=True, return_tensors="pt")
     tq = qref["input_ids"].shape[1]
