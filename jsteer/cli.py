@@ -4,9 +4,11 @@ through a ``register(subparsers)`` function in ``jsteer/<method>/cli.py``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 METHOD_GROUPS = ("steer", "typevec", "kala", "kalm")
 
@@ -26,6 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.register(sub)
     return parser
+
+
+@contextlib.contextmanager
+def warning_lines(command: str):
+    """Warnings raised in the block (or the decorated command function), each printed as it
+    comes as one plain stderr line ``jsteer <command>: WARNING: ...`` (not Python's file:line +
+    source echo), every occurrence (filter "always")."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"jsteer {command}: WARNING: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():  # restores the filters and warnings.showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        yield
 
 
 def main(argv=None) -> int:

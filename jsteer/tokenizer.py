@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import warnings
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -373,8 +374,6 @@ def _merge_special(tk, names: Mapping[str, str | int], explicit: Optional[Mappin
     size = tk.get_vocab_size(with_added_tokens=True)
     for role, v in names.items():
         if isinstance(v, int) and not 0 <= v < size:  # an id from config.json (HF's defaults, e.g. GPT-2's 50256)
-            import warnings
-
             warnings.warn(f"config.json {role}_token_id {v} is outside the tokenizer's vocabulary (size {size}); "
                           f"ignored (the {role} token is taken from the tokenizer's own tokens)", stacklevel=4)
             continue

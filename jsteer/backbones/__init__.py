@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -62,8 +63,6 @@ class Family:
             return "token_classification"
         unused = sorted(n for n in names if n.startswith("classifier."))
         if unused:  # e.g. a sequence-classification or multiple-choice head: not one jsteer builds
-            import warnings
-
             warnings.warn(f"the weights hold a head jsteer does not build ({archs or 'architecture not given'}: "
                           f"{', '.join(unused)}); loading the bare encoder without it (heads: mlm, qa, "
                           f"token_classification)", stacklevel=3)

@@ -48,14 +48,13 @@ folder's lexicon.tsv.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import pathlib
 import sys
-import warnings
 
+from jsteer.cli import warning_lines
 
 TASK_FILES = {"ner": "a CoNLL file (NER)", "qa": "a SQuAD-format JSON file (extractive QA)"}
 QA_DEFAULTS = {"max_len": 384, "stride": 128, "max_query": 64, "max_answer_len": 30}  # as jsteer.kala.qa
@@ -220,19 +219,6 @@ def _parse_labels(text: str) -> tuple[str, ...]:
     return labels
 
 
-@contextlib.contextmanager
-def _warning_lines(command: str):
-    """Warnings raised in the block, each as one plain stderr line ``jsteer kala <command>:
-    WARNING: ...`` (not Python's file:line + source echo); printed when the block raises too."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            for w in caught:
-                print(f"jsteer kala {command}: WARNING: {w.message}", file=sys.stderr)
-
-
 def _build_graph(args) -> int:
     from jsteer.kala.builder import build_graph
     from jsteer.kala.qa_builder import build_qa_graph
@@ -245,7 +231,7 @@ def _build_graph(args) -> int:
                          f"one kind (build one graph folder per task)")
     options = dict(facts_path=args.facts, corpus_paths=args.corpus, strategy=args.strategy,
                    min_count=args.min_count, max_len=args.max_len, spacy_model=args.spacy, lexicon_path=args.lexicon)
-    with _warning_lines("build-graph"):
+    with warning_lines("kala build-graph"):
         build = build_qa_graph if "qa" in kinds.values() else build_graph
         s = build(args.files, args.out, overwrite=args.overwrite, **options)
     for name, f in s["files"].items():
@@ -323,7 +309,7 @@ def _train_locked(args, out: pathlib.Path) -> int:
     if task == "qa":  # every input checked before the (slow) model load
         train_split = pipeline.read_qa_split(args.train, args.graph, args.train_size)
         pipeline.check_train_split(args.train, train_split)  # questions, each with an answer (no SQuAD v2.0)
-        with _warning_lines("train"):  # a test answer_start that misses its text: repaired, said
+        with warning_lines("kala train"):  # a test answer_start that misses its text: repaired, said
             test_split = pipeline.read_qa_split(args.test, args.graph, strict=False) if args.test else []
         _check_gold(args.test, [ex for ex, _ in test_split])
         if args.test:
@@ -478,7 +464,7 @@ def _eval(args) -> int:
     kg = KnowledgeGraph(read_facts(pathlib.Path(graph) / "facts.jsonl"), relations)
     lexicon = _eval_lexicon(args.test, graph)
     if task == "qa":
-        with _warning_lines("eval"):
+        with warning_lines("kala eval"):
             split = pipeline.read_qa_split(args.test, graph, lexicon=lexicon, strict=False)
         examples = [ex for ex, _ in split]
         _check_gold(args.test, examples)

@@ -22,6 +22,7 @@ graphs to node / edge buckets chosen per length bucket (:func:`graph_buckets`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Iterator, Mapping, Optional, Sequence, Union
@@ -109,6 +110,7 @@ def _shape(enc) -> str:
     return "".join("s" if i is None else "ab"[i] for i in enc.sequence_ids)
 
 
+@functools.lru_cache(maxsize=16)  # per tokenizer: encode_ner / encode_qa ask once an example
 def framing(tok, task: str = "NER") -> Framing:
     """The :class:`Framing` of a tokenizer (a jsteer Tokenizer or a ``tokenizers.Tokenizer``).
 
@@ -148,12 +150,6 @@ def framing(tok, task: str = "NER") -> Framing:
     types = lambda k: tuple(tt[m.start(k):m.end(k)])  # noqa: E731
     return Framing(kind, prefix=part(1), suffix=tuple(single.ids[m1.start(3):]), middle=part(3), end=part(5),
                    types=(types(1), tt[m.start(2)], types(3), tt[m.start(4)], types(5)), **common)
-
-
-def special_ids(tok) -> tuple[Optional[int], Optional[int], Optional[int]]:
-    """(cls, sep, unk) ids: the tokens around one sequence (:func:`framing`) and the unknown token."""
-    f = framing(tok)
-    return (f.prefix[0] if f.prefix else None, f.suffix[-1] if f.suffix else None, f.unk_id)
 
 
 def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optional[KnowledgeGraph],

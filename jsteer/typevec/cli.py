@@ -32,11 +32,11 @@ probed with B/BTo only; both are reported (stderr and the JSON: ``skipped_relati
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import pathlib
 import sys
-import warnings
+
+from jsteer.cli import warning_lines
 
 _SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
 DEFAULT_KG = _SHARED / "type_embedding" / "kg_samples"
@@ -56,7 +56,7 @@ def register(subparsers) -> None:
                    help="remove the component along this type's vector (the paper's E_a^optim)")
     p.add_argument("--out", required=True, help="artifact folder to write")
     p.add_argument("-k", type=int, default=8, help="nearest tokens to print per vector")
-    p.set_defaults(func=_warning_lines("make")(_make))
+    p.set_defaults(func=warning_lines("typevec make")(_make))
 
     p = sub.add_parser("neighbours", help="nearest vocabulary tokens to type vectors (cosine)")
     _model(p)
@@ -65,7 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--method", choices=("svd", "mean"), default="svd")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_warning_lines("neighbours")(_neighbours))
+    p.set_defaults(func=warning_lines("typevec neighbours")(_neighbours))
 
     p = sub.add_parser("probe", help="LAMA cloze probing: B, BTo, PostTE and TE (lambda tuned on a hold-out)")
     _model(p)
@@ -99,20 +99,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-test", type=int, default=None, help="cap on reported prompts per relation")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default=None, help="write the full JSON report here")
-    p.set_defaults(func=_warning_lines("probe")(_probe))
-
-
-@contextlib.contextmanager
-def _warning_lines(command: str):
-    """Warnings raised in the block (or the decorated command), each printed as it comes as
-    one plain stderr line ``jsteer typevec <command>: WARNING: ...`` (not Python's file:line
-    + source echo); which warnings are shown is still up to the warning filters."""
-    def show(message, category, filename, lineno, file=None, line=None):
-        print(f"jsteer typevec {command}: WARNING: {message}", file=sys.stderr, flush=True)
-
-    with warnings.catch_warnings():   # restores warnings.showwarning on exit
-        warnings.showwarning = show
-        yield
+    p.set_defaults(func=warning_lines("typevec probe")(_probe))
 
 
 def _model(p):
