@@ -76,3 +76,36 @@ def test_rejects_mismatched_shapes():
     q = jnp.zeros((1, 3, 2, 1, 4))
     with pytest.raises(ValueError, match="attention"):
         dot_product_attention(q, jnp.zeros((1, 5, 3, 4)), jnp.zeros((1, 5, 3, 4)), scale=1.0)
+
+
+@pytest.mark.parametrize("kh,g", [(3, 1), (1, 3)])
+def test_cache_layout_is_the_same_attention(kh, g):
+    """k [B,K,H,S] / v [B,K,S,H] (the KV cache's layout) give the attention of k, v [B,S,K,H]."""
+    rng = np.random.default_rng(4)
+    b, t, s, h = 2, 1, 9, 8
+    q = rng.normal(size=(b, t, kh, g, h)).astype(np.float32)
+    k = rng.normal(size=(b, s, kh, h)).astype(np.float32)
+    v = rng.normal(size=(b, s, kh, h)).astype(np.float32)
+    visible = rng.random((b, 1, 1, t, s)) > 0.3
+    out = np.asarray(dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), scale=0.3,
+                                           visible=visible, cache_layout=True))
+    np.testing.assert_allclose(out, reference(q, k, v, 0.3, visible=visible), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out, np.asarray(dot_product_attention(q, k, v, scale=0.3, visible=visible)),
+                               atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"k \[B,%d,%d,S\], v \[B,%d,S,%d\]" % (kh, h, kh, h)):
+        dot_product_attention(q, k, v.transpose(0, 2, 1, 3), scale=0.3, cache_layout=True)
+
+
+def test_kv_cache_write_places_new_slots_only():
+    from jsteer.backbones.base import KVCache
+    rng = np.random.default_rng(5)
+    b, s, kh, h, t, index = 2, 7, 3, 4, 2, 3
+    cache = KVCache.init(1, b, s, kh, h)
+    assert cache.k[0].shape == (b, kh, h, s) and cache.v[0].shape == (b, kh, s, h)
+    new_k = rng.normal(size=(b, t, kh, h)).astype(np.float32)
+    new_v = rng.normal(size=(b, t, kh, h)).astype(np.float32)
+    k, v = KVCache.write(cache.k[0], cache.v[0], new_k, new_v, jnp.int32(index))
+    want_k, want_v = np.zeros((b, s, kh, h), np.float32), np.zeros((b, s, kh, h), np.float32)
+    want_k[:, index:index + t], want_v[:, index:index + t] = new_k, new_v
+    np.testing.assert_array_equal(np.asarray(k), want_k.transpose(0, 2, 3, 1))
+    np.testing.assert_array_equal(np.asarray(v), want_v.transpose(0, 2, 1, 3))

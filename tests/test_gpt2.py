@@ -143,7 +143,8 @@ def test_init_cache_shapes(setup):
     _, cfg, *_ = setup
     c = cfg.init_cache(2, 10, jnp.bfloat16)
     assert len(c.k) == L and len(c.v) == L
-    assert c.k[0].shape == (2, 10, H, D // H) and c.k[0].dtype == jnp.bfloat16
+    assert c.k[0].shape == (2, H, D // H, 10) and c.k[0].dtype == jnp.bfloat16
+    assert c.v[0].shape == (2, H, 10, D // H) and c.v[0].dtype == jnp.bfloat16
     assert c.mask.shape == (2, 10) and int(c.index) == 0 and c.pos.shape == (2,)
 
 

@@ -35,26 +35,32 @@ def _rows(m: Array, g: int, t: int) -> Array:
 
 def dot_product_attention(q: Array, k: Array, v: Array, *, scale: float, bias: Optional[Array] = None,
                           visible: Optional[Array] = None,
-                          dropout: Optional[Callable[[Array], Array]] = None) -> Array:
+                          dropout: Optional[Callable[[Array], Array]] = None,
+                          cache_layout: bool = False) -> Array:
     """softmax(scale * q k^T + bias, masked to ``visible``) v, per head.
 
     q [B,T,K,G,H]: K key/value heads, each shared by G query heads (G = 1 for plain MHA);
-    k, v [B,S,K,H]. ``bias`` (fp32, additive) and ``visible`` (bool) broadcast against the
-    score tensor [B,K,G,T,S], e.g. [B,1,1,T|1,S]. Rows with no visible key get uniform weights
-    (finite NEG_INF), never NaN. ``dropout`` maps the unnormalised weights, laid out as
+    k, v [B,S,K,H]; or, with ``cache_layout``, k [B,K,H,S] and v [B,K,S,H] (the KV cache's
+    layout, the matmul operands themselves: a decode step reads the cache in place instead of
+    transposing every slot of it). ``bias`` (fp32, additive) and ``visible`` (bool) broadcast
+    against the score tensor [B,K,G,T,S], e.g. [B,1,1,T|1,S]. Rows with no visible key get
+    uniform weights (finite NEG_INF), never NaN. ``dropout`` maps the unnormalised weights, laid out as
     [B,K,G*T,S] (row-major order of [B,K,G,T,S]), to their dropped version
     (attention-probability dropout). Scores and the softmax run in fp32 whatever q's dtype;
     the value product runs in v's dtype with fp32 accumulation. Returns [B,T,K,G,H] in v's dtype.
     """
     b, t, kh, g, h = q.shape
-    s = k.shape[1]
-    if k.shape != (b, s, kh, h) or v.shape != k.shape:
-        raise ValueError(f"attention: q {q.shape} needs k and v of shape [B,S,{kh},{h}], got {k.shape}, {v.shape}")
+    s = v.shape[2 if cache_layout else 1]
+    want_v = (b, kh, s, h) if cache_layout else (b, s, kh, h)
+    want_k = (b, kh, h, s) if cache_layout else want_v
+    if k.shape != want_k or v.shape != want_v:
+        layout = f"k [B,{kh},{h},S], v [B,{kh},S,{h}]" if cache_layout else f"k and v [B,S,{kh},{h}]"
+        raise ValueError(f"attention: q {q.shape} needs {layout}, got {k.shape}, {v.shape}")
     # Everything on the score tensor stays 4-D: XLA:CPU runs the same elementwise/reduce work
     # ~4x slower on a [B,K,G,T,S] view.
     qt = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
-    kt = k.astype(q.dtype).transpose(0, 2, 3, 1)  # [B,K,H,S]
-    scores = jnp.matmul(qt, kt, preferred_element_type=jnp.float32) * scale  # [B,K,G*T,S]
+    kt = k if cache_layout else k.transpose(0, 2, 3, 1)  # [B,K,H,S]
+    scores = jnp.matmul(qt, kt.astype(q.dtype), preferred_element_type=jnp.float32) * scale  # [B,K,G*T,S]
     if bias is not None:
         scores = scores + _rows(bias, g, t)
     if visible is not None:
@@ -63,6 +69,6 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, scale: float, bias: O
     denom = weights.sum(axis=-1, keepdims=True)
     if dropout is not None:
         weights = dropout(weights)
-    vt = v.transpose(0, 2, 1, 3)  # [B,K,S,H]
+    vt = v if cache_layout else v.transpose(0, 2, 1, 3)  # [B,K,S,H]
     out = jnp.matmul(weights.astype(v.dtype), vt, preferred_element_type=jnp.float32) / denom
     return out.astype(v.dtype).reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4)

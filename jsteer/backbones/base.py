@@ -49,7 +49,10 @@ class ModelOutput:
 class KVCache:
     """Decoder KV cache with a fixed number of slots S (static shape under jit).
 
-    k, v:  tuples of L arrays [B, S, H_kv, Dh]
+    k:     tuple of L arrays [B, H_kv, Dh, S] (keys stored transposed)
+    v:     tuple of L arrays [B, H_kv, S, Dh]
+           (k and v are the operands of attention's two matmuls as they are; in any other
+           layout each decode step copies every slot of the cache, layer by layer)
     mask:  [B, S] int32, 1 where a slot holds a real (non-pad) token
     index: [] int32, next slot to write (same for all rows; rows are left-padded)
     pos:   [B] int32, next position id per row: one past the largest real position so far
@@ -65,14 +68,25 @@ class KVCache:
     @classmethod
     def init(cls, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
              dtype=jnp.float32) -> "KVCache":
-        z = jnp.zeros((batch, max_len, n_kv_heads, head_dim), dtype)
-        return cls(k=tuple(z for _ in range(n_layers)), v=tuple(z for _ in range(n_layers)),
+        zk = jnp.zeros((batch, n_kv_heads, head_dim, max_len), dtype)
+        zv = jnp.zeros((batch, n_kv_heads, max_len, head_dim), dtype)
+        return cls(k=tuple(zk for _ in range(n_layers)), v=tuple(zv for _ in range(n_layers)),
                    mask=jnp.zeros((batch, max_len), jnp.int32),
                    index=jnp.zeros((), jnp.int32), pos=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
         return self.mask.shape[1]
+
+    @staticmethod
+    def write(cached_k: Array, cached_v: Array, k: Array, v: Array, index: Array) -> Tuple[Array, Array]:
+        """Write T new keys and values [B, T, H_kv, Dh] into one layer's cache (k [B, H_kv, Dh, S],
+        v [B, H_kv, S, Dh]) at slots index..index+T-1; returns the updated (k, v)."""
+        k = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype).transpose(0, 2, 3, 1),
+                                         (0, 0, 0, index))
+        v = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype).transpose(0, 2, 1, 3),
+                                         (0, 0, index, 0))
+        return k, v
 
 
 def default_positions(attention_mask: Array, cache: Optional[KVCache]) -> Array:

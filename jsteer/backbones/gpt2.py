@@ -21,7 +21,6 @@ import dataclasses
 from typing import Any, Mapping, Optional, Tuple, Union
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -124,7 +123,7 @@ class GPT2Config:
         return cls(**d)
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        """Empty KV cache with ``max_len`` slots: k/v [B, S, H, Dh] per layer.
+        """Empty KV cache with ``max_len`` slots: k [B, H, Dh, S], v [B, H, S, Dh] per layer.
 
         Slots may outnumber ``n_positions`` (left padding uses slots, not positions); a real
         token at position >= n_positions has no position embedding and yields NaN logits.
@@ -155,8 +154,8 @@ class GPT2Attention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, visible: Array, bias: Optional[Array],
                  cache_kv: Optional[tuple[Array, Array]], index: Optional[Array]):
-        """x [B,T,D]; visible [B,T,K] bool; bias [B,T,K] or None; cache_kv: cached (k, v)
-        [B,S,H,Dh] written at slot ``index``, or None (then K = T).
+        """x [B,T,D]; visible [B,T,K] bool; bias [B,T,K] or None; cache_kv: one layer's
+        cached (k, v) in :class:`KVCache`'s layout, written at slot ``index``, or None (then K = T).
 
         Returns (out [B,T,D], updated cache (k, v), or None without a cache)."""
         cfg = self.config
@@ -165,16 +164,14 @@ class GPT2Attention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B,T,N,H]: N heads of size H
         new_kv = None
         if cache_kv is not None:
-            ck, cv = cache_kv
-            k = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            v = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
-            new_kv = (k, v)
+            k, v = new_kv = KVCache.write(*cache_kv, k, v, index)
             k, v = k.astype(x.dtype), v.astype(x.dtype)
         scale = cfg.head_dim ** -0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= float(self.layer_idx + 1)
         ctx = dot_product_attention(q[:, :, :, None], k, v, scale=scale, visible=visible[:, None, None],
-                                    bias=None if bias is None else bias[:, None, None].astype(jnp.float32))
+                                    bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
+                                    cache_layout=cache_kv is not None)
         ctx = ctx.reshape(b, t, cfg.n_embd)
         return _dense(cfg, cfg.n_embd, x.dtype, "c_proj")(ctx), new_kv
 

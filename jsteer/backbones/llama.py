@@ -193,7 +193,7 @@ class LlamaConfig:
         return d
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        """Empty KV cache with ``max_len`` slots: k/v [B, S, H_kv, Dh] per layer."""
+        """Empty KV cache with ``max_len`` slots: k [B, H_kv, Dh, S], v [B, H_kv, S, Dh] per layer."""
         return KVCache.init(self.num_layers, batch, max_len, self.num_kv_heads, self.head_dim, dtype)
 
     def inv_freq(self) -> np.ndarray:
@@ -266,8 +266,8 @@ class LlamaAttention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, cos: Array, sin: Array, visible: Array, bias: Optional[Array],
                  kv: Optional[Tuple[Array, Array]], index: Optional[Array]):
-        """x [B,T,D]; visible [B,T,S] bool; bias [B,T,S] or None; kv: cached (k, v)
-        [B,S,H_kv,Dh] written at slot ``index``, or None (then S = T).
+        """x [B,T,D]; visible [B,T,S] bool; bias [B,T,S] or None; kv: one layer's cached
+        (k, v) in :class:`KVCache`'s layout, written at slot ``index``, or None (then S = T).
         Returns (out [B,T,D], (k, v) after the write or None)."""
         c = self.config
         b, t, _ = x.shape
@@ -278,13 +278,11 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = None
         if kv is not None:
-            ck, cv = kv
-            k = lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            v = lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
-            new_kv = (k, v)
+            k, v = new_kv = KVCache.write(*kv, k, v, index)
         out = dot_product_attention(q.reshape(b, t, k_heads, n // k_heads, hd), k, v.astype(self.dtype),
                                     scale=1.0 / math.sqrt(hd), visible=visible[:, None, None],
-                                    bias=None if bias is None else bias[:, None, None].astype(jnp.float32))
+                                    bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
+                                    cache_layout=kv is not None)
         out = out.reshape(b, t, n * hd)
         return _dense(c.hidden_size, c.o_bias, "o_proj", self.dtype, self.param_dtype)(out), new_kv
 
