@@ -89,6 +89,27 @@ def sentiment_neutral_texts(n: int) -> tuple[list, np.ndarray]:
     return [neutral[i] for i in pick], np.zeros((n, 2), np.float32)
 
 
+def self_generated_texts(lm, labeler, n: int, exclude: Sequence[str], n_prompts: int = 400, samples: int = 4,
+                         max_new_tokens: int = 32, seed: int = 1) -> tuple[list, np.ndarray]:
+    """On-policy steer texts: the unsteered model's own top-p continuations of ``n_prompts`` neutral
+    prompts (seeded; none of ``exclude``, the held-out and test prompts), ``samples`` each, scored by
+    ``labeler`` (a sentiment classifier trained on the steer's SST-5 texts only, never the evaluator).
+    The n // 2 most and n // 2 least positive continuations, each with its prompt in front, are the
+    texts -> (texts, values [n, 2]) with +1 / -1 in both columns (no graded form)."""
+    path = DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / "neutral_prompts.jsonl"
+    skip = set(exclude)
+    pool = [t for t in (json.loads(x)["prompt"]["text"] for x in open(path)) if t not in skip]
+    if n_prompts > len(pool) or n > n_prompts * samples:
+        raise ValueError(f"self_generated_texts: {n} texts from {n_prompts} of {len(pool)} prompts x {samples}")
+    chosen = [pool[i] for i in sorted(np.random.default_rng(seed).choice(len(pool), n_prompts, replace=False))]
+    conts = sample(lm, lambda b: None, chosen, samples, max_new_tokens=max_new_tokens, seed=seed * 100003, batch=50)
+    flat = [(p, c) for p, cs in zip(chosen, conts) for c in cs]
+    order = np.argsort(labeler.prob([c for _, c in flat]), kind="stable")
+    keep = np.concatenate([order[: n // 2], order[len(order) - n // 2:]])
+    values = np.repeat(np.where(np.arange(len(keep)) < n // 2, -1.0, 1.0)[:, None], 2, axis=1).astype(np.float32)
+    return [flat[i][0] + flat[i][1] for i in keep], values
+
+
 def hidden_cache_key(lm, texts: Sequence[str], values, max_len: int) -> dict:
     """What an experiment's cached hidden states depend on, in the fields of ``jsteer steer train
     --cache``'s key: the model's identity, ``data_sha256`` and ``max_len``. The experiments pick

@@ -210,6 +210,32 @@ def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_tra
     return ev
 
 
+def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0) -> Evaluator:
+    """A sentiment classifier trained on the sentiment steer's own ``n`` SST-5 texts (the steer half,
+    detokenised; binary), cached under out/steer_evaluators/labeler_steer{n}. It labels the model's own
+    continuations for on-policy steer training (``steer_common.self_generated_texts``) without the
+    evaluator, which never sees these texts, taking part; its accuracy is on 1000 SST-5 test texts."""
+    from jsteer.io import load_artifact, save_artifact
+
+    enc = enc if enc is not None else jsteer.load("minilm")
+    path = CACHE / f"labeler_steer{n}"
+    if path.exists():
+        tree, meta = load_artifact(path)
+        return Evaluator(enc, jax.tree.map(jnp.asarray, tree), meta)
+    texts, values = C.sentiment_steer_texts(n)
+    C.log(f"fine-tuning the steer-text labeler on {n} texts ({epochs} epochs)")
+    params, hist = finetune(enc, [detok_sst(t) for t in texts], (values[:, 0] > 0).astype(np.float32), epochs=epochs)
+    ev = Evaluator(enc, params)
+    (_, _), (xt, yt) = sentiment_data()
+    meta = {"name": f"labeler_steer{n}", "accuracy": ev.accuracy(xt[:1000], yt[:1000]), "test_texts": 1000,
+            "train_texts": n, "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
+            "train": f"the sentiment steer's {n} SST-5 texts (steer half), binary, detokenised"}
+    save_artifact(path, params, meta)
+    C.log(f"labeler: test accuracy {meta['accuracy']:.4f}")
+    ev.meta = meta
+    return ev
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=float, default=2.0)

@@ -166,7 +166,10 @@ def bench_table(bench: dict) -> str:
 SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
           "sweep_smollm2_graded.json": "Binary vs graded SST-5 steer values, with and without SST-5's neutral class",
           "sweep_smollm2_baselines.json": "LM-Steer vs the issue's baselines (soft word blacklist, context-vector "
-                                          "offset), same texts and training budget"}
+                                          "offset), same texts and training budget",
+          "sweep_smollm2_self.json": "On-policy texts: SmolLM2's own continuations, labelled by a classifier "
+                                     "trained on the steer's SST-5 texts",
+          "sweep_smollm2_self_steps.json": "On-policy texts: fewer / more training steps"}
 
 
 def _recipe(name: str, cfg: dict) -> str:
@@ -180,6 +183,7 @@ def _recipe(name: str, cfg: dict) -> str:
     out += [f"l2 {cfg['l2']:g}"] if cfg["l2"] != DEFAULTS["l2"] else []
     out += ["graded values"] if cfg.get("labels") == "graded" else []
     out += [f"+{cfg['neutral_texts']} neutral texts at 0"] if cfg.get("neutral_texts") else []
+    out += ["own continuations"] if cfg.get("data") == "self" else []
     return ", ".join(out) + (" (main run)" if name == "main_run" else "")
 
 

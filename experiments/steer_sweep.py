@@ -5,6 +5,10 @@
         --work /tmp/steer_exp_bl --out experiments/results/steer/sweep_smollm2_baselines.json
     .venv/bin/python experiments/steer_sweep.py --configs r1000,r1000_graded,r1000_graded_neutral,r1000_neutral \
         --strengths 1,1.25,1.5,1.75,2,3 --out experiments/results/steer/sweep_smollm2_graded.json
+    .venv/bin/python experiments/steer_sweep.py --configs r1000_self --strengths 1,2,3,5,8 --work /tmp/steer_self \
+        --out experiments/results/steer/sweep_smollm2_self.json         # ~15 min with the evaluators cached
+    .venv/bin/python experiments/steer_sweep.py --configs r1000_self_s50,r1000_self_s400 --strengths 1,1.5,2,3,5 \
+        --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_steps.json
 
 Every config trains a sentiment steer from a hidden-state cache of the main run's 1600 SST-5
 texts (``steer_common.sentiment_steer_texts``; built once under ``--work``) and is scored on the
@@ -22,12 +26,16 @@ the main recipe's rerun).
 Config names: ``r<rank>`` (``rfull``: a full-rank W), or ``blacklist`` / ``offset`` (the issue's
 baselines: a learned logit offset / context-vector offset, trained at ``train.BASELINE_EPS0`` and
 decoded through the same steer hook, their values in units of that eps0), then optional ``_s<steps>``,
-``_lr<lr>``, ``_l<l2>``, ``_graded``, ``_neutral``; defaults are the main run's (150 steps, lr 1e-2,
+``_lr<lr>``, ``_l<l2>``, ``_graded``, ``_neutral``, ``_self``; defaults are the main run's (150 steps, lr 1e-2,
 l2 1e-6, init 1e-2, binary steer values: SST-5 labels 3-4 -> +1, 0-1 -> -1, as the issue specifies).
 ``_graded`` trains on the same texts with the original LM-Steer code's values label / 2 - 1
 (-1, -0.5, +0.5, +1). ``_neutral`` adds NEUTRAL_TEXTS texts of SST-5's neutral class at value 0
 (the original code trains on all five classes; only the dummy steer fits these), about the
-original's share of them (1624 of 8544).
+original's share of them (1624 of 8544). ``_self`` trains on SELF_TEXTS on-policy texts instead
+(``steer_common.self_generated_texts``): SmolLM2's own continuations of other neutral prompts,
+the most and least positive by a labeler trained on the same 1600 SST-5 steer texts
+(``steer_evaluators.get_labeler``), so the steer learns sentiment inside the model's own
+distribution rather than SST-5's (whose domain shift the dummy steer exists to absorb).
 """
 
 from __future__ import annotations
@@ -48,18 +56,19 @@ import steer_common as C  # noqa: E402
 
 MAX_RISE = 0.3  # the main run's perplexity limit (issue 4's fluency target)
 STEER_TEXTS, NEUTRAL_TEXTS, MAX_LEN, BATCH = 1600, 400, 64, 32  # the main run's cache; 400 = its 20% share
+SELF_TEXTS = 1200  # of 400 prompts x 4 continuations: the 600 most and 600 least positive
 DEFAULTS = {"kind": "steer", "steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary",
-            "neutral_texts": 0}  # the main run's recipe
+            "neutral_texts": 0, "data": "sst5"}  # the main run's recipe
 
 
 def parse_config(name: str) -> dict:
     """'r8_s400_lr3e-3_l1e-4' -> {kind: steer, rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary,
     neutral_texts: 0} over DEFAULTS ('_graded': labels graded; '_neutral': neutral_texts NEUTRAL_TEXTS;
     'blacklist...' / 'offset...': that baseline, rank None)."""
-    m = re.fullmatch(r"(r(\d+|full)|blacklist|offset)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral))*)", name)
+    m = re.fullmatch(r"(r(\d+|full)|blacklist|offset)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral|self))*)", name)
     if not m:
         raise ValueError(f"bad config name {name!r}: "
-                         "want r<rank|full>|blacklist|offset[_s<steps>][_lr<lr>][_l<l2>][_graded][_neutral]")
+                         "want r<rank|full>|blacklist|offset[_s<steps>][_lr<lr>][_l<l2>][_graded][_neutral][_self]")
     if m.group(2) is None:
         cfg = dict(DEFAULTS, kind=m.group(1), rank=None)
     else:
@@ -69,6 +78,8 @@ def parse_config(name: str) -> dict:
             cfg["labels"] = "graded"
         elif part == "neutral":
             cfg["neutral_texts"] = NEUTRAL_TEXTS
+        elif part == "self":
+            cfg["data"] = "self"
         elif part.startswith("lr"):
             cfg["lr"] = float(part[2:])
         elif part.startswith("s"):
@@ -113,7 +124,10 @@ def main(argv=None) -> int:
     res["setup"] = {"prompts": f"{len(sel)} held-out neutral prompts of {pathlib.Path(args.main_json).name}",
                     "samples_per_prompt": args.samples, "max_new_tokens": 20, "top_p": 0.9, "seed": 0,
                     "dummy": "off", "strengths": strengths, "max_ppl_rise": MAX_RISE,
-                    "texts": f"the main run's {STEER_TEXTS} SST-5 steer texts", "init_scale": 1e-2,
+                    "texts": f"the main run's {STEER_TEXTS} SST-5 steer texts" if not any(
+                        c.get("data") == "self" for c in configs.values()) else
+                    f"{SELF_TEXTS} of SmolLM2's own continuations of other neutral prompts, labelled by a "
+                    f"classifier trained on the main run's {STEER_TEXTS} SST-5 steer texts", "init_scale": 1e-2,
                     "eps0": 1e-3, "batch_size": BATCH, "tokens_per_batch": 768}
     res.setdefault("configs", {})
     lm = jsteer.load("smollm2-135m")
@@ -173,6 +187,13 @@ def main(argv=None) -> int:
                                  kind=cfg.get("kind", "steer"), eps0=eps0)
         col = ["binary", "graded"].index(cfg["labels"])
         data = cache
+        if cfg.get("data") == "self":
+            labeler = EV.get_labeler(pos_clf.enc, STEER_TEXTS)
+            exclude = [p for ps in main_res["prompts"].values() for p in ps]
+            data = C.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz",
+                                   lambda: C.self_generated_texts(lm, labeler, SELF_TEXTS, exclude), MAX_LEN, BATCH)
+            res.setdefault("labelers", {})[labeler.meta["name"]] = {
+                k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")}
         if cfg["neutral_texts"]:
             neutral = C.cached_hidden(lm, work / f"cache_sentiment_neutral{cfg['neutral_texts']}.npz",
                                       lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]), MAX_LEN, BATCH)

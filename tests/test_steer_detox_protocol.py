@@ -57,8 +57,46 @@ def test_sweep_config_names_cover_the_baselines():
     bl = S.parse_config("blacklist_s300_graded")
     assert (bl["kind"], bl["rank"], bl["steps"], bl["labels"]) == ("blacklist", None, 300, "graded")
     assert S.parse_config("offset")["kind"] == "offset"
+    assert S.parse_config("r1000")["data"] == "sst5"
+    own = S.parse_config("r1000_self_s50")
+    assert (own["data"], own["steps"], own["rank"]) == ("self", 50, 1000)
     with pytest.raises(ValueError, match="bad config name"):
         S.parse_config("wordlist")
+
+
+def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
+    """steer_sweep's ``_self`` data: the model's own continuations of neutral prompts outside
+    ``exclude``, the n/2 least positive at -1 and the n/2 most positive at +1, prompt in front."""
+    import json
+
+    import steer_common as C
+
+    pool = [json.loads(x)["prompt"]["text"] for x in
+            open(C.DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / "neutral_prompts.jsonl")]
+    exclude = pool[::2]
+    calls = []
+
+    class FakeLM:  # continuation k of a batch says how positive it is
+        def generate(self, prompts, max_new_tokens, temperature, top_p, seed, hooks):
+            calls.append(list(prompts))
+            return [f" score {(seed + i) % 97}" for i in range(len(prompts))]
+
+    scored = []
+
+    class Labeler:
+        def prob(self, texts):
+            scored.extend(int(t.split()[-1]) for t in texts)
+            return np.asarray([int(t.split()[-1]) / 96 for t in texts])
+
+    texts, values = C.self_generated_texts(FakeLM(), Labeler(), 10, exclude, n_prompts=20, samples=3, seed=3)
+    seen = {p for c in calls for p in c}
+    assert len(seen) == 20 and not seen & set(exclude) and len(scored) == 60
+    assert values.shape == (10, 2) and (values[:5] == -1).all() and (values[5:] == 1).all()
+    scores = [int(t.split()[-1]) for t in texts]
+    assert sorted(scores[:5]) == sorted(scored)[:5] and sorted(scores[5:]) == sorted(scored)[-5:]
+    assert all(any(t.startswith(p) and t[len(p):].startswith(" score") for p in seen) for t in texts)
+    with pytest.raises(ValueError, match="10 texts from 2 of"):
+        C.self_generated_texts(FakeLM(), Labeler(), 10, exclude, n_prompts=2, samples=3)
 
 
 def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path):
