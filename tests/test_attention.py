@@ -22,13 +22,17 @@ def reference(q, k, v, scale, bias=None, visible=None, keep=None, rate=0.0):
     return np.einsum("bkgts,bskh->btkgh", probs, v)
 
 
+def random_qkv(rng, b, t, s, kh, g, h):
+    """q [B,T,K,G,H], k and v [B,S,K,H], standard normal float32."""
+    return tuple(rng.normal(size=shape).astype(np.float32) for shape in
+                 ((b, t, kh, g, h), (b, s, kh, h), (b, s, kh, h)))
+
+
 @pytest.mark.parametrize("kh,g", [(4, 1), (2, 3)])
 def test_matches_numpy_softmax_attention(kh, g):
     rng = np.random.default_rng(0)
     b, t, s, h = 2, 5, 7, 8
-    q = rng.normal(size=(b, t, kh, g, h)).astype(np.float32)
-    k = rng.normal(size=(b, s, kh, h)).astype(np.float32)
-    v = rng.normal(size=(b, s, kh, h)).astype(np.float32)
+    q, k, v = random_qkv(rng, b, t, s, kh, g, h)
     bias = rng.normal(size=(b, 1, 1, t, s)).astype(np.float32)
     visible = rng.random((b, 1, 1, t, s)) > 0.3
     per_group = rng.normal(size=(1, kh, g, 1, s)).astype(np.float32)  # broadcast over queries only
@@ -83,9 +87,7 @@ def test_cache_layout_is_the_same_attention(kh, g):
     """k [B,K,H,S] / v [B,K,S,H] (the KV cache's layout) give the attention of k, v [B,S,K,H]."""
     rng = np.random.default_rng(4)
     b, t, s, h = 2, 1, 9, 8
-    q = rng.normal(size=(b, t, kh, g, h)).astype(np.float32)
-    k = rng.normal(size=(b, s, kh, h)).astype(np.float32)
-    v = rng.normal(size=(b, s, kh, h)).astype(np.float32)
+    q, k, v = random_qkv(rng, b, t, s, kh, g, h)
     visible = rng.random((b, 1, 1, t, s)) > 0.3
     out = np.asarray(dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), scale=0.3,
                                            visible=visible, cache_layout=True))
