@@ -96,9 +96,7 @@ def self_generated_texts(lm, labeler, n: int, exclude: Sequence[str], n_prompts:
     ``labeler`` (a sentiment classifier trained on the steer's SST-5 texts only, never the evaluator).
     The n // 2 most and n // 2 least positive continuations, each with its prompt in front, are the
     texts -> (texts, values [n, 2]) with +1 / -1 in both columns (no graded form)."""
-    path = DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / "neutral_prompts.jsonl"
-    skip = set(exclude)
-    pool = [t for t in (json.loads(x)["prompt"]["text"] for x in open(path)) if t not in skip]
+    pool = prompt_pool("neutral", exclude)
     if n_prompts > len(pool) or n > n_prompts * samples:
         raise ValueError(f"self_generated_texts: {n} texts from {n_prompts} of {len(pool)} prompts x {samples}")
     chosen = [pool[i] for i in sorted(np.random.default_rng(seed).choice(len(pool), n_prompts, replace=False))]
@@ -186,10 +184,16 @@ def toxic_prefixes(texts: Sequence[str], labels: np.ndarray, words: int = 10, mi
     return [" ".join(t.split()[:words]) for t, y in zip(texts, labels) if y == 1 and len(t.split()) >= min_words]
 
 
+def prompt_pool(kind: str, exclude: Sequence[str] = ()) -> List[str]:
+    """Every prompt of lmsteer_prompts/{kind}_prompts.jsonl in file order, less those in ``exclude``."""
+    path = DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / f"{kind}_prompts.jsonl"
+    skip = set(exclude)
+    return [t for t in (json.loads(x)["prompt"]["text"] for x in open(path)) if t not in skip]
+
+
 def prompts(kind: str, n: int, seed: int = 0) -> List[str]:
     """n prompts drawn (seeded, without replacement) from lmsteer_prompts/{kind}_prompts.jsonl."""
-    path = DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / f"{kind}_prompts.jsonl"
-    rows = [json.loads(x)["prompt"]["text"] for x in open(path)]
+    rows = prompt_pool(kind)
     idx = np.random.default_rng(seed).choice(len(rows), n, replace=False)
     return [rows[i] for i in sorted(idx)]
 

@@ -253,9 +253,7 @@ def main():
     sets = {"neutral": neutral, **{k: C.prompts(k, a.prompts, seed=0) for k in ("positive", "negative")}}
     tox_prompts = C.toxic_prefixes(*jig_test)[: a.prompts]
     # held-out neutral prompts (never used for the reported numbers) for the dummy on/off choice
-    path = C.DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / "neutral_prompts.jsonl"
-    all_neutral = [json.loads(x)["prompt"]["text"] for x in open(path)]
-    pool = [p for p in all_neutral if p not in set(neutral)]
+    pool = C.prompt_pool("neutral", exclude=neutral)
     sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
     res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel}
 

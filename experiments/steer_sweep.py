@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -178,6 +179,16 @@ def main(argv=None) -> int:
         choose(row)
         res["configs"]["main_run"] = row
 
+    @functools.lru_cache(maxsize=None)
+    def self_cache():
+        """The on-policy texts' hidden states, built once per run (every '_self' config trains on them)."""
+        labeler = EV.get_labeler(pos_clf.enc, STEER_TEXTS)
+        res.setdefault("labelers", {})[labeler.meta["name"]] = {
+            k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")}
+        exclude = [p for ps in main_res["prompts"].values() for p in ps]
+        return C.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz",
+                               lambda: C.self_generated_texts(lm, labeler, SELF_TEXTS, exclude), MAX_LEN, BATCH)
+
     for name, cfg in configs.items():
         if name in res["configs"]:
             continue
@@ -188,12 +199,7 @@ def main(argv=None) -> int:
         col = ["binary", "graded"].index(cfg["labels"])
         data = cache
         if cfg.get("data") == "self":
-            labeler = EV.get_labeler(pos_clf.enc, STEER_TEXTS)
-            exclude = [p for ps in main_res["prompts"].values() for p in ps]
-            data = C.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz",
-                                   lambda: C.self_generated_texts(lm, labeler, SELF_TEXTS, exclude), MAX_LEN, BATCH)
-            res.setdefault("labelers", {})[labeler.meta["name"]] = {
-                k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")}
+            data = self_cache()
         if cfg["neutral_texts"]:
             neutral = C.cached_hidden(lm, work / f"cache_sentiment_neutral{cfg['neutral_texts']}.npz",
                                       lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]), MAX_LEN, BATCH)

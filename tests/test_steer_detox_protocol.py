@@ -67,13 +67,9 @@ def test_sweep_config_names_cover_the_baselines():
 def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
     """steer_sweep's ``_self`` data: the model's own continuations of neutral prompts outside
     ``exclude``, the n/2 least positive at -1 and the n/2 most positive at +1, prompt in front."""
-    import json
-
     import steer_common as C
 
-    pool = [json.loads(x)["prompt"]["text"] for x in
-            open(C.DATA / "lmsteer_prompts" / "sentiment_prompts-10k" / "neutral_prompts.jsonl")]
-    exclude = pool[::2]
+    exclude = C.prompt_pool("neutral")[::2]
     calls = []
 
     class FakeLM:  # continuation k of a batch says how positive it is
