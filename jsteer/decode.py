@@ -191,10 +191,12 @@ def _next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Arr
     return lax.cond(jnp.any(sampling), sample, lambda: greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "packed"))
 def _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop_ids,
-              keys, hooks: Optional[Hooks], pad_id, *, max_new_tokens: int) -> GenerateOutput:
+              keys, hooks: Optional[Hooks], pad_id, *, max_new_tokens: int, packed: bool) -> GenerateOutput:
     b, t = input_ids.shape
+    # one-row-per-sequence steps read the weights through the CPU kernel's packed copy
+    step_vars = {"params": params, "packed": module.decode_pack(params)} if packed else {"params": params}
     n = max_new_tokens
     cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
     step_hooks = None
@@ -216,7 +218,7 @@ def _generate(module, params, input_ids, attention_mask, temperature, top_k, top
 
     def body(state):
         i, cache, tok, done, tokens, lengths = state
-        out = module.apply({"params": params}, tok[:, None], jnp.ones((b, 1), jnp.int32),
+        out = module.apply(step_vars, tok[:, None], jnp.ones((b, 1), jnp.int32),
                            hooks=step_hooks, cache=cache, step=True)
         nxt = _next_token(out.logits[:, -1], i, keys, temperature, top_k, top_p)
         nxt = jnp.where(done, pad_id, nxt)
@@ -256,7 +258,8 @@ def _check_position_budget(module, attention_mask, hooks: Optional[Hooks], max_n
 
 def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: int,
              temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (), rng=None,
-             hooks: Optional[Hooks] = None, pad_id: int = 0) -> GenerateOutput:
+             hooks: Optional[Hooks] = None, pad_id: int = 0,
+             cpu_kernels: Optional[bool] = None) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after a left-padded prompt batch.
 
     input_ids, attention_mask: [B,T] (mask None: no padding); every row must end with a real
@@ -264,7 +267,10 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
     top_k 0 and top_p 1: no filtering). stop_ids: a row stops after emitting one of them.
     rng: a PRNG key (split into one key per row) or [B] per-row keys; sampling for row b at
     step s uses fold_in(key_b, s), so a row's samples do not depend on the other rows.
-    hooks: see the module docstring. Returns :class:`GenerateOutput`.
+    hooks: see the module docstring. cpu_kernels: decode steps multiply through
+    :mod:`jsteer.backbones.cpu`'s kernel (weights packed once per call); None (default) uses it
+    when it is available, the module supports it (``decode_pack``), B is in the kernel's row
+    range and the batch is not sharded over several devices. Returns :class:`GenerateOutput`.
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2:
@@ -294,7 +300,27 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
     stop += [-1] * (max(8, -(-len(stop) // 8) * 8) - len(stop))  # pad (-1 is never a token): fewer programs
     stop = jnp.asarray(stop, jnp.int32)
     return _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop,
-                     _row_keys(rng, b), hooks, jnp.int32(pad_id), max_new_tokens=int(max_new_tokens))
+                     _row_keys(rng, b), hooks, jnp.int32(pad_id), max_new_tokens=int(max_new_tokens),
+                     packed=_use_cpu_kernels(cpu_kernels, module, input_ids))
+
+
+def _use_cpu_kernels(requested: Optional[bool], module, input_ids) -> bool:
+    """Whether decode steps go through the CPU kernel (see ``generate``'s ``cpu_kernels``)."""
+    from jsteer.backbones import cpu
+
+    if requested is False or not hasattr(module, "decode_pack"):
+        if requested and not hasattr(module, "decode_pack"):
+            raise ValueError(f"generate: cpu_kernels=True, but {type(module).__name__} has no decode_pack")
+        return False
+    if not cpu.available():
+        if requested:
+            raise ValueError(f"generate: cpu_kernels=True, but the CPU kernel is unavailable: "
+                             f"{cpu.unavailable_reason()}")
+        return False
+    if requested:
+        return True
+    sharded = not isinstance(input_ids, jax.core.Tracer) and len(input_ids.sharding.device_set) > 1
+    return cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS and not sharded
 
 
 def compiled_count() -> int:

@@ -27,7 +27,7 @@ import numpy as np
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import (ACTIVATIONS, KVCache, ModelOutput, attention_slots, check_position_ids,
                                    default_positions, eos_ids, next_positions)
-from jsteer.backbones.matmul import Dense
+from jsteer.backbones.matmul import PackedDense, attend, pack_decoder_params
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_steer_logits, apply_step_embed, check_film_layers
 
 Array = jnp.ndarray
@@ -137,7 +137,7 @@ def _visibility(key_mask: Array, q_slots: Array, k_slots: Array) -> Array:
 
 
 def _dense(config: GPT2Config, features: int, dtype, name: str, use_bias: bool = True) -> nn.Dense:
-    return Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
+    return PackedDense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
                  kernel_init=nn.initializers.normal(config.initializer_range), name=name)
 
 
@@ -220,6 +220,11 @@ class GPT2LMHeadModel(nn.Module):
         """Activation dtype (also the KV-cache dtype :func:`jsteer.decode.generate` allocates)."""
         return jnp.dtype(self.config.dtype)
 
+    def decode_pack(self, params: dict) -> dict:
+        """The "packed" collection :func:`jsteer.decode.generate` passes on CPU (see
+        :func:`jsteer.backbones.matmul.pack_decoder_params`)."""
+        return pack_decoder_params(params, "wte" if self.config.tie_word_embeddings else None)
+
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  hooks: Optional[Hooks] = None, cache: Optional[KVCache] = None,
@@ -285,7 +290,7 @@ class GPT2LMHeadModel(nn.Module):
         hidden = _layer_norm(cfg, x, "ln_f")
         h = apply_steer(hidden[:, -1:] if last_logits_only else hidden, hooks)
         if cfg.tie_word_embeddings:
-            logits = wte.attend(h)
+            logits = attend(self, wte, h)
         else:
             logits = _dense(cfg, cfg.vocab_size, dtype, "lm_head", use_bias=False)(h)
 

@@ -43,7 +43,7 @@ from jax import lax
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids, next_positions
-from jsteer.backbones.matmul import Dense
+from jsteer.backbones.matmul import PackedDense, attend, pack_decoder_params
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_steer_logits, apply_step_embed, check_film_layers
 
 Array = jnp.ndarray
@@ -252,7 +252,7 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def _dense(features: int, bias: bool, name: str, dtype, param_dtype) -> nn.Dense:
-    return Dense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, name=name,
+    return PackedDense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, name=name,
                  kernel_init=nn.initializers.normal(0.02))
 
 
@@ -331,6 +331,11 @@ class LlamaForCausalLM(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
+    def decode_pack(self, params: dict) -> dict:
+        """The "packed" collection :func:`jsteer.decode.generate` passes on CPU (see
+        :func:`jsteer.backbones.matmul.pack_decoder_params`)."""
+        return pack_decoder_params(params, "embed" if self.config.tie_word_embeddings else None)
+
     @nn.compact
     def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
                  hooks: Optional[Hooks] = None, cache: Optional[KVCache] = None,
@@ -379,9 +384,9 @@ class LlamaForCausalLM(nn.Module):
         h = hidden[:, -1:] if last_logits_only else hidden
         h = apply_steer(h, hooks)
         if c.tie_word_embeddings:
-            logits = embed.attend(h)
+            logits = attend(self, embed, h)
         else:
-            logits = Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+            logits = PackedDense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                            kernel_init=nn.initializers.normal(0.02), name="lm_head")(h)
 
         new_cache = None

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 Array = jax.Array
@@ -69,3 +71,73 @@ def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
 # nn.Dense / nn.DenseGeneral with the fast backward; same modules, same param names and layout.
 Dense = functools.partial(nn.Dense, dot_general=dense_dot_general)
 DenseGeneral = functools.partial(nn.DenseGeneral, dot_general=dense_dot_general)
+
+
+# ----------------------------------------------------------------------------- decoding on CPU
+# A decode step multiplies B rows by every weight. For few rows XLA:CPU's dot reads the weights
+# at about half the memory bandwidth; jsteer.backbones.cpu.small_gemm reads a packed copy at
+# close to full. decode.generate packs the weights once per call (``pack_decoder_params``) into
+# the "packed" collection; the layers below use it when it is there and the row count fits.
+
+
+def _packed_rows(rows: int, x: Array) -> bool:
+    from jsteer.backbones import cpu
+
+    return cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS and x.dtype == jnp.float32
+
+
+class PackedDense(nn.Dense):
+    """``Dense`` that multiplies through ``cpu.small_gemm`` when the "packed" collection holds
+    this layer's packed kernel and x has few rows (fp32); otherwise exactly ``Dense``."""
+
+    dot_general: Any = dense_dot_general
+
+    @nn.compact
+    def __call__(self, inputs: Array) -> Array:
+        rows = math.prod(inputs.shape[:-1])
+        if (self.has_variable("packed", "kernel") and self.dtype in (None, jnp.float32)
+                and _packed_rows(rows, inputs)):
+            from jsteer.backbones import cpu
+
+            y = cpu.small_gemm(inputs.reshape(rows, inputs.shape[-1]), self.get_variable("packed", "kernel"),
+                               self.features)
+            if self.use_bias:
+                y = y + self.get_variable("params", "bias")
+            return y.reshape(inputs.shape[:-1] + (self.features,))
+        return super().__call__(inputs)
+
+
+def attend(lm: nn.Module, embed: nn.Embed, h: Array) -> Array:
+    """Tied output layer: ``embed.attend(h)`` [..., D] -> [..., V], through ``cpu.small_gemm``
+    when ``lm``'s "packed" collection holds ``<embed name>_attend`` (E^T packed) and h has few rows."""
+    name = f"{embed.name}_attend"
+    rows = math.prod(h.shape[:-1])
+    if lm.has_variable("packed", name) and embed.dtype in (None, jnp.float32) and _packed_rows(rows, h):
+        from jsteer.backbones import cpu
+
+        y = cpu.small_gemm(h.reshape(rows, h.shape[-1]), lm.get_variable("packed", name), embed.num_embeddings)
+        return y.reshape(h.shape[:-1] + (embed.num_embeddings,))
+    return embed.attend(h)
+
+
+def pack_decoder_params(params: dict, tied_embedding: Optional[str]) -> dict:
+    """The "packed" collection for ``PackedDense`` / ``attend``: every 2-D ``kernel`` [K, N] in
+    ``params`` packed for ``cpu.small_gemm`` at the same path, plus ``<tied_embedding>_attend``
+    (the tied embedding's transpose, packed) when a name is given. Pure; call it under jit."""
+    from jsteer.backbones import cpu
+
+    def walk(tree):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                sub = walk(v)
+                if sub:
+                    out[k] = sub
+            elif k == "kernel" and getattr(v, "ndim", 0) == 2:
+                out[k] = cpu.pack(v)
+        return out
+
+    packed = walk(params)
+    if tied_embedding is not None:
+        packed[f"{tied_embedding}_attend"] = cpu.pack(params[tied_embedding]["embedding"].T)
+    return packed

@@ -1,0 +1,120 @@
+"""jsteer.backbones.cpu: the few-row decode matmul (XLA FFI) against NumPy, the layers that use it,
+and generate with it on / off.
+
+It runs on CPUs with AVX-512F (CI's and the dev VMs'); elsewhere the kernel is not used, and these
+tests skip with that reason. A missing compiler on an AVX-512 machine fails them."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsteer import decode
+from jsteer.backbones import cpu
+from jsteer.backbones.gpt2 import GPT2Config, GPT2LMHeadModel
+from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM
+from jsteer.backbones.matmul import Dense, PackedDense, pack_decoder_params
+
+if not cpu._cpu_has_avx512f():
+    pytest.skip("this CPU has no AVX-512F: jsteer.backbones.cpu is not used here", allow_module_level=True)
+
+
+def test_kernel_builds_and_registers():
+    assert cpu.available(), cpu.unavailable_reason()
+
+
+def test_pack_layout():
+    w = np.arange(5 * 100, dtype=np.float32).reshape(5, 100)
+    p = np.asarray(cpu.pack(jnp.asarray(w)))
+    assert p.shape == (3, 5, 48)
+    for n in (0, 47, 48, 99):
+        np.testing.assert_array_equal(p[n // 48, :, n % 48], w[:, n])
+    assert not p[2, :, 100 - 96:].any()  # padding columns are zero
+
+
+@pytest.mark.parametrize("m,k,n", [(2, 576, 1536), (3, 37, 50), (8, 64, 48), (13, 129, 200), (32, 96, 1000),
+                                   (1, 16, 7)])
+def test_small_gemm_matches_numpy(m, k, n):
+    assert cpu.available(), cpu.unavailable_reason()
+    rng = np.random.default_rng(m * 1000 + n)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, w: cpu.small_gemm(x, cpu.pack(w), n))(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    # fp32 sums of k terms in order: error well under the plain fp32 dot's bound
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * k * np.abs(want).max())
+    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_small_gemm_rejects_a_mismatched_packing():
+    assert cpu.available(), cpu.unavailable_reason()
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu.small_gemm(jnp.ones((4, 10)), cpu.pack(jnp.ones((10, 60))), 100)
+    with pytest.raises(ValueError, match="want a \\[K, N\\] matrix"):
+        cpu.pack(jnp.ones((2, 3, 4)))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 33])
+def test_packed_dense_equals_dense(rows):
+    assert cpu.available(), cpu.unavailable_reason()
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 24)), jnp.float32)
+    params = Dense(70).init(jax.random.PRNGKey(0), x)["params"]
+    params = {"bias": params["bias"] + 0.5, "kernel": params["kernel"]}
+    want = Dense(70).apply({"params": params}, x)
+    packed = pack_decoder_params({"layer": params}, None)["layer"]
+    fn = jax.jit(lambda p, pk, x: PackedDense(70).apply({"params": p, "packed": pk}, x))
+    got = fn(params, packed, x)
+    used = "jsteer_small_gemm" in fn.lower(params, packed, x).as_text()
+    assert used == (cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS)
+    if used:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    else:  # outside the kernel's row range the layer is exactly Dense
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _models():
+    llama_tied = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=True)
+    llama_untied = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=False,
+                               qkv_bias=True)
+    gpt2 = GPT2Config(vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4, n_inner=96)
+    return [LlamaForCausalLM(llama_tied), LlamaForCausalLM(llama_untied), GPT2LMHeadModel(gpt2)]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["llama_tied", "llama_untied_bias", "gpt2"])
+def test_generate_with_kernel_equals_without(index):
+    assert cpu.available(), cpu.unavailable_reason()
+    module = _models()[index]
+    rng = np.random.default_rng(index)
+    ids = jnp.asarray(rng.integers(3, 97, size=(5, 6)), jnp.int32)
+    mask = jnp.asarray(np.array([[0, 0, 1, 1, 1, 1]] * 2 + [[1] * 6] * 3), jnp.int32)
+    params = jax.jit(module.init)(jax.random.PRNGKey(index), ids, mask)["params"]
+    params = jax.tree.map(lambda a: a * 3.0 if a.ndim == 2 else a, params)  # peaked logits: no near-ties
+
+    # the step's logits through the packed weights == through XLA's dot
+    step_ids = ids[:, -1:]
+    plain = module.apply({"params": params}, step_ids)
+    fast = module.apply({"params": params, "packed": module.decode_pack(params)}, step_ids)
+    np.testing.assert_allclose(np.asarray(fast.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-4)
+
+    outs = {}
+    for on in (True, False):
+        outs[on] = decode.generate(module, params, ids, mask, max_new_tokens=12, cpu_kernels=on)
+    np.testing.assert_array_equal(np.asarray(outs[True].tokens), np.asarray(outs[False].tokens))
+    np.testing.assert_array_equal(np.asarray(outs[True].lengths), np.asarray(outs[False].lengths))
+    # the default picks the kernel for this batch (5 rows) and gives the same tokens
+    assert decode._use_cpu_kernels(None, module, ids)
+    auto = decode.generate(module, params, ids, mask, max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(outs[True].tokens))
+
+
+def test_default_policy():
+    assert cpu.available(), cpu.unavailable_reason()
+    module = _models()[0]
+    assert not decode._use_cpu_kernels(None, module, jnp.zeros((1, 4), jnp.int32))    # XLA's GEMV is as fast
+    assert decode._use_cpu_kernels(None, module, jnp.zeros((8, 4), jnp.int32))
+    assert not decode._use_cpu_kernels(None, module, jnp.zeros((cpu.MAX_ROWS + 1, 4), jnp.int32))
+    assert not decode._use_cpu_kernels(False, module, jnp.zeros((8, 4), jnp.int32))
+    with pytest.raises(ValueError, match="has no decode_pack"):
+        decode._use_cpu_kernels(True, nn.Dense(3), jnp.zeros((8, 4), jnp.int32))
