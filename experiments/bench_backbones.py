@@ -22,6 +22,9 @@ Each model's section starts with a matmul probe: one bare fp32 matmul of its FFN
 ([B*T, D] x [D, F]) timed under jax and under torch, interleaved. Both backbones spend most of
 their time in such products, so the probe's ratio is about the ceiling of the backbone ratios on
 the machine at hand (it is what moves between VMs; see BUILD.md).
+Decoding 2-64 rows on a CPU with AVX-512 multiplies through jsteer's CPU kernel
+(``jsteer.backbones.cpu``; ``env.jsteer_cpu_kernel`` says whether it ran) from a packed copy of
+the weights, which generate makes once per param set (SmolLM2: ~0.26 s, in the untimed warm-up).
 
     python experiments/bench_backbones.py            # full sizes, writes out/bench_backbones.json
     python experiments/bench_backbones.py --quick    # smaller shapes, 2 reps (a smoke run)
@@ -413,6 +416,10 @@ def main(argv=None) -> int:
            "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
            "jax": jax.__version__, "jax_backend": jax.default_backend(),
            "jax_devices": [str(d) for d in jax.devices()]}
+    from jsteer.backbones import cpu
+
+    # decoding with 2..MAX_ROWS rows multiplies through this kernel when it is available
+    env["jsteer_cpu_kernel"] = cpu.available() or f"unavailable: {cpu.unavailable_reason()}"
     if use_torch:
         import torch
         import transformers

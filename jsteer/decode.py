@@ -24,7 +24,9 @@ step, including the prefill logits that pick the first new token.
 
 from __future__ import annotations
 
+import collections
 import functools
+import weakref
 from typing import Optional, Sequence
 
 import flax.struct
@@ -191,12 +193,13 @@ def _next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Arr
     return lax.cond(jnp.any(sampling), sample, lambda: greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "packed"))
+@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
 def _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop_ids,
-              keys, hooks: Optional[Hooks], pad_id, *, max_new_tokens: int, packed: bool) -> GenerateOutput:
+              keys, hooks: Optional[Hooks], pad_id, packed: Optional[dict], *,
+              max_new_tokens: int) -> GenerateOutput:
     b, t = input_ids.shape
-    # one-row-per-sequence steps read the weights through the CPU kernel's packed copy
-    step_vars = {"params": params, "packed": module.decode_pack(params)} if packed else {"params": params}
+    # packed: the weights packed for the CPU kernel, through which the decode steps multiply
+    step_vars = {"params": params} if packed is None else {"params": params, "packed": packed}
     n = max_new_tokens
     cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
     step_hooks = None
@@ -268,9 +271,11 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
     rng: a PRNG key (split into one key per row) or [B] per-row keys; sampling for row b at
     step s uses fold_in(key_b, s), so a row's samples do not depend on the other rows.
     hooks: see the module docstring. cpu_kernels: decode steps multiply through
-    :mod:`jsteer.backbones.cpu`'s kernel (weights packed once per call); None (default) uses it
-    when it is available, the module supports it (``decode_pack``), B is in the kernel's row
-    range and the batch is not sharded over several devices. Returns :class:`GenerateOutput`.
+    :mod:`jsteer.backbones.cpu`'s kernel, from a packed copy of the weights (made once and kept
+    for the last two param sets; it doubles the weights' memory). None (default) uses it when it
+    is available, the module supports it (``decode_pack``), B is in the kernel's row range, the
+    batch is not sharded over several devices and generate is not called under jit (where the
+    copy could not be kept). Returns :class:`GenerateOutput`.
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2:
@@ -299,12 +304,41 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
     stop = [int(s) for s in np.asarray(stop_ids, np.int64).reshape(-1)]
     stop += [-1] * (max(8, -(-len(stop) // 8) * 8) - len(stop))  # pad (-1 is never a token): fewer programs
     stop = jnp.asarray(stop, jnp.int32)
+    packed = _packed_params(module, params) if _use_cpu_kernels(cpu_kernels, module, input_ids, params) else None
     return _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop,
-                     _row_keys(rng, b), hooks, jnp.int32(pad_id), max_new_tokens=int(max_new_tokens),
-                     packed=_use_cpu_kernels(cpu_kernels, module, input_ids))
+                     _row_keys(rng, b), hooks, jnp.int32(pad_id), packed, max_new_tokens=int(max_new_tokens))
 
 
-def _use_cpu_kernels(requested: Optional[bool], module, input_ids) -> bool:
+_PACK_CACHE: "collections.OrderedDict" = collections.OrderedDict()  # (module, leaf ids) -> packed
+_PACK_CACHE_SIZE = 2
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pack(module, params):
+    return module.decode_pack(params)
+
+
+def _packed_params(module, params) -> dict:
+    """``module.decode_pack(params)``, kept for the last _PACK_CACHE_SIZE param sets: packing
+    copies every weight (SmolLM2: 0.26 s on a 2-core CPU), more than a short generate call gains.
+    An entry is dropped as soon as any of its param arrays is freed (so ids are never reused)."""
+    leaves = jax.tree.leaves(params)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return module.decode_pack(params)  # inside the caller's jit: packed in their program
+    key = (module, tuple(id(x) for x in leaves))
+    if key in _PACK_CACHE:
+        _PACK_CACHE.move_to_end(key)
+        return _PACK_CACHE[key]
+    packed = _pack(module, params)
+    _PACK_CACHE[key] = packed
+    for x in leaves:
+        weakref.finalize(x, _PACK_CACHE.pop, key, None)
+    while len(_PACK_CACHE) > _PACK_CACHE_SIZE:
+        _PACK_CACHE.popitem(last=False)
+    return packed
+
+
+def _use_cpu_kernels(requested: Optional[bool], module, input_ids, params=None) -> bool:
     """Whether decode steps go through the CPU kernel (see ``generate``'s ``cpu_kernels``)."""
     from jsteer.backbones import cpu
 
@@ -319,8 +353,9 @@ def _use_cpu_kernels(requested: Optional[bool], module, input_ids) -> bool:
         return False
     if requested:
         return True
-    sharded = not isinstance(input_ids, jax.core.Tracer) and len(input_ids.sharding.device_set) > 1
-    return cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS and not sharded
+    if isinstance(input_ids, jax.core.Tracer) or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+        return False  # under the caller's jit the packing could not be cached: only on request
+    return cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS and len(input_ids.sharding.device_set) == 1
 
 
 def compiled_count() -> int:

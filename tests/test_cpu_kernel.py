@@ -54,7 +54,7 @@ def test_small_gemm_rejects_a_mismatched_packing():
         cpu.pack(jnp.ones((2, 3, 4)))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65])
 def test_packed_dense_equals_dense(rows):
     assert cpu.available(), cpu.unavailable_reason()
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 24)), jnp.float32)
@@ -107,6 +107,36 @@ def test_generate_with_kernel_equals_without(index):
     assert decode._use_cpu_kernels(None, module, ids)
     auto = decode.generate(module, params, ids, mask, max_new_tokens=12)
     np.testing.assert_array_equal(np.asarray(auto.tokens), np.asarray(outs[True].tokens))
+
+
+def test_packed_copy_is_kept_per_param_set_and_dropped_with_it():
+    assert cpu.available(), cpu.unavailable_reason()
+    module = _models()[0]
+    ids = jnp.ones((4, 3), jnp.int32)
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), ids)["params"]
+    first = decode._packed_params(module, params)
+    assert decode._packed_params(module, params) is first  # reused, not packed again
+    key = next(k for k in decode._PACK_CACHE if k[0] == module and decode._PACK_CACHE[k] is first)
+    del params
+    import gc
+    gc.collect()
+    assert key not in decode._PACK_CACHE  # freed params take their packed copy with them
+
+
+def test_under_jit_only_on_request():
+    assert cpu.available(), cpu.unavailable_reason()
+    module = _models()[2]
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 97, size=(4, 5)), jnp.int32)
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), ids)["params"]
+    params = jax.tree.map(lambda a: a * 3.0 if a.ndim == 2 else a, params)
+
+    def run(p, on):
+        assert decode._use_cpu_kernels(None, module, ids, p) is False  # tracers: not by default
+        return decode.generate(module, p, ids, max_new_tokens=6, cpu_kernels=on).tokens
+
+    on = jax.jit(lambda p: run(p, True))
+    assert "jsteer_small_gemm" in on.lower(params).as_text()
+    np.testing.assert_array_equal(np.asarray(on(params)), np.asarray(jax.jit(lambda p: run(p, None))(params)))
 
 
 def test_default_policy():

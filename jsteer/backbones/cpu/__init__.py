@@ -32,7 +32,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 PANEL = 48                 # columns per packed panel (small_gemm.cc: kPanel)
-MIN_ROWS, MAX_ROWS = 2, 32  # rows where the kernel beats XLA:CPU's dot (one row: XLA's GEMV is as fast)
+MIN_ROWS, MAX_ROWS = 2, 64  # rows where the kernel beats XLA:CPU's dot (one row: XLA's GEMV is as fast)
 TARGET = "jsteer_small_gemm"
 _SOURCE = pathlib.Path(__file__).with_name("small_gemm.cc")
 _reason: Optional[str] = None
