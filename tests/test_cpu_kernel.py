@@ -148,3 +148,17 @@ def test_default_policy():
     assert not decode._use_cpu_kernels(False, module, jnp.zeros((8, 4), jnp.int32))
     with pytest.raises(ValueError, match="has no decode_pack"):
         decode._use_cpu_kernels(True, nn.Dense(3), jnp.zeros((8, 4), jnp.int32))
+
+
+def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("JSTEER_CACHE", str(tmp_path))
+    built = cpu._build()
+    assert built.parent == tmp_path / "kernels" and built.exists()
+    stamp = built.stat().st_mtime_ns
+    assert cpu._build() == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert sorted(p.name for p in built.parent.iterdir()) == [built.name]  # no temp files left
+    built.unlink()
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    with pytest.raises(RuntimeError, match="compiling small_gemm.cc failed"):
+        cpu._build()
+    assert not any(built.parent.iterdir())  # nothing half-written

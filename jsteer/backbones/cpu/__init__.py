@@ -39,27 +39,43 @@ _reason: Optional[str] = None
 
 
 def cache_dir() -> pathlib.Path:
-    """Where built kernels live: $JSTEER_CACHE/kernels, else ~/.cache/jsteer/kernels."""
+    """Where built kernels live: $JSTEER_CACHE/kernels, else ~/.cache/jsteer/kernels, else (not
+    writable) a per-user folder in the temp directory."""
     root = os.environ.get("JSTEER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jsteer")
-    return pathlib.Path(root) / "kernels"
+    path = pathlib.Path(root) / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    return pathlib.Path(tempfile.gettempdir()) / f"jsteer-kernels-{os.getuid()}"
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (the first 'flags' line of /proc/cpuinfo), '' if unknown."""
+    try:
+        return next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def _cpu_has_avx512f() -> bool:
-    try:
-        return any(line.startswith("flags") and " avx512f" in line
-                   for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines())
-    except OSError:
-        return False
+    return " avx512f" in _cpu_flags()
 
 
 def _build() -> pathlib.Path:
-    """Compile small_gemm.cc once per (source, jaxlib, compiler) into cache_dir(); atomic."""
+    """Compile small_gemm.cc once per (source, jax, compiler, flags, CPU features) into cache_dir();
+    atomic (a temp file renamed into place)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++) on PATH")
     include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}"]
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags]).encode())
+    # -march=native: a build is only valid on CPUs with the same features (a shared home directory)
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags,
+                                                         _cpu_flags()]).encode())
     out = cache_dir() / f"small_gemm-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
