@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsteer.backbones import cpu
 from jsteer.backbones.base import check_position_ids
 from jsteer.hooks import Hooks
 
@@ -340,22 +341,20 @@ def _packed_params(module, params) -> dict:
 
 def _use_cpu_kernels(requested: Optional[bool], module, input_ids, params=None) -> bool:
     """Whether decode steps go through the CPU kernel (see ``generate``'s ``cpu_kernels``)."""
-    from jsteer.backbones import cpu
-
-    if requested is False or not hasattr(module, "decode_pack"):
-        if requested and not hasattr(module, "decode_pack"):
-            raise ValueError(f"generate: cpu_kernels=True, but {type(module).__name__} has no decode_pack")
+    if requested is False:
         return False
-    if not cpu.available():
-        if requested:
+    supported = hasattr(module, "decode_pack")
+    if requested:
+        if not supported:
+            raise ValueError(f"generate: cpu_kernels=True, but {type(module).__name__} has no decode_pack")
+        if not cpu.available():
             raise ValueError(f"generate: cpu_kernels=True, but the CPU kernel is unavailable: "
                              f"{cpu.unavailable_reason()}")
-        return False
-    if requested:
         return True
-    if isinstance(input_ids, jax.core.Tracer) or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
-        return False  # under the caller's jit the packing could not be cached: only on request
-    return cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS and len(input_ids.sharding.device_set) == 1
+    # under the caller's jit the packed copy could not be kept: there only on request
+    traced = any(isinstance(x, jax.core.Tracer) for x in [input_ids, *jax.tree.leaves(params)])
+    return (supported and not traced and cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS
+            and len(input_ids.sharding.device_set) == 1 and cpu.available())
 
 
 def compiled_count() -> int:

@@ -138,7 +138,7 @@ def _visibility(key_mask: Array, q_slots: Array, k_slots: Array) -> Array:
 
 def _dense(config: GPT2Config, features: int, dtype, name: str, use_bias: bool = True) -> nn.Dense:
     return PackedDense(features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32,
-                 kernel_init=nn.initializers.normal(config.initializer_range), name=name)
+                       kernel_init=nn.initializers.normal(config.initializer_range), name=name)
 
 
 def _layer_norm(config: GPT2Config, x: Array, name: str) -> Array:

@@ -253,7 +253,7 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 def _dense(features: int, bias: bool, name: str, dtype, param_dtype) -> nn.Dense:
     return PackedDense(features, use_bias=bias, dtype=dtype, param_dtype=param_dtype, name=name,
-                 kernel_init=nn.initializers.normal(0.02))
+                       kernel_init=nn.initializers.normal(0.02))
 
 
 class LlamaAttention(nn.Module):
@@ -387,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
             logits = attend(self, embed, h)
         else:
             logits = PackedDense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                           kernel_init=nn.initializers.normal(0.02), name="lm_head")(h)
+                                 kernel_init=nn.initializers.normal(0.02), name="lm_head")(h)
 
         new_cache = None
         if cache is not None:

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jsteer.backbones import cpu
+
 Array = jax.Array
 
 
@@ -76,13 +78,11 @@ DenseGeneral = functools.partial(nn.DenseGeneral, dot_general=dense_dot_general)
 # ----------------------------------------------------------------------------- decoding on CPU
 # A decode step multiplies B rows by every weight. For few rows XLA:CPU's dot reads the weights
 # at about half the memory bandwidth; jsteer.backbones.cpu.small_gemm reads a packed copy at
-# close to full. decode.generate packs the weights once per call (``pack_decoder_params``) into
-# the "packed" collection; the layers below use it when it is there and the row count fits.
+# close to full. decode.generate packs the weights once per param set (``pack_decoder_params``)
+# into the "packed" collection; the layers below use it when it is there and the row count fits.
 
 
 def _packed_rows(rows: int, x: Array) -> bool:
-    from jsteer.backbones import cpu
-
     return cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS and x.dtype == jnp.float32
 
 
@@ -97,8 +97,6 @@ class PackedDense(nn.Dense):
         rows = math.prod(inputs.shape[:-1])
         if (self.has_variable("packed", "kernel") and self.dtype in (None, jnp.float32)
                 and _packed_rows(rows, inputs)):
-            from jsteer.backbones import cpu
-
             y = cpu.small_gemm(inputs.reshape(rows, inputs.shape[-1]), self.get_variable("packed", "kernel"),
                                self.features)
             if self.use_bias:
@@ -113,8 +111,6 @@ def attend(lm: nn.Module, embed: nn.Embed, h: Array) -> Array:
     name = f"{embed.name}_attend"
     rows = math.prod(h.shape[:-1])
     if lm.has_variable("packed", name) and embed.dtype in (None, jnp.float32) and _packed_rows(rows, h):
-        from jsteer.backbones import cpu
-
         y = cpu.small_gemm(h.reshape(rows, h.shape[-1]), lm.get_variable("packed", name), embed.num_embeddings)
         return y.reshape(h.shape[:-1] + (embed.num_embeddings,))
     return embed.attend(h)
@@ -124,7 +120,6 @@ def pack_decoder_params(params: dict, tied_embedding: Optional[str]) -> dict:
     """The "packed" collection for ``PackedDense`` / ``attend``: every 2-D ``kernel`` [K, N] in
     ``params`` packed for ``cpu.small_gemm`` at the same path, plus ``<tied_embedding>_attend``
     (the tied embedding's transpose, packed) when a name is given. Pure; call it under jit."""
-    from jsteer.backbones import cpu
 
     def walk(tree):
         out = {}

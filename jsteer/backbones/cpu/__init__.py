@@ -1,8 +1,8 @@
 """A CPU kernel for the few-row matmuls of decoding, reached from jitted JAX code through XLA FFI.
 
 A decode step multiplies B rows (one token per sequence) by every weight matrix, so its time is
-the time to read the weights. For 2 <= B <= 16, XLA:CPU's dot reads them at about half the
-memory bandwidth; ``small_gemm.cc`` reads each weight once, contiguously, from a packed copy
+the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot reads them at about half the
+memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md); ``small_gemm.cc`` reads each weight once, contiguously, from a packed copy
 (``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
 
     wp = pack(w)                        # once per weight, outside the decode loop
