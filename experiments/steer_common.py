@@ -108,6 +108,22 @@ def self_generated_texts(lm, labeler, n: int, exclude: Sequence[str], n_prompts:
     return [flat[i][0] + flat[i][1] for i in keep], values
 
 
+def cached_texts(path, key: dict, make) -> tuple[list, np.ndarray]:
+    """(texts, values) saved at ``path`` (JSON) when it was made with this ``key``, else
+    ``make()`` -> (texts, values), saved with the key (atomically) first. For texts that are
+    costly to make, such as generated ones, so that :func:`cached_hidden` can check its own key
+    without making them again."""
+    path = pathlib.Path(path)
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return saved["texts"], np.asarray(saved["values"], np.float32)
+        log(f"remaking {path.name}, made by another run: key {saved.get('key')} != {key}")
+    texts, values = make()
+    write_json(path, {"key": key, "texts": list(texts), "values": np.asarray(values, np.float32).tolist()})
+    return texts, values
+
+
 def hidden_cache_key(lm, texts: Sequence[str], values, max_len: int) -> dict:
     """What an experiment's cached hidden states depend on, in the fields of ``jsteer steer train
     --cache``'s key: the model's identity, ``data_sha256`` and ``max_len``. The experiments pick

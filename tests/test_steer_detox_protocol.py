@@ -95,6 +95,29 @@ def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
         C.self_generated_texts(FakeLM(), Labeler(), 10, exclude, n_prompts=2, samples=3)
 
 
+def test_cached_texts_are_made_once_per_key(tmp_path):
+    """steer_sweep's on-policy texts are kept on disk by their recipe's key, so the hidden-state
+    cache's key check does not regenerate them (~4 min) on every run."""
+    import steer_common as C
+
+    made = []
+
+    def make(tag):
+        made.append(tag)
+        return [f"text {tag}", "b"], np.asarray([[1.0, 1.0], [-1.0, -1.0]], np.float32)
+
+    path = tmp_path / "texts.json"
+    first = C.cached_texts(path, {"model": "m", "labeler": "a"}, lambda: make("a"))
+    again = C.cached_texts(path, {"model": "m", "labeler": "a"}, lambda: make("never"))
+    assert made == ["a"] and again[0] == first[0] == ["text a", "b"]
+    np.testing.assert_array_equal(again[1], first[1])
+    assert again[1].dtype == np.float32
+    other = C.cached_texts(path, {"model": "m", "labeler": "b"}, lambda: make("b"))  # another recipe: remade
+    assert made == ["a", "b"] and other[0] == ["text b", "b"]
+    assert C.cached_texts(path, {"model": "m", "labeler": "b"}, lambda: make("never"))[0] == ["text b", "b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["texts.json"]  # no temp file left
+
+
 def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path):
     """steer_detox.py --kind: LM-Steer at eps0 1e-3, the baselines at train.BASELINE_EPS0; the
     comparison table (steer_plots.detox_kinds_table) has one row per finished run, empty before."""
