@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

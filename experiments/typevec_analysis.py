@@ -29,7 +29,6 @@ import pathlib
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
