@@ -82,8 +82,19 @@ DenseGeneral = functools.partial(nn.DenseGeneral, dot_general=dense_dot_general)
 # into the "packed" collection; the layers below use it when it is there and the row count fits.
 
 
-def _packed_rows(rows: int, x: Array) -> bool:
-    return cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS and x.dtype == jnp.float32
+def _through_kernel(x: Array, layer_dtype, packed: Optional[Array], n: int) -> Optional[Array]:
+    """x [..., K] @ (the [K, n] weight packed in ``packed``) -> [..., n] via ``cpu.small_gemm``, or
+    None when the kernel does not apply: no packed weight, a layer or input that is not fp32, or a
+    row count outside [cpu.MIN_ROWS, cpu.MAX_ROWS]."""
+    rows = math.prod(x.shape[:-1])
+    if (packed is None or layer_dtype not in (None, jnp.float32) or x.dtype != jnp.float32
+            or not cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS):
+        return None
+    return cpu.small_gemm(x.reshape(rows, x.shape[-1]), packed, n).reshape(x.shape[:-1] + (n,))
+
+
+def _packed(module: nn.Module, name: str) -> Optional[Array]:
+    return module.get_variable("packed", name) if module.has_variable("packed", name) else None
 
 
 class PackedDense(nn.Dense):
@@ -94,26 +105,17 @@ class PackedDense(nn.Dense):
 
     @nn.compact
     def __call__(self, inputs: Array) -> Array:
-        rows = math.prod(inputs.shape[:-1])
-        if (self.has_variable("packed", "kernel") and self.dtype in (None, jnp.float32)
-                and _packed_rows(rows, inputs)):
-            y = cpu.small_gemm(inputs.reshape(rows, inputs.shape[-1]), self.get_variable("packed", "kernel"),
-                               self.features)
-            if self.use_bias:
-                y = y + self.get_variable("params", "bias")
-            return y.reshape(inputs.shape[:-1] + (self.features,))
-        return super().__call__(inputs)
+        y = _through_kernel(inputs, self.dtype, _packed(self, "kernel"), self.features)
+        if y is None:
+            return super().__call__(inputs)
+        return y + self.get_variable("params", "bias") if self.use_bias else y
 
 
 def attend(lm: nn.Module, embed: nn.Embed, h: Array) -> Array:
     """Tied output layer: ``embed.attend(h)`` [..., D] -> [..., V], through ``cpu.small_gemm``
     when ``lm``'s "packed" collection holds ``<embed name>_attend`` (E^T packed) and h has few rows."""
-    name = f"{embed.name}_attend"
-    rows = math.prod(h.shape[:-1])
-    if lm.has_variable("packed", name) and embed.dtype in (None, jnp.float32) and _packed_rows(rows, h):
-        y = cpu.small_gemm(h.reshape(rows, h.shape[-1]), lm.get_variable("packed", name), embed.num_embeddings)
-        return y.reshape(h.shape[:-1] + (embed.num_embeddings,))
-    return embed.attend(h)
+    y = _through_kernel(h, embed.dtype, _packed(lm, f"{embed.name}_attend"), embed.num_embeddings)
+    return embed.attend(h) if y is None else y
 
 
 def pack_decoder_params(params: dict, tied_embedding: Optional[str]) -> dict:
