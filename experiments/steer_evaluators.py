@@ -176,38 +176,47 @@ def toxicity_data():
     return clf, test
 
 
-def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_train: int = 0,
-        max_test: int = 0) -> Evaluator:
-    """Load the cached evaluator ``name`` ("sentiment" | "toxicity"), training it if absent."""
+def _cached(path: pathlib.Path, enc, train, retrain: bool = False) -> Evaluator:
+    """The classifier saved at ``path``; if absent (or ``retrain``), ``train(enc)`` -> a fitted
+    Evaluator with its meta, saved there first."""
     from jsteer.io import load_artifact, save_artifact
 
     enc = enc if enc is not None else jsteer.load("minilm")
-    path = CACHE / name
     if path.exists() and not retrain:
         tree, meta = load_artifact(path)
         return Evaluator(enc, jax.tree.map(jnp.asarray, tree), meta)
-    (x, y), (xt, yt) = sentiment_data() if name == "sentiment" else toxicity_data()
-    if max_train:
-        x, y = x[:max_train], y[:max_train]  # both splits are already in seeded random order
-    if max_test:
-        xt, yt = xt[:max_test], yt[:max_test]
-    C.log(f"fine-tuning the {name} evaluator on {len(x)} texts ({epochs} epochs)")
-    params, hist = finetune(enc, x, y, epochs=epochs)
-    ev = Evaluator(enc, params)
-    t0 = time.time()
-    acc = ev.accuracy(xt, yt)
-    meta = {"name": name, "accuracy": acc, "test_texts": len(xt), "train_texts": len(x),
-            "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
-            "eval_seconds": time.time() - t0, "loss": hist["loss"], "loss_steps": hist["step"],
-            "model": "all-MiniLM-L6-v2 fully fine-tuned, mean pool + linear logit, max 64 tokens",
-            "train": ("SST-5 train half not used for the steer + SST-5 dev, binary (0-1 vs 3-4), detokenised"
-                      if name == "sentiment" else "Jigsaw subset evaluator split (40%, not used for the steer)"),
-            "test": ("SST-5 test binary (0-1 vs 3-4), detokenised" if name == "sentiment"
-                     else "Jigsaw subset test split (20%)")}
-    save_artifact(path, params, meta)
-    C.log(f"{name} evaluator: test accuracy {acc:.4f}")
-    ev.meta = meta
+    ev = train(enc)
+    save_artifact(path, ev.params, ev.meta)
     return ev
+
+
+def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_train: int = 0,
+        max_test: int = 0) -> Evaluator:
+    """Load the cached evaluator ``name`` ("sentiment" | "toxicity"), training it if absent."""
+
+    def train(enc):
+        (x, y), (xt, yt) = sentiment_data() if name == "sentiment" else toxicity_data()
+        if max_train:
+            x, y = x[:max_train], y[:max_train]  # both splits are already in seeded random order
+        if max_test:
+            xt, yt = xt[:max_test], yt[:max_test]
+        C.log(f"fine-tuning the {name} evaluator on {len(x)} texts ({epochs} epochs)")
+        params, hist = finetune(enc, x, y, epochs=epochs)
+        ev = Evaluator(enc, params)
+        t0 = time.time()
+        acc = ev.accuracy(xt, yt)
+        ev.meta = {"name": name, "accuracy": acc, "test_texts": len(xt), "train_texts": len(x),
+                   "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
+                   "eval_seconds": time.time() - t0, "loss": hist["loss"], "loss_steps": hist["step"],
+                   "model": "all-MiniLM-L6-v2 fully fine-tuned, mean pool + linear logit, max 64 tokens",
+                   "train": ("SST-5 train half not used for the steer + SST-5 dev, binary (0-1 vs 3-4), detokenised"
+                             if name == "sentiment" else "Jigsaw subset evaluator split (40%, not used for the steer)"),
+                   "test": ("SST-5 test binary (0-1 vs 3-4), detokenised" if name == "sentiment"
+                            else "Jigsaw subset test split (20%)")}
+        C.log(f"{name} evaluator: test accuracy {acc:.4f}")
+        return ev
+
+    return _cached(CACHE / name, enc, train, retrain)
 
 
 def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0) -> Evaluator:
@@ -215,25 +224,21 @@ def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0) -> Evaluator:
     detokenised; binary), cached under out/steer_evaluators/labeler_steer{n}. It labels the model's own
     continuations for on-policy steer training (``steer_common.self_generated_texts``) without the
     evaluator, which never sees these texts, taking part; its accuracy is on 1000 SST-5 test texts."""
-    from jsteer.io import load_artifact, save_artifact
 
-    enc = enc if enc is not None else jsteer.load("minilm")
-    path = CACHE / f"labeler_steer{n}"
-    if path.exists():
-        tree, meta = load_artifact(path)
-        return Evaluator(enc, jax.tree.map(jnp.asarray, tree), meta)
-    texts, values = C.sentiment_steer_texts(n)
-    C.log(f"fine-tuning the steer-text labeler on {n} texts ({epochs} epochs)")
-    params, hist = finetune(enc, [detok_sst(t) for t in texts], (values[:, 0] > 0).astype(np.float32), epochs=epochs)
-    ev = Evaluator(enc, params)
-    (_, _), (xt, yt) = sentiment_data()
-    meta = {"name": f"labeler_steer{n}", "accuracy": ev.accuracy(xt[:1000], yt[:1000]), "test_texts": 1000,
-            "train_texts": n, "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
-            "train": f"the sentiment steer's {n} SST-5 texts (steer half), binary, detokenised"}
-    save_artifact(path, params, meta)
-    C.log(f"labeler: test accuracy {meta['accuracy']:.4f}")
-    ev.meta = meta
-    return ev
+    def train(enc):
+        texts, values = C.sentiment_steer_texts(n)
+        C.log(f"fine-tuning the steer-text labeler on {n} texts ({epochs} epochs)")
+        params, hist = finetune(enc, [detok_sst(t) for t in texts], (values[:, 0] > 0).astype(np.float32),
+                                epochs=epochs)
+        ev = Evaluator(enc, params)
+        (_, _), (xt, yt) = sentiment_data()
+        ev.meta = {"name": f"labeler_steer{n}", "accuracy": ev.accuracy(xt[:1000], yt[:1000]), "test_texts": 1000,
+                   "train_texts": n, "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
+                   "train": f"the sentiment steer's {n} SST-5 texts (steer half), binary, detokenised"}
+        C.log(f"labeler: test accuracy {ev.meta['accuracy']:.4f}")
+        return ev
+
+    return _cached(CACHE / f"labeler_steer{n}", enc, train)
 
 
 def main():
