@@ -169,7 +169,10 @@ SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
                                           "offset), same texts and training budget",
           "sweep_smollm2_self.json": "On-policy texts: SmolLM2's own continuations, labelled by a classifier "
                                      "trained on the steer's SST-5 texts",
-          "sweep_smollm2_self_steps.json": "On-policy texts: fewer / more training steps"}
+          "sweep_smollm2_self_steps.json": "On-policy texts: fewer / more training steps",
+          "sweep_smollm2_self_rank.json": "On-policy texts: low-rank steers and more steps",
+          "sweep_smollm2_self_lowrank.json": "On-policy texts, low-rank steers, stronger values, 10 samples per "
+                                             "prompt, then the held-out choice on the test prompts"}
 
 
 def _recipe(name: str, cfg: dict) -> str:
@@ -210,9 +213,46 @@ def recipe_sweep_table(sw: dict) -> str:
     out += ["", f"Unsteered: positivity {sw['base']['positivity']:.2f} on these prompts. "
             + (f"Within the limit, {', '.join(met)} reach >= 0.80 / <= 0.20." if met else
                f"No recipe reaches >= 0.80 / <= 0.20 within a {lim:.0%} perplexity rise.")]
+    tested = {n: r["test"] for n, r in sw["configs"].items() if "test" in r}
+    if tested:
+        b = sw["base_test"]
+        out += ["", f"The held-out choice above, scored once on {b['prompts']} x {sw['setup']['samples_per_prompt']} "
+                f"samples (unsteered there: positivity {b['positivity']:.2f}, perplexity {b['ppl_mean']:.2f}; "
+                "nothing is chosen on these prompts):", "",
+                "| recipe | + value | positivity | ppl rise | - value | positivity | ppl rise | targets |",
+                "|---|---|---|---|---|---|---|---|"]
+        for name, t in tested.items():
+            pos, neg = t["positive"], t["negative"]
+            ok = (pos["positivity"] >= 0.8 and neg["positivity"] <= 0.2
+                  and max(pos["ppl_rise"], neg["ppl_rise"]) <= lim)
+            out.append(f"| {_recipe(name, sw['configs'][name]['config'])} | {pos['value']:+g} | "
+                       f"{pos['positivity']:.2f} | {pos['ppl_rise']:+.0%} | {neg['value']:+g} | {neg['positivity']:.2f} | "
+                       f"{neg['ppl_rise']:+.0%} | {'met' if ok else 'missed'} |")
     for note in sw.get("notes", []):
         out += ["", note]
     return "\n".join(out)
+
+
+def tested_recipe_targets(results: pathlib.Path = RESULTS) -> list:
+    """Target lines for the sweeps whose held-out choice was scored on the test prompts: the
+    recipe with the largest held-out gap per sweep file (its summary criterion)."""
+    lines = []
+    for fname in SWEEPS:
+        p = results / fname
+        sw = json.loads(p.read_text()) if p.exists() else {}
+        tested = {n: r for n, r in sw.get("configs", {}).items() if "test" in r}
+        if not tested:
+            continue
+        name = max(tested, key=lambda n: tested[n]["chosen"]["gap"])
+        t, lim = tested[name]["test"], sw["setup"]["max_ppl_rise"]
+        what = f"{_recipe(name, tested[name]['config'])} (`{fname}`, chosen on held-out prompts by gap)"
+        for key, v, want, ok in (("positive", t["positive"], ">= 0.80", t["positive"]["positivity"] >= 0.8),
+                                 ("negative", t["negative"], "<= 0.20", t["negative"]["positivity"] <= 0.2)):
+            ok = ok and v["ppl_rise"] <= lim
+            lines.append(f"- {what}, {key} steering ({v['value']:+g}) on the test prompts: positivity "
+                         f"{v['positivity']:.3f} (target {want}), perplexity rise {v['ppl_rise']:+.3f} "
+                         f"(target <= {lim:.2f}) -> {'met' if ok else 'MISSED'}")
+    return lines
 
 
 def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
@@ -224,7 +264,9 @@ def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
             sw = json.loads(p.read_text())
             parts += [f"### {what} (`{fname}`)", "",
                       f"Sentiment steer retrained on {sw['setup']['texts']}, scored on {sw['setup']['prompts']} "
-                      f"x {sw['setup']['samples_per_prompt']} samples (dummy off; never the test prompts). "
+                      f"x {sw['setup']['samples_per_prompt']} samples (dummy off"
+                      + ("; the choice is then scored on the test prompts, below). " if sw.get("base_test")
+                         else "; never the test prompts). ") +
                       "Cells: positivity / perplexity rise at steer value k x eps0"
                       + (" (baselines: their own eps0, 1)." if _has_baselines(sw) else "."),
                       "", recipe_sweep_table(sw), ""]
@@ -366,6 +408,7 @@ def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS, sou
               "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
               "", "## Targets", ""]
     parts += [f"- {k}: measured {v[0]:.3f} -> {'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
+    parts += tested_recipe_targets(results) if results else []
     kinds = detox_kinds_table(results) if results else ""
     if kinds:
         parts += ["", "## Detoxification: LM-Steer vs the baselines (experiments/steer_detox.py --kind)", "", kinds]

@@ -9,6 +9,10 @@
         --out experiments/results/steer/sweep_smollm2_self.json         # ~15 min with the evaluators cached
     .venv/bin/python experiments/steer_sweep.py --configs r1000_self_s50,r1000_self_s400 --strengths 1,1.5,2,3,5 \
         --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_steps.json
+    .venv/bin/python experiments/steer_sweep.py --configs r32_self,r8_self,r1000_self_s250 --strengths 1,2,3,4 \
+        --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_rank.json
+    .venv/bin/python experiments/steer_sweep.py --configs r32_self,r64_self,r16_self --strengths 3,4,5,6,8 \
+        --samples 10 --test --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_lowrank.json
 
 Every config trains a sentiment steer from a hidden-state cache of the main run's 1600 SST-5
 texts (``steer_common.sentiment_steer_texts``; built once under ``--work``) and is scored on the
@@ -18,6 +22,9 @@ steer values +-``--strengths`` x eps0: positivity (the MiniLM evaluator) and per
 the unsteered model, the same generation settings and seeds as the main run's strength choice.
 A config's summary follows the main run's rule (``steer_smollm2.SELECTION_RULE``): per
 direction the best positivity among values with a perplexity rise <= 30%, and their gap.
+``--test`` then scores those two chosen values once on the main run's reported neutral test
+prompts (against the unsteered model on the same prompts and samples), so a recipe's held-out
+choice gets a test number without anything being chosen on the test prompts.
 Writes ``--out`` (default experiments/results/steer/sweep_smollm2.json; finished configs are skipped
 on rerun). The main run's own steer is listed as ``main_run`` when the evaluator is the one that
 scored it (the evaluator artifact is cached; a fresh machine retrains it, and then ``r1000`` is
@@ -110,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(C.RESULTS / "sweep_smollm2.json"))
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--gen-batch", type=int, default=50)
+    ap.add_argument("--test", action="store_true",
+                    help="also score each config's held-out choice on the main run's reported neutral test "
+                         "prompts (a config already in --out is retrained for it: same seed, same steer)")
     args = ap.parse_args(argv)
     configs = {n: parse_config(n) for n in args.configs.split(",")}
     strengths = [float(x) for x in args.strengths.split(",")]
@@ -144,15 +154,15 @@ def main(argv=None) -> int:
     cache = C.cached_hidden(lm, work / "cache_sentiment_labels.npz",  # values: [binary, graded]
                             lambda: C.sentiment_steer_texts(STEER_TEXTS), MAX_LEN, BATCH)
 
-    def evaluate(params, value, eps0=1e-3):
+    def evaluate(params, value, eps0=1e-3, prompt_list=sel):
         eps = jnp.broadcast_to(jnp.asarray([value * eps0, 0.0], jnp.float32), (args.gen_batch, 2))
         hooks = head.to_hooks(params, eps)
         t0 = time.time()
         samples = C.sample(lm, lambda b: hooks if b == args.gen_batch else head.to_hooks(
-            params, jnp.broadcast_to(eps[:1], (b, 2))), sel, args.samples, seed=0, batch=args.gen_batch)
-        m = C.summarize(lm, pos_clf, None, sel, samples)
+            params, jnp.broadcast_to(eps[:1], (b, 2))), prompt_list, args.samples, seed=0, batch=args.gen_batch)
+        m = C.summarize(lm, pos_clf, None, prompt_list, samples)
         m["seconds"] = time.time() - t0
-        m["example"] = sel[0] + " ||| " + samples[0][0]
+        m["example"] = prompt_list[0] + " ||| " + samples[0][0]
         return m
 
     if "base" not in res:
@@ -161,6 +171,21 @@ def main(argv=None) -> int:
         C.write_json(out_path, res)
     base_ppl = res["base"]["ppl_mean"]
     C.log("base", {k: round(v, 3) for k, v in res["base"].items() if isinstance(v, float)})
+    test_prompts = main_res["prompts"]["neutral"]
+    if args.test and "base_test" not in res:
+        zero = head.init(jnp.zeros((2,), jnp.uint32), emb.shape[1], 2, rank=8, scale=0.0)
+        res["base_test"] = evaluate(zero, 0.0, prompt_list=test_prompts)
+        res["base_test"]["prompts"] = f"the {len(test_prompts)} reported neutral test prompts of {pathlib.Path(args.main_json).name}"
+        C.write_json(out_path, res)
+
+    def score_test(name, row, params, eps0):
+        """The held-out choice, scored once on the reported test prompts (nothing is chosen there)."""
+        row["test"] = {}
+        for key, v in (("positive", row["chosen"]["positive"]), ("negative", -row["chosen"]["negative"])):
+            m = evaluate(params, v, eps0, prompt_list=test_prompts)
+            m["ppl_rise"] = m["ppl_mean"] / res["base_test"]["ppl_mean"] - 1
+            row["test"][key] = dict(m, value=v)
+            C.log(name, "test", f"{v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
 
     def choose(row):
         pv, pr = best_within_limit(row["table"], strengths, 1.0)
@@ -194,7 +219,7 @@ def main(argv=None) -> int:
         return C.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz", texts, MAX_LEN, BATCH)
 
     for name, cfg in configs.items():
-        if name in res["configs"]:
+        if name in res["configs"] and (not args.test or "test" in res["configs"][name]):
             continue
         eps0 = 1e-3 if cfg.get("kind", "steer") == "steer" else train.BASELINE_EPS0
         tcfg = train.TrainConfig(rank=cfg["rank"], steps=cfg["steps"], lr=cfg["lr"], l2=cfg["l2"], init_scale=1e-2,
@@ -209,6 +234,11 @@ def main(argv=None) -> int:
                                       lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]), MAX_LEN, BATCH)
             data = train.HiddenCache.concat([cache, neutral])
         params, hist = train.train(dataclasses.replace(data, values=data.values[:, col:col + 1]), emb, tcfg)
+        if name in res["configs"]:  # scored on held-out before: only the test scores are new
+            row = res["configs"][name]
+            score_test(name, row, params, eps0)
+            C.write_json(out_path, res)
+            continue
         row = {"config": cfg, "eps0": eps0, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
                "table": {}}
         if tcfg.kind == "steer":
@@ -223,6 +253,8 @@ def main(argv=None) -> int:
                 row["table"][f"{sgn * v:+g}"] = m
                 C.log(name, f"{sgn * v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
         choose(row)
+        if args.test:
+            score_test(name, row, params, eps0)
         res["configs"][name] = row
         C.log(name, row["chosen"])
         C.write_json(out_path, res)
@@ -232,6 +264,15 @@ def main(argv=None) -> int:
         norm = row.get("W_fro_norm", row.get("param_fro_norm"))
         print(f"| {name} | {norm:.0f} | +{c['positive']:g} | {c['positivity_pos']:.2f} | "
               f"-{c['negative']:g} | {c['positivity_neg']:.2f} | {c['gap']:.2f} |")
+    tested = {n: r["test"] for n, r in res["configs"].items() if "test" in r}
+    if tested:
+        b = res["base_test"]
+        print(f"\nOn the reported test prompts (unsteered: positivity {b['positivity']:.2f}, ppl {b['ppl_mean']:.2f}):\n"
+              "| config | + value | positivity | ppl rise | - value | positivity | ppl rise |\n|---|---|---|---|---|---|---|")
+        for n, t in tested.items():
+            p, m = t["positive"], t["negative"]
+            print(f"| {n} | {p['value']:+g} | {p['positivity']:.2f} | {p['ppl_rise']:+.0%} | "
+                  f"{m['value']:+g} | {m['positivity']:.2f} | {m['ppl_rise']:+.0%} |")
     return 0
 
 

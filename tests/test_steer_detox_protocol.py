@@ -142,3 +142,40 @@ def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path)
     rows = [r for r in P.detox_kinds_table(tmp_path).splitlines() if r.startswith("| ") and "---" not in r][1:]
     assert [r.split(" | ")[0] for r in rows] == ["| LM-Steer (eps0 0.001)", "| context-vector offset (eps0 1)"]
     assert rows[1].endswith("| +2 | 15.0 -> 10.0 | 0.67 | 0.10-0.90 | -5.0 | 0.90 |")
+
+
+def test_a_sweeps_tested_choice_is_tabulated_and_judged_against_the_targets(tmp_path):
+    """steer_sweep.py --test scores each config's held-out choice on the test prompts;
+    steer_plots shows those rows and judges the recipe with the largest held-out gap (not the
+    best test row) against issue 4's targets, the perplexity limit included."""
+    import json
+
+    import steer_plots as P
+
+    def cell(pos, rise):
+        return {"positivity": pos, "ppl_rise": rise}
+
+    def config(rank, gap, test_pos, test_neg, neg_rise):
+        return {"config": {"kind": "steer", "rank": rank, "steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary",
+                           "neutral_texts": 0, "data": "self"},
+                "W_fro_norm": 1.0, "table": {"+4": cell(0.9, 0.2), "-4": cell(0.9 - gap, 0.1)},
+                "chosen": {"positive": 4.0, "negative": 4.0, "positivity_pos": 0.9, "positivity_neg": 0.9 - gap,
+                           "gap": gap},
+                "test": {"positive": dict(cell(test_pos, 0.1), value=4.0),
+                         "negative": dict(cell(test_neg, neg_rise), value=-4.0)}}
+
+    sw = {"setup": {"strengths": [4.0], "max_ppl_rise": 0.3, "texts": "t", "prompts": "p", "samples_per_prompt": 10},
+          "base": {"positivity": 0.5}, "base_test": {"positivity": 0.52, "ppl_mean": 19.2, "prompts": "the 20 test prompts"},
+          "configs": {"r32_self": config(32, 0.7, 0.81, 0.15, 0.05),   # largest gap: the one judged
+                      "r16_self": config(16, 0.6, 0.95, 0.05, 0.0)}}   # better on test, smaller held-out gap
+    (tmp_path / "sweep_smollm2_self_lowrank.json").write_text(json.dumps(sw))
+    table = P.recipe_sweeps(tmp_path)
+    assert "the choice is then scored on the test prompts" in table
+    assert "| rank 32, 150 steps, own continuations | +4 | 0.81 | +10% | -4 | 0.15 | +5% | met |" in table
+    lines = P.tested_recipe_targets(tmp_path)
+    assert len(lines) == 2 and all("rank 32" in line and line.endswith("-> met") for line in lines)
+    sw["configs"]["r32_self"]["test"]["negative"]["ppl_rise"] = 0.31  # fluent enough no more
+    (tmp_path / "sweep_smollm2_self_lowrank.json").write_text(json.dumps(sw))
+    assert P.tested_recipe_targets(tmp_path)[1].endswith("-> MISSED")
+    assert "| 0.15 | +31% | missed |" in P.recipe_sweeps(tmp_path)
+    assert P.tested_recipe_targets(tmp_path / "none") == []
