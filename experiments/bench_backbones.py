@@ -22,6 +22,13 @@ Each model's section starts with a matmul probe: one bare fp32 matmul of its FFN
 ([B*T, D] x [D, F]) timed under jax and under torch, interleaved. Both backbones spend most of
 their time in such products, so the probe's ratio is about the ceiling of the backbone ratios on
 the machine at hand (it is what moves between VMs; see BUILD.md).
+The compute-bound cases (the two forwards and the train step) also get a *products floor*: every
+matrix product of the case (its dense layers, the output embedding where the case computes logits,
+attention's batched products, and for the train step each product's two backward products) timed
+alone under jax and under torch, and summed at the faster library's time per product
+(``products_floor``). ``hf_over_floor`` = HF's time / that floor is the largest speed-up over HF
+the case could reach on this machine in fp32 if everything other than the products took no time;
+a target above it cannot be met here with either library's matrix products.
 Decoding 2-64 rows on a CPU with AVX-512 multiplies through jsteer's CPU kernel
 (``jsteer.backbones.cpu``; ``env.jsteer_cpu_kernel`` says whether it ran) from a packed copy of
 the weights, which generate makes once per param set (SmolLM2: ~0.26 s, in the untimed warm-up).
@@ -205,6 +212,83 @@ def matmul_probe(name: str, results: dict, m: int, k: int, n: int, reps: int, us
     print(msg, flush=True)
 
 
+def _product_flops(lhs, rhs, ta: bool, tb: bool) -> int:
+    m, k = (lhs[-1], lhs[-2]) if ta else (lhs[-2], lhs[-1])
+    n = rhs[-2] if tb else rhs[-1]
+    return 2 * (lhs[0] if len(lhs) == 3 else 1) * m * k * n
+
+
+def dense_products(n: int, layers: int, dims, backward: bool = False) -> list:
+    """The products of ``layers`` stacks of dense layers over ``n`` token rows: ``dims`` lists
+    (name, d_in, d_out) per layer. Rows: (label, count, lhs shape, rhs shape, transpose lhs,
+    transpose rhs). With ``backward``, each layer's dX = dY W^T and dW = X^T dY too."""
+    rows = []
+    for name, din, dout in dims:
+        rows.append((f"{name} x W", layers, (n, din), (din, dout), False, False))
+        if backward:
+            rows += [(f"{name} dY W^T", layers, (n, dout), (din, dout), False, True),
+                     (f"{name} X^T dY", layers, (n, din), (n, dout), True, False)]
+    return rows
+
+
+def attention_products(batch_heads: int, t: int, head_dim: int, layers: int, backward: bool = False) -> list:
+    """Attention's batched products per layer: q k^T and p v, and with ``backward`` dS k, dS^T q,
+    dO v^T and p^T dO."""
+    bh = batch_heads
+    rows = [("q k^T", layers, (bh, t, head_dim), (bh, t, head_dim), False, True),
+            ("p v", layers, (bh, t, t), (bh, t, head_dim), False, False)]
+    if backward:
+        rows += [("dS k", layers, (bh, t, t), (bh, t, head_dim), False, False),
+                 ("dS^T q", layers, (bh, t, t), (bh, t, head_dim), True, False),
+                 ("dO v^T", layers, (bh, t, head_dim), (bh, t, head_dim), False, True),
+                 ("p^T dO", layers, (bh, t, t), (bh, t, head_dim), True, False)]
+    return rows
+
+
+def products_floor(case: str, results: dict, products: list, reps: int, use_torch: bool) -> None:
+    """Time each of ``products`` alone (jitted jax and torch, interleaved) and record, under
+    ``results[case]``, the sum at the faster side's median (``products_floor_s``), its GFLOP and,
+    when HF was timed, ``hf_over_floor`` (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows, floor, flops = [], 0.0, 0
+    for label, count, lhs, rhs, ta, tb in products:
+        a, b = rng.standard_normal(lhs, np.float32), rng.standard_normal(rhs, np.float32)
+
+        def jf(x, y, ta=ta, tb=tb):
+            return jnp.matmul(jnp.swapaxes(x, -1, -2) if ta else x, jnp.swapaxes(y, -1, -2) if tb else y)
+
+        jfn, aj, bj = jax.jit(jf), jnp.asarray(a), jnp.asarray(b)
+        fh = None
+        if use_torch:
+            import torch
+
+            at, bt = torch.from_numpy(a), torch.from_numpy(b)
+            at, bt = (at.transpose(-1, -2) if ta else at), (bt.transpose(-1, -2) if tb else bt)
+            fh = lambda at=at, bt=bt: torch.matmul(at, bt)  # noqa: E731
+        j, h = timed_pair(lambda: jfn(aj, bj).block_until_ready(), fh, reps)
+        best = min(j["median_s"], h["median_s"]) if h is not None else j["median_s"]
+        f = _product_flops(lhs, rhs, ta, tb)
+        row = {"product": label, "count": count, "lhs": list(lhs), "rhs": list(rhs), "gflop": f / 1e9,
+               "jax_gflops": f / j["median_s"] / 1e9}
+        if h is not None:
+            row["torch_gflops"] = f / h["median_s"] / 1e9
+        rows.append(row)
+        floor += count * best
+        flops += count * f
+    r = results[case]
+    r["products_floor"] = {"products": rows, "gflop": flops / 1e9, "floor_s": floor}
+    msg = f"{'':<32} products floor {floor:.3f}s ({flops / 1e9:.0f} GFLOP at the faster library per product)"
+    if "hf_torch" in r:
+        r["hf_over_floor"] = r["hf_torch"]["median_s"] / floor
+        msg += f": at most x{r['hf_over_floor']:.2f} over HF here"
+    _flush(results)
+    print(msg, flush=True)
+
+
 # ----------------------------------------------------------------------------- SmolLM2
 
 
@@ -256,6 +340,16 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
     j, h = timed_pair(lambda: lm.forward(ids_j).logits.block_until_ready(), hf_fwd, args.reps)
     compare(f"smollm2_forward_B{b}xT{t}", results, j, h)
+    c = lm.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    products_floor(f"smollm2_forward_B{b}xT{t}", results,
+                   dense_products(b * t, c.num_layers, [("q", c.hidden_size, q), ("k", c.hidden_size, kv),
+                                                        ("v", c.hidden_size, kv), ("o", q, c.hidden_size),
+                                                        ("gate", c.hidden_size, c.intermediate_size),
+                                                        ("up", c.hidden_size, c.intermediate_size),
+                                                        ("down", c.intermediate_size, c.hidden_size)])
+                   + [("logits", 1, (b * t, c.hidden_size), (c.vocab_size, c.hidden_size), False, True)]
+                   + attention_products(b * c.num_heads, t, c.head_dim, c.num_layers), args.reps, use_torch)
 
     n = args.new_tokens
     bandwidth = args.bandwidth if on_gpu else measure_read_bandwidth()
@@ -360,6 +454,12 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
 
     j, h = timed_pair(lambda: lm.forward(ids_j, mask_j).hidden.block_until_ready(), hf_fwd, args.reps)
     compare(f"minilm_forward_B{b}xT{t}", results, j, h)
+    c = lm.config
+    dims = [("qkv", c.hidden_size, 3 * c.hidden_size), ("attention out", c.hidden_size, c.hidden_size),
+            ("ffn up", c.hidden_size, c.intermediate_size), ("ffn down", c.intermediate_size, c.hidden_size)]
+    head_dim = c.hidden_size // c.num_heads
+    products_floor(f"minilm_forward_B{b}xT{t}", results, dense_products(b * t, c.num_layers, dims)
+                   + attention_products(b * c.num_heads, t, head_dim, c.num_layers), args.reps, use_torch)
 
     # token classification: encoder from MiniLM + fresh head, dropout on, AdamW
     module = jb.BertForTokenClassification(lm.config, num_labels=labels)
@@ -401,6 +501,10 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
 
     j, h = timed_pair(jx_train, hf_train, args.reps)
     compare(f"minilm_tokcls_train_step_B{b}xT{t}", results, j, h)
+    products_floor(f"minilm_tokcls_train_step_B{b}xT{t}", results,
+                   dense_products(b * t, c.num_layers, dims, backward=True)
+                   + attention_products(b * c.num_heads, t, head_dim, c.num_layers, backward=True),
+                   args.reps, use_torch)
 
 
 # ----------------------------------------------------------------------------- main
