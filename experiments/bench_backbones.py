@@ -247,7 +247,7 @@ def attention_products(batch_heads: int, t: int, head_dim: int, layers: int, bac
 
 def products_floor(case: str, results: dict, products: list, reps: int, use_torch: bool) -> None:
     """Time each of ``products`` alone (jitted jax and torch, interleaved) and record, under
-    ``results[case]``, the sum at the faster side's median (``products_floor_s``), its GFLOP and,
+    ``results[case]["products_floor"]``, the sum at the faster side's median (``floor_s``), its GFLOP and,
     when HF was timed, ``hf_over_floor`` (see the module docstring)."""
     import jax
     import jax.numpy as jnp
