@@ -172,7 +172,9 @@ SWEEPS = {"sweep_smollm2.json": "Other ranks / step counts",
           "sweep_smollm2_self_steps.json": "On-policy texts: fewer / more training steps",
           "sweep_smollm2_self_rank.json": "On-policy texts: low-rank steers and more steps",
           "sweep_smollm2_self_lowrank.json": "On-policy texts, low-rank steers, stronger values, 10 samples per "
-                                             "prompt, then the held-out choice on the test prompts"}
+                                             "prompt, then the held-out choice on the test prompts",
+          "sweep_smollm2_self_lowrank25.json": "The chosen rank-32 recipe again with the paper's 25 samples per "
+                                               "prompt, held-out choice and test"}
 
 
 def _recipe(name: str, cfg: dict) -> str:

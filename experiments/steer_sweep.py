@@ -13,6 +13,8 @@
         --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_rank.json
     .venv/bin/python experiments/steer_sweep.py --configs r32_self,r64_self,r16_self --strengths 3,4,5,6,8 \
         --samples 10 --test --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_lowrank.json
+    .venv/bin/python experiments/steer_sweep.py --configs r32_self --strengths 3,4,5,6,8 --samples 25 --test \
+        --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_lowrank25.json
 
 Every config trains a sentiment steer from a hidden-state cache of the main run's 1600 SST-5
 texts (``steer_common.sentiment_steer_texts``; built once under ``--work``) and is scored on the
