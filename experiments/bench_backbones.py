@@ -458,8 +458,12 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
     dims = [("qkv", c.hidden_size, 3 * c.hidden_size), ("attention out", c.hidden_size, c.hidden_size),
             ("ffn up", c.hidden_size, c.intermediate_size), ("ffn down", c.intermediate_size, c.hidden_size)]
     head_dim = c.hidden_size // c.num_heads
-    products_floor(f"minilm_forward_B{b}xT{t}", results, dense_products(b * t, c.num_layers, dims)
-                   + attention_products(b * c.num_heads, t, head_dim, c.num_layers), args.reps, use_torch)
+
+    def encoder_products(backward):
+        return (dense_products(b * t, c.num_layers, dims, backward=backward)
+                + attention_products(b * c.num_heads, t, head_dim, c.num_layers, backward=backward))
+
+    products_floor(f"minilm_forward_B{b}xT{t}", results, encoder_products(False), args.reps, use_torch)
 
     # token classification: encoder from MiniLM + fresh head, dropout on, AdamW
     module = jb.BertForTokenClassification(lm.config, num_labels=labels)
@@ -501,10 +505,7 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
 
     j, h = timed_pair(jx_train, hf_train, args.reps)
     compare(f"minilm_tokcls_train_step_B{b}xT{t}", results, j, h)
-    products_floor(f"minilm_tokcls_train_step_B{b}xT{t}", results,
-                   dense_products(b * t, c.num_layers, dims, backward=True)
-                   + attention_products(b * c.num_heads, t, head_dim, c.num_layers, backward=True),
-                   args.reps, use_torch)
+    products_floor(f"minilm_tokcls_train_step_B{b}xT{t}", results, encoder_products(True), args.reps, use_torch)
 
 
 # ----------------------------------------------------------------------------- main

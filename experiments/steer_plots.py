@@ -95,6 +95,13 @@ def detox_table(res: dict) -> str:
     return "\n".join(out)
 
 
+POSITIVE_TARGET, NEGATIVE_TARGET = 0.8, 0.2  # issue 4: positivity >= 0.80 (+ steering), <= 0.20 (- steering)
+
+
+def _positivity_met(direction: str, positivity: float) -> bool:
+    return positivity >= POSITIVE_TARGET if direction == "positive" else positivity <= NEGATIVE_TARGET
+
+
 def targets(res: dict) -> dict:
     """The issue's targets, measured."""
     m = res["metrics"]
@@ -103,8 +110,8 @@ def targets(res: dict) -> dict:
     out = {}
     if {kp, kn, "neutral_base"} <= set(m):
         b = m["neutral_base"]["ppl_mean"]
-        out[f"positive steering ({kp}) positivity >= 80%"] = (m[kp]["positivity"], m[kp]["positivity"] >= 0.8)
-        out[f"negative steering ({kn}) positivity <= 20%"] = (m[kn]["positivity"], m[kn]["positivity"] <= 0.2)
+        out[f"positive steering ({kp}) positivity >= 80%"] = (m[kp]["positivity"], _positivity_met("positive", m[kp]["positivity"]))
+        out[f"negative steering ({kn}) positivity <= 20%"] = (m[kn]["positivity"], _positivity_met("negative", m[kn]["positivity"]))
         for k in (kp, kn):
             rise = m[k]["ppl_mean"] / b - 1
             out[f"{k} perplexity rise <= 30%"] = (rise, rise <= 0.3)
@@ -211,7 +218,8 @@ def recipe_sweep_table(sw: dict) -> str:
         out.append(f"| {_recipe(name, row['config'])} | {norm:.0f} | {' | '.join(cells)} | "
                    f"+{c['positive']:g}: {c['positivity_pos']:.2f}, -{c['negative']:g}: {c['positivity_neg']:.2f} |")
     met = [n for n, r in sw["configs"].items()
-           if r["chosen"]["positivity_pos"] >= 0.8 and r["chosen"]["positivity_neg"] <= 0.2]
+           if _positivity_met("positive", r["chosen"]["positivity_pos"])
+           and _positivity_met("negative", r["chosen"]["positivity_neg"])]
     out += ["", f"Unsteered: positivity {sw['base']['positivity']:.2f} on these prompts. "
             + (f"Within the limit, {', '.join(met)} reach >= 0.80 / <= 0.20." if met else
                f"No recipe reaches >= 0.80 / <= 0.20 within a {lim:.0%} perplexity rise.")]
@@ -225,8 +233,7 @@ def recipe_sweep_table(sw: dict) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for name, t in tested.items():
             pos, neg = t["positive"], t["negative"]
-            ok = (pos["positivity"] >= 0.8 and neg["positivity"] <= 0.2
-                  and max(pos["ppl_rise"], neg["ppl_rise"]) <= lim)
+            ok = all(_positivity_met(d, t[d]["positivity"]) and t[d]["ppl_rise"] <= lim for d in ("positive", "negative"))
             out.append(f"| {_recipe(name, sw['configs'][name]['config'])} | {pos['value']:+g} | "
                        f"{pos['positivity']:.2f} | {pos['ppl_rise']:+.0%} | {neg['value']:+g} | {neg['positivity']:.2f} | "
                        f"{neg['ppl_rise']:+.0%} | {'met' if ok else 'missed'} |")
@@ -248,9 +255,9 @@ def tested_recipe_targets(results: pathlib.Path = RESULTS) -> list:
         name = max(tested, key=lambda n: tested[n]["chosen"]["gap"])
         t, lim = tested[name]["test"], sw["setup"]["max_ppl_rise"]
         what = f"{_recipe(name, tested[name]['config'])} (`{fname}`, chosen on held-out prompts by gap)"
-        for key, v, want, ok in (("positive", t["positive"], ">= 0.80", t["positive"]["positivity"] >= 0.8),
-                                 ("negative", t["negative"], "<= 0.20", t["negative"]["positivity"] <= 0.2)):
-            ok = ok and v["ppl_rise"] <= lim
+        for key, want in (("positive", f">= {POSITIVE_TARGET:.2f}"), ("negative", f"<= {NEGATIVE_TARGET:.2f}")):
+            v = t[key]
+            ok = _positivity_met(key, v["positivity"]) and v["ppl_rise"] <= lim
             lines.append(f"- {what}, {key} steering ({v['value']:+g}) on the test prompts: positivity "
                          f"{v['positivity']:.3f} (target {want}), perplexity rise {v['ppl_rise']:+.3f} "
                          f"(target <= {lim:.2f}) -> {'met' if ok else 'MISSED'}")

@@ -167,15 +167,14 @@ def main(argv=None) -> int:
         m["example"] = prompt_list[0] + " ||| " + samples[0][0]
         return m
 
+    zero = head.init(jnp.zeros((2,), jnp.uint32), emb.shape[1], 2, rank=8, scale=0.0)  # the unsteered model
     if "base" not in res:
-        zero = head.init(jnp.zeros((2,), jnp.uint32), emb.shape[1], 2, rank=8, scale=0.0)
         res["base"] = evaluate(zero, 0.0)
         C.write_json(out_path, res)
     base_ppl = res["base"]["ppl_mean"]
     C.log("base", {k: round(v, 3) for k, v in res["base"].items() if isinstance(v, float)})
     test_prompts = main_res["prompts"]["neutral"]
     if args.test and "base_test" not in res:
-        zero = head.init(jnp.zeros((2,), jnp.uint32), emb.shape[1], 2, rank=8, scale=0.0)
         res["base_test"] = evaluate(zero, 0.0, prompt_list=test_prompts)
         res["base_test"]["prompts"] = f"the {len(test_prompts)} reported neutral test prompts of {pathlib.Path(args.main_json).name}"
         C.write_json(out_path, res)
