@@ -9,8 +9,16 @@ of them alike. jsteer steps are the shared Trainer's jitted train step (AdamW, c
 compiled before timing; relational KALA runs twice, on the default graph buckets and on
 the same batches with ``--graph-rungs`` smaller ones (``TrainConfig.graph_rungs``). HF PyTorch
 is ``BertForTokenClassification`` + ``torch.optim.AdamW`` on the same weights (fp32,
-``--torch-threads``, default the CPU count). On an accelerator the script also reports model
-FLOP utilisation against ``--peak-tflops``.
+``--torch-threads``, default the CPU count).
+
+On an accelerator (jax's default backend is not the CPU) both sides run there: jsteer steps in
+``--precision`` (default bf16 compute with fp32 master params; fp32 on the CPU), HF PyTorch on
+``cuda`` under ``torch.autocast`` in the same dtype, each step synchronised before its clock is
+read. Model FLOP utilisation (``mfu``) is reported against ``--peak-tflops`` (default: the
+device's dense bf16 peak when known, see bench_train.PEAK_BF16_TFLOPS), counting the encoder's
+matrix products on real (unpadded) tokens: 6 x non-embedding params per token plus attention's
+12 x layers x hidden x padded length per token (forward + backward). KALA's graph and FiLM work
+is not counted, so its MFU is the encoder work it gets done per second.
 
 Writes experiments/results/kala/bench.json and bench.md.
 """
@@ -30,9 +38,11 @@ sys.path.insert(0, str(ROOT / "experiments"))
 OUT = ROOT / "experiments" / "results" / "kala"
 
 
-def train_flops(n_params_encoder: int, tokens: int) -> float:
-    """~6 * params * tokens (forward + backward matmuls; attention scores ignored)."""
-    return 6.0 * n_params_encoder * tokens
+def train_flops(n_params_matmul: int, tokens: float, layers: int, hidden: int, seq: int) -> float:
+    """Model FLOPs of one train step over ``tokens`` real tokens: 6 x (non-embedding) params per
+    token for the dense layers, plus 12 x layers x hidden x seq per token for QK^T and PV
+    (2 products x 2 FLOPs x seq x hidden forward, x3 with the backward)."""
+    return 6.0 * n_params_matmul * tokens + 12.0 * layers * hidden * seq * tokens
 
 
 def main(argv=None) -> int:
@@ -41,7 +51,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--examples", type=int, default=512)
-    ap.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (accelerators)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="device peak for MFU (default on accelerators: the dense bf16 peak of a known device)")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                    help="compute dtype of both systems (default: bf16 on accelerators, fp32 on the CPU)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--graph-rungs", type=int, default=2,
                     help="also time relational KALA on the same batches with this many smaller graph buckets")
@@ -60,6 +73,12 @@ def main(argv=None) -> int:
     from jsteer.train import Trainer, data_mesh
     from kala_ner import DATA, ensure_graph
 
+    on_accel = jax.default_backend() != "cpu"
+    precision = args.precision or ("bf16" if on_accel else "fp32")
+    if args.peak_tflops is None and on_accel:
+        from bench_train import peak_tflops
+
+        args.peak_tflops = peak_tflops(jax.devices()[0].device_kind)
     lm = jsteer.load("minilm")
     gdir = ensure_graph("conll")
     data = pipeline.load_ner_data(DATA / "conll2003/eng.train", DATA / "conll2003/eng.testb", gdir, lm.tokenizer,
@@ -96,7 +115,7 @@ def main(argv=None) -> int:
     for method, name, feed in runs:
         model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method=method), memory)
         cfg = ktrain.TrainConfig()
-        tr = Trainer(ktrain.ner_loss(model), params, ktrain.optimizer_config(cfg, 1000),
+        tr = Trainer(ktrain.ner_loss(model), params, ktrain.optimizer_config(cfg, 1000), precision=precision,
                      mesh=data_mesh(jax.devices()[:1]), progress=False, exit_on_preempt=False)
         own = [kdata.device_batch(b, model.kala.uses_knowledge) for b in feed]  # as ktrain.fit feeds them
         t = time.perf_counter()
@@ -120,22 +139,29 @@ def main(argv=None) -> int:
         from jsteer.io import embedded_path
 
         torch.set_num_threads(args.torch_threads)
+        dev = "cuda" if on_accel and torch.cuda.is_available() else "cpu"
+        if on_accel and dev == "cpu":
+            raise RuntimeError(f"jax runs on {jax.default_backend()} but torch sees no CUDA device; pass --no-torch")
         hf = BertForTokenClassification.from_pretrained(str(embedded_path("minilm")),
-                                                        num_labels=len(ner_lib.CONLL2003_LABELS))
+                                                        num_labels=len(ner_lib.CONLL2003_LABELS)).float().to(dev)
         hf.train()
         opt = torch.optim.AdamW(hf.parameters(), lr=5e-5, weight_decay=0.01)
-        tb = [{k: torch.as_tensor(np.asarray(b[k]), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
-              for b in batches]
+        tb = [{k: torch.as_tensor(np.asarray(b[k]), dtype=torch.long, device=dev)
+               for k in ("input_ids", "attention_mask", "labels")} for b in batches]
+        cast = torch.autocast(dev, dtype=torch.bfloat16, enabled=precision == "bf16")
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
         def run_torch():
             out = []
             for b in tb:
                 t = time.perf_counter()
-                loss = hf(**b).loss
+                with cast:
+                    loss = hf(**b).loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
+                sync()
                 out.append(time.perf_counter() - t)
             return out
 
@@ -147,19 +173,23 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for k, s in systems.items():
             times[k] += s["run"]()
-    enc_params = ktrain.count_params(lm.params["encoder"])
+    enc = lm.params["encoder"]
+    matmul_params = ktrain.count_params(enc) - ktrain.count_params(enc["embeddings"])
+    flops = train_flops(matmul_params, tokens / len(batches), lm.config.num_layers, lm.config.hidden_size,
+                        int(common[1]))
     rows = {}
     for k, s in systems.items():
         med = statistics.median(times[k])
         row = {"median_step_s": med, "examples_per_s": args.batch_size / med, "tokens_per_s": tokens / len(batches) / med,
                "compile_s": s["compile_s"], "params": s["params"], "steps_timed": len(times[k])}
         if args.peak_tflops:
-            row["mfu"] = train_flops(enc_params, tokens / len(batches)) / med / (args.peak_tflops * 1e12)
+            row["mfu"] = flops / med / (args.peak_tflops * 1e12)
         rows[k] = row
     base = rows["jsteer finetune"]["median_step_s"]
     for r in rows.values():
         r["time_vs_jsteer_finetune"] = r["median_step_s"] / base
-    result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
+    result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "precision": precision,
+              "peak_tflops": args.peak_tflops, "model_flops_per_step": flops,
               "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "torch_threads": None if args.no_torch else args.torch_threads, "batch": [args.batch_size, int(common[1])],
               "graph_nodes_edges": {f"graph_rungs={r}": list(g) for r, g in gshapes.items()},
@@ -168,17 +198,22 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     lines = [f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
-             f"{result['platform']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}, XLA flags "
+             f"{result['platform']} {result['device']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}, XLA flags "
              f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
              f"{args.rounds * len(batches)} interleaved steps. Graph: {real_graph[0]:.0f} nodes / "
              f"{real_graph[1]:.0f} edges on average, padded to "
              + ", ".join(f"{g[0]} / {g[1]} (graph_rungs={r})" for r, g in gshapes.items())
              + "; the most common shapes of training batches.", "",
-             "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |",
-             "|---|---|---|---|---|---|"]
+             "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |"
+             + (" MFU |" if args.peak_tflops else ""),
+             "|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
     for k, r in rows.items():
-        lines.append(f"| {k} | {r['examples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['median_step_s']:.3f} | "
-                     f"{r['time_vs_jsteer_finetune']:.2f}x | {r['compile_s']:.1f} |")
+        lines.append(f"| {k} | {r['examples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['median_step_s']:.4f} | "
+                     f"{r['time_vs_jsteer_finetune']:.2f}x | {r['compile_s']:.1f} |"
+                     + (f" {r['mfu']:.2%} |" if args.peak_tflops else ""))
+    if args.peak_tflops:
+        lines += ["", f"{precision} compute; MFU = model FLOPs {flops / 1e9:.1f} GFLOP/step (encoder products, "
+                  f"real tokens) / step time / {args.peak_tflops:.0f} TFLOP/s."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

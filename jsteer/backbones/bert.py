@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import ACTIVATIONS, NEG_INF, ModelOutput, check_position_ids
+from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, ModelOutput, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
 from jsteer.hooks import Hooks, apply_embed, apply_film, check_encoder_hooks, check_film_layers
@@ -255,10 +255,10 @@ class BertEmbeddings(nn.Module):
     def setup(self):
         c = self.config
         init = nn.initializers.normal(stddev=c.initializer_range)
-        self.word = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
-        self.position = nn.Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
-                                 param_dtype=jnp.float32)
-        self.token_type = nn.Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
+        self.word = Embed(c.vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
+        self.position = Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
+                              param_dtype=jnp.float32)
+        self.token_type = Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
         self.norm = _norm(c)
         self.dropout = Dropout(c.hidden_dropout)
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import (ACTIVATIONS, KVCache, ModelOutput, attention_slots, check_position_ids,
+from jsteer.backbones.base import (ACTIVATIONS, Embed, KVCache, ModelOutput, attention_slots, check_position_ids,
                                    default_positions, eos_ids, next_positions)
 from jsteer.backbones.matmul import PackedDense, attend, pack_decoder_params
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_steer_logits, apply_step_embed, check_film_layers
@@ -258,10 +258,10 @@ class GPT2LMHeadModel(nn.Module):
         mask = attention_mask.astype(jnp.int32)
         check_film_layers(hooks, cfg.n_layer)
         init = nn.initializers.normal(cfg.initializer_range)
-        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
-                       embedding_init=init, name="wte")
-        wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
-                       embedding_init=init, name="wpe")
+        wte = Embed(cfg.vocab_size, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
+                    embedding_init=init, name="wte")
+        wpe = Embed(cfg.n_positions, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
+                    embedding_init=init, name="wpe")
 
         x = wte(input_ids)
         x = apply_step_embed(x, hooks) if step else apply_embed(x, hooks)

@@ -42,7 +42,8 @@ import numpy as np
 from jax import lax
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import KVCache, ModelOutput, attention_slots, default_positions, eos_ids, next_positions
+from jsteer.backbones.base import (Embed, KVCache, ModelOutput, attention_slots, default_positions, eos_ids,
+                                   next_positions)
 from jsteer.backbones.matmul import PackedDense, attend, pack_decoder_params
 from jsteer.hooks import Hooks, apply_embed, apply_film, apply_steer, apply_steer_logits, apply_step_embed, check_film_layers
 
@@ -350,8 +351,8 @@ class LlamaForCausalLM(nn.Module):
         mask = attention_mask.astype(jnp.int32)
         check_film_layers(hooks, c.num_layers)
 
-        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                         embedding_init=nn.initializers.normal(0.02), name="embed")
+        embed = Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+                      embedding_init=nn.initializers.normal(0.02), name="embed")
         x = embed(input_ids)
         x = apply_step_embed(x, hooks) if step else apply_embed(x, hooks)
 

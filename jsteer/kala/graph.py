@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import jraph
 import numpy as np
 
+from jsteer.backbones.base import segment_sum, take_rows
 from jsteer.backbones.matmul import Dense
 
 Array = jnp.ndarray
@@ -294,14 +295,14 @@ def node_context(hidden: Array, token_node: Array, num_nodes: int) -> Array:
     d = hidden.shape[-1]
     ids = token_node.reshape(-1)
     ids = jnp.where(ids < 0, num_nodes, ids)  # dump segment, dropped below
-    sums = jax.ops.segment_sum(hidden.reshape(-1, d), ids, num_nodes + 1)[:num_nodes]
-    counts = jax.ops.segment_sum(jnp.ones_like(ids, hidden.dtype), ids, num_nodes + 1)[:num_nodes]
+    sums = segment_sum(hidden.reshape(-1, d), ids, num_nodes + 1)[:num_nodes]
+    counts = segment_sum(jnp.ones_like(ids, hidden.dtype), ids, num_nodes + 1)[:num_nodes]
     return sums / jnp.maximum(counts, 1.0)[:, None]
 
 
 def gather_tokens(node_values: Array, token_node: Array) -> Array:
     """node_values [N, F], token_node [B, T] -> [B, T, F], zero where token_node < 0."""
-    picked = node_values[jnp.maximum(token_node, 0)]
+    picked = take_rows(node_values, jnp.maximum(token_node, 0))
     return picked * (token_node >= 0)[..., None].astype(node_values.dtype)
 
 
@@ -341,23 +342,24 @@ class RelationalGATv2(nn.Module):
         src = Dense(self.dim, kernel_init=_glorot(), name="src")(x)
         c = Dense(self.dim, use_bias=False, kernel_init=_glorot(), name="ctx")(jax.lax.stop_gradient(ctx))
         if ctx_nodes is not None:
-            c = jnp.zeros((n, self.dim), c.dtype).at[ctx_nodes].add(c)
+            c = segment_sum(c, ctx_nodes, n)
         dst_dense = Dense(self.dim, kernel_init=_glorot(), name="dst")
         if targets is None:
             dst, n_out = dst_dense(x) + c, n
         else:
-            dst, n_out = dst_dense(x[targets]) + c[targets], targets.shape[0]
+            dst, n_out = dst_dense(take_rows(x, targets)) + take_rows(c, targets), targets.shape[0]
         edge = Dense(self.dim, kernel_init=_glorot(), name="rel")(rel)
         if relation_ids is not None:
-            edge = edge[relation_ids]
+            edge = take_rows(edge, relation_ids)
         att = self.param("att", _glorot(), (1, self.dim))[0]
         # an extra segment n_out collects dropped edges (receivers >= n_out) and is cut off
         receivers = jnp.minimum(receivers, n_out)
-        z = nn.leaky_relu(dst[jnp.minimum(receivers, n_out - 1)] + src[senders] + edge, self.negative_slope)
-        logits = jnp.einsum("ed,d->e", z, att)
+        src_e = take_rows(src, senders)
+        z = nn.leaky_relu(take_rows(dst, jnp.minimum(receivers, n_out - 1)) + src_e + edge, self.negative_slope)
+        logits = jnp.einsum("ed,d->e", z, att).astype(jnp.float32)  # the softmax's segment sums in fp32
         ok = sender_ok[senders] & (receivers < n_out)
         alpha = jraph.segment_softmax(jnp.where(ok, logits, NEG), receivers, n_out + 1) * ok
-        out = jax.ops.segment_sum(alpha[:, None] * src[senders], receivers, n_out + 1)[:n_out]
+        out = segment_sum(alpha[:, None] * src_e, receivers, n_out + 1)[:n_out].astype(src.dtype)
         out = out + self.param("bias", nn.initializers.zeros, (self.dim,))
         return out, alpha
 

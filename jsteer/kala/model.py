@@ -30,14 +30,14 @@ Call::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jraph
 
-from jsteer.backbones.base import ModelOutput
+from jsteer.backbones.base import ModelOutput, take_rows
 from jsteer.backbones.bert import (BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead,
                                    attention_bias)
 from jsteer.hooks import Hooks
@@ -139,15 +139,15 @@ class KnowledgeModule(nn.Module):
         ent = graph.nodes["entity"]
         if self.kala.method != "relational":  # point-wise: a memory lookup per node
             ent = ent if mention is None else ent[mention]
-            return self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
-        x = self.memory[ent] * (ent != 0)[:, None].astype(self.memory.dtype)
+            return take_rows(self.memory, ent) * (ent != 0)[:, None].astype(self.memory.dtype)
+        x = take_rows(self.memory, ent) * (ent != 0)[:, None].astype(self.memory.dtype)
         if mention is None:
             ctx = node_context(context, token_node, x.shape[0])
         else:  # the mentioned nodes' contexts only: every other node's is zero
             ctx = node_context(context, mention_positions(mention, token_node), mention.shape[0])
         x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True,
                                last_edges=last_edges, mention=mention)
-        return x if mention is None else x[mention]
+        return x if mention is None else take_rows(x, mention)
 
     def __call__(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
                  deterministic: bool = True, mention: Optional[Array] = None, last_edges=None):

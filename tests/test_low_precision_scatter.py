@@ -1,0 +1,94 @@
+"""bf16 training never scatter-adds in bf16.
+
+Gathers (embedding tables, KALA's entity memory and graph nodes) have scatter-add gradients,
+and KALA's graph pools with segment sums (forward scatter-adds). On a GPU XLA emits a bf16 /
+fp16 scatter-add as a compare-and-swap loop that serialises wherever ids repeat -- position and
+token-type rows, padding, the null entity. Measured on an H100 (experiments/gpu_step_anatomy.py,
+session 29): MiniLM's bf16 gradient at batch 256 x 32 took 47 ms against 6 ms in fp32. These
+tests read the jitted program (before XLA's passes) and fail on any accumulating scatter
+(add / max / min / mul) whose result is bf16 / fp16; a scatter that sets rows is left alone.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsteer.backbones import bert, gpt2, llama
+from jsteer.train.step import cast_floating
+
+LOW_SCATTER = re.compile(r"scatter-(add|max|min|mul)[.\w]*\s*=\s*(bf16|f16)\[")
+
+
+def low_precision_scatters(fn, *args) -> list[str]:
+    hlo = jax.jit(fn).lower(*args).as_text(dialect="hlo")
+    return [line.strip()[:200] for line in hlo.splitlines() if LOW_SCATTER.search(line)]
+
+
+def grad_of_logits(module, params, *inputs, **kw):
+    def loss(p):
+        return jnp.sum(module.apply({"params": p}, *inputs, **kw).logits.astype(jnp.float32) ** 2)
+
+    return jax.grad(loss), params
+
+
+def test_the_check_finds_a_bf16_scatter():
+    table = jnp.ones((10, 4), jnp.bfloat16)
+    ids = jnp.zeros((6,), jnp.int32)
+    found = low_precision_scatters(jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0).astype(jnp.float32))), table)
+    assert found and "bf16" in found[0]
+    assert low_precision_scatters(jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0))), table.astype(jnp.float32)) == []
+
+
+@pytest.mark.parametrize("way", ["params cast", "module dtype"])
+def test_bert_bf16_gradient_has_no_low_precision_scatter(way):
+    cfg = bert.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                          max_position_embeddings=16)
+    ids = jnp.asarray(np.arange(16).reshape(2, 8) % 50)
+    mask = jnp.ones_like(ids)
+    init = bert.BertForTokenClassification(cfg, 3).init(jax.random.PRNGKey(0), ids, mask)["params"]
+    if way == "params cast":  # the Trainer's mixed precision: fp32 masters cast to bf16 inside the step
+        module, p = bert.BertForTokenClassification(cfg, 3), cast_floating(init, jnp.bfloat16)
+    else:
+        module, p = bert.BertForTokenClassification(cfg, 3, dtype=jnp.bfloat16), init
+    g, p = grad_of_logits(module, p, ids, mask)
+    assert low_precision_scatters(g, p) == []
+
+
+def test_decoder_bf16_gradients_have_no_low_precision_scatter():
+    ids = jnp.asarray([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])  # repeated (padding) ids too
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6])
+    lcfg = llama.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                             num_kv_heads=1, head_dim=8)
+    m = llama.LlamaForCausalLM(lcfg, dtype=jnp.bfloat16)
+    p = m.init(jax.random.PRNGKey(0), ids, mask)["params"]
+    for params in (p, cast_floating(p, jnp.bfloat16)):
+        g, params = grad_of_logits(m, params, ids, mask)
+        assert low_precision_scatters(g, params) == []
+    gm = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                              n_inner=32, dtype="bfloat16"))
+    p = gm.init(jax.random.PRNGKey(0), ids, mask)["params"]
+    g, p = grad_of_logits(gm, p, ids, mask)
+    assert low_precision_scatters(g, p) == []
+
+
+@pytest.mark.parametrize("method", ["pointwise", "relational"])
+def test_kala_bf16_gradient_has_no_low_precision_scatter(method):
+    from test_kala import tiny_bert, tiny_inputs
+
+    from jsteer.kala.model import KalaConfig, KalaModel, init_params
+
+    ids, mask, graph, tok = tiny_inputs()
+    model = KalaModel(tiny_bert(), KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
+                                              kfm_zero_init=False), num_labels=3)
+    p = cast_floating(init_params(model, jax.random.PRNGKey(0)), jnp.bfloat16)
+
+    def loss(p):
+        out = model.apply({"params": p}, ids, mask, None, graph, tok, False, rngs={"dropout": jax.random.PRNGKey(1)})
+        return jnp.sum(out.logits.astype(jnp.float32) ** 2)
+
+    assert low_precision_scatters(jax.grad(loss), p) == []
