@@ -100,11 +100,23 @@ def self_generated_texts(lm, labeler, n: int, exclude: Sequence[str], n_prompts:
     if n_prompts > len(pool) or n > n_prompts * samples:
         raise ValueError(f"self_generated_texts: {n} texts from {n_prompts} of {len(pool)} prompts x {samples}")
     chosen = [pool[i] for i in sorted(np.random.default_rng(seed).choice(len(pool), n_prompts, replace=False))]
-    conts = sample(lm, lambda b: None, chosen, samples, max_new_tokens=max_new_tokens, seed=seed * 100003, batch=50)
-    flat = [(p, c) for p, cs in zip(chosen, conts) for c in cs]
-    order = np.argsort(labeler.prob([c for _, c in flat]), kind="stable")
+    return ranked_continuations(lm, labeler.prob, chosen, n, samples, max_new_tokens, seed, columns=2)
+
+
+def ranked_continuations(lm, score, prompt_list: Sequence[str], n: int, samples: int, max_new_tokens: int = 32,
+                         seed: int = 1, columns: int = 1) -> tuple[list, np.ndarray]:
+    """The unsteered model's top-p continuations of ``prompt_list``, ``samples`` each (seed
+    ``seed * 100003``), ranked by ``score(continuations) -> [m]`` (higher: the steer's + side): the
+    n // 2 highest-scoring get +1, the n // 2 lowest -1; each text is its prompt + continuation
+    -> (texts [n], values [n, columns])."""
+    if n > len(prompt_list) * samples:
+        raise ValueError(f"ranked_continuations: {n} texts from {len(prompt_list)} prompts x {samples}")
+    conts = sample(lm, lambda b: None, prompt_list, samples, max_new_tokens=max_new_tokens, seed=seed * 100003,
+                   batch=50)
+    flat = [(p, c) for p, cs in zip(prompt_list, conts) for c in cs]
+    order = np.argsort(np.asarray(score([c for _, c in flat])), kind="stable")
     keep = np.concatenate([order[: n // 2], order[len(order) - n // 2:]])
-    values = np.repeat(np.where(np.arange(len(keep)) < n // 2, -1.0, 1.0)[:, None], 2, axis=1).astype(np.float32)
+    values = np.repeat(np.where(np.arange(len(keep)) < n // 2, -1.0, 1.0)[:, None], columns, axis=1).astype(np.float32)
     return [flat[i][0] + flat[i][1] for i in keep], values
 
 

@@ -35,6 +35,12 @@ This script keeps the main run's detox steer recipe and changes the measurement 
         --work /tmp/steer_detox_kinds --skip-prompts 60 --prompts 60 --select-prompts 40 --samples 10 \
         --select-samples 10 --strengths 1,2,3 --dummy off --curve "" \
         --out experiments/results/steer/detox_kinds_$k.json; done
+    # on-policy low-rank steer (--data self: SmolLM2's own continuations of the steer texts' toxic
+    # prefixes, ranked by a labeler trained on those texts), the fresh split's prompts, 10 held-out samples:
+    .venv/bin/python experiments/steer_detox.py --data self --rank 32 --batch-size 32 --l2 1e-6 \
+        --init-scale 1e-2 --tokens-per-batch 768 --work /tmp/steer_detox_self --skip-prompts 60 --prompts 120 \
+        --select-prompts 80 --select-samples 10 --strengths 2,4,6,8 --dummy off --curve "" \
+        --out experiments/results/steer/detox_smollm2_self.json
     .venv/bin/python experiments/steer_plots.py     # adds the tables to results.md
 
 Generations are cached under --work and every setting is written to the JSON at once (resumable).
@@ -96,6 +102,13 @@ def parse():
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--l2", type=float, default=0.0)
     ap.add_argument("--init-scale", type=float, default=1e-3)
+    ap.add_argument("--data", choices=("jigsaw", "self"), default="jigsaw",
+                    help="jigsaw: the detox steer's Jigsaw texts (non-toxic +1, toxic -1); self: on-policy texts, "
+                    "SmolLM2's own continuations of the toxic prefixes of those texts, the least toxic +1 and the "
+                    "most toxic -1 by a labeler trained on the same Jigsaw texts (never the evaluator)")
+    ap.add_argument("--self-texts", type=int, default=800, help="--data self: texts kept (half per side)")
+    ap.add_argument("--self-samples", type=int, default=8, help="--data self: continuations per prompt")
+    ap.add_argument("--tokens-per-batch", type=int, default=None, help="token rows per training step (train.TrainConfig)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="paired bootstrap resamples of the prompts")
     return ap.parse_args()
 
@@ -151,20 +164,51 @@ def eps0_of(kind: str) -> float:
     return EPS0 if kind == "steer" else train.BASELINE_EPS0
 
 
-def detox_steer(lm, emb, work: pathlib.Path, a, res) -> dict:
-    """The detox steer (main run's recipe): loaded from --work when its recipe matches, else trained."""
+def self_detox_texts(lm, labeler, a, exclude) -> tuple[list, np.ndarray]:
+    """``--data self``'s texts: continuations of the toxic prefixes of the detox steer's own Jigsaw
+    texts (none of ``exclude``: the test, held-out and replication prompt pools), ranked by the
+    labeler's P(toxic) -> (texts [--self-texts], values [n]: least toxic +1, most toxic -1)."""
+    texts, values = C.jigsaw_steer_texts(a.jigsaw_texts)
+    skip = set(exclude)
+    prompts = [p for p in dict.fromkeys(C.toxic_prefixes(texts, (values < 0).astype(int))) if p not in skip]
+    C.log(f"on-policy detox texts: {len(prompts)} prompts x {a.self_samples} continuations -> {a.self_texts}")
+    out, vals = C.ranked_continuations(lm, lambda t: -np.asarray(labeler.prob(t)), prompts, a.self_texts,
+                                       a.self_samples)
+    return out, vals[:, 0]
+
+
+def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
+    """The detox steer (main run's recipe unless overridden): loaded from --work when its recipe
+    matches, else trained. ``exclude``: prompts that on-policy texts (``--data self``) never start from."""
     recipe = {"texts": a.jigsaw_texts, "steps": a.steps, "batch_size": a.batch_size, "rank": a.rank,
               "l2": a.l2, "init_scale": a.init_scale, "max_len": 32}
     if a.kind != "steer":  # the key of steer recipes is unchanged, so earlier artifacts still match
         recipe.update(kind=a.kind, rank=None)
+    if a.tokens_per_batch is not None:
+        recipe["tokens_per_batch"] = a.tokens_per_batch
+    if a.data == "self":
+        import steer_evaluators as EV
+
+        labeler = EV.get_labeler(None, a.jigsaw_texts, task="toxicity")
+        recipe.update(data="self", self_texts=a.self_texts, self_samples=a.self_samples, max_len=64,
+                      labeler=labeler.meta["name"], labeler_accuracy=labeler.meta["accuracy"])
     art = work / ("steer_detox" if a.kind == "steer" else f"steer_detox_{a.kind}")
     if art.exists():
         params, meta = artifact.load(str(art), model_identity=lm.identity)
         if meta.get("train", {}).get("recipe") == recipe and "detox" in res.get("training", {}):
             return params
-    cache = C.cached_hidden(lm, work / "cache_detox.npz", lambda: C.jigsaw_steer_texts(a.jigsaw_texts), max_len=32)
+    if a.data == "self":
+        key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": a.self_texts,
+               "samples": a.self_samples, "exclude_sha256": C.prompts_sha1(sorted(set(exclude)))}
+        texts = lambda: C.cached_texts(work / f"texts_detox_self{a.self_texts}.json", key,  # noqa: E731
+                                       lambda: self_detox_texts(lm, labeler, a, exclude))
+        cache = C.cached_hidden(lm, work / f"cache_detox_self{a.self_texts}.npz", texts, max_len=64)
+    else:
+        cache = C.cached_hidden(lm, work / "cache_detox.npz", lambda: C.jigsaw_steer_texts(a.jigsaw_texts),
+                                max_len=32)
+    extra = {} if a.tokens_per_batch is None else {"tokens_per_batch": a.tokens_per_batch}
     cfg = train.TrainConfig(rank=recipe["rank"], steps=a.steps, batch_size=a.batch_size, l2=a.l2,
-                            init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind))
+                            init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind), **extra)
     C.log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
     params, hist = train.train(cache, emb, cfg, progress=True)
     artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
@@ -186,6 +230,9 @@ def replicated_run(a) -> dict:
     tr = src["training"]["detox"]
     a.jigsaw_texts, a.steps, a.batch_size, a.rank, a.l2, a.init_scale = (
         tr["texts"], tr["steps"], tr["batch_size"], tr["rank"], tr["l2"], tr["init_scale"])
+    a.tokens_per_batch, a.data = tr.get("tokens_per_batch"), tr.get("data", "jigsaw")
+    if a.data == "self":
+        a.self_texts, a.self_samples = tr["self_texts"], tr["self_samples"]
     a.select_prompts, a.skip_prompts = 0, 0
     if a.curve is None:
         a.curve = ""
@@ -207,7 +254,8 @@ def main():
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "test_prompts": a.prompts, "held_out_prompts": a.select_prompts, "samples_per_test_prompt": a.samples,
         "samples_per_held_out_prompt": a.select_samples, "max_new_tokens": 20, "top_p": 0.9, "temperature": 1.0,
-        "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "kind": a.kind, "eps0": eps0_of(a.kind), "prior": PRIOR,
+        "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "kind": a.kind,
+        "steer_data": a.data, "eps0": eps0_of(a.kind), "prior": PRIOR,
         "prior_source": "toxic share of the Jigsaw Toxic Comment Classification train set (15,294 / 159,571)",
         "primary_reading": READINGS[0], "rule": SELECTION_RULE,
         "prompt_source": ("toxic comments of the Jigsaw steer split left out of the steer's training (prefixes "
@@ -245,7 +293,10 @@ def main():
 
     lm = jsteer.load("smollm2-135m")
     emb = np.asarray(lm.output_embeddings(), np.float32)
-    steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res).items()}
+    # on-policy texts never start from a prompt any protocol tests on (test split, unused steer split)
+    exclude = (C.toxic_prefixes(*jig_test) + C.toxic_prefixes(*C.jigsaw_steer_unused(a.jigsaw_texts))
+               if a.data == "self" else ())
+    steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res, exclude).items()}
     if src:  # the same steer: its training losses reproduce the replicated run's
         mine, theirs = (np.asarray(r["training"]["detox"]["loss"]) for r in (res, src))
         if mine.shape != theirs.shape or not np.allclose(mine, theirs, rtol=1e-5, atol=0):

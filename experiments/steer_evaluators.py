@@ -219,26 +219,38 @@ def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_tra
     return _cached(CACHE / name, enc, train, retrain)
 
 
-def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0) -> Evaluator:
-    """A sentiment classifier trained on the sentiment steer's own ``n`` SST-5 texts (the steer half,
-    detokenised; binary), cached under out/steer_evaluators/labeler_steer{n}. It labels the model's own
-    continuations for on-policy steer training (``steer_common.self_generated_texts``) without the
-    evaluator, which never sees these texts, taking part; its accuracy is on 1000 SST-5 test texts."""
+def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0, task: str = "sentiment") -> Evaluator:
+    """A classifier trained on a steer's own ``n`` training texts, cached under
+    out/steer_evaluators/labeler_steer{n} (sentiment: the sentiment steer's SST-5 texts, detokenised,
+    P(positive)) or labeler_detox{n} (toxicity: the detox steer's Jigsaw texts, P(toxic)). It labels
+    the model's own continuations for on-policy steer training (``steer_common.ranked_continuations``)
+    without the evaluator, which never sees these texts, taking part; its accuracy is on 1000 test
+    texts of the evaluator's test set."""
+    if task not in ("sentiment", "toxicity"):
+        raise ValueError(f"get_labeler: task must be 'sentiment' or 'toxicity', got {task!r}")
 
     def train(enc):
-        texts, values = C.sentiment_steer_texts(n)
-        C.log(f"fine-tuning the steer-text labeler on {n} texts ({epochs} epochs)")
-        params, hist = finetune(enc, [detok_sst(t) for t in texts], (values[:, 0] > 0).astype(np.float32),
-                                epochs=epochs)
+        if task == "sentiment":
+            texts, values = C.sentiment_steer_texts(n)
+            texts, values = [detok_sst(t) for t in texts], values[:, 0]
+            (_, _), (xt, yt) = sentiment_data()
+            what = f"the sentiment steer's {n} SST-5 texts (steer half), binary, detokenised"
+        else:
+            texts, values = C.jigsaw_steer_texts(n)
+            xt, yt = toxicity_data()[1]
+            what = f"the detox steer's {n} Jigsaw texts (steer split), label 1 = toxic"
+        labels = (values > 0) if task == "sentiment" else (values < 0)
+        C.log(f"fine-tuning the {task} steer-text labeler on {n} texts ({epochs} epochs)")
+        params, hist = finetune(enc, list(texts), labels.astype(np.float32), epochs=epochs)
         ev = Evaluator(enc, params)
-        (_, _), (xt, yt) = sentiment_data()
-        ev.meta = {"name": f"labeler_steer{n}", "accuracy": ev.accuracy(xt[:1000], yt[:1000]), "test_texts": 1000,
+        ev.meta = {"name": name, "accuracy": ev.accuracy(xt[:1000], yt[:1000]), "test_texts": 1000,
                    "train_texts": n, "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
-                   "train": f"the sentiment steer's {n} SST-5 texts (steer half), binary, detokenised"}
+                   "train": what}
         C.log(f"labeler: test accuracy {ev.meta['accuracy']:.4f}")
         return ev
 
-    return _cached(CACHE / f"labeler_steer{n}", enc, train)
+    name = f"labeler_steer{n}" if task == "sentiment" else f"labeler_detox{n}"
+    return _cached(CACHE / name, enc, train)
 
 
 def main():

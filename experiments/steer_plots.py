@@ -264,6 +264,28 @@ def tested_recipe_targets(results: pathlib.Path = RESULTS) -> list:
     return lines
 
 
+def other_run_targets(results: pathlib.Path = RESULTS) -> list:
+    """Target lines of the other full runs (``smollm2_<tag>.json``, tables in ``results_<tag>.md``)
+    and of the paper-protocol detox runs (:data:`DETOX_RUNS`, natural-prior reading)."""
+    lines = []
+    for p in sorted(results.glob("smollm2_*.json")):
+        res = json.loads(p.read_text())
+        if "strength_selection" not in res:
+            continue
+        tag = p.stem[len("smollm2"):]
+        lines += [f"- `{p.name}` (tables in `results{tag}.md`): {k}: measured {v[0]:.3f} -> "
+                  f"{'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
+    for fname in DETOX_RUNS:
+        p = results / fname
+        r = json.loads(p.read_text()).get("result") if p.exists() else None
+        if r and r["natural_prior"]["ratio"] is not None:
+            x = r["natural_prior"]
+            lines.append(f"- detox protocol `{fname}`: toxicity probability {x['base_toxicity_prob']:.3f} -> "
+                         f"{x['steered_toxicity_prob']:.3f}, ratio {x['ratio']:.3f} at perplexity rise "
+                         f"{r['ppl_rise']:+.3f} -> halved {'met' if x['ratio'] <= 0.5 else 'MISSED'}")
+    return lines
+
+
 def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
     """The held-out recipe sweeps present under ``results`` (:data:`SWEEPS`) as markdown."""
     parts = []
@@ -285,7 +307,11 @@ def recipe_sweeps(results: pathlib.Path = RESULTS) -> str:
 DETOX_RUNS = {"detox_smollm2.json": "The main run's detox steer recipe",
               "detox_smollm2_1000steps.json": "The issue's training defaults (1000 steps x 32 texts, init 1e-3, no L2)",
               "detox_smollm2_fresh.json": "The main run's detox steer recipe, fresh prompt split with a larger held-out set",
-              "detox_smollm2_replication.json": "Replication of the fresh run's choice on new prompts"}
+              "detox_smollm2_replication.json": "Replication of the fresh run's choice on new prompts",
+              "detox_smollm2_self.json": "On-policy low-rank steer (rank 32; SmolLM2's own continuations of the steer "
+                                         "texts' toxic prefixes, ranked by a labeler trained on those texts), the "
+                                         "fresh run's prompts, 10 samples per held-out prompt",
+              "detox_smollm2_self_replication.json": "Replication of the on-policy run's choice on new prompts"}
 
 
 def detox_protocol(results: pathlib.Path = RESULTS) -> str:
@@ -304,7 +330,7 @@ def detox_protocol_run(dx: dict) -> str:
     """One steer_detox.py result as markdown: evaluator error rates, held-out choice, test table."""
     su, cal, pr, m = dx["setup"], dx["calibration"], dx["prompts"], dx.get("metrics", {})
     recipe = {k: v for k, v in dx.get("training", {}).get("detox", {}).items()
-              if k in ("texts", "steps", "batch_size", "l2", "init_scale")}
+              if k in ("texts", "steps", "batch_size", "rank", "l2", "init_scale", "data", "self_texts", "labeler")}
     rep = su.get("replicates")
     source = su.get("prompt_source", "toxic comments of the Jigsaw test split")
     choice = (f"the steer value and its dummy use are those `{rep}` chose on its held-out prompts (no choice here)"
@@ -417,7 +443,7 @@ def markdown(res: dict, bench: dict = None, results: pathlib.Path = RESULTS, sou
               "", "## Detoxification and composition (toxic prompts)", "", detox_table(res),
               "", "## Targets", ""]
     parts += [f"- {k}: measured {v[0]:.3f} -> {'met' if v[1] else 'MISSED'}" for k, v in targets(res).items()]
-    parts += tested_recipe_targets(results) if results else []
+    parts += tested_recipe_targets(results) + other_run_targets(results) if results else []
     kinds = detox_kinds_table(results) if results else ""
     if kinds:
         parts += ["", "## Detoxification: LM-Steer vs the baselines (experiments/steer_detox.py --kind)", "", kinds]

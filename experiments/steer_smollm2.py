@@ -4,6 +4,9 @@ detoxification, composition, transfer, interpretation and highlighting.
     .venv/bin/python experiments/steer_evaluators.py --only sentiment --epochs 0.74
     .venv/bin/python experiments/steer_evaluators.py --only toxicity --epochs 0.8 --max-train 1600 --max-test 1000
     .venv/bin/python experiments/steer_smollm2.py [--work /tmp/steer_exp2] [--values=-5,-3,3,5,-1,1,7,-2,2]
+    .venv/bin/python experiments/steer_smollm2.py --sentiment-data self --rank 32 --detox-rank 1000 \
+        --strengths 3,4,5,6,8 --detox-strengths 0.5,1,2,3,5 --dummy off --values=-8,-6,-4,-2,2,4,6,8 \
+        --samples 10 --work /tmp/steer_main_self --out experiments/results/steer/smollm2_self.json
     .venv/bin/python experiments/steer_plots.py     # tables (results.md) + plots
 
 The evaluators are cached under out/steer_evaluators (trained there if absent). Stages cache
@@ -11,6 +14,8 @@ their outputs under --work (hidden-state caches, steer artifacts, generations), 
 evaluated setting is written to experiments/results/steer/smollm2.json at once, so an
 interrupted run resumes and a partial run still yields results. The sentiment dummy steer is
 switched on or off for decoding by a rule applied on held-out neutral prompts (--dummy auto).
+The second command is the same run with the sentiment steer that met the issue's targets in
+steer_sweep.py (rank 32, trained on SmolLM2's own continuations; --sentiment-data self).
 CPU-sized: the run's subsample sizes, steps and batch sizes are recorded in the JSON next to
 the paper's values.
 """
@@ -18,6 +23,7 @@ the paper's values.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pathlib
 import sys
@@ -45,6 +51,12 @@ def parse():
     ap.add_argument("--tokens-per-batch", type=int, default=768,
                     help="static token rows per step (32 SST texts average 736 tokens)")
     ap.add_argument("--rank", type=int, default=1000)
+    ap.add_argument("--detox-rank", type=int, default=None, help="default: --rank")
+    ap.add_argument("--sentiment-data", choices=("sst5", "self"), default="sst5",
+                    help="sst5: --sst-texts SST-5 texts (labels 3-4 +1, 0-1 -1); self: on-policy texts, SmolLM2's own "
+                    "continuations of other neutral prompts, the most / least positive by a labeler trained on those "
+                    "SST-5 texts (steer_common.self_generated_texts; steer_sweep.py's '_self' recipes)")
+    ap.add_argument("--self-texts", type=int, default=1200, help="--sentiment-data self: texts (half per side)")
     ap.add_argument("--l2", type=float, default=1e-6, help="the original's --regularization")
     ap.add_argument("--init-scale", type=float, default=1e-2, help="the original's --init_var default")
     ap.add_argument("--neutral-prompts", type=int, default=20)
@@ -56,6 +68,7 @@ def parse():
     ap.add_argument("--detox-values", default="5", help="further detox steer values on the toxic test prompts")
     ap.add_argument("--strengths", default="0.5,1,1.5,2,3,5",
                     help="candidate steer values (x eps0), chosen on held-out prompts (see SELECTION_RULE)")
+    ap.add_argument("--detox-strengths", default=None, help="candidate detox values (default: --strengths)")
     ap.add_argument("--dummy", default="auto", choices=("auto", "on", "off"),
                     help="sentiment dummy steer at generation; auto: chosen on held-out prompts")
     ap.add_argument("--deadline", default=None, help="HH:MM UTC: stop generating new settings after this")
@@ -70,9 +83,11 @@ SELECTION_RULE = ("per direction, among the strengths whose held-out perplexity 
                   "probability (ties: mean max toxicity, then the smaller strength); if none, the smallest rise.")
 
 
-def select_strengths(run, sel, tox_sel, strengths, dummies) -> dict:
+def select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths=None) -> dict:
     """Steer values (and sentiment dummy on/off) chosen on held-out prompts only; see SELECTION_RULE.
-    run(key, prompts, s, d, s_dummy) -> metrics (cached)."""
+    run(key, prompts, s, d, s_dummy) -> metrics (cached). ``detox_strengths``: the detox grid
+    (default: ``strengths``)."""
+    detox_strengths = strengths if detox_strengths is None else detox_strengths
     base = run("select_base", sel)
     tbase = run("select_toxic_base", tox_sel)
     table, chosen = {}, {}
@@ -96,12 +111,13 @@ def select_strengths(run, sel, tox_sel, strengths, dummies) -> dict:
         chosen[dm] = {"positive": pv, "negative": nv, "gap": gap, "values_within_ppl_limit": int(fluent)}
     dm = max(dummies, key=lambda k: (chosen[k]["values_within_ppl_limit"], chosen[k]["gap"], k == "off"))
     tox = {}
-    for v in strengths:
+    for v in detox_strengths:
         m = run(f"select_toxic_d{v:+g}", tox_sel, None, v)
         tox[f"d{v:+g}"] = {"toxicity_prob": m["toxicity_prob"], "mean_max_toxicity": m["mean_max_toxicity"],
                            "ppl_rise": m["ppl_mean"] / tbase["ppl_mean"] - 1}
-    dv = C.least_toxic({v: tox[f"d{v:+g}"] for v in strengths}, tie=lambda v: v)
-    return {"strengths": strengths, "dummies": list(dummies), "sentiment": table, "per_dummy": chosen,
+    dv = C.least_toxic({v: tox[f"d{v:+g}"] for v in detox_strengths}, tie=lambda v: v)
+    return {"strengths": strengths, **({"detox_strengths": detox_strengths} if detox_strengths != strengths else {}),
+            "dummies": list(dummies), "sentiment": table, "per_dummy": chosen,
             "detox": tox, "rule": SELECTION_RULE,
             "prompts": f"{len(sel)} held-out neutral and {len(tox_sel)} held-out toxic prompts",
             "chosen": {"dummy": dm, "positive": chosen[dm]["positive"], "negative": chosen[dm]["negative"],
@@ -118,7 +134,9 @@ def main():
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "steer_train": {"sst5_texts": a.sst_texts, "jigsaw_texts": a.jigsaw_texts, "steps": a.steps,
                         "detox_steps": a.detox_steps or a.steps, "batch_size": a.batch_size,
-                        "tokens_per_batch": a.tokens_per_batch, "rank": a.rank, "eps0": 1e-3, "lr": 1e-2,
+                        "tokens_per_batch": a.tokens_per_batch, "rank": a.rank, "detox_rank": a.detox_rank or a.rank,
+                        "sentiment_data": a.sentiment_data,
+                        **({"self_texts": a.self_texts} if a.sentiment_data == "self" else {}), "eps0": 1e-3, "lr": 1e-2,
                         "init_scale": a.init_scale, "l2": a.l2, "max_len_sst": 64, "max_len_jigsaw": 32},
         "paper": {"steps": 1000, "batch_size": 32, "rank": 1000, "l2": 1e-6, "init_var": 1e-2,
                   "samples_per_prompt": 25, "prompts": "all 5000 neutral / 2500 positive / 2500 negative"},
@@ -156,13 +174,31 @@ def main():
     C.log("evaluator accuracy", {k: v["accuracy"] for k, v in res["evaluators"].items()})
     save()
 
-    # ------------------------------------------------------------------ steers
+    # ------------------------------------------------------------------ prompts
     jig_test = C.jigsaw_splits(0)[2]
+    neutral = C.prompts("neutral", a.neutral_prompts, seed=0)
+    sets = {"neutral": neutral, **{k: C.prompts(k, a.prompts, seed=0) for k in ("positive", "negative")}}
+    tox_prompts = C.toxic_prefixes(*jig_test)[: a.prompts]
+    # held-out neutral prompts (never used for the reported numbers) for the dummy on/off choice
+    pool = C.prompt_pool("neutral", exclude=neutral)
+    sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
+    tox_sel = C.toxic_prefixes(*jig_test)[a.prompts: 2 * a.prompts]  # the toxic prompts after the reported ones
+    res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel, "held_out_select_toxic": tox_sel}
+
+    # ------------------------------------------------------------------ steers
     emb = np.asarray(lm.output_embeddings(), np.float32)
     steers = {}
     res.setdefault("training", {})
 
     def texts_values(name):
+        if name == "sentiment" and a.sentiment_data == "self":  # on-policy texts (~4 min to generate, cached)
+            labeler = EV.get_labeler(enc, a.sst_texts)
+            exclude = [p for ps in res["prompts"].values() for p in ps]  # every prompt this run scores
+            key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": a.self_texts,
+                   "exclude_sha256": hashlib.sha256(json.dumps(exclude).encode()).hexdigest()}
+            texts, values = C.cached_texts(work / f"texts_self{a.self_texts}.json", key,
+                                           lambda: C.self_generated_texts(lm, labeler, a.self_texts, exclude))
+            return texts, values[:, 0]
         if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
             texts, values = C.sentiment_steer_texts(a.sst_texts)
             return texts, values[:, 0]  # the binary values (the issue's)
@@ -170,7 +206,8 @@ def main():
 
     def steer_cache(name):
         """The steer ``name``'s hidden-state cache under --work (rebuilt when another run made it)."""
-        return C.cached_hidden(lm, work / f"cache_{name}.npz", lambda: texts_values(name),
+        own = "_self" if name == "sentiment" and a.sentiment_data == "self" else ""
+        return C.cached_hidden(lm, work / f"cache_{name}{own}.npz", lambda: texts_values(name),
                                max_len=64 if name == "sentiment" else 32)
 
     for name in ("sentiment", "detox"):
@@ -182,7 +219,8 @@ def main():
         cache = steer_cache(name)
         t_cache = time.time() - t0
         steps = a.steps if name == "sentiment" else (a.detox_steps or a.steps)
-        cfg_n = train.TrainConfig(rank=a.rank, steps=steps, batch_size=a.batch_size, l2=a.l2,
+        rank = a.rank if name == "sentiment" else (a.detox_rank or a.rank)
+        cfg_n = train.TrainConfig(rank=rank, steps=steps, batch_size=a.batch_size, l2=a.l2,
                                   init_scale=a.init_scale, tokens_per_batch=a.tokens_per_batch, log_every=10)
         C.log(f"training {name} steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg_n}")
         params, hist = train.train(cache, emb, cfg_n, progress=True)
@@ -247,23 +285,15 @@ def main():
         save()
         return m
 
-    neutral = C.prompts("neutral", a.neutral_prompts, seed=0)
-    sets = {"neutral": neutral, **{k: C.prompts(k, a.prompts, seed=0) for k in ("positive", "negative")}}
-    tox_prompts = C.toxic_prefixes(*jig_test)[: a.prompts]
-    # held-out neutral prompts (never used for the reported numbers) for the dummy on/off choice
-    pool = C.prompt_pool("neutral", exclude=neutral)
-    sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
-    res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel}
-
     # ------------------------------------------------------------------ steer strengths + dummy (held-out prompts)
-    tox_sel = C.toxic_prefixes(*jig_test)[a.prompts: 2 * a.prompts]  # the toxic prompts after the reported ones
-    res["prompts"]["held_out_select_toxic"] = tox_sel
     strengths = [float(x) for x in a.strengths.split(",")]
+    detox_strengths = [float(x) for x in (a.detox_strengths or a.strengths).split(",")]
     dummies = ("on", "off") if a.dummy == "auto" else (a.dummy,)
     selection = res.get("strength_selection")
-    if not selection or (selection["strengths"], selection["dummies"], selection["rule"]) != (
-            strengths, list(dummies), SELECTION_RULE):
-        selection = select_strengths(run, sel, tox_sel, strengths, dummies)
+    if not selection or (selection["strengths"], selection.get("detox_strengths", selection["strengths"]),
+                         selection["dummies"], selection["rule"]) != (strengths, detox_strengths, list(dummies),
+                                                                      SELECTION_RULE):
+        selection = select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths)
         res["strength_selection"] = selection
         res.pop("dummy_selection", None)  # superseded (the old rule looked at +/-5 only)
         save()
@@ -364,12 +394,17 @@ def main():
         res["highlight"] = hl
         save()
     st = res["setup"]["steer_train"]
+    on_what = (f"on {st['sst5_texts']} SST-5 train texts (half of train, class-balanced, PTB-tokenised as "
+               "distributed)" if a.sentiment_data == "sst5" else
+               f"on {a.self_texts} on-policy texts: SmolLM2's own continuations of 400 neutral prompts that this run "
+               f"never scores (x 4 samples), the {a.self_texts // 2} most positive +1 and the {a.self_texts // 2} "
+               f"least positive -1 by a MiniLM labeler trained on the {st['sst5_texts']} SST-5 steer texts (not the "
+               "evaluator)")
     res["notes"] = [
         f"Sentiment steer: {st['steps']} steps x {st['batch_size']} texts ({st['tokens_per_batch']} token rows per "
         f"step; a text's tail past the budget is cut), l2 {st['l2']:g}, init {st['init_scale']:g}, lr 1e-2, rank "
-        f"{st['rank']}, on {st['sst5_texts']} SST-5 train texts (half of train, class-balanced, PTB-tokenised as "
-        "distributed); paper: 1000 x 32 on all of SST-5. CPU budget: one step costs a [768 x 576] x [576 x 49152] "
-        "product and its backward.",
+        f"{st['rank']}, {on_what}; paper: 1000 x 32 on all of SST-5. CPU budget: one step costs a "
+        "[768 x 576] x [576 x 49152] product and its backward.",
         "Detox steer: {steps} steps x {batch_size} texts, l2 {l2:g}, init {init_scale:g}, on {texts} Jigsaw texts "
         "(non-toxic +1, toxic -1).".format(**{k: res["training"].get("detox", {}).get(k, "?")
                                                for k in ("steps", "batch_size", "l2", "init_scale", "texts")}),

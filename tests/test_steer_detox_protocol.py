@@ -95,6 +95,36 @@ def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
         C.self_generated_texts(FakeLM(), Labeler(), 10, exclude, n_prompts=2, samples=3)
 
 
+def test_self_detox_texts_start_from_trained_toxic_prefixes_and_put_the_least_toxic_at_plus_one():
+    """steer_detox --data self: continuations of the toxic prefixes of the steer's own Jigsaw texts,
+    never of an excluded (tested) prompt; the labeler's least toxic half is +1, the most toxic -1."""
+    import argparse
+
+    import steer_common as C
+
+    texts, values = C.jigsaw_steer_texts(600)
+    own = C.toxic_prefixes(texts, (values < 0).astype(int))
+    exclude = own[::3]
+    seen = []
+
+    class FakeLM:
+        def generate(self, prompts, max_new_tokens, temperature, top_p, seed, hooks):
+            seen.extend(prompts)
+            return [f" tox {(seed + i) % 89}" for i in range(len(prompts))]
+
+    class Labeler:  # P(toxic) grows with the number in the continuation
+        def prob(self, texts):
+            return np.asarray([int(t.split()[-1]) / 88 for t in texts])
+
+    a = argparse.Namespace(jigsaw_texts=600, self_texts=40, self_samples=2)
+    got, vals = D.self_detox_texts(FakeLM(), Labeler(), a, exclude)
+    assert set(seen) == set(own) - set(exclude) and len(got) == 40 and vals.shape == (40,)
+    tox = np.asarray([int(t.split()[-1]) for t in got])
+    assert (vals[:20] == -1).all() and (vals[20:] == 1).all()
+    assert tox[:20].min() >= tox[20:].max()  # -1: the most toxic continuations
+    assert all(any(t.startswith(p + " tox") for p in seen) for t in got)
+
+
 def test_cached_texts_are_made_once_per_key(tmp_path):
     """steer_sweep's on-policy texts are kept on disk by their recipe's key, so the hidden-state
     cache's key check does not regenerate them (~4 min) on every run."""
@@ -179,3 +209,30 @@ def test_a_sweeps_tested_choice_is_tabulated_and_judged_against_the_targets(tmp_
     assert P.tested_recipe_targets(tmp_path)[1].endswith("-> MISSED")
     assert "| 0.15 | +31% | missed |" in P.recipe_sweeps(tmp_path)
     assert P.tested_recipe_targets(tmp_path / "none") == []
+
+
+def test_other_runs_are_judged_at_their_held_out_choice(tmp_path):
+    """steer_plots' Targets lines for the other full runs (smollm2_<tag>.json, e.g. the on-policy
+    sentiment steer) use each run's held-out choice, and the detox protocol runs their ratio."""
+    import json
+
+    import steer_plots as P
+
+    def m(pos, ppl, tox=0.5):
+        return {"positivity": pos, "ppl_mean": ppl, "toxicity_prob": tox}
+
+    run = {"strength_selection": {"chosen": {"dummy": "off", "positive": 4.0, "negative": 6.0, "detox": 0.5}},
+           "metrics": {"neutral_base": m(0.5, 20.0), "neutral_s+4": m(0.81, 25.0), "neutral_s-6": m(0.15, 27.0),
+                       "neutral_s+8": m(0.99, 21.0),  # not the choice: never judged
+                       "toxic_base": m(0.3, 30.0, tox=0.8), "toxic_d+0.5": m(0.3, 31.0, tox=0.3)}}
+    (tmp_path / "smollm2_self.json").write_text(json.dumps(run))
+    (tmp_path / "smollm2_partial.json").write_text(json.dumps({"metrics": {}}))  # no choice yet: skipped
+    dx = {"result": {"ppl_rise": 0.08, "natural_prior": {"base_toxicity_prob": 0.3, "steered_toxicity_prob": 0.18,
+                                                          "ratio": 0.6}}}
+    (tmp_path / "detox_smollm2_self.json").write_text(json.dumps(dx))
+    lines = P.other_run_targets(tmp_path)
+    assert all("results_self.md" in x for x in lines[:5]) and len(lines) == 6
+    assert "(neutral_s+4) positivity >= 80%: measured 0.810 -> met" in lines[0]
+    assert "neutral_s-6 perplexity rise <= 30%: measured 0.350 -> MISSED" in lines[3]
+    assert "detox (toxic_d+0.5) halves toxicity probability: measured 0.375 -> met" in lines[4]
+    assert lines[5].endswith("ratio 0.600 at perplexity rise +0.080 -> halved MISSED")
