@@ -41,6 +41,9 @@ This script keeps the main run's detox steer recipe and changes the measurement 
         --init-scale 1e-2 --tokens-per-batch 768 --work /tmp/steer_detox_self --skip-prompts 60 --prompts 120 \
         --select-prompts 80 --select-samples 10 --strengths 2,4,6,8 --dummy off --curve "" \
         --out experiments/results/steer/detox_smollm2_self.json
+    .venv/bin/python experiments/steer_detox.py --work /tmp/steer_detox_self_rep --replicate \
+        experiments/results/steer/detox_smollm2_self.json --prompts 200 \
+        --out experiments/results/steer/detox_smollm2_self_replication.json
     .venv/bin/python experiments/steer_plots.py     # adds the tables to results.md
 
 Generations are cached under --work and every setting is written to the JSON at once (resumable).
