@@ -103,6 +103,16 @@ def self_generated_texts(lm, labeler, n: int, exclude: Sequence[str], n_prompts:
     return ranked_continuations(lm, labeler.prob, chosen, n, samples, max_new_tokens, seed, columns=2)
 
 
+def cached_self_texts(lm, labeler, n: int, exclude: Sequence[str], work: pathlib.Path) -> tuple[list, np.ndarray]:
+    """:func:`self_generated_texts` kept at ``work/texts_self{n}.json`` under a key of the model,
+    the labeler, ``n`` and the excluded prompts (in order), so that every run excluding the same
+    prompts (steer_sweep's ``_self`` configs, steer_smollm2 --sentiment-data self) shares them."""
+    key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": n,
+           "exclude_sha256": hashlib.sha256(json.dumps(list(exclude)).encode()).hexdigest()}
+    return cached_texts(pathlib.Path(work) / f"texts_self{n}.json", key,  # ~4 min to generate
+                        lambda: self_generated_texts(lm, labeler, n, exclude))
+
+
 def ranked_continuations(lm, score, prompt_list: Sequence[str], n: int, samples: int, max_new_tokens: int = 32,
                          seed: int = 1, columns: int = 1) -> tuple[list, np.ndarray]:
     """The unsteered model's top-p continuations of ``prompt_list``, ``samples`` each (seed

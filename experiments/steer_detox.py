@@ -209,9 +209,9 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
     else:
         cache = C.cached_hidden(lm, work / "cache_detox.npz", lambda: C.jigsaw_steer_texts(a.jigsaw_texts),
                                 max_len=32)
-    extra = {} if a.tokens_per_batch is None else {"tokens_per_batch": a.tokens_per_batch}
     cfg = train.TrainConfig(rank=recipe["rank"], steps=a.steps, batch_size=a.batch_size, l2=a.l2,
-                            init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind), **extra)
+                            init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind),
+                            tokens_per_batch=a.tokens_per_batch)
     C.log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
     params, hist = train.train(cache, emb, cfg, progress=True)
     artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],

@@ -23,7 +23,6 @@ the paper's values.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import pathlib
 import sys
@@ -194,10 +193,7 @@ def main():
         if name == "sentiment" and a.sentiment_data == "self":  # on-policy texts (~4 min to generate, cached)
             labeler = EV.get_labeler(enc, a.sst_texts)
             exclude = [p for ps in res["prompts"].values() for p in ps]  # every prompt this run scores
-            key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": a.self_texts,
-                   "exclude_sha256": hashlib.sha256(json.dumps(exclude).encode()).hexdigest()}
-            texts, values = C.cached_texts(work / f"texts_self{a.self_texts}.json", key,
-                                           lambda: C.self_generated_texts(lm, labeler, a.self_texts, exclude))
+            texts, values = C.cached_self_texts(lm, labeler, a.self_texts, exclude, work)
             return texts, values[:, 0]
         if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
             texts, values = C.sentiment_steer_texts(a.sst_texts)

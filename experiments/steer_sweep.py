@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import json
 import pathlib
 import re
@@ -213,10 +212,7 @@ def main(argv=None) -> int:
         res.setdefault("labelers", {})[labeler.meta["name"]] = {
             k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")}
         exclude = [p for ps in main_res["prompts"].values() for p in ps]
-        key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": SELF_TEXTS,
-               "exclude_sha256": hashlib.sha256(json.dumps(exclude).encode()).hexdigest()}
-        texts = lambda: C.cached_texts(work / f"texts_self{SELF_TEXTS}.json", key,  # ~4 min to generate
-                                       lambda: C.self_generated_texts(lm, labeler, SELF_TEXTS, exclude))
+        texts = lambda: C.cached_self_texts(lm, labeler, SELF_TEXTS, exclude, work)  # noqa: E731
         return C.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz", texts, MAX_LEN, BATCH)
 
     for name, cfg in configs.items():

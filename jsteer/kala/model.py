@@ -137,10 +137,13 @@ class KnowledgeModule(nn.Module):
         """Node representations for the KFM at ``layer`` (context [B,T,D]: its input): [N, De],
         or with ``mention`` (see :meth:`__call__`) [M, De], those nodes' rows."""
         ent = graph.nodes["entity"]
+
+        def lookup(ids):  # memory rows, zero for the null entity
+            return take_rows(self.memory, ids) * (ids != 0)[:, None].astype(self.memory.dtype)
+
         if self.kala.method != "relational":  # point-wise: a memory lookup per node
-            ent = ent if mention is None else ent[mention]
-            return take_rows(self.memory, ent) * (ent != 0)[:, None].astype(self.memory.dtype)
-        x = take_rows(self.memory, ent) * (ent != 0)[:, None].astype(self.memory.dtype)
+            return lookup(ent if mention is None else ent[mention])
+        x = lookup(ent)
         if mention is None:
             ctx = node_context(context, token_node, x.shape[0])
         else:  # the mentioned nodes' contexts only: every other node's is zero
