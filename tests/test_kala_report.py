@@ -1,0 +1,39 @@
+"""The KALA report's verdicts (experiments/kala_report.py): the issue's F1 targets are judged on
+paired per-seed gains over fine-tuning, and the whole-data section reads its own sweep files."""
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import kala_report as R  # noqa: E402
+
+
+def _run(variant, seed, f1, step=0.5, wall=100.0):
+    return {"variant": variant, "seed": seed, "f1": f1, "f1_seen": f1 + 1, "f1_unseen": f1 - 1,
+            "median_step_seconds": step, "train_seconds": wall, "steps": 10, "final_loss": 0.1, "params": 1e6}
+
+
+def _write(tmp_path, name, runs):
+    setup = {"train_size": 100, "test_size": 50, "epochs": 1, "batch_size": 16, "lr": 3e-4, "kala_lr": 1e-3,
+             "max_len": 64, "eval_split": "test"}
+    (tmp_path / name).write_text(json.dumps({"setup": setup, "runs": runs}))
+
+
+def test_f1_target_is_the_mean_paired_gain(tmp_path):
+    # CoNLL target +0.4: seed gains +1.0, +0.0, +0.5 -> mean +0.5 met; an unpaired extra seed is ignored
+    runs = [_run("finetune", s, f) for s, f in ((0, 80.0), (1, 81.0), (2, 79.0), (3, 70.0))]
+    runs += [_run("relational_edrop", s, f, step=0.55, wall=105.0) for s, f in ((0, 81.0), (1, 81.0), (2, 79.5))]
+    _write(tmp_path, "ner_conll_full.json", runs)
+    # NCBI target +1.0: +0.9 on every seed -> missed
+    _write(tmp_path, "ner_ncbi_full.json", [_run("finetune", s, 70.0) for s in range(3)]
+           + [_run("relational_edrop", s, 70.9) for s in range(3)])
+    text = R.full_data_lines(tmp_path)
+    conll = next(x for x in text.splitlines() if x.startswith("- CoNLL-2003 F1"))
+    assert "= +0.50 +- 0.50" in conll and "+1.00, +0.00, +0.50" in conll and "**met**" in conll
+    ncbi = next(x for x in text.splitlines() if x.startswith("- NCBI-Disease F1"))
+    assert "+0.90" in ncbi and "**missed**" in ncbi
+    # time: same seeds only (fine-tuning's seed 3 is left out), KALA over fine-tuning
+    assert "median step 0.550 s vs 0.500 s = 1.10x, train wall 105 s vs 100 s = 1.05x" in text
+    assert "every sentence of the split" in text
+    assert R.full_data_lines(tmp_path / "missing") == ""
