@@ -310,7 +310,7 @@ def full_data_lines(results: pathlib.Path = RESULTS) -> str:
         if all(steps):
             out.append(f"- {DATASETS[d]} time (same seeds): median step {steps[2]:.3f} s vs {steps[0]:.3f} s = "
                        f"{steps[2] / steps[0]:.2f}x, train wall {steps[3]:.0f} s vs {steps[1]:.0f} s = "
-                       f"{steps[3] / steps[1]:.2f}x (two sweeps shared the 2 cores: read the ratio, not the seconds)")
+                       f"{steps[3] / steps[1]:.2f}x (other jobs shared the 2 cores during these runs: read the ratio, not the seconds)")
     return "\n".join(out)
 
 
