@@ -201,11 +201,11 @@ def timing_sweep_lines(results: pathlib.Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def walltime_lines(results: pathlib.Path = RESULTS) -> str:
-    """The clean wall-time comparison of ``walltime.json`` (experiments/kala_walltime.py): per
-    dataset and cache state, each seed's fit wall and median step of fine-tuning and KALA, their
-    ratios, and the issue's <= 1.15x verdict on the median ratio."""
-    path = results / "walltime.json"
+def walltime_lines(results: pathlib.Path = RESULTS, name: str = "walltime.json") -> str:
+    """The clean wall-time comparison of ``name`` (experiments/kala_walltime.py): per dataset and
+    cache state, each seed's fit wall and median step of fine-tuning and KALA, their ratios, and
+    the issue's <= 1.15x verdict on the median ratio."""
+    path = results / name
     if not path.is_file():
         return ""
     res = json.loads(path.read_text())
@@ -359,6 +359,9 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "compiled steps from that cache (warm: any later run). Fit = first batch to last step, "
              "compiles included. Relational KALA with entity dropout 0.3 (the headline variant), default "
              "graph buckets (no smaller rungs).", "", walltime_lines(results) or "(not run yet)", "",
+             "The same with 2 smaller graph-bucket rungs (``--graph-rungs 2``, `walltime_rungs2.json`): only "
+             "the graph padding differs (and with it the dropout draws): less padded edge work, up to one more "
+             "compiled shape per rung:", "", walltime_lines(results, "walltime_rungs2.json") or "(not run yet)", "",
              "## Every run", "", seed_table(all_res, MAIN + edrop + [v for v in ABLATION + LAYERS if v not in MAIN])]
     notes = results / "notes.md"  # hand-written reading of the numbers (protocol choices, caveats)
     if notes.is_file():

@@ -1,6 +1,7 @@
 """Training wall time of relational KALA vs plain fine-tuning (issue 6's <= 15% target), measured cleanly.
 
     python experiments/kala_walltime.py --dataset conll ncbi --seeds 0 1 2
+    python experiments/kala_walltime.py --dataset ncbi --seeds 0 1 2 --graph-rungs 2   # walltime_rungs2.json
 
 The F1 sweeps (kala_ner.py) time their runs too, but on a shared CPU, one after another, with a
 persistent compilation cache that was cold for some runs and warm for others. Here every run is
@@ -43,7 +44,7 @@ PROTOCOL = {
 COMMON = dict(batch_size=16, lr=3e-4, kala_lr=1e-3, graph_rungs=0)
 
 
-def one_run(dataset: str, variant: str, seed: int, cache: str) -> dict:
+def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int = 0) -> dict:
     """Train one (dataset, variant, seed) in this process; the timing record."""
     import jax
 
@@ -64,7 +65,7 @@ def one_run(dataset: str, variant: str, seed: int, cache: str) -> dict:
     memory = kala_ner.cached_memory(dataset, lm, data, proto["train_size"], proto["max_len"])
     cfg = ktrain.TrainConfig(lr=COMMON["lr"], kala_lr=COMMON["kala_lr"], epochs=proto["epochs"],
                              max_len=proto["max_len"], batch_size=COMMON["batch_size"], seed=seed,
-                             graph_rungs=COMMON["graph_rungs"])
+                             graph_rungs=graph_rungs)
     model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory, seed=seed)
     steps = cfg.total_steps(len(data.train))
     shapes = collections.Counter(tuple(sorted((k, v.shape) for k, v in b.items())) for b in
@@ -105,17 +106,23 @@ def main(argv=None) -> int:
     ap.add_argument("--dataset", nargs="+", choices=sorted(PROTOCOL), default=["conll", "ncbi"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--variant", default="relational_edrop", help="the KALA variant compared with fine-tuning")
-    ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--one", nargs=4, metavar=("DATASET", "VARIANT", "SEED", "CACHE"), help=argparse.SUPPRESS)
+    ap.add_argument("--graph-rungs", type=int, default=COMMON["graph_rungs"],
+                    help="TrainConfig.graph_rungs (smaller graph buckets)")
+    ap.add_argument("--out", default=None, help="default: walltime.json, or walltime_rungs<N>.json with --graph-rungs N")
+    ap.add_argument("--one", nargs=5, metavar=("DATASET", "VARIANT", "SEED", "CACHE", "RUNGS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        ds, v, seed, cache = args.one
-        print("RESULT " + json.dumps(one_run(ds, v, int(seed), cache)), flush=True)
+        ds, v, seed, cache, rungs = args.one
+        print("RESULT " + json.dumps(one_run(ds, v, int(seed), cache, int(rungs))), flush=True)
         return 0
 
-    out = pathlib.Path(args.out)
+    rungs = args.graph_rungs
+    out = pathlib.Path(args.out or (OUT if rungs == COMMON["graph_rungs"] else OUT.with_name(f"walltime_rungs{rungs}.json")))
     res = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    res["protocol"] = {"datasets": PROTOCOL, **COMMON, "cpu_count": os.cpu_count(),
+    was = res.get("protocol", {}).get("graph_rungs", COMMON["graph_rungs"])
+    if res["runs"] and was != rungs:
+        raise SystemExit(f"{out}: its runs used graph_rungs={was}, not {rungs}; pass --out")
+    res["protocol"] = {"datasets": PROTOCOL, **COMMON, "graph_rungs": rungs, "cpu_count": os.cpu_count(),
                        "xla_flags": os.environ.get("XLA_FLAGS", "")}
     done = {(r["dataset"], r["variant"], r["seed"], r["cache"]) for r in res["runs"]}
     for ds in args.dataset:
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
                 try:
                     for state in ("cold", "warm"):
                         t0 = time.time()
-                        proc = subprocess.run([sys.executable, __file__, "--one", ds, v, str(seed), cache],
+                        proc = subprocess.run([sys.executable, __file__, "--one", ds, v, str(seed), cache, str(rungs)],
                                               capture_output=True, text=True)
                         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                         if proc.returncode or not lines:
