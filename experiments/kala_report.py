@@ -306,11 +306,12 @@ def full_data_lines(results: pathlib.Path = RESULTS) -> str:
         out.append(f"- {line}")
         ft = timed(same_seeds(res, "finetune", "relational_edrop"))
         kala = timed(same_seeds(res, "relational_edrop", "finetune"))
-        steps = [mean_std([r.get(k) for r in rs])[0] for rs in (ft, kala) for k in ("median_step_seconds", "train_seconds")]
-        if all(steps):
-            out.append(f"- {DATASETS[d]} time (same seeds): median step {steps[2]:.3f} s vs {steps[0]:.3f} s = "
-                       f"{steps[2] / steps[0]:.2f}x, train wall {steps[3]:.0f} s vs {steps[1]:.0f} s = "
-                       f"{steps[3] / steps[1]:.2f}x (other jobs shared the 2 cores during these runs: read the ratio, not the seconds)")
+        ft_step, ft_wall, k_step, k_wall = (mean_std([r.get(k) for r in rs])[0] for rs in (ft, kala)
+                                            for k in ("median_step_seconds", "train_seconds"))
+        if ft_step and ft_wall and k_step and k_wall:
+            out.append(f"- {DATASETS[d]} time (same seeds): median step {k_step:.3f} s vs {ft_step:.3f} s = "
+                       f"{k_step / ft_step:.2f}x, train wall {k_wall:.0f} s vs {ft_wall:.0f} s = "
+                       f"{k_wall / ft_wall:.2f}x (other jobs shared the 2 cores during these runs: read the ratio, not the seconds)")
     return "\n".join(out)
 
 
@@ -361,7 +362,7 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "graph buckets (no smaller rungs).", "", walltime_lines(results) or "(not run yet)", "",
              "The same with 2 smaller graph-bucket rungs (``--graph-rungs 2``, `walltime_rungs2.json`): only "
              "the graph padding differs (and with it the dropout draws): less padded edge work, up to one more "
-             "compiled shape per rung:", "", walltime_lines(results, "walltime_rungs2.json") or "(not run yet)", "",
+             "compiled shape per rung and length bucket:", "", walltime_lines(results, "walltime_rungs2.json") or "(not run yet)", "",
              "## Every run", "", seed_table(all_res, MAIN + edrop + [v for v in ABLATION + LAYERS if v not in MAIN])]
     notes = results / "notes.md"  # hand-written reading of the numbers (protocol choices, caveats)
     if notes.is_file():
