@@ -24,6 +24,16 @@ hyper-parameters, fine-tuning and the headline variant; about 2 hours for both d
     python experiments/kala_ner.py --dataset ncbi --max-len 128 --epochs 3 $P $F \
         --out experiments/results/kala/ner_ncbi_full.json
 
+NCBI-Disease on the whole data with the defined-term graph (``--graph-strategy abbreviation``,
+:mod:`jsteer.kala.builder`) instead of the frequent-n-gram one; the two variants in two processes
+side by side (one per core; each run's result is merged into the file as it ends)::
+
+    A="--dataset ncbi --max-len 128 --epochs 3 --train-size 100000 --test-size 100000 --graph-strategy abbreviation"
+    for V in "main --variants finetune --memory" "edrop --variants relational_edrop"; do
+        python experiments/kala_ner.py $A $P --groups $V \
+            --out experiments/results/kala/ner_ncbi_full_abbreviation.json &
+    done; wait
+
 The entity-dropout rate sweep on the dev split (``ner_<dataset>_dev.json``; the test runs' protocol;
 ``--graph-rungs`` only changes padding, the sweeps ran with the default 0)::
 
@@ -72,20 +82,27 @@ import os
 import pathlib
 import sys
 import time
+from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "experiments" / "results" / "kala"
 
 # the settings that define a sweep's protocol: runs are comparable only when these agree
-PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len", "eval_split")
+PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len", "eval_split",
+                 "graph_strategy")
 PROTOCOL_DEFAULTS = {"eval_split": "test"}  # what setups written before the key existed used
+
+
+def _setting(setup: dict, key: str):
+    if key == "graph_strategy" and key not in setup:  # older setups: their graph summary's
+        return (setup.get("graph") or {}).get("strategy")
+    return setup.get(key, PROTOCOL_DEFAULTS.get(key))
 
 
 def protocol_diff(a: dict, b: dict) -> dict:
     """{key: (a's, b's)} of the protocol settings in which two sweeps' setups differ."""
-    get = lambda d, k: d.get(k, PROTOCOL_DEFAULTS.get(k))  # noqa: E731
-    return {k: (get(a, k), get(b, k)) for k in PROTOCOL_KEYS if get(a, k) != get(b, k)}
+    return {k: (_setting(a, k), _setting(b, k)) for k in PROTOCOL_KEYS if _setting(a, k) != _setting(b, k)}
 
 
 def same_protocol(a: dict, b: dict) -> bool:
@@ -122,18 +139,27 @@ VARIANTS = {
 }
 
 
+def graph_key(name: str, strategy: Optional[str] = None) -> str:
+    """Name of a dataset's graph (its folder, its memory cache): the dataset's own for its default
+    lexicon strategy, ``<dataset>_<strategy>`` for another."""
+    return name if strategy in (None, DATASETS[name]["strategy"]) else f"{name}_{strategy}"
+
+
 def graph_dir(name: str) -> pathlib.Path:
     return ROOT / "runs" / "kala_graphs" / name
 
 
-def ensure_graph(name: str) -> pathlib.Path:
+def ensure_graph(name: str, strategy: Optional[str] = None) -> pathlib.Path:
+    """The dataset's graph folder, built on first use (a strategy other than its default: with the
+    builder's default min_count)."""
     from jsteer.kala.builder import build_graph
 
     spec = DATASETS[name]
-    out = graph_dir(name)
+    strategy = strategy or spec["strategy"]
+    out = graph_dir(graph_key(name, strategy))
     if not (out / "summary.json").is_file():
-        build_graph([DATA / spec[k] for k in ("train", "dev", "test")], out, strategy=spec["strategy"],
-                    min_count=spec["min_count"])
+        build_graph([DATA / spec[k] for k in ("train", "dev", "test")], out, strategy=strategy,
+                    min_count=spec["min_count"] if strategy == spec["strategy"] else 2)
     return out
 
 
@@ -151,6 +177,23 @@ def backfill_step_times(path: pathlib.Path, dataset: str) -> None:
             if len(iv) == r["steps"] - 1:  # one log line per step
                 r["median_step_seconds"] = statistics.median(iv)
     path.write_text(json.dumps(res, indent=1, default=str))
+
+
+def save_run(out_path: pathlib.Path, results: dict, run: dict) -> None:
+    """Add ``run`` to ``results`` and write them atomically, keeping the runs that another process
+    sweeping other variants into the same file (same protocol) has written meanwhile."""
+    if out_path.is_file():
+        on_disk = json.loads(out_path.read_text())
+        mine = {(r["variant"], r["seed"]) for r in results["runs"]}
+        diff = protocol_diff(on_disk.get("setup", {}), results["setup"]) if on_disk.get("runs") else {}
+        if diff:
+            raise SystemExit(f"{out_path}: another process wrote runs of another protocol {diff} meanwhile; "
+                             f"this run is not recorded")
+        results["runs"] += [r for r in on_disk.get("runs", []) if (r["variant"], r["seed"]) not in mine]
+    results["runs"].append(run)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    os.replace(tmp, out_path)
 
 
 def per_dataset(values: list, datasets: list[str], name: str) -> dict:
@@ -190,17 +233,18 @@ def setup_dataset(name: str, lm, args, train_size, test_size, max_len):
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
     t0 = time.time()
-    gdir = ensure_graph(name)
+    strategy = args.graph_strategy or spec["strategy"]
+    gdir = ensure_graph(name, strategy)
     labels = getattr(ner_lib, spec["labels"])
     data = pipeline.load_ner_data(DATA / spec["train"], DATA / spec[args.eval_split], gdir, lm.tokenizer, labels=labels,
                                   scheme=spec["scheme"], max_len=max_len, train_size=train_size,
                                   test_size=test_size)
-    memory = cached_memory(name, lm, data, train_size, max_len)
+    memory = cached_memory(graph_key(name, strategy), lm, data, train_size, max_len)
     subsets = data.subsets()
     setup = {
         "dataset": name, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
         "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr,
-        "max_len": max_len, "eval_split": args.eval_split, "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
+        "max_len": max_len, "eval_split": args.eval_split, "graph_strategy": strategy, "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
         "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
         "n_unseen_contexts": len(subsets["unseen"]), "unseen_min": pipeline.UNSEEN_MIN,
         "graph": json.loads((gdir / "summary.json").read_text()) | {"relations": None},
@@ -239,6 +283,8 @@ def measure_memory_only(lm, data, memory, variant: str, kw: dict, args, max_len:
 
 
 def main(argv=None) -> int:
+    from jsteer.kala.builder import STRATEGIES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", nargs="+", choices=sorted(DATASETS), required=True,
                     help="one or more datasets; runs go seed-major (seed 0 of every dataset first)")
@@ -252,6 +298,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kala-lr", type=float, default=1e-3)
     ap.add_argument("--graph-rungs", type=int, default=0, help="TrainConfig.graph_rungs (smaller graph buckets)")
     ap.add_argument("--max-len", nargs="+", type=int, default=[128], help="one, or one per dataset")
+    ap.add_argument("--graph-strategy", default=None, choices=STRATEGIES,
+                    help="the graph's lexicon strategy (jsteer.kala.builder), default: the dataset's (capitalised for "
+                         "conll, frequent for ncbi); another one builds runs/kala_graphs/<dataset>_<strategy>")
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--variants", nargs="*", default=None,
                     help="run only these variants of the groups, in this order (default: all, in table order)")
@@ -310,7 +359,7 @@ def main(argv=None) -> int:
                 model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
                                                      seed=seed)
                 t1 = time.time()
-                log = ROOT / "runs" / "kala_logs" / f"{name}_{variant}_{seed}.jsonl"
+                log = ROOT / "runs" / "kala_logs" / f"{graph_key(name, args.graph_strategy)}_{variant}_{seed}.jsonl"
                 log.unlink(missing_ok=True)
                 measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
                 fit = ktrain.fit(model, params, data.train, cfg, measure_memory=measure, log_path=log)
@@ -329,8 +378,7 @@ def main(argv=None) -> int:
                        "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
                        "params": fit.trainable_params, "eval_seconds": time.time() - t2,
                        "wall_seconds": time.time() - t1, "load_average": os.getloadavg()[0]}
-                results["runs"].append(run)
-                out_path.write_text(json.dumps(results, indent=1, default=str))
+                save_run(out_path, results, run)
                 print(f"{name} {variant} seed {seed}: F1 {scores['f1']:.2f} (seen {scores.get('f1_seen', 0):.1f}"
                       f" unseen {scores.get('f1_unseen', 0):.1f}) loss {fit.losses[-1]:.3f} "
                       f"{fit.examples_per_second:.1f} ex/s train {fit.train_seconds:.0f}s "

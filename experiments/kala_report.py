@@ -243,7 +243,8 @@ def setup_lines(all_res: dict, sizes: str = "seeded random subsets") -> str:
                    f"({sizes}), {s.get('epochs')} epoch(s), batch {s.get('batch_size')}, max length "
                    f"{s.get('max_len')} subwords (length-bucketed), AdamW lr {s.get('lr')} (backbone + head), KALA lr "
                    f"{s.get('kala_lr')}, {s.get('schedule', 'linear warmup + decay')} (warmup "
-                   f"{s.get('warmup_ratio', 0.1)}), clip 1.0, weight decay 0.01; entity vocabulary {s.get('entity_vocab')} "
+                   f"{s.get('warmup_ratio', 0.1)}), clip 1.0, weight decay 0.01; graph lexicon "
+                   f"{s.get('graph_strategy') or (s.get('graph') or {}).get('strategy')}, entity vocabulary {s.get('entity_vocab')} "
                    f"(+ null), {s.get('relations')} relations, {s.get('mean_nodes', 0):.1f} nodes / "
                    f"{s.get('mean_edges', 0):.1f} edges per training graph; test contexts seen "
                    f"{s.get('n_seen_contexts')}, unseen (>= {s.get('unseen_min')} unseen entities) "
@@ -289,11 +290,11 @@ def edrop_rate_lines(all_res: dict, results: pathlib.Path = RESULTS) -> str:
 FULL = [("finetune", "Fine-tuning"), ("relational_edrop", "KALA relational + entity dropout 0.3")]
 
 
-def full_data_lines(results: pathlib.Path = RESULTS) -> str:
-    """The whole-data runs (``ner_<ds>_full.json``: every training and test sentence, the subset
+def full_data_lines(results: pathlib.Path = RESULTS, suffix: str = "_full") -> str:
+    """The whole-data runs (``ner_<ds><suffix>.json``: every training and test sentence, the subset
     runs' hyper-parameters): F1 overall / seen / unseen, the F1 targets, and the step-time ratio
-    of the same seeds (both methods ran in one process, seed by seed, under the same load)."""
-    full = load(results, "_full")
+    of the same seeds (both methods ran under the same load)."""
+    full = load(results, suffix)
     if not full:
         return ""
     out = [setup_lines(full, "every sentence of the split"), ""]
@@ -330,6 +331,14 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "Fine-tuning and the headline variant on every training and test sentence, with the subset "
              "runs' hyper-parameters, epochs and entity-dropout rate (nothing re-tuned):", "",
              full_data_lines(results) or "(not run yet)", "",
+             "### NCBI-Disease, whole data, with the defined-term graph (`ner_ncbi_full_abbreviation.json`)", "",
+             "The same runs on a graph whose lexicon is the corpus' own defined terms and their abbreviations "
+             "(`jsteer kala build-graph --strategy abbreviation`: Schwartz-Hearst definitions, long and short form "
+             "one entity, plus frequent n-grams ending on a defined term's head word) instead of frequent "
+             "n-grams; fine-tuning and KALA ran side by side, one process each:", "",
+             full_data_lines(results, "_full_abbreviation") or "(not run yet)", "",
+             "Training wall time on that graph (`walltime_abbreviation.json`, kala_walltime.py's protocol "
+             "below):", "", walltime_lines(results, "walltime_abbreviation.json") or "(not run yet)", "",
              "### Entity-dropout rate, chosen on the dev split", "",
              "The rate of the runs above was set before any tuning; the sweep below scores it and other rates "
              "on the dev split (same training subset, seeds and protocol; the test split plays no part).", "",

@@ -2,6 +2,8 @@
 
     python experiments/kala_walltime.py --dataset conll ncbi --seeds 0 1 2
     python experiments/kala_walltime.py --dataset ncbi --seeds 0 1 2 --graph-rungs 2   # walltime_rungs2.json
+    python experiments/kala_walltime.py --dataset ncbi --seeds 0 1 2 --graph-strategy abbreviation
+                                                                    # walltime_abbreviation.json
 
 The F1 sweeps (kala_ner.py) time their runs too, but on a shared CPU, one after another, with a
 persistent compilation cache that was cold for some runs and warm for others. Here every run is
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import kala_ner  # noqa: E402
@@ -44,7 +47,8 @@ PROTOCOL = {
 COMMON = dict(batch_size=16, lr=3e-4, kala_lr=1e-3, graph_rungs=0)
 
 
-def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int = 0) -> dict:
+def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int = 0,
+            graph_strategy: Optional[str] = None) -> dict:
     """Train one (dataset, variant, seed) in this process; the timing record."""
     import jax
 
@@ -59,10 +63,11 @@ def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int 
     kw = dict(next(k for g in kala_ner.VARIANTS.values() for v, k in g if v == variant))
     lm = jsteer.load("minilm")
     data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"],
-                                  kala_ner.ensure_graph(dataset), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),
+                                  kala_ner.ensure_graph(dataset, graph_strategy), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),
                                   scheme=spec["scheme"], max_len=proto["max_len"], train_size=proto["train_size"],
                                   test_size=1)
-    memory = kala_ner.cached_memory(dataset, lm, data, proto["train_size"], proto["max_len"])
+    memory = kala_ner.cached_memory(kala_ner.graph_key(dataset, graph_strategy), lm, data, proto["train_size"],
+                                    proto["max_len"])
     cfg = ktrain.TrainConfig(lr=COMMON["lr"], kala_lr=COMMON["kala_lr"], epochs=proto["epochs"],
                              max_len=proto["max_len"], batch_size=COMMON["batch_size"], seed=seed,
                              graph_rungs=graph_rungs)
@@ -102,28 +107,38 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    from jsteer.kala.builder import STRATEGIES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", nargs="+", choices=sorted(PROTOCOL), default=["conll", "ncbi"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--variant", default="relational_edrop", help="the KALA variant compared with fine-tuning")
     ap.add_argument("--graph-rungs", type=int, default=COMMON["graph_rungs"],
                     help="TrainConfig.graph_rungs (smaller graph buckets)")
-    ap.add_argument("--out", default=None, help="default: walltime.json, or walltime_rungs<N>.json with --graph-rungs N")
-    ap.add_argument("--one", nargs=5, metavar=("DATASET", "VARIANT", "SEED", "CACHE", "RUNGS"), help=argparse.SUPPRESS)
+    ap.add_argument("--graph-strategy", default=None, choices=STRATEGIES,
+                    help="the graph's lexicon strategy (kala_ner.py --graph-strategy; default: each dataset's)")
+    ap.add_argument("--out", default=None, help="default: walltime.json, or walltime[_rungs<N>][_<strategy>].json "
+                                                "with --graph-rungs N / --graph-strategy")
+    ap.add_argument("--one", nargs=6, metavar=("DATASET", "VARIANT", "SEED", "CACHE", "RUNGS", "STRATEGY"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        ds, v, seed, cache, rungs = args.one
-        print("RESULT " + json.dumps(one_run(ds, v, int(seed), cache, int(rungs))), flush=True)
+        ds, v, seed, cache, rungs, strategy = args.one
+        rec = one_run(ds, v, int(seed), cache, int(rungs), None if strategy == "-" else strategy)
+        print("RESULT " + json.dumps(rec), flush=True)
         return 0
 
-    rungs = args.graph_rungs
-    out = pathlib.Path(args.out or (OUT if rungs == COMMON["graph_rungs"] else OUT.with_name(f"walltime_rungs{rungs}.json")))
+    rungs, strategy = args.graph_rungs, args.graph_strategy
+    name = "walltime" + (f"_rungs{rungs}" if rungs != COMMON["graph_rungs"] else "") + (f"_{strategy}" if strategy else "")
+    out = pathlib.Path(args.out or OUT.with_name(f"{name}.json"))
     res = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    was = res.get("protocol", {}).get("graph_rungs", COMMON["graph_rungs"])
-    if res["runs"] and was != rungs:
-        raise SystemExit(f"{out}: its runs used graph_rungs={was}, not {rungs}; pass --out")
-    res["protocol"] = {"datasets": PROTOCOL, **COMMON, "graph_rungs": rungs, "cpu_count": os.cpu_count(),
-                       "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    was = res.get("protocol", {})
+    was = (was.get("graph_rungs", COMMON["graph_rungs"]), was.get("graph_strategy"))
+    if res["runs"] and was != (rungs, strategy):
+        raise SystemExit(f"{out}: its runs used (graph_rungs, graph_strategy)={was}, not {(rungs, strategy)}; "
+                         f"pass --out")
+    res["protocol"] = {"datasets": PROTOCOL, **COMMON, "graph_rungs": rungs, "graph_strategy": strategy,
+                       "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     done = {(r["dataset"], r["variant"], r["seed"], r["cache"]) for r in res["runs"]}
     for ds in args.dataset:
         for seed in args.seeds:
@@ -135,7 +150,8 @@ def main(argv=None) -> int:
                 try:
                     for state in ("cold", "warm"):
                         t0 = time.time()
-                        proc = subprocess.run([sys.executable, __file__, "--one", ds, v, str(seed), cache, str(rungs)],
+                        proc = subprocess.run([sys.executable, __file__, "--one", ds, v, str(seed), cache, str(rungs),
+                                               strategy or "-"],
                                               capture_output=True, text=True)
                         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                         if proc.returncode or not lines:

@@ -7,8 +7,11 @@ Model: all-MiniLM-L6-v2 encoder (every weight trained) -> masked mean pool -> a 
 
     .venv/bin/python experiments/steer_evaluators.py [--epochs 2]
 
-The trained evaluators are cached as Orbax artifacts under out/steer_evaluators/{sentiment,
-toxicity} (the accuracies travel in their metadata); reruns load them instead of retraining.
+The trained evaluators are cached as Orbax artifacts under out/steer_evaluators/ (the accuracies
+travel in their metadata); reruns load them instead of retraining. The cache is keyed by the
+training recipe (:func:`cache_path`: ``sentiment`` / ``toxicity`` for the default 2 epochs on whole
+splits, ``toxicity_e0.8_n1600_t1000`` for ``--epochs 0.8 --max-train 1600 --max-test 1000``), so
+recipes that differ never load each other's evaluator.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pathlib
 import re
 import sys
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -176,16 +179,31 @@ def toxicity_data():
     return clf, test
 
 
-def _cached(path: pathlib.Path, enc, train, retrain: bool = False) -> Evaluator:
-    """The classifier saved at ``path``; if absent (or ``retrain``), ``train(enc)`` -> a fitted
-    Evaluator with its meta, saved there first."""
+def cache_path(name: str, epochs: float = 2.0, max_train: int = 0, max_test: int = 0) -> pathlib.Path:
+    """Where :func:`get` caches evaluator ``name`` trained with this recipe: ``CACHE/<name>`` for
+    the default (2 epochs, whole splits), else ``CACHE/<name>_e<epochs>[_n<max_train>][_t<max_test>]``."""
+    if (epochs, max_train, max_test) == (2.0, 0, 0):
+        return CACHE / name
+    return CACHE / (f"{name}_e{epochs:g}" + (f"_n{max_train}" if max_train else "") + (f"_t{max_test}" if max_test else ""))
+
+
+def _cached(path: pathlib.Path, enc, train, retrain: bool = False, recipe: Optional[dict] = None) -> Evaluator:
+    """The classifier saved at ``path``; if absent (or ``retrain``, or saved with another
+    ``recipe`` than its metadata's), ``train(enc)`` -> a fitted Evaluator with its meta (and
+    ``recipe``), saved there first."""
     from jsteer.io import load_artifact, save_artifact
 
     enc = enc if enc is not None else jsteer.load("minilm")
     if path.exists() and not retrain:
         tree, meta = load_artifact(path)
-        return Evaluator(enc, jax.tree.map(jnp.asarray, tree), meta)
+        # caches written before the key held the recipe knew only their epochs
+        saved = meta.get("recipe") or (recipe and {**recipe, "epochs": meta.get("epochs")})
+        if saved == recipe:
+            return Evaluator(enc, jax.tree.map(jnp.asarray, tree), meta)
+        C.log(f"{path} was trained with {saved}, not {recipe}: retraining it")
     ev = train(enc)
+    if recipe is not None:
+        ev.meta["recipe"] = dict(recipe)
     save_artifact(path, ev.params, ev.meta)
     return ev
 
@@ -216,7 +234,8 @@ def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_tra
         C.log(f"{name} evaluator: test accuracy {acc:.4f}")
         return ev
 
-    return _cached(CACHE / name, enc, train, retrain)
+    recipe = {"epochs": epochs, "max_train": max_train, "max_test": max_test}
+    return _cached(cache_path(name, epochs, max_train, max_test), enc, train, retrain, recipe)
 
 
 def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0, task: str = "sentiment") -> Evaluator:

@@ -1,15 +1,17 @@
 """LM-Steer on SmolLM2-135M: sentiment steering (continuous control, Table 3 layout),
 detoxification, composition, transfer, interpretation and highlighting.
 
-    .venv/bin/python experiments/steer_evaluators.py --only sentiment --epochs 0.74
-    .venv/bin/python experiments/steer_evaluators.py --only toxicity --epochs 0.8 --max-train 1600 --max-test 1000
-    .venv/bin/python experiments/steer_smollm2.py [--work /tmp/steer_exp2] [--values=-5,-3,3,5,-1,1,7,-2,2]
+    .venv/bin/python experiments/steer_smollm2.py --evaluators quick [--work /tmp/steer_exp2] \
+        [--values=-5,-3,3,5,-1,1,7,-2,2]
     .venv/bin/python experiments/steer_smollm2.py --sentiment-data self --rank 32 --detox-rank 1000 \
         --strengths 3,4,5,6,8 --detox-strengths 0.5,1,2,3,5 --dummy off --values=-8,-6,-4,-2,2,4,6,8 \
         --samples 10 --work /tmp/steer_main_self --out experiments/results/steer/smollm2_self.json
     .venv/bin/python experiments/steer_plots.py     # tables (results.md) + plots
 
-The evaluators are cached under out/steer_evaluators (trained there if absent). Stages cache
+The evaluators are cached under out/steer_evaluators, keyed by their recipe (trained there if
+absent): ``--evaluators full`` (default) fine-tunes each for 2 epochs on its whole split (as
+steer_detox.py's and steer_sweep.py's), ``quick`` is smollm2.json's CPU-sized recipe (sentiment 0.74
+epochs; toxicity 0.8 epochs on 1600 texts, accuracy on 1000). Stages cache
 their outputs under --work (hidden-state caches, steer artifacts, generations), and every
 evaluated setting is written to experiments/results/steer/smollm2.json at once, so an
 interrupted run resumes and a partial run still yields results. The sentiment dummy steer is
@@ -36,6 +38,11 @@ import steer_common as C  # noqa: E402
 
 import jsteer  # noqa: E402
 from jsteer.steer import artifact, head, highlight, interpret, train, transfer  # noqa: E402
+
+# steer_evaluators.get's keyword arguments per --evaluators recipe
+EVALUATOR_RECIPES = {"full": {"sentiment": {}, "toxicity": {}},
+                     "quick": {"sentiment": {"epochs": 0.74},
+                               "toxicity": {"epochs": 0.8, "max_train": 1600, "max_test": 1000}}}
 
 
 def parse():
@@ -68,6 +75,8 @@ def parse():
     ap.add_argument("--strengths", default="0.5,1,1.5,2,3,5",
                     help="candidate steer values (x eps0), chosen on held-out prompts (see SELECTION_RULE)")
     ap.add_argument("--detox-strengths", default=None, help="candidate detox values (default: --strengths)")
+    ap.add_argument("--evaluators", choices=tuple(EVALUATOR_RECIPES), default="full",
+                    help="the sentiment / toxicity evaluators' training recipe (see the docstring)")
     ap.add_argument("--dummy", default="auto", choices=("auto", "on", "off"),
                     help="sentiment dummy steer at generation; auto: chosen on held-out prompts")
     ap.add_argument("--deadline", default=None, help="HH:MM UTC: stop generating new settings after this")
@@ -167,7 +176,7 @@ def main():
     import steer_evaluators as EV
 
     enc = jsteer.load("minilm")
-    pos_clf, tox_clf = EV.get("sentiment", enc), EV.get("toxicity", enc)
+    pos_clf, tox_clf = (EV.get(k, enc, **EVALUATOR_RECIPES[a.evaluators][k]) for k in ("sentiment", "toxicity"))
     res["evaluators"] = {k: {kk: vv for kk, vv in c.meta.items() if kk not in ("loss", "loss_steps", "name")}
                          for k, c in (("sentiment", pos_clf), ("toxicity", tox_clf))}
     C.log("evaluator accuracy", {k: v["accuracy"] for k, v in res["evaluators"].items()})

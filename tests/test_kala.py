@@ -609,6 +609,32 @@ def test_lexicon_mining_matching_and_patterns():
     assert ("breast", "cancer") in lower.uncased and lower.match(["Breast", "Cancer"])[0].id == "breast cancer"
 
 
+
+def test_abbreviation_lexicon_defined_terms_short_forms_and_heads():
+    sents = [s.split() for s in [
+        "Mutations cause adenomatous polyposis coli ( APC ) in families .",
+        "Patients with Pendred syndrome ( PDS ) or Denys - Drash syndrome ( DDS ) , and his sister ( see text ) .",
+        "Usher syndrome and Noonan disease were rare ; Usher syndrome was seen ( 5 ) .",
+        "Noonan disease , not the results ( XYZ ) , was common ( in 3 % ) .",
+    ]]
+    assert builder._long_form("APC", "mutations cause adenomatous polyposis coli".split()) == \
+        ["adenomatous", "polyposis", "coli"]
+    assert builder._long_form("XYZ", "not the results".split()) is None
+    pairs = builder.mine_abbreviations(sents)
+    assert set(pairs) == {(("adenomatous", "polyposis", "coli"), ("APC",)), (("pendred", "syndrome"), ("PDS",)),
+                          (("denys", "-", "drash", "syndrome"), ("DDS",))}  # not 'see text', '5', 'XYZ', 'in 3 %'
+    lex = builder.mine_lexicon(sents, "abbreviation", min_count=2, common_top=5)
+    # 'syndrome' ends two long forms, so the frequent 'usher syndrome' joins; 'noonan disease' has no such head
+    assert lex.entity_ids() == {"adenomatous polyposis coli", "pendred syndrome", "denys - drash syndrome",
+                                "usher syndrome"}
+    ms = lex.match("The APC and apc genes ; PDS , Pendred Syndrome and USHER syndrome".split())
+    assert [(m.text, m.id) for m in ms] == [("APC", "adenomatous polyposis coli"), ("PDS", "pendred syndrome"),
+                                           ("Pendred Syndrome", "pendred syndrome"), ("USHER syndrome", "usher syndrome")]
+    with pytest.raises(ValueError, match="'abbreviation'"):
+        builder.mine_lexicon(sents, "abbreviations")
+    from jsteer.kala import cli as kala_cli
+    assert kala_cli.STRATEGIES is builder.STRATEGIES
+
 def test_build_graph_ignores_labels(tmp_path):
     text = ["EU B-ORG", "rejects O", "German B-MISC", "call O", "", "The O", "German B-MISC", "minister O", "met O",
             "the O", "EU B-ORG", "envoy O", ""]

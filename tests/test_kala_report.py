@@ -5,7 +5,10 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+import kala_ner  # noqa: E402
 import kala_report as R  # noqa: E402
 
 
@@ -37,3 +40,34 @@ def test_f1_target_is_the_mean_paired_gain(tmp_path):
     assert "median step 0.550 s vs 0.500 s = 1.10x, train wall 105 s vs 100 s = 1.05x" in text
     assert "every sentence of the split" in text
     assert R.full_data_lines(tmp_path / "missing") == ""
+
+
+def test_other_graph_sweep_renders_from_its_suffix(tmp_path):
+    _write(tmp_path, "ner_ncbi_full_abbreviation.json", [_run("finetune", s, 70.0) for s in range(2)]
+           + [_run("relational_edrop", s, 71.5) for s in range(2)])
+    assert R.full_data_lines(tmp_path) == ""  # no ner_*_full.json
+    text = R.full_data_lines(tmp_path, "_full_abbreviation")
+    assert "NCBI-Disease F1" in text and "+1.50" in text and "**met**" in text
+
+
+def test_graph_strategy_is_protocol_and_parallel_sweeps_merge(tmp_path):
+    base = {"train_size": 100, "test_size": 50, "epochs": 1, "batch_size": 16, "lr": 3e-4, "kala_lr": 1e-3,
+            "max_len": 64, "eval_split": "test"}
+    old = base | {"graph": {"strategy": "frequent"}}  # written before graph_strategy was a setup key
+    assert kala_ner.protocol_diff(old, base | {"graph_strategy": "frequent"}) == {}
+    assert kala_ner.protocol_diff(old, base | {"graph_strategy": "abbreviation"}) == {
+        "graph_strategy": ("frequent", "abbreviation")}
+    # two processes sweep different variants into one file: each save keeps the other's runs
+    out = tmp_path / "ner_ncbi_x.json"
+    a = {"setup": base | {"graph_strategy": "abbreviation"}, "runs": []}
+    b = json.loads(json.dumps(a))
+    kala_ner.save_run(out, a, _run("relational_edrop", 0, 71.0))
+    kala_ner.save_run(out, b, _run("finetune", 0, 70.0))
+    kala_ner.save_run(out, a, _run("relational_edrop", 1, 72.0))
+    got = sorted((r["variant"], r["seed"]) for r in json.loads(out.read_text())["runs"])
+    assert got == [("finetune", 0), ("relational_edrop", 0), ("relational_edrop", 1)]
+    assert not out.with_name(out.name + ".tmp").exists()
+    other = {"setup": base | {"graph_strategy": "frequent"}, "runs": []}
+    with pytest.raises(SystemExit, match="graph_strategy"):
+        kala_ner.save_run(out, other, _run("finetune", 1, 70.0))
+    assert len(json.loads(out.read_text())["runs"]) == 3

