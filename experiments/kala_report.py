@@ -316,6 +316,22 @@ def full_data_lines(results: pathlib.Path = RESULTS, suffix: str = "_full") -> s
     return "\n".join(out)
 
 
+def lexicon_quality_lines(results: pathlib.Path = RESULTS) -> str:
+    """What each lexicon strategy finds of the gold mentions (``lexicon_quality_<ds>.json``,
+    experiments/kala_lexicon_quality.py; labels used only to score), on the test split."""
+    lines = ["| dataset | lexicon strategy | entries | mentions / sentence | precision (overlap / exact) | "
+             "recall (overlap) |", "|---|---|---|---|---|---|"]
+    for ds, label in DATASETS.items():
+        p = results / f"lexicon_quality_{ds}.json"
+        if not p.is_file():
+            continue
+        for strategy, r in json.loads(p.read_text())["strategies"].items():
+            t = r["test"]
+            lines.append(f"| {label} | {strategy} | {t['lexicon_size']} | {t['mentions_per_sentence']:.2f} | "
+                         f"{t['precision_overlap']:.3f} / {t['precision_exact']:.3f} | {t['recall_overlap']:.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def report(results: pathlib.Path = RESULTS) -> str:
     all_res = load(results)
     if not all_res:
@@ -335,7 +351,9 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "The same runs on a graph whose lexicon is the corpus' own defined terms and their abbreviations "
              "(`jsteer kala build-graph --strategy abbreviation`: Schwartz-Hearst definitions, long and short form "
              "one entity, plus frequent n-grams ending on a defined term's head word) instead of frequent "
-             "n-grams; fine-tuning and KALA ran side by side, one process each:", "",
+             "n-grams; fine-tuning and KALA ran side by side, one process each. What each lexicon finds of the "
+             "test split's gold mentions (`lexicon_quality_<dataset>.json`, experiments/kala_lexicon_quality.py; "
+             "the labels only score the builder's output):", "", lexicon_quality_lines(results), "",
              full_data_lines(results, "_full_abbreviation") or "(not run yet)", "",
              "Training wall time on that graph (`walltime_abbreviation.json`, kala_walltime.py's protocol "
              "below):", "", walltime_lines(results, "walltime_abbreviation.json") or "(not run yet)", "",

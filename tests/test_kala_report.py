@@ -71,3 +71,17 @@ def test_graph_strategy_is_protocol_and_parallel_sweeps_merge(tmp_path):
     with pytest.raises(SystemExit, match="graph_strategy"):
         kala_ner.save_run(out, other, _run("finetune", 1, 70.0))
     assert len(json.loads(out.read_text())["runs"]) == 3
+
+
+def test_lexicon_quality_counts_overlaps_against_gold_spans():
+    import kala_lexicon_quality as Q
+    from jsteer.kala.builder import Lexicon
+
+    lex = Lexicon(cased={("APC",): "apc"}, uncased={("breast", "cancer"): "breast cancer", ("loci",): "loci"})
+    sents = [("breast cancer and APC loci".split(), [(0, 2), (3, 4)]),  # exact, exact, spurious
+             ("the breast cancer gene".split(), [(1, 4)]),  # overlaps, not exact
+             ("no mention of colon cancer".split(), [(3, 5)])]  # missed
+    got = Q.score(lex, sents)
+    assert (got["mentions"], got["gold_spans"]) == (4, 4)
+    assert got["precision_overlap"] == 3 / 4 and got["precision_exact"] == 2 / 4 and got["recall_overlap"] == 3 / 4
+    assert got["mentions_per_sentence"] == 4 / 3
