@@ -308,6 +308,26 @@ def test_training_batches_carry_graphs_only_for_knowledge_models():
         assert ("graph_senders" in batch) == has_graph and "token_node" in batch
 
 
+
+def test_fine_tuning_batches_do_not_depend_on_the_graphs():
+    """A batch whose graph overflows its length bucket's graph buckets is padded to a longer
+    length for KALA; a model that ignores graphs gets the same token arrays whatever the graphs."""
+    from jsteer.kala import data as kdata
+    from jsteer.kala import train as ktrain
+
+    ex = tiny_encoded_example()  # 4 tokens: length bucket 32, a 2-node graph
+    no_graph = dict(ex, graph=ExampleGraph.empty(), token_node=np.full(4, -1, np.int32))
+    buckets = {32: (1, 1, 1), 64: (64, 64, 64)}  # 32's graph buckets cannot hold 2 nodes
+    grown = next(kdata.batches([ex] * 2, 2, graph_min=buckets))[1]
+    assert grown["input_ids"].shape == (2, 64)
+    for graph_examples in ([ex] * 2, [no_graph] * 2):
+        b = next(kdata.batches(graph_examples, 2, graph_min=buckets, graph=False))[1]
+        assert b["input_ids"].shape == (2, 32)
+    cfg = ktrain.TrainConfig(batch_size=2, seed=1)
+    model = KalaModel(tiny_bert(), KalaConfig(method="finetune", num_entities=3), num_labels=2)
+    a, b = (next(iter(ktrain._Endless.for_model(model, exs, cfg, "ner"))) for exs in ([ex] * 4, [no_graph] * 4))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a if k not in ("token_node",))
+
 def test_training_stream_resumes_at_its_saved_position():
     """The batch stream's state() / set_state() continue exactly where a run stopped, across
     epochs (what the trainer checkpoints for --resume)."""

@@ -270,14 +270,19 @@ def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, se
             keys: Sequence[str] = ("input_ids", "labels"), length: Optional[int] = None,
             group_by_length: bool = False,
             graph_min: Union[None, tuple[int, ...], Mapping[int, tuple[int, ...]]] = None,
-            graph_rungs: int = 0) -> Iterator[tuple[np.ndarray, dict]]:
+            graph_rungs: int = 0, graph: bool = True) -> Iterator[tuple[np.ndarray, dict]]:
     """Yield (indices of the examples in the batch, collated batch). Without shuffle the order
     is the input order; the last batch is padded with empty rows. ``group_by_length`` (with
     shuffle): sort each run of 16 batches' worth of shuffled examples by length and shuffle the
     resulting batches, so most batches land in a short length bucket. ``graph_min``: graph
     buckets, default :func:`graph_buckets` of the examples; ``graph_rungs``: see
-    :func:`collate`."""
-    graph_min = graph_buckets(examples, batch_size, length=length) if graph_min is None else graph_min
+    :func:`collate`. ``graph=False`` (a model that ignores the graph, e.g. fine-tuning): no graph
+    buckets, so no batch is padded to a longer length for its graph's sake and the batches'
+    token arrays do not depend on the graphs."""
+    if not graph:
+        graph_min = (0, 0)
+    elif graph_min is None:
+        graph_min = graph_buckets(examples, batch_size, length=length)
     order = np.arange(len(examples))
     rng = np.random.default_rng(seed)
     if shuffle:

@@ -176,7 +176,8 @@ class _Endless:
     def __iter__(self):
         while True:
             batches = kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
-                                    seed=self.seed * 1000 + self._epoch, keys=self.keys, graph_rungs=self.graph_rungs)
+                                    seed=self.seed * 1000 + self._epoch, keys=self.keys, graph_rungs=self.graph_rungs,
+                                    graph=self.graph)
             n = 0
             for i, (_, batch) in enumerate(batches):
                 n = i + 1
@@ -262,7 +263,8 @@ def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_
         return forward(model, params, batch).logits
 
     preds: list = [None] * len(examples)
-    for idx, batch in kdata.batches(examples, batch_size, keys=("input_ids", "labels", "word_index")):
+    for idx, batch in kdata.batches(examples, batch_size, keys=("input_ids", "labels", "word_index"),
+                                    graph=model.kala.uses_knowledge):
         wi = batch["word_index"]
         arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)), -1))
         for r, i in enumerate(idx):
@@ -292,7 +294,7 @@ def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], 
         return forward(model, params, batch).logits
 
     out: list = [None] * len(features)
-    for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa")):
+    for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa"), graph=model.kala.uses_knowledge):
         lg = np.asarray(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)))
         for r, i in enumerate(idx):
             out[i] = lg[r, :len(features[i]["input_ids"])]
