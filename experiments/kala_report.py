@@ -387,6 +387,10 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "compiled steps from that cache (warm: any later run). Fit = first batch to last step, "
              "compiles included. Relational KALA with entity dropout 0.3 (the headline variant), default "
              "graph buckets (no smaller rungs).", "", walltime_lines(results) or "(not run yet)", "",
+             "CoNLL-2003 again after fine-tuning's batches stopped growing to a longer length bucket for its "
+             "graph's sake (`kdata.batches(graph=False)`, session 31; the readings above predate it, so "
+             "fine-tuning paid some graph-driven padding there; `walltime_conll_padfix.json`):", "",
+             walltime_lines(results, "walltime_conll_padfix.json") or "(not run yet)", "",
              "The same with 2 smaller graph-bucket rungs (``--graph-rungs 2``, `walltime_rungs2.json`): only "
              "the graph padding differs (and with it the dropout draws): less padded edge work, up to one more "
              "compiled shape per rung and length bucket:", "", walltime_lines(results, "walltime_rungs2.json") or "(not run yet)", "",
