@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     tokens = [list(s.tokens) for k in ("train", "dev", "test") for s in splits[k]]
     out = {"dataset": args.dataset, "strategies": {}}
     for strategy in args.strategies:
-        min_count = spec["min_count"] if strategy == spec["strategy"] else 2
+        min_count = kala_ner.graph_min_count(args.dataset, strategy)
         lexicon = builder.mine_lexicon(tokens, strategy, min_count)
         out["strategies"][strategy] = {"min_count": min_count, **{
             k: score(lexicon, [(list(s.tokens), [(a, b) for _, a, b in entities(s.tags)]) for s in splits[k]])

@@ -94,7 +94,8 @@ PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_
 PROTOCOL_DEFAULTS = {"eval_split": "test"}  # what setups written before the key existed used
 
 
-def _setting(setup: dict, key: str):
+def protocol_setting(setup: dict, key: str):
+    """A sweep setup's value of protocol key ``key``, with the defaults of setups written before it existed."""
     if key == "graph_strategy" and key not in setup:  # older setups: their graph summary's
         return (setup.get("graph") or {}).get("strategy")
     return setup.get(key, PROTOCOL_DEFAULTS.get(key))
@@ -102,7 +103,8 @@ def _setting(setup: dict, key: str):
 
 def protocol_diff(a: dict, b: dict) -> dict:
     """{key: (a's, b's)} of the protocol settings in which two sweeps' setups differ."""
-    return {k: (_setting(a, k), _setting(b, k)) for k in PROTOCOL_KEYS if _setting(a, k) != _setting(b, k)}
+    return {k: (protocol_setting(a, k), protocol_setting(b, k)) for k in PROTOCOL_KEYS
+            if protocol_setting(a, k) != protocol_setting(b, k)}
 
 
 def same_protocol(a: dict, b: dict) -> bool:
@@ -145,6 +147,12 @@ def graph_key(name: str, strategy: Optional[str] = None) -> str:
     return name if strategy in (None, DATASETS[name]["strategy"]) else f"{name}_{strategy}"
 
 
+def graph_min_count(name: str, strategy: str) -> int:
+    """The lexicon's min_count for a dataset's graph: the dataset's for its default strategy, the
+    builder's default (2) for another."""
+    return DATASETS[name]["min_count"] if strategy == DATASETS[name]["strategy"] else 2
+
+
 def graph_dir(name: str) -> pathlib.Path:
     return ROOT / "runs" / "kala_graphs" / name
 
@@ -159,7 +167,7 @@ def ensure_graph(name: str, strategy: Optional[str] = None) -> pathlib.Path:
     out = graph_dir(graph_key(name, strategy))
     if not (out / "summary.json").is_file():
         build_graph([DATA / spec[k] for k in ("train", "dev", "test")], out, strategy=strategy,
-                    min_count=spec["min_count"] if strategy == spec["strategy"] else 2)
+                    min_count=graph_min_count(name, strategy))
     return out
 
 

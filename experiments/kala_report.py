@@ -15,7 +15,7 @@ import statistics
 import sys
 from typing import Optional
 
-from kala_ner import same_protocol, timed  # the harness experiment (same directory)
+from kala_ner import protocol_setting, same_protocol, timed  # the harness experiment (same directory)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "kala"
@@ -244,7 +244,7 @@ def setup_lines(all_res: dict, sizes: str = "seeded random subsets") -> str:
                    f"{s.get('max_len')} subwords (length-bucketed), AdamW lr {s.get('lr')} (backbone + head), KALA lr "
                    f"{s.get('kala_lr')}, {s.get('schedule', 'linear warmup + decay')} (warmup "
                    f"{s.get('warmup_ratio', 0.1)}), clip 1.0, weight decay 0.01; graph lexicon "
-                   f"{s.get('graph_strategy') or (s.get('graph') or {}).get('strategy')}, entity vocabulary {s.get('entity_vocab')} "
+                   f"{protocol_setting(s, 'graph_strategy')}, entity vocabulary {s.get('entity_vocab')} "
                    f"(+ null), {s.get('relations')} relations, {s.get('mean_nodes', 0):.1f} nodes / "
                    f"{s.get('mean_edges', 0):.1f} edges per training graph; test contexts seen "
                    f"{s.get('n_seen_contexts')}, unseen (>= {s.get('unseen_min')} unseen entities) "
