@@ -263,6 +263,27 @@ def test_graph_buckets_per_length_bucket_and_shared_doubling():
     assert kdata.collate(huge, 4, graph_min=mins)["graph_senders"].size == rnd(2 * e64)
 
 
+def test_graph_buckets_hold_all_but_two_percent_of_length_grouped_batches():
+    """A short batch whose graph overflows moves to a longer length bucket (twice the tokens):
+    the buckets are sized so that about 2% of B length-adjacent examples overflow, not 5%."""
+    from jsteer.kala import data as kdata
+
+    rng = np.random.default_rng(0)
+    b, examples = 8, []
+    for length in rng.integers(3, 31, 2000):  # heavy-tailed edge counts that grow with the length
+        n_node, n_edge = int(rng.integers(1, 4)), int(rng.geometric(1.0 / (1 + 2 * length)))
+        g = ExampleGraph(entity=np.arange(1, n_node + 1, dtype=np.int32), senders=np.zeros(n_edge, np.int32),
+                         receivers=np.zeros(n_edge, np.int32), relation=np.ones(n_edge, np.int32), n_local=n_node)
+        tn = np.full(length, -1, np.int32)
+        tn[:n_node] = np.arange(n_node)
+        examples.append({"input_ids": np.ones(length, np.int32), "graph": g, "token_node": tn})
+    _, e32, _ = kdata.graph_buckets(examples, b)[32]
+    edges = np.asarray([e["graph"].n_edge for e in sorted(examples, key=lambda e: len(e["input_ids"]))])
+    windows = np.convolve(edges, np.ones(b), "valid")
+    assert np.mean(windows > e32) <= 0.02
+    assert np.mean(windows > e32 * 4 // 5) > 0.02  # and not much larger: a quarter octave less would not do
+
+
 def test_smaller_graph_rungs_shrink_nodes_and_edges_together():
     from jsteer.kala.graph import stack_graphs
 
