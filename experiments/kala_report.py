@@ -235,6 +235,27 @@ def walltime_lines(results: pathlib.Path = RESULTS, name: str = "walltime.json")
     return "\n".join(lines + [""] + [f"- {x}" for x in verdicts])
 
 
+def step_overhead_lines(results: pathlib.Path = RESULTS) -> str:
+    """experiments/kala_step_overhead.py's interleaved train-step times: per backbone and length
+    bucket, each method's median step and its ratio to fine-tuning's."""
+    path = results / "step_overhead.json"
+    if not path.is_file():
+        return ""
+    res = json.loads(path.read_text())
+    names = {"finetune": "fine-tuning", "pointwise": "point-wise", "relational_edrop": "relational + edrop"}
+    lines = ["| backbone | T | " + " | ".join(f"{n} step (ms)" for n in names.values()) + " | trainable params "
+             "(FT / relational) |", "|---|---|" + "---|" * len(names) + "---|"]
+    for backbone, r in res["backbones"].items():
+        for t, per in r["steps"].items():
+            cells = [f"{per[v]['median_step_seconds'] * 1e3:.0f}" + ("" if v == "finetune" else
+                                                                      f" ({per[v]['ratio_to_finetune']:.3f}x)")
+                     for v in names if v in per]
+            pr = r["params"]
+            lines.append(f"| {backbone} | {t} | " + " | ".join(cells) +
+                         f" | {pr['finetune'] / 1e6:.1f}M / {pr['relational_edrop'] / 1e6:.1f}M |")
+    return "\n".join(lines)
+
+
 def setup_lines(all_res: dict, sizes: str = "seeded random subsets") -> str:
     out = []
     for d, res in all_res.items():
@@ -394,6 +415,15 @@ def report(results: pathlib.Path = RESULTS) -> str:
              "The same with 2 smaller graph-bucket rungs (``--graph-rungs 2``, `walltime_rungs2.json`): only "
              "the graph padding differs (and with it the dropout draws): less padded edge work, up to one more "
              "compiled shape per rung and length bucket:", "", walltime_lines(results, "walltime_rungs2.json") or "(not run yet)", "",
+             "CoNLL-2003 again with short batches' graph buckets sized for 98% of length-grouped batches "
+             "instead of 95% (session 32; fewer batches move to the 64-subword bucket for their graph's "
+             "sake; `walltime_conll_p98.json`):", "",
+             walltime_lines(results, "walltime_conll_p98.json") or "(not run yet)", "",
+             "### Train-step cost, interleaved (experiments/kala_step_overhead.py; `step_overhead.json`)", "",
+             "One process, each method's compiled train step timed in rounds on the same CoNLL-2003 batches "
+             "(B = 16), so that machine drift hits every method alike; MiniLM as in the runs above, and "
+             "BERT-base's shape (the paper's backbone; random weights, which a step's time does not "
+             "depend on):", "", step_overhead_lines(results) or "(not run yet)", "",
              "## Every run", "", seed_table(all_res, MAIN + edrop + [v for v in ABLATION + LAYERS if v not in MAIN])]
     notes = results / "notes.md"  # hand-written reading of the numbers (protocol choices, caveats)
     if notes.is_file():

@@ -85,3 +85,14 @@ def test_lexicon_quality_counts_overlaps_against_gold_spans():
     assert (got["mentions"], got["gold_spans"]) == (4, 4)
     assert got["precision_overlap"] == 3 / 4 and got["precision_exact"] == 2 / 4 and got["recall_overlap"] == 3 / 4
     assert got["mentions_per_sentence"] == 4 / 3
+
+
+def test_step_overhead_table_gives_each_method_against_fine_tuning(tmp_path):
+    assert R.step_overhead_lines(tmp_path) == ""
+    per = {"finetune": 0.200, "pointwise": 0.210, "relational_edrop": 0.224}
+    steps = {v: {"median_step_seconds": s, "ratio_to_finetune": s / 0.2, "steps_timed": 8} for v, s in per.items()}
+    (tmp_path / "step_overhead.json").write_text(json.dumps({"backbones": {"minilm": {
+        "params": {"finetune": 22_600_000, "pointwise": 25_700_000, "relational_edrop": 27_700_000},
+        "steps": {"32": steps}}}}))
+    row = next(x for x in R.step_overhead_lines(tmp_path).splitlines() if x.startswith("| minilm"))
+    assert row == "| minilm | 32 | 200 | 210 (1.050x) | 224 (1.120x) | 22.6M / 27.7M |"

@@ -1,0 +1,145 @@
+"""Per-step cost of KALA over plain fine-tuning, measured interleaved (robust to machine drift).
+
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \\
+        python experiments/kala_step_overhead.py            # -> experiments/results/kala/step_overhead.json
+
+kala_walltime.py times whole fits, one process after another; on this VM a process's KALA steps
+run a few percent faster or slower than the next process's (same config, same values), which is
+as large as the margin to the <= 1.15x target. Here one process compiles the train step (AdamW,
+clipping, donated state: what :func:`jsteer.kala.train.fit` runs) of fine-tuning, point-wise and
+relational KALA (+ entity dropout) once each, on the same CoNLL-2003 batches as
+``walltime.json``'s protocol, and times them in rounds (a few steps of each method per round), so
+drift hits all methods alike. Per length bucket T (the shapes a run trains on: 32 and 64
+subwords, B = 16) and two backbones:
+
+- ``minilm``: the embedded all-MiniLM-L6-v2 (6 layers, hidden 384; KFM at layers 3 and 5);
+- ``bert-base``: BERT-base's shape (12 layers, hidden 768; KFM at layers 9 and 11, the paper's
+  setting), randomly initialised: a step's time does not depend on the weights' values, and
+  BERT-base weights are not available offline.
+
+Also reported: each model's trainable parameters (the knowledge module's AdamW update is
+bandwidth-bound, so its cost follows its size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import kala_ner  # noqa: E402
+import kala_walltime  # noqa: E402
+
+OUT = kala_ner.OUT / "step_overhead.json"
+VARIANTS = ("finetune", "pointwise", "relational_edrop")
+
+
+def step_fn(model, params, cfg, total: int):
+    """The jitted, donated AdamW train step :func:`jsteer.kala.train.fit` runs, and its state."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jsteer.kala import train as ktrain
+    from jsteer.train import make_optimizer, resolve_labels
+
+    loss_fn = ktrain.ner_loss(model)
+    ocfg = ktrain.optimizer_config(cfg, total)
+    opt = make_optimizer(ocfg, resolve_labels(params, ocfg), total)[0]
+
+    def step(p, s, batch, rng):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, batch, rng)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    params = jax.tree.map(jnp.copy, params)  # donated: never the loaded backbone's own buffers
+    return jax.jit(step, donate_argnums=(0, 1)), [params, opt.init(params)]
+
+
+def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
+    """{T: {variant: median step seconds}} and trainable parameter counts, interleaved."""
+    import jax
+    import jax.numpy as jnp
+
+    import jsteer
+    from jsteer.backbones.bert import BertConfig
+    from jsteer.data import ner as ner_lib
+    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala.model import KalaConfig
+
+    proto, spec = kala_walltime.PROTOCOL["conll"], kala_ner.DATASETS["conll"]
+    lm = jsteer.load("minilm")  # its tokenizer (BERT's uncased vocabulary) serves both backbones
+    data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"],
+                                  kala_ner.ensure_graph("conll"), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),
+                                  scheme=spec["scheme"], max_len=proto["max_len"], train_size=proto["train_size"],
+                                  test_size=1)
+    if backbone == "minilm":
+        config, encoder = lm.config, lm.params["encoder"]
+        memory = kala_ner.cached_memory(kala_ner.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
+    else:
+        config, encoder, memory = BertConfig(), None, None  # random init (memory too)
+    cfg = ktrain.TrainConfig(lr=kala_walltime.COMMON["lr"], kala_lr=kala_walltime.COMMON["kala_lr"],
+                             epochs=proto["epochs"], max_len=proto["max_len"],
+                             batch_size=kala_walltime.COMMON["batch_size"], seed=0)
+    total = cfg.total_steps(len(data.train))
+    out: dict = {"params": {}, "steps": {}}
+    for t in lengths:
+        steps = {}
+        for v in VARIANTS:
+            kw = dict(next(k for g in kala_ner.VARIANTS.values() for name, k in g if name == v))
+            model, params = pipeline.build_model(config, encoder, data, KalaConfig(**kw), memory, seed=0)
+            out["params"][v] = ktrain.count_params(params)
+            stream = ktrain._Endless.for_model(model, data.train, cfg, "ner")
+            batches = [jax.tree.map(jnp.asarray, b) for b in
+                       itertools.islice((b for b in stream if b["input_ids"].shape[1] == t), per_round)]
+            f, state = step_fn(model, params, cfg, total)
+            state[0], state[1], loss = f(state[0], state[1], batches[0], jax.random.PRNGKey(0))  # compile
+            float(loss)
+            steps[v] = (f, state, batches)
+        times = {v: [] for v in steps}
+        for r in range(rounds):
+            for v, (f, state, batches) in steps.items():
+                for i, b in enumerate(batches):
+                    t0 = time.perf_counter()
+                    state[0], state[1], loss = f(state[0], state[1], b, jax.random.PRNGKey(r * per_round + i))
+                    float(loss)
+                    times[v].append(time.perf_counter() - t0)
+        med = {v: float(np.median(x)) for v, x in times.items()}
+        out["steps"][str(t)] = {v: {"median_step_seconds": med[v], "ratio_to_finetune": med[v] / med["finetune"],
+                                    "steps_timed": len(times[v])} for v in med}
+        print(backbone, f"T={t}", {v: f"{med[v] * 1e3:.1f} ms ({med[v] / med['finetune']:.3f}x)" for v in med},
+              flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backbones", nargs="+", choices=("minilm", "bert-base"), default=["minilm", "bert-base"])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[32, 64])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--per-round", type=int, default=4, help="steps of each method per round (distinct batches)")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    import os
+
+    res = {"protocol": {"dataset": "conll", **kala_walltime.PROTOCOL["conll"], **kala_walltime.COMMON,
+                        "rounds": args.rounds, "per_round": args.per_round, "cpu_count": os.cpu_count(),
+                        "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
+           "backbones": {b: measure(b, args.lengths, args.rounds, args.per_round) for b in args.backbones}}
+    out = pathlib.Path(args.out)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
