@@ -141,6 +141,11 @@ VARIANTS = {
 }
 
 
+def variant_config(variant: str) -> dict:
+    """The KalaConfig keyword arguments of a variant of :data:`VARIANTS` (any group)."""
+    return dict(next(kw for group in VARIANTS.values() for v, kw in group if v == variant))
+
+
 def graph_key(name: str, strategy: Optional[str] = None) -> str:
     """Name of a dataset's graph (its folder, its memory cache): the dataset's own for its default
     lexicon strategy, ``<dataset>_<strategy>`` for another."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -45,20 +46,10 @@ def step_fn(model, params, cfg, total: int):
     """The jitted, donated AdamW train step :func:`jsteer.kala.train.fit` runs, and its state."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     from jsteer.kala import train as ktrain
-    from jsteer.train import make_optimizer, resolve_labels
 
-    loss_fn = ktrain.ner_loss(model)
-    ocfg = ktrain.optimizer_config(cfg, total)
-    opt = make_optimizer(ocfg, resolve_labels(params, ocfg), total)[0]
-
-    def step(p, s, batch, rng):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, batch, rng)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
+    step, opt = ktrain.adamw_step(ktrain.ner_loss(model), params, cfg, total)
     params = jax.tree.map(jnp.copy, params)  # donated: never the loaded backbone's own buffers
     return jax.jit(step, donate_argnums=(0, 1)), [params, opt.init(params)]
 
@@ -90,16 +81,18 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
                              batch_size=kala_walltime.COMMON["batch_size"], seed=0)
     total = cfg.total_steps(len(data.train))
     out: dict = {"params": {}, "steps": {}}
+    methods = {}
+    for v in VARIANTS:
+        model, params = pipeline.build_model(config, encoder, data, KalaConfig(**kala_ner.variant_config(v)), memory,
+                                             seed=0)
+        out["params"][v] = ktrain.count_params(params)
+        methods[v] = (model, *step_fn(model, params, cfg, total))
     for t in lengths:
         steps = {}
-        for v in VARIANTS:
-            kw = dict(next(k for g in kala_ner.VARIANTS.values() for name, k in g if name == v))
-            model, params = pipeline.build_model(config, encoder, data, KalaConfig(**kw), memory, seed=0)
-            out["params"][v] = ktrain.count_params(params)
+        for v, (model, f, state) in methods.items():
             stream = ktrain._Endless.for_model(model, data.train, cfg, "ner")
             batches = [jax.tree.map(jnp.asarray, b) for b in
                        itertools.islice((b for b in stream if b["input_ids"].shape[1] == t), per_round)]
-            f, state = step_fn(model, params, cfg, total)
             state[0], state[1], loss = f(state[0], state[1], batches[0], jax.random.PRNGKey(0))  # compile
             float(loss)
             steps[v] = (f, state, batches)
@@ -127,8 +120,6 @@ def main(argv=None) -> int:
     ap.add_argument("--per-round", type=int, default=4, help="steps of each method per round (distinct batches)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
-    import os
-
     res = {"protocol": {"dataset": "conll", **kala_walltime.PROTOCOL["conll"], **kala_walltime.COMMON,
                         "rounds": args.rounds, "per_round": args.per_round, "cpu_count": os.cpu_count(),
                         "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")},

@@ -60,7 +60,7 @@ def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int 
     from jsteer.kala.model import KalaConfig
 
     proto, spec = PROTOCOL[dataset], kala_ner.DATASETS[dataset]
-    kw = dict(next(k for g in kala_ner.VARIANTS.values() for v, k in g if v == variant))
+    kw = kala_ner.variant_config(variant)
     lm = jsteer.load("minilm")
     data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"],
                                   kala_ner.ensure_graph(dataset, graph_strategy), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),

@@ -329,7 +329,6 @@ def test_training_batches_carry_graphs_only_for_knowledge_models():
         assert ("graph_senders" in batch) == has_graph and "token_node" in batch
 
 
-
 def test_fine_tuning_batches_do_not_depend_on_the_graphs():
     """A batch whose graph overflows its length bucket's graph buckets is padded to a longer
     length for KALA; a model that ignores graphs gets the same token arrays whatever the graphs."""
@@ -348,6 +347,7 @@ def test_fine_tuning_batches_do_not_depend_on_the_graphs():
     model = KalaModel(tiny_bert(), KalaConfig(method="finetune", num_entities=3), num_labels=2)
     a, b = (next(iter(ktrain._Endless.for_model(model, exs, cfg, "ner"))) for exs in ([ex] * 4, [no_graph] * 4))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a if k not in ("token_node",))
+
 
 def test_training_stream_resumes_at_its_saved_position():
     """The batch stream's state() / set_state() continue exactly where a run stopped, across

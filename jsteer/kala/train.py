@@ -112,18 +112,27 @@ def qa_loss(model: KalaModel) -> Callable:
     return loss_fn
 
 
-def step_memory_bytes(loss_fn: Callable, params, batch, cfg: TrainConfig, total_steps: int) -> Optional[int]:
-    """Bytes XLA plans for one AdamW train step (arguments + outputs + temporaries - aliased),
-    from an ahead-of-time compile of the same loss; None where the backend does not say."""
+def adamw_step(loss_fn: Callable, params, cfg: TrainConfig,
+               total_steps: int) -> tuple[Callable, optax.GradientTransformation]:
+    """(step, optimizer): ``step(params, opt_state, batch, rng) -> (params, opt_state, loss)``, one
+    un-jitted update with :func:`optimizer_config`'s AdamW on ``loss_fn`` (its optimiser state:
+    ``optimizer.init(params)``)."""
     ocfg = optimizer_config(cfg, total_steps)
     opt = make_optimizer(ocfg, resolve_labels(params, ocfg), total_steps)[0]
-    opt_state = jax.eval_shape(opt.init, params)
 
     def step(params, opt_state, batch, rng):
         (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return step, opt
+
+
+def step_memory_bytes(loss_fn: Callable, params, batch, cfg: TrainConfig, total_steps: int) -> Optional[int]:
+    """Bytes XLA plans for one AdamW train step (arguments + outputs + temporaries - aliased),
+    from an ahead-of-time compile of the same loss; None where the backend does not say."""
+    step, opt = adamw_step(loss_fn, params, cfg, total_steps)
+    opt_state = jax.eval_shape(opt.init, params)
     try:
         ma = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, jax.random.PRNGKey(0)) \
             .compile().memory_analysis()
