@@ -1,27 +1,62 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine (see experiments/device_bundle.sh, which builds .gpu/).
-# Through the device tool: run(command="bash experiments/device_check.sh", carry=[".gpu"]).
-# Writes under $OUT (8 files at most come back): the train-step anatomy (jsteer bf16 / fp32 vs HF
-# bf16, experiments/gpu_step_anatomy.py), KALA train throughput + MFU at batch 32 and 256 (jsteer
-# fine-tuning vs KALA vs HF PyTorch, bf16), bench_train's BERT-base bf16 MFU, and the random-config
-# parity tests run with jax on the GPU (HF torch references on the host).
-# Step limits sum to 560 s: run it with timeout_s=580. Session 29's H100 results (before the
-# float32 scatter accumulation): experiments/results/gpu_h100_2026-11-26/.
+# The prepared run on a lent GPU machine (issue #36): jsteer against HF PyTorch on the same chip,
+# bf16 compute. Through the device tool, after `bash experiments/device_bundle.sh` here:
+#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=560)
+# Per-step limits sum to 540 s (+ ~15 s set-up; session 33's H200 run took 410 s + 138 s), under the 9 minutes that leave a rerun inside
+# the session's 15. $OUT gets (8 files at most come back): gpu.txt (chip, clocks, versions),
+# log.txt, attention.json, bert.json, decoder_train.json, decode.json (each part's jax and torch
+# halves merged; experiments/bench_gpu.py) and kala_b256.json (experiments/bench_kala.py).
+# Earlier runs: experiments/results/gpu_*/.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5  # leave the other half to torch in the same process
 mkdir -p ../shared && ln -sfn "$PWD/.gpu/data" ../shared/data
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax, flax, optax, orbax.checkpoint as oc, torch, transformers as t; \
 print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'torch', torch.__version__, \
-'transformers', t.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-step() { echo "=== $1"; shift; "$@" 2>&1 | tee -a "$OUT/log.txt" | grep -vE "Warning|warn\(" | tail -25; }
-step "anatomy" timeout 120 python3 experiments/gpu_step_anatomy.py --out "$OUT/step_anatomy.json"
-step "kala b32" timeout 120 python3 experiments/bench_kala.py --steps 10 --rounds 3 --out "$OUT/kala_b32.json"
-step "kala b256" timeout 100 python3 experiments/bench_kala.py --batch-size 256 --examples 4096 --steps 6 \
-  --rounds 3 --graph-rungs 0 --out "$OUT/kala_b256.json"
-step "bert-base bf16" timeout 100 python3 experiments/bench_train.py --steps 20 --out "$OUT/bench_train.json"
-step "parity on gpu" timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" \
-  tests/test_bert.py tests/test_llama.py tests/test_gpt2.py tests/test_kala.py tests/test_steer.py
+'transformers', t.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu.txt"
+step() { echo "=== $1 ($(date +%T))"; shift; "$@" 2>&1 | tee -a "$OUT/log.txt" | grep -vE "Warning|warn\(" | tail -12; }
+B="python3 experiments/bench_gpu.py"
+# one framework per process for the big parts, so each may take 90% of the GPU's memory
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+step "decoder-train jax" timeout 90 $B --part decoder-train --framework jax --reps 4 --out /tmp/parts/dt_jax.json
+step "decoder-train torch" timeout 30 $B --part decoder-train --framework torch --reps 4 --out /tmp/parts/dt_torch.json
+step "decode jax" timeout 100 $B --part decode --framework jax --reps 3 --out /tmp/parts/de_jax.json
+step "decode torch" timeout 90 $B --part decode --framework torch --reps 3 --out /tmp/parts/de_torch.json
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45  # jax and torch share the process
+step "attention" timeout 30 $B --part attention --framework both --reps 10 --out "$OUT/attention.json"
+step "bert" timeout 100 $B --part bert --framework both --reps 6 --out "$OUT/bert.json"
+step "kala b256" timeout 100 python3 experiments/bench_kala.py --batch-size 256 --examples 4096 --steps 5 \
+  --rounds 2 --graph-rungs 0 --out "$OUT/kala_b256.json"
+python3 - "$OUT" <<'PYEOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for name, parts in (("decoder_train", ("dt_jax", "dt_torch")), ("decode", ("de_jax", "de_torch"))):
+    merged = {}
+    for p in parts:
+        f = pathlib.Path("/tmp/parts") / f"{p}.json"
+        if not f.exists():
+            merged.setdefault("missing", []).append(p)
+            continue
+        d = json.loads(f.read_text())
+        runs = d.pop("runs", None)
+        merged.setdefault("env", {})[p] = {k: d.pop(k) for k in list(d) if k in (
+            "framework", "jax", "flax", "jax_device", "torch", "transformers", "torch_device", "wall_s")}
+        for k, v in d.items():
+            merged.setdefault(k, v)
+        if runs is not None:
+            for b, r in runs.items():
+                merged.setdefault("runs", {}).setdefault(b, {}).update(r)
+        for k in ("jsteer", "hf"):
+            if k in d:
+                merged[k] = d[k]
+    if "jsteer" in merged and "hf" in merged:
+        merged["jsteer_over_hf_examples_per_s"] = merged["jsteer"]["examples_per_s"] / merged["hf"]["examples_per_s"]
+    for b, r in merged.get("runs", {}).items():
+        hf = [r[k]["tokens_per_s"] for k in ("hf_dynamic", "hf_static") if "tokens_per_s" in r.get(k, {})]
+        if "jsteer" in r and hf:
+            r["jsteer_over_best_hf"] = r["jsteer"]["tokens_per_s"] / max(hf)
+    (out / f"{name}.json").write_text(json.dumps(merged, indent=1) + "\n")
+    print(name, json.dumps(merged)[:1500])
+PYEOF
