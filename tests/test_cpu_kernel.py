@@ -156,8 +156,10 @@ def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatc
     assert built.parent == tmp_path / "kernels" and built.exists()
     stamp = built.stat().st_mtime_ns
     assert cpu._build() == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
-    assert sorted(p.name for p in built.parent.iterdir()) == [built.name]  # no temp files left
+    # the library and its sha256 record; no temp files left
+    assert sorted(p.name for p in built.parent.iterdir()) == [built.name, built.name + ".sha256"]
     built.unlink()
+    built.with_name(built.name + ".sha256").unlink()
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with pytest.raises(RuntimeError, match="compiling small_gemm.cc failed"):
         cpu._build()

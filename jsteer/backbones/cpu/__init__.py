@@ -2,26 +2,34 @@
 
 A decode step multiplies B rows (one token per sequence) by every weight matrix, so its time is
 the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot reads them at about half the
-memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md); ``small_gemm.cc`` reads each weight once, contiguously, from a packed copy
-(``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
+memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md); ``small_gemm.cc`` reads each
+weight once, contiguously, from a packed copy (``pack``: [K, N] -> column panels [ceil(N/48), K, 48])
+and keeps the output in registers.
 
     wp = pack(w)                        # once per weight, outside the decode loop
     y = small_gemm(x, wp, n=w.shape[1])  # x [M, K] -> y [M, N] == x @ w (fp32)
 
 The kernel is compiled at first use (g++ -O3 -march=native, about 2 s) into ``cache_dir()``
-and registered with XLA as the custom call ``jsteer_small_gemm``. ``available()`` is False, and
-callers keep XLA's dot, when the backend is not CPU, the CPU lacks AVX-512F, no C++ compiler is
-found, or ``JSTEER_CPU_KERNELS=0``; the reason is in ``unavailable_reason()``.
+($JSTEER_CACHE/kernels, ~/.cache/jsteer/kernels, or when that is not writable a 0700 folder
+``jsteer-kernels-<uid>`` in the temp directory), with its sha256 recorded beside it in
+``<name>.so.sha256``, and registered with XLA as the custom call ``jsteer_small_gemm``. A cached
+library is loaded only from a folder this user owns that group and others cannot write, and only
+if its sha256 matches the record (otherwise it is rebuilt). ``available()`` is False, and callers
+keep XLA's dot, when the backend is not CPU, the CPU lacks AVX-512F, no C++ compiler is found,
+the cache folder is refused, or ``JSTEER_CPU_KERNELS=0``; the reason is in ``unavailable_reason()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import pathlib
+import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 from typing import Optional
@@ -38,18 +46,56 @@ _SOURCE = pathlib.Path(__file__).with_name("small_gemm.cc")
 _reason: Optional[str] = None
 
 
+class UnsafeCacheError(RuntimeError):
+    """The kernel cache folder could be written by another user: nothing in it is built or loaded."""
+
+
 def cache_dir() -> pathlib.Path:
     """Where built kernels live: $JSTEER_CACHE/kernels, else ~/.cache/jsteer/kernels, else (not
-    writable) a per-user folder in the temp directory."""
+    writable) a per-user folder in the temp directory, created with mode 0700. Raises
+    UnsafeCacheError when the folder is not owned by this user or is writable by group or others."""
+    path, fd = _open_cache_dir()
+    os.close(fd)
+    return path
+
+
+def _open_cache_dir() -> tuple[pathlib.Path, int]:
+    """cache_dir() and an open descriptor of that folder, checked on the descriptor: every later
+    access goes through it, so renaming a folder on the way there afterwards changes nothing."""
     root = os.environ.get("JSTEER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jsteer")
     path = pathlib.Path(root) / "kernels"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK)
     except OSError:
+        writable = False
+    if writable:
+        return path, _open_private_dir(path, follow_link=True)  # the user's own path: a link may be on purpose
+    # a name anyone can predict in a world-writable folder: another user may have made it (or a link) first
+    path = pathlib.Path(tempfile.gettempdir()) / f"jsteer-kernels-{os.geteuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
         pass
-    return pathlib.Path(tempfile.gettempdir()) / f"jsteer-kernels-{os.getuid()}"
+    return path, _open_private_dir(path, follow_link=False)
+
+
+def _open_private_dir(path: pathlib.Path, follow_link: bool) -> int:
+    """An O_DIRECTORY descriptor of path if this user owns it and group / others cannot write it."""
+    if not follow_link and path.is_symlink():
+        raise UnsafeCacheError(f"refusing the kernel cache folder {path}: it is a symbolic link")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow_link else os.O_NOFOLLOW))
+    st = os.fstat(fd)
+    problem = None
+    if st.st_uid != os.geteuid():
+        problem = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+    if problem:
+        os.close(fd)
+        raise UnsafeCacheError(f"refusing the kernel cache folder {path}: {problem}; "
+                               "chmod 700 it, or point JSTEER_CACHE to a private folder")
+    return fd
 
 
 def _cpu_flags() -> str:
@@ -65,9 +111,9 @@ def _cpu_has_avx512f() -> bool:
     return " avx512f" in _cpu_flags()
 
 
-def _build() -> pathlib.Path:
-    """Compile small_gemm.cc once per (source, jax, compiler, flags, CPU features) into cache_dir();
-    atomic (a temp file renamed into place)."""
+def _recipe() -> tuple[str, list[str], str]:
+    """(compiler, flags, file name) of this machine's build: the name is keyed by source, jax, compiler,
+    flags and CPU features."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ / c++) on PATH")
@@ -76,21 +122,88 @@ def _build() -> pathlib.Path:
     # -march=native: a build is only valid on CPUs with the same features (a shared home directory)
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags,
                                                          _cpu_flags()]).encode())
-    out = cache_dir() / f"small_gemm-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    return cxx, flags, f"small_gemm-{key.hexdigest()[:16]}.so"
+
+
+def _own_private_file(fd: int) -> bool:
+    st = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _verified(dir_fd: int, name: str) -> bool:
+    """Whether dir_fd/name is a file of this user's whose sha256 is the one recorded in name.sha256
+    when it was built (neither followed if a link)."""
     try:
-        proc = subprocess.run([cxx, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            if not _own_private_file(fd):
+                return False
+            digest = hashlib.sha256(f.read()).hexdigest()
+        fd = os.open(name + ".sha256", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            return _own_private_file(fd) and f.read(100).decode("ascii", "replace").strip() == digest
+    except OSError:  # missing, a link, not a file: not verified
+        return False
+
+
+def _compile(cxx: str, flags: list[str]) -> bytes:
+    # in a fresh private folder (mkdtemp: 0700, unpredictable name): no one else can touch the output
+    with tempfile.TemporaryDirectory(prefix="jsteer-build-") as tmp:
+        out = os.path.join(tmp, "kernel.so")
+        proc = subprocess.run([cxx, *flags, str(_SOURCE), "-o", out], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, out)  # a concurrent build of the same key writes the same bytes
+        return pathlib.Path(out).read_bytes()
+
+
+def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _build_in(dir_fd: int, path: pathlib.Path) -> str:
+    """Build into the cache folder (path, open as dir_fd) unless a verified build is there; the library,
+    then its sha256 record, each written to a temp file and renamed into place. Returns the file name."""
+    cxx, flags, name = _recipe()
+    if _verified(dir_fd, name):
+        return name
+    data = _compile(cxx, flags)
+    # concurrent builds of the same key write the same bytes (g++ output is deterministic), so the
+    # library and the record agree whichever rename lands last; were they to differ, the next load rebuilds
+    _write_atomic(dir_fd, name, data)
+    _write_atomic(dir_fd, name + ".sha256", (hashlib.sha256(data).hexdigest() + "\n").encode())
+    if not _verified(dir_fd, name):
+        raise RuntimeError(f"{path / name} does not match its recorded sha256 right after it was built")
+    return name
+
+
+def _build() -> pathlib.Path:
+    """Compile small_gemm.cc once per (source, jax, compiler, flags, CPU features) into cache_dir(), with
+    its sha256 beside it in <name>.so.sha256; a library there whose hash does not match is rebuilt."""
+    path, dir_fd = _open_cache_dir()
+    try:
+        return path / _build_in(dir_fd, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+        os.close(dir_fd)
+
+
+def _load() -> ctypes.CDLL:
+    """_build(), then load the library, only once verified (private folder, this user's file, recorded hash)."""
+    path, dir_fd = _open_cache_dir()
+    try:
+        name = _build_in(dir_fd, path)
+        # through the checked folder's descriptor: the same folder whatever happened to its path since
+        return ctypes.CDLL(f"/proc/self/fd/{dir_fd}/{name}")
+    finally:
+        os.close(dir_fd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,9 +218,12 @@ def available() -> bool:
         _reason = "this CPU has no AVX-512F"
     else:
         try:
-            lib = ctypes.CDLL(str(_build()))
+            lib = _load()
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JsteerSmallGemm), platform="cpu")
+            _reason = None
             return True
+        except UnsafeCacheError as e:
+            _reason = str(e)
         except (RuntimeError, OSError) as e:
             _reason = f"could not build the kernel: {e}"
     return False
