@@ -204,8 +204,10 @@ def _generate(module, params, input_ids, attention_mask, temperature, top_k, top
     n = max_new_tokens
     cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
     step_hooks = None
-    if hooks is not None and (hooks.step_offset is not None or hooks.steer is not None):
-        step_hooks = Hooks(step_offset=hooks.step_offset, steer=hooks.steer)
+    if hooks is not None and (hooks.step_offset is not None or hooks.steer is not None or hooks.interventions):
+        step_hooks = Hooks(step_offset=hooks.step_offset, steer=hooks.steer, interventions=hooks.interventions)
+    reset = getattr(module.config, "cache_reset_length", None)
+    reset_step = None if reset is None or not t < reset + 1 < t + n else reset + 1 - t
 
     def is_stop(tok):
         return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
@@ -220,17 +222,66 @@ def _generate(module, params, input_ids, attention_mask, temperature, top_k, top
         i, _, _, done, _, _ = state
         return (i < n) & ~jnp.all(done)
 
-    def body(state):
-        i, cache, tok, done, tokens, lengths = state
+    def one_step(i, cache, tok, tokens):
         out = module.apply(step_vars, tok[:, None], jnp.ones((b, 1), jnp.int32),
                            hooks=step_hooks, cache=cache, step=True)
-        nxt = _next_token(out.logits[:, -1], i, keys, temperature, top_k, top_p)
+        return out.logits[:, -1], out.cache
+
+    def recompute(i, cache, tok, tokens):
+        # transformers' Phi-3 generate: once the sequence first outgrows the short RoPE factors,
+        # the whole cache is recomputed with the long ones (prompt + the i tokens so far)
+        ids = jnp.concatenate([input_ids, tokens], axis=1)
+        mask = jnp.concatenate([attention_mask, (jnp.arange(n) < i).astype(jnp.int32)[None].repeat(b, 0)], axis=1)
+        out = module.apply({"params": params}, ids, mask, hooks=_prompt_hooks(hooks, attention_mask, n),
+                           cache=cache.reset())
+        return out.logits[:, t + i - 1], out.cache.replace(index=t + i)
+
+    def body(state):
+        i, cache, tok, done, tokens, lengths = state
+        if reset_step is None:
+            logits, cache = one_step(i, cache, tok, tokens)
+        else:
+            logits, cache = lax.cond(i == reset_step, recompute, one_step, i, cache, tok, tokens)
+        nxt = _next_token(logits, i, keys, temperature, top_k, top_p)
         nxt = jnp.where(done, pad_id, nxt)
         tokens = lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
-        return i + 1, out.cache, nxt, done | is_stop(nxt), tokens, lengths + (~done).astype(jnp.int32)
+        return i + 1, cache, nxt, done | is_stop(nxt), tokens, lengths + (~done).astype(jnp.int32)
 
     _, _, _, _, tokens, lengths = lax.while_loop(cond, body, state)
     return GenerateOutput(tokens=tokens, lengths=lengths)
+
+
+def _prompt_hooks(hooks: Optional[Hooks], mask: Array, n: int) -> Optional[Hooks]:
+    """Hooks for one forward over the prompt [B, T] (``mask``) and n generated slots: prompt-shaped
+    fields padded with n neutral slots, ``step_offset`` moved into ``embed_offset`` for the
+    generated slots, explicit positions continued one past each row's largest."""
+    if hooks is None:
+        return None
+
+    def pad(x, axes, value=None):
+        if x is None:
+            return None
+        width = [(0, 0)] * x.ndim
+        for a in axes:
+            width[a] = (0, n)
+        return jnp.pad(x, width)
+
+    embed = hooks.embed_offset
+    if hooks.step_offset is not None:
+        b, d = mask.shape[0], hooks.step_offset.shape[-1]
+        prompt = jnp.zeros((b, mask.shape[1], d), hooks.step_offset.dtype) if embed is None else embed
+        steps = jnp.broadcast_to(hooks.step_offset[:, None, :], (b, n, d)).astype(prompt.dtype)
+        embed = jnp.concatenate([prompt, steps], axis=1)
+    else:
+        embed = pad(embed, (1,))
+    positions = hooks.position_ids
+    if positions is not None:
+        start = jnp.max(jnp.where(mask > 0, positions + 1, 0), axis=1, keepdims=True)
+        positions = jnp.concatenate([positions, start + jnp.arange(n)[None]], axis=1).astype(positions.dtype)
+    film = None if hooks.film is None else {k: f.replace(**{a: pad(getattr(f, a), (1,)) for a in (
+        "gamma_in", "beta_in", "gamma_out", "beta_out")}) for k, f in hooks.film.items()}
+    return hooks.replace(embed_offset=embed, step_offset=None, attn_bias=pad(hooks.attn_bias, (1, 2)),
+                         position_ids=positions, film=film)
 
 
 def _check_position_budget(module, attention_mask, hooks: Optional[Hooks], max_new_tokens: int) -> None:

@@ -24,6 +24,13 @@ Shapes (B batch, T tokens, D hidden, S steers, R rank):
 - ``steer``         :class:`Steer`  LM-Steer transform of the final hidden state before the
                                output embedding (decoders), and its baselines: a hidden
                                offset, a logit offset (soft word blacklist).
+- ``interventions`` {site: Intervention | tuple}  functions of the activation at a named site
+                               (:mod:`jsteer.interventions`), applied in a forward, the
+                               prefill and every decode step.
+
+The fields above are the simple cases of interventions at the sites: ``embed_offset`` /
+``step_offset`` act at ``embed``, FiLM ``in`` at ``ffn_in.i`` and ``out`` at ``resid_post.i``,
+``steer`` at ``final``; built-ins run before a site's ``interventions``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Optional
 import flax.struct
 import jax.numpy as jnp
 import numpy as np
+
+from jsteer.interventions import compose_interventions
 
 Array = jnp.ndarray
 
@@ -82,6 +91,7 @@ class Hooks:
     attn_bias: Optional[Array] = None
     position_ids: Optional[Array] = None
     steer: Optional[Steer] = None
+    interventions: Optional[dict] = None
 
 
 def _film_one(h: Array, gamma: Optional[Array], beta: Optional[Array]) -> Array:
@@ -329,4 +339,5 @@ def _compose2(a: Hooks, b: Hooks) -> Hooks:
         attn_bias=_add(a.attn_bias, b.attn_bias),
         position_ids=a.position_ids if b.position_ids is None else b.position_ids,
         steer=steer,
+        interventions=compose_interventions(a.interventions, b.interventions),
     )

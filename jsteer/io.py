@@ -89,7 +89,7 @@ def embedded_path(name: str) -> pathlib.Path:
 class LM:
     """A backbone bundled with its params, tokenizer and provenance.
 
-    Fields: ``family`` ("bert" | "llama" | "gpt2"), ``config`` (the family's frozen config),
+    Fields: ``family`` ("bert" | "decoder"), ``config`` (the family's frozen config),
     ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer``,
     ``hf_config`` (HF-style config dict the config was built from), ``head`` (BERT head name
     or None), ``provenance`` (source, sha256, dtype, ...).
@@ -223,7 +223,7 @@ class LM:
             raise ValueError(f"attention_mask {attention_mask.shape} does not match input_ids {input_ids.shape}")
         if hooks is not None:  # checked here: inside the jitted call the values are traced
             check_position_ids(hooks.position_ids, getattr(self.config, "position_table_size", None),
-                               f"{self.family} forward")
+                               f"{getattr(self.config, 'model_type', self.family)} forward")
         arrays = {k: v for k, v in kw.items() if not _is_static(v)}
         static_kw = tuple(sorted((k, v) for k, v in kw.items() if _is_static(v)))
         if mesh is None:
@@ -604,13 +604,13 @@ def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
 def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Tokenizer,
               provenance: dict, source: pathlib.Path) -> LM:
     fam = get_family(family)
-    config = fam.config_from_hf(hf_config)
+    config = fam.config_from_hf(hf_config, f"{source}")
     if head is _AUTO:
         head = fam.detect_head(state_dict, hf_config)
     elif fam.kind == DECODER and head is not None:
         raise ValueError(f"{source}: head={head!r} given but {family!r} is a decoder (heads are BERT-only)")
     try:
-        params = fam.params_from_hf(state_dict, config, head)
+        params = fam.params_from_hf(state_dict, config, head, dtype=dtype, source=source)
     except KeyError as e:
         if head is None:  # a ValueError naming the source: a KeyError's message prints quoted
             raise ValueError(f"{source}: {e.args[0]}") from None

@@ -56,7 +56,8 @@ def test_info_on_a_source_that_is_not_a_checkpoint(tmp_path, capsys):
     make_tiny_decoder(src, "llama")
     assert main(["info", str(src), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["family"] == "llama" and info["config"]["num_kv_heads"] == 2
+    assert info["family"] == "decoder" and info["config"]["model_type"] == "llama"
+    assert info["config"]["num_kv_heads"] == 2
     assert info["provenance"]["source_format"] == "hf"
 
 

@@ -12,9 +12,8 @@ import pytest
 
 from jsteer import decode
 from jsteer.backbones import cpu
-from jsteer.backbones.gpt2 import GPT2Config, GPT2LMHeadModel
-from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM
-from jsteer.backbones.matmul import Dense, PackedDense, pack_decoder_params
+from jsteer.backbones.decoder import Decoder, DecoderConfig, Linear
+from jsteer.backbones.families import config_from_hf
 
 if not cpu._cpu_has_avx512f():
     pytest.skip("this CPU has no AVX-512F: jsteer.backbones.cpu is not used here", allow_module_level=True)
@@ -55,31 +54,33 @@ def test_small_gemm_rejects_a_mismatched_packing():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65])
-def test_packed_dense_equals_dense(rows):
+def test_packed_linear_equals_plain(rows):
     assert cpu.available(), cpu.unavailable_reason()
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 24)), jnp.float32)
-    params = Dense(70).init(jax.random.PRNGKey(0), x)["params"]
+    lin = Linear((70,), use_bias=True)
+    params = lin.init(jax.random.PRNGKey(0), x)["params"]
     params = {"bias": params["bias"] + 0.5, "kernel": params["kernel"]}
-    want = Dense(70).apply({"params": params}, x)
-    packed = pack_decoder_params({"layer": params}, None)["layer"]
-    fn = jax.jit(lambda p, pk, x: PackedDense(70).apply({"params": p, "packed": pk}, x))
+    want = lin.apply({"params": params}, x)
+    packed = {"kernel": cpu.pack(params["kernel"])}
+    fn = jax.jit(lambda p, pk, x: lin.apply({"params": p, "packed": pk}, x))
     got = fn(params, packed, x)
     used = "jsteer_small_gemm" in fn.lower(params, packed, x).as_text()
     assert used == (cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS)
     if used:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    else:  # outside the kernel's row range the layer is exactly Dense
+    else:  # outside the kernel's row range the layer is the plain product
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _models():
-    llama_tied = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                             num_kv_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=True)
-    llama_untied = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                               num_kv_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=False,
-                               qkv_bias=True)
-    gpt2 = GPT2Config(vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4, n_inner=96)
-    return [LlamaForCausalLM(llama_tied), LlamaForCausalLM(llama_untied), GPT2LMHeadModel(gpt2)]
+    llama_tied = DecoderConfig.llama(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                                     num_kv_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=True)
+    llama_untied = DecoderConfig.llama(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                                       num_kv_heads=2, head_dim=12, max_position_embeddings=64,
+                                       tie_word_embeddings=False, qkv_bias=True)
+    gpt2 = config_from_hf(dict(model_type="gpt2", vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4,
+                               n_inner=96))
+    return [Decoder(llama_tied), Decoder(llama_untied), Decoder(gpt2)]
 
 
 @pytest.mark.parametrize("index", [0, 1, 2], ids=["llama_tied", "llama_untied_bias", "gpt2"])

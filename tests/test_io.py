@@ -239,7 +239,7 @@ def test_tiny_decoder_hf_dir_parity(family, tiny_gpt2, tiny_llama):
 
     path, hf = tiny_gpt2 if family == "gpt2" else tiny_llama
     lm = jsteer.load(path)
-    assert lm.family == family and lm.head is None
+    assert lm.family == "decoder" and lm.config.model_type == family and lm.head is None
     assert (lm.tokenizer.bos_id, lm.tokenizer.eos_id, lm.tokenizer.pad_id) == (2, 3, 1)
     ids = np.array([lm.tokenizer.encode("w1 w5 w9 w2 w7")], np.int32)
     out = lm.forward(ids)
@@ -482,7 +482,7 @@ def _damage(ck: pathlib.Path, how: str) -> None:
 @pytest.mark.parametrize("how, detail", [
     ("truncated array file", r"Error reading \"[\w.]+/"),  # names the damaged tensor
     ("deleted _METADATA", r"cannot read its metadata"),
-    ("edited intermediate_size", r"tensor 'layers_0/mlp/down_proj/kernel' has shape \(64, 32\) but the config "
+    ("edited intermediate_size", r"tensor 'layers_0/mlp/down/kernel' has shape \(64, 32\) but the config "
                                  r"in jsteer.json implies \(65, 32\)"),
 ])
 def test_damaged_checkpoint_is_a_clear_error(tiny_llama, tmp_path, how, detail):
@@ -633,11 +633,11 @@ def test_missing_tensor_is_a_value_error_naming_folder_and_tensor(tmp_path, tiny
     sd = load_file(str(bad / "model.safetensors"))
     del sd["model.layers.1.mlp.down_proj.weight"]
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"{bad}: params_from_hf: missing tensor 'model.layers.1.mlp.down_proj.weight'"):
+    with pytest.raises(ValueError, match=rf"{bad}: missing tensor 'model.layers.1.mlp.down_proj.weight'"):
         jsteer.load(bad)
     assert jsteer_main(["info", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"jsteer info: error: {bad}: params_from_hf: missing tensor") and '"' not in err
+    assert err.startswith(f"jsteer info: error: {bad}: missing tensor") and '"' not in err
     mlm = tmp_path / "mlm"
     make_tiny_bert_mlm(mlm)
     with pytest.raises(ValueError, match=r"add a fresh one: lm.with_head\('qa'\)$"):
@@ -683,7 +683,7 @@ def test_load_errors(tmp_path, monkeypatch):
 def test_smollm2_gguf_load_and_round_trip(tmp_path):
     path = io.embedded_path("smollm2-135m")
     lm = jsteer.load("smollm2-135m")
-    assert lm.family == "llama" and lm.config.num_layers == 30 and lm.config.num_kv_heads == 3
+    assert lm.family == "decoder" and lm.config.num_layers == 30 and lm.config.num_kv_heads == 3
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     assert lm.identity == f"sha256:{sha}" and lm.provenance["source_format"] == "gguf"
     tok = lm.tokenizer

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones.llama import LlamaForCausalLM
+from jsteer.backbones.decoder import Decoder
 from jsteer.kalm import data as kdata
 from jsteer.kalm import decode
 from jsteer.kalm import train as ktrain
@@ -165,12 +165,12 @@ def test_one_type_is_the_plain_head():
     mask = (ids > 0).astype(jnp.int32).at[:, 0].set(1)
     p = perturb(ktrain.init_params(kalm, jax.random.PRNGKey(0), vocab), jax.random.PRNGKey(1), 0.1)
     got = next_token_log_probs(kalm, p, ids, mask, vocab)
-    plain = next_token_log_probs(LlamaForCausalLM(cfg), p["backbone"], ids, mask, vocab)
+    plain = next_token_log_probs(Decoder(cfg), p["backbone"], ids, mask, vocab)
     np.testing.assert_allclose(np.asarray(got), np.asarray(plain), atol=1e-5)
     out = kalm.apply({"params": p}, ids, mask, vocab)
     assert np.all(np.asarray(out.type_logp) == 0.0)  # P(general) = 1
     # NumPy: the mixture is the log-softmax of the backbone's logits
-    logits = np.asarray(LlamaForCausalLM(cfg).apply({"params": p["backbone"]}, ids, mask).logits, np.float64)
+    logits = np.asarray(Decoder(cfg).apply({"params": p["backbone"]}, ids, mask).logits, np.float64)
     want = logits - logits.max(-1, keepdims=True)
     want -= np.log(np.exp(want).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(word_log_probs(out, vocab)), want, atol=1e-5)

@@ -275,7 +275,7 @@ def test_params_replaced_in_place_are_placed_afresh(lms, mesh):
     lm.params = jax.tree.map(lambda x: x, lm.params)  # own containers, so the shared fixture is untouched
     ids, mask = batch(3)
     lm.forward(ids, mask, mesh=mesh)
-    lm.params["norm"]["scale"] = lm.params["norm"]["scale"] * 3.0
+    lm.params["final_norm"]["scale"] = lm.params["final_norm"]["scale"] * 3.0
     assert_close(lm.forward(ids, mask, mesh=mesh).logits, lm.forward(ids, mask).logits)
 
 

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones import bert, gpt2, llama
+from jsteer.backbones import bert
+from jsteer.backbones.decoder import Decoder, DecoderConfig
+from jsteer.backbones.families import config_from_hf
 from jsteer.train.step import cast_floating
 
 LOW_SCATTER = re.compile(r"scatter-(add|max|min|mul)[.\w]*\s*=\s*(bf16|f16)\[")
@@ -61,14 +63,14 @@ def test_bert_bf16_gradient_has_no_low_precision_scatter(way):
 def test_decoder_bf16_gradients_have_no_low_precision_scatter():
     ids = jnp.asarray([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])  # repeated (padding) ids too
     mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6])
-    lcfg = llama.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                             num_kv_heads=1, head_dim=8)
-    m = llama.LlamaForCausalLM(lcfg, dtype=jnp.bfloat16)
+    lcfg = DecoderConfig.llama(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                               num_kv_heads=1, head_dim=8)
+    m = Decoder(lcfg, dtype=jnp.bfloat16)
     p = m.init(jax.random.PRNGKey(0), ids, mask)["params"]
     for params in (p, cast_floating(p, jnp.bfloat16)):
         assert low_precision_scatters(grad_of_logits(m, ids, mask), params) == []
-    gm = gpt2.GPT2LMHeadModel(gpt2.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                              n_inner=32, dtype="bfloat16"))
+    gm = Decoder(config_from_hf(dict(model_type="gpt2", vocab_size=40, n_positions=16, n_embd=16, n_layer=2,
+                                     n_head=2, n_inner=32)), dtype=jnp.bfloat16)
     p = gm.init(jax.random.PRNGKey(0), ids, mask)["params"]
     assert low_precision_scatters(grad_of_logits(gm, ids, mask), p) == []
 

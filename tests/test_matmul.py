@@ -1,4 +1,4 @@
-"""dense_dot_general: same values and gradients as lax.dot_general (it only rewrites the backward)."""
+"""dense_dot_general: same values and gradients as lax.dot_general (a 2-D product), forward-mode too."""
 
 import flax.linen as nn
 import jax
@@ -51,3 +51,15 @@ def test_partials_are_flax_modules_with_the_usual_param_names():
     assert set(p) == {"kernel", "bias"} and p["kernel"].shape == (4, 3)
     p = DenseGeneral((2, 3)).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))["params"]
     assert p["kernel"].shape == (4, 2, 3)
+
+
+def test_forward_mode_autodiff():
+    """jvp / jacfwd through the 2-D form (a custom_vjp would refuse them)."""
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 4)), jnp.float32)
+    layer = DenseGeneral((2, 3))
+    p = layer.init(jax.random.PRNGKey(0), x)
+    f = lambda x: jnp.tanh(layer.apply(p, x)).sum()  # noqa: E731
+    v = jnp.ones_like(x)
+    _, t = jax.jvp(f, (x,), (v,))
+    np.testing.assert_allclose(float(t), float(jnp.vdot(jax.grad(f)(x), v)), rtol=1e-5)
+    assert jax.jacfwd(f)(x).shape == x.shape

@@ -135,22 +135,21 @@ def _rotated(lm, rot):
     """The same function as ``lm`` with its residual stream rotated by ``rot`` (x -> R x):
     per-layer RMSNorm scales are folded into the reading projections first."""
     p = jax.tree_util.tree_map(np.asarray, lm.params)
-    assert np.all(p["norm"]["scale"] == 1.0), "final norm must be identity for an exact rotation"
-    out = {"embed": {"embedding": p["embed"]["embedding"] @ rot.T}, "norm": {"scale": p["norm"]["scale"]}}
+    assert np.all(p["final_norm"]["scale"] == 1.0), "final norm must be identity for an exact rotation"
+    out = {"embed": {"embedding": p["embed"]["embedding"] @ rot.T}, "final_norm": {"scale": p["final_norm"]["scale"]}}
     for name, layer in p.items():
         if not name.startswith("layers_"):
             continue
-        att, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-        g1, g2 = layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]
-        for k in ("q_proj", "k_proj", "v_proj"):
-            att[k] = {"kernel": rot @ (g1[:, None] * att[k]["kernel"])}
-        att["o_proj"] = {"kernel": att["o_proj"]["kernel"] @ rot.T}
-        for k in ("gate_proj", "up_proj"):
+        att, mlp = dict(layer["attn"]), dict(layer["mlp"])
+        g1, g2 = layer["attn_norm"]["scale"], layer["ffn_norm"]["scale"]
+        for k in ("q", "k", "v"):  # kernels [D, heads, head_dim]: rotate the input axis
+            att[k] = {"kernel": np.einsum("de,enh->dnh", rot, g1[:, None, None] * att[k]["kernel"])}
+        att["o"] = {"kernel": att["o"]["kernel"] @ rot.T}
+        for k in ("gate", "up"):
             mlp[k] = {"kernel": rot @ (g2[:, None] * mlp[k]["kernel"])}
-        mlp["down_proj"] = {"kernel": mlp["down_proj"]["kernel"] @ rot.T}
+        mlp["down"] = {"kernel": mlp["down"]["kernel"] @ rot.T}
         ones = np.ones_like(g1)
-        out[name] = {"self_attn": att, "mlp": mlp, "input_layernorm": {"scale": ones},
-                     "post_attention_layernorm": {"scale": ones}}
+        out[name] = {"attn": att, "mlp": mlp, "attn_norm": {"scale": ones}, "ffn_norm": {"scale": ones}}
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), out)
     return lm.replace(params=params, provenance={"source": "rotated", "sha256": "0" * 64})
 

@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from jsteer.backbones import bert as jb
-from jsteer.backbones import gpt2 as jg
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.families import config_from_hf
 from jsteer.backbones.base import ModelOutput
 from jsteer.hooks import apply_embed
 from jsteer.tokenizer import Tokenizer
@@ -252,8 +253,9 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
 
 @pytest.fixture(scope="module")
 def gpt2(bpe_tok):  # noqa: F811
-    cfg = jg.GPT2Config(vocab_size=bpe_tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64)
-    module = jg.GPT2LMHeadModel(cfg)
+    cfg = config_from_hf(dict(model_type="gpt2", vocab_size=bpe_tok.vocab_size, n_positions=64, n_embd=32,
+                              n_layer=2, n_head=4, n_inner=64))
+    module = Decoder(cfg)
     params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, params)   # spread the logits
     return cfg, module, params
@@ -261,7 +263,7 @@ def gpt2(bpe_tok):  # noqa: F811
 
 def test_decoder_probe_positions(gpt2, bpe_tok):  # noqa: F811
     cfg, module, params = gpt2
-    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     prompts = [probe.Prompt("the London [MASK] .", "Paris"), probe.Prompt("Rome the [MASK]", "Berlin"),
                probe.Prompt("Paris [MASK] the", "Rome")]
     exs, sk = probe.encode_prompts(prompts, bpe_tok, "decoder")
@@ -307,7 +309,7 @@ def test_decoder_layer_mode_matches_manual_residual_offset(gpt2, bpe_tok):  # no
     from jsteer.hooks import FiLM, Hooks
 
     cfg, module, params = gpt2
-    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     exs, _ = probe.encode_prompts([probe.Prompt("the London [MASK] .", "Paris"),
                                    probe.Prompt("Rome the [MASK]", "Berlin")], bpe_tok, "decoder")
     te = jax.random.normal(jax.random.PRNGKey(2), (32,))
@@ -344,7 +346,7 @@ def test_decoder_layer_mode_matches_manual_residual_offset(gpt2, bpe_tok):  # no
 def test_evaluate_lambda_unit_rescales_the_grid(gpt2, bpe_tok):  # noqa: F811
     """lam_unit: a grid given in units gives the same ranks as the absolute grid."""
     cfg, module, params = gpt2
-    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     words = ["London", "Paris", "Rome", "Berlin"]
     prompts = [probe.Prompt(f"the {a} {b} [MASK] .", c, "R", "City") for a in words for b in words for c in words[:2]]
     te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in words]))
@@ -363,7 +365,7 @@ def test_evaluate_holdout_only_tunes_without_reporting(gpt2, bpe_tok):  # noqa: 
     """max_test=0 (used to choose a layer on the hold-out): the hold-out tuning is the same as
     in a full run, and no reported-prompt result is produced."""
     cfg, module, params = gpt2
-    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     words = ["London", "Paris", "Rome", "Berlin"]
     prompts = [probe.Prompt(f"the {a} {b} [MASK] .", c, "R", "City") for a in words for b in words for c in words[:2]]
     te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in words]))
@@ -387,7 +389,7 @@ def test_untuned_group_uses_lambda_zero_and_is_marked(gpt2, bpe_tok):  # noqa: F
     """A group with a TE but no hold-out prompt (one prompt; or holdout=0) is not a KeyError:
     lambda 0 and PostTE weight 0, so TE and PostTE equal B, marked untuned."""
     cfg, module, params = gpt2
-    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in ("London", "Paris", "Rome")]))
     kw = dict(lam_grid=(0.0, 3.0), post_grid=(5.0,), batch_size=8, bto_forms=("the {type}",))
     rep = probe.evaluate(pm, {"City/X": [probe.Prompt("the London [MASK] .", "Paris", "X", "City")],
@@ -408,7 +410,7 @@ def test_untuned_group_uses_lambda_zero_and_is_marked(gpt2, bpe_tok):  # noqa: F
 
 def test_macro_is_over_the_same_relations_for_every_method(gpt2, bpe_tok):  # noqa: F811
     cfg, module, params = gpt2
-    pm = probe.for_decoder(module, params, bpe_tok, "gpt2", cfg)
+    pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in ("London", "Paris", "Rome")]))
     groups = {"City/A": _city_prompts("A"), "Country/B": _city_prompts("B", 3)}
     with pytest.warns(UserWarning, match=r"1 of 2 groups have no type vector.*Country/B"):

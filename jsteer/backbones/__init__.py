@@ -1,20 +1,22 @@
 """Backbone families and the registry that maps a family name to its code.
 
-Each family lives in its own module (imported lazily, so ``import jsteer`` stays cheap):
+=============  ======================================  ==============================================
+family         code                                    models (HF ``model_type``)
+=============  ======================================  ==============================================
+``bert``       :mod:`jsteer.backbones.bert`            BERT / RoBERTa / XLM-R / CamemBERT encoders;
+                                                       heads None, mlm, token_classification, qa
+``decoder``    :mod:`jsteer.backbones.decoder` +       one decoder with config switches for llama,
+               :mod:`jsteer.backbones.families`        mistral, qwen2, qwen3, gemma2, gemma3_text,
+                                                       phi3, olmo2, gpt_neox, gpt2
+=============  ======================================  ==============================================
 
-=========  ==========================  =====================================================
-family     module                      models
-=========  ==========================  =====================================================
-``bert``   :mod:`jsteer.backbones.bert`   BERT / RoBERTa encoders; heads None, mlm,
-                                          token_classification, qa
-``llama``  :mod:`jsteer.backbones.llama`  LLaMA-family decoders (RMSNorm, RoPE, GQA)
-``gpt2``   :mod:`jsteer.backbones.gpt2`   GPT-2 decoders
-=========  ==========================  =====================================================
-
-:func:`get_family` returns a :class:`Family`, a small adapter giving every backbone the same
-surface: ``config_from_hf(dict)``, ``build(config, head, dtype) -> module``,
-``params_from_hf(state_dict, config, head)``, ``detect_head(state_dict, hf_config)``,
-``input_embeddings(params)`` / ``output_embeddings(params, config)`` (both [V, D]).
+:func:`get_family` returns a :class:`Family`, which gives every backbone the same surface:
+``config_from_hf(dict)``, ``build(config, head, dtype) -> module``,
+``params_from_hf(state_dict, config, head, dtype=, place=, source=)``,
+``detect_head(state_dict, hf_config)``, ``input_embeddings(params)`` /
+``output_embeddings(params, config)`` (both [V, D]). Code is imported on first use, so
+``import jsteer`` stays cheap. Checkpoints saved before the decoders were unified name their
+family "llama" or "gpt2": both resolve to ``decoder``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class Family:
     name: str
     module_path: str
     kind: str
-    config_class: str
     heads: tuple = (None,)
 
     @property
@@ -44,8 +45,10 @@ class Family:
         """The backbone module itself (imported on first use)."""
         return importlib.import_module(self.module_path)
 
-    def config_from_hf(self, hf_config: Mapping[str, Any]):
-        return getattr(self.code, self.config_class).from_hf(hf_config)
+    def config_from_hf(self, hf_config: Mapping[str, Any], where: str = "config.json"):
+        if self.kind == DECODER:
+            return self.code.config_from_hf(hf_config, where)
+        return self.code.BertConfig.from_hf(hf_config)
 
     def detect_head(self, state_dict: Mapping[str, Any], hf_config: Optional[Mapping[str, Any]] = None):
         """Head to build when none is asked for: encoders get MLM when its weights are present,
@@ -78,40 +81,41 @@ class Family:
         import jax.numpy as jnp
 
         dtype = jnp.dtype(dtype or jnp.float32)
-        code = self.code
-        if self.name == "bert":
-            return code.model_for_head(config, head, dtype=dtype)
-        if self.name == "gpt2":
-            return code.GPT2LMHeadModel(dataclasses.replace(config, dtype=dtype.name))
-        if self.name == "llama":
-            return code.LlamaForCausalLM(config, dtype=dtype)
-        raise ValueError(f"no builder for family {self.name!r}")
+        if self.kind == DECODER:
+            from jsteer.backbones.decoder import Decoder
 
-    def params_from_hf(self, state_dict: Mapping[str, np.ndarray], config, head: Optional[str] = None):
+            return Decoder(config, dtype=dtype)
+        return self.code.model_for_head(config, head, dtype=dtype)
+
+    def params_from_hf(self, state_dict: Mapping[str, np.ndarray], config, head: Optional[str] = None, *,
+                       dtype: Any = np.float32, place=None, source: Any = "state dict"):
         self.check_head(head)
         if self.kind == ENCODER:
             return self.code.params_from_hf(state_dict, config, head=head)
-        return self.code.params_from_hf(state_dict, config)
+        return self.code.params_from_hf(state_dict, config, dtype=dtype, place=place, source=source)
 
     def input_embeddings(self, params):
-        return self.code.input_embeddings(params)
+        from jsteer.backbones import decoder
+
+        return (decoder if self.kind == DECODER else self.code).input_embeddings(params)
 
     def output_embeddings(self, params, config):
-        return self.code.output_embeddings(params, config)
+        from jsteer.backbones import decoder
+
+        return (decoder if self.kind == DECODER else self.code).output_embeddings(params, config)
 
 
 FAMILIES: dict[str, Family] = {
-    "bert": Family("bert", "jsteer.backbones.bert", ENCODER, "BertConfig",
-                   heads=(None, "mlm", "token_classification", "qa")),
-    "llama": Family("llama", "jsteer.backbones.llama", DECODER, "LlamaConfig"),
-    "gpt2": Family("gpt2", "jsteer.backbones.gpt2", DECODER, "GPT2Config"),
+    "bert": Family("bert", "jsteer.backbones.bert", ENCODER, heads=(None, "mlm", "token_classification", "qa")),
+    "decoder": Family("decoder", "jsteer.backbones.families", DECODER),
 }
+_ALIASES = {"llama": "decoder", "gpt2": "decoder"}  # family names of checkpoints saved before session 33
 
 
 def get_family(name: str) -> Family:
-    """Family by name ("bert" | "llama" | "gpt2")."""
+    """Family by name ("bert" | "decoder"; "llama" / "gpt2" are read as "decoder")."""
     try:
-        return FAMILIES[name]
+        return FAMILIES[_ALIASES.get(name, name)]
     except KeyError:
         raise ValueError(f"unknown backbone family {name!r}; known: {', '.join(FAMILIES)}") from None
 

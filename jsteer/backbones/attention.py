@@ -36,13 +36,14 @@ def _rows(m: Array, g: int, t: int) -> Array:
 def dot_product_attention(q: Array, k: Array, v: Array, *, scale: float, bias: Optional[Array] = None,
                           visible: Optional[Array] = None,
                           dropout: Optional[Callable[[Array], Array]] = None,
-                          cache_layout: bool = False) -> Array:
+                          cache_layout: bool = False, softcap: Optional[float] = None) -> Array:
     """softmax(scale * q k^T + bias, masked to ``visible``) v, per head.
 
     q [B,T,K,G,H]: K key/value heads, each shared by G query heads (G = 1 for plain MHA);
     k, v [B,S,K,H]; or, with ``cache_layout``, k [B,K,H,S] and v [B,K,S,H] (the KV cache's
     layout, the matmul operands themselves: a decode step reads the cache in place instead of
-    transposing every slot of it). ``bias`` (fp32, additive) and ``visible`` (bool) broadcast
+    transposing every slot of it). ``softcap`` (Gemma-2): scores -> softcap * tanh(scores / softcap)
+    before the bias and mask. ``bias`` (fp32, additive) and ``visible`` (bool) broadcast
     against the score tensor [B,K,G,T,S], e.g. [B,1,1,T|1,S]. Rows with no visible key get
     uniform weights (finite NEG_INF), never NaN. ``dropout`` maps the unnormalised weights, laid out as
     [B,K,G*T,S] (row-major order of [B,K,G,T,S]), to their dropped version
@@ -61,6 +62,8 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, scale: float, bias: O
     qt = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
     kt = k if cache_layout else k.transpose(0, 2, 3, 1)  # [B,K,H,S]
     scores = jnp.matmul(qt, kt.astype(q.dtype), preferred_element_type=jnp.float32) * scale  # [B,K,G*T,S]
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + _rows(bias, g, t)
     if visible is not None:
@@ -72,3 +75,35 @@ def dot_product_attention(q: Array, k: Array, v: Array, *, scale: float, bias: O
     vt = v if cache_layout else v.transpose(0, 2, 1, 3)  # [B,K,S,H]
     out = jnp.matmul(weights.astype(v.dtype), vt, preferred_element_type=jnp.float32) / denom
     return out.astype(v.dtype).reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4)
+
+
+_FUSED_IMPLEMENTATION = "cudnn"  # tests check the fused path's masking on CPU with "xla"
+
+
+def _backend() -> str:
+    return jax.default_backend()
+
+
+def attention(q: Array, k: Array, v: Array, *, scale: float, visible: Optional[Array] = None,
+              bias: Optional[Array] = None, dropout: Optional[Callable[[Array], Array]] = None,
+              cache_layout: bool = False, softcap: Optional[float] = None) -> Array:
+    """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
+    applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
+    steps), no dropout, no soft-capping and no additive bias. Elsewhere the hand-written path.
+    The cuDNN path lets a padding query row (no visible key) see its own slot, where the
+    hand-written path spreads it uniformly: such rows are padding, read by nothing downstream."""
+    b, t, kh, g, h = q.shape
+    if (_backend() != "gpu" or cache_layout or dropout is not None or softcap is not None
+            or bias is not None or q.dtype not in (jnp.bfloat16, jnp.float16)):
+        return dot_product_attention(q, k, v, scale=scale, visible=visible, bias=bias, dropout=dropout,
+                                     cache_layout=cache_layout, softcap=softcap)
+    s = k.shape[1]
+    mask = None
+    if visible is not None:  # [B|1, K|1, G|1, T|1, S] -> [B|1, N|1, T, S]
+        vis = visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
+        per_head = vis.shape[1] != 1 or vis.shape[2] != 1
+        vis = jnp.broadcast_to(vis, vis.shape[:1] + ((kh, g) if per_head else (1, 1)) + (t, s))
+        mask = vis.reshape(vis.shape[0], -1, t, s) | jnp.eye(t, s, dtype=bool)
+    out = jax.nn.dot_product_attention(q.reshape(b, t, kh * g, h), k, v.astype(q.dtype), mask=mask, scale=scale,
+                                       implementation=_FUSED_IMPLEMENTATION)
+    return out.reshape(b, t, kh, g, h)

@@ -38,20 +38,23 @@ class ModelOutput:
     """logits: [B,T,V] (or head-specific, e.g. [B,T,2] for span QA, None for a bare encoder);
     hidden: [B,T,D] final hidden states (after the final norm in pre-LN decoders: the
     vector the output embedding is dotted with); hidden_states: per-layer outputs
-    (embeddings first, L+1 entries) when asked; cache: updated KV cache (decoders)."""
+    (embeddings first, L+1 entries) when asked; cache: updated KV cache (decoders); captured:
+    {site: activation} for the sites named in ``capture=`` (:mod:`jsteer.interventions`)."""
 
     logits: Optional[Array]
     hidden: Array
     hidden_states: Optional[Tuple[Array, ...]] = None
     cache: Optional["KVCache"] = None
+    captured: Optional[dict] = None
 
 
 @flax.struct.dataclass
 class KVCache:
     """Decoder KV cache with a fixed number of slots S (static shape under jit).
 
-    k:     tuple of L arrays [B, H_kv, Dh, S] (keys stored transposed)
-    v:     tuple of L arrays [B, H_kv, S, Dh]
+    k:     tuple of L arrays [B, H_kv, Dh, S] (keys stored transposed), or one [L, B, H_kv, Dh, S]
+           array for a scanned layer stack
+    v:     tuple of L arrays [B, H_kv, S, Dh], or one [L, B, H_kv, S, Dh] array
            (k and v are the operands of attention's two matmuls as they are; in any other
            layout each decode step copies every slot of the cache, layer by layer)
     mask:  [B, S] int32, 1 where a slot holds a real (non-pad) token
@@ -68,16 +71,25 @@ class KVCache:
 
     @classmethod
     def init(cls, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
+             dtype=jnp.float32, stacked: bool = False) -> "KVCache":
         zk = jnp.zeros((batch, n_kv_heads, head_dim, max_len), dtype)
         zv = jnp.zeros((batch, n_kv_heads, max_len, head_dim), dtype)
-        return cls(k=tuple(zk for _ in range(n_layers)), v=tuple(zv for _ in range(n_layers)),
+        if stacked:
+            k, v = jnp.zeros((n_layers,) + zk.shape, dtype), jnp.zeros((n_layers,) + zv.shape, dtype)
+        else:
+            k, v = tuple(zk for _ in range(n_layers)), tuple(zv for _ in range(n_layers))
+        return cls(k=k, v=v,
                    mask=jnp.zeros((batch, max_len), jnp.int32),
                    index=jnp.zeros((), jnp.int32), pos=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
         return self.mask.shape[1]
+
+    def reset(self) -> "KVCache":
+        """The same slots, emptied (the stale keys and values are masked out and overwritten)."""
+        return self.replace(mask=jnp.zeros_like(self.mask), index=jnp.zeros_like(self.index),
+                            pos=jnp.zeros_like(self.pos))
 
     @staticmethod
     def write(cached_k: Array, cached_v: Array, k: Array, v: Array, index: Array) -> Tuple[Array, Array]:

@@ -32,16 +32,14 @@ BIN_NAME = "pytorch_model.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 WEIGHT_NAMES = (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME, BIN_NAME, BIN_INDEX_NAME)
 
-# model_type -> backbone family
+# model_type -> backbone family (the decoder types: jsteer.backbones.families.MODEL_TYPES)
 FAMILIES = {
     "bert": "bert",
     "roberta": "bert",
     "xlm-roberta": "bert",
     "camembert": "bert",
-    "gpt2": "gpt2",
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
+    **{t: "decoder" for t in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
+                              "gpt_neox", "gpt2")},
 }
 
 _ST_DTYPES = {
@@ -275,8 +273,10 @@ def dir_fingerprint(paths: Iterable[PathLike]) -> str:
 
 
 def detect_family(config: Mapping, source: PathLike | None = None) -> str:
-    """HF config dict -> "bert" | "llama" | "gpt2" from its ``model_type``."""
+    """HF config dict -> "bert" | "decoder" from its ``model_type``."""
     where = f"{source}" if source is not None else "config.json"
+    if "jsteer_decoder" in config:  # DecoderConfig.to_dict()
+        return "decoder"
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"{where}: config has no model_type; cannot tell the architecture")

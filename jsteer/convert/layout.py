@@ -65,19 +65,14 @@ def cut(start: int, stop: int, axis: int = 0, then: Transform = None) -> Callabl
     return f
 
 
-class PrefixView(Mapping):
-    """A read-through view of ``state_dict`` with ``prefix`` added to names that lack it (and
-    are not listed in ``keep``): checkpoints saved from a bare base model (``LlamaModel``) name
-    their tensors without the ``model.`` of the causal-LM class. Reads stay lazy."""
+class RenamedView(Mapping):
+    """A read-through view of ``state_dict`` under new names ``rename(name)``: checkpoints saved
+    from a bare base model name their tensors without the causal-LM class's ``model.`` prefix,
+    and a family's head may have had another name in older transformers. Reads stay lazy."""
 
-    def __init__(self, state_dict: Mapping[str, Any], prefix: str, keep: Sequence[str] = ()):
-        self._sd, self._prefix, self._keep = state_dict, prefix, tuple(keep)
-        self._names = {self._rename(k): k for k in state_dict}
-
-    def _rename(self, k: str) -> str:
-        if k.startswith(self._prefix) or k.startswith(self._keep):
-            return k
-        return self._prefix + k
+    def __init__(self, state_dict: Mapping[str, Any], rename: Callable[[str], str]):
+        self._sd = state_dict
+        self._names = {rename(k): k for k in state_dict}
 
     def __getitem__(self, name: str):
         return self._sd[self._names[name]]
@@ -137,8 +132,8 @@ def apply_layout(state_dict: Mapping[str, Any], layout: Mapping[str, Entry], *, 
     place = place or (lambda path, x: jnp.asarray(x))
     params: dict = {}
     for name, e in layout.items():
-        if name not in state_dict:
-            continue  # optional and absent
+        if name not in state_dict or not e.outputs:
+            continue  # optional and absent, or expected and unused
         x = np.asarray(state_dict[name])
         if tuple(x.shape) != e.shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(x.shape)}, expected {e.shape} "
@@ -161,5 +156,5 @@ def flatten_paths(tree: Mapping, prefix: Path = ()) -> dict[Path, Any]:
     return out
 
 
-__all__ = ["Entry", "entry", "transpose", "split", "cut", "PrefixView", "apply_layout", "check_names",
+__all__ = ["Entry", "entry", "transpose", "split", "cut", "RenamedView", "apply_layout", "check_names",
            "flatten_paths"]

@@ -97,7 +97,7 @@ def _train(args) -> int:
 def _eval(args) -> int:
     import numpy as np
 
-    from jsteer.backbones.llama import LlamaConfig
+    from jsteer.backbones.families import config_from_hf
     from jsteer.io import load_artifact
     from jsteer.kalm import data as kdata
     from jsteer.kalm import decode
@@ -107,7 +107,7 @@ def _eval(args) -> int:
     params, meta = load_artifact(args.model)
     vocab = kdata.Vocab(list(meta["vocab"]))
     tv = TypedVocab.build(len(vocab), meta["type_words"], disjoint=True)
-    model = ktrain.make_model(meta["kind"], LlamaConfig.from_hf(meta["backbone"]), tv,
+    model = ktrain.make_model(meta["kind"], config_from_hf(meta["backbone"], f"{args.model}: backbone"), tv,
                               type_dim=meta.get("type_dim", 32),
                               share_word_embedding=meta.get("share_word_embedding", False))
     lines = kdata.read_lines(args.text, args.lines)

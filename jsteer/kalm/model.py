@@ -4,7 +4,7 @@
     out = model.apply({"params": p}, input_ids [B,T], attention_mask [B,T], typed_vocab)
         -> KalmOutput  (position t describes the token at t + 1)
 
-Parameter tree: ``{"backbone": LlamaForCausalLM tree, "head": KalmHead tree, ["type_in":
+Parameter tree: ``{"backbone": Decoder tree, "head": KalmHead tree, ["type_in":
 Dense Dt -> D]}``; the general vocabulary's output embedding is the backbone's own.
 
 "Type as input": in KALM's LSTM the expected type embedding of the previous step,
@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM
+from jsteer.backbones.decoder import Decoder, DecoderConfig
 from jsteer.hooks import Hooks
 from jsteer.kalm.head import KalmConfig, KalmHead, KalmOutput, TypedVocab, token_log_prob
 
@@ -32,14 +32,14 @@ Array = jnp.ndarray
 
 
 class KalmLM(nn.Module):
-    backbone_config: LlamaConfig
+    backbone_config: DecoderConfig
     kalm: KalmConfig
     num_pairs: int
     dtype: Any = jnp.float32
 
     def setup(self):
         d = self.backbone_config.hidden_size
-        self.backbone = LlamaForCausalLM(self.backbone_config, dtype=self.dtype)
+        self.backbone = Decoder(self.backbone_config, dtype=self.dtype)
         self.head = KalmHead(self.kalm, self.num_pairs, d)
         if self.kalm.type_as_input:
             self.type_in = nn.Dense(d, use_bias=False, kernel_init=nn.initializers.zeros)
@@ -59,7 +59,7 @@ class KalmLM(nn.Module):
 
 
 def next_token_log_probs(model, params, input_ids: Array, attention_mask: Array, vocab: TypedVocab) -> Array:
-    """log P(x_{t+1} | x_<=t) [B, T-1] for a :class:`KalmLM` or a plain ``LlamaForCausalLM``."""
+    """log P(x_{t+1} | x_<=t) [B, T-1] for a :class:`KalmLM` or a plain :class:`~jsteer.backbones.decoder.Decoder`."""
     targets = input_ids[:, 1:]
     if isinstance(model, KalmLM):
         out = model.apply({"params": params}, input_ids, attention_mask, vocab)

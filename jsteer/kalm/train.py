@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM
+from jsteer.backbones.decoder import Decoder, DecoderConfig
 from jsteer.kalm.head import KalmConfig, TypedVocab
 from jsteer.kalm.model import KalmLM, next_token_log_probs
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
@@ -35,18 +35,18 @@ class LMTrainConfig:
 
 
 def tiny_llama(vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4, max_len: int = 256
-               ) -> LlamaConfig:
+               ) -> DecoderConfig:
     """A small random-init LLaMA for word-level recipe text (tied embeddings)."""
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
+    return DecoderConfig.llama(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
                        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, max_position_embeddings=max_len,
                        tie_word_embeddings=True)
 
 
-def make_model(kind: str, backbone: LlamaConfig, vocab: TypedVocab, type_dim: int = 32,
+def make_model(kind: str, backbone: DecoderConfig, vocab: TypedVocab, type_dim: int = 32,
                share_word_embedding: bool = True):
-    """``plain``: LlamaForCausalLM; ``kalm`` / ``kalm_type_input``: :class:`KalmLM`."""
+    """``plain``: a Decoder; ``kalm`` / ``kalm_type_input``: :class:`KalmLM`."""
     if kind == "plain":
-        return LlamaForCausalLM(backbone)
+        return Decoder(backbone)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     cfg = KalmConfig(num_types=vocab.num_types, type_dim=type_dim, type_as_input=kind == "kalm_type_input",

@@ -39,15 +39,15 @@ def lm(seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True, norm_
 
     ``norm_scale_noise`` > 0 perturbs the per-layer RMSNorm scales (not the final norm) so the
     model is not at its init symmetry."""
-    from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM
+    from jsteer.backbones.decoder import Decoder, DecoderConfig
     from jsteer.io import LM
 
     tok = tokenizer()
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+    cfg = DecoderConfig.llama(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
                       tie_word_embeddings=tie, bos_token_id=2, eos_token_id=3, pad_token_id=0,
                       max_position_embeddings=256)
-    module = LlamaForCausalLM(cfg)
+    module = Decoder(cfg)
     # shapes by abstract tracing, values from NumPy: no XLA compile (a real init compiles for seconds)
     shapes = jax.eval_shape(module.init, jax.random.PRNGKey(seed), jnp.ones((1, 4), jnp.int32))["params"]
     rng = np.random.default_rng(seed)
@@ -63,12 +63,12 @@ def lm(seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True, norm_
     if norm_scale_noise:
         for name, layer in params.items():
             if name.startswith("layers_"):
-                for nm in ("input_layernorm", "post_attention_layernorm"):
+                for nm in ("attn_norm", "ffn_norm"):
                     s = layer[nm]["scale"]
                     layer[nm]["scale"] = s * (1.0 + norm_scale_noise * rng.normal(size=s.shape)).astype(np.float32)
     params = jax.tree_util.tree_map(jnp.asarray, params)
     sha = hashlib.sha256(f"toy-llama-{seed}-{hidden}-{layers}-{tie}-{norm_scale_noise}".encode()).hexdigest()
-    return LM(family="llama", config=cfg, params=params, module=module, tokenizer=tok,
+    return LM(family="decoder", config=cfg, params=params, module=module, tokenizer=tok,
               hf_config=cfg.to_dict(), provenance={"source": f"toy:{seed}", "sha256": sha})
 
 

@@ -452,7 +452,7 @@ def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
 
 
 def for_decoder(module, params, tokenizer, family: str, config, identity: str = "") -> ProbeModel:
-    """ProbeModel for a decoder (``family`` "llama" | "gpt2"): logits = h @ E_out^T at the
+    """ProbeModel for a decoder (``family`` "decoder"): logits = h @ E_out^T at the
     predicting position only (the full [B,T,V] logits are never needed, and XLA drops them)."""
     from jsteer.backbones import get_family
 
@@ -524,7 +524,7 @@ def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, g
     cache = init_cache(b, t)
     cache = forward(params, ids[:, :-1], attn[:, :-1], None, cache=cache).cache
     rep = lambda x: jnp.repeat(x, n_l, axis=0)
-    cache = cache.replace(k=tuple(rep(k) for k in cache.k), v=tuple(rep(v) for v in cache.v),
+    cache = cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
                           mask=rep(cache.mask), pos=rep(cache.pos))
     te_r = rep(te)
     off = (lam.reshape(-1)[:, None] * te_r)[:, None, :]                              # [B*L, 1, D]

@@ -1,0 +1,592 @@
+"""One decoder for every causal-LM family, with config switches (LLaMA, Mistral, Qwen2/3, Gemma-2/3,
+Phi-3, OLMo-2, GPT-NeoX / Pythia, GPT-2); :mod:`jsteer.backbones.families` translates each HF config
+and gives each family's weight layout.
+
+Call (B batch, T new tokens, S cache slots, D hidden, V vocab)::
+
+    out = Decoder(config).apply({"params": p}, input_ids [B,T], attention_mask=[B,T] | None,
+        hooks=Hooks | None, cache=KVCache | None, output_hidden_states=False, step=False,
+        last_logits_only=False, capture=("resid_post.3", ...))
+
+``out.logits`` [B,T,V] fp32 (``last_logits_only``: [B,1,V]), ``out.hidden`` the final-norm output
+[B,T,D], ``out.cache`` the updated KV cache, ``out.captured`` {site: [B,T,D]}. ``step=True``: the T
+tokens are generated ones (decode steps: ``hooks.step_offset`` instead of ``embed_offset``;
+interventions see ``ctx.decode``). The layer loop passes every activation through the sites of
+:mod:`jsteer.interventions`; Hooks' built-in fields act there (module docstring of jsteer.hooks).
+
+Block layouts (``config.block``), x the residual stream::
+
+    pre       x += attn(n1(x));            x += mlp(n2(x))                  LLaMA, Qwen, Phi-3, GPT-2
+    sandwich  x += n1b(attn(n1(x)));       x += n2b(mlp(n2(x)))             Gemma-2/3
+    post      x += n1b(attn(x));           x += n2b(mlp(x))                 OLMo-2
+    parallel  x += attn(n1(x)) + mlp(n2(x))                                 GPT-NeoX (use_parallel_residual)
+
+Params (kernels [in..., out...]; every leaf has logical axis names, :func:`logical_axes`)::
+
+    embed/embedding [V,D]        pos_embed/embedding [P,D] (learned positions)
+    layers_{i}/attn_norm, ffn_norm, attn_post_norm, ffn_post_norm   {scale[, bias]} [D]
+    layers_{i}/attn/{q [D,N,H], k [D,K,H], v [D,K,H], o [N,H,D]}    {kernel[, bias]}
+    layers_{i}/attn/{q_norm, k_norm}  [H] (per head) or [N*H] / [K*H] (whole projection)
+    layers_{i}/mlp/{gate [D,F], up [D,F], down [F,D]}               (plain MLP: up, down)
+    final_norm {scale[, bias]} [D]       lm_head/kernel [D,V] (untied only)
+
+Norms and the softmax run in float32; matrix products in ``dtype`` (fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jsteer import interventions as iv
+from jsteer.backbones import cpu
+from jsteer.backbones.attention import attention
+from jsteer.backbones.base import (
+    ACTIVATIONS,
+    Embed,
+    KVCache,
+    ModelOutput,
+    attention_slots,
+    check_position_ids,
+    default_positions,
+    eos_ids,
+    next_positions,
+)
+from jsteer.backbones.rope import Rope, apply_rope
+from jsteer.backbones.sites import SiteRunner
+from jsteer.hooks import Hooks, apply_steer_logits
+
+Array = jnp.ndarray
+
+BLOCKS = ("pre", "sandwich", "post", "parallel")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Everything that distinguishes the families (built by :mod:`jsteer.backbones.families`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    norm: str = "rms"                 # "rms" | "layer" (with bias)
+    norm_eps: float = 1e-6
+    norm_offset: bool = False         # Gemma: scale by (1 + w)
+    norm_weight_f32: bool = False     # weight applied in fp32 before the cast (Gemma, OLMo-2); else after
+    block: str = "pre"
+    qk_norm: Optional[str] = None     # None | "head" (Qwen3, Gemma-3) | "proj" (OLMo-2)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp: str = "gated"                # "gated": down(act(gate(x)) * up(x)) | "plain": down(act(up(x)))
+    mlp_bias: bool = False
+    activation: str = "silu"
+    attn_scale: Optional[float] = None  # None: head_dim ** -0.5
+    attn_scale_by_layer: bool = False   # GPT-2 scale_attn_by_inverse_layer_idx: / (layer + 1)
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    sliding_window: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None  # per layer FULL | SLIDING; None: all FULL
+    position: str = "rope"            # "rope" | "learned"
+    rope: Optional[Rope] = None
+    rope_local: Optional[Rope] = None  # sliding layers' RoPE (Gemma-3); None: ``rope``
+    max_position_embeddings: int = 2048
+    embed_scale: bool = False         # Gemma: embeddings x sqrt(D)
+    tie_word_embeddings: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Union[int, Tuple[int, ...], None] = None
+    pad_token_id: Optional[int] = None
+    scan_layers: bool = False         # one nn.scan over stacked layer params (compile time independent of L)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DecoderConfig: num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        for name, value, allowed in (("block", self.block, BLOCKS), ("norm", self.norm, ("rms", "layer")),
+                                     ("mlp", self.mlp, ("gated", "plain")), ("position", self.position,
+                                                                              ("rope", "learned")),
+                                     ("qk_norm", self.qk_norm, (None, "head", "proj"))):
+            if value not in allowed:
+                raise ValueError(f"DecoderConfig.{name}={value!r}; expected one of {allowed}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"DecoderConfig.activation {self.activation!r} is not supported "
+                             f"(supported: {', '.join(sorted(ACTIVATIONS))})")
+        if self.position == "rope" and self.rope is None:
+            raise ValueError("DecoderConfig: position='rope' needs a rope")
+        types = self.layer_types or ()
+        if types and (len(types) != self.num_layers or set(types) - {FULL, SLIDING}):
+            raise ValueError(f"DecoderConfig.layer_types must give {FULL!r} or {SLIDING!r} for each of the "
+                             f"{self.num_layers} layers, got {types}")
+        if SLIDING in types and not self.sliding_window:
+            raise ValueError("DecoderConfig: sliding_attention layers need sliding_window")
+
+    @property
+    def stop_ids(self) -> Tuple[int, ...]:
+        return eos_ids(self.eos_token_id)
+
+    @property
+    def position_table_size(self) -> Optional[int]:
+        """Rows of a learned position table (valid ids 0..P-1); None for RoPE (no table)."""
+        return self.max_position_embeddings if self.position == "learned" else None
+
+    @property
+    def cache_reset_length(self) -> Optional[int]:
+        """Phi-3's LongRoPE switches to its long factors once a sequence outgrows this many tokens;
+        transformers' Phi-3 generate then recomputes the KV cache, and :func:`jsteer.decode.generate`
+        does the same (other families keep the cached keys, in both libraries)."""
+        if self.model_type == "phi3" and self.rope is not None and self.rope.rope_type == "longrope":
+            return int(self.rope.p["original_max_position_embeddings"])
+        return None
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """Empty KV cache with ``max_len`` slots: k [B, K, H, S], v [B, K, S, H] per layer (one
+        [L, ...] array each with ``scan_layers``)."""
+        return KVCache.init(self.num_layers, batch, max_len, self.num_kv_heads, self.head_dim, dtype,
+                            stacked=self.scan_layers)
+
+    def to_dict(self) -> dict:
+        """A config.json dict that :func:`jsteer.backbones.families.config_from_hf` reads back to
+        an equal config (``jsteer_decoder`` form; HF's own keys are kept in ``LM.hf_config``)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k in ("rope", "rope_local"):
+            d[k] = None if d[k] is None else dataclasses.asdict(d[k])
+        d["layer_types"] = None if self.layer_types is None else list(self.layer_types)
+        if isinstance(self.eos_token_id, tuple):
+            d["eos_token_id"] = list(self.eos_token_id)
+        return {"jsteer_decoder": d, "model_type": self.model_type}
+
+    @classmethod
+    def llama(cls, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
+              num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None, rope_theta: float = 10000.0,
+              max_position_embeddings: int = 2048, **kw) -> "DecoderConfig":
+        """A LLaMA-shaped config built by hand (toy and from-scratch models)."""
+        head_dim = head_dim or hidden_size // num_heads
+        return cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                   num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
+                   head_dim=head_dim, max_position_embeddings=max_position_embeddings,
+                   rope=Rope(theta=rope_theta, dim=head_dim, max_position_embeddings=max_position_embeddings), **kw)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DecoderConfig":
+        d = dict(d)
+        for k in ("rope", "rope_local"):
+            if d.get(k) is not None:
+                r = dict(d[k])
+                r["params"] = tuple((p, tuple(v) if isinstance(v, list) else v) for p, v in r.get("params", ()))
+                d[k] = Rope(**r)
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
+        if isinstance(d.get("eos_token_id"), list):
+            d["eos_token_id"] = tuple(d["eos_token_id"])
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"jsteer_decoder config: unknown field {unknown[0]!r}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _kernel_init(fan_in_axes: int):
+    del fan_in_axes
+    return nn.initializers.normal(0.02)
+
+
+class Linear(nn.Module):
+    """y = x W (+ b) with W stored [*in_shape, *features]: the last ``in_axes`` dims of x are
+    contracted as one 2-D product (the fast form on every backend, and forward-mode
+    differentiable). On CPU decode steps it multiplies through ``cpu.small_gemm`` when the
+    "packed" collection holds this kernel (see :func:`decode_pack`)."""
+
+    features: Tuple[int, ...]
+    in_axes: int = 1
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        in_shape = x.shape[x.ndim - self.in_axes:]
+        lead = x.shape[:x.ndim - self.in_axes]
+        kernel = self.param("kernel", _kernel_init(self.in_axes), in_shape + tuple(self.features), self.param_dtype)
+        k, n = math.prod(in_shape), math.prod(self.features)
+        x2 = x.reshape(-1, k).astype(self.dtype)
+        packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
+        if (packed is not None and self.dtype == jnp.float32 and x2.dtype == jnp.float32
+                and cpu.MIN_ROWS <= x2.shape[0] <= cpu.MAX_ROWS):
+            y = cpu.small_gemm(x2, packed, n)
+        else:
+            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype
+                               ).reshape(n).astype(self.dtype)
+        return y.reshape(lead + tuple(self.features))
+
+
+class Norm(nn.Module):
+    """RMSNorm (``kind`` "rms") or LayerNorm ("layer", with bias) over the last axis, in fp32."""
+
+    kind: str
+    eps: float
+    offset: bool = False
+    weight_f32: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = self.param("scale", init, (d,), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        if self.kind == "layer":
+            mean = x32.mean(-1, keepdims=True)
+            var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+            bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+            y = (x32 - mean) * lax.rsqrt(var + self.eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+            return y.astype(self.dtype)
+        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        w = (1.0 + scale.astype(jnp.float32)) if self.offset else scale
+        if self.weight_f32 or self.offset:
+            return (y * w.astype(jnp.float32)).astype(self.dtype)
+        return w.astype(self.dtype) * y.astype(self.dtype)
+
+
+def _norm(c: DecoderConfig, name: str, dtype, param_dtype) -> Norm:
+    return Norm(c.norm, c.norm_eps, c.norm_offset, c.norm_weight_f32, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: N query heads share K key/value heads in groups of G = N / K."""
+
+    config: DecoderConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, visible, bias, kv, index, layer):
+        """x [B,T,D]; cos / sin [B,T,R] or None (learned positions); visible [B,T,S] bool; bias
+        [B,T,S] or None; kv: this layer's cached (k, v) written at slot ``index``, or None.
+        Returns (out [B,T,D], (k, v) after the write or None)."""
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        b, t, _ = x.shape
+        n, kh, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        q = Linear((n, hd), use_bias=c.qkv_bias, name="q", **kw)(x)
+        k = Linear((kh, hd), use_bias=c.qkv_bias, name="k", **kw)(x)
+        v = Linear((kh, hd), use_bias=c.qkv_bias, name="v", **kw)(x)
+        if c.qk_norm == "proj":  # OLMo-2: over the whole projection
+            q = _norm(c, "q_norm", **kw)(q.reshape(b, t, n * hd)).reshape(b, t, n, hd)
+            k = _norm(c, "k_norm", **kw)(k.reshape(b, t, kh * hd)).reshape(b, t, kh, hd)
+        elif c.qk_norm == "head":
+            q, k = _norm(c, "q_norm", **kw)(q), _norm(c, "k_norm", **kw)(k)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_kv = None
+        if kv is not None:
+            k, v = new_kv = KVCache.write(*kv, k, v, index)
+        scale = c.attn_scale if c.attn_scale is not None else hd ** -0.5
+        if c.attn_scale_by_layer:
+            scale = scale / (layer + 1)
+        out = attention(q.reshape(b, t, kh, n // kh, hd), k, v.astype(self.dtype), scale=scale,
+                        visible=visible[:, None, None], softcap=c.attn_softcap,
+                        bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
+                        cache_layout=kv is not None)
+        out = Linear((c.hidden_size,), in_axes=2, use_bias=c.o_bias, name="o", **kw)(out.reshape(b, t, n, hd))
+        return out, new_kv
+
+
+class MLP(nn.Module):
+    config: DecoderConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        act = ACTIVATIONS[c.activation]
+        up = Linear((c.intermediate_size,), use_bias=c.mlp_bias, name="up", **kw)(x)
+        if c.mlp == "gated":
+            up = act(Linear((c.intermediate_size,), use_bias=c.mlp_bias, name="gate", **kw)(x)) * up
+        else:
+            up = act(up)
+        return Linear((c.hidden_size,), use_bias=c.mlp_bias, name="down", **kw)(up)
+
+
+class Block(nn.Module):
+    """One decoder layer (``config.block`` layout). ``layer``: int, or traced under a scanned stack."""
+
+    config: DecoderConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, visible, bias, kv, index, site, layer):
+        return self._layer(x, cos, sin, visible, bias, kv, index, site, layer)
+
+    def _layer(self, x, cos, sin, visible, bias, kv, index, site, i):
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        attn = Attention(c, name="attn", **kw)
+        mlp = MLP(c, name="mlp", **kw)
+        if c.block == "parallel":
+            a, new_kv = attn(_norm(c, "attn_norm", **kw)(x), cos, sin, visible, bias, kv, index, i)
+            a = site("attn_out", i, a)
+            f = site("ffn_out", i, mlp(site("ffn_in", i, _norm(c, "ffn_norm", **kw)(x))))
+            return site("resid_post", i, x + a + f), new_kv
+        h = x if c.block == "post" else _norm(c, "attn_norm", **kw)(x)
+        a, new_kv = attn(h, cos, sin, visible, bias, kv, index, i)
+        if c.block in ("sandwich", "post"):
+            a = _norm(c, "attn_post_norm", **kw)(a)
+        x = x + site("attn_out", i, a)
+        h = site("ffn_in", i, x if c.block == "post" else _norm(c, "ffn_norm", **kw)(x))
+        f = mlp(h)
+        if c.block in ("sandwich", "post"):
+            f = _norm(c, "ffn_post_norm", **kw)(f)
+        x = x + site("ffn_out", i, f)
+        return site("resid_post", i, x), new_kv
+
+
+class _ScannedBlock(Block):
+    """Block in ``nn.scan``'s (carry, xs) form: carry (x, per-layer captures), xs (layer index,
+    sliding flag, this layer's cache slice or None); the rest is broadcast."""
+
+    @nn.compact
+    def __call__(self, carry, xs, shared):
+        x, caps = carry
+        layer, sliding, kv = xs
+        (cos, sin), (cos_l, sin_l), visible, visible_l, bias, index, site = shared
+        if cos is not None and cos_l is not cos:
+            cos, sin = jnp.where(sliding, cos_l, cos), jnp.where(sliding, sin_l, sin)
+        if visible_l is not visible:
+            visible = jnp.where(sliding, visible_l, visible)
+        site.set_carry(caps)
+        x, new_kv = self._layer(x, cos, sin, visible, bias, kv, index, site, layer)
+        return (x, {k: site.captured[k] for k in caps}), new_kv
+
+
+def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw,
+                 hidden_states):
+    """The layer loop: unrolled (params ``layers_{i}``) or one ``nn.scan`` (params ``layers``, every
+    leaf with a leading layer axis; compile time independent of depth). Returns (x, new k, new v):
+    tuples of per-layer arrays, or stacked [L, ...] arrays when scanned."""
+    if not c.scan_layers:
+        new_k, new_v = [], []
+        for i in range(c.num_layers):
+            local = c.is_sliding(i)
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, new_kv = Block(c, name=f"layers_{i}", **kw)(
+                x, *(rope_l if local else rope), visible_l if local else visible, bias, kv, index, site, i)
+            if new_kv is not None:
+                new_k.append(new_kv[0])
+                new_v.append(new_kv[1])
+            if hidden_states is not None:
+                hidden_states.append(x)
+        return x, tuple(new_k), tuple(new_v)
+    if hidden_states is not None:
+        raise ValueError("output_hidden_states needs the unrolled layer stack; with scan_layers=True "
+                         "use capture=('resid_post.0', ...)")
+    sliding = jnp.asarray([c.is_sliding(i) for i in range(c.num_layers)])
+    kv = None if cache is None else (cache.k, cache.v)
+    scan = nn.scan(_ScannedBlock, variable_axes={"params": 0, "packed": 0}, split_rngs={"params": True},
+                   in_axes=(0, nn.broadcast), length=c.num_layers)
+    (x, caps), new_kv = scan(c, name="layers", **kw)(
+        (x, site.carry(x)), (jnp.arange(c.num_layers), sliding, kv),
+        (rope, rope_l, visible, visible_l, bias, index, site))
+    site.set_carry(caps)
+    return (x,) + (tuple(new_kv) if new_kv is not None else ((), ()))
+
+
+class Decoder(nn.Module):
+    """Causal LM returning :class:`ModelOutput` (module docstring). ``dtype``: activation / matmul
+    dtype (norms, softmax and logits in fp32); ``param_dtype``: dtype of freshly initialised params."""
+
+    config: DecoderConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def decode_pack(self, params: dict) -> dict:
+        """The "packed" collection :func:`jsteer.decode.generate` passes on CPU (:func:`decode_pack`)."""
+        return decode_pack(params, self.config)
+
+    @nn.compact
+    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None, hooks: Optional[Hooks] = None,
+                 cache: Optional[KVCache] = None, output_hidden_states: bool = False, step: bool = False,
+                 last_logits_only: bool = False, capture: Tuple[str, ...] = ()) -> ModelOutput:
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.int32)
+        if attention_mask.shape != (b, t):
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}, input_ids {input_ids.shape}")
+        mask = attention_mask.astype(jnp.int32)
+        capture = iv.check_capture(capture, c.num_layers)
+        if hooks is not None:
+            from jsteer.hooks import check_film_layers
+            check_film_layers(hooks, c.num_layers)
+            iv.check_interventions(hooks.interventions, c.num_layers)
+        if hooks is not None and hooks.position_ids is not None:
+            positions = hooks.position_ids
+            check_position_ids(positions, c.position_table_size, c.model_type)
+        else:
+            positions = default_positions(mask, cache)
+        site = SiteRunner(hooks, capture, positions, mask, step)
+
+        embed = Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+                      embedding_init=nn.initializers.normal(0.02), name="embed")
+        x = embed(input_ids)
+        if c.embed_scale:
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), self.dtype)
+        x = site("embed", None, x)
+        rope = rope_l = (None, None)
+        if c.position == "learned":
+            if cache is None and t > c.max_position_embeddings:
+                raise ValueError(f"input length {t} exceeds the {c.max_position_embeddings} learned positions")
+            x = x + Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+                          embedding_init=nn.initializers.normal(0.02), name="pos_embed")(positions)
+        else:
+            rope = rope_l = c.rope.cos_sin(positions)
+            if c.rope_local is not None:
+                rope_l = c.rope_local.cos_sin(positions)
+
+        index, key_mask, q_slot, k_slot, bias = attention_slots(mask, None if hooks is None else hooks.attn_bias, cache)
+        visible = visible_l = (k_slot[None, :] <= q_slot[:, None])[None] & (key_mask[:, None, :] > 0)
+        if c.sliding_window:
+            visible_l = visible & (q_slot[:, None] - k_slot[None, :] < c.sliding_window)[None]
+        hidden_states = [x] if output_hidden_states else None
+        x, new_k, new_v = _layer_stack(c, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw,
+                                       hidden_states)
+        hidden = _norm(c, "final_norm", **kw)(x)
+        h = hidden[:, -1:] if last_logits_only else hidden
+        h = site("final", None, h)
+        if c.tie_word_embeddings:
+            has = self.has_variable("packed", "embed_attend")
+            packed = self.get_variable("packed", "embed_attend") if has else None
+            rows = math.prod(h.shape[:-1])
+            if (packed is not None and self.dtype == jnp.float32 and h.dtype == jnp.float32
+                    and cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS):
+                logits = cpu.small_gemm(h.reshape(rows, -1), packed, c.vocab_size).reshape(h.shape[:-1] + (-1,))
+            else:
+                logits = embed.attend(h)
+        else:
+            logits = Linear((c.vocab_size,), name="lm_head", **kw)(h)
+        logits = logits.astype(jnp.float32)
+        if c.final_softcap is not None:
+            logits = jnp.tanh(logits / c.final_softcap) * c.final_softcap
+        logits = apply_steer_logits(logits, hooks)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=new_k, v=new_v, mask=key_mask, index=index + t,
+                                pos=next_positions(cache, mask, positions))
+        return ModelOutput(logits=logits, hidden=hidden, cache=new_cache, captured=site.captured or None,
+                           hidden_states=None if hidden_states is None else tuple(hidden_states))
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def input_embeddings(params) -> Array:
+    """Token-embedding matrix [V, D]."""
+    return params["embed"]["embedding"]
+
+
+def output_embeddings(params, config: DecoderConfig) -> Array:
+    """Output-embedding matrix E [V, D] (logits = h E^T): the input embedding when tied."""
+    if config.tie_word_embeddings:
+        return params["embed"]["embedding"]
+    return params["lm_head"]["kernel"].T
+
+
+def _in_axes(path: Tuple[str, ...]) -> int:
+    return 2 if path[-2:] == ("o", "kernel") else 1
+
+
+def decode_pack(params: dict, config: DecoderConfig) -> dict:
+    """Every kernel packed for ``cpu.small_gemm`` as its 2-D [in, out] form, at the same path (a
+    scanned stack's kernels per layer, stacked), plus ``embed_attend`` (the tied embedding's
+    transpose). Pure; call it under jit."""
+
+    def pack(path, v):
+        n_in = _in_axes(path) + (path[0] == "layers")
+        lead = 1 if path[0] == "layers" else 0
+        flat = v.reshape(v.shape[:lead] + (math.prod(v.shape[lead:n_in]), -1))
+        return jax.vmap(cpu.pack)(flat) if lead else cpu.pack(flat)
+
+    def walk(tree, path):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                sub = walk(v, path + (k,))
+                if sub:
+                    out[k] = sub
+            elif k == "kernel" and getattr(v, "ndim", 0) >= 2:
+                out[k] = pack(path + (k,), v)
+        return out
+
+    packed = walk({k: v for k, v in params.items() if k != "embed"}, ())
+    if config.tie_word_embeddings:
+        packed["embed_attend"] = cpu.pack(params["embed"]["embedding"].T)
+    return packed
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled params (``layers_{i}``) -> the scanned form (``layers``, leaves stacked [L, ...])."""
+    layers = [params[f"layers_{i}"] for i in range(num_layers)]
+    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return out
+
+
+def unstack_layers(params: dict) -> dict:
+    """The scanned form -> unrolled ``layers_{i}``."""
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out.update({f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)})
+    return out
+
+
+# Logical axis names of each param by its trailing path (sharding rules map them to mesh axes).
+_AXES = {
+    ("embed", "embedding"): ("vocab", "embed"),
+    ("pos_embed", "embedding"): (None, "embed"),
+    ("q", "kernel"): ("embed", "heads", "head_dim"), ("q", "bias"): ("heads", "head_dim"),
+    ("k", "kernel"): ("embed", "kv_heads", "head_dim"), ("k", "bias"): ("kv_heads", "head_dim"),
+    ("v", "kernel"): ("embed", "kv_heads", "head_dim"), ("v", "bias"): ("kv_heads", "head_dim"),
+    ("o", "kernel"): ("heads", "head_dim", "embed"), ("o", "bias"): ("norm",),
+    ("gate", "kernel"): ("embed", "mlp"), ("gate", "bias"): ("mlp",),
+    ("up", "kernel"): ("embed", "mlp"), ("up", "bias"): ("mlp",),
+    ("down", "kernel"): ("mlp", "embed"), ("down", "bias"): ("norm",),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+
+
+def logical_axes(params) -> Any:
+    """The params' pytree with each leaf replaced by its logical axis names (a tuple, one per dim);
+    norm scales / biases are ("norm",); a scanned stack's leaves lead with "layers". Works on
+    arrays or ShapeDtypeStructs."""
+    def one(path, leaf):
+        names = tuple(getattr(p, "key", str(p)) for p in path)
+        stacked = names[0] == "layers"
+        ndim = np.ndim(leaf) - stacked
+        axes = _AXES.get(names[-2:], ("norm",) if ndim == 1 else None)
+        if axes is None or len(axes) != ndim:
+            raise ValueError(f"no logical axes for param {'/'.join(names)} of shape {np.shape(leaf)}")
+        return ("layers",) + axes if stacked else axes
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+__all__ = ["DecoderConfig", "Decoder", "Block", "Linear", "Norm", "input_embeddings", "output_embeddings",
+           "decode_pack", "stack_layers", "unstack_layers", "logical_axes", "FULL", "SLIDING"]
