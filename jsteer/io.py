@@ -32,6 +32,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -40,7 +41,7 @@ import numpy as np
 
 from jsteer.backbones import DECODER, Family, get_family
 from jsteer.backbones.base import check_position_ids
-from jsteer.tokenizer import Tokenizer
+from jsteer.tokenizer import TOKENIZER_FILES, Tokenizer
 
 PathLike = str | os.PathLike
 
@@ -90,7 +91,8 @@ class LM:
     """A backbone bundled with its params, tokenizer and provenance.
 
     Fields: ``family`` ("bert" | "llama" | "gpt2"), ``config`` (the family's frozen config),
-    ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer``,
+    ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer`` (None for a
+    model loaded from a folder without tokenizer files: token ids only),
     ``hf_config`` (HF-style config dict the config was built from), ``head`` (BERT head name
     or None), ``provenance`` (source, sha256, dtype, ...).
     """
@@ -99,7 +101,7 @@ class LM:
     config: Any
     params: Any
     module: Any
-    tokenizer: Tokenizer
+    tokenizer: Optional[Tokenizer]
     hf_config: dict
     head: Optional[str] = None
     provenance: dict = dataclasses.field(default_factory=dict)
@@ -263,15 +265,25 @@ class LM:
         :meth:`generate` uses), so hooks built on these shapes fit generate's inputs."""
         if left_pad is None:
             left_pad = self.is_decoder
-        ids, mask = self.tokenizer.batch_encode(texts, max_len=max_len, left_pad=left_pad,
-                                                add_special_tokens=add_special_tokens)
+        ids, mask = self._text_tokenizer("encode_batch").batch_encode(
+            texts, max_len=max_len, left_pad=left_pad, add_special_tokens=add_special_tokens)
         if bucket:
             ids, mask = _pad_to(ids, mask, _bucket_length(ids.shape[1]), left_pad, self._pad_value())
         return ids, mask
 
+    def _text_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what}: this model has no tokenizer ({self.provenance.get('source', '?')} has no "
+                             f"tokenizer files), so it cannot encode text; pass token ids to forward() instead")
+        return self.tokenizer
+
     def _pad_value(self) -> int:
+        """Pad id: the tokenizer's pad, else its eos (without a tokenizer: the config's), else 0."""
         t = self.tokenizer
-        return t.pad_id if t.pad_id is not None else (t.eos_id if t.eos_id is not None else 0)
+        pad, eos = (t.pad_id, t.eos_id) if t is not None else (self.hf_config.get("pad_token_id"),
+                                                                 self.hf_config.get("eos_token_id"))
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        return int(pad) if isinstance(pad, int) else (int(eos) if isinstance(eos, int) else 0)
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, hooks=None,
@@ -302,7 +314,8 @@ class LM:
             prompts = [prompts]
         from jsteer import decode
 
-        ids, mask = self._start_empty_prompts(*self.tokenizer.batch_encode(prompts, left_pad=True))
+        tokenizer = self._text_tokenizer("generate")
+        ids, mask = self._start_empty_prompts(*tokenizer.batch_encode(prompts, left_pad=True))
         prompt_ids = [row[m > 0] for row, m in zip(ids, mask)]
         t0 = ids.shape[1]
         t = _bucket_length(t0)
@@ -601,7 +614,7 @@ def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
     return {"source": str(path.resolve()), "source_format": fmt, "sha256": sha, "dtype": jnp.dtype(dtype).name}
 
 
-def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Tokenizer,
+def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Optional[Tokenizer],
               provenance: dict, source: pathlib.Path) -> LM:
     fam = get_family(family)
     config = fam.config_from_hf(hf_config)
@@ -620,7 +633,7 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
     params = _cast(params, dtype)
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype
-    if tokenizer.vocab_size > _vocab_size(config):
+    if tokenizer is not None and tokenizer.vocab_size > _vocab_size(config):
         raise ValueError(f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"has {_vocab_size(config)}")
     return LM(family=family, config=config, params=params, module=module, tokenizer=tokenizer,
@@ -666,7 +679,10 @@ def _load_hf(path: pathlib.Path, dtype, head) -> LM:
     family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
     hf_config, state = hf.read_hf_dir(path)
     sha = _fingerprint(hf.find_weight_files(path))
-    tokenizer = Tokenizer.from_dir(path)
+    tokenizer = Tokenizer.from_dir(path, missing_ok=True)
+    if tokenizer is None:
+        warnings.warn(f"{path}: no tokenizer files (looked for {TOKENIZER_FILES}); loaded for use with token "
+                      f"ids only (lm.tokenizer is None)", stacklevel=3)
     return _assemble(family, hf_config, state, head, dtype, tokenizer, _provenance(path, "hf", sha, dtype), path)
 
 
@@ -683,8 +699,9 @@ def _load_gguf(path: pathlib.Path, dtype, head) -> LM:
         if v is not None:
             special[role] = int(np.asarray(v).reshape(-1)[0])
     tokenizer = Tokenizer.from_json(tok_json)
-    if special:  # GGUF metadata names the special ids explicitly; they win over guesses
-        tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special})
+    # GGUF metadata names the special ids explicitly; they win over guesses
+    tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special},
+                          chat_template=metadata.get("tokenizer.chat_template"))
     prov = _provenance(path, "gguf", _fingerprint([path]), dtype)
     if "general.file_type" in metadata:
         prov["gguf_file_type"] = int(np.asarray(metadata["general.file_type"]).reshape(-1)[0])
@@ -723,7 +740,7 @@ def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
             raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r} "
                              f"(load it as saved, then lm.with_head({head!r}) for a fresh one)")
     config = fam.config_from_hf(meta["hf_config"])
-    tokenizer = Tokenizer.from_json(meta["tokenizer"])
+    tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])
     if dtype is None:
         dtype = _stored_dtype(params)
     prov = dict(meta["provenance"])
@@ -783,7 +800,8 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
     config_dict = dataclasses.asdict(lm.config)  # jsteer field names, for people reading the sidecar
     meta = {"format": CHECKPOINT_FORMAT, "family": lm.family, "head": lm.head,
             "hf_config": lm.hf_config, "config": config_dict,
-            "tokenizer": json.loads(lm.tokenizer.to_json()), "provenance": prov}
+            "tokenizer": None if lm.tokenizer is None else json.loads(lm.tokenizer.to_json()),
+            "provenance": prov}
     params = lm.params
 
     def write(tmp: pathlib.Path):
