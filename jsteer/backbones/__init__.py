@@ -13,7 +13,7 @@ family     module                      models
 
 :func:`get_family` returns a :class:`Family`, a small adapter giving every backbone the same
 surface: ``config_from_hf(dict)``, ``build(config, head, dtype) -> module``,
-``params_from_hf(state_dict, config, head)``, ``detect_head(state_dict, hf_config)``,
+``params_from_hf(state_dict, config, head, dtype)``, ``detect_head(state_dict, hf_config)``,
 ``input_embeddings(params)`` / ``output_embeddings(params, config)`` (both [V, D]).
 """
 
@@ -87,11 +87,14 @@ class Family:
             return code.LlamaForCausalLM(config, dtype=dtype)
         raise ValueError(f"no builder for family {self.name!r}")
 
-    def params_from_hf(self, state_dict: Mapping[str, np.ndarray], config, head: Optional[str] = None):
+    def params_from_hf(self, state_dict: Mapping[str, np.ndarray], config, head: Optional[str] = None,
+                       dtype: Any = np.float32):
+        """``dtype``: what floating params are cast to (on the host, tensor by tensor, where the
+        family's conversion streams)."""
         self.check_head(head)
         if self.kind == ENCODER:
-            return self.code.params_from_hf(state_dict, config, head=head)
-        return self.code.params_from_hf(state_dict, config)
+            return self.code.params_from_hf(state_dict, config, head=head, dtype=dtype)
+        return self.code.params_from_hf(state_dict, config, dtype=dtype)
 
     def input_embeddings(self, params):
         return self.code.input_embeddings(params)
