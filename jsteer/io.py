@@ -533,7 +533,8 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
 
     ``dtype``: floating params are cast to it (and used as the activation dtype). None: as
     stored for a jsteer checkpoint (a bfloat16 checkpoint loads as bfloat16), float32 for HF
-    folders, GGUF files and embedded models.
+    folders, GGUF files and embedded models. HF safetensors are read one tensor at a time and
+    cast on the host, so ``dtype="bfloat16"`` never builds a float32 copy of the model.
     ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
     An embedded name wins over a folder of the same name: write ``./minilm`` for the folder.
@@ -616,6 +617,8 @@ def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
 
 def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Optional[Tokenizer],
               provenance: dict, source: pathlib.Path) -> LM:
+    """``state_dict`` may be lazy (read on access): the family's conversion reads it tensor by
+    tensor and casts each to ``dtype`` on the host."""
     fam = get_family(family)
     config = fam.config_from_hf(hf_config)
     if head is _AUTO:
@@ -623,7 +626,7 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
     elif fam.kind == DECODER and head is not None:
         raise ValueError(f"{source}: head={head!r} given but {family!r} is a decoder (heads are BERT-only)")
     try:
-        params = fam.params_from_hf(state_dict, config, head)
+        params = fam.params_from_hf(state_dict, config, head, dtype=dtype)
     except KeyError as e:
         if head is None:  # a ValueError naming the source: a KeyError's message prints quoted
             raise ValueError(f"{source}: {e.args[0]}") from None
@@ -677,7 +680,7 @@ def _load_hf(path: pathlib.Path, dtype, head) -> LM:
     from jsteer.convert import hf
 
     family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
-    hf_config, state = hf.read_hf_dir(path)
+    hf_config, state = hf.open_hf_dir(path)  # safetensors: lazy, tensors read one at a time below
     sha = _fingerprint(hf.find_weight_files(path))
     tokenizer = Tokenizer.from_dir(path, missing_ok=True)
     if tokenizer is None:
