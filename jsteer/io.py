@@ -6,7 +6,9 @@
   GGUF, LLaMA), shipped as pip packages installed with ``--no-deps``;
 - an HF checkpoint folder (``config.json`` + safetensors / pytorch_model.bin, tokenizer files);
 - a ``.gguf`` file (LLaMA family; dequantised to float);
-- a jsteer checkpoint folder written by :func:`save`.
+- a jsteer checkpoint folder written by :func:`save`;
+- a hub id (``"Qwen/Qwen2.5-0.5B"``) or ``models--org--name`` folder of the local HF cache
+  (:mod:`jsteer.hub`; never downloaded).
 
 A jsteer checkpoint folder holds ``params/`` (Orbax ``StandardCheckpointer``) and ``jsteer.json``
 (family, HF-style config, head, tokenizer, provenance). Artifacts written by
@@ -528,8 +530,9 @@ def _pad_hooks(hooks, t0: int, t: int):
 # ----------------------------------------------------------------------------- load
 
 
-def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
-    """Load a model from an embedded name, HF folder, ``.gguf`` file or jsteer checkpoint.
+def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional[str] = None) -> LM:
+    """Load a model from an embedded name, HF folder, ``.gguf`` file, jsteer checkpoint, or a hub
+    id / cache folder found in the local HF cache (never downloaded; see :mod:`jsteer.hub`).
 
     ``dtype``: floating params are cast to it (and used as the activation dtype). None: as
     stored for a jsteer checkpoint (a bfloat16 checkpoint loads as bfloat16), float32 for HF
@@ -537,13 +540,33 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
     cast on the host, so ``dtype="bfloat16"`` never builds a float32 copy of the model.
     ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
-    An embedded name wins over a folder of the same name: write ``./minilm`` for the folder.
+    ``revision`` (hub ids and ``models--org--name`` cache folders only): a ref name or commit
+    hash; default ``main``.
+    Lookup order: embedded name, then a local path, then the HF cache. An embedded name wins
+    over a folder of the same name: write ``./minilm`` for the folder.
     """
+    from jsteer import hub
+
     dtype = _check_dtype(dtype)
+    embedded, hub_info = None, None
     if isinstance(src, str) and src in EMBEDDED:
         path, embedded = embedded_path(src), src
     else:
-        path, embedded = pathlib.Path(src).expanduser(), None
+        path = pathlib.Path(src).expanduser()
+        if path.is_dir() and hub.is_repo_folder(path):
+            path, commit = hub.snapshot(path, revision)
+            hub_info = {"hub_cache_folder": str(path.parent.parent), "revision": commit}
+        elif not path.exists() and isinstance(src, str) and hub.is_repo_id(src):
+            try:
+                path, commit = hub.resolve(src, revision)
+            except hub.NotCached as e:
+                raise hub.NotCached(f"no model {src!r}: not an embedded name (embedded model names: "
+                                    f"{', '.join(EMBEDDED)}), no local path {path.absolute()}, and {e}"
+                                    f"{_survivor_hint(path)}") from None
+            hub_info = {"hub_id": src, "revision": commit}
+    if revision is not None and hub_info is None:
+        raise ValueError(f"revision={revision!r} is for hub ids and HF cache folders (models--org--name); "
+                         f"{src} is not one")
     if not path.exists():
         hint = ""
         if isinstance(src, str) and os.sep not in src and not path.suffix:
@@ -566,6 +589,7 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
                                 f"no config.json of an HF checkpoint)")
     if embedded:
         lm.provenance["embedded"] = embedded
+    lm.provenance.update(hub_info or {})
     return lm
 
 
