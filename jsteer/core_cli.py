@@ -112,6 +112,8 @@ def _config_dict(config) -> dict:
 
 
 def _tok_summary(tok) -> dict:
+    if tok is None:
+        return {"tokenizer": "none (no tokenizer files: token ids only)"}
     return {"vocab_size": tok.vocab_size, **{f"{r}_id": i for r, i in tok.special_ids.items() if i is not None}}
 
 
@@ -127,7 +129,7 @@ def _checkpoint_info(path: pathlib.Path) -> dict:
     tree = io.read_tree_metadata(path / io.PARAMS_DIR)
 
     n = int(sum(np.prod(m.shape, dtype=np.int64) for m in jax.tree.leaves(tree)))
-    tok = Tokenizer.from_json(meta["tokenizer"])
+    tok = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])
     return {"family": meta["family"], "head": meta.get("head"), "config": meta.get("config") or meta["hf_config"],
             "tokenizer": _tok_summary(tok), "provenance": meta["provenance"], "params": n}
 

@@ -6,7 +6,9 @@
   GGUF, LLaMA), shipped as pip packages installed with ``--no-deps``;
 - an HF checkpoint folder (``config.json`` + safetensors / pytorch_model.bin, tokenizer files);
 - a ``.gguf`` file (LLaMA family; dequantised to float);
-- a jsteer checkpoint folder written by :func:`save`.
+- a jsteer checkpoint folder written by :func:`save`;
+- a hub id (``"Qwen/Qwen2.5-0.5B"``) or ``models--org--name`` folder of the local HF cache
+  (:mod:`jsteer.hub`; never downloaded).
 
 A jsteer checkpoint folder holds ``params/`` (Orbax ``StandardCheckpointer``) and ``jsteer.json``
 (family, HF-style config, head, tokenizer, provenance). Artifacts written by
@@ -32,6 +34,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -40,7 +43,7 @@ import numpy as np
 
 from jsteer.backbones import DECODER, Family, get_family
 from jsteer.backbones.base import check_position_ids
-from jsteer.tokenizer import Tokenizer
+from jsteer.tokenizer import TOKENIZER_FILES, Tokenizer
 
 PathLike = str | os.PathLike
 
@@ -90,7 +93,8 @@ class LM:
     """A backbone bundled with its params, tokenizer and provenance.
 
     Fields: ``family`` ("bert" | "decoder"), ``config`` (the family's frozen config),
-    ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer``,
+    ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer`` (None for a
+    model loaded from a folder without tokenizer files: token ids only),
     ``hf_config`` (HF-style config dict the config was built from), ``head`` (BERT head name
     or None), ``provenance`` (source, sha256, dtype, ...).
     """
@@ -99,7 +103,7 @@ class LM:
     config: Any
     params: Any
     module: Any
-    tokenizer: Tokenizer
+    tokenizer: Optional[Tokenizer]
     hf_config: dict
     head: Optional[str] = None
     provenance: dict = dataclasses.field(default_factory=dict)
@@ -263,15 +267,25 @@ class LM:
         :meth:`generate` uses), so hooks built on these shapes fit generate's inputs."""
         if left_pad is None:
             left_pad = self.is_decoder
-        ids, mask = self.tokenizer.batch_encode(texts, max_len=max_len, left_pad=left_pad,
-                                                add_special_tokens=add_special_tokens)
+        ids, mask = self._text_tokenizer("encode_batch").batch_encode(
+            texts, max_len=max_len, left_pad=left_pad, add_special_tokens=add_special_tokens)
         if bucket:
             ids, mask = _pad_to(ids, mask, _bucket_length(ids.shape[1]), left_pad, self._pad_value())
         return ids, mask
 
+    def _text_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what}: this model has no tokenizer ({self.provenance.get('source', '?')} has no "
+                             f"tokenizer files), so it cannot encode text; pass token ids to forward() instead")
+        return self.tokenizer
+
     def _pad_value(self) -> int:
+        """Pad id: the tokenizer's pad, else its eos (without a tokenizer: the config's), else 0."""
         t = self.tokenizer
-        return t.pad_id if t.pad_id is not None else (t.eos_id if t.eos_id is not None else 0)
+        pad, eos = (t.pad_id, t.eos_id) if t is not None else (self.hf_config.get("pad_token_id"),
+                                                                 self.hf_config.get("eos_token_id"))
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        return int(pad) if isinstance(pad, int) else (int(eos) if isinstance(eos, int) else 0)
 
     def generate(self, prompts: Sequence[str], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, hooks=None,
@@ -302,7 +316,8 @@ class LM:
             prompts = [prompts]
         from jsteer import decode
 
-        ids, mask = self._start_empty_prompts(*self.tokenizer.batch_encode(prompts, left_pad=True))
+        tokenizer = self._text_tokenizer("generate")
+        ids, mask = self._start_empty_prompts(*tokenizer.batch_encode(prompts, left_pad=True))
         prompt_ids = [row[m > 0] for row, m in zip(ids, mask)]
         t0 = ids.shape[1]
         t = _bucket_length(t0)
@@ -515,21 +530,43 @@ def _pad_hooks(hooks, t0: int, t: int):
 # ----------------------------------------------------------------------------- load
 
 
-def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
-    """Load a model from an embedded name, HF folder, ``.gguf`` file or jsteer checkpoint.
+def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional[str] = None) -> LM:
+    """Load a model from an embedded name, HF folder, ``.gguf`` file, jsteer checkpoint, or a hub
+    id / cache folder found in the local HF cache (never downloaded; see :mod:`jsteer.hub`).
 
     ``dtype``: floating params are cast to it (and used as the activation dtype). None: as
     stored for a jsteer checkpoint (a bfloat16 checkpoint loads as bfloat16), float32 for HF
-    folders, GGUF files and embedded models.
+    folders, GGUF files and embedded models. HF safetensors are read one tensor at a time and
+    cast on the host, so ``dtype="bfloat16"`` never builds a float32 copy of the model.
     ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
-    An embedded name wins over a folder of the same name: write ``./minilm`` for the folder.
+    ``revision`` (hub ids and ``models--org--name`` cache folders only): a ref name or commit
+    hash; default ``main``.
+    Lookup order: embedded name, then a local path, then the HF cache. An embedded name wins
+    over a folder of the same name: write ``./minilm`` for the folder.
     """
+    from jsteer import hub
+
     dtype = _check_dtype(dtype)
+    embedded, hub_info = None, None
     if isinstance(src, str) and src in EMBEDDED:
         path, embedded = embedded_path(src), src
     else:
-        path, embedded = pathlib.Path(src).expanduser(), None
+        path = pathlib.Path(src).expanduser()
+        if path.is_dir() and hub.is_repo_folder(path):
+            path, commit = hub.snapshot(path, revision)
+            hub_info = {"hub_cache_folder": str(path.parent.parent), "revision": commit}
+        elif not path.exists() and isinstance(src, str) and hub.is_repo_id(src):
+            try:
+                path, commit = hub.resolve(src, revision)
+            except hub.NotCached as e:
+                raise hub.NotCached(f"no model {src!r}: not an embedded name (embedded model names: "
+                                    f"{', '.join(EMBEDDED)}), no local path {path.absolute()}, and {e}"
+                                    f"{_survivor_hint(path)}") from None
+            hub_info = {"hub_id": src, "revision": commit}
+    if revision is not None and hub_info is None:
+        raise ValueError(f"revision={revision!r} is for hub ids and HF cache folders (models--org--name); "
+                         f"{src} is not one")
     if not path.exists():
         hint = ""
         if isinstance(src, str) and os.sep not in src and not path.suffix:
@@ -552,6 +589,7 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO) -> LM:
                                 f"no config.json of an HF checkpoint)")
     if embedded:
         lm.provenance["embedded"] = embedded
+    lm.provenance.update(hub_info or {})
     return lm
 
 
@@ -601,8 +639,10 @@ def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
     return {"source": str(path.resolve()), "source_format": fmt, "sha256": sha, "dtype": jnp.dtype(dtype).name}
 
 
-def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Tokenizer,
+def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Optional[Tokenizer],
               provenance: dict, source: pathlib.Path) -> LM:
+    """``state_dict`` may be lazy (read on access): the family's conversion reads it tensor by
+    tensor and casts each to ``dtype`` on the host."""
     fam = get_family(family)
     config = fam.config_from_hf(hf_config, f"{source}")
     if head is _AUTO:
@@ -620,7 +660,7 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
     params = _cast(params, dtype)
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype
-    if tokenizer.vocab_size > _vocab_size(config):
+    if tokenizer is not None and tokenizer.vocab_size > _vocab_size(config):
         raise ValueError(f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"has {_vocab_size(config)}")
     return LM(family=family, config=config, params=params, module=module, tokenizer=tokenizer,
@@ -664,9 +704,12 @@ def _load_hf(path: pathlib.Path, dtype, head) -> LM:
     from jsteer.convert import hf
 
     family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
-    hf_config, state = hf.read_hf_dir(path)
+    hf_config, state = hf.open_hf_dir(path)  # safetensors: lazy, tensors read one at a time below
     sha = _fingerprint(hf.find_weight_files(path))
-    tokenizer = Tokenizer.from_dir(path)
+    tokenizer = Tokenizer.from_dir(path, missing_ok=True)
+    if tokenizer is None:
+        warnings.warn(f"{path}: no tokenizer files (looked for {TOKENIZER_FILES}); loaded for use with token "
+                      f"ids only (lm.tokenizer is None)", stacklevel=3)
     return _assemble(family, hf_config, state, head, dtype, tokenizer, _provenance(path, "hf", sha, dtype), path)
 
 
@@ -683,8 +726,9 @@ def _load_gguf(path: pathlib.Path, dtype, head) -> LM:
         if v is not None:
             special[role] = int(np.asarray(v).reshape(-1)[0])
     tokenizer = Tokenizer.from_json(tok_json)
-    if special:  # GGUF metadata names the special ids explicitly; they win over guesses
-        tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special})
+    # GGUF metadata names the special ids explicitly; they win over guesses
+    tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special},
+                          chat_template=metadata.get("tokenizer.chat_template"))
     prov = _provenance(path, "gguf", _fingerprint([path]), dtype)
     if "general.file_type" in metadata:
         prov["gguf_file_type"] = int(np.asarray(metadata["general.file_type"]).reshape(-1)[0])
@@ -723,7 +767,7 @@ def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
             raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r} "
                              f"(load it as saved, then lm.with_head({head!r}) for a fresh one)")
     config = fam.config_from_hf(meta["hf_config"])
-    tokenizer = Tokenizer.from_json(meta["tokenizer"])
+    tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])
     if dtype is None:
         dtype = _stored_dtype(params)
     prov = dict(meta["provenance"])
@@ -783,7 +827,8 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
     config_dict = dataclasses.asdict(lm.config)  # jsteer field names, for people reading the sidecar
     meta = {"format": CHECKPOINT_FORMAT, "family": lm.family, "head": lm.head,
             "hf_config": lm.hf_config, "config": config_dict,
-            "tokenizer": json.loads(lm.tokenizer.to_json()), "provenance": prov}
+            "tokenizer": None if lm.tokenizer is None else json.loads(lm.tokenizer.to_json()),
+            "provenance": prov}
     params = lm.params
 
     def write(tmp: pathlib.Path):

@@ -9,11 +9,17 @@ Sources:
 - the tokenizer JSON that ``jsteer.convert.gguf`` builds from GGUF metadata (special ids
   passed in explicitly).
 
+From a folder it also takes the chat template (``chat_template.jinja``, else
+tokenizer_config.json's ``chat_template``; rendered by :meth:`Tokenizer.apply_chat_template`)
+and extra stop ids (every ``eos_token_id`` generation_config.json lists, e.g. Llama 3's
+end-of-turn ids).
+
 Padding and truncation stored in a tokenizer.json are switched off: ``encode`` always returns
 the raw ids, and :meth:`Tokenizer.batch_encode` pads explicitly (left or right).
 
 The serialised form (:meth:`Tokenizer.to_json`) is a JSON object
-``{"format": "jsteer.tokenizer/1", "tokenizer": <tokenizers JSON>, "special_ids": {...}}``;
+``{"format": "jsteer.tokenizer/1", "tokenizer": <tokenizers JSON>, "special_ids": {...},
+"chat_template": str | null, "extra_stop_ids": [...]}`` (the last two optional);
 :meth:`Tokenizer.from_json` also accepts a plain tokenizers JSON.
 """
 
@@ -44,6 +50,7 @@ _GUESSES = {
 }
 # Extra tokens that end a generation when they exist as special tokens (chat / doc ends).
 _END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+TOKENIZER_FILES = "tokenizer.json, vocab.txt and vocab.json + merges.txt"  # what from_dir looks for
 
 
 def _token_content(v) -> Optional[str]:
@@ -72,9 +79,12 @@ class Tokenizer:
       tk: a ``tokenizers.Tokenizer``. Its stored padding/truncation are disabled.
       special_ids: {role: id} for roles in :data:`ROLES`; a missing role is guessed from the
         vocabulary (e.g. ``[PAD]``, ``</s>``), else None.
+      chat_template: a Jinja chat template (see :mod:`jsteer.chat_template`), or None.
+      extra_stop_ids: ids that also end a generation (beyond eos and the end-of-turn specials).
     """
 
-    def __init__(self, tk, special_ids: Optional[Mapping[str, Optional[int]]] = None):
+    def __init__(self, tk, special_ids: Optional[Mapping[str, Optional[int]]] = None, *,
+                 chat_template: Optional[str] = None, extra_stop_ids: Iterable[int] = ()):
         tk.no_padding()
         tk.no_truncation()
         self._tk = tk
@@ -91,6 +101,11 @@ class Tokenizer:
             elif not 0 <= int(i) < vocab_size:
                 raise ValueError(f"special token {role}={i} is outside the vocabulary (size {vocab_size})")
             self.special_ids[role] = None if i is None else int(i)
+        self.chat_template = chat_template
+        self.extra_stop_ids = tuple(int(i) for i in extra_stop_ids)
+        bad = [i for i in self.extra_stop_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"stop id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
     # ------------------------------------------------------------------ constructors
 
@@ -107,10 +122,12 @@ class Tokenizer:
         return cls.from_tokenizer_json(path, special_ids)
 
     @classmethod
-    def from_dir(cls, path: PathLike, special_ids: Optional[Mapping[str, Optional[int]]] = None) -> "Tokenizer":
+    def from_dir(cls, path: PathLike, special_ids: Optional[Mapping[str, Optional[int]]] = None,
+                 missing_ok: bool = False) -> Optional["Tokenizer"]:
         """An HF model folder: ``tokenizer.json`` if present, else ``vocab.txt``. Special
         tokens come from ``special_ids``, then tokenizer_config.json, special_tokens_map.json
-        and config.json (``*_token_id``), then guesses."""
+        and config.json (``*_token_id``), then guesses. A folder with none of
+        these (:data:`TOKENIZER_FILES`): FileNotFoundError, or None with ``missing_ok``."""
         path = pathlib.Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer folder not found: {path}")
@@ -121,8 +138,9 @@ class Tokenizer:
             return cls.from_vocab_txt(vt, special_ids=special_ids)
         if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
             return cls.from_bpe_files(path / "vocab.json", path / "merges.txt", special_ids=special_ids)
-        raise FileNotFoundError(
-            f"no tokenizer in {path}: looked for tokenizer.json, vocab.txt and vocab.json + merges.txt")
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"no tokenizer in {path}: looked for {TOKENIZER_FILES}")
 
     @classmethod
     def from_tokenizer_json(cls, path: PathLike,
@@ -136,8 +154,7 @@ class Tokenizer:
             tk = _Tk.from_file(str(path))
         except Exception as e:  # the Rust side raises a generic Exception
             raise ValueError(f"{path}: cannot parse tokenizer ({e})") from None
-        names = _folder_special_tokens(path.parent)
-        return cls(tk, _merge_special(tk, names, special_ids))
+        return cls._in_folder(tk, path.parent, _folder_special_tokens(path.parent), special_ids)
 
     @classmethod
     def from_vocab_txt(cls, path: PathLike, lowercase: Optional[bool] = None,
@@ -188,7 +205,7 @@ class Tokenizer:
             tk.post_processor = processors.TemplateProcessing(
                 single=f"{cls_t} $A {sep_t}", pair=f"{cls_t} $A {sep_t} $B:1 {sep_t}:1",
                 special_tokens=[(cls_t, vocab[cls_t]), (sep_t, vocab[sep_t])])
-        return cls(tk, _merge_special(tk, names, special_ids))
+        return cls._in_folder(tk, path.parent, names, special_ids)
 
     @classmethod
     def from_bpe_files(cls, vocab_json: PathLike, merges_txt: PathLike,
@@ -219,7 +236,14 @@ class Tokenizer:
         if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert") and "<s>" in vocab and "</s>" in vocab:
             tk.post_processor = processors.RobertaProcessing(("</s>", vocab["</s>"]), ("<s>", vocab["<s>"]))
             names = {"cls": "<s>", "sep": "</s>", **names}
-        return cls(tk, _merge_special(tk, names, special_ids))
+        return cls._in_folder(tk, folder, names, special_ids)
+
+    @classmethod
+    def _in_folder(cls, tk, folder: pathlib.Path, names: Mapping[str, str | int],
+                   special_ids: Optional[Mapping[str, Optional[int]]]) -> "Tokenizer":
+        """A tokenizer read from ``folder``, with the folder's special tokens, chat template and stop ids."""
+        return cls(tk, _merge_special(tk, names, special_ids), chat_template=_folder_chat_template(folder),
+                   extra_stop_ids=_folder_stop_ids(folder, tk.get_vocab_size(with_added_tokens=True)))
 
     @classmethod
     def from_json(cls, s: str | Mapping) -> "Tokenizer":
@@ -227,18 +251,21 @@ class Tokenizer:
         from tokenizers import Tokenizer as _Tk
 
         obj = json.loads(s) if isinstance(s, (str, bytes)) else dict(s)
-        special = None
+        extra = {}
         if obj.get("format") == FORMAT:
-            special, obj = obj.get("special_ids"), obj["tokenizer"]
+            extra = {"special_ids": obj.get("special_ids"), "chat_template": obj.get("chat_template"),
+                     "extra_stop_ids": obj.get("extra_stop_ids") or ()}
+            obj = obj["tokenizer"]
         try:
             tk = _Tk.from_str(json.dumps(obj))
         except Exception as e:
             raise ValueError(f"cannot parse tokenizer JSON ({e})") from None
-        return cls(tk, special)
+        return cls(tk, **extra)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "tokenizer": json.loads(self._tk.to_str()),
-                           "special_ids": self.special_ids})
+                           "special_ids": self.special_ids, "chat_template": self.chat_template,
+                           "extra_stop_ids": list(self.extra_stop_ids)})
 
     # ------------------------------------------------------------------ special ids
 
@@ -252,13 +279,15 @@ class Tokenizer:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """Ids that end a generation: eos plus common end-of-text / end-of-turn specials."""
+        """Ids that end a generation: eos, common end-of-text / end-of-turn specials, then
+        :attr:`extra_stop_ids` (a folder's generation_config.json eos ids)."""
         ids = [] if self.eos_id is None else [self.eos_id]
         special = {t.content for t in self._tk.get_added_tokens_decoder().values() if t.special}
         for t in _END_TOKENS:
             i = self._tk.token_to_id(t)
             if t in special and i is not None and i not in ids:
                 ids.append(i)
+        ids += [i for i in self.extra_stop_ids if i not in ids]
         return tuple(ids)
 
     @property
@@ -292,6 +321,19 @@ class Tokenizer:
         new = [int(i) for i in np.asarray(new_ids).reshape(-1)]
         head, full = self.decode(prompt), self.decode(prompt + new)
         return full[len(head):] if full.startswith(head) else self.decode(new)
+
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = False, **kwargs) -> str:
+        """``messages`` ([{"role": "user", "content": "Hi"}, ...]) -> prompt text, rendered from
+        :attr:`chat_template` as transformers' ``apply_chat_template(..., tokenize=False)`` does
+        (see :mod:`jsteer.chat_template`); ``kwargs`` reach the template. Encode the result with
+        ``add_special_tokens=False``: the template writes the specials itself."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (none in its tokenizer_config.json, "
+                             "chat_template.jinja or GGUF metadata); format the prompt yourself")
+        from jsteer.chat_template import render
+
+        names = {f"{role}_token": self.id_to_token(i) for role, i in self.special_ids.items() if i is not None}
+        return render(self.chat_template, messages, add_generation_prompt, special_tokens=names, **kwargs)
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tk.token_to_id(token)
@@ -368,6 +410,37 @@ def _folder_special_tokens(folder: pathlib.Path) -> dict[str, str | int]:
     return names
 
 
+def _folder_chat_template(folder: pathlib.Path) -> Optional[str]:
+    """``chat_template.jinja`` (what transformers 5 writes; it wins, as in transformers), else
+    tokenizer_config.json's ``chat_template`` (a string, or a list of named templates: "default")."""
+    f = folder / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text(encoding="utf-8")
+    tc = folder / "tokenizer_config.json"
+    template = _read_json(tc).get("chat_template") if tc.is_file() else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, Mapping) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
+def _folder_stop_ids(folder: pathlib.Path, vocab_size: int) -> tuple[int, ...]:
+    """generation_config.json's ``eos_token_id`` (an int or a list), the ids HF generate stops
+    on; ids outside the vocabulary are dropped with a warning."""
+    f = folder / "generation_config.json"
+    eos = _read_json(f).get("eos_token_id") if f.is_file() else None
+    ids: list[int] = []
+    for i in eos if isinstance(eos, list) else [eos]:
+        if not isinstance(i, int) or i in ids:
+            continue
+        if 0 <= i < vocab_size:
+            ids.append(i)
+        else:
+            warnings.warn(f"{f}: eos_token_id {i} is outside the tokenizer's vocabulary (size {vocab_size}); "
+                          f"not used as a stop id", stacklevel=5)
+    return tuple(ids)
+
+
 def _merge_special(tk, names: Mapping[str, str | int], explicit: Optional[Mapping[str, Optional[int]]]
                    ) -> dict[str, Optional[int]]:
     out: dict[str, Optional[int]] = {}
@@ -384,4 +457,4 @@ def _merge_special(tk, names: Mapping[str, str | int], explicit: Optional[Mappin
     return out
 
 
-__all__ = ["Tokenizer", "ROLES", "FORMAT"]
+__all__ = ["Tokenizer", "ROLES", "FORMAT", "TOKENIZER_FILES"]

@@ -1,17 +1,19 @@
-"""GGUF reading: llama.cpp layout undone, errors name the file; real SmolLM2 vs transformers."""
+"""GGUF reading: llama.cpp layout undone, the common quant types dequantized by gguf's own routines,
+errors name the file; real SmolLM2 vs transformers."""
 
 import dataclasses
 import importlib.util
 import os
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from jsteer.backbones.decoder import Decoder as LlamaForCausalLM
+from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.families import config_from_hf, params_from_hf
 from jsteer.convert.gguf import read_gguf
 from jsteer.decode import generate
@@ -22,19 +24,24 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_hf(arch):
+def tiny_hf(arch, hidden=32, ffn=64):
     torch.manual_seed(0)
-    kw = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    kw = dict(vocab_size=40, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-5)
     if arch == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **kw)).eval()
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **kw)).eval()
 
 
-def write_gguf(path, model, arch, q8_tensor=None):
-    """A llama.cpp-style GGUF of an HF model (F32, optionally one Q8_0 tensor) with a tiny tokenizer."""
+def write_gguf(path, model, arch, q8_tensor=None, encode=None, chat_template=None):
+    """A llama.cpp-style GGUF of an HF model (F32, optionally one Q8_0 tensor) with a tiny tokenizer.
+
+    encode(gguf name, float32 array as llama.cpp lays it out) -> (raw data, GGMLQuantizationType)
+    or None (F32) picks each tensor's stored type. Returns {HF name: (gguf name, raw data, type)}."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -45,9 +52,11 @@ def write_gguf(path, model, arch, q8_tensor=None):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    tokens = ["<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["Ġ", "ab"] + [f"x{i}" for i in range(10)]
+    # <|endoftext|> listed: transformers' GPT-2-style converter would otherwise append it as a 41st token
+    tokens = (["<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["Ġ", "ab"] + [f"x{i}" for i in range(9)]
+              + ["<|endoftext|>"])
     w.add_token_list(tokens)
-    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 3) + [3])
     w.add_token_merges(["a b"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
@@ -57,6 +66,7 @@ def write_gguf(path, model, arch, q8_tensor=None):
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down"}
+    stored = {}
     for k, v in model.state_dict().items():
         if k == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -71,15 +81,20 @@ def write_gguf(path, model, arch, q8_tensor=None):
             t = llama_cpp_permute(t, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             t = llama_cpp_permute(t, c.num_key_value_heads)
+        raw = encode(name, t) if encode is not None else None
         if name == q8_tensor:
-            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
+            raw = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        if raw is None:
+            raw = t, gguf.GGMLQuantizationType.F32
             w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, raw[0], raw_shape=raw[0].shape, raw_dtype=raw[1])
+        stored[k] = (name, *raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return stored
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -141,6 +156,93 @@ def test_gguf_errors_name_the_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Quant types: written with gguf (quantized by gguf where it can, else random valid blocks)
+
+Q = gguf.GGMLQuantizationType
+QUANT_TYPES = [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (-2,)}  # byte offsets of a K-quant block's fp16 scales
+
+
+def _quantizer(qtype, seed=0):
+    """encode() for write_gguf: 2-D weights stored as ``qtype``, norms as F32 (as llama.cpp does)."""
+    rng = np.random.default_rng(seed)
+
+    def encode(name, t):
+        if t.ndim != 2:
+            return None
+        if qtype not in _SCALES:
+            return gguf.quants.quantize(t, qtype), qtype
+        # gguf cannot quantize K types: random quants, small finite scales (random fp16 bits may be inf / nan)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(t.shape[0], t.shape[1] // block, size), dtype=np.uint8)
+        for off in _SCALES[qtype]:
+            scale = rng.uniform(1e-3, 1e-2, size=raw.shape[:2]).astype(np.float16)
+            raw[:, :, off:off + 2 if off + 2 else None] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+        return raw.reshape(t.shape[0], -1), qtype
+
+    return encode
+
+
+@pytest.fixture(scope="module")
+def quant_model():
+    return tiny_hf("llama", hidden=256, ffn=256)  # K-quant blocks hold 256 values of a row
+
+
+def _unpermute(x, n_head):
+    """Inverse of llama_cpp_permute, from the row order it produces."""
+    order = llama_cpp_permute(np.arange(x.shape[0]), n_head)
+    out = np.empty_like(x)
+    out[order] = x
+    return out
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_quant_types_dequantize_with_gguf(tmp_path, quant_model, qtype):
+    """Every tensor read equals gguf.quants.dequantize of what was stored, q/k rows put back in
+    HF order; jsteer.load builds its params from exactly those values; the chat template is kept."""
+    import jsteer
+    from jsteer import io
+
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    stored = write_gguf(path, quant_model, "llama", encode=_quantizer(qtype), chat_template="{{ messages }}")
+    cfg_d, sd, _, _ = read_gguf(path)
+    cfg = config_from_hf(cfg_d)
+    want = {}
+    for k, (name, raw, stored_type) in stored.items():
+        assert sd.gguf_tensor(k).tensor_type == stored_type, k
+        x = gguf.quants.dequantize(raw, stored_type)
+        if ".attn_q." in name or ".attn_k." in name:
+            x = _unpermute(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        want[k] = x
+    assert set(sd) == set(want) and sum(t == qtype for _, _, t in stored.values()) == 2 * 7 + 2
+    for k, v in want.items():
+        assert sd[k].dtype == np.float32 and np.isfinite(sd[k]).all(), k
+        np.testing.assert_array_equal(sd[k], v, err_msg=k)
+    if qtype in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):  # quantized from the HF weights: the permutation round-trips
+        q = quant_model.state_dict()["model.layers.1.self_attn.q_proj.weight"].numpy()
+        np.testing.assert_array_equal(sd["model.layers.1.self_attn.q_proj.weight"],
+                                      gguf.quants.dequantize(gguf.quants.quantize(q, qtype), qtype))
+    lm = jsteer.load(path)
+    assert lm.tokenizer.chat_template == "{{ messages }}"
+    ref = io.from_state_dict(cfg_d, want, lm.tokenizer)
+    assert jax.tree.structure(lm.params) == jax.tree.structure(ref.params)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(lm.params), jax.tree.leaves(ref.params)))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
+def test_quant_types_match_transformers_gguf_loading(tmp_path, quant_model, qtype):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, quant_model, "llama", encode=_quantizer(qtype, seed=1))
+    _, sd, _, _ = read_gguf(path, with_tokenizer=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ref = ref.state_dict()
+    assert set(sd) == set(ref)
+    for k in sd:
+        np.testing.assert_array_equal(sd[k], ref[k].numpy(), err_msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
 # Real SmolLM2-135M-Instruct (Q4_1) against transformers' own GGUF loading
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -187,7 +289,7 @@ def test_smollm2_logits_match_transformers(smollm2):
     with torch.no_grad():
         ref = smollm2["hf"](torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
                             position_ids=torch.tensor(pos)).logits.numpy()
-    ours = np.asarray(LlamaForCausalLM(smollm2["cfg"]).apply(
+    ours = np.asarray(Decoder(smollm2["cfg"]).apply(
         {"params": smollm2["params"]}, jnp.asarray(ids), jnp.asarray(mask)).logits)
     err = np.abs(ours - ref)[mask.astype(bool)].max()
     # 1e-4 is below the fp32 noise floor of this model: the hidden stream carries a ~2.25e4
@@ -206,7 +308,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
         ref = smollm2["hf"].generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
                                      max_new_tokens=32, do_sample=False, pad_token_id=cfg.pad_token_id,
                                      eos_token_id=None)[:, ids.shape[1]:].numpy()
-    out = generate(LlamaForCausalLM(cfg), smollm2["params"], ids, mask, max_new_tokens=32,
+    out = generate(Decoder(cfg), smollm2["params"], ids, mask, max_new_tokens=32,
                    pad_id=cfg.pad_token_id)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     assert "Paris" in smollm2["tok"].decode(np.asarray(out.tokens)[0].tolist())

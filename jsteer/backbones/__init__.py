@@ -89,9 +89,11 @@ class Family:
 
     def params_from_hf(self, state_dict: Mapping[str, np.ndarray], config, head: Optional[str] = None, *,
                        dtype: Any = np.float32, place=None, source: Any = "state dict"):
+        """``dtype``: what floating params are cast to, on the host, tensor by tensor; ``place``
+        (decoders): where each leaf goes (a device or a shard)."""
         self.check_head(head)
         if self.kind == ENCODER:
-            return self.code.params_from_hf(state_dict, config, head=head)
+            return self.code.params_from_hf(state_dict, config, head=head, dtype=dtype)
         return self.code.params_from_hf(state_dict, config, dtype=dtype, place=place, source=source)
 
     def input_embeddings(self, params):

@@ -34,12 +34,12 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, ModelOutput, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
+from jsteer.convert.layout import Entry, apply_layout, entry, transpose
 from jsteer.hooks import Hooks, apply_embed, apply_film, check_encoder_hooks, check_film_layers
 
 Array = jnp.ndarray
@@ -531,37 +531,41 @@ def init_head(rng: jax.Array, config: BertConfig, head: str, num_labels: Optiona
 # ----------------------------------------------------------------------------- HF conversion
 
 
-class _Reader:
-    """Looks up HF tensors by name, checks their shapes, and records what was used."""
+_QKV = ("query", "key", "value")
+# Expected in HF checkpoints and unused: buffers, the pooler, and heads other than the one asked
+# for (a head's own tensors are layout entries, so only the leftovers match these).
+_IGNORED = ("*position_ids", "*embeddings.token_type_ids", "*pooler.*", "cls.*", "lm_head.*", "classifier.*",
+            "qa_outputs.*")
 
-    def __init__(self, state_dict: Mapping[str, Any], prefix: str):
-        self.sd = state_dict
-        self.prefix = prefix
 
-    def has(self, name: str, prefixed: bool = True) -> bool:
-        return self._find(name, prefixed) is not None
+class _Aliases(Mapping):
+    """``state_dict`` with old spellings read under today's names (reads stay lazy): TF-converted
+    checkpoints' LayerNorm ``gamma`` / ``beta``, and an MLM head's ``<base>bias``, the tied alias
+    of ``<base>decoder.bias`` and the only copy in some checkpoints (when both exist the decoder's,
+    the one HF uses, wins and the alias is left to the ignore list)."""
 
-    def _find(self, name: str, prefixed: bool) -> Optional[str]:
-        full = (self.prefix if prefixed else "") + name
-        candidates = [full]
-        # Old TF-converted checkpoints name LayerNorm params gamma / beta.
-        if full.endswith("LayerNorm.weight"):
-            candidates.append(full[: -len("weight")] + "gamma")
-        if full.endswith("LayerNorm.bias"):
-            candidates.append(full[: -len("bias")] + "beta")
-        for k in candidates:
-            if k in self.sd:
-                return k
-        return None
+    def __init__(self, state_dict: Mapping[str, Any]):
+        self._sd = state_dict
+        self._names = {k: k for k in state_dict}
+        for k in state_dict:
+            for old, new in ((".LayerNorm.gamma", ".LayerNorm.weight"), (".LayerNorm.beta", ".LayerNorm.bias"),
+                             ("cls.predictions.bias", "cls.predictions.decoder.bias"),
+                             ("lm_head.bias", "lm_head.decoder.bias")):
+                if k.endswith(old) and (canon := k[: -len(old)] + new) not in state_dict:
+                    del self._names[k]
+                    self._names[canon] = k
 
-    def get(self, name: str, shape: Tuple[int, ...], prefixed: bool = True) -> np.ndarray:
-        key = self._find(name, prefixed)
-        if key is None:
-            raise KeyError(f"HF state dict is missing tensor {(self.prefix if prefixed else '') + name!r}")
-        x = np.asarray(self.sd[key], dtype=np.float32)
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"HF tensor {key!r} has shape {tuple(x.shape)}, expected {tuple(shape)} from the config")
-        return x
+    def __getitem__(self, name: str):
+        return self._sd[self._names[name]]
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _detect_prefix(state_dict: Mapping[str, Any], config: BertConfig) -> str:
@@ -574,93 +578,99 @@ def _detect_prefix(state_dict: Mapping[str, Any], config: BertConfig) -> str:
         f"{[p for p in order]}); first keys: {list(state_dict)[:5]}")
 
 
-def _linear(r: _Reader, name: str, d_in: int, d_out: int, prefixed: bool = True) -> Dict[str, np.ndarray]:
-    """torch Linear [out, in] -> flax Dense {'kernel': [in, out], 'bias': [out]}."""
-    return {"kernel": r.get(name + ".weight", (d_out, d_in), prefixed).T,
-            "bias": r.get(name + ".bias", (d_out,), prefixed)}
+def _bert_layout(config: BertConfig, prefix: str, head: Optional[str], num_labels: Optional[int] = None
+                 ) -> Dict[str, Entry]:
+    """{HF tensor name: Entry} for the encoder (names under ``prefix``) and ``head`` (unprefixed).
 
+    The q / k / v projections land in ``.../qkv/{kernel,bias}/{query,key,value}`` as [D, N, H] /
+    [N, H] pieces, stacked into the fused [D, 3, N, H] / [3, N, H] leaves by :func:`_fuse_qkv`."""
+    c = config
+    d, f, n, hd, v = c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim, c.vocab_size
+    out: Dict[str, Entry] = {}
 
-def _layer_norm(r: _Reader, name: str, d: int, prefixed: bool = True) -> Dict[str, np.ndarray]:
-    return {"scale": r.get(name + ".weight", (d,), prefixed), "bias": r.get(name + ".bias", (d,), prefixed)}
+    def linear(name, path, d_in, d_out, w_fn=transpose, b_fn=None, w_path=("kernel",), b_path=("bias",)):
+        out[name + ".weight"] = entry(path + w_path, (d_out, d_in), w_fn)
+        out[name + ".bias"] = entry(path + b_path, (d_out,), b_fn)
 
+    def norm(name, path):
+        out[name + ".weight"] = entry(path + ("scale",), (d,))
+        out[name + ".bias"] = entry(path + ("bias",), (d,))
 
-def _encoder_from_hf(r: _Reader, c: BertConfig) -> Dict[str, Any]:
-    d, f, n, hd = c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim
-    emb = {
-        "word": {"embedding": r.get("embeddings.word_embeddings.weight", (c.vocab_size, d))},
-        "position": {"embedding": r.get("embeddings.position_embeddings.weight", (c.max_position_embeddings, d))},
-        "token_type": {"embedding": r.get("embeddings.token_type_embeddings.weight", (c.type_vocab_size, d))},
-        "norm": _layer_norm(r, "embeddings.LayerNorm", d),
-    }
-    tree: Dict[str, Any] = {"embeddings": emb}
+    p, emb = prefix, ("encoder", "embeddings")
+    out[p + "embeddings.word_embeddings.weight"] = entry(emb + ("word", "embedding"), (v, d))
+    out[p + "embeddings.position_embeddings.weight"] = entry(emb + ("position", "embedding"),
+                                                             (c.max_position_embeddings, d))
+    out[p + "embeddings.token_type_embeddings.weight"] = entry(emb + ("token_type", "embedding"),
+                                                               (c.type_vocab_size, d))
+    norm(p + "embeddings.LayerNorm", emb + ("norm",))
     for i in range(c.num_layers):
-        p = f"encoder.layer.{i}."
-        qkv = [_linear(r, p + f"attention.self.{name}", d, d) for name in ("query", "key", "value")]
-        out = _linear(r, p + "attention.output.dense", d, d)
-        tree[f"layer_{i}"] = {
-            "attention": {
-                "qkv": {"kernel": np.stack([x["kernel"].reshape(d, n, hd) for x in qkv], axis=1),
-                        "bias": np.stack([x["bias"].reshape(n, hd) for x in qkv], axis=0)},
-                "out": {"kernel": out["kernel"].reshape(n, hd, d), "bias": out["bias"]},
-            },
-            "attention_norm": _layer_norm(r, p + "attention.output.LayerNorm", d),
-            "ffn_in": _linear(r, p + "intermediate.dense", d, f),
-            "ffn_out": _linear(r, p + "output.dense", f, d),
-            "ffn_norm": _layer_norm(r, p + "output.LayerNorm", d),
-        }
-    if c.num_layers and r.has(f"encoder.layer.{c.num_layers}.attention.self.query.weight"):
-        raise ValueError(
-            f"HF state dict has more layers than config.num_layers={c.num_layers} "
-            f"(found 'encoder.layer.{c.num_layers}.*')")
-    return tree
-
-
-def _head_from_hf(r: _Reader, c: BertConfig, head: str, num_labels: Optional[int]) -> Dict[str, Any]:
-    d, v = c.hidden_size, c.vocab_size
+        hf, me = f"{p}encoder.layer.{i}.", ("encoder", f"layer_{i}")
+        for name in _QKV:
+            linear(hf + f"attention.self.{name}", me + ("attention", "qkv"), d, d,
+                   w_fn=lambda w: w.T.reshape(d, n, hd), b_fn=lambda b: b.reshape(n, hd),
+                   w_path=("kernel", name), b_path=("bias", name))
+        linear(hf + "attention.output.dense", me + ("attention", "out"), d, d, w_fn=lambda w: w.T.reshape(n, hd, d))
+        norm(hf + "attention.output.LayerNorm", me + ("attention_norm",))
+        linear(hf + "intermediate.dense", me + ("ffn_in",), d, f)
+        linear(hf + "output.dense", me + ("ffn_out",), f, d)
+        norm(hf + "output.LayerNorm", me + ("ffn_norm",))
     if head == "mlm":
-        base = "lm_head." if c.layout == "roberta" else "cls.predictions."
-        dense = "dense" if c.layout == "roberta" else "transform.dense"
-        norm = "layer_norm" if c.layout == "roberta" else "transform.LayerNorm"
-        out = {"transform": _linear(r, base + dense, d, d, prefixed=False),
-               "norm": _layer_norm(r, base + norm, d, prefixed=False)}
-        # HF adds `<base>decoder.bias`; `<base>bias` is its tied alias and the only copy in
-        # some checkpoints. When both exist but differ (untied), the decoder's is the one used.
-        bias_name = base + "decoder.bias"
-        if not r.has(bias_name, False) and r.has(base + "bias", False):
-            bias_name = base + "bias"
-        out["bias"] = r.get(bias_name, (v,), prefixed=False)
+        roberta = c.layout == "roberta"
+        base = "lm_head." if roberta else "cls.predictions."
+        linear(base + ("dense" if roberta else "transform.dense"), ("head", "transform"), d, d)
+        norm(base + ("layer_norm" if roberta else "transform.LayerNorm"), ("head", "norm"))
+        out[base + "decoder.bias"] = entry(("head", "bias"), (v,))
         if not c.tie_word_embeddings:
-            out["decoder"] = {"kernel": r.get(base + "decoder.weight", (v, d), prefixed=False).T}
-        return out
-    if head == "token_classification":
-        n = c.num_labels if num_labels is None else num_labels
-        return {"classifier": _linear(r, "classifier", d, n, prefixed=False)}
-    if head == "qa":
-        return {"qa": _linear(r, "qa_outputs", d, 2, prefixed=False)}
-    raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+            out[base + "decoder.weight"] = entry(("head", "decoder", "kernel"), (v, d), transpose)
+    elif head == "token_classification":
+        linear("classifier", ("head", "classifier"), d, c.num_labels if num_labels is None else num_labels)
+    elif head == "qa":
+        linear("qa_outputs", ("head", "qa"), d, 2)
+    elif head is not None:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+    return out
+
+
+def _fuse_qkv(params: Dict[str, Any], config: BertConfig) -> None:
+    """Stack each layer's q / k / v pieces into the fused leaves (in place)."""
+    for i in range(config.num_layers):
+        qkv = params["encoder"][f"layer_{i}"]["attention"]["qkv"]
+        qkv["kernel"] = jnp.stack([qkv["kernel"][k] for k in _QKV], axis=1)
+        qkv["bias"] = jnp.stack([qkv["bias"][k] for k in _QKV], axis=0)
 
 
 def params_from_hf(state_dict: Mapping[str, Any], config: BertConfig, head: Optional[str] = None, *,
                    num_labels: Optional[int] = None, allow_missing_head: bool = False,
-                   rng: Optional[jax.Array] = None) -> Dict[str, Any]:
+                   rng: Optional[jax.Array] = None, dtype: Any = jnp.float32) -> Dict[str, Any]:
     """HF PyTorch / safetensors state dict (name -> array) -> ``{"encoder": ..., ["head": ...]}``.
 
     Keys may carry a ``bert.`` / ``roberta.`` prefix or none (MiniLM). ``position_ids``
-    buffers, pooler and unrelated head weights are ignored. Every tensor's shape is checked
-    against ``config`` (ValueError naming the tensor); a missing tensor is a KeyError naming it.
-    With ``allow_missing_head`` a head absent from the state dict is initialised from ``rng``
-    (default PRNGKey(0)) instead. Arrays are returned as fp32 NumPy.
+    buffers, pooler and unrelated head weights are ignored; any other tensor the config does not
+    explain is a ValueError naming it. Every tensor's shape is checked against ``config``
+    (ValueError naming the tensor); a missing tensor is a KeyError naming it. With
+    ``allow_missing_head`` a head absent from the state dict is initialised from ``rng``
+    (default PRNGKey(0)) instead. Tensors are read one at a time (``state_dict`` may be lazy),
+    cast to ``dtype`` on the host and placed as jax arrays.
     """
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
-    r = _Reader(state_dict, _detect_prefix(state_dict, config))
-    params: Dict[str, Any] = {"encoder": _encoder_from_hf(r, config)}
-    if head is not None:
-        try:
-            params["head"] = _head_from_hf(r, config, head, num_labels)
-        except KeyError:
-            if not allow_missing_head:
-                raise
-            rng = jax.random.PRNGKey(0) if rng is None else rng
-            params["head"] = jax.tree.map(np.asarray, init_head(rng, config, head, num_labels))
+    sd = _Aliases(state_dict)
+    prefix = _detect_prefix(sd, config)
+    if config.num_layers and f"{prefix}encoder.layer.{config.num_layers}.attention.self.query.weight" in sd:
+        raise ValueError(f"HF state dict has more layers than config.num_layers={config.num_layers} "
+                         f"(found '{prefix}encoder.layer.{config.num_layers}.*')")
+    layout = _bert_layout(config, prefix, head, num_labels)
+    missing = [name for name in layout if name not in sd]
+    fresh_head = False
+    if missing:
+        in_head = layout[missing[0]].outputs[0][0][0] == "head"
+        if not (in_head and allow_missing_head):
+            raise KeyError(f"HF state dict is missing tensor {missing[0]!r}")
+        layout = {k: e for k, e in layout.items() if e.outputs[0][0][0] != "head"}
+        fresh_head = True
+    params = apply_layout(sd, layout, dtype=dtype, ignore=_IGNORED, source="HF state dict")
+    _fuse_qkv(params, config)
+    if fresh_head:
+        rng = jax.random.PRNGKey(0) if rng is None else rng
+        params["head"] = jax.tree.map(lambda x: x.astype(dtype), init_head(rng, config, head, num_labels))
     return params

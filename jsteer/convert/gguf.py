@@ -6,17 +6,21 @@
     config = LlamaConfig.from_hf(config_dict)
     params = params_from_hf(state_dict, config)
 
-Quantized tensors are dequantized to float32 with ``gguf.quants.dequantize``. llama.cpp stores
-the q/k projections of ``llama`` models with rows permuted for its interleaved RoPE; we undo
-that permutation so the weights match HF's rotate-half layout (``qwen2`` files are not
-permuted by llama.cpp).
+The state dict is lazy (:class:`GGUFState`): names and shapes come from the file's tensor
+table, and ``state[name]`` dequantizes that one tensor to float32 with gguf's own
+``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the K-quants Q2_K..Q6_K and
+whatever else the installed gguf handles), so a conversion that reads tensor by tensor holds
+one float32 tensor at a time, never a float32 copy of the model. llama.cpp stores the q/k
+projections of ``llama`` models with rows permuted for its interleaved RoPE; we undo that
+permutation so the weights match HF's rotate-half layout (``qwen2`` files are not permuted by
+llama.cpp). ``metadata["tokenizer.chat_template"]`` holds the chat template when the file has one.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, Mapping, Tuple
 
 import numpy as np
 
@@ -57,6 +61,45 @@ def _hf_name(gguf_name: str) -> str | None:
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation ([out, in] or [out] bias) for ``n_heads`` heads."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFState(Mapping):
+    """Lazy {HF name: float32 array [out, in] / [n]} over a GGUF file's tensors: each access
+    dequantizes that tensor (and undoes llama.cpp's q/k row permutation); nothing is cached.
+    Errors name the file and the tensor."""
+
+    def __init__(self, path: str, tensors: Mapping[str, Any], arch: str, heads: int, kv_heads: int):
+        self.path, self._tensors, self._arch, self._heads = path, dict(tensors), arch, (heads, kv_heads)
+
+    def gguf_tensor(self, name: str):
+        """The gguf ``ReaderTensor`` behind ``name`` (its ``tensor_type``, raw ``data``)."""
+        return self._tensors[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        expected = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:
+            raise ValueError(f"{self.path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): "
+                             f"{type(e).__name__}: {e}") from e
+        if w.shape != expected:
+            raise ValueError(f"{self.path}: tensor {t.name!r} dequantized to shape {w.shape}, expected "
+                             f"{expected} (truncated or corrupt file?)")
+        if self._arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = unpermute_rope_rows(w, self._heads[0] if ".attn_q." in t.name else self._heads[1])
+        return w
+
+    def __contains__(self, name) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def _config(fields: Dict[str, Any], arch: str, tensor_names, path: str) -> dict:
@@ -120,16 +163,16 @@ def _tokenizer_json(path: str) -> str:
         return AutoTokenizer.from_pretrained(folder, gguf_file=name).backend_tokenizer.to_str()
 
 
-def read_gguf(path, with_tokenizer: bool = True) -> Tuple[dict, Dict[str, np.ndarray], str | None, dict]:
+def read_gguf(path, with_tokenizer: bool = True) -> Tuple[dict, GGUFState, str | None, dict]:
     """Read a llama/qwen2 GGUF file.
 
-    Returns (hf_config_dict, state_dict {HF name: float32 array [out, in]}, tokenizer_json,
-    metadata {GGUF key: value} without the bulky tokenizer arrays). ``with_tokenizer=False``
-    skips the tokenizer (returns None for it). Raises FileNotFoundError, or ValueError naming
-    the file for an unreadable/truncated file or an unsupported architecture.
+    Returns (hf_config_dict, state_dict: a lazy :class:`GGUFState` {HF name: float32 array
+    [out, in]}, tokenizer_json, metadata {GGUF key: value} without the bulky tokenizer arrays).
+    ``with_tokenizer=False`` skips the tokenizer (returns None for it). Raises
+    FileNotFoundError, or ValueError naming the file for an unreadable/truncated file, a tensor
+    this architecture does not have, or an unsupported architecture.
     """
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -149,26 +192,13 @@ def read_gguf(path, with_tokenizer: bool = True) -> Tuple[dict, Dict[str, np.nda
     names = {t.name for t in tensors}
     config = _config(fields, arch, names, path)
 
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    state: Dict[str, np.ndarray] = {}
+    by_name: Dict[str, Any] = {}
     for t in tensors:
         hf = _hf_name(t.name)
         if hf is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
-        expected = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as e:
-            raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): "
-                             f"{type(e).__name__}: {e}") from e
-        if w.shape != expected:
-            raise ValueError(f"{path}: tensor {t.name!r} dequantized to shape {w.shape}, expected "
-                             f"{expected} (truncated or corrupt file?)")
-        if arch == "llama" and ".attn_q." in t.name:
-            w = unpermute_rope_rows(w, heads)
-        elif arch == "llama" and ".attn_k." in t.name:
-            w = unpermute_rope_rows(w, kv_heads)
-        state[hf] = w
+        by_name[hf] = t
+    state = GGUFState(path, by_name, arch, config["num_attention_heads"], config["num_key_value_heads"])
 
     metadata = {k: v for k, v in fields.items() if k not in _BULKY and not k.startswith("GGUF.")}
     metadata["path"] = os.path.abspath(path)

@@ -9,18 +9,31 @@ A folder holds ``config.json`` plus one of, in order of preference:
 
 Safetensors files are parsed here directly (8-byte little-endian header length, JSON header,
 raw little-endian data), so bf16 works without torch and a truncated file is caught with the
-file named. Half-precision tensors (bf16, fp16) come back as float32; everything else as stored.
+file named.
+
+Two ways in:
+
+- :func:`open_hf_dir` -> (config, state): for safetensors a lazy :class:`SafetensorsState` whose
+  names, dtypes and shapes come from the headers alone and whose ``state[name]`` reads that one
+  tensor from disk into a fresh array, in its stored dtype (bf16 as ``ml_dtypes.bfloat16``,
+  fp16 as float16). Fed to :func:`jsteer.convert.layout.apply_layout`, at most one source tensor
+  is on the host at a time. ``.bin`` checkpoints are read eagerly (torch unpickles whole files).
+- :func:`read_hf_dir` -> (config, dict): everything read, half precision widened to float32.
+
+Arrays are read as little-endian (the format's byte order, and every host JAX runs on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import pathlib
 import struct
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 
 PathLike = str | os.PathLike
@@ -46,7 +59,7 @@ _ST_DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
     "F16": np.float16,
-    "BF16": np.uint16,  # raw bits, widened to float32 below
+    "BF16": ml_dtypes.bfloat16,
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,
@@ -59,6 +72,8 @@ _ST_DTYPES = {
 }
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors format caps the JSON header at 100 MB
+_HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_PAGE = 4096
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -69,9 +84,22 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- safetensors
 
 
-def read_safetensors(path: PathLike) -> dict[str, np.ndarray]:
-    """One ``.safetensors`` file -> {name: array}. Raises ValueError naming the file when the
-    header is malformed, a tensor's byte range leaves the file, or a dtype is unsupported."""
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one safetensors tensor lives: ``file``, dtype name (``"BF16"``), ``shape``, and its
+    bytes ``[start, start + nbytes)`` counted from the start of the file."""
+
+    file: pathlib.Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def read_safetensors_header(path: PathLike) -> dict[str, TensorInfo]:
+    """One ``.safetensors`` file's header -> {name: TensorInfo}; no tensor data is read. Raises
+    ValueError naming the file (and the tensor) when the header is malformed, a tensor's byte
+    range leaves the file (truncated?), or a dtype is unsupported."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file not found: {path}")
@@ -96,44 +124,93 @@ def read_safetensors(path: PathLike) -> dict[str, np.ndarray]:
 
     data_start = 8 + n_header
     data_size = size - data_start
-    out: dict[str, np.ndarray] = {}
-    if not header:
-        return out
-    buf = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_size,)) \
-        if data_size > 0 else np.zeros((0,), np.uint8)
-    try:
-        for name, info in header.items():
-            try:
-                dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{path}: corrupt safetensors header entry for tensor {name!r}: {info}") from None
-            if dtype_name not in _ST_DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name}")
-            dtype = np.dtype(_ST_DTYPES[dtype_name]).newbyteorder("<")
-            n_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if not (0 <= begin <= end <= data_size) or end - begin != n_bytes:
-                raise ValueError(
-                    f"{path}: corrupt or truncated safetensors file: tensor {name!r} {dtype_name}"
-                    f"{list(shape)} needs bytes [{begin}, {end}) ({n_bytes} expected) of a "
-                    f"{data_size}-byte data section")
-            arr = np.frombuffer(buf[begin:end], dtype=dtype).reshape(shape)
-            if dtype_name == "BF16":
-                arr = bf16_bits_to_f32(arr)
-            elif dtype_name == "F16":
-                arr = arr.astype(np.float32)
-            else:
-                arr = arr.astype(dtype.newbyteorder("="), copy=True)  # own memory, native order
-            out[name] = arr
-    finally:
-        del buf
+    out: dict[str, TensorInfo] = {}
+    for name, info in header.items():
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupt safetensors header entry for tensor {name!r}: {info}") from None
+        if dtype_name not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name}")
+        n_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype_name]).itemsize
+        if not (0 <= begin <= end <= data_size) or end - begin != n_bytes:
+            raise ValueError(
+                f"{path}: corrupt or truncated safetensors file: tensor {name!r} {dtype_name}"
+                f"{list(shape)} needs bytes [{begin}, {end}) ({n_bytes} expected) of a "
+                f"{data_size}-byte data section")
+        out[name] = TensorInfo(path, dtype_name, shape, data_start + begin, n_bytes)
     return out
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] starting on a page boundary: on CPU, ``jax.device_put`` adopts such a buffer
+    as the device array instead of copying it (a second copy costs time and peak memory)."""
+    raw = np.empty(nbytes + _PAGE, np.uint8)
+    start = -raw.ctypes.data % _PAGE
+    return raw[start:start + nbytes]
+
+
+def read_tensor(name: str, info: TensorInfo, widen: bool = False) -> np.ndarray:
+    """Read one tensor into a fresh, page-aligned array of its stored dtype (``widen``: fp16 /
+    bf16 -> float32). Raises ValueError naming the file and tensor if the file has shrunk since
+    its header was read."""
+    buf = _aligned_empty(info.nbytes)
+    try:
+        with open(info.file, "rb") as f:
+            f.seek(info.start)
+            got = f.readinto(memoryview(buf)) if info.nbytes else 0
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{info.file}: file disappeared before tensor {name!r} was read") from None
+    if got != info.nbytes:
+        raise ValueError(f"{info.file}: truncated safetensors file: tensor {name!r} needs {info.nbytes} bytes "
+                         f"at offset {info.start}, only {got} could be read")
+    arr = buf.view(_ST_DTYPES[info.dtype]).reshape(info.shape)
+    return arr.astype(np.float32) if widen and arr.dtype in _HALF else arr
+
+
+class SafetensorsState(Mapping):
+    """Lazy state dict over safetensors files: ``{name: array}`` whose keys (and :meth:`info`)
+    come from the headers, and whose ``[name]`` reads that tensor from disk on each access
+    (nothing is cached). ``widen``: fp16 / bf16 come back as float32."""
+
+    def __init__(self, infos: Mapping[str, TensorInfo], widen: bool = False):
+        self._infos, self.widen = dict(infos), widen
+
+    def info(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    @property
+    def files(self) -> list[pathlib.Path]:
+        return list(dict.fromkeys(i.file for i in self._infos.values()))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return read_tensor(name, self._infos[name], self.widen)
+
+    def __contains__(self, name) -> bool:
+        return name in self._infos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __repr__(self) -> str:
+        return f"SafetensorsState({len(self)} tensors in {len(self.files)} file(s))"
+
+
+def read_safetensors(path: PathLike, widen: bool = True) -> dict[str, np.ndarray]:
+    """One ``.safetensors`` file -> {name: array}, every tensor read (``widen``: half precision
+    as float32). Errors as :func:`read_safetensors_header`."""
+    return dict(SafetensorsState(read_safetensors_header(path), widen))
 
 
 # ----------------------------------------------------------------------------- torch .bin
 
 
-def read_torch_bin(path: PathLike) -> dict[str, np.ndarray]:
-    """One ``pytorch_model.bin`` -> {name: array}, loaded with ``weights_only=True``."""
+def read_torch_bin(path: PathLike, widen: bool = True) -> dict[str, np.ndarray]:
+    """One ``pytorch_model.bin`` -> {name: array}, loaded with ``weights_only=True``
+    (``widen``: half precision as float32, else fp16 / ``ml_dtypes.bfloat16`` as stored)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"pytorch weights file not found: {path}")
@@ -150,9 +227,12 @@ def read_torch_bin(path: PathLike) -> dict[str, np.ndarray]:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{path}: entry {name!r} is a {type(t).__name__}, not a tensor")
         t = t.detach()
-        if t.dtype in (torch.bfloat16, torch.float16):
+        if widen and t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
-        out[name] = np.array(t.numpy(), copy=True)
+        if t.dtype == torch.bfloat16:  # numpy has no bf16: hand over the bits
+            out[name] = np.array(t.view(torch.int16).numpy(), copy=True).view(ml_dtypes.bfloat16)
+        else:
+            out[name] = np.array(t.numpy(), copy=True)
     return out
 
 
@@ -221,26 +301,51 @@ def find_weight_files(path: PathLike) -> list[pathlib.Path]:
     return _locate(_check_dir(path))[0]
 
 
-def read_hf_dir(path: PathLike) -> tuple[dict, dict[str, np.ndarray]]:
-    """HF checkpoint folder -> (config dict, {tensor name: np.ndarray}).
+def _check_shard(f: pathlib.Path, names: Iterable[str], index: pathlib.Path | None, shard_map: dict,
+                 seen: Mapping) -> None:
+    """A shard must hold every tensor its index lists for it, and none an earlier shard holds."""
+    names = set(names)
+    if index is not None:
+        missing = set(shard_map[f.name]) - names
+        if missing:
+            raise ValueError(f"{f}: tensor {sorted(missing)[0]!r} listed for it in {index.name} is absent")
+    dup = names & seen.keys()
+    if dup:
+        raise ValueError(f"{f}: tensor {sorted(dup)[0]!r} also appears in an earlier shard")
 
-    Half-precision tensors are widened to float32; names are kept exactly as stored.
+
+def open_hf_dir(path: PathLike, widen: bool = False) -> tuple[dict, Mapping[str, np.ndarray]]:
+    """HF checkpoint folder -> (config dict, state dict) without reading safetensors data.
+
+    Safetensors: a :class:`SafetensorsState` (every header read and checked: a missing shard, a
+    truncated file or a tensor absent from the shard its index names raise here, naming the file
+    and tensor). ``.bin``: a dict, read now. Half precision stays as stored unless ``widen``.
     """
     path = _check_dir(path)
     config = read_config(path)
     files, index, shard_map = _locate(path)
+    if files[0].suffix == ".safetensors":
+        infos: dict[str, TensorInfo] = {}
+        for f in files:
+            part = read_safetensors_header(f)
+            _check_shard(f, part, index, shard_map, infos)
+            infos.update(part)
+        return config, SafetensorsState(infos, widen)
     state: dict[str, np.ndarray] = {}
     for f in files:
-        part = read_safetensors(f) if f.suffix == ".safetensors" else read_torch_bin(f)
-        if index is not None:
-            missing = set(shard_map[f.name]) - part.keys()
-            if missing:
-                raise ValueError(f"{f}: tensor {sorted(missing)[0]!r} listed for it in {index.name} is absent")
-        dup = state.keys() & part.keys()
-        if dup:
-            raise ValueError(f"{f}: tensor {sorted(dup)[0]!r} also appears in an earlier shard")
+        part = read_torch_bin(f, widen)
+        _check_shard(f, part, index, shard_map, state)
         state.update(part)
     return config, state
+
+
+def read_hf_dir(path: PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """HF checkpoint folder -> (config dict, {tensor name: np.ndarray}), every tensor read.
+
+    Half-precision tensors are widened to float32; names are kept exactly as stored.
+    """
+    config, state = open_hf_dir(path, widen=True)
+    return config, dict(state)
 
 
 # ----------------------------------------------------------------------------- provenance
@@ -288,6 +393,7 @@ def detect_family(config: Mapping, source: PathLike | None = None) -> str:
 
 
 __all__: Sequence[str] = (
-    "read_hf_dir", "read_config", "find_weight_files", "read_safetensors", "read_torch_bin",
+    "read_hf_dir", "open_hf_dir", "read_config", "find_weight_files", "read_safetensors", "read_torch_bin",
+    "read_safetensors_header", "read_tensor", "SafetensorsState", "TensorInfo",
     "file_sha256", "dir_fingerprint", "detect_family", "bf16_bits_to_f32", "FAMILIES",
 )
