@@ -96,7 +96,8 @@ class LM:
     ``params`` (pytree of jax arrays), ``module`` (Flax module), ``tokenizer`` (None for a
     model loaded from a folder without tokenizer files: token ids only),
     ``hf_config`` (HF-style config dict the config was built from), ``head`` (BERT head name
-    or None), ``provenance`` (source, sha256, dtype, ...).
+    or None), ``provenance`` (source, sha256, dtype, ...), ``mesh`` / ``rules`` (set when the
+    params are sharded over a device mesh: :meth:`shard`, ``load(mesh=...)``).
     """
 
     family: str
@@ -107,6 +108,8 @@ class LM:
     hf_config: dict
     head: Optional[str] = None
     provenance: dict = dataclasses.field(default_factory=dict)
+    mesh: Any = None
+    rules: Any = None
 
     # -------------------------------------------------------------- identity / embeddings
 
@@ -151,6 +154,25 @@ class LM:
         if "params" in changes and "provenance" not in changes and changes["params"] is not self.params:
             changes["provenance"] = _derived_provenance(self.provenance)
         return dataclasses.replace(self, **changes)
+
+    def _mesh_for(self, mesh, where: str):
+        """The mesh a call runs on: a sharded LM's own (``mesh`` may repeat it), else ``mesh``."""
+        if self.mesh is None:
+            return _resolve_mesh(mesh, where)
+        if mesh is not None and mesh is not True and mesh is not self.mesh:
+            raise ValueError(f"LM.{where}: this model's params are sharded over its own mesh {self.mesh.shape}; "
+                             f"call without mesh= (or re-shard it with lm.shard(mesh, rules))")
+        return self.mesh
+
+    def shard(self, mesh, rules="fsdp_tp") -> "LM":
+        """This model with its params placed over ``mesh`` (:func:`jsteer.sharding.make_mesh`) by
+        their logical axes and ``rules`` ("dp", "fsdp", "tp", "fsdp_tp" or a dict): the same
+        model (identity kept); ``forward`` / ``generate`` then split the batch over the mesh's
+        batch axes. Raises ValueError naming a param whose dimension a mesh axis cannot divide."""
+        from jsteer import sharding
+
+        placed = sharding.shard(self.params, self.fam.logical_axes(self.params), mesh, rules)
+        return dataclasses.replace(self, params=placed, mesh=mesh, rules=rules)
 
     def with_head(self, head: Optional[str], num_labels: Optional[int] = None, seed: int = 0) -> "LM":
         """A BERT-family copy with a freshly initialised ``head`` ("token_classification", "qa",
@@ -216,7 +238,7 @@ class LM:
         size they stay split over ``"data"``; otherwise the padding rows are cut off and the
         outputs come back replicated over the mesh.
         """
-        mesh = _resolve_mesh(mesh, "forward")
+        mesh = self._mesh_for(mesh, "forward")
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
@@ -246,7 +268,7 @@ class LM:
         ``lm.params``, or replacing one of its arrays in place) are placed afresh. The LM's own
         ``params`` and identity are unchanged. ``mesh`` None: ``params`` as they are."""
         mesh = _resolve_mesh(mesh, "params_on")
-        if mesh is None:
+        if mesh is None or mesh is self.mesh:
             return self.params
         leaves = jax.tree.leaves(self.params)  # compared one by one: an entry replaced in place is new params
         cached = self.__dict__.get("_params_on_mesh")
@@ -311,7 +333,7 @@ class LM:
         """
         if not self.is_decoder:
             raise ValueError(f"generate needs a decoder; {self.family!r} is an encoder")
-        mesh = _resolve_mesh(mesh, "generate")
+        mesh = self._mesh_for(mesh, "generate")
         if isinstance(prompts, str):
             prompts = [prompts]
         from jsteer import decode
@@ -421,16 +443,18 @@ def _resolve_mesh(mesh, where: str):
 
 
 class _BatchSplit:
-    """Pads B rows to a multiple of the mesh's "data" size (copies of row 0) and places arrays:
-    batch leaves split over "data", everything else replicated; :meth:`drop_padding` undoes the
-    padding on outputs."""
+    """Pads B rows to a multiple of the mesh's batch axes' size ("data" x "fsdp"; copies of row 0)
+    and places arrays: batch leaves split over those axes, everything else replicated;
+    :meth:`drop_padding` undoes the padding on outputs."""
 
     def __init__(self, mesh, batch: int):
         from jax.sharding import NamedSharding, PartitionSpec
 
-        n = int(mesh.shape[_DATA_AXIS])
+        from jsteer import sharding
+
+        n = sharding.batch_size_multiple(mesh)
         self.batch, self.padded = batch, -(-batch // n) * n
-        self._split = NamedSharding(mesh, PartitionSpec(_DATA_AXIS))
+        self._split = NamedSharding(mesh, sharding.batch_spec(mesh))
         self._replicated = NamedSharding(mesh, PartitionSpec())
 
     def rows(self, x):
@@ -530,7 +554,8 @@ def _pad_hooks(hooks, t0: int, t: int):
 # ----------------------------------------------------------------------------- load
 
 
-def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional[str] = None) -> LM:
+def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional[str] = None, *, mesh=None,
+         rules: Any = "fsdp_tp", scan_layers: bool = False) -> LM:
     """Load a model from an embedded name, HF folder, ``.gguf`` file, jsteer checkpoint, or a hub
     id / cache folder found in the local HF cache (never downloaded; see :mod:`jsteer.hub`).
 
@@ -542,12 +567,17 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
     ``revision`` (hub ids and ``models--org--name`` cache folders only): a ref name or commit
     hash; default ``main``.
+    ``mesh`` (:func:`jsteer.sharding.make_mesh`) and ``rules`` ("dp", "fsdp", "tp", "fsdp_tp" or a
+    dict): params sharded over the mesh as they load (an HF decoder's tensors go straight into
+    their shards, one at a time; see :meth:`LM.shard`). ``scan_layers`` (decoders): the layer
+    stack as one ``nn.scan`` over stacked params (compile time independent of depth).
     Lookup order: embedded name, then a local path, then the HF cache. An embedded name wins
     over a folder of the same name: write ``./minilm`` for the folder.
     """
     from jsteer import hub
 
     dtype = _check_dtype(dtype)
+    target = _Target(mesh, rules if mesh is not None else None, bool(scan_layers))
     embedded, hub_info = None, None
     if isinstance(src, str) and src in EMBEDDED:
         path, embedded = embedded_path(src), src
@@ -576,14 +606,14 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional
         with open(path, "rb") as f:
             magic = f.read(4)
         if path.suffix == ".gguf" or magic == b"GGUF":
-            lm = _load_gguf(path, _or_f32(dtype), head)
+            lm = _load_gguf(path, _or_f32(dtype), head, target)
         else:
             raise ValueError(f"{path}: unsupported model file (expected a .gguf file, an HF folder "
                              f"or a jsteer checkpoint folder)")
     elif (path / SIDECAR).is_file():
-        lm = _load_checkpoint(path, dtype, head)
+        lm = _load_checkpoint(path, dtype, head, target)
     elif (path / "config.json").is_file():
-        lm = _load_hf(path, _or_f32(dtype), head)
+        lm = _load_hf(path, _or_f32(dtype), head, target)
     else:
         raise FileNotFoundError(f"{path}: not a model folder (no {SIDECAR} of a jsteer checkpoint, "
                                 f"no config.json of an HF checkpoint)")
@@ -639,32 +669,71 @@ def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
     return {"source": str(path.resolve()), "source_format": fmt, "sha256": sha, "dtype": jnp.dtype(dtype).name}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where loaded params go: a device mesh and sharding rules (None: the default device), and
+    whether a decoder's layers are stacked for ``nn.scan``."""
+
+    mesh: Any = None
+    rules: Any = None
+    scan_layers: bool = False
+
+    def config(self, fam: Family, config, source):
+        if not self.scan_layers:
+            return config
+        if fam.kind != DECODER:
+            raise ValueError(f"{source}: scan_layers=True is for decoders; {fam.name!r} is an encoder")
+        return dataclasses.replace(config, scan_layers=True)
+
+    def placer(self, fam: Family, config, head):
+        """place(path, array) putting each converted leaf straight into its shard (decoders; the
+        shardings are checked against the mesh before any tensor is read), or None."""
+        if self.mesh is None or fam.kind != DECODER:
+            return None
+        from jsteer import sharding
+
+        unrolled = dataclasses.replace(config, scan_layers=False)
+        shapes = jax.eval_shape(fam.build(unrolled, head).init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+        flat = jax.tree_util.tree_flatten_with_path(
+            sharding.shardings(shapes["params"], fam.logical_axes(shapes["params"]), self.mesh, self.rules))[0]
+        where = {tuple(k.key for k in path): s for path, s in flat}
+        return lambda path, x: jax.device_put(x, where[tuple(path)])
+
+    def place(self, fam: Family, params):
+        if self.mesh is None:
+            return params
+        from jsteer import sharding
+
+        return sharding.shard(params, fam.logical_axes(params), self.mesh, self.rules)
+
+
 def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Optional[Tokenizer],
-              provenance: dict, source: pathlib.Path) -> LM:
+              provenance: dict, source: pathlib.Path, target: _Target = _Target()) -> LM:
     """``state_dict`` may be lazy (read on access): the family's conversion reads it tensor by
-    tensor and casts each to ``dtype`` on the host."""
+    tensor, casts each to ``dtype`` on the host and places it (``target``: a device or its shards)."""
     fam = get_family(family)
-    config = fam.config_from_hf(hf_config, f"{source}")
+    config = target.config(fam, fam.config_from_hf(hf_config, f"{source}"), source)
     if head is _AUTO:
         head = fam.detect_head(state_dict, hf_config)
     elif fam.kind == DECODER and head is not None:
         raise ValueError(f"{source}: head={head!r} given but {family!r} is a decoder (heads are BERT-only)")
     try:
-        params = fam.params_from_hf(state_dict, config, head, dtype=dtype, source=source)
+        params = fam.params_from_hf(state_dict, config, head, dtype=dtype, source=source,
+                                    place=target.placer(fam, config, head))
     except KeyError as e:
         if head is None:  # a ValueError naming the source: a KeyError's message prints quoted
             raise ValueError(f"{source}: {e.args[0]}") from None
         fresh = f"lm.with_head({head!r})" if head in ("mlm", "qa") else f"lm.with_head({head!r}, num_labels=N)"
         raise ValueError(f"{source}: the weights have no {head!r} head ({e.args[0]}); load with head=None and "
                          f"add a fresh one: {fresh}") from None
-    params = _cast(params, dtype)
+    params = target.place(fam, _cast(params, dtype))
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype
     if tokenizer is not None and tokenizer.vocab_size > _vocab_size(config):
         raise ValueError(f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                          f"has {_vocab_size(config)}")
     return LM(family=family, config=config, params=params, module=module, tokenizer=tokenizer,
-              hf_config=dict(hf_config), head=head, provenance=provenance)
+              hf_config=dict(hf_config), head=head, provenance=provenance, mesh=target.mesh, rules=target.rules)
 
 
 def state_dict_sha256(state_dict: Mapping[str, np.ndarray]) -> str:
@@ -700,7 +769,7 @@ def _vocab_size(config) -> int:
     return int(getattr(config, "vocab_size"))
 
 
-def _load_hf(path: pathlib.Path, dtype, head) -> LM:
+def _load_hf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     from jsteer.convert import hf
 
     family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
@@ -710,10 +779,11 @@ def _load_hf(path: pathlib.Path, dtype, head) -> LM:
     if tokenizer is None:
         warnings.warn(f"{path}: no tokenizer files (looked for {TOKENIZER_FILES}); loaded for use with token "
                       f"ids only (lm.tokenizer is None)", stacklevel=3)
-    return _assemble(family, hf_config, state, head, dtype, tokenizer, _provenance(path, "hf", sha, dtype), path)
+    return _assemble(family, hf_config, state, head, dtype, tokenizer, _provenance(path, "hf", sha, dtype), path,
+                     target)
 
 
-def _load_gguf(path: pathlib.Path, dtype, head) -> LM:
+def _load_gguf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     from jsteer.convert import hf
     from jsteer.convert.gguf import read_gguf
 
@@ -732,7 +802,7 @@ def _load_gguf(path: pathlib.Path, dtype, head) -> LM:
     prov = _provenance(path, "gguf", _fingerprint([path]), dtype)
     if "general.file_type" in metadata:
         prov["gguf_file_type"] = int(np.asarray(metadata["general.file_type"]).reshape(-1)[0])
-    return _assemble(family, hf_config, state, head, dtype, tokenizer, prov, path)
+    return _assemble(family, hf_config, state, head, dtype, tokenizer, prov, path, target)
 
 
 def _read_sidecar(path: pathlib.Path, fmt: str) -> dict:
@@ -749,7 +819,7 @@ def _read_sidecar(path: pathlib.Path, fmt: str) -> dict:
     return meta
 
 
-def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
+def _load_checkpoint(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     """``dtype`` None: keep the stored dtype (params and activations)."""
     meta = _read_sidecar(path, CHECKPOINT_FORMAT)
     for key in ("family", "hf_config", "tokenizer", "provenance"):
@@ -766,7 +836,7 @@ def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
         else:
             raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r} "
                              f"(load it as saved, then lm.with_head({head!r}) for a fresh one)")
-    config = fam.config_from_hf(meta["hf_config"])
+    config = target.config(fam, fam.config_from_hf(meta["hf_config"]), path)
     tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])
     if dtype is None:
         dtype = _stored_dtype(params)
@@ -774,9 +844,14 @@ def _load_checkpoint(path: pathlib.Path, dtype, head) -> LM:
     prov["checkpoint"] = str(path.resolve())
     prov["dtype"] = jnp.dtype(dtype).name
     module = fam.build(config, head, dtype)
+    if getattr(config, "scan_layers", False) and isinstance(params, dict) and "layers_0" in params:
+        from jsteer.backbones.decoder import stack_layers  # checkpoints hold the unrolled layout
+
+        params = stack_layers(params, config.num_layers)
     _check_param_shapes(path, module, params)
-    return LM(family=fam.name, config=getattr(module, "config", config), params=_cast(params, dtype), module=module,
-              tokenizer=tokenizer, hf_config=dict(meta["hf_config"]), head=head, provenance=prov)
+    return LM(family=fam.name, config=getattr(module, "config", config), params=target.place(fam, _cast(params, dtype)),
+              module=module, tokenizer=tokenizer, hf_config=dict(meta["hf_config"]), head=head, provenance=prov,
+              mesh=target.mesh, rules=target.rules)
 
 
 def _check_param_shapes(path: pathlib.Path, module, params) -> None:
@@ -830,6 +905,10 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
             "tokenizer": None if lm.tokenizer is None else json.loads(lm.tokenizer.to_json()),
             "provenance": prov}
     params = lm.params
+    if getattr(lm.config, "scan_layers", False):  # checkpoints hold the unrolled layout: load either way
+        from jsteer.backbones.decoder import unstack_layers
+
+        params = unstack_layers(params)
 
     def write(tmp: pathlib.Path):
         _write_tree(tmp / PARAMS_DIR, params)

@@ -14,9 +14,9 @@ family         code                                    models (HF ``model_type``
 ``config_from_hf(dict)``, ``build(config, head, dtype) -> module``,
 ``params_from_hf(state_dict, config, head, dtype=, place=, source=)``,
 ``detect_head(state_dict, hf_config)``, ``input_embeddings(params)`` /
-``output_embeddings(params, config)`` (both [V, D]). Code is imported on first use, so
-``import jsteer`` stays cheap. Checkpoints saved before the decoders were unified name their
-family "llama" or "gpt2": both resolve to ``decoder``.
+``output_embeddings(params, config)`` (both [V, D]), ``logical_axes(params)`` (for sharding).
+Code is imported on first use, so ``import jsteer`` stays cheap. Checkpoints saved before the
+decoders were unified name their family "llama" or "gpt2": both resolve to ``decoder``.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ class Family:
         if self.kind == ENCODER:
             return self.code.params_from_hf(state_dict, config, head=head, dtype=dtype)
         return self.code.params_from_hf(state_dict, config, dtype=dtype, place=place, source=source)
+
+    def logical_axes(self, params):
+        """Logical axis names of every param (a matching tree of tuples; :mod:`jsteer.sharding`)."""
+        from jsteer.backbones import decoder
+
+        return (decoder if self.kind == DECODER else self.code).logical_axes(params)
 
     def input_embeddings(self, params):
         from jsteer.backbones import decoder

@@ -230,6 +230,31 @@ def output_embeddings(params: Mapping[str, Any], config: BertConfig) -> Array:
     return params["head"]["decoder"]["kernel"].T
 
 
+# Logical axis names of each param by its trailing path (jsteer.sharding maps them to mesh axes).
+_AXES = {
+    ("word", "embedding"): ("vocab", "embed"), ("position", "embedding"): (None, "embed"),
+    ("token_type", "embedding"): (None, "embed"),
+    ("qkv", "kernel"): ("embed", None, "heads", "head_dim"), ("qkv", "bias"): (None, "heads", "head_dim"),
+    ("out", "kernel"): ("heads", "head_dim", "embed"),
+    ("ffn_in", "kernel"): ("embed", "mlp"), ("ffn_in", "bias"): ("mlp",), ("ffn_out", "kernel"): ("mlp", "embed"),
+    ("transform", "kernel"): ("embed", None), ("decoder", "kernel"): ("embed", "vocab"), ("head", "bias"): ("vocab",),
+    ("classifier", "kernel"): ("embed", None), ("qa", "kernel"): ("embed", None),
+}
+
+
+def logical_axes(params) -> Any:
+    """The params' pytree with each leaf replaced by its logical axis names (one per dim); other
+    vectors (norms, biases of width D or of a head) are ("norm",)."""
+    def one(path, leaf):
+        names = tuple(getattr(k, "key", str(k)) for k in path)
+        ndim = len(leaf.shape)
+        axes = _AXES.get(names[-2:], ("norm",) if ndim == 1 else None)
+        if axes is None or len(axes) != ndim:
+            raise ValueError(f"no logical axes for BERT param {'/'.join(names)} of shape {tuple(leaf.shape)}")
+        return axes
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def _dense_init(config: BertConfig):
     return nn.initializers.normal(stddev=config.initializer_range)
 

@@ -42,7 +42,6 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jsteer import interventions as iv
@@ -580,10 +579,10 @@ def logical_axes(params) -> Any:
     def one(path, leaf):
         names = tuple(getattr(p, "key", str(p)) for p in path)
         stacked = names[0] == "layers"
-        ndim = np.ndim(leaf) - stacked
+        ndim = len(leaf.shape) - stacked
         axes = _AXES.get(names[-2:], ("norm",) if ndim == 1 else None)
         if axes is None or len(axes) != ndim:
-            raise ValueError(f"no logical axes for param {'/'.join(names)} of shape {np.shape(leaf)}")
+            raise ValueError(f"no logical axes for param {'/'.join(names)} of shape {tuple(leaf.shape)}")
         return ("layers",) + axes if stacked else axes
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -221,10 +221,11 @@ def task_keys(task: str) -> tuple[str, ...]:
 
 def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *,
         log_path=None, checkpoint_dir=None, eval_fn=None, eval_every=None, progress: bool = False,
-        measure_memory: bool = False, mesh=None, nonresumable_data: str = "warn") -> FitResult:
+        measure_memory: bool = False, mesh=None, rules=None, nonresumable_data: str = "warn") -> FitResult:
     """Train on encoded examples for ``cfg.epochs`` (or ``cfg.max_steps``) with the shared
     :class:`jsteer.train.Trainer` (one device by default: graphs are per example, so the data
-    axis may be widened with ``mesh`` when the batch divides it).
+    axis may be widened with ``mesh`` when the batch divides it). ``rules`` (a
+    :mod:`jsteer.sharding` preset or dict) also shards the encoder's params over ``mesh``.
 
     With ``checkpoint_dir`` holding a checkpoint the run resumes from it, the batch stream at the
     recorded position (same params as an uninterrupted run). ``nonresumable_data``: what a
@@ -236,7 +237,7 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
     total = cfg.total_steps(len(examples))
     trainer = Trainer(loss_fn, params, optimizer_config(cfg, total), mesh=mesh or data_mesh(jax.devices()[:1]),
-                      checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
+                      rules=rules or "dp", axes="auto" if rules else None, checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
                       log_every=max(total // 20, 1), seed=cfg.seed, progress=progress, exit_on_preempt=False)
     stream = _Endless.for_model(model, examples, cfg, task)
     losses, marks = [], []

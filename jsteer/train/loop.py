@@ -67,7 +67,13 @@ class Trainer:
       loss_fn: ``(params, batch, rng) -> (loss [], aux dict of scalars)``; jit-able.
       params: initial params pytree (all groups, frozen included).
       optimizer: :class:`OptimizerConfig`.
-      mesh: device mesh with a ``"data"`` axis; None = every device.
+      mesh: device mesh with a ``"data"`` axis (and optionally ``"fsdp"`` / ``"tensor"``:
+        :func:`jsteer.sharding.make_mesh`); None = every device on "data".
+      rules / axes: shard the params over the mesh (:mod:`jsteer.sharding`): ``axes`` is a tree of
+        logical axis names matching ``params`` (None leaves replicated), or "auto" for every
+        backbone found in ``params`` (:func:`jsteer.sharding.infer_axes`); ``rules`` a preset
+        ("dp", "fsdp", "tp", "fsdp_tp") or a dict. Optimizer state follows the params. None
+        (default): every param replicated.
       precision: "fp32" or "bf16" (bf16 compute, fp32 master params; frozen params are
         stored in bf16 once).
       checkpoint_dir: Orbax directory; a later ``fit`` resumes from its latest checkpoint.
@@ -104,6 +110,8 @@ class Trainer:
         eval_every: Optional[int] = None,
         log_every: int = 10,
         shard_opt_state: bool = False,
+        rules: Any = "dp",
+        axes: Any = None,
         seed: int = 0,
         progress: bool = True,
         exit_on_preempt: bool = True,
@@ -135,21 +143,40 @@ class Trainer:
         frozen = step_lib.cast_floating(jax.tree.map(jnp.asarray, frozen), self.dtype)
 
         rep = step_lib.replicated(self.mesh)
-        self._frozen_shardings = jax.tree.map(lambda _: rep, frozen)
+        if axes is None:
+            param_shardings = jax.tree.map(lambda _: rep, params)
+        else:
+            from jsteer import sharding
+
+            axes = sharding.infer_axes(params) if isinstance(axes, str) and axes == "auto" else axes
+            param_shardings = sharding.shardings(params, axes, self.mesh, rules)
+        trainable_shardings, self._frozen_shardings = optim.partition(param_shardings, self.mask)
         self.frozen = jax.device_put(frozen, self._frozen_shardings)
 
         tx, _ = optim.make_optimizer(optimizer, self._trainable_labels, optimizer.total_steps or 1)
-        opt_state = tx.init(trainable)
+        if axes is None:
+            opt_state = tx.init(trainable)
+        else:  # initialised on the mesh: XLA gives each moment its param's sharding, counters replicated
+            trainable = jax.device_put(trainable, trainable_shardings)
+            opt_state = jax.jit(tx.init)(trainable)
         state = step_lib.TrainState(
             step=jnp.zeros((), jnp.int32),
             params=trainable,
             opt_state=opt_state,
             rng=jax.random.key_data(jax.random.key(seed)),
         )
+        if axes is None:
+            opt_shardings = step_lib.opt_state_shardings(opt_state, self.mesh, shard_opt_state)
+        else:  # moments as XLA placed them (with their params); counters made without an input: replicated
+            def placed(x):
+                s = x.sharding
+                return s if isinstance(s, jax.sharding.NamedSharding) and s.mesh == self.mesh else rep
+
+            opt_shardings = jax.tree.map(placed, opt_state)
         self._state_shardings = step_lib.TrainState(
             step=rep,
-            params=jax.tree.map(lambda _: rep, trainable),
-            opt_state=step_lib.opt_state_shardings(opt_state, self.mesh, shard_opt_state),
+            params=trainable_shardings,
+            opt_state=opt_shardings,
             rng=rep,
         )
         self.state = jax.device_put(state, self._state_shardings)

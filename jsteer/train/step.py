@@ -1,9 +1,11 @@
-"""The jitted train step: data-parallel sharding, mixed precision, donated state.
+"""The jitted train step: sharding, mixed precision, donated state.
 
-Layout on a 1-D device mesh with axis ``"data"``:
-  * batch leaves are split on their leading (batch) axis over ``"data"``;
-  * trainable params (fp32 masters) and frozen params are replicated;
-  * optimizer state is replicated, or with ``shard_opt_state`` each leaf is split over
+Layout on a device mesh with a ``"data"`` axis (and optionally ``"fsdp"`` / ``"tensor"``, see
+:mod:`jsteer.sharding`):
+  * batch leaves are split on their leading (batch) axis over ``"data"`` (x ``"fsdp"``);
+  * trainable params (fp32 masters) and frozen params are replicated, or placed by their
+    logical axes and the sharding rules (FSDP / tensor parallel); optimizer state follows them;
+  * with replicated params, ``shard_opt_state`` splits each optimizer-state leaf over
     ``"data"`` along its first axis divisible by the mesh size (ZeRO-1 style; leaves with no
     such axis stay replicated).
 The same program runs on 1 CPU, many GPUs, a TPU slice or several hosts (after
@@ -16,14 +18,15 @@ the loss is returned in fp32.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jsteer.train import optim
 
@@ -79,7 +82,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """Leading (batch) axis split over the mesh's batch axes ("data", and "fsdp" if present)."""
+    from jsteer.sharding import batch_spec
+
+    return NamedSharding(mesh, batch_spec(mesh))
 
 
 def opt_state_shardings(opt_state: PyTree, mesh: Mesh, shard: bool) -> PyTree:
@@ -150,8 +156,10 @@ def make_train_step(
 
 def global_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Host-local rows -> global arrays split over ``"data"`` (each host passes its own rows)."""
+    from jsteer.sharding import batch_size_multiple
+
     sh = batch_sharding(mesh)
-    n = mesh.shape[DATA_AXIS]
+    n = batch_size_multiple(mesh)
     out = {}
     for k, v in batch.items():
         v = np.asarray(v)
