@@ -4,6 +4,7 @@ train steps match one device; tensor parallelism splits the bytes; bad meshes ar
 """
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +169,21 @@ def test_kala_train_step_on_a_2x4_mesh_matches_one_device():
     np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(two.params), jax.tree.leaves(one.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_plan_scale_runs_on_toy_shapes(tmp_path):
+    """experiments/plan_scale.py (the 8B / 70B memory plans) on toy shapes, so it stays runnable."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "plan_scale.py"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plans = json.loads(out.read_text())["plans"]
+    assert set(plans) == {"tiny/tp8", "tiny/fsdp2_tp4"}
+    for plan in plans.values():
+        assert {"forward", "decode_step", "steer_step"} <= set(plan) and plan["argument_over_ideal"] < 1.2
+        assert plan["decode_step"]["memory_per_device"]["argument_size_in_bytes"] > 0
