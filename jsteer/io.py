@@ -555,7 +555,7 @@ def _pad_hooks(hooks, t0: int, t: int):
 
 
 def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional[str] = None, *, mesh=None,
-         rules: Any = "fsdp_tp", scan_layers: bool = False) -> LM:
+         rules: Any = "fsdp_tp", scan_layers: bool = False, remat: str = "none") -> LM:
     """Load a model from an embedded name, HF folder, ``.gguf`` file, jsteer checkpoint, or a hub
     id / cache folder found in the local HF cache (never downloaded; see :mod:`jsteer.hub`).
 
@@ -570,14 +570,16 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional
     ``mesh`` (:func:`jsteer.sharding.make_mesh`) and ``rules`` ("dp", "fsdp", "tp", "fsdp_tp" or a
     dict): params sharded over the mesh as they load (an HF decoder's tensors go straight into
     their shards, one at a time; see :meth:`LM.shard`). ``scan_layers`` (decoders): the layer
-    stack as one ``nn.scan`` over stacked params (compile time independent of depth).
+    stack as one ``nn.scan`` over stacked params (compile time independent of depth); ``remat``
+    (decoders, for training): what each layer keeps for the backward pass, "none", "dots" (matrix
+    products only) or "full" (recompute everything).
     Lookup order: embedded name, then a local path, then the HF cache. An embedded name wins
     over a folder of the same name: write ``./minilm`` for the folder.
     """
     from jsteer import hub
 
     dtype = _check_dtype(dtype)
-    target = _Target(mesh, rules if mesh is not None else None, bool(scan_layers))
+    target = _Target(mesh, rules if mesh is not None else None, bool(scan_layers), remat)
     embedded, hub_info = None, None
     if isinstance(src, str) and src in EMBEDDED:
         path, embedded = embedded_path(src), src
@@ -677,13 +679,14 @@ class _Target:
     mesh: Any = None
     rules: Any = None
     scan_layers: bool = False
+    remat: str = "none"
 
     def config(self, fam: Family, config, source):
-        if not self.scan_layers:
+        if not self.scan_layers and self.remat == "none":
             return config
         if fam.kind != DECODER:
-            raise ValueError(f"{source}: scan_layers=True is for decoders; {fam.name!r} is an encoder")
-        return dataclasses.replace(config, scan_layers=True)
+            raise ValueError(f"{source}: scan_layers / remat are for decoders; {fam.name!r} is an encoder")
+        return dataclasses.replace(config, scan_layers=self.scan_layers, remat=self.remat)
 
     def placer(self, fam: Family, config, head):
         """place(path, array) putting each converted leaf straight into its shard (decoders; the

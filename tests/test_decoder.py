@@ -376,3 +376,27 @@ def test_scanned_layer_stack_equals_unrolled(setup):
     assert scfg.init_cache(2, 5).k.shape == (L, 2, H, D // H, 5)
     with pytest.raises(ValueError, match="capture"):
         jd.Decoder(scfg).apply({"params": sparams}, jnp.asarray(ids), jnp.asarray(mask), output_hidden_states=True)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_remat_policies_keep_gradients_and_cut_memory(scan):
+    cfg = jd.DecoderConfig.llama(vocab_size=64, hidden_size=64, intermediate_size=256, num_layers=4, num_heads=4,
+                                 num_kv_heads=2, scan_layers=scan)
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 64)))
+    params = jax.jit(jd.Decoder(cfg).init)(jax.random.PRNGKey(0), ids)["params"]
+
+    def grad_fn(remat):
+        module = jd.Decoder(dataclasses.replace(cfg, remat=remat))
+        return jax.jit(jax.grad(lambda p: jax.nn.log_softmax(module.apply({"params": p}, ids).logits).mean()))
+
+    ref = grad_fn("none")(params)
+    temp = {}
+    for remat in ("none", "dots", "full"):
+        fn = grad_fn(remat)
+        for a, b in zip(jax.tree.leaves(fn(params)), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+        temp[remat] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
+    if scan:  # what the backward keeps shrinks with the policy (XLA:CPU: 37 -> 13 -> 7 MB at 6 layers)
+        assert temp["full"] < temp["dots"] < temp["none"], temp
+    with pytest.raises(ValueError, match="remat"):
+        dataclasses.replace(cfg, remat="some")

@@ -65,6 +65,9 @@ from jsteer.hooks import Hooks, apply_steer_logits
 Array = jnp.ndarray
 
 BLOCKS = ("pre", "sandwich", "post", "parallel")
+# what a rematerialised layer keeps from its forward for the backward pass
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -107,6 +110,7 @@ class DecoderConfig:
     eos_token_id: Union[int, Tuple[int, ...], None] = None
     pad_token_id: Optional[int] = None
     scan_layers: bool = False         # one nn.scan over stacked layer params (compile time independent of L)
+    remat: str = "none"               # rematerialise each layer in the backward: "none" | "dots" | "full"
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -129,6 +133,8 @@ class DecoderConfig:
                              f"{self.num_layers} layers, got {types}")
         if SLIDING in types and not self.sliding_window:
             raise ValueError("DecoderConfig: sliding_attention layers need sliding_window")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"DecoderConfig.remat={self.remat!r}; expected one of {tuple(REMAT_POLICIES)}")
 
     @property
     def stop_ids(self) -> Tuple[int, ...]:
@@ -363,10 +369,10 @@ class _ScannedBlock(Block):
     sliding flag, this layer's cache slice or None); the rest is broadcast."""
 
     @nn.compact
-    def __call__(self, carry, xs, shared):
+    def __call__(self, carry, xs, shared, site):
         x, caps = carry
         layer, sliding, kv = xs
-        (cos, sin), (cos_l, sin_l), visible, visible_l, bias, index, site = shared
+        (cos, sin), (cos_l, sin_l), visible, visible_l, bias, index = shared
         if cos is not None and cos_l is not cos:
             cos, sin = jnp.where(sliding, cos_l, cos), jnp.where(sliding, sin_l, sin)
         if visible_l is not visible:
@@ -381,12 +387,17 @@ def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, ca
     """The layer loop: unrolled (params ``layers_{i}``) or one ``nn.scan`` (params ``layers``, every
     leaf with a leading layer axis; compile time independent of depth). Returns (x, new k, new v):
     tuples of per-layer arrays, or stacked [L, ...] arrays when scanned."""
+    policy = REMAT_POLICIES[c.remat]
+    if c.remat != "none" and site.capture and not c.scan_layers:
+        raise ValueError("capture= with remat needs scan_layers=True (a rematerialised unrolled layer cannot "
+                         "hand out its activations); or capture with remat='none'")
     if not c.scan_layers:
+        block = Block if c.remat == "none" else nn.remat(Block, policy=policy, static_argnums=(8, 9))
         new_k, new_v = [], []
         for i in range(c.num_layers):
             local = c.is_sliding(i)
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = Block(c, name=f"layers_{i}", **kw)(
+            x, new_kv = block(c, name=f"layers_{i}", **kw)(
                 x, *(rope_l if local else rope), visible_l if local else visible, bias, kv, index, site, i)
             if new_kv is not None:
                 new_k.append(new_kv[0])
@@ -399,11 +410,12 @@ def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, ca
                          "use capture=('resid_post.0', ...)")
     sliding = jnp.asarray([c.is_sliding(i) for i in range(c.num_layers)])
     kv = None if cache is None else (cache.k, cache.v)
-    scan = nn.scan(_ScannedBlock, variable_axes={"params": 0, "packed": 0}, split_rngs={"params": True},
-                   in_axes=(0, nn.broadcast), length=c.num_layers)
+    body = _ScannedBlock if c.remat == "none" else nn.remat(_ScannedBlock, policy=policy, static_argnums=(4,))
+    scan = nn.scan(body, variable_axes={"params": 0, "packed": 0}, split_rngs={"params": True},
+                   in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)
     (x, caps), new_kv = scan(c, name="layers", **kw)(
-        (x, site.carry(x)), (jnp.arange(c.num_layers), sliding, kv),
-        (rope, rope_l, visible, visible_l, bias, index, site))
+        (x, site.carry(x)), (jnp.arange(c.num_layers), sliding, kv), (rope, rope_l, visible, visible_l, bias, index),
+        site)
     site.set_carry(caps)
     return (x,) + (tuple(new_kv) if new_kv is not None else ((), ()))
 
