@@ -19,8 +19,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "cli", "data", "train",
-               "steer", "typevec", "kala", "kalm")
+_SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "interventions", "sharding", "cli",
+               "data", "train", "steer", "typevec", "kala", "kalm")
 
 
 def __getattr__(name):  # lazy: importing jsteer stays cheap (no orbax / tokenizers until used)

@@ -14,7 +14,10 @@ METHOD_GROUPS = ("steer", "typevec", "kala", "kalm")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import jsteer
+
     parser = argparse.ArgumentParser(prog="jsteer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"jsteer {jsteer.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from jsteer import core_cli
 

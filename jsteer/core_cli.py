@@ -1,7 +1,8 @@
-"""Core ``jsteer`` verbs: ``convert``, ``info`` and ``generate``.
+"""Core ``jsteer`` verbs: ``convert``, ``info``, ``generate`` and ``doctor``.
 
     jsteer convert SRC DST [--dtype bfloat16] [--head mlm]
     jsteer info CKPT [--json]
+    jsteer doctor [--json]          # JAX backend, devices, package versions, CPU kernel, caches
     jsteer generate SRC "prompt" ["prompt" ...] [--max-new-tokens 32] [--temperature 0]
                     [--top-p 1] [--top-k 0] [--seed 0]
 
@@ -48,6 +49,77 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="activation / parameter dtype (default: as stored for a jsteer checkpoint, else float32)")
     p.set_defaults(func=_generate)
+
+
+    p = subparsers.add_parser("doctor", help="what this installation runs on: backend, devices, versions, caches",
+                              description="Report the JAX backend and devices, the key packages' versions, whether "
+                                          "the CPU decode kernel is available, the embedded models and where the "
+                                          "caches live.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_doctor)
+
+
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "torch", "tokenizers",
+             "safetensors", "gguf", "jraph", "tensorflow-datasets", "matplotlib")
+
+
+def doctor_report() -> dict:
+    """The facts ``jsteer doctor`` prints (also used by tests)."""
+    import importlib.metadata as md
+    import os
+    import platform
+
+    import jax
+
+    import jsteer
+    from jsteer import hub, io
+    from jsteer.backbones import cpu
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    embedded = {}
+    for name in io.EMBEDDED:
+        try:
+            embedded[name] = str(io.embedded_path(name))
+        except FileNotFoundError as e:
+            embedded[name] = f"missing: {e}"
+    try:
+        kernel_dir = str(cpu.cache_dir())
+    except Exception as e:  # noqa: BLE001 - a refused cache folder is a fact to report
+        kernel_dir = f"refused: {e}"
+    hub_dir, hub_from = hub.cache_dir()
+    return {
+        "jsteer": jsteer.__version__, "jsteer_path": os.path.dirname(jsteer.__file__),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "jax_backend": jax.default_backend(),
+        "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() for d in jax.devices()],
+        "packages": {n: version(n) for n in _PACKAGES},
+        "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
+        "embedded_models": embedded,
+        "caches": {"cpu_kernels": kernel_dir, "hf_hub": f"{hub_dir} ({hub_from})",
+                   "tfds_data_dir": os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))},
+    }
+
+
+def _doctor(args) -> int:
+    info = doctor_report()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"jsteer {info['jsteer']} ({info['jsteer_path']}), Python {info['python']}, {info['platform']}")
+    print(f"JAX backend: {info['jax_backend']}; devices: {', '.join(info['devices'])}")
+    print("packages:   " + ", ".join(f"{n} {v or 'NOT INSTALLED'}" for n, v in info["packages"].items()))
+    k = info["cpu_kernel"]
+    print(f"CPU decode kernel: {'available' if k['available'] else 'unavailable (' + str(k['reason']) + ')'}")
+    for name, where in info["embedded_models"].items():
+        print(f"embedded model {name}: {where}")
+    for name, where in info["caches"].items():
+        print(f"cache {name}: {where}")
+    return 0
 
 
 def _head_arg(h: str):

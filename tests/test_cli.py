@@ -137,3 +137,20 @@ def test_damaged_checkpoint_is_reported_in_one_line(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("jsteer generate: error:")]
     assert len(errors) == 1 and "corrupt or incomplete checkpoint" in errors[0], r.stderr
     assert "Traceback" not in r.stderr and "TensorStore" not in r.stderr and len(r.stderr.splitlines()) < 10
+
+
+def test_version_and_doctor(capsys):
+    import jsteer
+    from jsteer.core_cli import doctor_report
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"jsteer {jsteer.__version__}"
+    assert main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info == json.loads(json.dumps(doctor_report()))
+    assert info["jax_backend"] == "cpu" and len(info["devices"]) == 8  # conftest forces 8 host devices
+    assert info["packages"]["jax"] and info["packages"]["flax"] and "minilm" in info["embedded_models"]
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "JAX backend: cpu" in text and "CPU decode kernel:" in text and "cache hf_hub:" in text
