@@ -4,7 +4,8 @@
     jsteer info CKPT [--json]
     jsteer doctor [--json]          # JAX backend, devices, package versions, CPU kernel, caches
     jsteer generate SRC "prompt" ["prompt" ...] [--max-new-tokens 32] [--temperature 0]
-                    [--top-p 1] [--top-k 0] [--seed 0]
+                    [--top-p 1] [--top-k 0] [--seed 0] [--do-sample] [--num-return-sequences N]
+                    [--repetition-penalty P] [--min-new-tokens N] [--stop STR] [--chat] [--stream] [--ids]
 
 SRC is anything :func:`jsteer.load` accepts: ``minilm``, ``smollm2-135m``, an HF folder, a
 ``.gguf`` file or a jsteer checkpoint folder.
@@ -46,6 +47,15 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--do-sample", action="store_true", help="sample (temperature 1 unless --temperature is given)")
+    p.add_argument("--num-return-sequences", type=int, default=1, help="continuations per prompt")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="HF's repetition penalty (1 = off)")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="hold the end-of-text tokens back until then")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); kept in the text")
+    p.add_argument("--chat", action="store_true", help="each prompt is one user message, rendered with the "
+                                                       "tokenizer's chat template")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--ids", action="store_true", help="also print the generated token ids")
     p.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="activation / parameter dtype (default: as stored for a jsteer checkpoint, else float32)")
     p.set_defaults(func=_generate)
@@ -212,13 +222,29 @@ def _generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lm = jsteer.load(args.src, dtype=args.dtype)
+    prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              seed=args.seed, do_sample=args.do_sample or None, num_return_sequences=args.num_return_sequences,
+              repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens, stop=args.stop)
     t0 = time.perf_counter()
-    texts = lm.generate(args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.stream:
+        if len(args.prompts) != 1 or args.num_return_sequences != 1:
+            raise ValueError("--stream prints one continuation: give one prompt and --num-return-sequences 1")
+        print(args.prompts[0], end="", flush=True)
+        for piece in lm.stream(prompts, **kw):
+            print(piece[0], end="", flush=True)
+        print()
+        print(f"[streamed {args.max_new_tokens} tokens at most in {time.perf_counter() - t0:.1f}s incl. compile]",
+              file=sys.stderr)
+        return 0
+    texts, tokens, lengths = lm.generate(prompts, return_ids=True, **kw)
     dt = time.perf_counter() - t0
-    for prompt, text in zip(args.prompts, texts):
-        print(f"{prompt}{text}")
-        if len(args.prompts) > 1:
+    n = args.num_return_sequences
+    for i, text in enumerate(texts):
+        print(f"{args.prompts[i // n]}{text}")
+        if args.ids:
+            print(f"ids: {tokens[i, :lengths[i]].tolist()}")
+        if len(texts) > 1:
             print("---")
     print(f"[{len(texts)} x {args.max_new_tokens} tokens in {dt:.1f}s incl. compile]", file=sys.stderr)
     return 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import weakref
-from typing import Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import flax.struct
 import jax
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jsteer import sampling
 from jsteer.backbones import cpu
 from jsteer.backbones.base import check_position_ids
 from jsteer.hooks import Hooks
@@ -89,142 +90,86 @@ def _per_row(x, batch: int, dtype, name: str) -> Array:
     return x
 
 
-NUCLEUS_CANDIDATES = 256  # top-k/top-p look at this many best tokens first (exact; see below)
+@flax.struct.dataclass
+class Sampler:
+    """Traced decoding settings (changing them never recompiles). temperature / top_p /
+    repetition_penalty float32 [B], top_k int32 [B], keys [B] PRNG keys, stop_ids int32 [S]
+    (-1 padding), pad_id and min_new_tokens int32 []."""
+
+    temperature: Array
+    top_k: Array
+    top_p: Array
+    keys: Array
+    stop_ids: Array
+    pad_id: Array
+    min_new_tokens: Array
+    repetition_penalty: Optional[Array] = None  # None: off (no [B, V] seen-token mask is kept)
 
 
-def _nucleus_threshold(desc: Array, k: Array, top_p: Array, log_norm: Array) -> tuple[Array, Array]:
-    """desc [B, n]: the n best logits, sorted descending; k [B, 1] the top-k size; log_norm [B, 1]
-    the log-partition of the top-k distribution. Returns (threshold [B, 1]: the smallest kept
-    logit, probs [B, n] of the top-k distribution); the most likely token is always kept."""
-    rank = jnp.arange(desc.shape[-1])[None, :]
-    in_k = rank < k
-    probs = jnp.where(in_k, jnp.exp(desc - log_norm), 0.0)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # a prefix of the sorted order; top_p 1 keeps the whole top-k even where fp32 mass rounds to 1
-    keep = in_k & ((mass_before < top_p[:, None]) | (rank == 0) | (top_p[:, None] >= 1.0))
-    return jnp.take_along_axis(desc, keep.sum(axis=-1, keepdims=True) - 1, axis=-1), probs
+@flax.struct.dataclass
+class DecodeState:
+    """A generation in progress: ``i`` tokens chosen so far, ``cache`` holding the prompt and the
+    i - 1 tokens fed back, ``tok`` [B] the last chosen token, ``done`` [B] (stopped), ``tokens``
+    [B, N] (pad after a row's stop), ``lengths`` [B], ``seen`` [B, V] bool (repetition penalty)."""
+
+    i: Array
+    cache: Any
+    tok: Array
+    done: Array
+    tokens: Array
+    lengths: Array
+    seen: Optional[Array] = None
 
 
-def _filter_sorted(logits: Array, top_k: Array, top_p: Array) -> Array:
-    """Reference filter over a full-vocabulary sort (the slow path of :func:`_filter_top_k_top_p`)."""
-    v = logits.shape[-1]
-    desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
-    log_norm = jax.nn.logsumexp(jnp.where(jnp.arange(v)[None, :] < k, desc, -jnp.inf), axis=-1, keepdims=True)
-    threshold, _ = _nucleus_threshold(desc, k, top_p, log_norm)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+def _choose(logits: Array, step: Array, s: Sampler, seen: Optional[Array]) -> Array:
+    logits = logits.astype(jnp.float32)
+    if seen is not None:
+        logits = sampling.repetition_penalty(logits, seen, s.repetition_penalty)
+    logits = sampling.hold_stops(logits, s.stop_ids, step, s.min_new_tokens)
+    return sampling.next_token(logits, step, s.keys, s.temperature, s.top_k, s.top_p)
 
 
-def _order_keys(x: Array) -> Array:
-    """float32 [..] -> uint32 keys in the same order (-inf lowest, +inf highest; no NaNs expected)."""
-    u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+def _is_stop(tok: Array, stop_ids: Array) -> Array:
+    return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
 
-def _nucleus_bisect(logits: Array, top_p: Array) -> Array:
-    """logits [B,V], top_p [B] -> the nucleus threshold as an order key [B, 1] (keep keys >= it),
-    found without sorting: the smallest logit value x whose strictly-higher mass G(x) is < top_p,
-    the same set a descending sort keeps (its mass before a token < top_p). G falls as x rises, so
-    32 halvings of the uint32 key range pin x exactly; only the summation order of the mass differs
-    from the sorted cumsum."""
-    keys = _order_keys(logits)
-    probs = jax.nn.softmax(logits, axis=-1)
-    hi = keys.max(axis=-1, keepdims=True)              # G(max) = 0 < top_p
-    lo = jnp.zeros_like(hi)                            # below every key: G = 1 >= top_p
-
-    def halve(_, lo_hi):
-        lo, hi = lo_hi
-        mid = lo + (hi - lo) // 2
-        above = jnp.sum(jnp.where(keys > mid, probs, 0.0), axis=-1, keepdims=True) < top_p[:, None]
-        return jnp.where(above, lo, mid), jnp.where(above, mid, hi)
-
-    return lax.fori_loop(0, 32, halve, (lo, hi))[1]
+def _step_hooks(hooks: Optional[Hooks]) -> Optional[Hooks]:
+    """What acts on generated tokens: step offsets, the steer, interventions (prompt-only fields dropped)."""
+    if hooks is not None and (hooks.step_offset is not None or hooks.steer is not None or hooks.interventions):
+        return Hooks(step_offset=hooks.step_offset, steer=hooks.steer, interventions=hooks.interventions)
+    return None
 
 
-def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
-                        candidates: int = NUCLEUS_CANDIDATES) -> Array:
-    """logits [B,V] (temperature applied) -> logits with tokens outside the top-k, then
-    outside the top-p nucleus of the renormalised top-k distribution, set to -inf.
-    top_k [B] (0: off), top_p [B] (1: off); the most likely token is always kept.
-
-    A full-vocabulary sort per decode step costs more than a small model's forward on CPU, so
-    the filter first takes the ``candidates`` best tokens (``lax.top_k``). That is exact
-    whenever the kept set lies inside them (top_k <= candidates, or no top-k and the
-    candidates already hold top_p of the mass: the usual case for a peaked distribution). Rows
-    without top-k whose nucleus is wider (flat distributions, often one row in a large sampling
-    batch) get their threshold by bisection (:func:`_nucleus_bisect`, no sort); only a top_k
-    between ``candidates`` and V falls back to the full sort."""
-    v = logits.shape[-1]
-    c = min(candidates, v)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
-    desc = lax.top_k(logits, c)[0]                                                   # [B, c]
-    log_norm = jnp.where(k <= c, jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k, desc, -jnp.inf),
-                                                  axis=-1, keepdims=True),
-                         jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-    threshold, probs = _nucleus_threshold(desc, k, top_p, log_norm)
-    no_filter = (k[:, 0] == v) & (top_p >= 1.0)
-    threshold = jnp.where(no_filter[:, None], -jnp.inf, threshold)
-    exact = no_filter | (k[:, 0] <= c) | ((k[:, 0] == v) & (probs.sum(axis=-1) >= top_p))
-
-    def wide_nucleus(x):
-        cut = _nucleus_bisect(x, top_p)
-        return jnp.where(exact[:, None], jnp.where(x >= threshold, x, -jnp.inf),
-                         jnp.where(_order_keys(x) >= cut, x, -jnp.inf))
-
-    branch = jnp.where(jnp.all(exact), 0, jnp.where(jnp.any((k[:, 0] > c) & (k[:, 0] < v)), 2, 1))
-    return lax.switch(branch, [lambda x: jnp.where(x >= threshold, x, -jnp.inf), wide_nucleus,
-                               lambda x: _filter_sorted(x, top_k, top_p)], logits)
-
-
-def _next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array,
-                top_p: Array) -> Array:
-    """logits [B,V] -> token [B]: argmax where temperature == 0, else a sample. The sampling
-    branch (and its full-vocab sort) only runs when some row needs it."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampling = temperature > 0
-
-    def sample():
-        scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
-        filtered = lax.cond(jnp.any(sampling & ((top_k > 0) | (top_p < 1.0))),
-                            lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x, scaled)
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-        drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
-        return jnp.where(sampling, drawn, greedy)
-
-    return lax.cond(jnp.any(sampling), sample, lambda: greedy)
-
-
-@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
-def _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop_ids,
-              keys, hooks: Optional[Hooks], pad_id, packed: Optional[dict], *,
-              max_new_tokens: int) -> GenerateOutput:
+def _prefill(module, params, input_ids, attention_mask, hooks, s: Sampler, n: int) -> DecodeState:
     b, t = input_ids.shape
+    cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
+    out = module.apply({"params": params}, input_ids, attention_mask, hooks=hooks, cache=cache, last_logits_only=True)
+    seen = None
+    if s.repetition_penalty is not None:
+        seen = jnp.zeros((b, out.logits.shape[-1]), bool).at[jnp.arange(b)[:, None], input_ids].set(True)
+    tok = _choose(out.logits[:, -1], jnp.int32(0), s, seen)
+    if seen is not None:
+        seen = seen.at[jnp.arange(b), tok].set(True)
+    return DecodeState(i=jnp.int32(1), cache=out.cache, tok=tok, done=_is_stop(tok, s.stop_ids),
+                       tokens=jnp.full((b, n), s.pad_id, jnp.int32).at[:, 0].set(tok),
+                       lengths=jnp.ones((b,), jnp.int32), seen=seen)
+
+
+def _loop(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, state: DecodeState,
+          until: Array) -> DecodeState:
+    """Decode steps until ``until`` tokens are chosen (or N, or every row stopped): one
+    ``lax.while_loop``, no host round trip per token."""
+    b, t = input_ids.shape
+    n = state.tokens.shape[1]
     # packed: the weights packed for the CPU kernel, through which the decode steps multiply
     step_vars = {"params": params} if packed is None else {"params": params, "packed": packed}
-    n = max_new_tokens
-    cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
-    step_hooks = None
-    if hooks is not None and (hooks.step_offset is not None or hooks.steer is not None or hooks.interventions):
-        step_hooks = Hooks(step_offset=hooks.step_offset, steer=hooks.steer, interventions=hooks.interventions)
+    step_hooks = _step_hooks(hooks)
     reset = getattr(module.config, "cache_reset_length", None)
     reset_step = None if reset is None or not t < reset + 1 < t + n else reset + 1 - t
 
-    def is_stop(tok):
-        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-
-    out = module.apply({"params": params}, input_ids, attention_mask, hooks=hooks, cache=cache,
-                       last_logits_only=True)
-    tok = _next_token(out.logits[:, -1], jnp.int32(0), keys, temperature, top_k, top_p)
-    tokens = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(tok)
-    state = (jnp.int32(1), out.cache, tok, is_stop(tok), tokens, jnp.ones((b,), jnp.int32))
-
-    def cond(state):
-        i, _, _, done, _, _ = state
-        return (i < n) & ~jnp.all(done)
-
     def one_step(i, cache, tok, tokens):
-        out = module.apply(step_vars, tok[:, None], jnp.ones((b, 1), jnp.int32),
-                           hooks=step_hooks, cache=cache, step=True)
+        out = module.apply(step_vars, tok[:, None], jnp.ones((b, 1), jnp.int32), hooks=step_hooks, cache=cache,
+                           step=True)
         return out.logits[:, -1], out.cache
 
     def recompute(i, cache, tok, tokens):
@@ -236,19 +181,34 @@ def _generate(module, params, input_ids, attention_mask, temperature, top_k, top
                            cache=cache.reset())
         return out.logits[:, t + i - 1], out.cache.replace(index=t + i)
 
-    def body(state):
-        i, cache, tok, done, tokens, lengths = state
-        if reset_step is None:
-            logits, cache = one_step(i, cache, tok, tokens)
-        else:
-            logits, cache = lax.cond(i == reset_step, recompute, one_step, i, cache, tok, tokens)
-        nxt = _next_token(logits, i, keys, temperature, top_k, top_p)
-        nxt = jnp.where(done, pad_id, nxt)
-        tokens = lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
-        return i + 1, cache, nxt, done | is_stop(nxt), tokens, lengths + (~done).astype(jnp.int32)
+    def cond(st):
+        return (st.i < jnp.minimum(until, n)) & ~jnp.all(st.done)
 
-    _, _, _, _, tokens, lengths = lax.while_loop(cond, body, state)
-    return GenerateOutput(tokens=tokens, lengths=lengths)
+    def body(st):
+        i = st.i
+        if reset_step is None:
+            logits, cache = one_step(i, st.cache, st.tok, st.tokens)
+        else:
+            logits, cache = lax.cond(i == reset_step, recompute, one_step, i, st.cache, st.tok, st.tokens)
+        nxt = jnp.where(st.done, s.pad_id, _choose(logits, i, s, st.seen))
+        seen = None if st.seen is None else st.seen.at[jnp.arange(b), nxt].set(True)
+        return DecodeState(i=i + 1, cache=cache, tok=nxt, done=st.done | _is_stop(nxt, s.stop_ids),
+                           tokens=lax.dynamic_update_slice(st.tokens, nxt[:, None], (0, i)),
+                           lengths=st.lengths + (~st.done).astype(jnp.int32), seen=seen)
+
+    return lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
+def _generate(module, params, input_ids, attention_mask, sampler: Sampler, hooks: Optional[Hooks],
+              packed: Optional[dict], *, max_new_tokens: int) -> GenerateOutput:
+    state = _prefill(module, params, input_ids, attention_mask, hooks, sampler, max_new_tokens)
+    state = _loop(module, params, packed, input_ids, attention_mask, hooks, sampler, state, jnp.int32(max_new_tokens))
+    return GenerateOutput(tokens=state.tokens, lengths=state.lengths)
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("module", "n"))
+_loop_jit = jax.jit(_loop, static_argnames=("module",), donate_argnames=("state",))
 
 
 def _prompt_hooks(hooks: Optional[Hooks], mask: Array, n: int) -> Optional[Hooks]:
@@ -313,13 +273,15 @@ def _check_position_budget(module, attention_mask, hooks: Optional[Hooks], max_n
 
 def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: int,
              temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (), rng=None,
-             hooks: Optional[Hooks] = None, pad_id: int = 0,
-             cpu_kernels: Optional[bool] = None) -> GenerateOutput:
+             hooks: Optional[Hooks] = None, pad_id: int = 0, cpu_kernels: Optional[bool] = None,
+             repetition_penalty=None, min_new_tokens: int = 0) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after a left-padded prompt batch.
 
     input_ids, attention_mask: [B,T] (mask None: no padding); every row must end with a real
     token. temperature / top_k / top_p: scalars or per-row [B] values (temperature 0: greedy;
     top_k 0 and top_p 1: no filtering). stop_ids: a row stops after emitting one of them.
+    repetition_penalty: HF's (scalar or [B]; None or 1: off), over the prompt ids and the tokens
+    generated so far; min_new_tokens: the stop ids are held back until that many tokens exist.
     rng: a PRNG key (split into one key per row) or [B] per-row keys; sampling for row b at
     step s uses fold_in(key_b, s), so a row's samples do not depend on the other rows.
     hooks: see the module docstring. cpu_kernels: decode steps multiply through
@@ -329,6 +291,54 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
     batch is not sharded over several devices and generate is not called under jit (where the
     copy could not be kept). Returns :class:`GenerateOutput`.
     """
+    input_ids, attention_mask, sampler, packed = _setup(
+        module, params, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, stop_ids, rng, hooks,
+        pad_id, cpu_kernels, repetition_penalty, min_new_tokens)
+    return _generate(module, params, input_ids, attention_mask, sampler, hooks, packed,
+                     max_new_tokens=int(max_new_tokens))
+
+
+@flax.struct.dataclass
+class Progress:
+    """What :func:`stream` yields: ``i`` tokens chosen so far, ``tokens`` [B, N] (valid up to i),
+    ``lengths`` [B], ``done`` [B]; host copies, independent of the running loop."""
+
+    i: int
+    tokens: np.ndarray
+    lengths: np.ndarray
+    done: np.ndarray
+
+
+def stream(module, params, input_ids, attention_mask=None, *, max_new_tokens: int, chunk: int = 8,
+           **kw) -> Iterator[Progress]:
+    """:func:`generate` run ``chunk`` decode steps at a time: yields :class:`Progress` after the
+    prefill and after each chunk, one compiled program for every chunk (the state, KV cache
+    included, is donated from chunk to chunk). Send a [B] bool array back (``gen.send(mask)``)
+    to stop those rows (stop strings); the final tokens equal :func:`generate`'s."""
+    input_ids, attention_mask, sampler, packed = _setup(
+        module, params, input_ids, attention_mask, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0),
+        kw.pop("top_p", 1.0), kw.pop("stop_ids", ()), kw.pop("rng", None), kw.get("hooks"), kw.pop("pad_id", 0),
+        kw.pop("cpu_kernels", None), kw.pop("repetition_penalty", None), kw.pop("min_new_tokens", 0))
+    hooks = kw.pop("hooks", None)
+    if kw:
+        raise TypeError(f"stream: unexpected arguments {sorted(kw)}")
+    if chunk < 1:
+        raise ValueError(f"stream: chunk must be >= 1, got {chunk}")
+    state = _prefill_jit(module, params, input_ids, attention_mask, hooks, sampler, int(max_new_tokens))
+    while True:
+        host = jax.device_get((state.i, state.tokens, state.lengths, state.done))
+        stop = yield Progress(int(host[0]), *host[1:])
+        if stop is not None:
+            state = state.replace(done=state.done | jnp.asarray(stop, bool))
+        if int(host[0]) >= max_new_tokens or bool(np.all(host[3] | np.asarray(stop if stop is not None else False))):
+            return
+        state = _loop_jit(module, params, packed, input_ids, attention_mask, hooks, sampler, state,
+                          state.i + chunk)
+
+
+def _setup(module, params, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, stop_ids, rng,
+           hooks, pad_id, cpu_kernels, repetition_penalty, min_new_tokens):
+    """Checked inputs -> (ids, mask, Sampler, packed weights or None)."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2:
         raise ValueError(f"generate: input_ids must be [B, T], got shape {input_ids.shape}")
@@ -345,20 +355,27 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
             raise ValueError(f"generate: prompts must be left-padded (rows {bad.tolist()} are not)")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(min_new_tokens, (int, np.integer)) or not 0 <= min_new_tokens:
+        raise ValueError(f"generate: min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
     _check_position_budget(module, attention_mask, hooks, int(max_new_tokens))
     temperature = _per_row(temperature, b, jnp.float32, "temperature")
     top_k = _per_row(top_k, b, jnp.int32, "top_k")
     top_p = _per_row(top_p, b, jnp.float32, "top_p")
+    penalty = None
+    if repetition_penalty is not None and not (np.ndim(repetition_penalty) == 0 and float(repetition_penalty) == 1.0):
+        penalty = _per_row(repetition_penalty, b, jnp.float32, "repetition_penalty")
     for name, x, bad in (("temperature", temperature, lambda a: a < 0), ("top_k", top_k, lambda a: a < 0),
-                         ("top_p", top_p, lambda a: (a <= 0) | (a > 1))):
-        if not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
+                         ("top_p", top_p, lambda a: (a <= 0) | (a > 1)),
+                         ("repetition_penalty", penalty, lambda a: a <= 0)):
+        if x is not None and not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
             raise ValueError(f"generate: invalid {name} {np.asarray(x).tolist()}")
-    stop = [int(s) for s in np.asarray(stop_ids, np.int64).reshape(-1)]
+    stop = [int(x) for x in np.asarray(stop_ids, np.int64).reshape(-1)]
     stop += [-1] * (max(8, -(-len(stop) // 8) * 8) - len(stop))  # pad (-1 is never a token): fewer programs
-    stop = jnp.asarray(stop, jnp.int32)
+    sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, keys=_row_keys(rng, b),
+                      stop_ids=jnp.asarray(stop, jnp.int32), pad_id=jnp.int32(pad_id),
+                      min_new_tokens=jnp.int32(min_new_tokens), repetition_penalty=penalty)
     packed = _packed_params(module, params) if _use_cpu_kernels(cpu_kernels, module, input_ids, params) else None
-    return _generate(module, params, input_ids, attention_mask, temperature, top_k, top_p, stop,
-                     _row_keys(rng, b), hooks, jnp.int32(pad_id), packed, max_new_tokens=int(max_new_tokens))
+    return input_ids, attention_mask, sampler, packed
 
 
 _PACK_CACHE: "collections.OrderedDict" = collections.OrderedDict()  # (module, leaf ids) -> packed
@@ -410,4 +427,4 @@ def _use_cpu_kernels(requested: Optional[bool], module, input_ids, params=None) 
 
 def compiled_count() -> int:
     """Number of programs compiled for the generate loop so far (for recompilation checks)."""
-    return _generate._cache_size()
+    return _generate._cache_size() + _loop_jit._cache_size()

@@ -309,59 +309,69 @@ class LM:
         eos = eos[0] if isinstance(eos, list) and eos else eos
         return int(pad) if isinstance(pad, int) else (int(eos) if isinstance(eos, int) else 0)
 
-    def generate(self, prompts: Sequence[str], max_new_tokens: int = 32, temperature: float = 0.0,
+    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, hooks=None,
-                 stop_ids: Optional[Sequence[int]] = None, return_ids: bool = False, mesh=None):
-        """Continue each prompt; returns the decoded continuations (list[str]).
+                 stop_ids: Optional[Sequence[int]] = None, return_ids: bool = False, mesh=None, *,
+                 do_sample: Optional[bool] = None, num_return_sequences: int = 1,
+                 repetition_penalty: Optional[float] = None, min_new_tokens: int = 0,
+                 stop: Sequence[str] = ()):
+        """Continue each prompt; returns the decoded continuations (list[str], prompt-major:
+        ``num_return_sequences`` per prompt).
 
-        Prompts are left-padded to a length bucket so different texts of similar length reuse
-        one compiled loop. Generation stops per row at the tokenizer's eos (and end-of-turn
-        specials; override with ``stop_ids``). Prompt-shaped hooks ([B, T0, ...] with T0 the
-        unpadded prompt length) are left-padded to the bucket. ``return_ids=True`` returns
-        (texts, tokens [B, max_new_tokens], lengths [B]).
+        ``prompts``: strings, or chat conversations (lists of ``{"role", "content"}`` messages)
+        rendered with the tokenizer's chat template. Prompts are left-padded to a length bucket
+        so different texts of similar length reuse one compiled loop. Generation stops per row at
+        the tokenizer's eos (and end-of-turn specials; ``generation_config.json``'s; override
+        with ``stop_ids``) or once its text contains one of the ``stop`` strings (kept, as HF
+        keeps them). Prompt-shaped hooks ([B, T0, ...] with T0 the unpadded prompt length) are
+        left-padded to the bucket. ``return_ids=True`` returns (texts, tokens [R, max_new_tokens],
+        lengths [R]). ``do_sample`` (HF's switch) True samples at ``temperature`` (1 if 0),
+        False is greedy; ``repetition_penalty`` and ``min_new_tokens`` act as HF's.
 
-        Sampling: row b draws with ``fold_in(split(PRNGKey(seed), B)[b], step)``, so a row's
-        samples depend on the seed, the batch size B and its own prompt / hooks only.
+        Sampling: row b draws with ``fold_in(split(PRNGKey(seed), R)[b], step)``, so a row's
+        samples depend on the seed, the number of rows R and its own prompt / hooks only.
 
-        ``mesh`` (see :meth:`forward`): a ``jax.sharding.Mesh`` with a ``"data"`` axis, or True
-        for every device of this process, decodes data-parallel: params replicated, the B
-        prompts (and batch-shaped hooks) padded with copies of row 0 to a multiple of the
-        ``"data"`` size and split over it. Padding rows reuse row 0's key, so they neither
-        change the real rows' samples nor keep the loop running after the real rows stop:
-        tokens equal the unsharded call's, greedy or sampled with the same seed (the logits
-        agree to fp32 rounding, so only a near-tie between two tokens could tip differently).
+        ``mesh`` (see :meth:`forward`): decodes data-parallel over the mesh's batch axes (a
+        sharded LM uses its own mesh). Padding rows reuse row 0's key, so they neither change the
+        real rows' samples nor keep the loop running after the real rows stop: tokens equal the
+        unsharded call's (the logits agree to fp32 rounding, so only a near-tie could differ).
         """
+        from jsteer import generation
+
         if not self.is_decoder:
             raise ValueError(f"generate needs a decoder; {self.family!r} is an encoder")
         mesh = self._mesh_for(mesh, "generate")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        from jsteer import decode
-
-        tokenizer = self._text_tokenizer("generate")
-        ids, mask = self._start_empty_prompts(*tokenizer.batch_encode(prompts, left_pad=True))
-        prompt_ids = [row[m > 0] for row, m in zip(ids, mask)]
-        t0 = ids.shape[1]
-        t = _bucket_length(t0)
-        ids, mask = _pad_to(ids, mask, t, True, self._pad_value())
-        if hooks is not None and t != t0:
-            hooks = _pad_hooks(hooks, t0, t)
-        stops = tuple(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
-        rows = ids.shape[0]
-        rng = jax.random.PRNGKey(seed)
-        if mesh is None:
-            params, ids, mask = self.params, jnp.asarray(ids), jnp.asarray(mask)
-        else:  # rng: the row keys decode.generate derives from it unsharded, padded with row 0's
-            split = _BatchSplit(mesh, rows)
-            params, ids, mask = self.params_on(mesh), split.rows(ids), split.rows(mask)
-            rng, hooks = split.rows(jax.random.split(rng, rows)), split.hooks(hooks)
-        out = decode.generate(self.module, params, ids, mask,
-                              max_new_tokens=int(max_new_tokens), temperature=temperature, top_k=top_k,
-                              top_p=top_p, stop_ids=stops, rng=rng, hooks=hooks,
-                              pad_id=self._pad_value())
-        tokens, lengths = np.asarray(out.tokens)[:rows], np.asarray(out.lengths)[:rows]
-        texts = [self.tokenizer.decode_continuation(prompt_ids[b], tokens[b, : lengths[b]]) for b in range(rows)]
+        texts, tokens, lengths = generation.generate(
+            self, prompts, max_new_tokens=max_new_tokens, stop=tuple(stop or ()), hooks=hooks, seed=seed,
+            num_return_sequences=num_return_sequences, mesh=mesh, **self._loop_settings(
+                temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty, min_new_tokens))
         return (texts, tokens, lengths) if return_ids else texts
+
+    def stream(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, hooks=None, stop_ids: Optional[Sequence[int]] = None, *,
+               do_sample: Optional[bool] = None, num_return_sequences: int = 1,
+               repetition_penalty: Optional[float] = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
+               chunk: int = 8):
+        """:meth:`generate` as a stream: yields, every ``chunk`` decode steps, the text each row
+        added since the last yield (a list of strings); the pieces join to ``generate``'s texts."""
+        from jsteer import generation
+
+        if not self.is_decoder:
+            raise ValueError(f"stream needs a decoder; {self.family!r} is an encoder")
+        return generation.stream(
+            self, prompts, max_new_tokens=max_new_tokens, stop=tuple(stop or ()), chunk=chunk, hooks=hooks,
+            seed=seed, num_return_sequences=num_return_sequences, mesh=self._mesh_for(None, "stream"),
+            **self._loop_settings(temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty,
+                                  min_new_tokens))
+
+    def _loop_settings(self, temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty,
+                       min_new_tokens) -> dict:
+        from jsteer import generation
+
+        return dict(temperature=generation.sampling_temperature(temperature, do_sample), top_k=top_k, top_p=top_p,
+                    stop_ids=tuple(stop_ids if stop_ids is not None else
+                                   self.tokenizer.stop_ids if self.tokenizer is not None else ()),
+                    repetition_penalty=repetition_penalty, min_new_tokens=int(min_new_tokens))
 
     def _start_empty_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded ids / mask [B, T]: a prompt that encodes to zero tokens starts from the

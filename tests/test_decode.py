@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from jsteer import decode
+from jsteer import decode, sampling
 from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.families import config_from_hf, params_from_hf
 from jsteer.decode import bucket_length, generate
@@ -105,7 +105,7 @@ def test_top_k_top_p_filter_matches_numpy():
     logits = rs.randn(4, 50).astype(np.float32) * 2
     top_k = np.array([0, 5, 0, 3], np.int32)
     top_p = np.array([1.0, 1.0, 0.6, 0.9], np.float32)
-    got = np.asarray(decode._filter_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    got = np.asarray(sampling._filter_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
     np.testing.assert_array_equal(got, _filter_reference(logits, top_k, top_p))
 
 
@@ -117,7 +117,7 @@ def test_top_p_candidate_fast_path_is_exact(scale):
     top_p = np.array([0.9, 1.0, 1.0, 0.95, 0.5], np.float32)
     want = _filter_reference(logits, top_k, top_p)
     for rows in ([0, 1, 2, 4], [0, 1, 2, 3, 4]):
-        got = np.asarray(decode._filter_top_k_top_p(jnp.asarray(logits[rows]), jnp.asarray(top_k[rows]),
+        got = np.asarray(sampling._filter_top_k_top_p(jnp.asarray(logits[rows]), jnp.asarray(top_k[rows]),
                                                     jnp.asarray(top_p[rows]), candidates=16))
         np.testing.assert_array_equal(got, want[rows])
     kept = np.isfinite(want).sum(axis=1)
@@ -135,8 +135,8 @@ def test_wide_nucleus_bisection_matches_sort():
     top_k = np.zeros(12, np.int32)
     top_p = np.linspace(0.05, 0.99, 12).astype(np.float32)
     x, k, p = jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)
-    got = np.asarray(decode._filter_top_k_top_p(x, k, p, candidates=16))
-    np.testing.assert_array_equal(got, np.asarray(decode._filter_sorted(x, k, p)))
+    got = np.asarray(sampling._filter_top_k_top_p(x, k, p, candidates=16))
+    np.testing.assert_array_equal(got, np.asarray(sampling._filter_sorted(x, k, p)))
     untied = [b for b in range(12) if b not in (1, 3)]  # the NumPy reference cuts a tie at the boundary
     np.testing.assert_array_equal(got[untied], _filter_reference(logits, top_k, top_p)[untied])
     assert (np.isfinite(got).sum(axis=1) > 16).sum() >= 10   # most rows really took the bisection
@@ -212,3 +212,42 @@ def test_input_validation_and_buckets(tiny):
     assert bucket_length(5, buckets=(4, 8)) == 8
     with pytest.raises(ValueError):
         bucket_length(0)
+
+
+def test_repetition_penalty_and_min_new_tokens_match_hf(tiny):
+    hf, model, params = tiny
+    ids, mask = prompts()
+    n = 12
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), max_new_tokens=n,
+                          do_sample=False, pad_token_id=0, eos_token_id=None,
+                          repetition_penalty=1.8)[:, ids.shape[1]:].numpy()
+    out = generate(model, params, ids, mask, max_new_tokens=n, repetition_penalty=1.8)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+    plain = generate(model, params, ids, mask, max_new_tokens=n)
+    assert (np.asarray(plain.tokens) != ref).any(), "the penalty should change the greedy tokens"
+    # min_new_tokens: HF holds the eos back for that many tokens; pick a stop id greedy would emit early
+    stop = int(np.asarray(plain.tokens)[0, 1])
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), max_new_tokens=n,
+                          do_sample=False, pad_token_id=0, eos_token_id=stop, min_new_tokens=6)
+    ref = ref[:, ids.shape[1]:].numpy()
+    out = generate(model, params, ids, mask, max_new_tokens=n, stop_ids=[stop], min_new_tokens=6)
+    got = np.asarray(out.tokens)[:, :ref.shape[1]]
+    np.testing.assert_array_equal(np.where(got == stop, stop, got), ref)  # HF pads finished rows with pad 0 too
+    assert (np.asarray(out.lengths) >= 6).all()
+
+
+def test_stream_in_chunks_equals_generate_and_stops_rows(tiny):
+    _, model, params = tiny
+    ids, mask = prompts()
+    want = generate(model, params, ids, mask, max_new_tokens=N, temperature=0.8, rng=3)
+    states = list(decode.stream(model, params, ids, mask, max_new_tokens=N, chunk=4, temperature=0.8, rng=3))
+    assert [int(s.i) for s in states] == [1, 5, N]  # the prefill, then 4 tokens a chunk
+    np.testing.assert_array_equal(np.asarray(states[-1].tokens), np.asarray(want.tokens))
+    gen = decode.stream(model, params, ids, mask, max_new_tokens=N, chunk=2)
+    first = next(gen)
+    last = gen.send(np.array([True, False, False]))  # stop row 0 after its first token
+    for s in gen:
+        last = s
+    assert int(last.lengths[0]) == 1 and (np.asarray(last.tokens)[0, 1:] == 0).all() and int(first.i) == 1

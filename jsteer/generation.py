@@ -1,0 +1,171 @@
+"""Text generation as HF users expect it, on top of :mod:`jsteer.decode` (the jitted loop).
+
+:func:`generate` and :func:`stream` back ``LM.generate`` / ``LM.stream``: prompts are strings or
+chat conversations (lists of ``{"role", "content"}`` messages, rendered with the tokenizer's
+chat template), ``num_return_sequences`` repeats each prompt (rows prompt-major, as HF),
+``do_sample`` is an alias of a positive temperature, ``repetition_penalty`` / ``min_new_tokens``
+act in the loop, and ``stop`` strings end a row once its text contains one (the text is cut
+right after it, as HF's stop strings keep it). Without stop strings the whole generation is one
+compiled call; with them (or streaming) it runs in chunks of decode steps, the text checked on
+the host between chunks, one compiled program for every chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsteer import decode
+from jsteer.hooks import Hooks
+
+
+def _is_conversation(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, Mapping) for m in p)
+
+
+def prompt_texts(tokenizer, prompts) -> tuple[list[str], bool]:
+    """prompts -> (texts, add_special_tokens): chat conversations rendered with the template (their
+    specials written by it, so encoded without adding more); plain strings as given."""
+    if isinstance(prompts, str) or _is_conversation(prompts):
+        prompts = [prompts]
+    chats = [_is_conversation(p) for p in prompts]
+    if any(chats) and not all(chats):
+        raise ValueError("generate: mix of plain prompts and chat conversations in one call; pass one kind")
+    if not all(chats):
+        bad = [type(p).__name__ for p in prompts if not isinstance(p, str)]
+        if bad:
+            raise ValueError(f"generate: prompts must be strings or chat conversations (lists of "
+                             f"{{'role', 'content'}} dicts), got {bad[0]}")
+        return list(prompts), True
+    return [tokenizer.apply_chat_template(list(p), add_generation_prompt=True) for p in prompts], False
+
+
+def sampling_temperature(temperature: float, do_sample: Optional[bool]) -> float:
+    """HF's ``do_sample``: True samples (temperature 1 unless one is given), False is greedy."""
+    if do_sample is None:
+        return temperature
+    return (temperature or 1.0) if do_sample else 0.0
+
+
+def repeat_rows(hooks: Optional[Hooks], batch: int, n: int) -> Optional[Hooks]:
+    """Hooks for each prompt's n copies: every array leaf whose leading dim is the batch (and that
+    has one: ndim >= 2 — a per-row steer eps, offsets, FiLM, interventions' per-row vectors)
+    repeated n times along it; per-steer / shared leaves kept."""
+    if hooks is None or n == 1:
+        return hooks
+    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0) if np.ndim(x) >= 2 and np.shape(x)[0] == batch else x,
+                        hooks)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to and including the first stop string it contains; whether one was found."""
+    hits = [(text.find(s) + len(s)) for s in stops if s and s in text]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A prepared call: left-padded ids / mask, hooks, params, row keys; ``rows`` real rows."""
+
+    ids: Any
+    mask: Any
+    hooks: Any
+    params: Any
+    rng: Any
+    rows: int
+    prompt_ids: list
+
+
+def prepare(lm, prompts, hooks, seed: int, num_return_sequences: int, mesh) -> _Batch:
+    from jsteer.io import _BatchSplit, _bucket_length, _pad_hooks, _pad_to
+
+    if num_return_sequences < 1:
+        raise ValueError(f"generate: num_return_sequences must be >= 1, got {num_return_sequences}")
+    tokenizer = lm._text_tokenizer("generate")
+    texts, specials = prompt_texts(tokenizer, prompts)
+    ids, mask = lm._start_empty_prompts(*tokenizer.batch_encode(texts, left_pad=True, add_special_tokens=specials))
+    n = num_return_sequences
+    hooks = repeat_rows(hooks, ids.shape[0], n)
+    ids, mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
+    prompt_ids = [row[m > 0] for row, m in zip(ids, mask, strict=True)]
+    t0 = ids.shape[1]
+    t = _bucket_length(t0)
+    ids, mask = _pad_to(ids, mask, t, True, lm._pad_value())
+    if hooks is not None and t != t0:
+        hooks = _pad_hooks(hooks, t0, t)
+    rows = ids.shape[0]
+    rng = jax.random.PRNGKey(seed)
+    if mesh is None:
+        return _Batch(jnp.asarray(ids), jnp.asarray(mask), hooks, lm.params, rng, rows, prompt_ids)
+    split = _BatchSplit(mesh, rows)  # rng: the row keys generate derives from it unsharded, padded with row 0's
+    return _Batch(split.rows(ids), split.rows(mask), split.hooks(hooks), lm.params_on(mesh),
+                  split.rows(jax.random.split(rng, rows)), rows, prompt_ids)
+
+
+def generate(lm, prompts, *, max_new_tokens: int, stop: Sequence[str] = (), chunk: int = 8, hooks=None,
+             seed: int = 0, num_return_sequences: int = 1, mesh=None, **loop) -> tuple[list, np.ndarray, np.ndarray]:
+    """-> (texts, tokens [R, max_new_tokens], lengths [R]) with R = prompts x num_return_sequences."""
+    batch = prepare(lm, prompts, hooks, seed, num_return_sequences, mesh)
+    if not stop:
+        out = decode.generate(lm.module, batch.params, batch.ids, batch.mask, max_new_tokens=int(max_new_tokens),
+                              rng=batch.rng, hooks=batch.hooks, pad_id=lm._pad_value(), **loop)
+        tokens, lengths = np.asarray(out.tokens)[:batch.rows], np.asarray(out.lengths)[:batch.rows]
+        texts = [lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :lengths[b]])
+                 for b in range(batch.rows)]
+        return texts, tokens, lengths
+    *_, last = _chunks(lm, batch, max_new_tokens, stop, chunk, loop)
+    return last
+
+
+def _chunks(lm, batch: _Batch, max_new_tokens: int, stop: Sequence[str], chunk: int, loop: dict
+            ) -> Iterator[tuple[list, np.ndarray, np.ndarray]]:
+    """(texts so far, tokens, lengths) after the prefill and each chunk; a row whose text reached a
+    stop string is stopped in the loop, its text cut after it and its tokens after the one that
+    completed it (where HF's stop-string check, run every token, would have stopped) dropped."""
+    gen = decode.stream(lm.module, batch.params, batch.ids, batch.mask, max_new_tokens=int(max_new_tokens),
+                        chunk=chunk, rng=batch.rng, hooks=batch.hooks, pad_id=lm._pad_value(), **loop)
+    total = len(np.asarray(batch.ids))
+    cut: dict = {}  # row -> (text, tokens kept)
+    seen = np.zeros(batch.rows, np.int64)  # tokens already checked per row
+    progress = next(gen)
+    while True:
+        tokens, lengths = progress.tokens[:batch.rows].copy(), progress.lengths[:batch.rows].copy()
+        texts = []
+        for b in range(batch.rows):
+            if b not in cut:
+                text = lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :lengths[b]])
+                if cut_at_stop(text, stop)[1]:
+                    k = next(k for k in range(max(int(seen[b]), 1), int(lengths[b]) + 1) if cut_at_stop(
+                        lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :k]), stop)[1])
+                    cut[b] = (cut_at_stop(text, stop)[0], k)
+                seen[b] = lengths[b]
+            if b in cut:
+                text, k = cut[b]
+                tokens[b, k:], lengths[b] = lm._pad_value(), k
+            texts.append(text)
+        yield texts, tokens, lengths
+        stopped = np.zeros(total, bool)
+        stopped[list(cut)] = True
+        try:
+            progress = gen.send(stopped)
+        except StopIteration:
+            return
+
+
+def stream(lm, prompts, *, max_new_tokens: int, stop: Sequence[str] = (), chunk: int = 8, hooks=None,
+           seed: int = 0, num_return_sequences: int = 1, mesh=None, **loop) -> Iterator[list[str]]:
+    """Yields, after each chunk of decode steps, the text each row added since the last yield."""
+    batch = prepare(lm, prompts, hooks, seed, num_return_sequences, mesh)
+    shown = [""] * batch.rows
+    for texts, _, _ in _chunks(lm, batch, max_new_tokens, stop, chunk, loop):
+        delta = [t[len(s):] if t.startswith(s) else t for t, s in zip(texts, shown, strict=True)]
+        shown = texts
+        if any(delta):
+            yield delta
+
+
+__all__ = ["generate", "stream", "prompt_texts", "sampling_temperature", "repeat_rows", "cut_at_stop"]
