@@ -109,8 +109,9 @@ def jsteer_llama(c: dict, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones.llama import LlamaConfig, LlamaForCausalLM
-    module = LlamaForCausalLM(LlamaConfig(**c), dtype=dtype)
+    from jsteer.backbones.decoder import Decoder, DecoderConfig
+    kw = {("norm_eps" if k == "rms_norm_eps" else k): v for k, v in c.items()}
+    module = Decoder(DecoderConfig.llama(**kw), dtype=dtype)
     params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     return module, params
 
