@@ -8,27 +8,23 @@ alternating, ``--reps`` times each:
 
 - ``jsteer``: ``jsteer.load(dir, dtype="bfloat16")`` (params on the default JAX device, here the CPU);
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16)``
-  (``dtype`` is transformers 5's name for ``torch_dtype``);
-- ``jsteer_layout`` / ``jsteer_layout_devput`` (while jsteer's llama still has its own
-  conversion): the streamed reader (:func:`jsteer.convert.hf.open_hf_dir`) through
-  :func:`jsteer.convert.layout.apply_layout` with llama's layout, i.e. what ``jsteer.load`` does
-  once llama converts through apply_layout; placing each leaf with apply_layout's default
-  (``jnp.asarray``: a copy) or with ``jax.device_put``, which on CPU adopts the reader's
-  page-aligned buffer instead of copying it.
+  (``dtype`` is transformers 5's name for ``torch_dtype``).
 
-Each subprocess imports its library and the model code, runs a tiny warm-up, records its resident
-memory (VmRSS), resets the kernel's high-water mark to it (``/proc/self/clear_refs``: 5), loads,
-and reports wall time and ``peak = VmHWM - baseline``: the memory the load itself needed above
-the interpreter's. transformers 5 maps the safetensors files and its params read the mapped
-pages on first use, so its load returns before any weight is in memory: ``touch_s`` is the time
-to then read one value of every page of every param (faulting the weights in), and the peak is
-taken after it. jsteer's params are in memory when load returns (``touch_s`` 0). jsteer's time
-includes hashing the weight files for provenance (``jsteer_sha256_s`` gives that alone). The
+Each subprocess imports its library and the model code, runs a tiny warm-up, records its
+resident memory (VmRSS), resets the kernel's high-water mark to it (``/proc/self/clear_refs``:
+5), loads, and reports wall time, the process's CPU time over the same span (all threads;
+steadier than wall time on a shared machine), and ``peak = VmHWM - baseline``: the memory the
+load itself needed above the interpreter's. transformers 5 maps the safetensors files and its
+params read the mapped pages on first use, so its load returns before any weight is in memory:
+``touch_s`` is the time to then read one value of every page of every param (faulting the
+weights in), and the peak is taken after it. jsteer's params are in memory when load returns
+(``touch_s`` 0). jsteer hashes the weight files for provenance only when ``lm.identity`` is
+first read, not in the load: ``jsteer_sha256_s`` is what that costs, once per process. The
 shards are read once before the first load, so every load reads from the page cache. Targets:
 jsteer peak <= 1.25x checkpoint bytes, jsteer time <= transformers' (compared as load + touch).
 
     python experiments/bench_load.py                 # ~1B params (2 GB), experiments/results/bench_load.json
-    python experiments/bench_load.py --params 0.2e9  # a smaller check
+    python experiments/bench_load.py --params 0.2e9 --out experiments/results/bench_load_0.2b.json  # smaller
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, in
              vocab_size=32000)
 N_SHARDS = 4
 TARGET_PEAK_RATIO = 1.25
-KINDS = ("jsteer", "transformers", "jsteer_layout", "jsteer_layout_devput")
+KINDS = ("jsteer", "transformers")
 
 
 def parse_args(argv=None):
@@ -163,23 +159,17 @@ def worker(kind: str, folder: pathlib.Path) -> dict:
         import jax.numpy as jnp
 
         import jsteer
-        from jsteer.backbones import families
-        from jsteer.convert import hf
+        import jsteer.io  # the load code, as transformers' model classes above
+        from jsteer.backbones import families  # noqa: F401
 
         jax.block_until_ready(jnp.ones(4, jnp.bfloat16) * 2)  # backend up before the baseline
-        if kind == "jsteer":
-            def load():
-                lm = jsteer.load(folder, dtype="bfloat16")
-                return jax.block_until_ready(lm.params)
-        else:
-            place = (lambda path, x: jax.device_put(x)) if kind == "jsteer_layout_devput" else None
 
-            def load():
-                cfg, state = hf.open_hf_dir(folder)
-                config = families.config_from_hf(cfg)
-                return jax.block_until_ready(families.params_from_hf(state, config, dtype=jnp.bfloat16, place=place))
+        def load():
+            lm = jsteer.load(folder, dtype="bfloat16")
+            jax.block_until_ready(lm.params)
+            return lm
 
-        def touch(params):
+        def touch(lm):
             return None
     baseline = _status_kib("VmRSS")
     try:
@@ -187,26 +177,23 @@ def worker(kind: str, folder: pathlib.Path) -> dict:
         hwm_reset = True
     except OSError:
         hwm_reset = False
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     model = load()
     dt = time.perf_counter() - t0
     touch(model)
     dt_touch = time.perf_counter() - t0 - dt
+    cpu = time.process_time() - c0
     hwm = _status_kib("VmHWM")
-    out = {"kind": kind, "time_s": dt, "touch_s": dt_touch, "baseline_bytes": baseline * 1024,
+    out = {"kind": kind, "time_s": dt, "touch_s": dt_touch, "cpu_s": cpu, "baseline_bytes": baseline * 1024,
            "peak_bytes": (hwm - baseline) * 1024,
            "rss_after_bytes": (_status_kib("VmRSS") - baseline) * 1024, "hwm_reset": hwm_reset}
-    del model
-    if kind != "transformers":
-        import jsteer
-
-        out["jsteer_path"] = jsteer.__file__
     if kind == "jsteer":
-        from jsteer.convert import hf
-
         t0 = time.perf_counter()
-        hf.dir_fingerprint(hf.find_weight_files(folder))
+        identity = model.identity  # the weight files' sha256, first computed here
         out["jsteer_sha256_s"] = time.perf_counter() - t0
+        out["jsteer_path"] = jsteer.__file__
+        assert identity.startswith("sha256:")
+    del model
     return out
 
 
@@ -250,8 +237,9 @@ def summarise(runs: list[dict], size: int) -> dict:
         out[kind] = {"time_s_median": statistics.median(r["time_s"] for r in rs),
                      "time_s_min": min(r["time_s"] for r in rs),
                      "time_with_touch_s_median": statistics.median(r["time_s"] + r["touch_s"] for r in rs),
+                     "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
                      "peak_bytes_max": peak, "peak_over_checkpoint": peak / size}
-        if kind == "jsteer":
+        if kind == "jsteer":  # the first lm.identity (not part of the load)
             out[kind]["sha256_s_median"] = statistics.median(r["jsteer_sha256_s"] for r in rs)
     if "jsteer" in out and "transformers" in out:
         j, t = out["jsteer"]["time_with_touch_s_median"], out["transformers"]["time_with_touch_s_median"]
@@ -283,7 +271,7 @@ def main(argv=None) -> int:
             for kind in kinds if rep % 2 == 0 else kinds[::-1]:
                 r = run_worker(kind, folder)
                 runs.append(r)
-                print(f"  {kind:20s} {r['time_s']:6.2f}s + touch {r['touch_s']:5.2f}s  peak "
+                print(f"  {kind:12s} {r['time_s']:6.2f}s + touch {r['touch_s']:5.2f}s (cpu {r['cpu_s']:5.2f}s)  peak "
                       f"{r['peak_bytes'] / 2**30:5.2f} GiB "
                       f"({r['peak_bytes'] / ckpt['bytes']:.2f}x checkpoint)", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -124,7 +124,8 @@ class LM:
     @property
     def identity(self) -> str:
         """``sha256:<hex>`` of the source weight files (survives save / load); for a model whose
-        params were replaced (:meth:`replace`, e.g. fine-tuned), of the params themselves."""
+        params were replaced (:meth:`replace`, e.g. fine-tuned), of the params themselves. A model
+        loaded from files hashes them here, on first use, not in :func:`load` (:class:`LazyProvenance`)."""
         sha = self.provenance.get("sha256")
         if not sha and self.provenance.get("sha256_of") == "params":
             sha = self.provenance["sha256"] = params_sha256(self.params)  # computed once, then kept
@@ -211,7 +212,7 @@ class LM:
             # a derived source's identity is a hash of its params, computed lazily by .identity and
             # stored in its provenance: compute it now, before the params change, so the copy keeps it
             _ = self.identity
-        prov = _derived_provenance(self.provenance) if head == "mlm" else dict(self.provenance)
+        prov = _derived_provenance(self.provenance) if head == "mlm" else self.provenance.copy()
         prov.pop("checkpoint", None)
         prov["fresh_head"] = {"head": head, "seed": int(seed),
                               "num_labels": config.num_labels if head == "token_classification" else None}
@@ -667,18 +668,148 @@ def _cast(params, dtype):
 _SHA_CACHE: dict[tuple, str] = {}
 
 
-def _fingerprint(files: Sequence[pathlib.Path]) -> str:
-    """dir_fingerprint cached per (path, size, mtime) for this process (hashing 100 MB+ costs ~0.5 s)."""
+def _file_key(files: Sequence[pathlib.Path]) -> tuple:
+    """((resolved path, size, mtime_ns), ...) of the weight files: what a fingerprint is cached by."""
+    key = []
+    for p in files:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{p}: weight file is gone; cannot compute the model's sha256") from None
+        key.append((str(p.resolve()), st.st_size, st.st_mtime_ns))
+    return tuple(key)
+
+
+def _fingerprint(files: Sequence[pathlib.Path], loaded: Optional[tuple] = None) -> str:
+    """dir_fingerprint cached per (path, size, mtime) for this process (hashing costs ~0.65 s per GB).
+    ``loaded``: the files' :func:`_file_key` when the model was read; a file changed since is a
+    ValueError naming it (its hash would not be that of the weights in memory)."""
     from jsteer.convert.hf import dir_fingerprint
 
-    key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = _file_key(files)
+    for (path, *was), (_, *now) in zip(loaded or key, key):
+        if was != now:
+            raise ValueError(f"{path}: weight file changed since the model was loaded (size, mtime {was} -> {now}); "
+                             f"its sha256 would not identify the loaded weights: load the model again")
     if key not in _SHA_CACHE:
         _SHA_CACHE[key] = dir_fingerprint(files)
     return _SHA_CACHE[key]
 
 
-def _provenance(path: pathlib.Path, fmt: str, sha: str, dtype) -> dict:
-    return {"source": str(path.resolve()), "source_format": fmt, "sha256": sha, "dtype": jnp.dtype(dtype).name}
+class LazyProvenance(dict):
+    """A provenance dict whose ``"sha256"`` (of the source weight files, :func:`_fingerprint`) is
+    computed when first read, not at load: by ``prov["sha256"]``, ``get`` / ``pop`` /
+    ``setdefault`` of it, and anything that shows the whole dict (iteration, keys / values / items,
+    ``dict(prov)``, JSON, repr, ==, pickling). Reading or writing other keys does not hash; ``copy``
+    stays lazy; setting or deleting ``"sha256"`` drops the pending value. ``files``: the weight
+    files as listed (their names order the shards' digests); ``loaded``: their :func:`_file_key`
+    at load."""
+
+    def __init__(self, data: Mapping, files: Sequence[pathlib.Path], loaded: tuple):
+        super().__init__(data)
+        self._pending: Optional[tuple] = (tuple(files), loaded)
+
+    def _resolve(self) -> "LazyProvenance":
+        if self._pending is not None:
+            files, loaded = self._pending
+            dict.__setitem__(self, "sha256", _fingerprint(files, loaded))
+            self._pending = None
+        return self
+
+    def _resolve_if(self, key) -> "LazyProvenance":
+        return self._resolve() if key == "sha256" else self
+
+    def __missing__(self, key):
+        if key == "sha256" and self._pending is not None:
+            return dict.__getitem__(self._resolve(), key)
+        raise KeyError(key)
+
+    def __contains__(self, key) -> bool:
+        return dict.__contains__(self, key) or (key == "sha256" and self._pending is not None)
+
+    def __len__(self) -> int:
+        return dict.__len__(self) + (self._pending is not None)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def pop(self, key, *default):
+        return dict.pop(self._resolve_if(key), key, *default)
+
+    def setdefault(self, key, default=None):
+        return dict.setdefault(self._resolve_if(key), key, default)
+
+    def __setitem__(self, key, value) -> None:
+        if key == "sha256":
+            self._pending = None
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key) -> None:
+        if key == "sha256" and self._pending is not None:
+            self._pending = None
+            if not dict.__contains__(self, key):
+                return
+        dict.__delitem__(self, key)
+
+    def update(self, *args, **kwargs) -> None:
+        data = dict(*args, **kwargs)
+        if "sha256" in data:
+            self._pending = None
+        dict.update(self, data)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        self._pending = None
+        dict.clear(self)
+
+    def copy(self) -> "LazyProvenance":
+        out = LazyProvenance(dict(dict.items(self)), (), ())
+        out._pending = self._pending
+        return out
+
+    def popitem(self):
+        return dict.popitem(self._resolve())
+
+    def __iter__(self):
+        return dict.__iter__(self._resolve())
+
+    def __reversed__(self):
+        return dict.__reversed__(self._resolve())
+
+    def keys(self):
+        return dict.keys(self._resolve())
+
+    def values(self):
+        return dict.values(self._resolve())
+
+    def items(self):
+        return dict.items(self._resolve())
+
+    def __eq__(self, other):
+        if isinstance(other, LazyProvenance):
+            other._resolve()
+        return dict.__eq__(self._resolve(), other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __or__(self, other):
+        return dict.__or__(self._resolve(), other)
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self._resolve())
+
+    def __reduce__(self):
+        return dict, (dict(self.items()),)
+
+
+def _provenance(path: pathlib.Path, fmt: str, files: Sequence[pathlib.Path], dtype) -> LazyProvenance:
+    """Provenance of a model read from ``files`` (found at ``path``); the sha256 waits for a reader."""
+    return LazyProvenance({"source": str(path.resolve()), "source_format": fmt, "dtype": jnp.dtype(dtype).name},
+                          files, _file_key(files))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -787,13 +918,12 @@ def _load_hf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
 
     family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
     hf_config, state = hf.open_hf_dir(path)  # safetensors: lazy, tensors read one at a time below
-    sha = _fingerprint(hf.find_weight_files(path))
+    prov = _provenance(path, "hf", hf.find_weight_files(path), dtype)
     tokenizer = Tokenizer.from_dir(path, missing_ok=True)
     if tokenizer is None:
         warnings.warn(f"{path}: no tokenizer files (looked for {TOKENIZER_FILES}); loaded for use with token "
                       f"ids only (lm.tokenizer is None)", stacklevel=3)
-    return _assemble(family, hf_config, state, head, dtype, tokenizer, _provenance(path, "hf", sha, dtype), path,
-                     target)
+    return _assemble(family, hf_config, state, head, dtype, tokenizer, prov, path, target)
 
 
 def _load_gguf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
@@ -812,7 +942,7 @@ def _load_gguf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     # GGUF metadata names the special ids explicitly; they win over guesses
     tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special},
                           chat_template=metadata.get("tokenizer.chat_template"))
-    prov = _provenance(path, "gguf", _fingerprint([path]), dtype)
+    prov = _provenance(path, "gguf", [path], dtype)
     if "general.file_type" in metadata:
         prov["gguf_file_type"] = int(np.asarray(metadata["general.file_type"]).reshape(-1)[0])
     return _assemble(family, hf_config, state, head, dtype, tokenizer, prov, path, target)

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -727,6 +728,43 @@ def test_replaced_params_are_another_model(tiny_gpt2, tmp_path):
     assert jsteer.load(tmp_path / "ft").identity == ft.identity
     with pytest.raises(artifact.WrongModelError, match="steer transfer"):
         artifact.check_model({"base_model": lm.identity}, ft.identity)
+
+
+def test_weight_files_are_hashed_when_identity_is_read_not_at_load(tiny_llama, tmp_path, monkeypatch):
+    """Loading does not hash the weight files (~0.65 s per GB): the sha256 behind ``lm.identity``
+    is computed when something reads it (identity, provenance["sha256"], save), once per process
+    and (path, size, mtime); a file changed after the load is an error naming it, not a wrong
+    identity. Values are those of an eager hash."""
+    from jsteer.convert import hf
+
+    src, _ = tiny_llama
+    path = pathlib.Path(shutil.copytree(src, tmp_path / "m"))  # its own files: their mtime changes below
+    want = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    hashed = []
+    real = hf.file_sha256
+    monkeypatch.setattr(hf, "file_sha256", lambda p, *a, **k: hashed.append(pathlib.Path(p).name) or real(p, *a, **k))
+    monkeypatch.setattr(io, "_SHA_CACHE", {})
+
+    lm = jsteer.load(path)
+    prov = lm.provenance
+    copy = prov.copy()
+    assert prov["source_format"] == "hf" and "sha256" in prov and len(prov) == len(copy)  # other keys: no hash
+    assert hashed == []
+    assert lm.identity == f"sha256:{want}" and hashed == ["model.safetensors"]
+    assert copy["sha256"] == want and dict(prov)["sha256"] == want  # the copy resolves through the cache
+    assert jsteer.load(path).identity == lm.identity and hashed == ["model.safetensors"]
+
+    monkeypatch.setattr(io, "_SHA_CACHE", {})
+    jsteer.save(jsteer.load(path), tmp_path / "ck")  # save needs it
+    assert json.loads((tmp_path / "ck" / io.SIDECAR).read_text())["provenance"]["sha256"] == want
+    assert len(hashed) == 2
+
+    later = jsteer.load(path)
+    st = (path / "model.safetensors").stat()
+    os.utime(path / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match=r"model\.safetensors: weight file changed since the model was loaded"):
+        _ = later.identity
+    assert len(hashed) == 2
 
 
 def test_checkpoint_params_mix_with_mesh_placed_arrays(tiny_gpt2, tmp_path):

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 import jsteer
-from jsteer.backbones import get_family
-from jsteer.convert import hf
+from jsteer.backbones import families, get_family
+from jsteer.convert import hf, layout
 
 
 def _tiny(family: str, width: int = 32, layers: int = 2):
@@ -154,6 +154,57 @@ def test_file_shrunk_after_opening_names_file_and_tensor(tmp_path):
         state[last]
     first = min(state, key=lambda k: state.info(k).start)
     assert state[first].shape == state.info(first).shape  # tensors before the cut still read
+
+
+# ----------------------------------------------------------------------------- apply_layout's placement
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype == np.dtype(ml_dtypes.bfloat16) else x
+
+
+def test_layout_leaves_are_the_transformed_tensors_bit_for_bit(llama_bf16_sharded):
+    """Transforms are views that ``device_put`` copies (strided) onto the device: every leaf holds
+    exactly the NumPy transform's values, in the param layout ([in, ...out] kernels)."""
+    _, folder = llama_bf16_sharded
+    cfg, state = hf.open_hf_dir(folder)
+    config = families.config_from_hf(cfg)
+    flat = layout.flatten_paths(families.params_from_hf(state, config, dtype=jnp.bfloat16))
+    checked = 0
+    for name, e in families.layout(config).items():
+        for path, fn in e.outputs if name in state else ():
+            want = np.ascontiguousarray(fn(state[name]) if fn is not None else state[name])
+            assert flat[path].dtype == want.dtype and flat[path].shape == want.shape, path
+            assert np.array_equal(_bits(flat[path]), _bits(want)), path
+            checked += 1
+    assert checked == len(flat) and flat[("layers_0", "attn", "q", "kernel")].shape == (32, 4, 8)
+
+
+def test_reused_read_buffer_does_not_leak_into_earlier_leaves(llama_bf16_sharded):
+    """A tensor whose leaves are all transforms is read into one buffer reused for the next; a
+    leaf that is a contiguous view of it (a reshape) must be copied out, not share that buffer."""
+    _, folder = llama_bf16_sharded
+    _, state = hf.open_hf_dir(folder)
+    names = [n for n in state if n.endswith("proj.weight")][:4]
+    lay = {n: layout.Entry(state.info(n).shape, (((n, "t"), layout.transpose), ((n, "flat"), lambda w: w.reshape(-1))))
+           for n in names}
+    params = layout.apply_layout(state, lay, ignore=["*"])
+    for n in names:
+        x = _bits(state[n])
+        assert np.array_equal(_bits(params[n]["t"]), x.T) and np.array_equal(_bits(params[n]["flat"]), x.reshape(-1))
+
+
+def test_callers_arrays_are_copied_not_shared():
+    """On CPU ``device_put`` adopts an aligned NumPy buffer as the device array: arrays of a plain
+    state dict (the caller's) are copied, so changing them afterwards changes no param."""
+    a = hf._aligned_empty(4 * 8 * 4).view(np.float32).reshape(4, 8)  # page-aligned: adoptable
+    a[:] = np.arange(32).reshape(4, 8)
+    lay = {"a": layout.entry(("a",), (4, 8)), "b": layout.entry(("b",), (4, 8), layout.transpose)}
+    params = layout.apply_layout({"a": a, "b": a}, lay)
+    a[:] = -1
+    assert np.array_equal(params["a"], np.arange(32).reshape(4, 8))
+    assert np.array_equal(params["b"], np.arange(32).reshape(4, 8).T)
 
 
 # ----------------------------------------------------------------------------- jsteer.load

@@ -39,7 +39,7 @@ from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, ModelOutput, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
-from jsteer.convert.layout import Entry, apply_layout, entry, transpose
+from jsteer.convert.layout import Entry, RenamedView, apply_layout, entry, transpose
 from jsteer.hooks import Hooks, apply_embed, apply_film, check_encoder_hooks, check_film_layers
 
 Array = jnp.ndarray
@@ -563,34 +563,22 @@ _IGNORED = ("*position_ids", "*embeddings.token_type_ids", "*pooler.*", "cls.*",
             "qa_outputs.*")
 
 
-class _Aliases(Mapping):
+_OLD_NAMES = ((".LayerNorm.gamma", ".LayerNorm.weight"), (".LayerNorm.beta", ".LayerNorm.bias"),
+              ("cls.predictions.bias", "cls.predictions.decoder.bias"), ("lm_head.bias", "lm_head.decoder.bias"))
+
+
+def _aliases(state_dict: Mapping[str, Any]) -> RenamedView:
     """``state_dict`` with old spellings read under today's names (reads stay lazy): TF-converted
     checkpoints' LayerNorm ``gamma`` / ``beta``, and an MLM head's ``<base>bias``, the tied alias
     of ``<base>decoder.bias`` and the only copy in some checkpoints (when both exist the decoder's,
     the one HF uses, wins and the alias is left to the ignore list)."""
+    def rename(k: str) -> str:
+        for old, new in _OLD_NAMES:
+            if k.endswith(old) and (canon := k[: -len(old)] + new) not in state_dict:
+                return canon
+        return k
 
-    def __init__(self, state_dict: Mapping[str, Any]):
-        self._sd = state_dict
-        self._names = {k: k for k in state_dict}
-        for k in state_dict:
-            for old, new in ((".LayerNorm.gamma", ".LayerNorm.weight"), (".LayerNorm.beta", ".LayerNorm.bias"),
-                             ("cls.predictions.bias", "cls.predictions.decoder.bias"),
-                             ("lm_head.bias", "lm_head.decoder.bias")):
-                if k.endswith(old) and (canon := k[: -len(old)] + new) not in state_dict:
-                    del self._names[k]
-                    self._names[canon] = k
-
-    def __getitem__(self, name: str):
-        return self._sd[self._names[name]]
-
-    def __contains__(self, name) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+    return RenamedView(state_dict, rename)
 
 
 def _detect_prefix(state_dict: Mapping[str, Any], config: BertConfig) -> str:
@@ -679,7 +667,7 @@ def params_from_hf(state_dict: Mapping[str, Any], config: BertConfig, head: Opti
     """
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
-    sd = _Aliases(state_dict)
+    sd = _aliases(state_dict)
     prefix = _detect_prefix(sd, config)
     if config.num_layers and f"{prefix}encoder.layer.{config.num_layers}.attention.self.query.weight" in sd:
         raise ValueError(f"HF state dict has more layers than config.num_layers={config.num_layers} "

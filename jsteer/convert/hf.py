@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import pathlib
 import struct
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -74,6 +75,7 @@ _ST_DTYPES = {
 _HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors format caps the JSON header at 100 MB
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _PAGE = 4096
+_OWN_MAPPING = 1 << 20  # bytes from which a read buffer is its own anonymous mapping
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -144,17 +146,25 @@ def read_safetensors_header(path: PathLike) -> dict[str, TensorInfo]:
 
 def _aligned_empty(nbytes: int) -> np.ndarray:
     """uint8 [nbytes] starting on a page boundary: on CPU, ``jax.device_put`` adopts such a buffer
-    as the device array instead of copying it (a second copy costs time and peak memory)."""
+    as the device array instead of copying it (a second copy costs time and peak memory). From
+    1 MiB up, the buffer is its own anonymous mapping: unmapped as soon as it is dropped, faulted in
+    at once by the kernel (MAP_POPULATE: ~1.5x faster than page by page), and not madvised for
+    transparent huge pages as NumPy's large allocations are (where huge pages must first be
+    compacted, faulting those in cost ~3x the read itself)."""
+    if nbytes >= _OWN_MAPPING:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
     raw = np.empty(nbytes + _PAGE, np.uint8)
     start = -raw.ctypes.data % _PAGE
     return raw[start:start + nbytes]
 
 
-def read_tensor(name: str, info: TensorInfo, widen: bool = False) -> np.ndarray:
-    """Read one tensor into a fresh, page-aligned array of its stored dtype (``widen``: fp16 /
-    bf16 -> float32). Raises ValueError naming the file and tensor if the file has shrunk since
-    its header was read."""
-    buf = _aligned_empty(info.nbytes)
+def read_tensor(name: str, info: TensorInfo, widen: bool = False,
+                alloc: Callable[[int], np.ndarray] = _aligned_empty) -> np.ndarray:
+    """Read one tensor into ``alloc(nbytes)`` (uint8 [nbytes]; default a fresh page-aligned
+    buffer) as its stored dtype (``widen``: fp16 / bf16 -> a new float32 array). Raises
+    ValueError naming the file and tensor if the file has shrunk since its header was read."""
+    buf = alloc(info.nbytes)
     try:
         with open(info.file, "rb") as f:
             f.seek(info.start)
@@ -171,10 +181,16 @@ def read_tensor(name: str, info: TensorInfo, widen: bool = False) -> np.ndarray:
 class SafetensorsState(Mapping):
     """Lazy state dict over safetensors files: ``{name: array}`` whose keys (and :meth:`info`)
     come from the headers, and whose ``[name]`` reads that tensor from disk on each access
-    (nothing is cached). ``widen``: fp16 / bf16 come back as float32."""
+    (nothing is cached) into a fresh array no one else holds; :meth:`read_into` reads it into a
+    buffer of the caller's (the reader protocol of :func:`jsteer.convert.layout.apply_layout`).
+    ``widen``: fp16 / bf16 come back as float32."""
 
     def __init__(self, infos: Mapping[str, TensorInfo], widen: bool = False):
         self._infos, self.widen = dict(infos), widen
+
+    def read_into(self, name: str, alloc: Callable[[int], np.ndarray]) -> np.ndarray:
+        """Tensor ``name`` read into ``alloc(nbytes)`` (a uint8 buffer the caller may reuse)."""
+        return read_tensor(name, self._infos[name], self.widen, alloc)
 
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
