@@ -11,10 +11,11 @@
   (:mod:`jsteer.hub`; never downloaded).
 
 A jsteer checkpoint folder holds ``params/`` (Orbax ``StandardCheckpointer``) and ``jsteer.json``
-(family, HF-style config, head, tokenizer, provenance). Artifacts written by
-:func:`save_artifact` hold ``tree/`` (Orbax) and the same ``jsteer.json`` with the caller's
-metadata. Every write is atomic: the new folder is built beside the target and swapped in only
-once complete, so an interrupted save leaves the previous one loadable.
+(family, HF-style config, head, tokenizer, provenance). Artifacts (steers, type vectors, control
+vectors, method heads) written by :func:`save_artifact` are one portable ``.safetensors`` file
+with JSON metadata (:mod:`jsteer.artifacts`); the Orbax artifact folders of earlier versions
+still load. Every write is atomic: the new folder or file is built beside the target and swapped
+in only once complete, so an interrupted save leaves the previous one loadable.
 """
 
 from __future__ import annotations
@@ -1061,30 +1062,31 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
 
 
 def save_artifact(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.Path:
-    """Write a pytree of arrays (dicts / lists of arrays) and JSON metadata atomically."""
-    meta = dict(meta or {})
-    try:
-        json.dumps(meta, default=_json_default)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"save_artifact: meta is not JSON-serialisable ({e})") from None
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        raise ValueError("save_artifact: the tree has no array leaves")
-    side = {"format": ARTIFACT_FORMAT, "meta": meta, "jsteer_version": _jsteer_version(), "date": _now()}
+    """Write a pytree of arrays (dicts / lists of arrays) and JSON metadata as one portable
+    ``.safetensors`` file, atomically (:mod:`jsteer.artifacts`)."""
+    from jsteer import artifacts
 
-    def write(tmp: pathlib.Path):
-        _write_tree(tmp / TREE_DIR, tree)
-        _write_json(tmp / SIDECAR, side)
-
-    return _atomic_write_dir(pathlib.Path(path), write)
+    return artifacts.save(path, tree, meta)
 
 
 def load_artifact(path: PathLike, target: Any = None) -> tuple[Any, dict]:
-    """-> (tree, meta). Without ``target`` containers come back as dicts / lists of jax arrays;
-    pass a ``target`` pytree (e.g. of ``jax.ShapeDtypeStruct`` or arrays) to get its structure."""
+    """-> (tree, meta) from a file :func:`save_artifact` wrote, or an older artifact folder
+    (Orbax). ``target``: a pytree whose structure (and, for folders, restore types) to give the tree."""
+    from jsteer import artifacts
+
     path = pathlib.Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"artifact folder not found: {path}{_survivor_hint(path)}")
+    if path.is_dir():
+        return load_orbax_artifact(path, target)
+    if not path.exists():
+        raise FileNotFoundError(f"artifact not found: {path}{_survivor_hint(path)}")
+    tree, meta = artifacts.load(path)
+    if target is not None:
+        tree = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(tree))
+    return tree, meta
+
+
+def load_orbax_artifact(path: pathlib.Path, target: Any = None) -> tuple[Any, dict]:
+    """An artifact folder of the older format (``tree/`` Orbax + ``jsteer.json``)."""
     side = _read_sidecar(path, ARTIFACT_FORMAT)
     return _restore_tree(path / TREE_DIR, target), side.get("meta", {})
 
@@ -1309,7 +1311,10 @@ def _clean_stale(dst: pathlib.Path) -> None:
         except (IndexError, ValueError):
             continue
         if pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 def _survivor_hint(path: pathlib.Path) -> str:

@@ -542,12 +542,13 @@ KILL_SCRIPT = textwrap.dedent("""
     import numpy as np
     from jsteer import io
     dst, flag = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-    real = io._write_tree
-    def slow(p, tree):
-        real(p, tree)
-        flag.write_text("params written")
+    from jsteer import artifacts
+    real = artifacts._write_file
+    def slow(p, arrays, header):
+        real(p, arrays, header)
+        flag.write_text("arrays written")
         time.sleep(60)  # killed here
-    io._write_tree = slow
+    artifacts._write_file = slow
     io.save_artifact(dst, {"w": np.full((4, 3), 2.0, np.float32)}, {"version": 2})
 """)
 
@@ -573,13 +574,37 @@ def test_killed_save_leaves_previous_artifact(tmp_path):
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".art.tmp-")]
-    assert len(leftovers) == 1  # the dead writer's half-built folder, beside the intact artifact
+    assert len(leftovers) == 1  # the dead writer's temporary file, beside the intact artifact
     tree, meta = io.load_artifact(dst)
     assert meta == {"version": 1} and np.array_equal(tree["w"], np.ones((4, 3), np.float32))
-    # the next save sweeps the dead writer's temp folder
+    # the next save sweeps the dead writer's temporary file
     io.save_artifact(dst, {"w": np.zeros((2,), np.float32)}, {"version": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "flag"]
     assert io.load_artifact(dst)[1] == {"version": 3}
+
+
+def test_artifacts_are_portable_safetensors_and_old_folders_still_load(tmp_path):
+    """One .safetensors file plain safetensors reads (arrays under their tree paths, the JSON
+    metadata in __metadata__); an artifact folder of the older Orbax format loads, and a save to
+    its path replaces it."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    tree = {"steer": {"p1": np.ones((2, 3, 4), np.float32)}, "vec": [np.arange(3, dtype=np.int32)]}
+    path = io.save_artifact(tmp_path / "s.safetensors", tree, {"base_model": "sha256:x"})
+    assert path.is_file() and sorted(load_file(str(path))) == ["steer/p1", "vec/0"]
+    with safe_open(str(path), "numpy") as f:
+        assert json.loads(f.metadata()["jsteer"]) == {"base_model": "sha256:x"}
+    old = tmp_path / "old"
+    io._atomic_write_dir(old, lambda tmp: (io._write_tree(tmp / io.TREE_DIR, tree), io._write_json(
+        tmp / io.SIDECAR, {"format": io.ARTIFACT_FORMAT, "meta": {"v": 1}})))
+    back, meta = io.load_artifact(old)
+    assert meta == {"v": 1} and np.array_equal(np.asarray(back["steer"]["p1"]), tree["steer"]["p1"])
+    io.save_artifact(old, tree, {"v": 2})
+    assert old.is_file() and io.load_artifact(old)[1] == {"v": 2}
+    (tmp_path / "junk.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    with pytest.raises(ValueError, match="not a jsteer artifact"):
+        io.load_artifact(tmp_path / "junk.safetensors")
 
 
 def test_artifact_round_trip(tmp_path):
@@ -591,12 +616,12 @@ def test_artifact_round_trip(tmp_path):
     io.save_artifact(tmp_path / "a", tree, meta)
     back, m = io.load_artifact(tmp_path / "a")
     assert m == meta
-    assert leaves_equal(back, jax.tree.map(jnp.asarray, tree))
+    assert leaves_equal(back, jax.tree.map(np.asarray, tree))  # NumPy, dtypes as saved (float64 and bf16 too)
     # with a target, the caller's structure (tuples, custom nodes) comes back
     target = (tree["p1"], {"e": tree["eps"]})
     io.save_artifact(tmp_path / "b", target, {})
     got, _ = io.load_artifact(tmp_path / "b", target=target)
-    assert isinstance(got, tuple) and leaves_equal(got, jax.tree.map(jnp.asarray, target))
+    assert isinstance(got, tuple) and leaves_equal(got, jax.tree.map(np.asarray, target))
     with pytest.raises(ValueError, match="JSON"):
         io.save_artifact(tmp_path / "c", tree, {"bad": object()})
     with pytest.raises(ValueError, match="no array leaves"):
@@ -611,8 +636,12 @@ def test_save_refuses_to_clobber_foreign_folder(minilm, tmp_path):
         jsteer.save(minilm, tmp_path / "precious")
     assert (tmp_path / "precious" / "thesis.tex").read_text() == "do not delete"
     (tmp_path / "file").write_text("x")
-    with pytest.raises(FileExistsError, match="not a folder"):
+    with pytest.raises(FileExistsError, match="not a jsteer artifact"):
         io.save_artifact(tmp_path / "file", {"a": np.zeros(1)})
+    assert (tmp_path / "file").read_text() == "x"
+    with pytest.raises(FileExistsError, match="not a jsteer artifact"):
+        io.save_artifact(tmp_path / "precious", {"a": np.zeros(1)})
+    assert (tmp_path / "precious" / "thesis.tex").read_text() == "do not delete"
 
 
 # ----------------------------------------------------------------------------- errors

@@ -45,7 +45,7 @@ def test_cli_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
                         "--batch-size", "8", "--max-len", "16"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 3 and "f1" in metrics["test"]
-    assert (out / "log.jsonl").is_file() and (out / "model").is_dir() and (out / "checkpoints").is_dir()
+    assert (out / "log.jsonl").is_file() and (out / "model").is_file() and (out / "checkpoints").is_dir()
     capsys.readouterr()
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test)]) == 0
     scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,5 +1,6 @@
-"""Steer artifacts: small Orbax directories (via jsteer.io.save_artifact) that record which
-base model the steer belongs to.
+"""Steer artifacts: one portable ``.safetensors`` file each (via :func:`jsteer.io.save_artifact`,
+:mod:`jsteer.artifacts`; older Orbax folders still load) that records which base model the steer
+belongs to.
 
 meta keys: ``format`` ("jsteer.steer/1"), ``kind`` (lowrank | full | blacklist | offset),
 ``base_model`` (``LM.identity`` of the model it acts on), ``hidden_size``, ``vocab_size``,

@@ -1,4 +1,5 @@
-"""Type-embedding artifacts: small Orbax folders (via :func:`jsteer.io.save_artifact`) holding
+"""Type-embedding artifacts: one portable ``.safetensors`` file each (via :func:`jsteer.io.save_artifact`;
+older Orbax folders still load) holding
 one or more type vectors and what they were made from.
 
 Tree: ``{"te": [K, D] float32}``. Meta keys: ``format`` ("jsteer.typevec/1"), ``base_model``
