@@ -400,3 +400,28 @@ def test_remat_policies_keep_gradients_and_cut_memory(scan):
         assert temp["full"] < temp["dots"] < temp["none"], temp
     with pytest.raises(ValueError, match="remat"):
         dataclasses.replace(cfg, remat="some")
+
+
+def test_bf16_end_to_end_accumulates_in_fp32(setup):
+    """bf16 params and activations: every matrix product takes bf16 operands with fp32
+    accumulation; norms and the softmax run in fp32; logits come back fp32."""
+    _, cfg, params, _, _ = setup
+    module = jd.Decoder(cfg, dtype=jnp.bfloat16)
+    pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    ids, mask = _batch(seed=18)
+    closed = jax.make_jaxpr(lambda p: module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)).logits)(pb)
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+
+    found = list(dots(closed.jaxpr))
+    assert len(found) >= 7 * L  # q, k, v, o, gate/up, down per layer, attention's two products, the logits
+    for eqn in found:
+        assert eqn.params["preferred_element_type"] == jnp.float32, eqn
+        assert {str(v.aval.dtype) for v in eqn.invars} == {"bfloat16"}, eqn
+    out = module.apply({"params": pb}, jnp.asarray(ids), jnp.asarray(mask))
+    assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16

@@ -235,7 +235,9 @@ class Linear(nn.Module):
                 and cpu.MIN_ROWS <= x2.shape[0] <= cpu.MAX_ROWS):
             y = cpu.small_gemm(x2, packed, n)
         else:
-            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
+            # bf16 operands, fp32 accumulation on every backend (the product's own dtype is the layer's)
+            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32).astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype
                                ).reshape(n).astype(self.dtype)
@@ -489,8 +491,10 @@ class Decoder(nn.Module):
             if (packed is not None and self.dtype == jnp.float32 and h.dtype == jnp.float32
                     and cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS):
                 logits = cpu.small_gemm(h.reshape(rows, -1), packed, c.vocab_size).reshape(h.shape[:-1] + (-1,))
-            else:
-                logits = embed.attend(h)
+            else:  # h E^T with fp32 accumulation and fp32 logits (embed.attend would round them to bf16)
+                table = embed.embedding.astype(self.dtype)
+                logits = lax.dot_general(h.astype(self.dtype), table, (((h.ndim - 1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
         else:
             logits = Linear((c.vocab_size,), name="lm_head", **kw)(h)
         logits = logits.astype(jnp.float32)
