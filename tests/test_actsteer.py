@@ -1,6 +1,6 @@
 """jsteer.actsteer on a tiny random LLaMA: the methods against NumPy re-derivations, the hooks
 (identity at strength 0, no recompiles, generated tokens steered), GGUF / safetensors files read
-back by gguf / safetensors themselves, and the errors."""
+back by gguf / safetensors themselves, the errors, and the CLI."""
 
 import dataclasses
 import json
@@ -12,8 +12,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+import jsteer
 from jsteer import actsteer, decode
 from jsteer.actsteer import ControlVector, WrongModelError
+from jsteer.cli import main
 from jsteer.hooks import Hooks, Steer, compose
 from jsteer.steer import toy
 
@@ -235,3 +237,46 @@ def test_vector_of_another_hidden_size_or_depth_is_refused(lm):
         ControlVector({2: np.ones(16, np.float32)}, None, 32, "caa")
     with pytest.raises(ValueError, match="strength must be a scalar or"):
         cv.hooks(np.ones((2, 2)))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("actsteer_cli")
+    jsteer.save(toy.lm(seed=0, layers=3), d / "toy0")
+    jsteer.save(toy.lm(seed=1, layers=3), d / "toy1")
+    (d / "pos.txt").write_text("\n".join(POS) + "\n\n")
+    (d / "neg.txt").write_text("\n".join(NEG) + "\n")
+    (d / "neg3.txt").write_text("\n".join(NEG[:3]) + "\n")
+    return d
+
+
+def test_cli_train_and_generate(saved, capsys):
+    d = saved
+    for out, method in (("cv.safetensors", "caa"), ("cv.gguf", "pca")):
+        assert main(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "pos.txt"), "--negative",
+                     str(d / "neg.txt"), "--layers", "1,2", "--method", method, "--out", str(d / out)]) == 0
+        assert "5 pairs" in capsys.readouterr().out
+    cv = ControlVector.load(d / "cv.safetensors", lm=jsteer.load(str(d / "toy0")))
+    assert cv.layers == (1, 2) and cv.recipe["positive_file"] == str(d / "pos.txt")
+    assert main(["actsteer", "generate", "--model", str(d / "toy0"), "--vector", str(d / "cv.safetensors"),
+                 "--strength", "4", "--vector", str(d / "cv.gguf"), "--strength", "-1", "--max-new-tokens", "4",
+                 "--json", "the movie was", "it is"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x["prompt"] for x in lines] == ["the movie was", "it is"]
+
+    def fails(argv, match):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and match in err, err
+
+    fails(["actsteer", "generate", "--model", str(d / "toy1"), "--vector", str(d / "cv.safetensors"), "x"],
+          "computed on base model")
+    fails(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "pos.txt"), "--negative",
+           str(d / "neg3.txt"), "--layers", "1", "--out", str(d / "x.safetensors")], "has 5 prompts but")
+    fails(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "pos.txt"), "--negative",
+           str(d / "neg.txt"), "--layers", "1,7", "--out", str(d / "x.safetensors")], "layer 7 is out of range")
+    fails(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "nope.txt"), "--negative",
+           str(d / "neg.txt"), "--layers", "1", "--out", str(d / "x.safetensors")], "nope.txt: no such file")
+    fails(["actsteer", "generate", "--model", str(d / "toy0"), "--vector", str(d / "cv.gguf"), "--strength", "1",
+           "--strength", "2", "x"], "1 --vector files but 2 --strength values")
+    assert not (d / "x.safetensors").exists()
