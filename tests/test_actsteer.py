@@ -237,6 +237,16 @@ def test_vector_of_another_hidden_size_or_depth_is_refused(lm):
         ControlVector({2: np.ones(16, np.float32)}, None, 32, "caa")
     with pytest.raises(ValueError, match="strength must be a scalar or"):
         cv.hooks(np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"select: layer 1 is not in this vector \(layers \[2\]\)"):
+        cv.select([1])
+
+
+def test_select_keeps_a_subset_of_layers(lm):
+    cv = actsteer.train(lm, POS, NEG, layers=[0, 1, 2])
+    one = cv.select(1)
+    assert one.layers == (1,) and one.recipe["layers"] == [1] and one.base_model == cv.base_model
+    np.testing.assert_array_equal(one.numpy()[1], cv.numpy()[1])
+    assert list(one.hooks(2.0).interventions) == ["resid_post.1"]
 
 
 @pytest.fixture(scope="module")

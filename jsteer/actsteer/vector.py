@@ -111,6 +111,16 @@ class ControlVector:
         return Hooks(interventions={f"resid_post.{k}": Add(vec=jnp.asarray(self.directions[k], jnp.float32),
                                                            strength=s) for k in self.layers})
 
+    def select(self, layers) -> "ControlVector":
+        """This vector at some of its layers only (e.g. to compare layers after one extraction)."""
+        layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
+        missing = [k for k in layers if k not in self.directions]
+        if missing or not layers:
+            raise ValueError(f"select: layer {missing[0] if missing else None} is not in this vector "
+                             f"(layers {list(self.layers)})")
+        return dataclasses.replace(self, directions={k: self.directions[k] for k in layers},
+                                   recipe={**self.recipe, "layers": sorted(layers)})
+
     def check(self, lm, where: str = "control vector") -> "ControlVector":
         """Raise :class:`WrongModelError` unless this vector fits ``lm``: same identity (when the
         vector records one), same hidden size, every layer in range. Returns self."""
