@@ -20,7 +20,7 @@ _LAZY = {
 
 
 _SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "interventions", "sharding", "cli",
-               "data", "train", "steer", "typevec", "kala", "kalm")
+               "data", "train", "steer", "actsteer", "typevec", "kala", "kalm")
 
 
 def __getattr__(name):  # lazy: importing jsteer stays cheap (no orbax / tokenizers until used)

@@ -10,7 +10,7 @@ import os
 import sys
 import warnings
 
-METHOD_GROUPS = ("steer", "typevec", "kala", "kalm")
+METHOD_GROUPS = ("steer", "actsteer", "typevec", "kala", "kalm")
 
 
 def build_parser() -> argparse.ArgumentParser:

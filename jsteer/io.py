@@ -228,7 +228,8 @@ class LM:
         Jitted: compiled once per (module, input shape, hooks structure), shared by every LM
         with an equal module (e.g. a model and its reloaded checkpoint). Extra keyword arguments go
         to the module (``token_type_ids`` for BERT, ``cache`` for decoders,
-        ``output_hidden_states=True``); Python scalars among them are static.
+        ``output_hidden_states=True``, ``capture=("resid_post.3", ...)`` for ``out.captured``); Python
+        scalars (and tuples of them) among them are static.
 
         ``mesh``: None runs where the arrays are (default; one device unless the caller placed
         them). A ``jax.sharding.Mesh`` with a ``"data"`` axis (:func:`jsteer.train.data_mesh`), or
@@ -420,6 +421,9 @@ def _forward(module, params, input_ids, attention_mask, hooks, arrays, static_kw
 
 
 def _is_static(v) -> bool:
+    """Python scalars and tuples of them (e.g. ``capture=("resid_post.3",)``) are compile-time constants."""
+    if isinstance(v, tuple):
+        return all(_is_static(x) for x in v)
     return v is None or isinstance(v, (bool, int, float, str))
 
 

@@ -422,6 +422,23 @@ def test_forward_checks_explicit_positions_against_the_table(tiny_gpt2):
         lm.forward(ids, hooks=Hooks(position_ids=jnp.asarray([[0, 1, 128]])))
 
 
+def test_forward_captures_sites_through_the_facade():
+    """capture=(sites,) is a static keyword of LM.forward: the module's own captures (to fp32
+    rounding: jitted vs op by op), and a repeated call reuses the compiled forward."""
+    from jsteer.steer import toy
+
+    lm = toy.lm(layers=2)
+    ids, mask = lm.encode_batch(["the movie was good", "bad"])
+    sites = ("resid_post.0", "final")
+    out = lm.forward(ids, mask, capture=sites)
+    ref = lm.module.apply({"params": lm.params}, jnp.asarray(ids), jnp.asarray(mask), capture=sites)
+    for s in sites:
+        np.testing.assert_allclose(np.asarray(out.captured[s]), np.asarray(ref.captured[s]), rtol=1e-5, atol=1e-6)
+    traces = io.forward_trace_count()
+    lm.forward(ids, mask, capture=sites)
+    assert io.forward_trace_count() == traces
+
+
 # ----------------------------------------------------------------------------- save / load checkpoints
 
 
