@@ -15,7 +15,7 @@ On an accelerator (jax's default backend is not the CPU) both sides run there: j
 ``--precision`` (default bf16 compute with fp32 master params; fp32 on the CPU), HF PyTorch on
 ``cuda`` under ``torch.autocast`` in the same dtype, each step synchronised before its clock is
 read. Model FLOP utilisation (``mfu``) is reported against ``--peak-tflops`` (default: the
-device's dense bf16 peak when known, see bench_train.PEAK_BF16_TFLOPS), counting the encoder's
+device's dense bf16 peak when known, see jsteer.train.bench.PEAK_BF16_TFLOPS), counting the encoder's
 matrix products on real (unpadded) tokens: 6 x non-embedding params per token plus attention's
 12 x layers x hidden x padded length per token (forward + backward). KALA's graph and FiLM work
 is not counted, so its MFU is the encoder work it gets done per second.
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     on_accel = jax.default_backend() != "cpu"
     precision = args.precision or ("bf16" if on_accel else "fp32")
     if args.peak_tflops is None and on_accel:
-        from bench_train import peak_tflops
+        from jsteer.train.bench import peak_tflops
 
         args.peak_tflops = peak_tflops(jax.devices()[0].device_kind)
     lm = jsteer.load("minilm")
