@@ -34,11 +34,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import kala_ner  # noqa: E402
-import kala_walltime  # noqa: E402
+from jsteer.kala import protocol
+from jsteer.kala.protocol import COMMON, PROTOCOL
 
-OUT = kala_ner.OUT / "step_overhead.json"
+OUT = protocol.OUT / "step_overhead.json"
 VARIANTS = ("finetune", "pointwise", "relational_edrop")
 
 
@@ -61,29 +60,26 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
 
     import jsteer
     from jsteer.backbones.bert import BertConfig
-    from jsteer.data import ner as ner_lib
-    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala import pipeline
+    from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
 
-    proto, spec = kala_walltime.PROTOCOL["conll"], kala_ner.DATASETS["conll"]
+    proto = PROTOCOL["conll"]
     lm = jsteer.load("minilm")  # its tokenizer (BERT's uncased vocabulary) serves both backbones
-    data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"],
-                                  kala_ner.ensure_graph("conll"), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),
-                                  scheme=spec["scheme"], max_len=proto["max_len"], train_size=proto["train_size"],
-                                  test_size=1)
+    data = protocol.load_data("conll", lm.tokenizer, max_len=proto["max_len"], train_size=proto["train_size"],
+                              test_size=1)
     if backbone == "minilm":
         config, encoder = lm.config, lm.params["encoder"]
-        memory = kala_ner.cached_memory(kala_ner.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
+        memory = protocol.cached_memory(protocol.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
     else:
         config, encoder, memory = BertConfig(), None, None  # random init (memory too)
-    cfg = ktrain.TrainConfig(lr=kala_walltime.COMMON["lr"], kala_lr=kala_walltime.COMMON["kala_lr"],
-                             epochs=proto["epochs"], max_len=proto["max_len"],
-                             batch_size=kala_walltime.COMMON["batch_size"], seed=0)
+    cfg = ktrain.TrainConfig(lr=COMMON["lr"], kala_lr=COMMON["kala_lr"], epochs=proto["epochs"],
+                             max_len=proto["max_len"], batch_size=COMMON["batch_size"], seed=0)
     total = cfg.total_steps(len(data.train))
     out: dict = {"params": {}, "steps": {}}
     methods = {}
     for v in VARIANTS:
-        model, params = pipeline.build_model(config, encoder, data, KalaConfig(**kala_ner.variant_config(v)), memory,
+        model, params = pipeline.build_model(config, encoder, data, KalaConfig(**protocol.variant_config(v)), memory,
                                              seed=0)
         out["params"][v] = ktrain.count_params(params)
         methods[v] = (model, *step_fn(model, params, cfg, total))
@@ -120,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--per-round", type=int, default=4, help="steps of each method per round (distinct batches)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
-    res = {"protocol": {"dataset": "conll", **kala_walltime.PROTOCOL["conll"], **kala_walltime.COMMON,
+    res = {"protocol": {"dataset": "conll", **PROTOCOL["conll"], **COMMON,
                         "rounds": args.rounds, "per_round": args.per_round, "cpu_count": os.cpu_count(),
                         "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
            "backbones": {b: measure(b, args.lengths, args.rounds, args.per_round) for b in args.backbones}}

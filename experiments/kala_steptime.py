@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import kala_ner  # noqa: E402
+from jsteer.kala import protocol as kala_ner
 
 
 def main(argv=None) -> int:
@@ -28,7 +26,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(kala_ner.ROOT / "runs" / "jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", str(kala_ner.JAX_CACHE))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     import jsteer
     from jsteer.data import ner as ner_lib
