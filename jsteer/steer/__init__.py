@@ -4,7 +4,10 @@
 
 Modules: head (the steer math and baselines), train (frozen-backbone training on cached
 hidden states), transfer (map a steer to another model), interpret (SVD of W),
-highlight (per-token log-ratio and best span), artifact (save / load), cli.
+highlight (per-token log-ratio and best span), artifact (save / load), cli. The experiments'
+pieces: data (SST-5 / Jigsaw splits, prompts, on-policy texts, caches), evaluate (fine-tuned
+MiniLM evaluators, perplexity, diversity, sampling), protocol (choice rules, detox readings,
+sweep recipes), report (results tables and plots).
 """
 
 from jsteer.steer.head import (  # noqa: F401
