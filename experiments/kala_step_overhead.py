@@ -18,7 +18,9 @@ subwords, B = 16) and two backbones:
   BERT-base weights are not available offline.
 
 Also reported: each model's trainable parameters (the knowledge module's AdamW update is
-bandwidth-bound, so its cost follows its size).
+bandwidth-bound, so its cost follows its size). ``--length-stats [DATASET]`` only prints the
+protocol training subset's subword length distribution (the protocol's ``max_len`` and length
+buckets come from it; formerly ``kala_steptime.py``, which also timed non-interleaved steps).
 """
 
 from __future__ import annotations
@@ -108,6 +110,19 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
     return out
 
 
+def length_stats(dataset: str, train_size: int) -> str:
+    """The subword length distribution of a protocol training subset, uncut (max_len 512): which
+    length buckets a run's batches will take."""
+    import jsteer
+
+    lm = jsteer.load("minilm")
+    data = protocol.load_data(dataset, lm.tokenizer, max_len=512, train_size=train_size, test_size=200)
+    lens = np.array([len(e["input_ids"]) for e in data.train])
+    return (f"{dataset}, {len(lens)} training sentences: subword lengths mean {lens.mean():.1f} p50 "
+            f"{np.median(lens):.0f} p90 {np.percentile(lens, 90):.0f} p99 {np.percentile(lens, 99):.0f} max "
+            f"{lens.max()} <=32 {np.mean(lens <= 32):.3f} <=64 {np.mean(lens <= 64):.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backbones", nargs="+", choices=("minilm", "bert-base"), default=["minilm", "bert-base"])
@@ -115,7 +130,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=4, help="steps of each method per round (distinct batches)")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--length-stats", nargs="?", const="conll", choices=sorted(protocol.DATASETS), default=None,
+                    metavar="DATASET", help="only print the subword length distribution of the protocol's training "
+                                            "subset of DATASET (default conll; what kala_steptime.py printed)")
     args = ap.parse_args(argv)
+    if args.length_stats:
+        ds = args.length_stats
+        print(length_stats(ds, PROTOCOL[ds]["train_size"]))
+        return 0
     res = {"protocol": {"dataset": "conll", **PROTOCOL["conll"], **COMMON,
                         "rounds": args.rounds, "per_round": args.per_round, "cpu_count": os.cpu_count(),
                         "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
