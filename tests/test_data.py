@@ -246,7 +246,8 @@ def test_lama_readers(tmp_path):
                   ",sent,gold,filename\n0,\"A, B died in [MASK] .\",Paris,x\n1,C died in [MASK] .,Rome,x\n")
     ps = readers.read_typed_lama_csv(typed)
     assert [(p.sent, p.gold, p.type_name, p.relation, p.corpus, p.line) for p in ps] == [
-        ("A, B died in [MASK] .", "Paris", "City", "P20", "TREx", 2), ("C died in [MASK] .", "Rome", "City", "P20", "TREx", 3)]
+        ("A, B died in [MASK] .", "Paris", "City", "P20", "TREx", 2),
+        ("C died in [MASK] .", "Rome", "City", "P20", "TREx", 3)]
     write(typed, ",sent,gold,filename\n0,no mask here,Paris,x\n")
     with pytest.raises(DataError, match=r"exactly one \[MASK\]") as e:
         readers.read_typed_lama_csv(typed)

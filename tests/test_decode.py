@@ -11,8 +11,8 @@ from jsteer import decode
 from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.families import config_from_hf, params_from_hf
 from jsteer.decode import generate
-from jsteer.io import _bucket_length as bucket_length
 from jsteer.hooks import FiLM, Hooks, Steer
+from jsteer.io import _bucket_length as bucket_length
 
 V, D, N = 89, 32, 6
 

@@ -35,6 +35,7 @@ from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
 from jsteer.kala.formats import Mention, describe, first_overlap
 from jsteer.kala.graph import GRAPH_KEYS, ExampleGraph, graph_need, stack_graphs
 
+
 def raw_tokenizer(tok):
     """The ``tokenizers.Tokenizer`` inside a jsteer Tokenizer (or the object itself)."""
     for attr in ("_tk", "tokenizer", "_tokenizer"):

@@ -11,6 +11,14 @@ sweep recipes), report (results tables and plots).
 """
 
 from jsteer.steer.head import (  # noqa: F401
-    apply, full_matrix, init, init_blacklist, init_offset, logit_bias, make_eps, steer_hidden,
-    to_hooks, to_steer,
+    apply,
+    full_matrix,
+    init,
+    init_blacklist,
+    init_offset,
+    logit_bias,
+    make_eps,
+    steer_hidden,
+    to_hooks,
+    to_steer,
 )

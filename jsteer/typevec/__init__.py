@@ -24,5 +24,4 @@ The submodules are attributes of the package; ``tv.inject`` is the module
 
 from jsteer.typevec import analysis, artifact, core, inject, probe, sampling  # noqa: F401
 from jsteer.typevec.core import combine, make, make_all, normalize, project_out  # noqa: F401
-from jsteer.typevec.inject import (generation_hooks, mask_positions, offset, residual_hooks,  # noqa: F401
-                                   row_norm_unit, step_offset)
+from jsteer.typevec.inject import generation_hooks, mask_positions, offset, residual_hooks, row_norm_unit, step_offset  # noqa: F401
