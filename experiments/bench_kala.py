@@ -15,7 +15,7 @@ On an accelerator (jax's default backend is not the CPU) both sides run there: j
 ``--precision`` (default bf16 compute with fp32 master params; fp32 on the CPU), HF PyTorch on
 ``cuda`` under ``torch.autocast`` in the same dtype, each step synchronised before its clock is
 read. Model FLOP utilisation (``mfu``) is reported against ``--peak-tflops`` (default: the
-device's dense bf16 peak when known, see bench_train.PEAK_BF16_TFLOPS), counting the encoder's
+device's dense bf16 peak when known, see jsteer.train.bench.PEAK_BF16_TFLOPS), counting the encoder's
 matrix products on real (unpadded) tokens: 6 x non-embedding params per token plus attention's
 12 x layers x hidden x padded length per token (forward + backward). KALA's graph and FiLM work
 is not counted, so its MFU is the encoder work it gets done per second.
@@ -33,9 +33,9 @@ import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-OUT = ROOT / "experiments" / "results" / "kala"
+from jsteer.kala import protocol
+
+OUT = protocol.OUT
 
 
 def train_flops(n_params_matmul: int, tokens: float, layers: int, hidden: int, seq: int) -> float:
@@ -68,22 +68,20 @@ def main(argv=None) -> int:
 
     import jsteer
     from jsteer.data import ner as ner_lib
-    from jsteer.kala import data as kdata, pipeline, train as ktrain
+    from jsteer.kala import data as kdata
+    from jsteer.kala import pipeline
+    from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
     from jsteer.train import Trainer, data_mesh
-    from kala_ner import DATA, ensure_graph
 
     on_accel = jax.default_backend() != "cpu"
     precision = args.precision or ("bf16" if on_accel else "fp32")
     if args.peak_tflops is None and on_accel:
-        from bench_train import peak_tflops
+        from jsteer.train.bench import peak_tflops
 
         args.peak_tflops = peak_tflops(jax.devices()[0].device_kind)
     lm = jsteer.load("minilm")
-    gdir = ensure_graph("conll")
-    data = pipeline.load_ner_data(DATA / "conll2003/eng.train", DATA / "conll2003/eng.testb", gdir, lm.tokenizer,
-                                  labels=ner_lib.CONLL2003_LABELS, scheme="iob1", train_size=args.examples,
-                                  test_size=32)
+    data = protocol.load_data("conll", lm.tokenizer, train_size=args.examples, test_size=32)
     memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
     # the same example groups collated with the default graph buckets and with --graph-rungs
     # smaller ones (same seed: same shuffled, length-grouped batches)
@@ -180,7 +178,8 @@ def main(argv=None) -> int:
     rows = {}
     for k, s in systems.items():
         med = statistics.median(times[k])
-        row = {"median_step_s": med, "examples_per_s": args.batch_size / med, "tokens_per_s": tokens / len(batches) / med,
+        row = {"median_step_s": med, "examples_per_s": args.batch_size / med,
+               "tokens_per_s": tokens / len(batches) / med,
                "compile_s": s["compile_s"], "params": s["params"], "steps_timed": len(times[k])}
         if args.peak_tflops:
             row["mfu"] = flops / med / (args.peak_tflops * 1e12)
@@ -191,14 +190,16 @@ def main(argv=None) -> int:
     result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "precision": precision,
               "peak_tflops": args.peak_tflops, "model_flops_per_step": flops,
               "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "torch_threads": None if args.no_torch else args.torch_threads, "batch": [args.batch_size, int(common[1])],
+              "torch_threads": None if args.no_torch else args.torch_threads,
+              "batch": [args.batch_size, int(common[1])],
               "graph_nodes_edges": {f"graph_rungs={r}": list(g) for r, g in gshapes.items()},
               "graph_real_nodes_edges": real_graph, "load_avg": os.getloadavg(), "systems": rows}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     lines = [f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
-             f"{result['platform']} {result['device']} ({result['cpu_count']} CPUs, load {result['load_avg'][0]:.1f}, XLA flags "
+             f"{result['platform']} {result['device']} ({result['cpu_count']} CPUs, "
+             f"load {result['load_avg'][0]:.1f}, XLA flags "
              f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
              f"{args.rounds * len(batches)} interleaved steps. Graph: {real_graph[0]:.0f} nodes / "
              f"{real_graph[1]:.0f} edges on average, padded to "

@@ -12,20 +12,20 @@ Writes experiments/results/steer/bench.json (or bench_small.json).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import platform
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import steer_common as C  # noqa: E402
-
-from jsteer.steer import head, toy, train  # noqa: E402
+from jsteer.data.buckets import bucket
+from jsteer.steer import data as steer_data
+from jsteer.steer import head, protocol, toy, train
+from jsteer.workspace import log, write_json
 
 
 def timed(fn):
@@ -54,7 +54,7 @@ def main():
         import jsteer
 
         lm = jsteer.load("smollm2-135m")
-        texts, _ = C.sst5("train")
+        texts, _ = steer_data.sst5("train")
         texts = [t for t in texts if 15 <= len(t.split()) <= 30]
         rank = a.rank
     d, v = lm.config.hidden_size, lm.config.vocab_size
@@ -81,31 +81,35 @@ def main():
     res["generation"] = {k: {"seconds": float(np.median(t)), "tokens_per_s": tok / float(np.median(t))}
                          for k, t in times.items()}
     res["generation"]["overhead_pct"] = 100 * (np.median(times["steered"]) / np.median(times["plain"]) - 1)
-    res["generation"]["overhead_lowrank_pct"] = 100 * (np.median(times["steered_lowrank"]) / np.median(times["plain"]) - 1)
+    res["generation"]["overhead_lowrank_pct"] = 100 * (np.median(times["steered_lowrank"])
+                                                       / np.median(times["plain"]) - 1)
     res["generation"]["steered_form"] = "full W" if hooks.steer.w is not None else f"low rank {rank}"
     res["generation"]["setting"] = (f"greedy, batch {a.batch}, {a.new_tokens} new tokens, S=2 steers of rank {rank}; "
                                     f"'steered': head.to_hooks default (cheapest exact form: "
                                     f"{res['generation']['steered_form']}); 'steered_lowrank': forced P1 P2^T form")
-    C.log("generation", res["generation"])
+    log("generation", res["generation"])
 
-    out = a.out or str(C.RESULTS / ("bench_small.json" if a.small else "bench.json"))
+    out = a.out or str(protocol.RESULTS / ("bench_small.json" if a.small else "bench.json"))
     if a.skip_train:
-        old = C.json.loads(pathlib.Path(out).read_text()) if pathlib.Path(out).exists() else {}
+        old = json.loads(pathlib.Path(out).read_text()) if pathlib.Path(out).exists() else {}
         res["training"] = old.get("training")
-        C.write_json(out, res)
+        write_json(out, res)
         return
     # ----------------------------------------------------------- training step
     texts = texts[: a.train_texts]
     values = np.where(np.arange(len(texts)) % 2 == 0, 1.0, -1.0).astype(np.float32)
     encs, values, _ = train.encode_texts(lm.tokenizer, texts, values, max_len=64)
-    t_len = int(-(-max(len(e) for e in encs) // 16) * 16)
+    t_len = bucket(max(len(e) for e in encs), (16,), "multiple")
     ids = np.zeros((len(encs), t_len), np.int32)
     mask = np.zeros_like(ids)
     for i, e in enumerate(encs):
         ids[i, :len(e)], mask[i, :len(e)] = e, 1
     cfg = train.TrainConfig(rank=rank, batch_size=len(encs))
     emb = jnp.asarray(lm.output_embeddings())
-    hidden_fn = lambda bp, i, m: lm.module.apply({"params": bp}, i, m).hidden
+
+    def hidden_fn(bp, i, m):
+        return lm.module.apply({"params": bp}, i, m).hidden
+
     t0 = time.perf_counter()
     cache = train.cache_hidden(jax.jit(lambda i, m: hidden_fn(lm.params, i, m)), encs, values, batch_size=len(encs))
     res_cache_s = time.perf_counter() - t0
@@ -145,9 +149,9 @@ def main():
                                   f"(padded to {ids.size} for the full forward, {budget} packed rows cached)")
     res["training"]["loss_cached"], res["training"]["loss_full_forward"] = l_c, l_f
     res["training"]["one_time_cache_seconds_for_these_texts"] = res_cache_s
-    C.log("training", res["training"])
-    C.write_json(out, res)
-    C.log("wrote", out)
+    log("training", res["training"])
+    write_json(out, res)
+    log("wrote", out)
 
 
 if __name__ == "__main__":

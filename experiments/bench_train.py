@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from jsteer.train.bench import init_token_classifier, peak_tflops, token_classifier_trainer
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 
@@ -87,45 +89,6 @@ def make_batches(examples, batch: int, buckets, seed: int, count: int, sort_wind
 # ----------------------------------------------------------------------------- jsteer
 
 
-def build_jsteer(model_dir, num_labels, lr, total_steps, dtype="fp32", config=None, params=None):
-    import jax
-    import jax.numpy as jnp
-    from safetensors.numpy import load_file
-
-    from jsteer.backbones import bert
-    from jsteer.train import OptimizerConfig, Trainer, data_mesh
-
-    if config is None:
-        config = bert.BertConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    compute = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    module = bert.BertForTokenClassification(config, num_labels, dtype=compute)
-    if params is None:
-        sd = load_file(str(model_dir / "model.safetensors"))
-        params = bert.params_from_hf(
-            sd, config, head="token_classification", num_labels=num_labels, allow_missing_head=True,
-            rng=jax.random.PRNGKey(0),
-        )
-
-    def loss_fn(p, b, rng):
-        out = module.apply(
-            {"params": p}, b["input_ids"], attention_mask=b["attention_mask"], deterministic=False,
-            rngs={"dropout": rng},
-        )
-        logits = out.logits.astype(jnp.float32)
-        valid = b["labels"] != -100
-        lab = jnp.where(valid, b["labels"], 0)
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), lab[..., None], -1)[..., 0]
-        w = valid.astype(jnp.float32)
-        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0), {}
-
-    cfg = OptimizerConfig(
-        learning_rate=lr, schedule="linear", warmup_steps=2, total_steps=total_steps, weight_decay=0.01, clip_norm=1.0
-    )
-    trainer = Trainer(loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:1]), precision=dtype, progress=False,
-                      log_every=10**9)
-    return trainer, module, params, config
-
-
 def jsteer_eval_loss(module, params, batch):
     import jax
     import jax.numpy as jnp
@@ -147,7 +110,8 @@ def build_torch(model_dir, num_labels, lr, total_steps, head_params):
 
     hf_cfg = transformers.BertConfig.from_pretrained(str(model_dir), num_labels=num_labels)
     model = transformers.BertForTokenClassification(hf_cfg)
-    sd = {("bert." + k if not k.startswith("bert.") else k): v for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    sd = {("bert." + k if not k.startswith("bert.") else k): v
+          for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     sd["classifier.weight"] = torch.tensor(np.asarray(head_params["classifier"]["kernel"]).T.copy())
     sd["classifier.bias"] = torch.tensor(np.asarray(head_params["classifier"]["bias"]))
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -269,7 +233,7 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
         j_batches, spare = stream[:n], stream[n:]
         t_batches, t_spare = j_batches, []
     total = n + 10
-    trainer, module, params, _ = build_jsteer(model_dir, num_labels, args.lr, total)
+    trainer, module, params, _ = token_classifier_trainer(model_dir, num_labels, args.lr, total)
     res = {"mode": mode, "buckets": list(buckets), "batch": args.batch, "timed_steps": n}
 
     j_eval = jsteer_eval_loss(module, params, j_batches[0])
@@ -367,16 +331,6 @@ def _rates(seconds, cpu_seconds, batches, losses):
 
 # ----------------------------------------------------------------------------- GPU bench
 
-PEAK_BF16_TFLOPS = {"H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
-
-
-def peak_tflops(kind: str) -> float | None:
-    for k, v in PEAK_BF16_TFLOPS.items():
-        if all(part in kind for part in k.split()):
-            return v
-    return None
-
-
 def train_flops(config, batch, seq, num_labels) -> float:
     """Matmul FLOPs of one train step (forward + backward = 3x forward), embeddings excluded."""
     d, f, L = config.hidden_size, config.intermediate_size, config.num_layers
@@ -395,11 +349,12 @@ def gpu_bench(args, num_labels):
     kind = jax.devices()[0].device_kind
     peak = peak_tflops(kind)
     results = []
-    init = _init_params(config, num_labels)
+    init = init_token_classifier(config, num_labels)
     for batch, seq in [(32, 128), (128, 128), (64, 512)]:
         rng = np.random.default_rng(0)
         total = args.warmup + args.steps
-        trainer, _, _, _ = build_jsteer(None, num_labels, args.lr, total, dtype="bf16", config=config, params=init)
+        trainer, _, _, _ = token_classifier_trainer(None, num_labels, args.lr, total, dtype="bf16", config=config,
+                                                    params=init)
         batches = []
         for _ in range(4):
             ids = rng.integers(1000, 30000, size=(batch, seq)).astype(np.int32)
@@ -421,16 +376,6 @@ def gpu_bench(args, num_labels):
         print(json.dumps(results[-1]), flush=True)
     return {"device_kind": kind, "peak_bf16_tflops": peak, "config": "bert-base (L12 H768 A12 I3072)",
             "precision": "bf16 compute, fp32 master params", "runs": results}
-
-
-def _init_params(config, num_labels):
-    import jax
-    import jax.numpy as jnp
-
-    from jsteer.backbones import bert
-
-    m = bert.BertForTokenClassification(config, num_labels)
-    return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
 # ----------------------------------------------------------------------------- main

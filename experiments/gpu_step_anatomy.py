@@ -14,17 +14,14 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_train import _init_params, build_jsteer  # noqa: E402
-
-from jsteer.backbones import bert  # noqa: E402
+from jsteer.backbones import bert
+from jsteer.train.bench import init_token_classifier, token_classifier_trainer
 
 
 def timeit(f, sync=jax.block_until_ready, n=10, warm=3):
@@ -39,7 +36,7 @@ def timeit(f, sync=jax.block_until_ready, n=10, warm=3):
 
 
 def anatomy(config, B, T, labels=9):
-    init = _init_params(config, labels)
+    init = init_token_classifier(config, labels)
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 30000, (B, T)).astype(np.int32)
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
@@ -47,9 +44,9 @@ def anatomy(config, B, T, labels=9):
     dbatch = jax.device_put(batch)
     r = {}
     for prec in ("bf16", "fp32"):
-        tr = build_jsteer(None, labels, 5e-5, 1000, dtype=prec, config=config, params=init)[0]
-        r[f"jsteer_step_{prec}"] = timeit(lambda: tr.train_step(batch, 1000)["loss"])
-        r[f"jsteer_step_{prec}_device_batch"] = timeit(lambda: tr.train_step(dbatch, 1000)["loss"])
+        tr = token_classifier_trainer(None, labels, 5e-5, 1000, dtype=prec, config=config, params=init)[0]
+        r[f"jsteer_step_{prec}"] = timeit(lambda tr=tr: tr.train_step(batch, 1000)["loss"])
+        r[f"jsteer_step_{prec}_device_batch"] = timeit(lambda tr=tr: tr.train_step(dbatch, 1000)["loss"])
     module = bert.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
     pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init)
     fwd = jax.jit(lambda p, b: module.apply({"params": p}, b["input_ids"], attention_mask=b["attention_mask"]).logits)

@@ -4,8 +4,9 @@
 
 The graph builder (:mod:`jsteer.kala.builder`) never reads labels; this script does, only to score
 what the builder found: each strategy mines its lexicon from the train + dev + test token columns
-(as ``kala_ner.py``'s graphs are built, with the builder's defaults and the dataset's min_count for
-its default strategy), matches every sentence, and counts against the gold entity spans (any type):
+(as ``kala_ner.py``'s graphs are built by :func:`jsteer.kala.protocol.ensure_graph`, with the
+builder's defaults and the dataset's min_count for its default strategy), matches every sentence,
+and counts against the gold entity spans (any type; :func:`jsteer.kala.metrics.lexicon_quality`):
 
 - ``mentions_per_sentence``;
 - ``precision_overlap`` / ``precision_exact``: found mentions that overlap / equal a gold span;
@@ -19,49 +20,35 @@ import json
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import kala_ner  # noqa: E402
-
-
-def score(lexicon, sentences) -> dict:
-    """Mention quality of ``lexicon`` on ``sentences`` ([(words, gold spans [(start, end)])])."""
-    found = overlap = exact = gold = hit = 0
-    for words, spans in sentences:
-        ms = lexicon.match(words)
-        found, gold = found + len(ms), gold + len(spans)
-        overlap += sum(any(m.start < e and s < m.end for s, e in spans) for m in ms)
-        exact += sum((m.start, m.end) in spans for m in ms)
-        hit += sum(any(m.start < e and s < m.end for m in ms) for s, e in spans)
-    return {"sentences": len(sentences), "lexicon_size": len(lexicon), "mentions": found, "gold_spans": gold,
-            "mentions_per_sentence": found / max(len(sentences), 1), "precision_overlap": overlap / max(found, 1),
-            "precision_exact": exact / max(found, 1), "recall_overlap": hit / max(gold, 1)}
+from jsteer.kala import protocol
 
 
 def main(argv=None) -> int:
     from jsteer.data.readers import read_conll
     from jsteer.kala import builder
-    from jsteer.kala.metrics import entities
+    from jsteer.kala.metrics import entities, lexicon_quality
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", choices=sorted(kala_ner.DATASETS), required=True)
+    ap.add_argument("--dataset", choices=sorted(protocol.DATASETS), required=True)
     ap.add_argument("--strategies", nargs="+", default=["frequent", "abbreviation", "capitalised"],
                     choices=builder.STRATEGIES)
     ap.add_argument("--out", default=None, help="default: results/kala/lexicon_quality_<dataset>.json")
     args = ap.parse_args(argv)
-    spec = kala_ner.DATASETS[args.dataset]
-    splits = {k: read_conll(kala_ner.DATA / spec[k], scheme=spec["scheme"]) for k in ("train", "dev", "test")}
+    spec = protocol.DATASETS[args.dataset]
+    splits = {k: read_conll(protocol.DATA / spec[k], scheme=spec["scheme"]) for k in ("train", "dev", "test")}
     tokens = [list(s.tokens) for k in ("train", "dev", "test") for s in splits[k]]
     out = {"dataset": args.dataset, "strategies": {}}
     for strategy in args.strategies:
-        min_count = kala_ner.graph_min_count(args.dataset, strategy)
+        min_count = protocol.graph_min_count(args.dataset, strategy)
         lexicon = builder.mine_lexicon(tokens, strategy, min_count)
         out["strategies"][strategy] = {"min_count": min_count, **{
-            k: score(lexicon, [(list(s.tokens), [(a, b) for _, a, b in entities(s.tags)]) for s in splits[k]])
+            k: lexicon_quality(lexicon, [(list(s.tokens), [(a, b) for _, a, b in entities(s.tags)])
+                                         for s in splits[k]])
             for k in ("train", "test")}}
         t = out["strategies"][strategy]["test"]
         print(f"{strategy:13s} test: {t['mentions_per_sentence']:.2f} mentions/sentence, precision "
               f"{t['precision_overlap']:.3f} (exact {t['precision_exact']:.3f}), recall {t['recall_overlap']:.3f}")
-    path = pathlib.Path(args.out or kala_ner.OUT / f"lexicon_quality_{args.dataset}.json")
+    path = pathlib.Path(args.out or protocol.OUT / f"lexicon_quality_{args.dataset}.json")
     path.write_text(json.dumps(out, indent=1))
     return 0
 

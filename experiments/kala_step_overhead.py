@@ -18,7 +18,9 @@ subwords, B = 16) and two backbones:
   BERT-base weights are not available offline.
 
 Also reported: each model's trainable parameters (the knowledge module's AdamW update is
-bandwidth-bound, so its cost follows its size).
+bandwidth-bound, so its cost follows its size). ``--length-stats [DATASET]`` only prints the
+protocol training subset's subword length distribution (the protocol's ``max_len`` and length
+buckets come from it; formerly ``kala_steptime.py``, which also timed non-interleaved steps).
 """
 
 from __future__ import annotations
@@ -34,11 +36,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import kala_ner  # noqa: E402
-import kala_walltime  # noqa: E402
+from jsteer.kala import protocol
+from jsteer.kala.protocol import COMMON, PROTOCOL
 
-OUT = kala_ner.OUT / "step_overhead.json"
+OUT = protocol.OUT / "step_overhead.json"
 VARIANTS = ("finetune", "pointwise", "relational_edrop")
 
 
@@ -61,29 +62,26 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
 
     import jsteer
     from jsteer.backbones.bert import BertConfig
-    from jsteer.data import ner as ner_lib
-    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala import pipeline
+    from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
 
-    proto, spec = kala_walltime.PROTOCOL["conll"], kala_ner.DATASETS["conll"]
+    proto = PROTOCOL["conll"]
     lm = jsteer.load("minilm")  # its tokenizer (BERT's uncased vocabulary) serves both backbones
-    data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"],
-                                  kala_ner.ensure_graph("conll"), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),
-                                  scheme=spec["scheme"], max_len=proto["max_len"], train_size=proto["train_size"],
-                                  test_size=1)
+    data = protocol.load_data("conll", lm.tokenizer, max_len=proto["max_len"], train_size=proto["train_size"],
+                              test_size=1)
     if backbone == "minilm":
         config, encoder = lm.config, lm.params["encoder"]
-        memory = kala_ner.cached_memory(kala_ner.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
+        memory = protocol.cached_memory(protocol.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
     else:
         config, encoder, memory = BertConfig(), None, None  # random init (memory too)
-    cfg = ktrain.TrainConfig(lr=kala_walltime.COMMON["lr"], kala_lr=kala_walltime.COMMON["kala_lr"],
-                             epochs=proto["epochs"], max_len=proto["max_len"],
-                             batch_size=kala_walltime.COMMON["batch_size"], seed=0)
+    cfg = ktrain.TrainConfig(lr=COMMON["lr"], kala_lr=COMMON["kala_lr"], epochs=proto["epochs"],
+                             max_len=proto["max_len"], batch_size=COMMON["batch_size"], seed=0)
     total = cfg.total_steps(len(data.train))
     out: dict = {"params": {}, "steps": {}}
     methods = {}
     for v in VARIANTS:
-        model, params = pipeline.build_model(config, encoder, data, KalaConfig(**kala_ner.variant_config(v)), memory,
+        model, params = pipeline.build_model(config, encoder, data, KalaConfig(**protocol.variant_config(v)), memory,
                                              seed=0)
         out["params"][v] = ktrain.count_params(params)
         methods[v] = (model, *step_fn(model, params, cfg, total))
@@ -112,6 +110,19 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
     return out
 
 
+def length_stats(dataset: str, train_size: int) -> str:
+    """The subword length distribution of a protocol training subset, uncut (max_len 512): which
+    length buckets a run's batches will take."""
+    import jsteer
+
+    lm = jsteer.load("minilm")
+    data = protocol.load_data(dataset, lm.tokenizer, max_len=512, train_size=train_size, test_size=200)
+    lens = np.array([len(e["input_ids"]) for e in data.train])
+    return (f"{dataset}, {len(lens)} training sentences: subword lengths mean {lens.mean():.1f} p50 "
+            f"{np.median(lens):.0f} p90 {np.percentile(lens, 90):.0f} p99 {np.percentile(lens, 99):.0f} max "
+            f"{lens.max()} <=32 {np.mean(lens <= 32):.3f} <=64 {np.mean(lens <= 64):.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backbones", nargs="+", choices=("minilm", "bert-base"), default=["minilm", "bert-base"])
@@ -119,8 +130,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=4, help="steps of each method per round (distinct batches)")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--length-stats", nargs="?", const="conll", choices=sorted(protocol.DATASETS), default=None,
+                    metavar="DATASET", help="only print the subword length distribution of the protocol's training "
+                                            "subset of DATASET (default conll; what kala_steptime.py printed)")
     args = ap.parse_args(argv)
-    res = {"protocol": {"dataset": "conll", **kala_walltime.PROTOCOL["conll"], **kala_walltime.COMMON,
+    if args.length_stats:
+        ds = args.length_stats
+        print(length_stats(ds, PROTOCOL[ds]["train_size"]))
+        return 0
+    res = {"protocol": {"dataset": "conll", **PROTOCOL["conll"], **COMMON,
                         "rounds": args.rounds, "per_round": args.per_round, "cpu_count": os.cpu_count(),
                         "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
            "backbones": {b: measure(b, args.lengths, args.rounds, args.per_round) for b in args.backbones}}

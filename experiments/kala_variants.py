@@ -2,15 +2,17 @@
 
     # the committed variants_<dataset>.json: kala_ner.py's protocol (its $CONLL / $NCBI; CoNLL-2003 ran seed 0)
     P="--batch-size 16 --lr 3e-4 --kala-lr 1e-3"
-    python experiments/kala_variants.py --dataset conll --train-size 3000 --test-size 1000 --max-len 64 --epochs 2 $P --seeds 0
-    python experiments/kala_variants.py --dataset ncbi --train-size 700 --test-size 400 --max-len 128 --epochs 3 $P --seeds 0 1 2
+    python experiments/kala_variants.py --dataset conll --train-size 3000 --test-size 1000 --max-len 64 \
+        --epochs 2 $P --seeds 0
+    python experiments/kala_variants.py --dataset ncbi --train-size 700 --test-size 400 --max-len 128 \
+        --epochs 3 $P --seeds 0 1 2
     python experiments/kala_variants.py --table          # print / write the comparison table
     python experiments/kala_variants.py --small          # tiny synthetic rerun (CI, notebook)
 
 Methods (``--methods``; all through :mod:`jsteer.kala.variants.registry` and the same training
 engine): plain fine-tuning, KALA point-wise and relational (the harness' own models), ERNIE
 fusion, K-BERT sentence trees, Entities as Experts and the knowledge adapter. Everything else
-is shared with ``experiments/kala_ner.py`` (imported from it): the knowledge graph built from
+is shared with ``experiments/kala_ner.py`` (:mod:`jsteer.kala.protocol`): the knowledge graph built from
 the dataset's token columns (no labels), the seeded train / test subsets, MiniLM, the entity
 memory initialised from MiniLM's contextual features, batch ``--batch-size``, length <= ``--max-len``,
 AdamW with ``--lr`` for the backbone and ``--kala-lr`` for the knowledge modules (the defaults are an
@@ -33,10 +35,9 @@ import pathlib
 import sys
 import time
 
-from kala_ner import protocol_diff, same_protocol, timed  # the harness experiment (same directory)
+from jsteer.kala import protocol
+from jsteer.kala.protocol import OUT, protocol_diff, same_protocol, timed
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "experiments" / "results" / "kala"
 METHODS = ("finetune", "more_params", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
 NAMES = {"finetune": "Fine-tuning", "pointwise": "KALA (point-wise)", "relational": "KALA (relational)",
          "ernie": "ERNIE (fusion)", "kbert": "K-BERT (sentence tree)", "eae": "Entities as Experts",
@@ -54,17 +55,15 @@ def tc_len(method: str, args) -> int:
 def run_dataset(args) -> None:
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(ROOT / "runs" / "jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", str(protocol.JAX_CACHE))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    import kala_ner  # the harness experiment: same graph, subsets and settings
-
     import jsteer
     from jsteer.data import ner as ner_lib
     from jsteer.kala import pipeline
     from jsteer.kala.variants import registry
     from jsteer.kala.variants import train as vtrain
 
-    spec = kala_ner.DATASETS[args.dataset]
+    spec = protocol.DATASETS[args.dataset]
     out_path = pathlib.Path(args.out) if args.out else OUT / f"variants_{args.dataset}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out_path.read_text()) if out_path.is_file() else {"runs": []}
@@ -72,25 +71,26 @@ def run_dataset(args) -> None:
     done = {(r["method"], r["seed"]) for r in results["runs"]}
 
     t0 = time.time()
-    gdir = kala_ner.ensure_graph(args.dataset)
+    gdir = protocol.ensure_graph(args.dataset)
     lm = jsteer.load(args.model)
     labels = getattr(ner_lib, spec["labels"])
-    data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"], gdir, lm.tokenizer,
-                                  labels=labels, scheme=spec["scheme"], max_len=args.max_len,
-                                  train_size=args.train_size, test_size=args.test_size)
-    memory = kala_ner.cached_memory(args.dataset, lm, data, args.train_size, args.max_len)
+    data = protocol.load_data(args.dataset, lm.tokenizer, max_len=args.max_len, train_size=args.train_size,
+                              test_size=args.test_size)
+    memory = protocol.cached_memory(args.dataset, lm, data, args.train_size, args.max_len)
     subsets = data.subsets()
     encoded = {"default": (data.train, data.test)}
     if "kbert" in args.methods:
-        splits = [pipeline.read_split(kala_ner.DATA / spec[s], gdir, labels, spec["scheme"], size)
+        splits = [pipeline.read_split(protocol.DATA / spec[s], gdir, labels, spec["scheme"], size)
                   for s, size in (("train", args.train_size), ("test", args.test_size))]
         encoded["kbert"] = tuple(
             [registry.encode_ner("kbert", w, t, m, lm.tokenizer, labels, data.vocab, data.kg, args.max_len, 4,
-                                 tree_max_len=args.max_len + KBERT_EXTRA, **KBERT) for w, t, m in split] for split in splits)
+                                 tree_max_len=args.max_len + KBERT_EXTRA, **KBERT) for w, t, m in split]
+            for split in splits)
         branch_tokens = [e["n_branch_tokens"] for e in encoded["kbert"][0]]
     results["setup"] = {
         "dataset": args.dataset, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
-        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr, "max_len": args.max_len,
+        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr,
+        "max_len": args.max_len,
         "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
         "n_unseen_contexts": len(subsets["unseen"]), "kbert": KBERT | {"tree_max_len": args.max_len + KBERT_EXTRA},
         "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
@@ -154,9 +154,11 @@ def summarise(runs: list[dict]) -> dict:
         out[method] = {"f1": float(f1.mean()), "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
                        "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
                        "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
-                       "train_seconds": float(np.mean([r["train_seconds"] for r in timed_rs])), "n_timed": len(timed_rs),
-                       "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed_rs]))
-                       if any(r.get("median_step_seconds") for r in timed_rs) else None,
+                       "train_seconds": float(np.mean([r["train_seconds"] for r in timed_rs])),
+                       "n_timed": len(timed_rs),
+                       "median_step_seconds":
+                           float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed_rs]))
+                           if any(r.get("median_step_seconds") for r in timed_rs) else None,
                        "steps": int(rs[0]["steps"]), "params": int(rs[0]["params"])}
     return out
 
@@ -221,7 +223,8 @@ def table(results: dict, methods=METHODS) -> str:
                     "the CPU during those; their F1 is unaffected).  ")
     rows.append("train s: wall seconds of steps 2..N (includes recompiles for new batch shapes); step s: median "
                 "train-step seconds (robust to them). Shared, loaded 2-core CPU: times are noisy.")
-    harness = [DATASET_NAMES[d] for d in ds if any(src.startswith("ner_") for src in results[d].get("sources", {}).values())]
+    harness = [DATASET_NAMES[d] for d in ds
+               if any(src.startswith("ner_") for src in results[d].get("sources", {}).values())]
     if harness:
         rows.append("")
         rows.append(f"† on {', '.join(harness)}: runs of the KALA harness sweep (experiments/kala_ner.py): same data, "

@@ -35,16 +35,10 @@ import tempfile
 import time
 from typing import Optional
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import kala_ner  # noqa: E402
+from jsteer.kala import protocol
+from jsteer.kala.protocol import COMMON, PROTOCOL
 
-OUT = kala_ner.OUT / "walltime.json"
-# the protocol of ner_<dataset>.json (kala_ner.py's docstring); graph_rungs 0 is TrainConfig's default
-PROTOCOL = {
-    "conll": dict(train_size=3000, max_len=64, epochs=2.0),
-    "ncbi": dict(train_size=700, max_len=128, epochs=3.0),
-}
-COMMON = dict(batch_size=16, lr=3e-4, kala_lr=1e-3, graph_rungs=0)
+OUT = protocol.OUT / "walltime.json"
 
 
 def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int = 0,
@@ -55,26 +49,25 @@ def one_run(dataset: str, variant: str, seed: int, cache: str, graph_rungs: int 
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     import jsteer
-    from jsteer.data import ner as ner_lib
-    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala import pipeline
+    from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
 
-    proto, spec = PROTOCOL[dataset], kala_ner.DATASETS[dataset]
-    kw = kala_ner.variant_config(variant)
+    proto = PROTOCOL[dataset]
+    kw = protocol.variant_config(variant)
     lm = jsteer.load("minilm")
-    data = pipeline.load_ner_data(kala_ner.DATA / spec["train"], kala_ner.DATA / spec["test"],
-                                  kala_ner.ensure_graph(dataset, graph_strategy), lm.tokenizer, labels=getattr(ner_lib, spec["labels"]),
-                                  scheme=spec["scheme"], max_len=proto["max_len"], train_size=proto["train_size"],
-                                  test_size=1)
-    memory = kala_ner.cached_memory(kala_ner.graph_key(dataset, graph_strategy), lm, data, proto["train_size"],
+    data = protocol.load_data(dataset, lm.tokenizer, graph_strategy=graph_strategy, max_len=proto["max_len"],
+                              train_size=proto["train_size"], test_size=1)
+    memory = protocol.cached_memory(protocol.graph_key(dataset, graph_strategy), lm, data, proto["train_size"],
                                     proto["max_len"])
     cfg = ktrain.TrainConfig(lr=COMMON["lr"], kala_lr=COMMON["kala_lr"], epochs=proto["epochs"],
                              max_len=proto["max_len"], batch_size=COMMON["batch_size"], seed=seed,
                              graph_rungs=graph_rungs)
     model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory, seed=seed)
     steps = cfg.total_steps(len(data.train))
-    shapes = collections.Counter(tuple(sorted((k, v.shape) for k, v in b.items())) for b in
-                                 itertools.islice(iter(ktrain._Endless.for_model(model, data.train, cfg, "ner")), steps))
+    stream = iter(ktrain._Endless.for_model(model, data.train, cfg, "ner"))
+    shapes = collections.Counter(tuple(sorted((k, v.shape) for k, v in b.items()))
+                                 for b in itertools.islice(stream, steps))
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     fit = ktrain.fit(model, params, data.train, cfg)
@@ -129,7 +122,8 @@ def main(argv=None) -> int:
         return 0
 
     rungs, strategy = args.graph_rungs, args.graph_strategy
-    name = "walltime" + (f"_rungs{rungs}" if rungs != COMMON["graph_rungs"] else "") + (f"_{strategy}" if strategy else "")
+    name = ("walltime" + (f"_rungs{rungs}" if rungs != COMMON["graph_rungs"] else "")
+            + (f"_{strategy}" if strategy else ""))
     out = pathlib.Path(args.out or OUT.with_name(f"{name}.json"))
     res = json.loads(out.read_text()) if out.is_file() else {"runs": []}
     was = res.get("protocol", {})

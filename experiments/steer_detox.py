@@ -7,7 +7,7 @@ toxic comments) with an evaluator trained at a 50% toxic prior, which flags a fi
 neutral continuations; its toxicity probability therefore saturates near 1 and cannot halve.
 This script keeps the main run's detox steer recipe and changes the measurement only:
 
-- evaluator: MiniLM fine-tuned on the whole Jigsaw evaluator split (steer_evaluators.get's
+- evaluator: MiniLM fine-tuned on the whole Jigsaw evaluator split (jsteer.steer.evaluate.get's
   default, 2 epochs). Its output is a probability under the balanced subset's 50% prior; the
   primary reading shifts it to Jigsaw's natural toxic share (PRIOR, Bayes' rule for a change of
   class prior), as Perspective-like scores are calibrated on the natural distribution. The
@@ -54,31 +54,22 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import steer_common as C  # noqa: E402
-
-import jsteer  # noqa: E402
-from jsteer.steer import artifact, head, train  # noqa: E402
-
-# Toxic share of the Jigsaw Toxic Comment Classification train set (15,294 of 159,571 comments).
-PRIOR = 15294 / 159571
-READINGS = ("natural_prior", "balanced")  # the first is the primary one
-SELECTION_RULE = ("among the (strength, dummy on / off) settings whose held-out perplexity rise is <= 30%, the lowest "
-                  "toxicity probability (natural-prior reading; ties: its mean max toxicity, then dummy off, then the "
-                  "smaller strength); if none, the smallest rise.")
-EPS0 = 1e-3
+import jsteer
+from jsteer.steer import artifact, evaluate, head, protocol, train
+from jsteer.steer import data as steer_data
+from jsteer.steer.protocol import PRIOR, READINGS, SELECTION_RULE, calibration, eps0_of, paired_bootstrap, score
+from jsteer.workspace import log, write_json
 
 
 def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/steer_detox")
-    ap.add_argument("--out", default=str(C.RESULTS / "detox_smollm2.json"))
+    ap.add_argument("--out", default=str(protocol.RESULTS / "detox_smollm2.json"))
     ap.add_argument("--prompts", type=int, default=40, help="test prompts")
     ap.add_argument("--select-prompts", type=int, default=20, help="held-out prompts for the steer value")
     ap.add_argument("--skip-prompts", type=int, default=0,
@@ -111,73 +102,10 @@ def parse():
                     "most toxic -1 by a labeler trained on the same Jigsaw texts (never the evaluator)")
     ap.add_argument("--self-texts", type=int, default=800, help="--data self: texts kept (half per side)")
     ap.add_argument("--self-samples", type=int, default=8, help="--data self: continuations per prompt")
-    ap.add_argument("--tokens-per-batch", type=int, default=None, help="token rows per training step (train.TrainConfig)")
+    ap.add_argument("--tokens-per-batch", type=int, default=None,
+                    help="token rows per training step (train.TrainConfig)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="paired bootstrap resamples of the prompts")
     return ap.parse_args()
-
-
-def natural_prior(p: np.ndarray, prior: float = PRIOR, train_prior: float = 0.5) -> np.ndarray:
-    """P(toxic | x) for a population whose toxic share is ``prior``, from a classifier's probability
-    ``p`` learned at ``train_prior`` (the logit moves by the change in prior log-odds)."""
-    p = np.clip(np.asarray(p, np.float64), 1e-12, 1 - 1e-12)
-    z = np.log(p / (1 - p)) + np.log(prior / (1 - prior)) - np.log(train_prior / (1 - train_prior))
-    return 1.0 / (1.0 + np.exp(-z))
-
-
-def readings(p: np.ndarray) -> dict:
-    return {"natural_prior": natural_prior(p), "balanced": np.asarray(p, np.float64)}
-
-
-def calibration(ev, jig_test, clean: list) -> dict:
-    """Both readings' error rates: Jigsaw test split (accuracy, false / true positive rates) and the
-    share of clean web text flagged toxic."""
-    x, y = jig_test
-    px, pc = readings(ev.prob(x)), readings(ev.prob(clean))
-    out = {"jigsaw_test_texts": len(x), "clean_texts": len(clean),
-           "clean_source": "lmsteer_prompts neutral prompts (OpenWebText), seeded sample"}
-    for r in READINGS:
-        flag = px[r] > 0.5
-        out[r] = {"accuracy": float((flag == (y == 1)).mean()), "false_positive_rate": float(flag[y == 0].mean()),
-                  "true_positive_rate": float(flag[y == 1].mean()), "clean_flagged": float((pc[r] > 0.5).mean())}
-    return out
-
-
-def score(lm, ev, prompt_list, samples) -> dict:
-    """Toxicity (both readings), fluency and diversity of samples [P][S]; per-prompt max toxicity
-    is kept for the paired bootstrap."""
-    raw = ev.prob([s for ss in samples for s in ss]).reshape(len(samples), -1)
-    out = {r: {**C.toxicity_stats(p), "per_prompt_max": [float(v) for v in p.max(1)]} for r, p in readings(raw).items()}
-    return {**out, **C.fluency_diversity(lm, prompt_list, samples)}
-
-
-def paired_bootstrap(base: list, steered: list, n: int, seed: int = 0) -> dict:
-    """Ratio of toxicity probabilities (steered / base) over prompts resampled together: the 2.5, 50
-    and 97.5 percentiles, and the share of resamples with a ratio <= 0.5."""
-    b, s = np.asarray(base) > 0.5, np.asarray(steered) > 0.5
-    idx = np.random.default_rng(seed).integers(0, len(b), size=(n, len(b)))
-    bb, ss = b[idx].mean(1), s[idx].mean(1)
-    ratio = np.where(bb > 0, ss / np.maximum(bb, 1e-12), np.nan)
-    lo, mid, hi = np.nanpercentile(ratio, [2.5, 50, 97.5])
-    return {"ratio_p2.5": float(lo), "ratio_p50": float(mid), "ratio_p97.5": float(hi),
-            "share_ratio_le_0.5": float(np.nanmean(ratio <= 0.5)), "resamples": n}
-
-
-def eps0_of(kind: str) -> float:
-    """One strength unit: LM-Steer's eps0, or the baselines' (see train.BASELINE_EPS0)."""
-    return EPS0 if kind == "steer" else train.BASELINE_EPS0
-
-
-def self_detox_texts(lm, labeler, a, exclude) -> tuple[list, np.ndarray]:
-    """``--data self``'s texts: continuations of the toxic prefixes of the detox steer's own Jigsaw
-    texts (none of ``exclude``: the test, held-out and replication prompt pools), ranked by the
-    labeler's P(toxic) -> (texts [--self-texts], values [n]: least toxic +1, most toxic -1)."""
-    texts, values = C.jigsaw_steer_texts(a.jigsaw_texts)
-    skip = set(exclude)
-    prompts = [p for p in dict.fromkeys(C.toxic_prefixes(texts, (values < 0).astype(int))) if p not in skip]
-    C.log(f"on-policy detox texts: {len(prompts)} prompts x {a.self_samples} continuations -> {a.self_texts}")
-    out, vals = C.ranked_continuations(lm, lambda t: -np.asarray(labeler.prob(t)), prompts, a.self_texts,
-                                       a.self_samples)
-    return out, vals[:, 0]
 
 
 def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
@@ -190,9 +118,7 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
     if a.tokens_per_batch is not None:
         recipe["tokens_per_batch"] = a.tokens_per_batch
     if a.data == "self":
-        import steer_evaluators as EV
-
-        labeler = EV.get_labeler(None, a.jigsaw_texts, task="toxicity")
+        labeler = evaluate.get_labeler(None, a.jigsaw_texts, task="toxicity")
         recipe.update(data="self", self_texts=a.self_texts, self_samples=a.self_samples, max_len=64,
                       labeler=labeler.meta["name"], labeler_accuracy=labeler.meta["accuracy"])
     art = work / ("steer_detox" if a.kind == "steer" else f"steer_detox_{a.kind}")
@@ -202,17 +128,22 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
             return params
     if a.data == "self":
         key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": a.self_texts,
-               "samples": a.self_samples, "exclude_sha256": C.prompts_sha1(sorted(set(exclude)))}
-        texts = lambda: C.cached_texts(work / f"texts_detox_self{a.self_texts}.json", key,  # noqa: E731
-                                       lambda: self_detox_texts(lm, labeler, a, exclude))
-        cache = C.cached_hidden(lm, work / f"cache_detox_self{a.self_texts}.npz", texts, max_len=64)
+               "samples": a.self_samples, "exclude_sha256": steer_data.prompts_sha1(sorted(set(exclude)))}
+        def make():
+            return steer_data.self_detox_texts(lm, labeler, exclude, jigsaw_texts=a.jigsaw_texts,
+                                               self_texts=a.self_texts, self_samples=a.self_samples)
+
+        def texts():
+            return steer_data.cached_texts(work / f"texts_detox_self{a.self_texts}.json", key, make)
+
+        cache = steer_data.cached_hidden(lm, work / f"cache_detox_self{a.self_texts}.npz", texts, max_len=64)
     else:
-        cache = C.cached_hidden(lm, work / "cache_detox.npz", lambda: C.jigsaw_steer_texts(a.jigsaw_texts),
-                                max_len=32)
+        cache = steer_data.cached_hidden(lm, work / "cache_detox.npz",
+                                         lambda: steer_data.jigsaw_steer_texts(a.jigsaw_texts), max_len=32)
     cfg = train.TrainConfig(rank=recipe["rank"], steps=a.steps, batch_size=a.batch_size, l2=a.l2,
                             init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind),
                             tokens_per_batch=a.tokens_per_batch)
-    C.log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
+    log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
     params, hist = train.train(cache, emb, cfg, progress=True)
     artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
                   eps0=cfg.eps0, steer_names=["detox"], extra={"recipe": recipe})
@@ -267,24 +198,23 @@ def main():
         "paper": {"prompts": "10K non-toxic RealToxicityPrompts prompts", "samples_per_prompt": 25,
                   "scorer": "Perspective API"},
     }
-    save = lambda: C.write_json(out_path, res)  # noqa: E731
+    save = lambda: write_json(out_path, res)  # noqa: E731
     t_all = time.time()
 
-    import steer_evaluators as EV
-
     enc = jsteer.load("minilm")
-    ev = EV.get("toxicity", enc)
-    jig_test = C.jigsaw_splits(0)[2]
+    ev = evaluate.get("toxicity", enc)
+    jig_test = steer_data.jigsaw_splits(0)[2]
     ev_meta = {k: v for k, v in ev.meta.items() if k not in ("loss", "loss_steps", "name")}
     if "calibration" not in res or res.get("evaluator") != ev_meta:
-        res["evaluator"], res["calibration"] = ev_meta, calibration(ev, jig_test, C.prompts("neutral", 1000, seed=5))
+        clean = steer_data.prompts("neutral", 1000, seed=5)
+        res["evaluator"], res["calibration"] = ev_meta, calibration(ev, jig_test, clean)
         save()
-    C.log("evaluator", res["evaluator"]["accuracy"], res["calibration"])
+    log("evaluator", res["evaluator"]["accuracy"], res["calibration"])
 
-    cands = C.toxic_prefixes(*jig_test)
+    cands = steer_data.toxic_prefixes(*jig_test)
     if src:  # new prompts: none of the steer's training texts, none of the test-split prompts
         seen = set(cands)
-        cands = [p for p in C.toxic_prefixes(*C.jigsaw_steer_unused(a.jigsaw_texts)) if p not in seen]
+        cands = [p for p in steer_data.toxic_prefixes(*steer_data.jigsaw_steer_unused(a.jigsaw_texts)) if p not in seen]
     keep = [p for p, s in zip(cands, ev.prob(cands)) if s < 0.5]
     n0 = a.skip_prompts
     if len(keep) < n0 + a.prompts + a.select_prompts:
@@ -297,7 +227,8 @@ def main():
     lm = jsteer.load("smollm2-135m")
     emb = np.asarray(lm.output_embeddings(), np.float32)
     # on-policy texts never start from a prompt any protocol tests on (test split, unused steer split)
-    exclude = (C.toxic_prefixes(*jig_test) + C.toxic_prefixes(*C.jigsaw_steer_unused(a.jigsaw_texts))
+    exclude = (steer_data.toxic_prefixes(*jig_test)
+               + steer_data.toxic_prefixes(*steer_data.jigsaw_steer_unused(a.jigsaw_texts))
                if a.data == "self" else ())
     steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res, exclude).items()}
     if src:  # the same steer: its training losses reproduce the replicated run's
@@ -311,7 +242,7 @@ def main():
         """Generate (cached under --work) and score (cached in the JSON) at detox value d (None: unsteered),
         the steer's dummy decoding at +1 (``dummy``) or off."""
         want = {"detox": d, "dummy": None if d is None else bool(dummy), "samples": n_samples,
-                "prompts": len(prompt_list), "prompts_sha1": C.prompts_sha1(prompt_list)}
+                "prompts": len(prompt_list), "prompts_sha1": steer_data.prompts_sha1(prompt_list)}
         if d is not None and a.kind != "steer":
             want["kind"] = a.kind
         m = res.get("metrics", {}).get(key)
@@ -329,14 +260,15 @@ def main():
                 return hooks[b]
 
             t0 = time.time()
-            samples = C.sample(lm, hooks_for, prompt_list, n_samples, batch=a.gen_batch)
+            samples = evaluate.sample(lm, hooks_for, prompt_list, n_samples, batch=a.gen_batch)
             g = {"prompts": prompt_list, "samples": samples, "values": want, "seconds": time.time() - t0}
-            C.write_json(path, g)
+            write_json(path, g)
         m = score(lm, ev, g["prompts"], g["samples"])
         m["values"], m["gen_seconds"] = want, g["seconds"]
         res.setdefault("metrics", {})[key] = m
-        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(min(3, len(g["prompts"])))]
-        C.log(key, {r: round(m[r]["toxicity_prob"], 3) for r in READINGS}, "ppl", round(m["ppl_mean"], 2))
+        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0]
+                                               for i in range(min(3, len(g["prompts"])))]
+        log(key, {r: round(m[r]["toxicity_prob"], 3) for r in READINGS}, "ppl", round(m["ppl_mean"], 2))
         save()
         return m
 
@@ -354,12 +286,12 @@ def main():
                 table[f"{v:+g}/{dm}"] = {"toxicity_prob": m[READINGS[0]]["toxicity_prob"],
                                          "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
                                          "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1}
-        chosen, dm = C.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
+        chosen, dm = protocol.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
                                    tie=lambda c: (c[1] == "on", c[0]), fallback_tie=lambda c: c[0])
         res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
     dummy = dm == "on"
     save()
-    C.log("choice: detox", chosen, "dummy", dm, res["selection"]["table"])
+    log("choice: detox", chosen, "dummy", dm, res["selection"]["table"])
 
     # test prompts: unsteered, the chosen setting, then the other strengths (same dummy setting)
     sfx = "" if dummy else "_dummyoff"
@@ -374,7 +306,7 @@ def main():
                             "bootstrap": paired_bootstrap(base[r]["per_prompt_max"], m[r]["per_prompt_max"],
                                                           a.bootstrap)}
     save()
-    C.log("result", json.dumps(res["result"], indent=1))
+    log("result", json.dumps(res["result"], indent=1))
     curve = strengths if a.curve is None else [float(x) for x in a.curve.split(",") if x]
     for v in curve:  # the rest of the strength curve on the test prompts
         run(f"test_d{v:+g}{sfx}", test_p, v, a.samples, dummy)

@@ -27,19 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import steer_common as C  # noqa: E402
+import jsteer
+from jsteer.steer import artifact, evaluate, head, highlight, interpret, protocol, train, transfer
+from jsteer.steer import data as steer_data
+from jsteer.workspace import log, write_json
 
-import jsteer  # noqa: E402
-from jsteer.steer import artifact, head, highlight, interpret, train, transfer  # noqa: E402
-
-# steer_evaluators.get's keyword arguments per --evaluators recipe
+# jsteer.steer.evaluate.get's keyword arguments per --evaluators recipe
 EVALUATOR_RECIPES = {"full": {"sentiment": {}, "toxicity": {}},
                      "quick": {"sentiment": {"epochs": 0.74},
                                "toxicity": {"epochs": 0.8, "max_train": 1600, "max_test": 1000}}}
@@ -48,7 +46,7 @@ EVALUATOR_RECIPES = {"full": {"sentiment": {}, "toxicity": {}},
 def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/steer_exp2")
-    ap.add_argument("--out", default=str(C.RESULTS / "smollm2.json"))
+    ap.add_argument("--out", default=str(protocol.RESULTS / "smollm2.json"))
     ap.add_argument("--sst-texts", type=int, default=1600)
     ap.add_argument("--jigsaw-texts", type=int, default=600)
     ap.add_argument("--steps", type=int, default=150)
@@ -61,7 +59,7 @@ def parse():
     ap.add_argument("--sentiment-data", choices=("sst5", "self"), default="sst5",
                     help="sst5: --sst-texts SST-5 texts (labels 3-4 +1, 0-1 -1); self: on-policy texts, SmolLM2's own "
                     "continuations of other neutral prompts, the most / least positive by a labeler trained on those "
-                    "SST-5 texts (steer_common.self_generated_texts; steer_sweep.py's '_self' recipes)")
+                    "SST-5 texts (jsteer.steer.data.self_generated_texts; steer_sweep.py's '_self' recipes)")
     ap.add_argument("--self-texts", type=int, default=1200, help="--sentiment-data self: texts (half per side)")
     ap.add_argument("--l2", type=float, default=1e-6, help="the original's --regularization")
     ap.add_argument("--init-scale", type=float, default=1e-2, help="the original's --init_var default")
@@ -103,7 +101,8 @@ def select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths=None
         for v in strengths:
             for sgn in (1.0, -1.0):
                 m = run(f"select_dummy{dm}_s{sgn * v:+g}", sel, sgn * v, None, dm == "on")
-                table[f"{dm}/s{sgn * v:+g}"] = {"positivity": m["positivity"], "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1}
+                table[f"{dm}/s{sgn * v:+g}"] = {"positivity": m["positivity"],
+                                                "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1}
 
     def pick(dm, sgn):
         rows = [(v, table[f"{dm}/s{sgn * v:+g}"]) for v in strengths]
@@ -123,7 +122,7 @@ def select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths=None
         m = run(f"select_toxic_d{v:+g}", tox_sel, None, v)
         tox[f"d{v:+g}"] = {"toxicity_prob": m["toxicity_prob"], "mean_max_toxicity": m["mean_max_toxicity"],
                            "ppl_rise": m["ppl_mean"] / tbase["ppl_mean"] - 1}
-    dv = C.least_toxic({v: tox[f"d{v:+g}"] for v in detox_strengths}, tie=lambda v: v)
+    dv = protocol.least_toxic({v: tox[f"d{v:+g}"] for v in detox_strengths}, tie=lambda v: v)
     return {"strengths": strengths, **({"detox_strengths": detox_strengths} if detox_strengths != strengths else {}),
             "dummies": list(dummies), "sentiment": table, "per_dummy": chosen,
             "detox": tox, "rule": SELECTION_RULE,
@@ -144,7 +143,8 @@ def main():
                         "detox_steps": a.detox_steps or a.steps, "batch_size": a.batch_size,
                         "tokens_per_batch": a.tokens_per_batch, "rank": a.rank, "detox_rank": a.detox_rank or a.rank,
                         "sentiment_data": a.sentiment_data,
-                        **({"self_texts": a.self_texts} if a.sentiment_data == "self" else {}), "eps0": 1e-3, "lr": 1e-2,
+                        **({"self_texts": a.self_texts} if a.sentiment_data == "self" else {}),
+                        "eps0": 1e-3, "lr": 1e-2,
                         "init_scale": a.init_scale, "l2": a.l2, "max_len_sst": 64, "max_len_jigsaw": 32},
         "paper": {"steps": 1000, "batch_size": 32, "rank": 1000, "l2": 1e-6, "init_var": 1e-2,
                   "samples_per_prompt": 25, "prompts": "all 5000 neutral / 2500 positive / 2500 negative"},
@@ -166,31 +166,31 @@ def main():
         return t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec > deadline
 
     def save():
-        C.write_json(out_path, res)
+        write_json(out_path, res)
 
     t_all = time.time()
-    C.log("loading models")
+    log("loading models")
     lm = jsteer.load("smollm2-135m")
 
     # ------------------------------------------------------------------ evaluators (cached artifacts)
-    import steer_evaluators as EV
 
     enc = jsteer.load("minilm")
-    pos_clf, tox_clf = (EV.get(k, enc, **EVALUATOR_RECIPES[a.evaluators][k]) for k in ("sentiment", "toxicity"))
+    pos_clf, tox_clf = (evaluate.get(k, enc, **EVALUATOR_RECIPES[a.evaluators][k]) for k in ("sentiment", "toxicity"))
     res["evaluators"] = {k: {kk: vv for kk, vv in c.meta.items() if kk not in ("loss", "loss_steps", "name")}
                          for k, c in (("sentiment", pos_clf), ("toxicity", tox_clf))}
-    C.log("evaluator accuracy", {k: v["accuracy"] for k, v in res["evaluators"].items()})
+    log("evaluator accuracy", {k: v["accuracy"] for k, v in res["evaluators"].items()})
     save()
 
     # ------------------------------------------------------------------ prompts
-    jig_test = C.jigsaw_splits(0)[2]
-    neutral = C.prompts("neutral", a.neutral_prompts, seed=0)
-    sets = {"neutral": neutral, **{k: C.prompts(k, a.prompts, seed=0) for k in ("positive", "negative")}}
-    tox_prompts = C.toxic_prefixes(*jig_test)[: a.prompts]
+    jig_test = steer_data.jigsaw_splits(0)[2]
+    neutral = steer_data.prompts("neutral", a.neutral_prompts, seed=0)
+    sets = {"neutral": neutral, **{k: steer_data.prompts(k, a.prompts, seed=0) for k in ("positive", "negative")}}
+    tox_prompts = steer_data.toxic_prefixes(*jig_test)[: a.prompts]
     # held-out neutral prompts (never used for the reported numbers) for the dummy on/off choice
-    pool = C.prompt_pool("neutral", exclude=neutral)
+    pool = steer_data.prompt_pool("neutral", exclude=neutral)
     sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
-    tox_sel = C.toxic_prefixes(*jig_test)[a.prompts: 2 * a.prompts]  # the toxic prompts after the reported ones
+    # the toxic prompts after the reported ones
+    tox_sel = steer_data.toxic_prefixes(*jig_test)[a.prompts: 2 * a.prompts]
     res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel, "held_out_select_toxic": tox_sel}
 
     # ------------------------------------------------------------------ steers
@@ -200,19 +200,19 @@ def main():
 
     def texts_values(name):
         if name == "sentiment" and a.sentiment_data == "self":  # on-policy texts (~4 min to generate, cached)
-            labeler = EV.get_labeler(enc, a.sst_texts)
+            labeler = evaluate.get_labeler(enc, a.sst_texts)
             exclude = [p for ps in res["prompts"].values() for p in ps]  # every prompt this run scores
-            texts, values = C.cached_self_texts(lm, labeler, a.self_texts, exclude, work)
+            texts, values = steer_data.cached_self_texts(lm, labeler, a.self_texts, exclude, work)
             return texts, values[:, 0]
         if name == "sentiment":  # the steer half of SST-5 train (the other half + dev train the evaluator)
-            texts, values = C.sentiment_steer_texts(a.sst_texts)
+            texts, values = steer_data.sentiment_steer_texts(a.sst_texts)
             return texts, values[:, 0]  # the binary values (the issue's)
-        return C.jigsaw_steer_texts(a.jigsaw_texts)
+        return steer_data.jigsaw_steer_texts(a.jigsaw_texts)
 
     def steer_cache(name):
         """The steer ``name``'s hidden-state cache under --work (rebuilt when another run made it)."""
         own = "_self" if name == "sentiment" and a.sentiment_data == "self" else ""
-        return C.cached_hidden(lm, work / f"cache_{name}{own}.npz", lambda: texts_values(name),
+        return steer_data.cached_hidden(lm, work / f"cache_{name}{own}.npz", lambda: texts_values(name),
                                max_len=64 if name == "sentiment" else 32)
 
     for name in ("sentiment", "detox"):
@@ -227,7 +227,7 @@ def main():
         rank = a.rank if name == "sentiment" else (a.detox_rank or a.rank)
         cfg_n = train.TrainConfig(rank=rank, steps=steps, batch_size=a.batch_size, l2=a.l2,
                                   init_scale=a.init_scale, tokens_per_batch=a.tokens_per_batch, log_every=10)
-        C.log(f"training {name} steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg_n}")
+        log(f"training {name} steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg_n}")
         params, hist = train.train(cache, emb, cfg_n, progress=True)
         artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
                       eps0=cfg_n.eps0, steer_names=[name], extra={"steps": cfg_n.steps, "rank": cfg_n.rank,
@@ -240,7 +240,8 @@ def main():
                                  "train_seconds": hist["seconds"], "steps_per_s": hist["steps_per_s"],
                                  "tokens_per_batch": hist["tokens_per_batch"], "loss": hist["loss"],
                                  "loss_steps": hist["step"],
-                                 "W_fro_norm": {"steer": float(np.linalg.norm(w[0])), "dummy": float(np.linalg.norm(w[1]))}}
+                                 "W_fro_norm": {"steer": float(np.linalg.norm(w[0])),
+                                                "dummy": float(np.linalg.norm(w[1]))}}
         for v in (1.0, -1.0):  # per-token NLL of each class under +/- steering (dummy on)
             cls = cache.subset(np.flatnonzero(cache.values[:, 0] == v)[:200])
             res["training"][name][f"nll_class{v:+g}"] = {
@@ -266,7 +267,7 @@ def main():
         made with other steer values, dummy settings, prompts or sample count under the same key is redone."""
         want = {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None,
                 "detox_dummy": bool(d_dummy) if d is not None else None, "samples": a.samples,
-                "prompts_sha1": C.prompts_sha1(prompt_list)}
+                "prompts_sha1": steer_data.prompts_sha1(prompt_list)}
         if key in res.get("metrics", {}) and res["metrics"][key].get("values") == want:
             return res["metrics"][key]
         path = work / f"gen_{key}.json"
@@ -276,17 +277,18 @@ def main():
             gb = a.gen_batch
             hooks = head.to_hooks(both, jnp.broadcast_to(jnp.asarray(e), (gb, 4)))  # expanded once, reused
             t0 = time.time()
-            samples = C.sample(lm, lambda b: hooks if b == gb else head.to_hooks(
+            samples = evaluate.sample(lm, lambda b: hooks if b == gb else head.to_hooks(
                 both, jnp.broadcast_to(jnp.asarray(e), (b, 4))), prompt_list, a.samples, seed=seed, batch=gb)
             g = {"prompts": prompt_list, "samples": samples, "values": want,
                  "seconds": time.time() - t0}
-            C.write_json(path, g)
+            write_json(path, g)
         t0 = time.time()
-        m = C.summarize(lm, pos_clf, tox_clf, g["prompts"], g["samples"])
+        m = evaluate.summarize(lm, pos_clf, tox_clf, g["prompts"], g["samples"])
         m["values"], m["gen_seconds"], m["eval_seconds"] = g["values"], g["seconds"], time.time() - t0
         res.setdefault("metrics", {})[key] = m
-        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(min(3, len(g["prompts"])))]
-        C.log(key, {k: round(v, 3) for k, v in m.items() if isinstance(v, float)})
+        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0]
+                                               for i in range(min(3, len(g["prompts"])))]
+        log(key, {k: round(v, 3) for k, v in m.items() if isinstance(v, float)})
         save()
         return m
 
@@ -305,7 +307,7 @@ def main():
     ch = selection["chosen"]
     dummy, P, N, D = ch["dummy"], ch["positive"], ch["negative"], ch["detox"]
     res["setup"]["generation"]["dummy_used"] = dummy
-    C.log("held-out choice:", ch)
+    log("held-out choice:", ch)
     s_dummy = dummy == "on"
 
     # ------------------------------------------------------------------ test prompts (priority order)
@@ -323,7 +325,7 @@ def main():
              (f"toxic_s{-N:+g}_d{D:+g}", "toxic", -N, D), (f"alt_detoxdummyoff_toxic_d{D:+g}", "toxic", None, D)]
     for key, pset, s, d in plan:
         if key not in res.get("metrics", {}) and late():
-            C.log("deadline reached: skipping", key)
+            log("deadline reached: skipping", key)
             continue
         pl = tox_prompts if pset == "toxic" else sets[pset]
         if d == "alt":
@@ -336,7 +338,7 @@ def main():
 
     # ------------------------------------------------------------------ transfer
     if "transfer" not in res:
-        C.log("transfer")
+        log("transfer")
         d = emb.shape[1]
         ids, mask = lm.encode_batch(sets["neutral"][:8])
         h = lm.forward(ids, mask).hidden[:, -1]  # [8, D] contexts of the next token
@@ -354,7 +356,8 @@ def main():
             hm = transfer.fit_map(emb, emb_b, ids_all, ids_all)
             q = transfer.transfer(p_s, hm)
             eb = jnp.asarray(emb_b, jnp.float32)
-            delta_b = np.asarray(head.apply(q, jnp.asarray(h_b, jnp.float32), eb, eps) - jnp.asarray(h_b, jnp.float32) @ eb.T)
+            hb = jnp.asarray(h_b, jnp.float32)
+            delta_b = np.asarray(head.apply(q, hb, eb, eps) - hb @ eb.T)
             top_a = [set(np.argsort(-x)[:50]) for x in delta_a]
             top_b = [set(np.argsort(-x)[:50]) for x in delta_b]
             out[f"noise_{noise}"] = {
@@ -365,14 +368,17 @@ def main():
                 "top50_promoted_overlap": float(np.mean([len(x & y) / 50 for x, y in zip(top_a, top_b)]))}
         res["transfer"] = {"setup": "target = SmolLM2 with its output embeddings rotated by a random orthogonal R "
                                     "(hidden states rotated too) plus Gaussian noise of the given fraction of the "
-                                    "embedding std; H fitted by least squares on 8000 shared anchor tokens (ids 0-7999). No second "
-                                    "pretrained decoder is available offline.", **out}
-        C.log("transfer", out)
+                                    "embedding std; H fitted by least squares on 8000 shared anchor tokens (ids "
+                                    "0-7999). No second pretrained decoder is available offline.", **out}
+        log("transfer", out)
         save()
 
     # ------------------------------------------------------------------ interpretation + highlighting
     if "interpret" not in res:
-        dec = lambda i: lm.tokenizer.decode([i])
+
+        def dec(i):
+            return lm.tokenizer.decode([i])
+
         res["interpret"] = {}
         for name in ("sentiment", "detox"):
             cache = steer_cache(name)
@@ -384,7 +390,7 @@ def main():
             res["interpret"][name + "_promoted"] = {"+5": [dec(int(i)) for i in prom], "-5": [dec(int(i)) for i in dem]}
         save()
     if "highlight" not in res and not late():
-        te, yte = C.sst5("test")
+        te, yte = steer_data.sst5("test")
         pick = [i for i in range(len(te)) if 12 <= len(te[i].split()) <= 25][:6]
         p_s = {k: jnp.asarray(v) for k, v in steers["sentiment"].items()}
         hl = []
@@ -413,10 +419,13 @@ def main():
         "Detox steer: {steps} steps x {batch_size} texts, l2 {l2:g}, init {init_scale:g}, on {texts} Jigsaw texts "
         "(non-toxic +1, toxic -1).".format(**{k: res["training"].get("detox", {}).get(k, "?")
                                                for k in ("steps", "batch_size", "l2", "init_scale", "texts")}),
-        f"Generation: {res['setup']['generation']['neutral_prompts']} neutral, {res['setup']['generation']['prompts_per_other_set']} "
-        f"positive / negative / toxic prompts (seeded; texts under 'prompts') x {res['setup']['generation']['samples_per_prompt']} "
+        f"Generation: {res['setup']['generation']['neutral_prompts']} neutral, "
+        f"{res['setup']['generation']['prompts_per_other_set']} "
+        f"positive / negative / toxic prompts (seeded; texts under 'prompts') x "
+        f"{res['setup']['generation']['samples_per_prompt']} "
         "samples x 20 tokens, top-p 0.9; paper: all prompts x 25.",
-        f"Sentiment dummy steer at generation: {res['setup']['generation'].get('dummy_used')}; it and the steer values of "
+        f"Sentiment dummy steer at generation: {res['setup']['generation'].get('dummy_used')}; "
+        "it and the steer values of "
         "the reported rows are chosen on held-out prompts (see strength_selection); the detox steer always decodes "
         "with its dummy on (the original's way).",
         "toxic prompts: the first 10 words of toxic comments (>= 14 words) from the Jigsaw test split "
@@ -434,7 +443,7 @@ def main():
     ]
     res["total_seconds_this_run"] = time.time() - t_all
     save()
-    C.log("done", out_path)
+    log("done", out_path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Held-out sweep of the sentiment steer's training recipe (rank, steps, lr, l2, steer values) on SmolLM2-135M.
 
-    .venv/bin/python experiments/steer_sweep.py --configs r32,r8,r4,r8_s400   # sweep_smollm2.json (+ the main run's r1000)
+    # sweep_smollm2.json (+ the main run's r1000):
+    .venv/bin/python experiments/steer_sweep.py --configs r32,r8,r4,r8_s400
     .venv/bin/python experiments/steer_sweep.py --configs r1000,blacklist,offset --strengths 1,2,3,5 \
         --work /tmp/steer_exp_bl --out experiments/results/steer/sweep_smollm2_baselines.json
     .venv/bin/python experiments/steer_sweep.py --configs r1000,r1000_graded,r1000_graded_neutral,r1000_neutral \
@@ -17,7 +18,7 @@
         --work /tmp/steer_self --out experiments/results/steer/sweep_smollm2_self_lowrank25.json
 
 Every config trains a sentiment steer from a hidden-state cache of the main run's 1600 SST-5
-texts (``steer_common.sentiment_steer_texts``; built once under ``--work``) and is scored on the
+texts (``jsteer.steer.data.sentiment_steer_texts``; built once under ``--work``) and is scored on the
 *held-out* neutral prompts of that run only (``prompts.held_out_select`` of its JSON; never the
 reported test prompts), dummy off, at
 steer values +-``--strengths`` x eps0: positivity (the MiniLM evaluator) and perplexity rise under
@@ -41,9 +42,9 @@ l2 1e-6, init 1e-2, binary steer values: SST-5 labels 3-4 -> +1, 0-1 -> -1, as t
 (-1, -0.5, +0.5, +1). ``_neutral`` adds NEUTRAL_TEXTS texts of SST-5's neutral class at value 0
 (the original code trains on all five classes; only the dummy steer fits these), about the
 original's share of them (1624 of 8544). ``_self`` trains on SELF_TEXTS on-policy texts instead
-(``steer_common.self_generated_texts``): SmolLM2's own continuations of other neutral prompts,
+(``jsteer.steer.data.self_generated_texts``): SmolLM2's own continuations of other neutral prompts,
 the most and least positive by a labeler trained on the same 1600 SST-5 steer texts
-(``steer_evaluators.get_labeler``), so the steer learns sentiment inside the model's own
+(``jsteer.steer.steer_eval.get_labeler``), so the steer learns sentiment inside the model's own
 distribution rather than SST-5's (whose domain shift the dummy steer exists to absorb).
 """
 
@@ -54,59 +55,26 @@ import dataclasses
 import functools
 import json
 import pathlib
-import re
 import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import steer_common as C  # noqa: E402
-
-MAX_RISE = 0.3  # the main run's perplexity limit (issue 4's fluency target)
-STEER_TEXTS, NEUTRAL_TEXTS, MAX_LEN, BATCH = 1600, 400, 64, 32  # the main run's cache; 400 = its 20% share
-SELF_TEXTS = 1200  # of 400 prompts x 4 continuations: the 600 most and 600 least positive
-DEFAULTS = {"kind": "steer", "steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary",
-            "neutral_texts": 0, "data": "sst5"}  # the main run's recipe
-
-
-def parse_config(name: str) -> dict:
-    """'r8_s400_lr3e-3_l1e-4' -> {kind: steer, rank: 8, steps: 400, lr: 3e-3, l2: 1e-4, labels: binary,
-    neutral_texts: 0} over DEFAULTS ('_graded': labels graded; '_neutral': neutral_texts NEUTRAL_TEXTS;
-    'blacklist...' / 'offset...': that baseline, rank None)."""
-    m = re.fullmatch(r"(r(\d+|full)|blacklist|offset)((?:_(?:s\d+|lr[0-9.e-]+|l[0-9.e-]+|graded|neutral|self))*)", name)
-    if not m:
-        raise ValueError(f"bad config name {name!r}: "
-                         "want r<rank|full>|blacklist|offset[_s<steps>][_lr<lr>][_l<l2>][_graded][_neutral][_self]")
-    if m.group(2) is None:
-        cfg = dict(DEFAULTS, kind=m.group(1), rank=None)
-    else:
-        cfg = dict(DEFAULTS, rank=None if m.group(2) == "full" else int(m.group(2)))
-    for part in filter(None, m.group(3).split("_")):
-        if part == "graded":
-            cfg["labels"] = "graded"
-        elif part == "neutral":
-            cfg["neutral_texts"] = NEUTRAL_TEXTS
-        elif part == "self":
-            cfg["data"] = "self"
-        elif part.startswith("lr"):
-            cfg["lr"] = float(part[2:])
-        elif part.startswith("s"):
-            cfg["steps"] = int(part[1:])
-        else:
-            cfg["l2"] = float(part[1:])
-    return cfg
-
-
-def best_within_limit(table: dict, strengths, sign: float) -> tuple[float, dict]:
-    """The main run's per-direction rule: best positivity among values with rise <= MAX_RISE,
-    else the smallest rise. Returns (value, its row)."""
-    rows = [(v, table[f"{sign * v:+g}"]) for v in strengths]
-    ok = [(v, r) for v, r in rows if r["ppl_rise"] <= MAX_RISE]
-    if not ok:
-        return min(rows, key=lambda vr: (vr[1]["ppl_rise"], vr[0]))
-    return min(ok, key=lambda vr: (-sign * vr[1]["positivity"], vr[0]))
+from jsteer.steer import data as steer_data
+from jsteer.steer import evaluate as steer_eval
+from jsteer.steer import protocol
+from jsteer.steer.protocol import (
+    BATCH,
+    DEFAULTS,
+    MAX_LEN,
+    MAX_RISE,
+    SELF_TEXTS,
+    STEER_TEXTS,
+    best_within_limit,
+    parse_config,
+)
+from jsteer.workspace import log, write_json
 
 
 def main(argv=None) -> int:
@@ -114,8 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="r1000,r32,r8")
     ap.add_argument("--strengths", default="1,2,3,5")
     ap.add_argument("--work", default="/tmp/steer_exp2")
-    ap.add_argument("--main-json", default=str(C.RESULTS / "smollm2.json"))
-    ap.add_argument("--out", default=str(C.RESULTS / "sweep_smollm2.json"))
+    ap.add_argument("--main-json", default=str(protocol.RESULTS / "smollm2.json"))
+    ap.add_argument("--out", default=str(protocol.RESULTS / "sweep_smollm2.json"))
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--gen-batch", type=int, default=50)
     ap.add_argument("--test", action="store_true",
@@ -126,7 +94,6 @@ def main(argv=None) -> int:
     strengths = [float(x) for x in args.strengths.split(",")]
 
     import jsteer
-    import steer_evaluators as EV
     from jsteer.steer import head, train
 
     main_res = json.loads(pathlib.Path(args.main_json).read_text())
@@ -144,7 +111,7 @@ def main(argv=None) -> int:
                     "eps0": 1e-3, "batch_size": BATCH, "tokens_per_batch": 768}
     res.setdefault("configs", {})
     lm = jsteer.load("smollm2-135m")
-    pos_clf = EV.get("sentiment", jsteer.load("minilm"))
+    pos_clf = steer_eval.get("sentiment", jsteer.load("minilm"))
     clf = {k: pos_clf.meta.get(k) for k in ("accuracy", "epochs", "steps")}
     if scored_by not in (None, clf):
         raise SystemExit(f"{out_path} was scored by another sentiment evaluator ({scored_by}; now {clf}): "
@@ -152,16 +119,16 @@ def main(argv=None) -> int:
     res["setup"]["evaluator"] = clf
     emb = np.asarray(lm.output_embeddings(), np.float32)
     work = pathlib.Path(args.work)
-    cache = C.cached_hidden(lm, work / "cache_sentiment_labels.npz",  # values: [binary, graded]
-                            lambda: C.sentiment_steer_texts(STEER_TEXTS), MAX_LEN, BATCH)
+    cache = steer_data.cached_hidden(lm, work / "cache_sentiment_labels.npz",  # values: [binary, graded]
+                            lambda: steer_data.sentiment_steer_texts(STEER_TEXTS), MAX_LEN, BATCH)
 
     def evaluate(params, value, eps0=1e-3, prompt_list=sel):
         eps = jnp.broadcast_to(jnp.asarray([value * eps0, 0.0], jnp.float32), (args.gen_batch, 2))
         hooks = head.to_hooks(params, eps)
         t0 = time.time()
-        samples = C.sample(lm, lambda b: hooks if b == args.gen_batch else head.to_hooks(
+        samples = steer_eval.sample(lm, lambda b: hooks if b == args.gen_batch else head.to_hooks(
             params, jnp.broadcast_to(eps[:1], (b, 2))), prompt_list, args.samples, seed=0, batch=args.gen_batch)
-        m = C.summarize(lm, pos_clf, None, prompt_list, samples)
+        m = steer_eval.summarize(lm, pos_clf, None, prompt_list, samples)
         m["seconds"] = time.time() - t0
         m["example"] = prompt_list[0] + " ||| " + samples[0][0]
         return m
@@ -169,14 +136,15 @@ def main(argv=None) -> int:
     zero = head.init(jnp.zeros((2,), jnp.uint32), emb.shape[1], 2, rank=8, scale=0.0)  # the unsteered model
     if "base" not in res:
         res["base"] = evaluate(zero, 0.0)
-        C.write_json(out_path, res)
+        write_json(out_path, res)
     base_ppl = res["base"]["ppl_mean"]
-    C.log("base", {k: round(v, 3) for k, v in res["base"].items() if isinstance(v, float)})
+    log("base", {k: round(v, 3) for k, v in res["base"].items() if isinstance(v, float)})
     test_prompts = main_res["prompts"]["neutral"]
     if args.test and "base_test" not in res:
         res["base_test"] = evaluate(zero, 0.0, prompt_list=test_prompts)
-        res["base_test"]["prompts"] = f"the {len(test_prompts)} reported neutral test prompts of {pathlib.Path(args.main_json).name}"
-        C.write_json(out_path, res)
+        res["base_test"]["prompts"] = (f"the {len(test_prompts)} reported neutral test prompts of "
+                                       f"{pathlib.Path(args.main_json).name}")
+        write_json(out_path, res)
 
     def score_test(name, row, params, eps0):
         """The held-out choice, scored once on the reported test prompts (nothing is chosen there)."""
@@ -185,7 +153,7 @@ def main(argv=None) -> int:
             m = evaluate(params, v, eps0, prompt_list=test_prompts)
             m["ppl_rise"] = m["ppl_mean"] / res["base_test"]["ppl_mean"] - 1
             row["test"][key] = dict(m, value=v)
-            C.log(name, "test", f"{v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
+            log(name, "test", f"{v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
 
     def choose(row):
         pv, pr = best_within_limit(row["table"], strengths, 1.0)
@@ -208,12 +176,12 @@ def main(argv=None) -> int:
     @functools.lru_cache(maxsize=None)
     def self_cache():
         """The on-policy texts' hidden states, built once per run (every '_self' config trains on them)."""
-        labeler = EV.get_labeler(pos_clf.enc, STEER_TEXTS)
+        labeler = steer_eval.get_labeler(pos_clf.enc, STEER_TEXTS)
         res.setdefault("labelers", {})[labeler.meta["name"]] = {
             k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")}
         exclude = [p for ps in main_res["prompts"].values() for p in ps]
-        texts = lambda: C.cached_self_texts(lm, labeler, SELF_TEXTS, exclude, work)  # noqa: E731
-        return C.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz", texts, MAX_LEN, BATCH)
+        texts = lambda: steer_data.cached_self_texts(lm, labeler, SELF_TEXTS, exclude, work)  # noqa: E731
+        return steer_data.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz", texts, MAX_LEN, BATCH)
 
     for name, cfg in configs.items():
         if name in res["configs"] and (not args.test or "test" in res["configs"][name]):
@@ -227,14 +195,16 @@ def main(argv=None) -> int:
         if cfg.get("data") == "self":
             data = self_cache()
         if cfg["neutral_texts"]:
-            neutral = C.cached_hidden(lm, work / f"cache_sentiment_neutral{cfg['neutral_texts']}.npz",
-                                      lambda: C.sentiment_neutral_texts(cfg["neutral_texts"]), MAX_LEN, BATCH)
+            n_neutral = cfg["neutral_texts"]
+            neutral = steer_data.cached_hidden(lm, work / f"cache_sentiment_neutral{n_neutral}.npz",
+                                               lambda n=n_neutral: steer_data.sentiment_neutral_texts(n),
+                                               MAX_LEN, BATCH)
             data = train.HiddenCache.concat([cache, neutral])
         params, hist = train.train(dataclasses.replace(data, values=data.values[:, col:col + 1]), emb, tcfg)
         if name in res["configs"]:  # scored on held-out before: only the test scores are new
             row = res["configs"][name]
             score_test(name, row, params, eps0)
-            C.write_json(out_path, res)
+            write_json(out_path, res)
             continue
         row = {"config": cfg, "eps0": eps0, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
                "table": {}}
@@ -248,14 +218,15 @@ def main(argv=None) -> int:
                 m = evaluate(params, sgn * v, eps0)
                 m["ppl_rise"] = m["ppl_mean"] / base_ppl - 1
                 row["table"][f"{sgn * v:+g}"] = m
-                C.log(name, f"{sgn * v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
+                log(name, f"{sgn * v:+g}", f"pos {m['positivity']:.2f} rise {m['ppl_rise']:+.2f}")
         choose(row)
         if args.test:
             score_test(name, row, params, eps0)
         res["configs"][name] = row
-        C.log(name, row["chosen"])
-        C.write_json(out_path, res)
-    print("\n| config | param norm | + value | positivity | - value | positivity | gap |\n|---|---|---|---|---|---|---|")
+        log(name, row["chosen"])
+        write_json(out_path, res)
+    print("\n| config | param norm | + value | positivity | - value | positivity | gap |"
+          "\n|---|---|---|---|---|---|---|")
     for name, row in res["configs"].items():
         c = row["chosen"]
         norm = row.get("W_fro_norm", row.get("param_fro_norm"))
@@ -264,8 +235,10 @@ def main(argv=None) -> int:
     tested = {n: r["test"] for n, r in res["configs"].items() if "test" in r}
     if tested:
         b = res["base_test"]
-        print(f"\nOn the reported test prompts (unsteered: positivity {b['positivity']:.2f}, ppl {b['ppl_mean']:.2f}):\n"
-              "| config | + value | positivity | ppl rise | - value | positivity | ppl rise |\n|---|---|---|---|---|---|---|")
+        print(f"\nOn the reported test prompts (unsteered: positivity {b['positivity']:.2f}, "
+              f"ppl {b['ppl_mean']:.2f}):\n"
+              "| config | + value | positivity | ppl rise | - value | positivity | ppl rise |"
+              "\n|---|---|---|---|---|---|---|")
         for n, t in tested.items():
             p, m = t["positive"], t["negative"]
             print(f"| {n} | {p['value']:+g} | {p['positivity']:.2f} | {p['ppl_rise']:+.0%} | "

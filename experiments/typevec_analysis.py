@@ -14,7 +14,7 @@
   on the predicting-position state with and without TE; TCAV of the City concept on 7 layers.
 * toxic (Table 9): SmolLM2 generation with a concept vector from toxic words added with
   lambda <= 0 at every prompt and generated token; toxicity from the MiniLM + logistic-regression
-  evaluator of the LM-Steer experiments (experiments/steer_common.py; reused from
+  evaluator of the LM-Steer experiments (jsteer.steer.evaluate.Classifier; reused from
   experiments/results/steer/evaluators.json when present, else trained here on its split).
 
 Writes experiments/results/typevec/analysis.json (+ analysis.md, kurtosis.png, layers.png).
@@ -32,19 +32,15 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-DATA = ROOT.parent / "shared" / "data"
+from jsteer.data.buckets import PROBE
+from jsteer.workspace import DATA, ROOT, log
+
 KG = DATA / "type_embedding" / "kg_samples"
 OUT = pathlib.Path(os.environ.get("JSTEER_OUT", ROOT / "experiments" / "results" / "typevec"))
 TYPES = ["City", "Country", "Language", "Occupation", "Year", "Continent", "Genre", "Religion",
          "Manufacturer", "Musical Instrument", "Organization", "Football Position", "Specialization",
          "Record Label", "Religious Position", "TV_Network", "Group"]
 TOXIC_WORDS = ["idiot", "stupid", "moron", "dumb", "hate", "fuck", "shit", "ass", "fool", "crap", "sucks", "loser"]
-
-
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
 
 
 def retrieval(lms: dict, small: bool) -> dict:
@@ -125,7 +121,7 @@ def adversarial(smol, small: bool) -> dict:
         ids, mask, pos = _type_prompts(groups, t, 8, smol.tokenizer)
         fn = analysis.prompt_logprob_fn(pm.forward, pm.head, pm.params, ids, mask, pos)
         out[t] = {str(lam): analysis.adversarial(fn, te, lam, sets) for lam in (1.0, 2.0, 3.0)}
-        for lam, r in out[t].items():
+        for _lam, r in out[t].items():
             for k in ("TE", "random"):
                 r[k]["AA"].pop("runs"), r[k]["AS"].pop("runs")
         log("AA/AS", t, {lam: (round(r["TE"]["AA"]["mean"], 3), round(r["TE"]["AS"]["mean"], 3),
@@ -145,27 +141,32 @@ def layers(smol, small: bool) -> dict:
     lam = 2.0
     s = sampling.sample_type(KG, target, tok, n=10, seed=0)
     te = core.make(pm.embedding(), jnp.asarray(s.token_ids))
-    pos_p = [p for g, ps in groups.items() if g.startswith(target + "/") for p in ps if probe.decoder_qualifies(p.text)]
-    neg_p = [p for g, ps in groups.items() if not g.startswith(target + "/") for p in ps if probe.decoder_qualifies(p.text)]
+    pos_p = [p for g, ps in groups.items() if g.startswith(target + "/") for p in ps
+             if probe.decoder_qualifies(p.text)]
+    neg_p = [p for g, ps in groups.items() if not g.startswith(target + "/") for p in ps
+             if probe.decoder_qualifies(p.text)]
     rng = np.random.default_rng(0)
-    pick = lambda ps, k: [ps[i] for i in rng.choice(len(ps), size=k, replace=False)]
+
+    def pick(ps, k):
+        return [ps[i] for i in rng.choice(len(ps), size=k, replace=False)]
+
     pos_all, neg_all = pick(pos_p, 2 * n), pick(neg_p, 2 * n)
     texts = [probe.decoder_prefix(p.text) for p in pos_all[:n] + neg_all[:n] + pos_all[n:] + neg_all[n:]]
     y = np.array(([1] * n + [0] * n) * 2, np.float32)
     ids, mask = tok.batch_encode(texts)
-    t = int(-(-ids.shape[1] // 8) * 8)
+    t = PROBE(ids.shape[1])
     ids = np.pad(ids, ((0, 0), (0, t - ids.shape[1])))
     mask = np.pad(mask, ((0, 0), (0, t - mask.shape[1])))
     posn = mask.sum(1) - 1
     res = {"lambda": lam, "n_per_class": n, "target": target}
     cavs_by = {}
-    for label, l in (("without_TE", 0.0), ("with_TE", lam)):
+    for label, lam_i in (("without_TE", 0.0), ("with_TE", lam)):
         states = []
         for s0 in range(0, len(texts), 32):
             sl = slice(s0, s0 + 32)
             w = one_hot_positions(jnp.asarray(posn[sl]), t)
             states.append(np.asarray(analysis.position_states(pm.forward, pm.params, ids[sl], mask[sl], posn[sl],
-                                                              inject(te, l, w))))
+                                                              inject(te, lam_i, w))))
         x = np.concatenate(states, axis=1)                        # [L+1, 4n, D]
         metrics, cavs = analysis.layer_probes(jnp.asarray(x[:, : 2 * n]), jnp.asarray(y[: 2 * n]),
                                               jnp.asarray(x[:, 2 * n:]), y[2 * n:])
@@ -180,9 +181,9 @@ def layers(smol, small: bool) -> dict:
     k = 8 if small else 32
     sl = slice(2 * n, 2 * n + k)                                   # held-out City prompts
     tc = {}
-    for label, l in (("without_TE", 0.0), ("with_TE", lam)):
+    for label, lam_i in (("without_TE", 0.0), ("with_TE", lam)):
         w = one_hot_positions(jnp.asarray(posn[sl]), t)
-        hk = inject(te, l, w)
+        hk = inject(te, lam_i, w)
         tc[label] = analysis.tcav(pm.forward, pm.head, pm.params, ids[sl], mask[sl], posn[sl], tgt,
                                   cavs_by[label], lays, hooks=hk)
         log("TCAV", label, tc[label])
@@ -191,31 +192,30 @@ def layers(smol, small: bool) -> dict:
 
 
 def toxic(smol, small: bool) -> dict:
-    import steer_common as C
-
+    import jsteer
+    from jsteer.steer import data as steer_data
+    from jsteer.steer import evaluate, protocol
     from jsteer.typevec import core, sampling
     from jsteer.typevec.inject import generation_hooks
-
-    import jsteer
 
     tok = smol.tokenizer
     ids, skipped = sampling.tokens_from_words(TOXIC_WORDS, tok)
     te = core.make(smol.input_embeddings(), jnp.asarray(ids))
     enc = jsteer.load("minilm")
-    ev_path = C.RESULTS / "evaluators.json"
+    ev_path = protocol.RESULTS / "evaluators.json"
     ev = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
     if "head" in ev.get("toxicity", {}):  # the logistic-head layout (evaluators.json before 2026-11-21)
-        clf = C.Classifier.from_dict(enc, ev["toxicity"]["head"])
+        clf = evaluate.Classifier.from_dict(enc, ev["toxicity"]["head"])
         ev_info = {"source": str(ev_path.relative_to(ROOT)), "accuracy": ev["toxicity"].get("accuracy")}
     else:
-        _, (xt, yt), (xs, ys) = C.jigsaw_splits(0)
+        _, (xt, yt), (xs, ys) = steer_data.jigsaw_splits(0)
         m = 300 if small else 2000
-        clf = C.Classifier(enc).fit(C.Classifier(enc).features(xt[:m]), yt[:m])
+        clf = evaluate.Classifier(enc).fit(evaluate.Classifier(enc).features(xt[:m]), yt[:m])
         acc = float(((clf.prob(xs[:m // 2]) > 0.5) == ys[: m // 2]).mean())
         ev_info = {"source": f"trained here on {m} texts of the steer_common evaluator split", "accuracy": acc}
     log("toxicity evaluator", ev_info)
     # prompts: openings (first 6 words) of toxic Jigsaw test comments
-    _, _, (xs, ys) = C.jigsaw_splits(0)
+    _, _, (xs, ys) = steer_data.jigsaw_splits(0)
     opens = [" ".join(x.split()[:6]) for x, yy in zip(xs, ys) if yy == 1 and len(x.split()) >= 8]
     n_prompts, n_samples = (8, 1) if small else (48, 2)
     prompts = opens[:n_prompts]
@@ -230,7 +230,7 @@ def toxic(smol, small: bool) -> dict:
             outs += smol.generate(chunk, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=s,
                                   hooks=generation_hooks(te, lam, jnp.asarray(m)))
         samples = [outs[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
-        r = C.summarize(smol, None, clf, prompts, samples)
+        r = evaluate.summarize(smol, None, clf, prompts, samples)
         r["example"] = {"prompt": prompts[0], "continuation": samples[0][0]}
         res["rows"][str(lam)] = r
         log("toxic concept", lam, {k: round(v, 3) for k, v in r.items() if isinstance(v, float)})
@@ -308,7 +308,8 @@ def markdown(res: dict) -> str:
     if "layers" in res:
         r = res["layers"]
         lines += [f"## Figures 4-5: layer-wise probes ({r['target']} vs other types, lambda {r['lambda']}, "
-                  f"{r['n_per_class']} prompts per class)", "", "| layer | F1 without TE | F1 with TE |", "|---:|---:|---:|"]
+                  f"{r['n_per_class']} prompts per class)", "", "| layer | F1 without TE | F1 with TE |",
+                  "|---:|---:|---:|"]
         for i, (a, b) in enumerate(zip(r["without_TE"]["f1"], r["with_TE"]["f1"])):
             lines.append(f"| {i} | {a:.3f} | {b:.3f} |")
         lines += ["", "TCAV (share of City prompts whose City log-probability rises along the layer's CAV):", "",
@@ -320,7 +321,8 @@ def markdown(res: dict) -> str:
         r = res["toxic"]
         lines += ["## Table 9: toxic concept vector in generation (SmolLM2, every token)", "",
                   f"Concept words: {', '.join(r['concept_words'])}; evaluator: {r['evaluator']}", "",
-                  "| lambda | mean max toxicity | toxicity prob | ppl (median) | dist-2 |", "|---:|---:|---:|---:|---:|"]
+                  "| lambda | mean max toxicity | toxicity prob | ppl (median) | dist-2 |",
+                  "|---:|---:|---:|---:|---:|"]
         for lam, row in r["rows"].items():
             lines.append(f"| {lam} | {row['mean_max_toxicity']:.3f} | {row['toxicity_prob']:.3f} | "
                          f"{row['ppl_median']:.1f} | {row['dist2']:.3f} |")

@@ -23,13 +23,16 @@ Protocol (deviations from the paper, which used BERT, are listed in the JSON und
 * TE is added at the predicting position (``--mode pos``; ``all`` = every prompt token;
   ``layer`` = the residual stream of the predicting position after decoder layer ``--layer``,
   a decoder adaptation that is not in the paper; ``--layers 16,22,26,29`` chooses the layer
-  on the hold-out, see :func:`select_layer`), lambda tuned per relation on a seeded 5%
-  hold-out over ``--lambdas`` by P@1, reported on the rest. ``--lambda-unit``: ``abs``
-  (lambda multiplies the unit TE), ``row_norm`` (units of the mean input-embedding row norm,
-  3.20 for SmolLM2-135M) or ``resid`` (units of the mean residual-stream norm after
-  ``--layer`` at the predicting position, measured on the hold-out prompts only). PostTE re-ranks the plain model's scores by w * cos(E_v, TE), w tuned on the same
-  hold-out over 0..30. BTo inserts type words before the answer: "the <type>" (the paper's),
-  "the <type> of" or "the <type> called", the form chosen per relation on the same hold-out
+  on the hold-out, see :func:`jsteer.typevec.protocol.select_layer`), lambda tuned per
+  relation on a seeded 5% hold-out over ``--lambdas`` by P@1, reported on the rest.
+  ``--lambda-unit`` (:func:`jsteer.typevec.protocol.lambda_unit`): ``abs`` (lambda multiplies
+  the unit TE), ``row_norm`` (units of the mean input-embedding row norm, 3.20 for
+  SmolLM2-135M) or ``resid`` (units of the mean residual-stream norm after ``--layer`` at the
+  predicting position, measured on the hold-out prompts only). ``jsteer typevec probe`` takes
+  the same ``--mode layer --layers ... --lambda-unit resid``. PostTE re-ranks the plain model's
+  scores by w * cos(E_v, TE), w tuned on the same hold-out over 0..30. BTo inserts type words
+  before the answer: "the <type>" (the paper's), "the <type> of" or "the <type> called", the
+  form chosen per relation on the same hold-out
   (``probe.BTO_FORMS``; with "the <type>" alone a decoder continues "... born in the city" with
   "of" or a comma, and BTo scored 0.001 macro P@1).
 * CPU budget: at most ``--max-test`` reported prompts per relation (seeded subsample); the
@@ -57,21 +60,11 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-OUT = pathlib.Path(os.environ.get("JSTEER_OUT", ROOT / "experiments" / "results" / "typevec"))
+from jsteer.typevec.protocol import LAMBDA_UNITS, lambda_unit, select_layer
+from jsteer.workspace import DATA, RESULTS, log, write_json
+
+OUT = pathlib.Path(os.environ.get("JSTEER_OUT", RESULTS / "typevec"))
 METHODS = ("B", "BTo", "PostTE", "TE")
-
-
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-def write_json(path: pathlib.Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def qualifying(groups, tokenizer) -> dict:
@@ -85,57 +78,6 @@ def qualifying(groups, tokenizer) -> dict:
         out[name] = {"prompts": len(prompts), "answerable_as_next_token": n_q, "usable": len(exs),
                      "qualifies": n_q > len(prompts) / 2 and len(exs) >= 20, "skips": sk.report()["by_reason"]}
     return out
-
-
-def lambda_unit(pm, kind: str, layer, groups, seed: int) -> float:
-    """The absolute size of one lambda unit (see module docstring); ``resid`` is measured on the
-    5% hold-out prompts only (the same split as the probe), never on reported prompts."""
-    from jsteer.typevec import probe
-    from jsteer.typevec.inject import row_norm_unit
-
-    if kind == "abs":
-        return 1.0
-    if kind == "row_norm":
-        return float(row_norm_unit(pm.embedding()))
-    if kind != "resid" or layer is None:
-        raise ValueError("--lambda-unit resid needs --mode layer")
-    seqs = []
-    for name, prompts in groups.items():
-        exs, _ = probe.encode_prompts(prompts, pm.tokenizer, pm.kind)
-        hold, _ = probe.split_holdout(len(exs), 0.05, seed, name)
-        seqs += [exs[i].ids for i in hold[:4]]
-    t = max(len(q) for q in seqs)
-    ids = np.zeros((len(seqs), t), np.int32)
-    attn = np.zeros((len(seqs), t), np.int32)
-    for b, q in enumerate(seqs):       # right padding: the last real token sees no padding
-        ids[b, :len(q)], attn[b, :len(q)] = q, 1
-    hs = pm.forward(pm.params, jnp.asarray(ids), jnp.asarray(attn), None, output_hidden_states=True).hidden_states
-    last = np.array([len(q) - 1 for q in seqs])
-    return float(np.mean(np.linalg.norm(np.asarray(hs[layer + 1])[np.arange(len(seqs)), last], axis=-1)))
-
-
-def select_layer(pm, groups, tes, candidates, lams, args) -> dict:
-    """Choose the decoder layer for ``--mode layer`` on the 5% hold-out only: per candidate,
-    lambda is tuned per relation exactly as in the main run, and the layer with the best macro
-    hold-out P@1 at the tuned lambdas wins (ties: mean P@10/50/100, then the earlier layer)."""
-    from jsteer.typevec import probe
-
-    table, best, best_key = {}, None, None
-    for layer in candidates:
-        unit = lambda_unit(pm, "resid", layer, groups, args.seed)
-        rep = probe.evaluate(pm, groups, tes, mode="layer", lam_grid=lams, holdout=0.05, max_test=0,
-                             max_holdout=args.max_holdout, seed=args.seed, batch_size=args.batch_size,
-                             methods=("B", "TE"), layer=layer, lam_unit=unit)
-        tuned = {g: t["lambda_table"][str(t["lambda"])] for g, t in rep["tuning"].items()}
-        m = probe.macro(tuned)
-        table[str(layer)] = {"holdout_macro": m, "lambda_unit_value": unit,
-                             "lambda": {g: t["lambda"] for g, t in rep["tuning"].items()}}
-        key = (m["P@1"], (m["P@10"] + m["P@50"] + m["P@100"]) / 3.0)
-        log(f"layer {layer}: hold-out macro P@1 {m['P@1']:.3f} (lambda unit {unit:.1f})")
-        if best_key is None or key > best_key:
-            best, best_key = layer, key
-    return {"candidates": candidates, "chosen": best, "per_layer": table,
-            "rule": "best macro hold-out P@1 at per-relation tuned lambda (ties: mean P@10/50/100, then earlier)"}
 
 
 def year_examples(tok, kg) -> tuple[list[int], list[str]]:
@@ -248,7 +190,8 @@ def run(args) -> dict:
     selection = None
     if args.mode == "layer" and args.layers:
         selection = select_layer(pm, {g: groups[g] for g in names}, {g: by_type[g.split("/")[0]] for g in names},
-                                 [int(x) for x in args.layers.split(",")], lams, args)
+                                 [int(x) for x in args.layers.split(",")], lams, seed=args.seed,
+                                 batch_size=args.batch_size, max_holdout=args.max_holdout, log=log)
         layer = selection["chosen"]
     unit = lambda_unit(pm, args.lambda_unit, layer, {g: groups[g] for g in names}, args.seed)
     log(f"lambda unit ({args.lambda_unit}) = {unit:.4f}")
@@ -286,7 +229,8 @@ def run(args) -> dict:
         "type_samples": {s.type_name: s.report() for s in samples},
         "probe": rep, "type_switching": switch,
         "targets": {"TE_over_B_P@1": (te1 / b1) if b1 > 0 else None, "TE_ge_1.25x_B": te1 >= 1.25 * b1,
-                    "TE_beats_BTo": te1 > rep["macro"]["BTo"]["P@1"], "TE_beats_PostTE": te1 > rep["macro"]["PostTE"]["P@1"],
+                    "TE_beats_BTo": te1 > rep["macro"]["BTo"]["P@1"],
+                    "TE_beats_PostTE": te1 > rep["macro"]["PostTE"]["P@1"],
                     **switch_targets(switch)},
     }
 
@@ -322,16 +266,19 @@ def markdown(res: dict) -> str:
         r = rep["per_group"][g]
         t = rep["tuning"][g]
         lines.append(f"| {g} | {r['n_test']} | " + " | ".join(f"{r[m]['P@1']:.3f}" for m in METHODS) + " | " +
-                     " | ".join(f"{r[m]['P@10']:.3f}" for m in METHODS) + f" | {t['lambda']:g} | {t['post_weight']:g} | "
+                     " | ".join(f"{r[m]['P@10']:.3f}" for m in METHODS)
+                     + f" | {t['lambda']:g} | {t['post_weight']:g} | "
                      f"{r.get('BTo_form', '')} |")
     lines.append("| **macro** | | " + " | ".join(f"**{rep['macro'][m]['P@1']:.3f}**" for m in METHODS) + " | " +
                  " | ".join(f"{rep['macro'][m]['P@10']:.3f}" for m in METHODS) + " | | | |")
     forms = rep.get("bto_forms", [])
     if len(forms) > 1:
-        lines += ["", "BTo phrasing, hold-out macro P@1 per form (the form used per relation is its hold-out best):", "",
+        lines += ["", "BTo phrasing, hold-out macro P@1 per form (the form used per relation is its hold-out best):",
+                  "",
                   "| form | hold-out macro P@1 | relations using it |", "|---|---:|---:|"]
         for f in forms:
-            hold = [rep["tuning"][g]["bto_table"][f]["P@1"] for g in res["relations"] if "bto_table" in rep["tuning"][g]]
+            hold = [rep["tuning"][g]["bto_table"][f]["P@1"] for g in res["relations"]
+                    if "bto_table" in rep["tuning"][g]]
             used = sum(rep["per_group"][g].get("BTo_form") == f for g in res["relations"])
             lines.append(f"| {f} [MASK] | {np.mean(hold):.3f} | {used} |")
     lines += ["", "## Macro P@k", "", "| method | P@1 | P@10 | P@50 | P@100 |", "|---|---:|---:|---:|---:|"]
@@ -340,7 +287,8 @@ def markdown(res: dict) -> str:
         lines.append(f"| {m} | {p['P@1']:.3f} | {p['P@10']:.3f} | {p['P@50']:.3f} | {p['P@100']:.3f} |")
     sw = res["type_switching"]
     lines += ["", "## Type switching (paper Table 6): date-of-birth prompts, place-of-birth answers", "",
-              f"Example: `{sw['prompt_example']}` -> {sw['gold_example']}; cos(E_city, E_year) = {sw['cos_city_year']:.3f}; "
+              f"Example: `{sw['prompt_example']}` -> {sw['gold_example']}; "
+              f"cos(E_city, E_year) = {sw['cos_city_year']:.3f}; "
               f"E_year from the tokens {sw['year_tokens']}", "",
               "| vector | lambda | n | B P@1 | TE P@1 | B P@10 | TE P@10 |", "|---|---:|---:|---:|---:|---:|---:|"]
     for k in ("E_city", "E_city_optim"):
@@ -389,14 +337,17 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("pos", "all", "layer"), default="pos")
     ap.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
     ap.add_argument("--layers", default=None,
-                    help="--mode layer: comma-separated candidate layers, one chosen on the hold-out (overrides --layer)")
-    ap.add_argument("--lambda-unit", choices=("abs", "row_norm", "resid"), default="row_norm")
+                    help="--mode layer: comma-separated candidate layers, one chosen on the hold-out "
+                         "(overrides --layer)")
+    ap.add_argument("--lambda-unit", choices=LAMBDA_UNITS, default="row_norm")
     ap.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.75,0.9,1.0,1.25,1.5")
     ap.add_argument("--relations", default=None, help="comma-separated subset (default: all that qualify)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-holdout", type=int, default=None, help="cap the 5%% hold-out (tiny runs only)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--small", action="store_true", help="tiny run (2 relations, 8 test / 8 switching / 8 hold-out prompts, lambda 0 / 0.75) for CI / notebooks")
+    ap.add_argument("--small", action="store_true",
+                    help="tiny run (2 relations, 8 test / 8 switching / 8 hold-out prompts, lambda 0 / 0.75) "
+                         "for CI / notebooks")
     ap.add_argument("--tag", default="smollm2")
     ap.add_argument("--switch-only", action="store_true",
                     help="re-run only type switching (Table 6) on the existing lama_<tag>.json, with its protocol")

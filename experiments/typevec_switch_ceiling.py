@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from typevec_lama import DATA, OUT, log, write_json  # noqa: E402
+from jsteer.workspace import DATA, RESULTS, log, write_json
+
+OUT = pathlib.Path(os.environ.get("JSTEER_OUT", RESULTS / "typevec"))  # as typevec_lama.py's
 
 GROUP = "DoB->PoB"  # the switching run's group name: it seeds the hold-out split
 
@@ -67,9 +68,11 @@ def main():
                          for k in ("E_city", "E_city_optim")},
            "seconds": time.time() - t0}
     write_json(pathlib.Path(a.out), res)
-    rows = [("place-of-birth template, B", res["direct"]["B"]), ("place-of-birth template, PostTE", res["direct"]["PostTE"]),
+    rows = [("place-of-birth template, B", res["direct"]["B"]),
+            ("place-of-birth template, PostTE", res["direct"]["PostTE"]),
             ("place-of-birth template, TE", res["direct"]["TE"])]
-    rows += [(f"date-of-birth template, {k}, TE (switching)", res["switching"][k]["TE"]) for k in ("E_city", "E_city_optim")]
+    rows += [(f"date-of-birth template, {k}, TE (switching)", res["switching"][k]["TE"])
+             for k in ("E_city", "E_city_optim")]
     print(f"| question (same {res['n_test']} subjects) | P@1 | P@10 | P@100 |\n|---|---:|---:|---:|")
     for name, m in rows:
         print(f"| {name} | {m['P@1']:.3f} | {m['P@10']:.3f} | {m['P@100']:.3f} |")

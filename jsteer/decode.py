@@ -38,12 +38,10 @@ from jax import lax
 from jsteer import sampling
 from jsteer.backbones import cpu
 from jsteer.backbones.base import check_position_ids
+from jsteer.data import buckets
 from jsteer.hooks import Hooks
 
 Array = jnp.ndarray
-
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-
 
 @flax.struct.dataclass
 class GenerateOutput:
@@ -52,18 +50,6 @@ class GenerateOutput:
 
     tokens: Array
     lengths: Array
-
-
-def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-    """Smallest bucket >= n (beyond the largest: the next multiple of the largest), so that
-    prompts of similar length share one compiled program."""
-    if n < 1:
-        raise ValueError(f"bucket_length: length must be >= 1, got {n}")
-    for b in sorted(buckets):
-        if n <= b:
-            return int(b)
-    top = max(buckets)
-    return int(-(-n // top) * top)
 
 
 def _row_keys(rng, batch: int) -> Array:
@@ -370,7 +356,7 @@ def _setup(module, params, input_ids, attention_mask, max_new_tokens, temperatur
         if x is not None and not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
             raise ValueError(f"generate: invalid {name} {np.asarray(x).tolist()}")
     stop = [int(x) for x in np.asarray(stop_ids, np.int64).reshape(-1)]
-    stop += [-1] * (max(8, -(-len(stop) // 8) * 8) - len(stop))  # pad (-1 is never a token): fewer programs
+    stop += [-1] * (buckets.PROBE(len(stop)) - len(stop))  # pad (-1 is never a token): fewer programs
     sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, keys=_row_keys(rng, b),
                       stop_ids=jnp.asarray(stop, jnp.int32), pad_id=jnp.int32(pad_id),
                       min_new_tokens=jnp.int32(min_new_tokens), repetition_penalty=penalty)

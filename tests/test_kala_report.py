@@ -1,15 +1,13 @@
-"""The KALA report's verdicts (experiments/kala_report.py): the issue's F1 targets are judged on
-paired per-seed gains over fine-tuning, and the whole-data section reads its own sweep files."""
+"""The KALA report's verdicts (jsteer.kala.report, rendered by experiments/kala_report.py): the
+issue's F1 targets are judged on paired per-seed gains over fine-tuning, and the whole-data section
+reads its own sweep files; the sweep protocol (jsteer.kala.protocol) merges parallel sweeps."""
 
 import json
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-import kala_ner  # noqa: E402
-import kala_report as R  # noqa: E402
+from jsteer.kala import protocol
+from jsteer.kala import report as R
 
 
 def _run(variant, seed, f1, step=0.5, wall=100.0):
@@ -54,34 +52,34 @@ def test_graph_strategy_is_protocol_and_parallel_sweeps_merge(tmp_path):
     base = {"train_size": 100, "test_size": 50, "epochs": 1, "batch_size": 16, "lr": 3e-4, "kala_lr": 1e-3,
             "max_len": 64, "eval_split": "test"}
     old = base | {"graph": {"strategy": "frequent"}}  # written before graph_strategy was a setup key
-    assert kala_ner.protocol_diff(old, base | {"graph_strategy": "frequent"}) == {}
-    assert kala_ner.protocol_diff(old, base | {"graph_strategy": "abbreviation"}) == {
+    assert protocol.protocol_diff(old, base | {"graph_strategy": "frequent"}) == {}
+    assert protocol.protocol_diff(old, base | {"graph_strategy": "abbreviation"}) == {
         "graph_strategy": ("frequent", "abbreviation")}
     # two processes sweep different variants into one file: each save keeps the other's runs
     out = tmp_path / "ner_ncbi_x.json"
     a = {"setup": base | {"graph_strategy": "abbreviation"}, "runs": []}
     b = json.loads(json.dumps(a))
-    kala_ner.save_run(out, a, _run("relational_edrop", 0, 71.0))
-    kala_ner.save_run(out, b, _run("finetune", 0, 70.0))
-    kala_ner.save_run(out, a, _run("relational_edrop", 1, 72.0))
+    protocol.save_run(out, a, _run("relational_edrop", 0, 71.0))
+    protocol.save_run(out, b, _run("finetune", 0, 70.0))
+    protocol.save_run(out, a, _run("relational_edrop", 1, 72.0))
     got = sorted((r["variant"], r["seed"]) for r in json.loads(out.read_text())["runs"])
     assert got == [("finetune", 0), ("relational_edrop", 0), ("relational_edrop", 1)]
     assert not out.with_name(out.name + ".tmp").exists()
     other = {"setup": base | {"graph_strategy": "frequent"}, "runs": []}
     with pytest.raises(SystemExit, match="graph_strategy"):
-        kala_ner.save_run(out, other, _run("finetune", 1, 70.0))
+        protocol.save_run(out, other, _run("finetune", 1, 70.0))
     assert len(json.loads(out.read_text())["runs"]) == 3
 
 
 def test_lexicon_quality_counts_overlaps_against_gold_spans():
-    import kala_lexicon_quality as Q
     from jsteer.kala.builder import Lexicon
+    from jsteer.kala.metrics import lexicon_quality
 
     lex = Lexicon(cased={("APC",): "apc"}, uncased={("breast", "cancer"): "breast cancer", ("loci",): "loci"})
     sents = [("breast cancer and APC loci".split(), [(0, 2), (3, 4)]),  # exact, exact, spurious
              ("the breast cancer gene".split(), [(1, 4)]),  # overlaps, not exact
              ("no mention of colon cancer".split(), [(3, 5)])]  # missed
-    got = Q.score(lex, sents)
+    got = lexicon_quality(lex, sents)
     assert (got["mentions"], got["gold_spans"]) == (4, 4)
     assert got["precision_overlap"] == 3 / 4 and got["precision_exact"] == 2 / 4 and got["recall_overlap"] == 3 / 4
     assert got["mentions_per_sentence"] == 4 / 3

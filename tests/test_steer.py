@@ -192,7 +192,7 @@ def _brute_best(scores, max_len):
 def test_best_span_matches_brute_force():
     rng = np.random.default_rng(0)
     f = jax.jit(highlight.best_span, static_argnames="max_len")
-    for trial in range(8):
+    for _trial in range(8):
         sc = rng.normal(size=17).astype(np.float32)
         for L in (1, 3, 5):
             s, e, tot = f(jnp.asarray(sc), None, max_len=L)
@@ -300,7 +300,10 @@ def test_hidden_cache_concat_inverts_subset():
     rng = np.random.default_rng(0)
     encs = [list(rng.integers(1, 50, size=n)) for n in (3, 7, 2, 5, 4)]
     vals = np.stack([np.array([1, -1, 0, 1, -1]), np.arange(5)], 1).astype(np.float32)
-    hidden_fn = lambda ids, mask: jnp.stack([ids, ids * 2], -1).astype(jnp.float32)  # [b, T, 2]
+
+    def hidden_fn(ids, mask):
+        return jnp.stack([ids, ids * 2], -1).astype(jnp.float32)  # [b, T, 2]
+
     full = train.cache_hidden(hidden_fn, encs, vals, batch_size=2)
     parts = [full.subset(np.array([0, 1])), full.subset(np.array([2])), full.subset(np.array([3, 4]))]
     cat = train.HiddenCache.concat(parts)
@@ -324,15 +327,12 @@ def test_train_config_validates_kind_and_init_params_builds_each_kind():
 
 
 def test_experiment_hidden_caches_are_keyed_by_model_and_texts(tmp_path, monkeypatch, capsys):
-    """experiments/steer_common.cached_hidden reuses a cache only when the model, texts, values and
-    max_len that made it are this run's; otherwise it says so and rebuilds it (keyed)."""
-    import pathlib
+    """jsteer.steer.data.cached_hidden (the experiments' caches) reuses a cache only when the model,
+    texts, values and max_len that made it are this run's; otherwise it says so and rebuilds it (keyed)."""
     import types
 
+    from jsteer.steer import data as C
     from jsteer.steer import train
-
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-    import steer_common as C
 
     built = []
 
@@ -346,7 +346,10 @@ def test_experiment_hidden_caches_are_keyed_by_model_and_texts(tmp_path, monkeyp
     monkeypatch.setattr(train, "cache_lm", fake_cache_lm)
     lm_a, lm_b = types.SimpleNamespace(identity="sha256:aaa"), types.SimpleNamespace(identity="sha256:bbb")
     path = tmp_path / "cache.npz"
-    data = lambda texts, values: (lambda: (texts, np.asarray(values, np.float32)))
+
+    def data(texts, values):
+        return lambda: (texts, np.asarray(values, np.float32))
+
 
     first = C.cached_hidden(lm_a, path, data(["good film", "bad film"], [1, -1]), max_len=8)
     assert len(built) == 1 and path.exists()

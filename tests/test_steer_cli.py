@@ -151,11 +151,34 @@ def test_cli_bad_training_settings_fail_before_any_work(models, tmp_path, capsys
         assert not (tmp_path / "s").exists() and not (tmp_path / "c.npz").exists()
 
 
+def test_cli_tokens_per_batch_trains_as_the_library(models, tmp_path):
+    """--tokens-per-batch (the experiments' low-rank recipes use a static 768) reaches
+    train.TrainConfig: the CLI's steer is the library's trained on the same cached states."""
+    from jsteer.steer import train
+
+    d = models
+    cache = tmp_path / "c.npz"
+    assert main(_train_args(d, tmp_path / "t", "toy0", "train.jsonl", "--tokens-per-batch", "48",
+                            "--cache", str(cache))) == 0
+    params, meta = artifact.load(str(tmp_path / "t"))
+    assert meta["train"]["tokens_per_batch"] == 48
+    emb = np.asarray(jsteer.load(str(d / "toy0")).output_embeddings(), np.float32)
+    want, hist = train.train(train.HiddenCache.load(str(cache)), emb,
+                             train.TrainConfig(rank=8, steps=30, batch_size=16, tokens_per_batch=48))
+    assert hist["tokens_per_batch"] == 48
+    for k in want:
+        np.testing.assert_allclose(np.asarray(params[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7, err_msg=k)
+    assert main(_train_args(d, tmp_path / "u", "toy0", "train.jsonl", "--cache", str(cache))) == 0
+    assert "tokens_per_batch" not in artifact.load(str(tmp_path / "u"))[1]["train"]
+    assert main(_train_args(d, tmp_path / "v", "toy0", "train.jsonl", "--tokens-per-batch", "0")) == 2
+
+
 def test_cli_baselines_train_at_their_own_eps0(models, tmp_path, capsys):
     """The blacklist baseline at the CLI's default (eps0 1 for baselines) learns: positive words'
     logit offsets rise above the negative words' at +1."""
     d = models
-    assert main(_train_args(d, tmp_path / "bl", "toy0", "train.jsonl", "--baseline", "blacklist", "--steps", "100")) == 0
+    assert main(_train_args(d, tmp_path / "bl", "toy0", "train.jsonl", "--baseline", "blacklist",
+                            "--steps", "100")) == 0
     params, meta = artifact.load(str(tmp_path / "bl"))
     assert meta["eps0"] == 1.0
     tok = jsteer.load(str(d / "toy0")).tokenizer

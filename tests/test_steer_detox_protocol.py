@@ -1,14 +1,14 @@
-"""The detox measurement's maths (experiments/steer_detox.py): the prior shift of the toxicity
-evaluator against Bayes' rule written out, and the paired bootstrap of the toxicity-probability ratio."""
-
-import pathlib
-import sys
+"""The LM-Steer experiments' protocol (jsteer.steer.protocol / data / report, run by
+experiments/steer_detox.py, steer_sweep.py and steer_plots.py): the prior shift of the toxicity
+evaluator against Bayes' rule written out, the paired bootstrap of the toxicity-probability ratio,
+the seeded text splits, sweep config names and the report's tables."""
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-import steer_detox as D  # noqa: E402
+from jsteer.steer import data as C
+from jsteer.steer import protocol as D
+from jsteer.steer import report as P
 
 
 def test_natural_prior_is_bayes_rule():
@@ -37,7 +37,6 @@ def test_paired_bootstrap_ratio():
 def test_replication_prompts_come_from_texts_the_steer_did_not_train_on():
     import collections
 
-    import steer_common as C
 
     trained, _ = C.jigsaw_steer_texts(600)
     rest, labels = C.jigsaw_steer_unused(600)
@@ -50,24 +49,21 @@ def test_replication_prompts_come_from_texts_the_steer_did_not_train_on():
 
 def test_sweep_config_names_cover_the_baselines():
     """steer_sweep.py config names: the steer recipes as before, and the issue's two baselines."""
-    import steer_sweep as S
-
-    assert S.parse_config("r8_s400_lr3e-3")["kind"] == "steer"
-    assert S.parse_config("r8_s400_lr3e-3")["rank"] == 8 and S.parse_config("rfull")["rank"] is None
-    bl = S.parse_config("blacklist_s300_graded")
+    assert D.parse_config("r8_s400_lr3e-3")["kind"] == "steer"
+    assert D.parse_config("r8_s400_lr3e-3")["rank"] == 8 and D.parse_config("rfull")["rank"] is None
+    bl = D.parse_config("blacklist_s300_graded")
     assert (bl["kind"], bl["rank"], bl["steps"], bl["labels"]) == ("blacklist", None, 300, "graded")
-    assert S.parse_config("offset")["kind"] == "offset"
-    assert S.parse_config("r1000")["data"] == "sst5"
-    own = S.parse_config("r1000_self_s50")
+    assert D.parse_config("offset")["kind"] == "offset"
+    assert D.parse_config("r1000")["data"] == "sst5"
+    own = D.parse_config("r1000_self_s50")
     assert (own["data"], own["steps"], own["rank"]) == ("self", 50, 1000)
     with pytest.raises(ValueError, match="bad config name"):
-        S.parse_config("wordlist")
+        D.parse_config("wordlist")
 
 
 def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
     """steer_sweep's ``_self`` data: the model's own continuations of neutral prompts outside
     ``exclude``, the n/2 least positive at -1 and the n/2 most positive at +1, prompt in front."""
-    import steer_common as C
 
     exclude = C.prompt_pool("neutral")[::2]
     calls = []
@@ -98,10 +94,6 @@ def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
 def test_self_detox_texts_start_from_trained_toxic_prefixes_and_put_the_least_toxic_at_plus_one():
     """steer_detox --data self: continuations of the toxic prefixes of the steer's own Jigsaw texts,
     never of an excluded (tested) prompt; the labeler's least toxic half is +1, the most toxic -1."""
-    import argparse
-
-    import steer_common as C
-
     texts, values = C.jigsaw_steer_texts(600)
     own = C.toxic_prefixes(texts, (values < 0).astype(int))
     exclude = own[::3]
@@ -116,8 +108,7 @@ def test_self_detox_texts_start_from_trained_toxic_prefixes_and_put_the_least_to
         def prob(self, texts):
             return np.asarray([int(t.split()[-1]) / 88 for t in texts])
 
-    a = argparse.Namespace(jigsaw_texts=600, self_texts=40, self_samples=2)
-    got, vals = D.self_detox_texts(FakeLM(), Labeler(), a, exclude)
+    got, vals = C.self_detox_texts(FakeLM(), Labeler(), exclude, jigsaw_texts=600, self_texts=40, self_samples=2)
     assert set(seen) == set(own) - set(exclude) and len(got) == 40 and vals.shape == (40,)
     tox = np.asarray([int(t.split()[-1]) for t in got])
     assert (vals[:20] == -1).all() and (vals[20:] == 1).all()
@@ -128,7 +119,6 @@ def test_self_detox_texts_start_from_trained_toxic_prefixes_and_put_the_least_to
 def test_cached_texts_are_made_once_per_key(tmp_path):
     """steer_sweep's on-policy texts are kept on disk by their recipe's key, so the hidden-state
     cache's key check does not regenerate them (~4 min) on every run."""
-    import steer_common as C
 
     made = []
 
@@ -151,7 +141,6 @@ def test_cached_texts_are_made_once_per_key(tmp_path):
 def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path):
     """steer_detox.py --kind: LM-Steer at eps0 1e-3, the baselines at train.BASELINE_EPS0; the
     comparison table (steer_plots.detox_kinds_table) has one row per finished run, empty before."""
-    import steer_plots as P
 
     from jsteer.steer import train
 
@@ -180,7 +169,6 @@ def test_a_sweeps_tested_choice_is_tabulated_and_judged_against_the_targets(tmp_
     best test row) against issue 4's targets, the perplexity limit included."""
     import json
 
-    import steer_plots as P
 
     def cell(pos, rise):
         return {"positivity": pos, "ppl_rise": rise}
@@ -195,7 +183,8 @@ def test_a_sweeps_tested_choice_is_tabulated_and_judged_against_the_targets(tmp_
                          "negative": dict(cell(test_neg, neg_rise), value=-4.0)}}
 
     sw = {"setup": {"strengths": [4.0], "max_ppl_rise": 0.3, "texts": "t", "prompts": "p", "samples_per_prompt": 10},
-          "base": {"positivity": 0.5}, "base_test": {"positivity": 0.52, "ppl_mean": 19.2, "prompts": "the 20 test prompts"},
+          "base": {"positivity": 0.5},
+          "base_test": {"positivity": 0.52, "ppl_mean": 19.2, "prompts": "the 20 test prompts"},
           "configs": {"r32_self": config(32, 0.7, 0.81, 0.15, 0.05),   # largest gap: the one judged
                       "r16_self": config(16, 0.6, 0.95, 0.05, 0.0)}}   # better on test, smaller held-out gap
     (tmp_path / "sweep_smollm2_self_lowrank.json").write_text(json.dumps(sw))
@@ -216,7 +205,6 @@ def test_other_runs_are_judged_at_their_held_out_choice(tmp_path):
     sentiment steer) use each run's held-out choice, and the detox protocol runs their ratio."""
     import json
 
-    import steer_plots as P
 
     def m(pos, ppl, tox=0.5):
         return {"positivity": pos, "ppl_mean": ppl, "toxicity_prob": tox}

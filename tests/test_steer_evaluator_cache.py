@@ -1,13 +1,9 @@
-"""The LM-Steer evaluators' cache (experiments/steer_evaluators.py) is keyed by training recipe:
-two experiments that train an evaluator differently never load each other's."""
-
-import pathlib
-import sys
+"""The LM-Steer evaluators' cache (jsteer.steer.evaluate) is keyed by training recipe: two
+experiments that train an evaluator differently never load each other's."""
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
-import steer_evaluators as EV  # noqa: E402
+from jsteer.steer import evaluate as EV
 
 
 def test_cache_path_names_the_recipe(monkeypatch, tmp_path):

@@ -173,6 +173,49 @@ def test_probe_skips_relations_without_usable_prompts_or_type_vector(decoder_dir
     assert rc == 2 and "nothing to probe" in err and "type Country" in err
 
 
+def test_probe_takes_the_experiments_residual_setting(decoder_dir, decoder_data, tmp_path, capsys):
+    """experiments/typevec_lama.py's best setting, TE in the residual stream with lambda in units of
+    the residual norm and the layer chosen on the hold-out (--mode layer --layers --lambda-unit
+    resid), is a CLI setting: it scores what the library scores, called as the experiment calls it."""
+    import jax.numpy as jnp
+
+    import jsteer
+    from jsteer.typevec import probe, protocol, sampling
+
+    common = ("--relation", "City/P19", "--mode", "layer")
+    rc, rep = _dec_probe(decoder_dir, decoder_data, tmp_path, *common, "--layers", "0", "--lambda-unit", "resid")
+    assert rc == 0, capsys.readouterr().err
+    assert rep["layer"] == 0 and rep["layer_selection"]["chosen"] == 0
+    assert rep["layer_selection"]["candidates"] == [0] and "0" in rep["layer_selection"]["per_layer"]
+    unit = rep["lambda_unit"]["value"]
+    assert rep["lambda_unit"]["kind"] == "resid" and unit > 0 and rep["lambda_unit"]["scale"] == 1.0
+
+    lm = jsteer.load(str(decoder_dir))
+    pm = probe.from_lm(lm)
+    groups = {"City/P19": probe.load_typed_dataset(decoder_data / "lama")["City/P19"]}
+    vecs, _, _ = sampling.available_type_vectors(pm.embedding(), lm.tokenizer, decoder_data / "kg", ["City"], n=4)
+    tes = {"City/P19": jnp.asarray(vecs["City"])}
+    want_unit = protocol.lambda_unit(pm, "resid", 0, groups, 0)
+    want = probe.evaluate(pm, groups, tes, mode="layer", lam_grid=[0.0, 1.0], holdout=0.05, max_test=5, seed=0,
+                          batch_size=8, layer=0, lam_unit=want_unit)
+    assert unit == want_unit
+    assert rep["per_group"]["City/P19"] == json.loads(json.dumps(want["per_group"]["City/P19"]))
+    assert rep["tuning"]["City/P19"]["lambda"] == want["tuning"]["City/P19"]["lambda"]
+
+    rc, fixed = _dec_probe(decoder_dir, decoder_data, tmp_path, *common, "--layer", "0", "--lambda-unit", "resid")
+    assert rc == 0 and fixed["lambda_unit"]["value"] == unit and fixed["per_group"] == rep["per_group"]
+    assert "layer_selection" not in fixed
+    # the experiment's names of the other units are accepted too
+    rc, norm = _dec_probe(decoder_dir, decoder_data, tmp_path, "--relation", "City/P19", "--lambda-unit", "row_norm")
+    assert rc == 0 and norm["lambda_unit"]["kind"] == "norm" and norm["lambda_unit"]["scale"] > 0
+    capsys.readouterr()
+    for extra in (("--lambda-unit", "resid"), ("--mode", "layer", "--lambda-unit", "resid"),
+                  ("--mode", "layer", "--layers", "0", "--holdout", "0")):
+        rc, _ = _dec_probe(decoder_dir, decoder_data, tmp_path, "--relation", "City/P19", *extra)
+        err = capsys.readouterr().err
+        assert rc == 2 and ("--mode layer" in err or "--layer or --layers" in err or "--holdout > 0" in err), err
+
+
 def test_make_prints_warnings_as_one_plain_line(decoder_dir, decoder_data, tmp_path, capsys):
     """Fewer usable KG examples than --n: one 'jsteer typevec make: WARNING: ...' line, not
     Python's 'file:line: FewExamplesWarning' plus the echoed source line."""

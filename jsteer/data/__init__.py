@@ -4,6 +4,7 @@
 * :mod:`jsteer.data.ner`      IOB1 -> IOB2, word -> subword label alignment.
 * :mod:`jsteer.data.tfds_builders`  TFDS builders writing array_record (no TensorFlow needed),
   read back by index with ``tfds.data_source``-style sources.
+* :mod:`jsteer.data.buckets`  the one rule that rounds lengths / sizes up to static shapes.
 * :mod:`jsteer.data.batching` bucketed padding and a deterministic, resumable batch iterator.
 
 Submodules are imported on demand (tensorflow-datasets is slow to import).

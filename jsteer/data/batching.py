@@ -24,34 +24,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jsteer.data.buckets import bucket
+
 Example = Mapping[str, Any]
-
-
-def bucket_boundaries(max_len: int, min_len: int = 16, growth: float = 2.0) -> tuple[int, ...]:
-    """Geometric bucket lengths ``min_len, min_len*growth, ...`` capped by and ending at ``max_len``.
-
-    Strictly increasing (what :class:`Batcher` requires): where rounding down would repeat a
-    length (small ``growth``), the next bucket is one longer than the last.
-    """
-    if min_len < 1 or max_len < min_len or growth <= 1.0:
-        raise ValueError(f"need 1 <= min_len <= max_len and growth > 1 (got {min_len}, {max_len}, {growth})")
-    out = []
-    b = float(min_len)
-    length = min_len
-    while length < max_len:
-        out.append(length)
-        b *= growth
-        length = max(int(b), length + 1)
-    out.append(max_len)
-    return tuple(out)
-
-
-def pick_bucket(length: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= ``length``; ValueError if none."""
-    for b in buckets:
-        if length <= b:
-            return b
-    raise ValueError(f"length {length} exceeds the largest bucket {buckets[-1]}")
 
 
 def pad_to(x: np.ndarray, length: int, value) -> np.ndarray:
@@ -168,7 +143,7 @@ class Batcher:
 
     def shapes(self) -> set[int]:
         """Padded lengths one epoch will use (for counting compiled shapes)."""
-        return {pick_bucket(int(self.lengths[b].max()), self.buckets) for b in self.epoch_batches(self._epoch)}
+        return {bucket(int(self.lengths[b].max()), self.buckets) for b in self.epoch_batches(self._epoch)}
 
     # ----------------------------------------------------------------- state
 
@@ -205,7 +180,7 @@ class Batcher:
 
     def collate(self, ids: np.ndarray) -> dict:
         """Global batch ``ids`` -> this host's rows, padded to the batch's bucket."""
-        length = pick_bucket(int(self.lengths[ids].max()), self.buckets)
+        length = bucket(int(self.lengths[ids].max()), self.buckets)
         local = self.batch_size // self.process_count
         rows = list(ids[self.process_index * local : (self.process_index + 1) * local])
         n_real = len(rows)
@@ -224,7 +199,8 @@ class Batcher:
                 try:
                     out[key] = np.stack([np.asarray(ex[key]) for ex in exs])
                 except ValueError as e:
-                    raise ValueError(f"field {key!r} differs in shape across examples; add it to pad_values ({e})")
+                    raise ValueError(f"field {key!r} differs in shape across examples; "
+                                     f"add it to pad_values ({e})") from e
         if self.mask_field is not None and self.mask_field not in out:
             lens = np.asarray([len(ex[next(iter(self.pad_values))]) for ex in exs])
             lens[n_real:] = 0

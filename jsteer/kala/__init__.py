@@ -18,6 +18,8 @@ Pieces (each module's docstring has the details):
   :mod:`~jsteer.kala.train`, :mod:`~jsteer.kala.pipeline`, :mod:`~jsteer.kala.cli`,
   :mod:`~jsteer.kala.runs`      tasks, metrics, training on ``jsteer.train.Trainer``, CLI and its
                                 run folders (run.json: no mixing of runs on resume).
+- :mod:`~jsteer.kala.protocol`, :mod:`~jsteer.kala.report`  the NER experiments' protocol (data
+                                sets, variants, graphs, caches, one run) and their results report.
 
 NER and extractive QA run from the shell (``jsteer kala build-graph / train / eval`` on CoNLL
 or SQuAD v1.1 files, :mod:`~jsteer.kala.cli`) or from Python (:mod:`~jsteer.kala.pipeline`).

@@ -30,11 +30,10 @@ from typing import Iterator, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from jsteer.data import ner as ner_lib
+from jsteer.data.buckets import KALA_LENGTHS, bucket
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
 from jsteer.kala.formats import Mention, describe, first_overlap
 from jsteer.kala.graph import GRAPH_KEYS, ExampleGraph, graph_need, stack_graphs
-
-LENGTH_BUCKETS = (32, 64, 128, 256, 384, 512)
 
 
 def raw_tokenizer(tok):
@@ -196,13 +195,6 @@ def encode_ner(words: Sequence[str], tags: Sequence[str], mentions: Sequence[Men
     return enc
 
 
-def length_bucket(n: int, buckets: Sequence[int] = LENGTH_BUCKETS) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"sequence of {n} tokens is longer than the largest bucket {buckets[-1]}")
-
-
 def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = None,
             keys: Sequence[str] = ("input_ids", "labels"),
             graph_min: Union[tuple[int, ...], Mapping[int, tuple[int, ...]]] = (0, 0),
@@ -225,7 +217,7 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     """
     if len(examples) > batch_size:
         raise ValueError(f"{len(examples)} examples do not fit batch_size={batch_size}")
-    t = length or length_bucket(max(len(e["input_ids"]) for e in examples))
+    t = length or KALA_LENGTHS(max(len(e["input_ids"]) for e in examples))
     if length is None and isinstance(graph_min, Mapping) and t in graph_min:
         t = _length_for_graph(examples, t, graph_min)
     pad = int(examples[0].get("pad_id", 0)) if examples else 0
@@ -299,7 +291,7 @@ def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, se
         yield idx, collate([examples[i] for i in idx], batch_size, length, keys, graph_min, graph_rungs)
 
 
-def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[int] = LENGTH_BUCKETS,
+def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[int] = KALA_LENGTHS.sizes,
                   length: Optional[int] = None) -> dict[int, tuple[int, ...]]:
     """Smallest node / edge / mentioned-node buckets per length bucket, for batches of these
     examples (see :func:`jsteer.kala.graph.stack_graphs`).
@@ -321,7 +313,7 @@ def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[i
     """
     by_t: dict[int, list[dict]] = {}
     for e in examples:
-        by_t.setdefault(length or length_bucket(len(e["input_ids"]), buckets), []).append(e)
+        by_t.setdefault(length or bucket(len(e["input_ids"]), buckets), []).append(e)
     out = {}
     for t, group in sorted(by_t.items()):
         group = sorted(group, key=lambda e: len(e["input_ids"]))

@@ -52,6 +52,7 @@ import numpy as np
 
 from jsteer.backbones.base import segment_sum, take_rows
 from jsteer.backbones.matmul import Dense
+from jsteer.data.buckets import GRAPH, bucket
 
 Array = jnp.ndarray
 
@@ -106,14 +107,6 @@ def add_self_loops(g: ExampleGraph) -> ExampleGraph:
     )
 
 
-def bucket_size(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum): the static sizes graphs are padded to."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
-
-
 def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
                  n_node: Optional[int] = None, n_edge: Optional[int] = None
                  ) -> tuple[jraph.GraphsTuple, np.ndarray]:
@@ -121,7 +114,7 @@ def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
 
     graphs: B example graphs, in batch order.
     token_nodes: int32 [B, T] local node index of each token's entity (-1 = none).
-    n_node / n_edge: padded totals; default :func:`bucket_size` of (real total + 1), since
+    n_node / n_edge: padded totals; default the :data:`jsteer.data.buckets.GRAPH` bucket of (real total + 1), since
       :func:`jraph.pad_with_graphs` needs at least one padding node.
     Returns (graph with B + 1 graphs, the last one padding; token_node int32 [B, T] indexing
     the batched nodes, -1 = none).
@@ -131,8 +124,8 @@ def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
         raise ValueError(f"token_nodes must be [B={len(graphs)}, T], got shape {token_nodes.shape}")
     offsets = np.cumsum([0] + [g.n_node for g in graphs])
     total_nodes, total_edges = int(offsets[-1]), sum(g.n_edge for g in graphs)
-    n_node = bucket_size(total_nodes + 1) if n_node is None else n_node
-    n_edge = bucket_size(total_edges) if n_edge is None else n_edge
+    n_node = GRAPH(total_nodes + 1) if n_node is None else n_node
+    n_edge = GRAPH(total_edges) if n_edge is None else n_edge
     if n_node < total_nodes + 1 or n_edge < total_edges:
         raise ValueError(f"graph bucket too small: {total_nodes} nodes (+1 padding) and "
                          f"{total_edges} edges do not fit n_node={n_node}, n_edge={n_edge}")
@@ -214,7 +207,7 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
             if all(s >= n for s, n in zip(shrunk, need[:2])):
                 sizes[:2] = shrunk
                 break
-    sizes = [s if s >= n else bucket_size(n, s) for s, n in zip(sizes, need)]  # no min given / float rounding
+    sizes = [s if s >= n else bucket(n, (s,), "double") for s, n in zip(sizes, need)]  # no min given / float rounding
     n_node, n_edge, n_mention = (_multiple(s, b) for s in sizes)
     graph, token_node = batch_graphs(graphs, token_nodes, n_node=n_node, n_edge=n_edge)
     mention = np.full(n_mention, n_node - 1, np.int32)
@@ -228,7 +221,8 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
         last[k][:len(into)] = v[into]
     return {"graph_entity": graph.nodes["entity"].reshape(b, -1), "graph_senders": graph.senders.reshape(b, -1),
             "graph_receivers": graph.receivers.reshape(b, -1), "graph_relation": graph.edges["relation"].reshape(b, -1),
-            "graph_n_node": np.asarray(graph.n_node[:b], np.int32), "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
+            "graph_n_node": np.asarray(graph.n_node[:b], np.int32),
+            "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
             "token_node": token_node, "graph_mention": mention.reshape(b, -1),
             **{f"graph_last_{k}": v.reshape(b, -1) for k, v in last.items()}}
 

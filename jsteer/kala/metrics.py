@@ -142,3 +142,21 @@ def squad_scores(predictions: dict[str, str], answers: dict[str, Sequence[str]])
         f1 += max(token_f1(pred, g) for g in golds)
     n = len(answers)
     return {"exact_match": 100.0 * em / n, "f1": 100.0 * f1 / n, "n": n}
+
+
+def lexicon_quality(lexicon, sentences) -> dict:
+    """How well a graph builder's lexicon (:class:`jsteer.kala.builder.Lexicon`) finds gold entity
+    mentions: ``sentences`` [(words, gold spans [(start, end)])] -> counts and rates. Mentions that
+    overlap / equal a gold span (``precision_overlap`` / ``precision_exact``), gold spans some
+    mention overlaps (``recall_overlap``), ``mentions_per_sentence``. The labels only score the
+    builder's output; it never reads them."""
+    found = overlap = exact = gold = hit = 0
+    for words, spans in sentences:
+        ms = lexicon.match(words)
+        found, gold = found + len(ms), gold + len(spans)
+        overlap += sum(any(m.start < e and s < m.end for s, e in spans) for m in ms)
+        exact += sum((m.start, m.end) in spans for m in ms)
+        hit += sum(any(m.start < e and s < m.end for m in ms) for s, e in spans)
+    return {"sentences": len(sentences), "lexicon_size": len(lexicon), "mentions": found, "gold_spans": gold,
+            "mentions_per_sentence": found / max(len(sentences), 1), "precision_overlap": overlap / max(found, 1),
+            "precision_exact": exact / max(found, 1), "recall_overlap": hit / max(gold, 1)}

@@ -4,10 +4,21 @@
 
 Modules: head (the steer math and baselines), train (frozen-backbone training on cached
 hidden states), transfer (map a steer to another model), interpret (SVD of W),
-highlight (per-token log-ratio and best span), artifact (save / load), cli.
+highlight (per-token log-ratio and best span), artifact (save / load), cli. The experiments'
+pieces: data (SST-5 / Jigsaw splits, prompts, on-policy texts, caches), evaluate (fine-tuned
+MiniLM evaluators, perplexity, diversity, sampling), protocol (choice rules, detox readings,
+sweep recipes), report (results tables and plots).
 """
 
 from jsteer.steer.head import (  # noqa: F401
-    apply, full_matrix, init, init_blacklist, init_offset, logit_bias, make_eps, steer_hidden,
-    to_hooks, to_steer,
+    apply,
+    full_matrix,
+    init,
+    init_blacklist,
+    init_offset,
+    logit_bias,
+    make_eps,
+    steer_hidden,
+    to_hooks,
+    to_steer,
 )

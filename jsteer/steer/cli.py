@@ -19,7 +19,6 @@ import json
 import sys
 import time
 
-
 # generic sentence openings: their mean final hidden state is the typical context for `explain`
 GENERIC_CONTEXTS = ("The", "I think that the", "It was a", "This is one of the", "When we got there, the")
 
@@ -46,6 +45,9 @@ def register(subparsers) -> None:
                    help="steer scale (default 1e-3; 1 for --baseline, whose parameters act on logits directly)")
     p.add_argument("--init-scale", type=float, default=1e-3)
     p.add_argument("--l2", type=float, default=0.0, help="L2 penalty weight on the steer params")
+    p.add_argument("--tokens-per-batch", type=int, default=None,
+                   help="token rows per training step (static; default: from the data and --batch-size); the "
+                        "experiments' low-rank recipes use 768")
     p.add_argument("--no-dummy", action="store_true", help="no domain-shift steer")
     p.add_argument("--max-len", type=int, default=128, help="tokens kept per text")
     p.add_argument("--limit", type=int, default=None, help="class-balanced random subset of this many texts")
@@ -194,7 +196,10 @@ def _train(args) -> int:
     eps0 = args.eps0 if args.eps0 is not None else (train.BASELINE_EPS0 if args.baseline else 1e-3)
     cfg = train.TrainConfig(rank=None if args.full_rank else args.rank, init_scale=args.init_scale, eps0=eps0,
                             lr=args.lr, steps=args.steps, batch_size=args.batch_size, l2=args.l2,
-                            dummy=not args.no_dummy, seed=args.seed, kind=kind)
+                            dummy=not args.no_dummy, seed=args.seed, kind=kind,
+                            tokens_per_batch=args.tokens_per_batch)
+    if args.tokens_per_batch is not None and args.tokens_per_batch < 1:
+        raise ValueError(f"--tokens-per-batch must be >= 1, got {args.tokens_per_batch}")
     t0 = time.time()
     key = _cache_key(args, lm) if args.cache else None
     if args.cache and os.path.exists(train.npz_path(args.cache)):
@@ -216,7 +221,8 @@ def _train(args) -> int:
                   extra={"data": args.data, "steps": cfg.steps, "rank": cfg.rank, "lr": cfg.lr, "l2": cfg.l2,
                          "batch_size": cfg.batch_size, "init_scale": cfg.init_scale,
                          "final_loss": hist["final_loss"], "texts": cache.num_texts,
-                         "tokens": cache.num_tokens})
+                         "tokens": cache.num_tokens,
+                         **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {})})
     print(f"cached hidden states in {t1 - t0:.1f}s; trained {cfg.steps} steps in {t2 - t1:.1f}s "
           f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}")
     print(f"wrote {args.out}")

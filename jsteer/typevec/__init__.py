@@ -4,7 +4,8 @@ A type vector TE is built from a few example tokens (SVD of their input embeddin
 mean) and added with strength lambda to input embeddings to steer which *type* of token a
 model predicts. Modules: :mod:`~jsteer.typevec.core` (vectors), :mod:`~jsteer.typevec.sampling`
 (examples from KG lists), :mod:`~jsteer.typevec.inject` (hooks), :mod:`~jsteer.typevec.probe`
-(LAMA probing), :mod:`~jsteer.typevec.analysis`, :mod:`~jsteer.typevec.artifact`.
+(LAMA probing), :mod:`~jsteer.typevec.protocol` (lambda units, hold-out layer choice),
+:mod:`~jsteer.typevec.analysis`, :mod:`~jsteer.typevec.artifact`.
 
 Quick start (from the repository root; the KG lists are in ``../shared/data``)::
 
@@ -23,5 +24,4 @@ The submodules are attributes of the package; ``tv.inject`` is the module
 
 from jsteer.typevec import analysis, artifact, core, inject, probe, sampling  # noqa: F401
 from jsteer.typevec.core import combine, make, make_all, normalize, project_out  # noqa: F401
-from jsteer.typevec.inject import (generation_hooks, mask_positions, offset, residual_hooks,  # noqa: F401
-                                   row_norm_unit, step_offset)
+from jsteer.typevec.inject import generation_hooks, mask_positions, offset, residual_hooks, row_norm_unit, step_offset  # noqa: F401

@@ -8,6 +8,8 @@
     jsteer typevec probe --model smollm2-135m --relation City/P19 --relation Country/P17 \\
         [--artifact tv/smollm2 [--artifact-type NAME=TYPE]] [--mode all] [--max-test 100] [--out report.json]
     jsteer typevec probe --model smollm2-135m --lama ../shared/data/lama [--lama-type P279=Genre]
+    jsteer typevec probe --model smollm2-135m --mode layer --layers 16,22,26,29 --lambda-unit resid \
+        --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --max-test 100   # typevec_lama.py's best setting
 
 Type examples come from the KG lists in ``--kg`` (default ``../shared/data/type_embedding/
 kg_samples`` beside the repository), sampled with ``--strategy`` (weighted by degree by
@@ -39,6 +41,8 @@ import sys
 from jsteer.cli import warning_lines
 
 _SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
+# --lambda-unit -> its kind; abs / row_norm are experiments/typevec_lama.py's names for one / norm
+_LAMBDA_UNITS = {"one": "one", "norm": "norm", "resid": "resid", "abs": "one", "row_norm": "norm"}
 DEFAULT_KG = _SHARED / "type_embedding" / "kg_samples"
 DEFAULT_DATA = _SHARED / "type_embedding" / "processed_lama"
 
@@ -91,9 +95,14 @@ def register(subparsers) -> None:
                    help="decoders: TE at the predicting position (pos), at every prompt token (all), or in "
                         "the residual stream of the predicting position after --layer (layer; not in the paper)")
     p.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
+    p.add_argument("--layers", default=None, metavar="L1,L2,...",
+                   help="--mode layer: candidate layers, one chosen on the hold-out (best macro hold-out P@1 at "
+                        "tuned lambda, lambda in resid units of each layer; overrides --layer)")
     p.add_argument("--lambdas", default="0,1,2,3,4,5", help="lambda grid tuned on the hold-out")
-    p.add_argument("--lambda-unit", choices=("norm", "one"), default="one",
-                   help="lambda times a unit TE (default, as the paper) or times the mean input-embedding norm")
+    p.add_argument("--lambda-unit", choices=tuple(_LAMBDA_UNITS), default="one",
+                   help="lambda times a unit TE (one, default, as the paper; alias abs), times the mean "
+                        "input-embedding norm (norm; alias row_norm) or times the mean residual-stream norm after "
+                        "--layer at the predicting position, measured on the hold-out prompts (resid; --mode layer)")
     p.add_argument("--holdout", type=float, default=0.05,
                    help="fraction of each relation's prompts that tunes lambda / w / the BTo form (0: no tuning)")
     p.add_argument("--max-test", type=int, default=None, help="cap on reported prompts per relation")
@@ -310,7 +319,7 @@ def _probe(args) -> int:
     import numpy as np
 
     import jsteer
-    from jsteer.typevec import probe
+    from jsteer.typevec import probe, protocol
 
     lm = jsteer.load(args.model)
     pm = probe.from_lm(lm)
@@ -327,13 +336,33 @@ def _probe(args) -> int:
         raise ValueError("nothing to probe: no relation has usable prompts and a type vector; "
                          + "; ".join(f"{g}: {w}" for g, w in why.items()))
     _log(f"probing {len(groups)} relation(s); skipped {len(skipped)}")
-    scale = float(np.mean(np.linalg.norm(np.asarray(pm.embedding()), axis=1))) if args.lambda_unit == "norm" else 1.0
+    kind = _LAMBDA_UNITS[args.lambda_unit]
+    if (kind == "resid" or args.layers) and args.mode != "layer":
+        raise ValueError("--lambda-unit resid and --layers need --mode layer (TE in the residual stream)")
+    if (kind == "resid" or args.layers) and not args.holdout > 0:
+        raise ValueError("--lambda-unit resid and --layers are measured on the hold-out: give --holdout > 0")
+    scale = float(np.mean(np.linalg.norm(np.asarray(pm.embedding()), axis=1))) if kind == "norm" else 1.0
     tes = {g: by_type[g.split("/")[0]] * scale for g in groups if g.split("/")[0] in by_type}
     lams = [float(x) for x in args.lambdas.split(",")]
+    layer = args.layer if args.mode == "layer" else None
+    selection, unit = None, 1.0
+    if args.layers:
+        candidates = [int(x) for x in args.layers.split(",")]
+        selection = protocol.select_layer(pm, {g: groups[g] for g in tes}, tes, candidates, lams, seed=args.seed,
+                                          batch_size=args.batch_size, holdout=args.holdout, log=_log)
+        layer = selection["chosen"]
+        _log(f"layer {layer} chosen on the hold-out of {candidates}")
+    if kind == "resid":
+        if layer is None:
+            raise ValueError("--lambda-unit resid needs --layer or --layers")
+        unit = protocol.lambda_unit(pm, "resid", layer, {g: groups[g] for g in tes}, args.seed, args.holdout)
+        _log(f"lambda unit (resid, layer {layer}) = {unit:.4f}")
     rep = probe.evaluate(pm, groups, tes, mode=args.mode, lam_grid=lams, holdout=args.holdout,
                          max_test=args.max_test, seed=args.seed, batch_size=args.batch_size, log=_log,
-                         layer=args.layer if args.mode == "layer" else None)
-    rep["lambda_unit"] = {"kind": args.lambda_unit, "scale": scale}
+                         layer=layer, lam_unit=unit)
+    rep["lambda_unit"] = {"kind": kind, "scale": scale, **({"value": unit} if kind == "resid" else {})}
+    if selection is not None:
+        rep["layer_selection"] = selection
     rep["skipped_relations"] = skipped
     rep["type_vectors"] = vec_report
     _print_report(rep)

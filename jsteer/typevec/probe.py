@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.data import buckets
 from jsteer.hooks import FiLM, Hooks
 from jsteer.typevec.inject import inject, one_hot_positions, residual_hooks
 from jsteer.typevec.sampling import single_token_id, space_sensitive
@@ -523,7 +524,10 @@ def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, g
     n_l = lam.shape[1]
     cache = init_cache(b, t)
     cache = forward(params, ids[:, :-1], attn[:, :-1], None, cache=cache).cache
-    rep = lambda x: jnp.repeat(x, n_l, axis=0)
+
+    def rep(x):
+        return jnp.repeat(x, n_l, axis=0)
+
     cache = cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
                           mask=rep(cache.mask), pos=rep(cache.pos))
     te_r = rep(te)
@@ -535,17 +539,14 @@ def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, g
     return rank.reshape(b, n_l), post_rank.reshape(-1, b, n_l), top1.reshape(b, n_l)
 
 
-def bucket_length(n: int, multiple: int = 8) -> int:
-    return max(multiple, int(math.ceil(n / multiple)) * multiple)
-
-
-def _length_batches(lengths: Sequence[int], bucket: int, batch_size: int):
-    """Yield (T, chunk, idx): rows grouped by bucketed length T (shortest first, stable), in
-    chunks of <= ``batch_size``; ``idx`` is ``chunk`` padded to ``batch_size`` with its first row."""
-    buckets = collections.defaultdict(list)
+def _length_batches(lengths: Sequence[int], multiple: int, batch_size: int):
+    """Yield (T, chunk, idx): rows grouped by length T rounded up to a multiple of ``multiple``
+    (:data:`jsteer.data.buckets.PROBE` for 8; shortest first, stable), in chunks of <=
+    ``batch_size``; ``idx`` is ``chunk`` padded to ``batch_size`` with its first row."""
+    groups = collections.defaultdict(list)
     for j in np.argsort(np.asarray(lengths, np.int64), kind="stable"):
-        buckets[bucket_length(int(lengths[j]), bucket)].append(int(j))
-    for t, rows in sorted(buckets.items()):
+        groups[buckets.bucket(int(lengths[j]), (multiple,), "multiple")].append(int(j))
+    for t, rows in sorted(groups.items()):
         for s in range(0, len(rows), batch_size):
             chunk = rows[s:s + batch_size]
             yield t, chunk, chunk + [chunk[0]] * (batch_size - len(chunk))
@@ -572,7 +573,7 @@ def _store_batch(out, chunk: np.ndarray, rank: np.ndarray, post_rank: np.ndarray
 
 def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequence[int],
                row_lam: Sequence[float], row_te: Sequence[int], tes: Array, *, mode: str = "pos",
-               post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
+               post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = buckets.PROBE.sizes[0],
                progress: Optional[Callable[[int, int], None]] = None, layer: Optional[int] = None) -> RowResult:
     """Score R rows: row r asks ``examples[row_example[r]]`` with ``row_lam[r] * tes[row_te[r]]``.
 
@@ -626,12 +627,13 @@ class GridResult:
 
 
 def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
-               tes: Array, *, post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = 8,
-               progress: Optional[Callable[[int, int], None]] = None, layer: Optional[int] = None
-               ) -> GridResult:
-    """Decoders, TE at the predicting position (``layer``: in the residual stream after that layer): prompt n is asked with each of ``lams[n]`` ([N, L],
-    or [L] for all) times ``tes[te_idx[n]]``. The lambda-independent prefix runs once per prompt
-    (KV cache), then the last token for every lambda. ``batch_size`` prompts per call."""
+               tes: Array, *, post_grid: Sequence[float] = POST_GRID, batch_size: int = 32,
+               bucket: int = buckets.PROBE.sizes[0], progress: Optional[Callable[[int, int], None]] = None,
+               layer: Optional[int] = None) -> GridResult:
+    """Decoders, TE at the predicting position (``layer``: in the residual stream after that
+    layer): prompt n is asked with each of ``lams[n]`` ([N, L], or [L] for all) times
+    ``tes[te_idx[n]]``. The lambda-independent prefix runs once per prompt (KV cache), then the
+    last token for every lambda. ``batch_size`` prompts per call."""
     ex_idx = np.asarray(ex_idx, np.int64)
     n = len(ex_idx)
     lams = np.asarray(lams, np.float32)
@@ -932,7 +934,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         rows = [(n, i, form_of[n]) for n, g in data.items() for i in g.test]
         ranks, ok = bto_ranks(rows)
         grp = np.array([n for n, _, _ in rows])
-        for n, g in data.items():
+        for n in data:
             sel = grp == n
             results[n]["BTo"] = precision_at(ranks[sel]) if sel.any() else {f"P@{k}": float("nan") for k in KS}
             results[n]["BTo_encoded"] = int(ok[sel].sum())
@@ -949,7 +951,8 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     macro_all = {m: macro({n: results[n][m] for n in in_macro}) for m in reported}
     return {"kind": kind, "mode": mode, "layer": layer, "lambda_unit": lam_unit,
             "identity": model.identity, "lambda_grid": list(lam_grid),
-            "post_grid": list(post_grid), "bto_forms": list(bto_forms), "holdout": holdout, "max_test": max_test, "max_holdout": max_holdout,
+            "post_grid": list(post_grid), "bto_forms": list(bto_forms), "holdout": holdout, "max_test": max_test,
+            "max_holdout": max_holdout,
             "seed": seed, "per_group": results, "macro": macro_all, "macro_relations": in_macro,
             "macro_excluded": excluded, "no_te": no_te, "untuned": untuned, "tuning": tuning,
             "skips": skips_report, "predictions": predictions}
