@@ -1,5 +1,5 @@
 """Trainer hooks: every N steps and at the end, early stopping with its checkpoint, step times,
-the ahead-of-time compiled step."""
+the ahead-of-time compiled step, and the logistic probe."""
 
 import json
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jsteer.train import EarlyStopping, Hook, OptimizerConfig, Trainer, data_mesh
+from jsteer.train.probe import fit_logistic
 
 ONE = data_mesh(jax.devices()[:1])
 
@@ -137,3 +138,16 @@ def test_compiled_step_is_the_trainers_step():
     np.testing.assert_array_equal(np.asarray(metrics["loss"]), np.asarray(want["loss"]))
     np.testing.assert_array_equal(np.asarray(state.params["w"]), np.asarray(ref.state.params["w"]))
 
+
+def test_logistic_probe_separates_and_vmaps():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 5)).astype(np.float32) * np.array([3, 1, 1, 1, 1], np.float32) + 2.0
+    y = (x[:, 0] - 2.0 > 0).astype(np.int32)
+    probe = fit_logistic(x, y)
+    assert float(np.mean((np.asarray(probe.prob(x)) > 0.5) == y)) > 0.95
+    w, b = probe.direction()
+    np.testing.assert_allclose(np.asarray(x @ w + b), np.asarray(probe.logits(x)), rtol=1e-4, atol=1e-4)
+    assert abs(float(w[0])) > 5 * float(np.max(np.abs(np.asarray(w[1:]))))
+    stacked = jax.vmap(lambda xx: fit_logistic(xx, y))(jnp.stack([x, -x]))
+    np.testing.assert_allclose(np.asarray(stacked.w[0]), np.asarray(probe.w), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(stacked.w[1]), -np.asarray(probe.w), rtol=1e-5, atol=1e-6)

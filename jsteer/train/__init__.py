@@ -5,6 +5,7 @@ A method supplies ``loss_fn(params, batch, rng) -> (loss, aux)``, its initial pa
 (sharding over a device mesh, bf16 compute with fp32 masters, Orbax checkpoints with exact
 resume, progress bar, JSONL metrics, periodic evaluation, early stopping, SIGTERM-safe saving),
 each feature a hook (:mod:`jsteer.train.hooks`) beside the caller's own (``trainer.add_hook``).
+:func:`fit_logistic` is the full-batch logistic probe (:mod:`jsteer.train.probe`).
 """
 
 from jsteer.train.checkpoint import Checkpointer
