@@ -43,15 +43,17 @@ VARIANTS = ("finetune", "pointwise", "relational_edrop")
 
 
 def step_fn(model, params, cfg, total: int):
-    """The jitted, donated AdamW train step :func:`jsteer.kala.train.fit` runs, and its state."""
-    import jax
-    import jax.numpy as jnp
-
+    """The jitted, donated AdamW train step :func:`jsteer.kala.train.fit` runs (its Trainer's), and its state."""
     from jsteer.kala import train as ktrain
 
-    step, opt = ktrain.adamw_step(ktrain.ner_loss(model), params, cfg, total)
-    params = jax.tree.map(jnp.copy, params)  # donated: never the loaded backbone's own buffers
-    return jax.jit(step, donate_argnums=(0, 1)), [params, opt.init(params)]
+    trainer = ktrain.make_trainer(model, params, cfg, total, progress=False)  # copies params: never donates them
+    step = trainer.step_fn(total)
+
+    def f(state, frozen, batch, rng):  # rng unused: the Trainer's step folds its seed with the step number
+        state, metrics = step(state, frozen, batch)
+        return state, frozen, metrics["loss"]
+
+    return f, [trainer.state, trainer.frozen]
 
 
 def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
@@ -62,7 +64,8 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
     import jsteer
     from jsteer.backbones.bert import BertConfig
     from jsteer.data import ner as ner_lib
-    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala import pipeline
+    from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
 
     proto, spec = kala_walltime.PROTOCOL["conll"], kala_ner.DATASETS["conll"]
