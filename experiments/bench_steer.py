@@ -25,6 +25,7 @@ import numpy as np
 from jsteer.data.buckets import bucket
 from jsteer.steer import data as steer_data
 from jsteer.steer import head, protocol, toy, train
+from jsteer.train import data_mesh
 from jsteer.workspace import log, write_json
 
 
@@ -115,27 +116,16 @@ def main():
     res_cache_s = time.perf_counter() - t0
     budget = int(-(-cache.num_tokens // 64) * 64)  # every token of these texts (same objective as below)
     params = train.init_params(cfg, d, v, 1)
-    import optax
-
-    opt = optax.adam(cfg.lr)
-    st = opt.init(params)
-    step_cached = train.make_step(train.cached_loss_fn(cfg), opt)
-    step_full = train.make_step(train.forward_loss_fn(hidden_fn, cfg), opt)
     rng = np.random.default_rng(0)
     b_cached = train.sample_batch(cache, rng, cfg.batch_size, budget)
-    b_full = {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "values": jnp.asarray(values[:, None])}
-    frozen_c = {"embedding": emb}
-    frozen_f = {"embedding": emb, "backbone": lm.params}
-    # each form trains its own copy: a step donates the params and optimizer state it is given
-    state = {k: (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, st)) for k in ("cached", "full_forward")}
-
-    def run(k, step, frozen, batch):
-        p, s, loss, _ = step(*state[k], frozen, batch)
-        state[k] = (p, s)
-        return loss
-
-    steps = {"cached": lambda: run("cached", step_cached, frozen_c, b_cached),
-             "full_forward": lambda: run("full_forward", step_full, frozen_f, b_full)}
+    b_full = {"ids": ids, "mask": mask, "values": values[:, None]}
+    # each form trains its own copy on the engine train() uses (one device: the step, not the mesh, is timed)
+    one = jax.devices()[:1]
+    tr_cached = train.make_trainer(cfg, {"steer": params, "embedding": emb}, mesh=data_mesh(one))
+    tr_full = train.make_trainer(cfg, {"steer": params, "embedding": emb, "backbone": lm.params},
+                                 train.forward_loss_fn(hidden_fn, cfg), mesh=data_mesh(one))
+    steps = {"cached": lambda: tr_cached.train_step(b_cached, cfg.steps)["loss"],
+             "full_forward": lambda: tr_full.train_step(b_full, cfg.steps)["loss"]}
     # same objective: both losses agree on the same texts
     l_c, l_f = float(steps["cached"]()), float(steps["full_forward"]())
     times = {k: [] for k in steps}

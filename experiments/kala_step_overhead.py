@@ -44,15 +44,17 @@ VARIANTS = ("finetune", "pointwise", "relational_edrop")
 
 
 def step_fn(model, params, cfg, total: int):
-    """The jitted, donated AdamW train step :func:`jsteer.kala.train.fit` runs, and its state."""
-    import jax
-    import jax.numpy as jnp
-
+    """The jitted, donated AdamW train step :func:`jsteer.kala.train.fit` runs (its Trainer's), and its state."""
     from jsteer.kala import train as ktrain
 
-    step, opt = ktrain.adamw_step(ktrain.ner_loss(model), params, cfg, total)
-    params = jax.tree.map(jnp.copy, params)  # donated: never the loaded backbone's own buffers
-    return jax.jit(step, donate_argnums=(0, 1)), [params, opt.init(params)]
+    trainer = ktrain.make_trainer(model, params, cfg, total, progress=False)  # copies params: never donates them
+    step = trainer.step_fn(total)
+
+    def f(state, frozen, batch, rng):  # rng unused: the Trainer's step folds its seed with the step number
+        state, metrics = step(state, frozen, batch)
+        return state, frozen, metrics["loss"]
+
+    return f, [trainer.state, trainer.frozen]
 
 
 def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:

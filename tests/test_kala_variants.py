@@ -105,7 +105,7 @@ def test_bert_layer_parts_is_bert_layer():
     ids = jnp.zeros((1, 4), jnp.int32)
     enc = jax.eval_shape(lambda: BertEncoder(cfg).init(jax.random.PRNGKey(0), ids))["params"]
     venc = jax.eval_shape(lambda: VariantEncoder(cfg).init(
-        jax.random.PRNGKey(0), ids, method=lambda m, x: [l(m.embeddings(x)) for l in m.layers]))["params"]
+        jax.random.PRNGKey(0), ids, method=lambda m, x: [layer(m.embeddings(x)) for layer in m.layers]))["params"]
     assert jax.tree.map(jnp.shape, venc) == jax.tree.map(jnp.shape, enc)
 
 
@@ -374,3 +374,53 @@ def test_training_batches_carry_what_each_method_reads():
         batch = next(iter(ktrain._Endless.for_model(model, train, tc, "ner", vtrain.batch_keys(model))))
         assert ("graph_senders" in batch) == has_graph, method
         assert set(kbert.TREE_KEYS) <= set(batch) if method == "kbert" else not set(kbert.TREE_KEYS) & set(batch)
+
+
+def test_one_fit_for_kala_models_and_variants():
+    """One fit: the variants harness is jsteer.kala.train.fit with its forward and batch keys.
+    On KALA's own models (fine-tuning, relational) both give bit-identical params and losses;
+    on EaE the fit equals a Trainer run of the objective written out here (token cross-entropy
+    plus the entity-linking aux loss) over the harness' batch stream."""
+    import optax
+
+    from jsteer.data import ner as ner_lib
+    from jsteer.kala import train as ktrain
+    from jsteer.train import Trainer, data_mesh
+
+    task = synthetic.make_task(0, n_train=40)
+    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                     max_position_embeddings=64)
+    tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=8, max_steps=4, warmup_ratio=0.25, seed=1)
+    kg = task.knowledge_graph()
+
+    def setup(method):
+        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities))
+        train = task.encode("train", functools.partial(registry.encode_ner, method), kg=kg)
+        memory = task.memory if method in ("eae", "relational") else None
+        return model, registry.init_params(model, jax.random.PRNGKey(0), memory=memory, seq_len=16), train
+
+    def same(a, b):
+        assert a.losses == b.losses and len(a.losses) == tc.max_steps
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    for method in ("finetune", "relational"):
+        model, params, train = setup(method)
+        same(ktrain.fit(model, params, train, tc), vtrain.fit(model, params, train, tc))
+
+    model, params, train = setup("eae")
+
+    def reference_loss(p, batch, rng):
+        graph, token_node = ktrain.model_inputs(model, batch)
+        out = model.apply({"params": p}, batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"),
+                          graph, token_node, deterministic=False, extras=None, rngs={"dropout": rng})
+        valid = batch["labels"] != ner_lib.IGNORE_INDEX
+        ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, jnp.maximum(batch["labels"], 0))
+        return jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1) + out.aux_loss, {}
+
+    ref = Trainer(reference_loss, params, ktrain.optimizer_config(tc, tc.max_steps),
+                  mesh=data_mesh(jax.devices()[:1]), seed=tc.seed, progress=False)
+    losses = []
+    ref.fit(ktrain._Endless.for_model(model, train, tc, "ner", vtrain.batch_keys(model)), tc.max_steps,
+            on_step=lambda s, m: losses.append(float(m["loss"])))
+    same(vtrain.fit(model, params, train, tc), ktrain.FitResult(ref.params, losses, 0, 0, 0, 0, None, 0))

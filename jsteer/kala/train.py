@@ -1,11 +1,13 @@
 """Training and evaluation for KALA NER / QA (and the baselines, same harness).
 
-Training runs on the shared engine :class:`jsteer.train.Trainer` (checkpoints, JSONL metrics,
-resume). Optimiser: AdamW with linear warmup + decay and global-norm clipping; the knowledge
-module (``params["kala"]``) gets its own learning rate (``kala_lr``), everything else ``lr``
-(the paper's setup). Losses:
-NER token cross-entropy over labelled subwords (first piece of each word); QA the mean of the
-start and end cross-entropies.
+Training is a loss plus a batch stream on the shared engine :class:`jsteer.train.Trainer`
+(checkpoints, JSONL metrics, resume, step times). Optimiser: AdamW with linear warmup + decay
+and global-norm clipping; the knowledge module (``params["kala"]``) gets its own learning rate
+(``kala_lr``), everything else ``lr`` (the paper's setup). Losses (:func:`task_loss`): NER token
+cross-entropy over labelled subwords (first piece of each word); QA the mean of the start and
+end cross-entropies; plus the model output's ``aux_loss`` where it has one. The variants harness
+(:mod:`jsteer.kala.variants.train`) runs this same :func:`fit` / :func:`predict_ner` with its
+models' forward and extra batch keys.
 
 Everything heavy is one jitted step; batches come padded to static [B, T] buckets and graph
 buckets (:mod:`jsteer.kala.data`), so the number of compiled shapes stays small.
@@ -14,8 +16,8 @@ buckets (:mod:`jsteer.kala.data`), so the number of compiled shapes stays small.
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Callable, Iterable, Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,7 @@ from jsteer.kala import data as kdata
 from jsteer.kala.graph import flatten_graphs, last_layer_edges
 from jsteer.kala.metrics import ner_report
 from jsteer.kala.model import KalaModel
-from jsteer.train import OptimizerConfig, Trainer, data_mesh, make_optimizer, resolve_labels
+from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,73 +84,73 @@ def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=Non
                        mention=mention, last_edges=last)
 
 
-def ner_loss(model: KalaModel) -> Callable:
-    """loss_fn(params, batch, rng) -> (mean token CE over labelled subwords, aux)."""
+def task_loss(forward_fn: Callable, task: str = "ner") -> Callable:
+    """``loss_fn(params, batch, rng) -> (loss, aux)`` of ``task`` for the model run by
+    ``forward_fn(params, batch, deterministic, rng)`` (an output with ``logits``: [B, T, labels]
+    for NER, [B, T, 2] span logits for QA). NER: mean token cross-entropy over labelled subwords,
+    aux ``labelled_tokens``; QA: mean of the start / end cross-entropies over real rows, aux
+    ``examples``. An output's ``aux_loss`` (EaE's entity linking) is added to the loss and logged
+    with its ``aux`` scalars."""
+    if task not in ("ner", "qa"):
+        raise ValueError(f"task must be 'ner' or 'qa', got {task!r}")
 
-    def loss_fn(params, batch, rng):
-        logits = forward(model, params, batch, False, rng).logits
+    def with_aux(out, loss, aux):
+        extra = getattr(out, "aux_loss", None)
+        if extra is None:
+            return loss, aux
+        return loss + extra, {**aux, "aux_loss": extra, **(getattr(out, "aux", None) or {})}
+
+    def ner(params, batch, rng):
+        out = forward_fn(params, batch, False, rng)
         labels = batch["labels"]
         valid = labels != ner_lib.IGNORE_INDEX
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+        ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, jnp.maximum(labels, 0))
         loss = jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1)
-        return loss, {"labelled_tokens": jnp.sum(valid)}
+        return with_aux(out, loss, {"labelled_tokens": jnp.sum(valid)})
 
-    return loss_fn
-
-
-def qa_loss(model: KalaModel) -> Callable:
-    """loss_fn for span QA: mean of start / end cross-entropies over real rows."""
-
-    def loss_fn(params, batch, rng):
-        logits = forward(model, params, batch, False, rng).logits  # [B, T, 2]
-        mask = batch["attention_mask"] > 0
-        lg = jnp.where(mask[..., None], logits, -1e9)
+    def qa(params, batch, rng):
+        out = forward_fn(params, batch, False, rng)
+        lg = jnp.where((batch["attention_mask"] > 0)[..., None], out.logits, -1e9)
         ls = optax.softmax_cross_entropy_with_integer_labels(lg[..., 0], batch["start_positions"])
         le = optax.softmax_cross_entropy_with_integer_labels(lg[..., 1], batch["end_positions"])
         real = batch["example_mask"].astype(jnp.float32)
         loss = jnp.sum((ls + le) / 2 * real) / jnp.maximum(jnp.sum(real), 1)
-        return loss, {"examples": jnp.sum(real)}
+        return with_aux(out, loss, {"examples": jnp.sum(real)})
 
-    return loss_fn
-
-
-def adamw_step(loss_fn: Callable, params, cfg: TrainConfig,
-               total_steps: int) -> tuple[Callable, optax.GradientTransformation]:
-    """(step, optimizer): ``step(params, opt_state, batch, rng) -> (params, opt_state, loss)``, one
-    un-jitted update with :func:`optimizer_config`'s AdamW on ``loss_fn`` (its optimiser state:
-    ``optimizer.init(params)``)."""
-    ocfg = optimizer_config(cfg, total_steps)
-    opt = make_optimizer(ocfg, resolve_labels(params, ocfg), total_steps)[0]
-
-    def step(params, opt_state, batch, rng):
-        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step, opt
+    return ner if task == "ner" else qa
 
 
-def step_memory_bytes(loss_fn: Callable, params, batch, cfg: TrainConfig, total_steps: int) -> Optional[int]:
-    """Bytes XLA plans for one AdamW train step (arguments + outputs + temporaries - aliased),
-    from an ahead-of-time compile of the same loss; None where the backend does not say."""
-    step, opt = adamw_step(loss_fn, params, cfg, total_steps)
-    opt_state = jax.eval_shape(opt.init, params)
-    try:
-        ma = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch, jax.random.PRNGKey(0)) \
-            .compile().memory_analysis()
-        return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                   - ma.alias_size_in_bytes)
-    except Exception:  # noqa: BLE001 - not every backend reports it
-        return None
+def ner_loss(model: KalaModel) -> Callable:
+    """loss_fn(params, batch, rng) -> (mean token CE over labelled subwords, aux)."""
+    return task_loss(functools.partial(forward, model), "ner")
+
+
+def qa_loss(model: KalaModel) -> Callable:
+    """loss_fn for span QA: mean of start / end cross-entropies over real rows."""
+    return task_loss(functools.partial(forward, model), "qa")
+
+
+def make_trainer(model: KalaModel, params: dict, cfg: TrainConfig, total_steps: int, task: str = "ner", *,
+                 loss_fn: Optional[Callable] = None, mesh=None, rules=None, **kw) -> Trainer:
+    """The :class:`jsteer.train.Trainer` :func:`fit` trains on: ``loss_fn`` (default the task's
+    loss of a KALA model) with :func:`optimizer_config`'s AdamW over ``total_steps``, on one
+    device unless ``mesh``; ``rules`` shards the encoder's params (logical axes inferred);
+    ``kw``: further Trainer options (checkpoint_dir, log_path, eval_fn, ...)."""
+    loss_fn = loss_fn or task_loss(functools.partial(forward, model), task)
+    kw.setdefault("log_every", max(total_steps // 20, 1))
+    return Trainer(loss_fn, params, optimizer_config(cfg, total_steps), mesh=mesh or data_mesh(jax.devices()[:1]),
+                   rules=rules or "dp", axes="auto" if rules else None, seed=cfg.seed, **kw)
 
 
 def measure_step_memory(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig,
-                        task: str = "ner") -> Optional[int]:
-    """:func:`step_memory_bytes` of the first batch :func:`fit` would train on, without training
-    (same seed -> same examples and shapes for every method)."""
-    loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
-    first = next(iter(_Endless.for_model(model, examples, cfg, task)))
-    return step_memory_bytes(loss_fn, params, first, cfg, cfg.total_steps(len(examples)))
+                        task: str = "ner", *, loss_fn: Optional[Callable] = None, keys=None) -> Optional[int]:
+    """Bytes XLA plans for one train step of :func:`fit` (:meth:`Trainer.step_memory_bytes`) on
+    the first batch it would train on, without training (same seed -> same examples and shapes
+    for every method); None where the backend does not say."""
+    total = cfg.total_steps(len(examples))
+    trainer = make_trainer(model, params, cfg, total, task, loss_fn=loss_fn, progress=False)
+    first = next(iter(_Endless.for_model(model, examples, cfg, task, keys)))
+    return trainer.step_memory_bytes(first, total)
 
 
 class _Endless:
@@ -203,8 +205,8 @@ class _Endless:
 class FitResult:
     params: dict
     losses: list
-    train_seconds: float  # wall time of steps 2..N (the first, compiling step excluded)
-    compile_seconds: float  # wall time of step 1
+    train_seconds: float  # seconds of steps 2..N (the first, compiling step excluded; so are evaluations)
+    compile_seconds: float  # seconds of step 1
     steps: int  # optimiser steps this call ran (0 when a resumed run was already complete)
     examples_per_second: float
     step_memory_bytes: Optional[int]
@@ -221,11 +223,14 @@ def task_keys(task: str) -> tuple[str, ...]:
 
 def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *,
         log_path=None, checkpoint_dir=None, eval_fn=None, eval_every=None, progress: bool = False,
-        measure_memory: bool = False, mesh=None, rules=None, nonresumable_data: str = "warn") -> FitResult:
+        measure_memory: bool = False, mesh=None, rules=None, nonresumable_data: str = "warn",
+        loss_fn: Optional[Callable] = None, keys: Optional[Sequence[str]] = None) -> FitResult:
     """Train on encoded examples for ``cfg.epochs`` (or ``cfg.max_steps``) with the shared
-    :class:`jsteer.train.Trainer` (one device by default: graphs are per example, so the data
-    axis may be widened with ``mesh`` when the batch divides it). ``rules`` (a
-    :mod:`jsteer.sharding` preset or dict) also shards the encoder's params over ``mesh``.
+    :class:`jsteer.train.Trainer` (:func:`make_trainer`; one device by default: graphs are per
+    example, so the data axis may be widened with ``mesh`` when the batch divides it). ``rules``
+    (a :mod:`jsteer.sharding` preset or dict) also shards the encoder's params over ``mesh``.
+    ``loss_fn`` / ``keys``: another model's loss and per-token batch keys (the variants
+    harness'); default the task's KALA loss and :func:`task_keys`.
 
     With ``checkpoint_dir`` holding a checkpoint the run resumes from it, the batch stream at the
     recorded position (same params as an uninterrupted run). ``nonresumable_data``: what a
@@ -234,65 +239,57 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     checkpoint: the result then has ``preempted=True``. Raises ValueError without examples."""
     if len(examples) == 0:
         raise ValueError("fit: no training examples (an empty training file, or a train size of 0?)")
-    loss_fn = ner_loss(model) if task == "ner" else qa_loss(model)
     total = cfg.total_steps(len(examples))
-    trainer = Trainer(loss_fn, params, optimizer_config(cfg, total), mesh=mesh or data_mesh(jax.devices()[:1]),
-                      rules=rules or "dp", axes="auto" if rules else None, checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
-                      log_every=max(total // 20, 1), seed=cfg.seed, progress=progress, exit_on_preempt=False)
-    stream = _Endless.for_model(model, examples, cfg, task)
-    losses, marks = [], []
-
-    def on_step(step, metrics):
-        losses.append(float(metrics["loss"]))  # syncs, so the marks time finished steps
-        marks.append(time.perf_counter())
-
-    t0 = time.perf_counter()
+    # sync_steps: each step's loss is read anyway, and the step times are then device times
+    trainer = make_trainer(model, params, cfg, total, task, loss_fn=loss_fn, mesh=mesh, rules=rules,
+                           checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
+                           progress=progress, exit_on_preempt=False, sync_steps=True)
+    losses = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    stream = _Endless.for_model(model, examples, cfg, task, keys)
     # the stream itself, not iter(stream): the trainer checkpoints its state() and restores it
     # with set_state(), so a resumed run continues at the batch an uninterrupted one would take
-    summary = trainer.fit(stream, total, on_step=on_step, nonresumable_data=nonresumable_data)
-    mem = None
-    if measure_memory:
-        first = next(iter(stream))
-        mem = step_memory_bytes(loss_fn, trainer.params, first, cfg, total)
-    n = len(marks)
-    train_s = marks[-1] - marks[0] if n > 1 else float("nan")
-    ex_s = (n - 1) * cfg.batch_size / train_s if n > 1 else float("nan")
-    med = float(np.median(np.diff(marks))) if n > 1 else float("nan")
+    summary = trainer.fit(stream, total, nonresumable_data=nonresumable_data)
+    mem = trainer.step_memory_bytes(next(iter(stream)), total) if measure_memory else None
+    times = trainer.step_times
+    n = len(times)
+    train_s = float(np.sum(times[1:])) if n > 1 else float("nan")
     return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
-                     compile_seconds=(marks[0] - t0) if marks else float("nan"), steps=n,
-                     examples_per_second=ex_s, step_memory_bytes=mem, trainable_params=count_params(params),
-                     median_step_seconds=med, preempted=bool(summary["preempted"]), last_step=int(summary["step"]))
+                     compile_seconds=times[0] if n else float("nan"), steps=n,
+                     examples_per_second=(n - 1) * cfg.batch_size / train_s if n > 1 else float("nan"),
+                     step_memory_bytes=mem, trainable_params=count_params(params),
+                     median_step_seconds=float(np.median(times[1:])) if n > 1 else float("nan"),
+                     preempted=bool(summary["preempted"]), last_step=int(summary["step"]))
 
 
-def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64
-                ) -> list[np.ndarray]:
-    """Per-word predicted label ids for each example (words cut by truncation get 0 = 'O')."""
-
-    @jax.jit
-    def logits_fn(params, batch):
-        return forward(model, params, batch).logits
-
+def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64, *,
+                forward_fn: Optional[Callable] = None, keys: Sequence[str] = ()) -> list[np.ndarray]:
+    """Per-word predicted label ids for each example (words cut by truncation get 0 = 'O').
+    ``forward_fn(params, batch)`` / ``keys``: another model's forward and extra batch keys."""
+    fwd = forward_fn or functools.partial(forward, model)
+    logits_fn = jax.jit(lambda p, b: fwd(p, b).logits)
+    graph = model.kala.uses_knowledge
     preds: list = [None] * len(examples)
-    for idx, batch in kdata.batches(examples, batch_size, keys=("input_ids", "labels", "word_index"),
-                                    graph=model.kala.uses_knowledge):
+    for idx, batch in kdata.batches(examples, batch_size, keys=task_keys("ner") + tuple(keys) + ("word_index",),
+                                    graph=graph):
         wi = batch["word_index"]
-        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)), -1))
+        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, graph)), -1))
         for r, i in enumerate(idx):
             preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
     return preds
 
 
 def evaluate_ner(model: KalaModel, params: dict, examples: Sequence[dict], gold_tags: Sequence[Sequence[str]],
-                 label_names: Sequence[str], batch_size: int = 64, subsets: Optional[dict] = None) -> dict:
-    """Entity-level scores (percent) overall and on optional {name: example indices} subsets."""
-    preds = predict_ner(model, params, examples, batch_size)
+                 label_names: Sequence[str], batch_size: int = 64, subsets: Optional[dict] = None, *,
+                 forward_fn: Optional[Callable] = None, keys: Sequence[str] = ()) -> dict:
+    """Entity-level scores (percent) overall and on optional {name: example indices} subsets
+    (``forward_fn`` / ``keys``: as :func:`predict_ner`)."""
+    preds = predict_ner(model, params, examples, batch_size, forward_fn=forward_fn, keys=keys)
     return ner_report(gold_tags, [[label_names[int(p)] for p in ps] for ps in preds], subsets)
 
 
 def count_params(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
 
 
 def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64

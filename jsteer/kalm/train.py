@@ -8,7 +8,6 @@ warmup + linear decay, global-norm clipping).
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Iterator
 
 import jax
@@ -37,9 +36,9 @@ class LMTrainConfig:
 def tiny_llama(vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4, max_len: int = 256
                ) -> DecoderConfig:
     """A small random-init LLaMA for word-level recipe text (tied embeddings)."""
-    return DecoderConfig.llama(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
-                       num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, max_position_embeddings=max_len,
-                       tie_word_embeddings=True)
+    return DecoderConfig.llama(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
+                               num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                               max_position_embeddings=max_len, tie_word_embeddings=True)
 
 
 def make_model(kind: str, backbone: DecoderConfig, vocab: TypedVocab, type_dim: int = 32,
@@ -95,18 +94,15 @@ def train(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, c
     warmup = min(cfg.warmup_steps, max(cfg.steps // 10, 1))
     opt = OptimizerConfig(learning_rate=cfg.lr, schedule="linear", warmup_steps=warmup,
                           total_steps=cfg.steps, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    # sync_steps: each step's loss is read anyway, and the step times are then device times
     trainer = Trainer(loss_fn(model, vocab), params, opt, mesh=mesh or data_mesh(), log_path=log_path,
-                      log_every=max(cfg.steps // 20, 1), seed=cfg.seed, progress=progress)
-    losses, marks = [], []
-
-    def on_step(step, metrics):
-        losses.append(float(metrics["loss"]))
-        marks.append(time.perf_counter())
-
-    t0 = time.perf_counter()
-    trainer.fit(_batches(ids, mask, cfg.batch_size, cfg.seed), cfg.steps, on_step=on_step)
-    return trainer.params, {"losses": losses, "seconds": marks[-1] - marks[0] if len(marks) > 1 else float("nan"),
-                            "compile_seconds": marks[0] - t0 if marks else float("nan")}
+                      log_every=max(cfg.steps // 20, 1), seed=cfg.seed, progress=progress, sync_steps=True)
+    losses = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    trainer.fit(_batches(ids, mask, cfg.batch_size, cfg.seed), cfg.steps)
+    times = trainer.step_times
+    return trainer.params, {"losses": losses, "seconds": float(np.sum(times[1:])) if len(times) > 1 else float("nan"),
+                            "compile_seconds": times[0] if times else float("nan")}
 
 
 def _chunks(n: int, size: int):

@@ -16,7 +16,6 @@ kept for the speed comparison in experiments/bench_steer.py.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -25,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jsteer.steer import head
 
@@ -57,7 +55,9 @@ class TrainConfig:
     kind: str = "steer"             # "steer" | "blacklist" | "offset" (baselines)
     tokens_per_batch: Optional[int] = None  # static token budget per step; None: from data
     log_every: int = 50
-    engine: str = "jsteer"          # "jsteer" (jsteer.train.Trainer) | "optax" (minimal loop)
+    # kept so older configs load: both names train on jsteer.train.Trainer ("optax" named a
+    # separate minimal Adam loop, the same math, which is gone)
+    engine: str = "jsteer"
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every"):
@@ -394,34 +394,30 @@ def init_params(cfg: TrainConfig, hidden_dim: int, vocab_size: int, num_user_ste
     return init(jax.random.PRNGKey(cfg.seed), cfg, hidden_dim, vocab_size, num_user_steers + int(cfg.dummy))
 
 
-def make_step(loss_fn, optimizer):
-    """Jitted Adam step on the "steer" entry of params; every other entry stays frozen.
-    step(trainable, opt_state, frozen, batch) -> (trainable, opt_state, loss, aux); the
-    trainable params and optimizer state passed in are donated (do not reuse them)."""
+def make_trainer(cfg: TrainConfig, params: dict, loss_fn: Optional[Callable] = None, **kw):
+    """The :class:`jsteer.train.Trainer` a steer trains on: ``params["steer"]`` trained with plain
+    Adam at ``cfg.lr`` (constant, no clipping, no weight decay: the paper's), every other entry
+    of ``params`` (the embedding, a backbone) frozen; ``loss_fn`` default
+    :func:`cached_loss_fn`; ``kw``: further Trainer options."""
+    from jsteer.train import OptimizerConfig, Trainer
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(trainable, opt_state, frozen, batch):
-        def f(tr):
-            return loss_fn({**frozen, "steer": tr}, batch, None)
-
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, aux
-
-    return step
+    opt = OptimizerConfig(learning_rate={"steer": cfg.lr, "frozen": None},
+                          labels=lambda path, leaf: "steer" if path[0] == "steer" else "frozen",
+                          schedule="constant", clip_norm=None, weight_decay=0.0)
+    kw = {"progress": False, "log_every": cfg.log_every, "seed": cfg.seed, **kw}
+    return Trainer(loss_fn or cached_loss_fn(cfg), params, opt, **kw)
 
 
 def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainConfig(),
           params: Optional[dict] = None, progress: bool = False) -> Tuple[dict, dict]:
-    """Train steer params on cached hidden states.
+    """Train steer params on cached hidden states with :func:`make_trainer`'s
+    :class:`jsteer.train.Trainer` (the project's engine: device mesh, JSONL-able metrics).
 
-    ``cfg.engine``: "jsteer" runs :class:`jsteer.train.Trainer` (the project's engine: device
-    mesh, JSONL-able metrics; constant lr, no clipping, no weight decay = the paper's plain
-    Adam); "optax" runs a minimal jitted Adam loop (same math, no engine overhead).
     Returns (params, history) with history {"step": [...], "loss": [...], "seconds",
-    "steps_per_s", "tokens_per_batch", "final_loss"} (seconds exclude compilation).
-    A SIGTERM stops the "jsteer" engine after the current step with ``sys.exit(143)`` (the
-    engine's preemption exit; nothing to checkpoint), so no caller mistakes a cut run for a steer.
+    "steps_per_s", "tokens_per_batch", "final_loss"} (seconds exclude compilation; losses of
+    the 0-based steps 0, log_every, 2 log_every, ... and the last).
+    A SIGTERM stops training after the current step with ``sys.exit(143)`` (the engine's
+    preemption exit; nothing to checkpoint), so no caller mistakes a cut run for a steer.
     """
     if cache.num_texts == 0:
         raise ValueError("no training texts in the hidden cache")
@@ -433,43 +429,26 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
     budget = cfg.tokens_per_batch or default_budget(cache, cfg.batch_size)
     rng = np.random.default_rng(cfg.seed)
     batches = (sample_batch(cache, rng, cfg.batch_size, budget) for _ in range(cfg.steps))
-    emb = jnp.asarray(embedding, jnp.float32)
+    trainer = make_trainer(cfg, {"steer": params, "embedding": jnp.asarray(embedding, jnp.float32)})
     hist: Dict[str, Any] = {"step": [], "loss": []}
-
-    def record(i, loss):
-        hist["step"].append(i)
-        hist["loss"].append(float(loss))
-        if progress:
-            print(f"  step {i}: loss {float(loss):.4f}", flush=True)
-
     timer = {"t0": None}
 
-    def on_step(i0, loss):  # i0: 0-based index of the finished step
+    @trainer.add_hook
+    def record(info):
+        i0 = info.step - 1
         if i0 == 0:
-            jax.block_until_ready(loss)
+            jax.block_until_ready(info.metrics["loss"])
             timer["t0"] = time.time()  # exclude compilation
-        if i0 % cfg.log_every == 0 or i0 == cfg.steps - 1:
-            record(i0, loss)
+        if i0 % cfg.log_every == 0 or info.final:
+            hist["step"].append(i0)
+            hist["loss"].append(info.loss)
+            if progress:
+                print(f"  step {i0}: loss {info.loss:.4f}", flush=True)
 
-    if cfg.engine == "jsteer":
-        from jsteer.train import OptimizerConfig, Trainer
-
-        opt = OptimizerConfig(learning_rate={"steer": cfg.lr, "frozen": None},
-                              labels=lambda path, leaf: "steer" if path[0] == "steer" else "frozen",
-                              schedule="constant", clip_norm=None, weight_decay=0.0)
-        trainer = Trainer(cached_loss_fn(cfg), {"steer": params, "embedding": emb}, opt, progress=False,
-                          log_every=max(cfg.log_every, 1), seed=cfg.seed)
-        trainer.fit(batches, cfg.steps, resume=False, on_step=lambda s, m: on_step(s - 1, m["loss"]))
-        # host copies: the engine's arrays live on its device mesh, which would clash with a
-        # model pinned to one device (e.g. restored from a checkpoint) in one jitted call
-        params = {k: jnp.asarray(np.asarray(x)) for k, x in trainer.params["steer"].items()}
-    else:  # "optax" (TrainConfig validates the name)
-        opt = optax.adam(cfg.lr)
-        opt_state = opt.init(params)
-        step = make_step(cached_loss_fn(cfg), opt)
-        for i, batch in enumerate(batches):
-            params, opt_state, loss, _ = step(params, opt_state, {"embedding": emb}, batch)
-            on_step(i, loss)
+    trainer.fit(batches, cfg.steps, resume=False)
+    # host copies: the engine's arrays live on its device mesh, which would clash with a
+    # model pinned to one device (e.g. restored from a checkpoint) in one jitted call
+    params = {k: jnp.asarray(np.asarray(x)) for k, x in trainer.params["steer"].items()}
     jax.block_until_ready(params)
     secs = time.time() - timer["t0"] if timer["t0"] is not None else 0.0
     hist["seconds"] = secs

@@ -7,7 +7,8 @@ the initial params pytree and an :class:`~jsteer.train.optim.OptimizerConfig` wh
     trainer = Trainer(loss_fn, params, OptimizerConfig(learning_rate=1e-3),
                       precision="bf16", checkpoint_dir="runs/x", log_path="runs/x/log.jsonl",
                       eval_fn=lambda p: {"acc": ...}, eval_every=200, best_metric="eval/acc",
-                      best_mode="max")
+                      best_mode="max", patience=5)
+    trainer.add_hook(lambda info: print(info.step, info.loss), every=100)
     result = trainer.fit(batches, num_steps=1000)   # resumes from runs/x if it holds a checkpoint
     params = trainer.params                          # trainable (fp32) merged with frozen
 
@@ -16,6 +17,10 @@ gives its own rows). If it has ``state()`` / ``set_state(state)`` (like
 :class:`jsteer.data.batching.Batcher`) its position is checkpointed and restored; resuming
 from a checkpoint without a data position restarts the data from its beginning, which
 ``fit`` warns about (``nonresumable_data``).
+
+After each step the hooks run (:mod:`jsteer.train.hooks`: logging, evaluation, early
+stopping, the caller's, checkpoints; each every N steps and at the end), and the step's
+duration joins ``step_times``.
 
 A step whose loss or gradient norm is not finite stops the run with ``FloatingPointError``
 at the next log line or save, whichever comes first: no checkpoint is written from it.
@@ -31,7 +36,6 @@ checkpoint, waits for it and exits with status 143.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import sys
@@ -44,9 +48,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.train import hooks as hooks_lib
 from jsteer.train import optim
 from jsteer.train import step as step_lib
 from jsteer.train.checkpoint import Checkpointer
+from jsteer.train.hooks import StepInfo, jsonable
 
 PyTree = Any
 EXIT_PREEMPTED = 143  # 128 + SIGTERM
@@ -57,7 +63,8 @@ NONRESUMABLE_DATA = ("warn", "allow", "raise")
 
 
 class FitResult(dict):
-    """Final summary: ``step``, ``preempted`` (bool), ``last`` (last logged metrics), ``eval``."""
+    """Final summary: ``step``, ``preempted`` (bool: stopped by SIGTERM or :meth:`Trainer.request_stop`),
+    ``early_stopped`` (bool), ``last`` (last logged metrics), ``eval`` (last evaluation)."""
 
 
 class Trainer:
@@ -80,10 +87,14 @@ class Trainer:
       keep / best_metric / best_mode: keep the last ``keep`` checkpoints and the best one by
         ``best_metric`` (a logged name such as ``"eval/loss"``); with ``best_metric`` every
         evaluation step is also saved, so each evaluation can become the best checkpoint.
+      patience: early stopping: stop (saving a checkpoint) after ``patience`` evaluations
+        without a better ``best_metric`` (:class:`~jsteer.train.hooks.EarlyStopping`).
       save_every: save every N steps (default: ``eval_every``); a final save always happens.
       log_path: JSONL metrics file (appended; only process 0 writes).
       eval_fn: ``params -> {name: float}``, run every ``eval_every`` steps and at the end.
       log_every: steps between metric lines (each costs a device sync).
+      sync_steps: wait for each step's loss, so ``step_times`` are device times (a step's
+        host work then no longer overlaps the previous step's device work).
       shard_opt_state: split optimizer state over the data axis.
       seed: base PRNG seed (step s gets ``fold_in(key(seed), s)``).
       progress: show the tqdm bar.
@@ -103,6 +114,7 @@ class Trainer:
         keep: int = 3,
         best_metric: Optional[str] = None,
         best_mode: str = "min",
+        patience: Optional[int] = None,
         save_every: Optional[int] = None,
         async_save: bool = True,
         log_path=None,
@@ -115,6 +127,7 @@ class Trainer:
         seed: int = 0,
         progress: bool = True,
         exit_on_preempt: bool = True,
+        sync_steps: bool = False,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -131,7 +144,20 @@ class Trainer:
         self.progress = progress
         self.exit_on_preempt = exit_on_preempt
         self.best_metric = best_metric
-        self._stop_reason: Optional[str] = None
+        self.sync_steps = sync_steps
+        self.stop_reason: Optional[str] = None
+        self.step_times: list[float] = []  # seconds of each step of the latest fit (see StepInfo.step_duration)
+        self.bar = None  # the progress bar during fit
+        self._window = _Window()
+        self._log_hook = hooks_lib.LogHook(self.log_every)
+        self.hooks: list[hooks_lib.Hook] = [self._log_hook]
+        if eval_fn is not None:
+            self.hooks.append(hooks_lib.EvalHook(eval_fn, eval_every))
+        if patience is not None:
+            if best_metric is None:
+                raise ValueError("patience (early stopping) needs a best_metric to watch")
+            self.hooks.append(hooks_lib.EarlyStopping(best_metric, patience, best_mode))
+        self._checkpoint_hook = hooks_lib.CheckpointHook(self.save_every, keep_best=best_metric is not None)
 
         labels = optim.resolve_labels(params, optimizer)
         self.mask = optim.trainable_mask(labels, optimizer, params)
@@ -213,12 +239,24 @@ class Trainer:
 
     def request_stop(self, reason: str = "requested") -> None:
         """Stop after the current step, saving a checkpoint (what SIGTERM does)."""
-        self._stop_reason = reason
+        self.stop_reason = reason
+
+    def add_hook(self, fn=None, *, every: Optional[int] = 1, at_end: bool = True):
+        """Run ``fn(info: StepInfo)`` after every ``every``-th step and at the run's end (see
+        :mod:`jsteer.train.hooks`); a :class:`~jsteer.train.hooks.Hook` instance is added as
+        it is. Returns ``fn``, so it also decorates: ``@trainer.add_hook(every=100)``."""
+        if fn is None:
+            return lambda f: self.add_hook(f, every=every, at_end=at_end)
+        self.hooks.append(fn if isinstance(fn, hooks_lib.Hook) else hooks_lib.FnHook(fn, every, at_end))
+        return fn
 
     # ------------------------------------------------------------------ step
 
-    def _get_step_fn(self, total_steps: int):
-        total = self.optimizer.total_steps or total_steps
+    def step_fn(self, total_steps: Optional[int] = None):
+        """The jitted train step ``(state, frozen, batch) -> (state, metrics)`` (``state``
+        donated; ``batch``: global arrays, :func:`~jsteer.train.step.global_batch`), for a run
+        of ``total_steps`` (the lr schedule's length unless the optimizer names one)."""
+        total = self.optimizer.total_steps or total_steps or 1
         if self._step_fn is None or self._step_total != total:
             # Trainers built from the same loss_fn / optimizer objects and layout share one
             # jitted step (and its compiled programs), e.g. a resumed run in the same process.
@@ -255,12 +293,30 @@ class Trainer:
             self._step_total = total
         return self._step_fn
 
+    _get_step_fn = step_fn  # the former name (tests/test_export.py)
+
+    def compile_step(self, batch: Mapping[str, np.ndarray], total_steps: Optional[int] = None):
+        """The train step compiled ahead of time for host rows shaped like ``batch`` (a
+        ``jax.stages.Compiled``: ``memory_analysis()``, ``cost_analysis()``, ``as_text()``)."""
+        fn = self.step_fn(total_steps)
+        return fn.lower(self.state, self.frozen, step_lib.global_batch(batch, self.mesh)).compile()
+
+    def step_memory_bytes(self, batch: Mapping[str, np.ndarray], total_steps: Optional[int] = None) -> Optional[int]:
+        """Bytes XLA plans for one train step on ``batch``'s shapes (arguments + outputs +
+        temporaries - donated aliases), without running it; None where the backend does not say."""
+        try:
+            ma = self.compile_step(batch, total_steps).memory_analysis()
+            return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                       - ma.alias_size_in_bytes)
+        except Exception:  # noqa: BLE001 - not every backend reports it
+            return None
+
     def train_step(self, batch: Mapping[str, np.ndarray], total_steps: int) -> dict:
         """One step on host rows ``batch``; returns the metrics (device arrays).
 
         The step's finiteness flag is kept (not synced) for :meth:`check_finite`.
         """
-        fn = self._get_step_fn(total_steps)
+        fn = self.step_fn(total_steps)
         self.state, metrics = fn(self.state, self.frozen, step_lib.global_batch(batch, self.mesh))
         metrics = dict(metrics)
         self._unchecked.append((metrics.pop("finite"), 1))
@@ -339,15 +395,20 @@ class Trainer:
         if policy == "raise":
             raise ValueError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        self._log({"step": self.step, "event": f"warning: {msg}"})
+        self.log({"step": self.step, "event": f"warning: {msg}"})
 
     # ------------------------------------------------------------------ fit
 
     def evaluate(self) -> dict:
+        """``eval_fn`` on the current params -> ``{"eval/<name>": float}`` ({} without one)."""
         if self.eval_fn is None:
             return {}
-        out = self.eval_fn(self.params)
-        return {f"eval/{k}": float(v) for k, v in dict(out).items()}
+        return {f"eval/{k}": float(v) for k, v in dict(self.eval_fn(self.params)).items()}
+
+    def throughput(self) -> dict:
+        """``examples_per_s``, ``tokens_per_s`` and ``interval_s`` over the steps since the last
+        call (or the start of the fit), then restart the count."""
+        return self._window.rates()
 
     def fit(
         self,
@@ -360,11 +421,11 @@ class Trainer:
     ) -> FitResult:
         """Train until ``state.step == num_steps`` (a total, so a resumed run stops at the same step).
 
-        ``on_step(step, metrics)`` is called after each step (metrics are device arrays).
-        ``nonresumable_data``: what a resume from a checkpoint without a data position (written
-        from an iterator with no ``state()``) does, since ``batches`` then starts from its
-        beginning: ``"warn"`` (RuntimeWarning and a log line), ``"allow"`` or ``"raise"``
-        (ValueError).
+        ``on_step(step, metrics)`` is called after each step, before the hooks (metrics are
+        device arrays). ``nonresumable_data``: what a resume from a checkpoint without a data
+        position (written from an iterator with no ``state()``) does, since ``batches`` then
+        starts from its beginning: ``"warn"`` (RuntimeWarning and a log line), ``"allow"`` or
+        ``"raise"`` (ValueError).
         """
         if nonresumable_data not in NONRESUMABLE_DATA:
             raise ValueError(f"nonresumable_data must be one of {NONRESUMABLE_DATA}, got {nonresumable_data!r}")
@@ -372,62 +433,53 @@ class Trainer:
             self._check_data_position(self._restore(batches, None), num_steps, nonresumable_data)
         start = self.step
         it = iter(batches)
-        self._stop_reason = None
+        self.stop_reason = None
+        self.step_times = []
+        self._window = _Window()
+        self._log_hook.last = {}
         old_handler = self._install_sigterm()
-        bar = self._make_bar(num_steps, start)
-        result = FitResult(step=start, preempted=False, last={}, eval={})
-        window = _Window()
-        last_eval: dict = {}
+        self.bar = self._make_bar(num_steps, start)
+        result = FitResult(step=start, preempted=False, early_stopped=False, last={}, eval={})
         try:
             step = start
             while step < num_steps:
+                t0 = time.perf_counter()
                 try:
                     batch = next(it)
                 except StopIteration:
                     break
                 metrics = self.train_step(batch, num_steps)
-                window.add(batch, metrics)
+                if self.sync_steps:
+                    jax.block_until_ready(metrics["loss"])
                 step += 1
+                info = StepInfo(self, step, num_steps, metrics, batch, batches, time.perf_counter() - t0)
+                self.step_times.append(info.step_duration)
+                self._window.add(batch, metrics)
                 if on_step is not None:
                     on_step(step, metrics)
-                if bar is not None:
-                    bar.update(1)
-                if step % self.log_every == 0 or step == num_steps or self._stop_reason:
-                    record = {k: _float(v) for k, v in jax.device_get(metrics).items()}
-                    record.update(window.rates())
-                    record["step"] = step
-                    self._log(record)
-                    result["last"] = record
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2e}", refresh=False)
-                    self.check_finite()
-                evaluated = False
-                if self.eval_every and step % self.eval_every == 0 and step != num_steps:
-                    last_eval = self.evaluate()
-                    self._log({"step": step, **last_eval})
-                    evaluated = True
-                if self._stop_reason:
-                    self.save(batches, metrics=last_eval if evaluated else None, wait=True)
-                    result["preempted"] = True
-                    self._log({"step": step, "event": f"stopped ({self._stop_reason}); checkpoint saved"})
+                if self.bar is not None:
+                    self.bar.update(1)
+                for hook in self.hooks + [self._checkpoint_hook]:
+                    if hook.fires(info):
+                        hook(info)
+                if info.eval:
+                    result["eval"] = info.eval
+                if self.stop_reason:
+                    self.save(batches, metrics=info.eval or None, wait=True)
+                    result["early_stopped"] = self.stop_reason == hooks_lib.EARLY_STOP
+                    result["preempted"] = not result["early_stopped"]
+                    self.log({"step": step, "event": f"stopped ({self.stop_reason}); checkpoint saved"})
                     break
-                periodic = self.save_every and step % self.save_every == 0 and step != num_steps
-                if periodic or (evaluated and self.best_metric is not None):
-                    self.save(batches, metrics=last_eval if evaluated else None)
             result["step"] = step
-            if not result["preempted"] and step == num_steps:
-                if self.eval_fn is not None:
-                    last_eval = self.evaluate()
-                    self._log({"step": step, **last_eval})
-                self.save(batches, metrics=last_eval or None, wait=True)
-            result["eval"] = last_eval
+            result["last"] = self._log_hook.last
         finally:
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
+            self.bar = None
             if self.checkpointer is not None:
                 self.checkpointer.wait()
             self._restore_sigterm(old_handler)
-        if result["preempted"] and self._stop_reason == "SIGTERM" and self.exit_on_preempt:
+        if result["preempted"] and self.stop_reason == "SIGTERM" and self.exit_on_preempt:
             sys.exit(EXIT_PREEMPTED)
         return result
 
@@ -454,13 +506,14 @@ class Trainer:
 
         return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
-    def _log(self, record: Mapping[str, Any]) -> None:
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` (with the time) to the JSONL log (process 0; no-op without ``log_path``)."""
         if self.log_path is None or jax.process_index() != 0:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         rec = {"time": time.time(), **record}
         with open(self.log_path, "a") as f:
-            f.write(json.dumps(rec, default=_float) + "\n")
+            f.write(json.dumps(rec, default=jsonable) + "\n")
 
 
 class _Window:
@@ -516,10 +569,3 @@ def _iter_state(batches):
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def _float(v):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return str(v)

@@ -22,9 +22,9 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jsteer.hooks import FiLM, Hooks
+from jsteer.train.probe import fit_logistic
 from jsteer.typevec import core
 from jsteer.typevec.inject import generation_hooks, inject, one_hot_positions
 
@@ -40,7 +40,8 @@ def cosine_to_vocab(te: Array, embedding: Array) -> Array:
     return en @ (te / jnp.maximum(jnp.linalg.norm(te), 1e-12))
 
 
-def neighbours(te: Array, embedding: Array, k: int = 10, exclude_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+def neighbours(te: Array, embedding: Array, k: int = 10,
+               exclude_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Top-k vocabulary ids by cosine with ``te`` -> (ids [k], cosines [k]), best first."""
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
@@ -186,30 +187,10 @@ def position_states(forward: Callable, params, ids, attn, pos, hooks: Optional[H
 
 
 def linear_probe(x: Array, y: Array, l2: float = 1e-2, steps: int = 300, lr: float = 0.1) -> tuple[Array, Array]:
-    """Logistic regression on standardised features. x [N, D], y [N] in {0,1} -> (w [D], b []),
-    weights in the original feature space (so w is a concept direction for TCAV)."""
-    x = jnp.asarray(x, jnp.float32)
-    y = jnp.asarray(y, jnp.float32)
-    mu, sd = x.mean(0), x.std(0) + 1e-6
-    xs = (x - mu) / sd
-
-    def loss(p):
-        z = xs @ p["w"] + p["b"]
-        return jnp.mean(optax.sigmoid_binary_cross_entropy(z, y)) + l2 * jnp.sum(p["w"] ** 2)
-
-    opt = optax.adam(lr)
-    p = {"w": jnp.zeros(x.shape[1]), "b": jnp.zeros(())}
-    state = opt.init(p)
-
-    def step(carry, _):
-        p, s = carry
-        g = jax.grad(loss)(p)
-        upd, s = opt.update(g, s, p)
-        return (optax.apply_updates(p, upd), s), None
-
-    (p, _), _ = jax.lax.scan(step, (p, state), None, length=steps)
-    w = p["w"] / sd
-    return w, p["b"] - jnp.dot(mu, w)
+    """Logistic regression on standardised features (:func:`jsteer.train.probe.fit_logistic`).
+    x [N, D], y [N] in {0,1} -> (w [D], b []), weights in the original feature space (so w is a
+    concept direction for TCAV)."""
+    return fit_logistic(x, y, l2=l2, steps=steps, lr=lr).direction()
 
 
 def probe_metrics(w: Array, b: Array, x: Array, y: Array) -> dict:
@@ -225,7 +206,7 @@ def probe_metrics(w: Array, b: Array, x: Array, y: Array) -> dict:
 def layer_probes(x_train: Array, y_train: Array, x_test: Array, y_test: Array) -> tuple[list[dict], Array]:
     """One linear probe per layer. x_*: [L+1, N, D] -> (metrics per layer, CAVs [L+1, D] unit)."""
     w, b = jax.vmap(lambda xx: linear_probe(xx, y_train))(jnp.asarray(x_train))
-    metrics = [probe_metrics(w[l], b[l], x_test[l], y_test) for l in range(w.shape[0])]
+    metrics = [probe_metrics(w[i], b[i], x_test[i], y_test) for i in range(w.shape[0])]
     return metrics, core.normalize(w)
 
 
@@ -241,7 +222,10 @@ def _type_logprob(forward, head, params, ids, attn, pos, tgt, betas, layer, hook
 @functools.partial(jax.jit, static_argnames=("forward", "head", "layer", "d"))
 def _layer_grad(params, ids, attn, pos, tgt, hooks, *, forward, head, layer, d):
     b, t = ids.shape
-    f = lambda betas: jnp.sum(_type_logprob(forward, head, params, ids, attn, pos, tgt, betas, layer, hooks))
+
+    def f(betas):
+        return jnp.sum(_type_logprob(forward, head, params, ids, attn, pos, tgt, betas, layer, hooks))
+
     g = jax.grad(f)(jnp.zeros((b, t, d), jnp.float32))
     return jnp.take_along_axis(g, pos[:, None, None], axis=1)[:, 0]
 
