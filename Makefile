@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.jsteer-installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test lint install clean bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check jsteer tests experiments
+	$(BIN)/ruff format --check jsteer tests experiments
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_backbones.py

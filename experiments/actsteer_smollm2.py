@@ -39,14 +39,17 @@ import jsteer  # noqa: E402
 from jsteer import actsteer  # noqa: E402
 
 RESULTS = C.ROOT / "experiments" / "results" / "actsteer"
-HEADER = ("| model | positivity % | change (points) | ppl (mean) | ppl rise % | ppl (median) | dist-1 | dist-2 | "
-          "dist-3 |")
+HEADER = (
+    "| model | positivity % | change (points) | ppl (mean) | ppl rise % | ppl (median) | dist-1 | dist-2 | dist-3 |"
+)
 RULE = "|---|---|---|---|---|---|---|---|---|"
-SELECTION_RULE = ("held-out prompts only; a (layer, strength) setting is scored at +s and -s together. Layer: the "
-                  "largest positivity gap pos(+s) - pos(-s) at --strength (ties: the smaller perplexity rise). "
-                  "Strength at that layer: among the candidates whose perplexity rise over the unsteered samples is "
-                  "<= 30% at both signs (LM-Steer's limit), the largest gap (ties: the smaller strength); if none, "
-                  "the smallest rise (the larger of the two signs').")
+SELECTION_RULE = (
+    "held-out prompts only; a (layer, strength) setting is scored at +s and -s together. Layer: the "
+    "largest positivity gap pos(+s) - pos(-s) at --strength (ties: the smaller perplexity rise). "
+    "Strength at that layer: among the candidates whose perplexity rise over the unsteered samples is "
+    "<= 30% at both signs (LM-Steer's limit), the largest gap (ties: the smaller strength); if none, "
+    "the smallest rise (the larger of the two signs')."
+)
 
 
 def parse():
@@ -84,13 +87,24 @@ def main():
     layers = [int(x) for x in a.layers.split(",")]
     strengths = [float(x) for x in a.strengths.split(",")]
     res["setup"] = {
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)", "method": a.method,
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
+        "method": a.method,
         "vector": f"{a.pairs} positive / {a.pairs} negative SST-5 train sentences (steer half, labels 3-4 vs 0-1, "
-                  "detokenised), paired in seeded order; resid_post, last token",
-        "candidate_layers": layers, "layer_choice_strength": a.strength, "candidate_strengths": strengths,
-        "generation": {"test_prompts": a.prompts, "held_out_select_prompts": a.select_prompts,
-                       "samples_per_prompt": a.samples, "max_new_tokens": 20, "top_p": 0.9, "temperature": 1.0,
-                       "prompt_seed": 0, "sample_seed": 0, "gen_batch": a.gen_batch},
+        "detokenised), paired in seeded order; resid_post, last token",
+        "candidate_layers": layers,
+        "layer_choice_strength": a.strength,
+        "candidate_strengths": strengths,
+        "generation": {
+            "test_prompts": a.prompts,
+            "held_out_select_prompts": a.select_prompts,
+            "samples_per_prompt": a.samples,
+            "max_new_tokens": 20,
+            "top_p": 0.9,
+            "temperature": 1.0,
+            "prompt_seed": 0,
+            "sample_seed": 0,
+            "gen_batch": a.gen_batch,
+        },
         "evaluator": "all-MiniLM-L6-v2 fine-tuned by steer_evaluators.get('sentiment', epochs=0.74)",
         "rule": SELECTION_RULE,
     }
@@ -106,8 +120,11 @@ def main():
     neg = [t for t, v in zip(texts, values[:, 0]) if v < 0]
     t0 = time.time()
     cv = actsteer.train(lm, pos, neg, layers=layers, method=a.method)
-    res["vector"] = {"seconds": time.time() - t0, "recipe": cv.recipe,
-                     "norms": {str(k): float(np.linalg.norm(v)) for k, v in cv.numpy().items()}}
+    res["vector"] = {
+        "seconds": time.time() - t0,
+        "recipe": cv.recipe,
+        "norms": {str(k): float(np.linalg.norm(v)) for k, v in cv.numpy().items()},
+    }
     C.log("vector", res["vector"]["norms"])
 
     test = C.prompts("neutral", a.prompts, seed=0)
@@ -119,8 +136,14 @@ def main():
 
     def run(key, prompt_list, layer=None, s=0.0):
         """Generate and score one setting (cached in the results when values and prompts match)."""
-        want = {"layer": layer, "strength": s, "samples": a.samples, "prompts_sha1": C.prompts_sha1(prompt_list),
-                "pairs": a.pairs, "method": a.method}
+        want = {
+            "layer": layer,
+            "strength": s,
+            "samples": a.samples,
+            "prompts_sha1": C.prompts_sha1(prompt_list),
+            "pairs": a.pairs,
+            "method": a.method,
+        }
         used.add(key)
         if res.get("metrics", {}).get(key, {}).get("values") == want:
             return res["metrics"][key]
@@ -141,16 +164,23 @@ def main():
     def score(layer, s):
         up, down = run(f"select_l{layer}_s{s:+g}", sel, layer, s), run(f"select_l{layer}_s{-s:+g}", sel, layer, -s)
         rise = max(up["ppl_mean"], down["ppl_mean"]) / base["ppl_mean"] - 1
-        return {"positive": up["positivity"], "negative": down["positivity"], "gap": up["positivity"] -
-                down["positivity"], "max_ppl_rise": rise}
+        return {
+            "positive": up["positivity"],
+            "negative": down["positivity"],
+            "gap": up["positivity"] - down["positivity"],
+            "max_ppl_rise": rise,
+        }
 
     by_layer = {(k, a.strength): score(k, a.strength) for k in layers}
     layer = pick_layer(by_layer)
     by_strength = {(layer, s): by_layer.get((layer, s)) or score(layer, s) for s in strengths}
     strength = pick_strength(by_strength)
-    res["selection"] = {"layers": {f"{k}@{s:g}": r for (k, s), r in by_layer.items()},
-                        "strengths": {f"{k}@{s:g}": r for (k, s), r in by_strength.items()},
-                        "chosen": {"layer": layer, "strength": strength}, "base": base["positivity"]}
+    res["selection"] = {
+        "layers": {f"{k}@{s:g}": r for (k, s), r in by_layer.items()},
+        "strengths": {f"{k}@{s:g}": r for (k, s), r in by_strength.items()},
+        "chosen": {"layer": layer, "strength": strength},
+        "base": base["positivity"],
+    }
     C.log("chosen", res["selection"]["chosen"])
 
     run("neutral_base", test)
@@ -168,28 +198,46 @@ def report(res) -> str:
     """results.md: the held-out choice and the test rows, next to LM-Steer's from smollm2.json."""
     m, sel = res["metrics"], res["selection"]
     layer, s = sel["chosen"]["layer"], sel["chosen"]["strength"]
-    lines = ["# Activation steering (CAA) on SmolLM2-135M: sentiment", "",
-             f"Written by `experiments/actsteer_smollm2.py` from `smollm2.json` (the whole run: "
-             f"{res['total_seconds_this_run']:.0f} s on a shared 2-core CPU).", "",
-             f"Vector: {res['setup']['vector']}. Evaluator: {res['setup']['evaluator']}, test accuracy "
-             f"{res['evaluator_accuracy']:.1%}.", "", "## Held-out choice (10 held-out neutral prompts x 5 samples)",
-             "", f"Rule: {SELECTION_RULE}", "", f"Unsteered positivity {sel['base']:.0%}. "
-             f"**Chosen: layer {layer}, strength {s:g}.**", "",
-             "| layer @ strength | positivity +s | positivity -s | gap | max ppl rise |", "|---|---|---|---|---|"]
+    lines = [
+        "# Activation steering (CAA) on SmolLM2-135M: sentiment",
+        "",
+        f"Written by `experiments/actsteer_smollm2.py` from `smollm2.json` (the whole run: "
+        f"{res['total_seconds_this_run']:.0f} s on a shared 2-core CPU).",
+        "",
+        f"Vector: {res['setup']['vector']}. Evaluator: {res['setup']['evaluator']}, test accuracy "
+        f"{res['evaluator_accuracy']:.1%}.",
+        "",
+        "## Held-out choice (10 held-out neutral prompts x 5 samples)",
+        "",
+        f"Rule: {SELECTION_RULE}",
+        "",
+        f"Unsteered positivity {sel['base']:.0%}. **Chosen: layer {layer}, strength {s:g}.**",
+        "",
+        "| layer @ strength | positivity +s | positivity -s | gap | max ppl rise |",
+        "|---|---|---|---|---|",
+    ]
     for part in ("layers", "strengths"):
         for key, r in sel[part].items():
             if part == "strengths" and key in sel["layers"]:
                 continue
-            lines.append(f"| {key} | {r['positive']:.0%} | {r['negative']:.0%} | {r['gap']:+.0%} | "
-                         f"{r['max_ppl_rise']:+.0%} |")
-    lines += ["", f"## Test: {res['setup']['generation']['test_prompts']} neutral prompts x "
-              f"{res['setup']['generation']['samples_per_prompt']} samples (steer_smollm2.py's prompts and seeds)", "",
-              HEADER, RULE]
+            lines.append(
+                f"| {key} | {r['positive']:.0%} | {r['negative']:.0%} | {r['gap']:+.0%} | {r['max_ppl_rise']:+.0%} |"
+            )
+    lines += [
+        "",
+        f"## Test: {res['setup']['generation']['test_prompts']} neutral prompts x "
+        f"{res['setup']['generation']['samples_per_prompt']} samples (steer_smollm2.py's prompts and seeds)",
+        "",
+        HEADER,
+        RULE,
+    ]
 
     def row(name, r, base):
-        return (f"| {name} | {100 * r['positivity']:.1f} | {100 * (r['positivity'] - base['positivity']):+.1f} | "
-                f"{r['ppl_mean']:.2f} | {100 * (r['ppl_mean'] / base['ppl_mean'] - 1):+.0f} | {r['ppl_median']:.2f} | "
-                f"{r['dist1']:.2f} | {r['dist2']:.2f} | {r['dist3']:.2f} |")
+        return (
+            f"| {name} | {100 * r['positivity']:.1f} | {100 * (r['positivity'] - base['positivity']):+.1f} | "
+            f"{r['ppl_mean']:.2f} | {100 * (r['ppl_mean'] / base['ppl_mean'] - 1):+.0f} | {r['ppl_median']:.2f} | "
+            f"{r['dist1']:.2f} | {r['dist2']:.2f} | {r['dist3']:.2f} |"
+        )
 
     lines.append(row("unsteered", m["neutral_base"], m["neutral_base"]))
     for v in (s, -s):
@@ -197,12 +245,20 @@ def report(res) -> str:
     steer = C.RESULTS / "smollm2.json"
     if steer.exists():
         ref = C.json.loads(steer.read_text())
-        lines += ["", "LM-Steer on the same prompts and seeds (experiments/results/steer/smollm2.json, its own "
-                  f"evaluator of the same recipe, test accuracy {ref['evaluators']['sentiment']['accuracy']:.1%}: "
-                  "retrained, so not bit-identical to the one above: the unsteered samples are the same (same ppl) "
-                  "but score differently; compare each method's change from its own unsteered row):", "", HEADER, RULE]
-        for key in sorted((k for k in ref["metrics"] if k.startswith("neutral_")),
-                          key=lambda k: 0.0 if k == "neutral_base" else float(k.split("_s")[1])):
+        lines += [
+            "",
+            "LM-Steer on the same prompts and seeds (experiments/results/steer/smollm2.json, its own "
+            f"evaluator of the same recipe, test accuracy {ref['evaluators']['sentiment']['accuracy']:.1%}: "
+            "retrained, so not bit-identical to the one above: the unsteered samples are the same (same ppl) "
+            "but score differently; compare each method's change from its own unsteered row):",
+            "",
+            HEADER,
+            RULE,
+        ]
+        for key in sorted(
+            (k for k in ref["metrics"] if k.startswith("neutral_")),
+            key=lambda k: 0.0 if k == "neutral_base" else float(k.split("_s")[1]),
+        ):
             ch = ref.get("strength_selection", {}).get("chosen", {})
             v = None if key == "neutral_base" else float(key.split("_s")[1])
             held_out = v is not None and v in (ch.get("positive"), -ch.get("negative", 0.0))
@@ -215,6 +271,7 @@ def report(res) -> str:
 def comparison(m: dict, layer: int, s: float, ref: dict) -> list:
     """One line per direction: CAA's change next to the LM-Steer row of the nearest perplexity rise
     (same direction), each against its own unsteered row."""
+
     def change(rows, key):
         r, b = rows[key], rows["neutral_base"]
         return 100 * (r["positivity"] - b["positivity"]), 100 * (r["ppl_mean"] / b["ppl_mean"] - 1)
@@ -225,13 +282,17 @@ def comparison(m: dict, layer: int, s: float, ref: dict) -> list:
         keys = [k for k in ref if k.startswith("neutral_s") and float(k.split("_s")[1]) * sign > 0]
         near = min(keys, key=lambda k: abs(change(ref, k)[1] - dr))
         lp, lr = change(ref, near)
-        out.append(f"- {word} positive: CAA {sign * s:+g} moves positivity {dp:+.0f} points at a {dr:+.0f}% perplexity "
-                   f"rise; LM-Steer at the nearest rise ({near.split('_s')[1]} x eps0, {lr:+.0f}%) moves it {lp:+.0f} "
-                   "points.")
-    out.append("- Each row is 100 samples (20 prompts x 5): a binomial standard error of ~5 points per positivity, so "
-               "differences under ~10 points between the methods are within noise; the two evaluators also differ "
-               f"(same unsteered samples: {m['neutral_base']['positivity']:.0%} here, "
-               f"{ref['neutral_base']['positivity']:.0%} for LM-Steer's).")
+        out.append(
+            f"- {word} positive: CAA {sign * s:+g} moves positivity {dp:+.0f} points at a {dr:+.0f}% perplexity "
+            f"rise; LM-Steer at the nearest rise ({near.split('_s')[1]} x eps0, {lr:+.0f}%) moves it {lp:+.0f} "
+            "points."
+        )
+    out.append(
+        "- Each row is 100 samples (20 prompts x 5): a binomial standard error of ~5 points per positivity, so "
+        "differences under ~10 points between the methods are within noise; the two evaluators also differ "
+        f"(same unsteered samples: {m['neutral_base']['positivity']:.0%} here, "
+        f"{ref['neutral_base']['positivity']:.0%} for LM-Steer's)."
+    )
     return out
 
 

@@ -56,8 +56,12 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="small shapes and 2 reps (smoke run)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 7; quick 2)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)")
-    ap.add_argument("--bandwidth", type=float, default=3.35e12,
-                    help="accelerator memory bandwidth in bytes/s for the decode bound (default H100 SXM)")
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=3.35e12,
+        help="accelerator memory bandwidth in bytes/s for the decode bound (default H100 SXM)",
+    )
     ap.add_argument("--only", default="all", choices=("all", "smollm2", "minilm"))
     ap.add_argument("--no-torch", action="store_true", help="time jsteer only")
     args = ap.parse_args(argv)
@@ -67,7 +71,7 @@ def parse_args(argv=None):
         args.mini_b, args.mini_t = 8, 32
     else:
         args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 8, 128, 64, (1, 8)
-        args.sample_batch, args.sample_tokens = 50, 20   # LM-Steer's evaluation decoding
+        args.sample_batch, args.sample_tokens = 50, 20  # LM-Steer's evaluation decoding
         args.mini_b, args.mini_t = 32, 128
     args.prompt_t = 16
     args.reps = args.reps or (2 if args.quick else 7)
@@ -89,8 +93,12 @@ def timed(fn, reps: int, warmup: int = 1) -> dict:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "first_call_s": first,
-            "times_s": [round(t, 5) for t in times]}
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "first_call_s": first,
+        "times_s": [round(t, 5) for t in times],
+    }
 
 
 def timed_pair(fj, fh, reps: int, settle: int = SETTLE) -> tuple[dict, dict | None]:
@@ -115,8 +123,15 @@ def timed_pair(fj, fh, reps: int, settle: int = SETTLE) -> tuple[dict, dict | No
             t0 = time.perf_counter()
             fn()
             o["times"].append(time.perf_counter() - t0)
-    res = [{"median_s": statistics.median(o["times"]), "min_s": min(o["times"]), "first_call_s": o["first_call_s"],
-            "times_s": [round(t, 5) for t in o["times"]]} for o in out]
+    res = [
+        {
+            "median_s": statistics.median(o["times"]),
+            "min_s": min(o["times"]),
+            "first_call_s": o["first_call_s"],
+            "times_s": [round(t, 5) for t in o["times"]],
+        }
+        for o in out
+    ]
     res[1]["paired_ratios"] = [round(h / j, 4) for j, h in zip(out[0]["times"], out[1]["times"])]
     return res[0], res[1]
 
@@ -226,8 +241,10 @@ def dense_products(n: int, layers: int, dims, backward: bool = False) -> list:
     for name, din, dout in dims:
         rows.append((f"{name} x W", layers, (n, din), (din, dout), False, False))
         if backward:
-            rows += [(f"{name} dY W^T", layers, (n, dout), (din, dout), False, True),
-                     (f"{name} X^T dY", layers, (n, din), (n, dout), True, False)]
+            rows += [
+                (f"{name} dY W^T", layers, (n, dout), (din, dout), False, True),
+                (f"{name} X^T dY", layers, (n, din), (n, dout), True, False),
+            ]
     return rows
 
 
@@ -235,13 +252,17 @@ def attention_products(batch_heads: int, t: int, head_dim: int, layers: int, bac
     """Attention's batched products per layer: q k^T and p v, and with ``backward`` dS k, dS^T q,
     dO v^T and p^T dO."""
     bh = batch_heads
-    rows = [("q k^T", layers, (bh, t, head_dim), (bh, t, head_dim), False, True),
-            ("p v", layers, (bh, t, t), (bh, t, head_dim), False, False)]
+    rows = [
+        ("q k^T", layers, (bh, t, head_dim), (bh, t, head_dim), False, True),
+        ("p v", layers, (bh, t, t), (bh, t, head_dim), False, False),
+    ]
     if backward:
-        rows += [("dS k", layers, (bh, t, t), (bh, t, head_dim), False, False),
-                 ("dS^T q", layers, (bh, t, t), (bh, t, head_dim), True, False),
-                 ("dO v^T", layers, (bh, t, head_dim), (bh, t, head_dim), False, True),
-                 ("p^T dO", layers, (bh, t, t), (bh, t, head_dim), True, False)]
+        rows += [
+            ("dS k", layers, (bh, t, t), (bh, t, head_dim), False, False),
+            ("dS^T q", layers, (bh, t, t), (bh, t, head_dim), True, False),
+            ("dO v^T", layers, (bh, t, head_dim), (bh, t, head_dim), False, True),
+            ("p^T dO", layers, (bh, t, t), (bh, t, head_dim), True, False),
+        ]
     return rows
 
 
@@ -272,8 +293,14 @@ def products_floor(case: str, results: dict, products: list, reps: int, use_torc
         j, h = timed_pair(lambda: jfn(aj, bj).block_until_ready(), fh, reps)
         best = min(j["median_s"], h["median_s"]) if h is not None else j["median_s"]
         f = _product_flops(lhs, rhs, ta, tb)
-        row = {"product": label, "count": count, "lhs": list(lhs), "rhs": list(rhs), "gflop": f / 1e9,
-               "jax_gflops": f / j["median_s"] / 1e9}
+        row = {
+            "product": label,
+            "count": count,
+            "lhs": list(lhs),
+            "rhs": list(rhs),
+            "gflop": f / 1e9,
+            "jax_gflops": f / j["median_s"] / 1e9,
+        }
         if h is not None:
             row["torch_gflops"] = f / h["median_s"] / 1e9
         rows.append(row)
@@ -316,8 +343,9 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
         cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config.items() if k != "architectures"})
         hf = transformers.LlamaForCausalLM(cfg).eval()
-        missing, unexpected = hf.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()},
-                                                 strict=False)
+        missing, unexpected = hf.load_state_dict(
+            {k: torch.from_numpy(np.array(v, np.float32)) for k, v in sd.items()}, strict=False
+        )
         bad = [m for m in missing if m != "lm_head.weight"]  # tied
         if bad or unexpected:
             raise RuntimeError(f"torch SmolLM2 state dict mismatch: missing {bad}, unexpected {unexpected}")
@@ -326,8 +354,15 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
     rng = np.random.default_rng(0)
     b, t = args.smol_b, args.smol_t
-    matmul_probe("matmul_probe_smollm2_ffn", results, b * t, lm.config.hidden_size, lm.config.intermediate_size,
-                 args.reps, use_torch)
+    matmul_probe(
+        "matmul_probe_smollm2_ffn",
+        results,
+        b * t,
+        lm.config.hidden_size,
+        lm.config.intermediate_size,
+        args.reps,
+        use_torch,
+    )
     ids = rng.integers(100, 40000, size=(b, t)).astype(np.int32)
     ids_j = jnp.asarray(ids)
     hf_fwd = None
@@ -342,14 +377,27 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
     compare(f"smollm2_forward_B{b}xT{t}", results, j, h)
     c = lm.config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    products_floor(f"smollm2_forward_B{b}xT{t}", results,
-                   dense_products(b * t, c.num_layers, [("q", c.hidden_size, q), ("k", c.hidden_size, kv),
-                                                        ("v", c.hidden_size, kv), ("o", q, c.hidden_size),
-                                                        ("gate", c.hidden_size, c.intermediate_size),
-                                                        ("up", c.hidden_size, c.intermediate_size),
-                                                        ("down", c.intermediate_size, c.hidden_size)])
-                   + [("logits", 1, (b * t, c.hidden_size), (c.vocab_size, c.hidden_size), False, True)]
-                   + attention_products(b * c.num_heads, t, c.head_dim, c.num_layers), args.reps, use_torch)
+    products_floor(
+        f"smollm2_forward_B{b}xT{t}",
+        results,
+        dense_products(
+            b * t,
+            c.num_layers,
+            [
+                ("q", c.hidden_size, q),
+                ("k", c.hidden_size, kv),
+                ("v", c.hidden_size, kv),
+                ("o", q, c.hidden_size),
+                ("gate", c.hidden_size, c.intermediate_size),
+                ("up", c.hidden_size, c.intermediate_size),
+                ("down", c.intermediate_size, c.hidden_size),
+            ],
+        )
+        + [("logits", 1, (b * t, c.hidden_size), (c.vocab_size, c.hidden_size), False, True)]
+        + attention_products(b * c.num_heads, t, c.head_dim, c.num_layers),
+        args.reps,
+        use_torch,
+    )
 
     n = args.new_tokens
     bandwidth = args.bandwidth if on_gpu else measure_read_bandwidth()
@@ -369,8 +417,14 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
             def hf_decode():
                 with torch.inference_mode():
-                    out = hf.generate(p_t, attention_mask=torch.ones_like(p_t), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0)
+                    out = hf.generate(
+                        p_t,
+                        attention_mask=torch.ones_like(p_t),
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
                 assert out.shape[1] == args.prompt_t + n
 
         j, h = timed_pair(jx_decode, hf_decode, args.reps)
@@ -383,10 +437,12 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
         r["fraction_of_bound"] = r["jsteer_tokens_per_s"] / bound
         if "hf_tokens_per_s" in r:
             r["hf_fraction_of_bound"] = r["hf_tokens_per_s"] / bound
-        print(f"{'':<32} bandwidth bound {bound:8.1f} tokens/s (jsteer {100 * r['fraction_of_bound']:.0f}%"
-              + (f", HF {100 * r['hf_fraction_of_bound']:.0f}%" if "hf_fraction_of_bound" in r else "") + ")",
-              flush=True)
-
+        print(
+            f"{'':<32} bandwidth bound {bound:8.1f} tokens/s (jsteer {100 * r['fraction_of_bound']:.0f}%"
+            + (f", HF {100 * r['hf_fraction_of_bound']:.0f}%" if "hf_fraction_of_bound" in r else "")
+            + ")",
+            flush=True,
+        )
 
     # top-p sampling at temperature 1, as the LM-Steer evaluations decode (25 samples x 2 prompts per call)
     bs, n = args.sample_batch, args.sample_tokens
@@ -395,8 +451,17 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
     seed = iter(range(1 << 30))
 
     def jx_sample():
-        out = decode.generate(lm.module, lm.params, p_j, m_j, max_new_tokens=n, temperature=1.0, top_p=0.9,
-                              stop_ids=(), rng=jax.random.PRNGKey(next(seed)))
+        out = decode.generate(
+            lm.module,
+            lm.params,
+            p_j,
+            m_j,
+            max_new_tokens=n,
+            temperature=1.0,
+            top_p=0.9,
+            stop_ids=(),
+            rng=jax.random.PRNGKey(next(seed)),
+        )
         out.tokens.block_until_ready()
 
     hf_sample = None
@@ -405,8 +470,17 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
 
         def hf_sample():
             with torch.inference_mode():
-                hf.generate(p_t, attention_mask=torch.ones_like(p_t), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=True, temperature=1.0, top_p=0.9, top_k=0, pad_token_id=0)
+                hf.generate(
+                    p_t,
+                    attention_mask=torch.ones_like(p_t),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=0.9,
+                    top_k=0,
+                    pad_token_id=0,
+                )
 
     j, h = timed_pair(jx_sample, hf_sample, args.reps)
     compare(f"smollm2_top_p0.9_sample{n}_batch{bs}", results, j, h, work=bs * n, unit="tokens_per_s")
@@ -422,8 +496,8 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
     import optax
 
     import jsteer
-    from jsteer.backbones import bert as jb
     from jsteer import io
+    from jsteer.backbones import bert as jb
 
     path = io.embedded_path("minilm")
     lm = jsteer.load("minilm")
@@ -431,10 +505,17 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 30000, size=(b, t)).astype(np.int32)
     mask = np.ones((b, t), np.int32)
-    mask[b // 2:, t * 3 // 4:] = 0  # some padding, as in real batches
+    mask[b // 2 :, t * 3 // 4 :] = 0  # some padding, as in real batches
     y = rng.integers(0, labels, size=(b, t)).astype(np.int32)
-    matmul_probe("matmul_probe_minilm_ffn", results, b * t, lm.config.hidden_size, lm.config.intermediate_size,
-                 args.reps, use_torch)
+    matmul_probe(
+        "matmul_probe_minilm_ffn",
+        results,
+        b * t,
+        lm.config.hidden_size,
+        lm.config.intermediate_size,
+        args.reps,
+        use_torch,
+    )
     ids_j, mask_j, y_j = map(jnp.asarray, (ids, mask, y))
 
     hf_enc = hf_tc = None
@@ -448,6 +529,7 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
 
     hf_fwd = None
     if hf_enc is not None:
+
         def hf_fwd():
             with torch.inference_mode():
                 hf_enc(ids_t, attention_mask=mask_t).last_hidden_state
@@ -455,27 +537,35 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
     j, h = timed_pair(lambda: lm.forward(ids_j, mask_j).hidden.block_until_ready(), hf_fwd, args.reps)
     compare(f"minilm_forward_B{b}xT{t}", results, j, h)
     c = lm.config
-    dims = [("qkv", c.hidden_size, 3 * c.hidden_size), ("attention out", c.hidden_size, c.hidden_size),
-            ("ffn up", c.hidden_size, c.intermediate_size), ("ffn down", c.intermediate_size, c.hidden_size)]
+    dims = [
+        ("qkv", c.hidden_size, 3 * c.hidden_size),
+        ("attention out", c.hidden_size, c.hidden_size),
+        ("ffn up", c.hidden_size, c.intermediate_size),
+        ("ffn down", c.intermediate_size, c.hidden_size),
+    ]
     head_dim = c.hidden_size // c.num_heads
 
     def encoder_products(backward):
-        return (dense_products(b * t, c.num_layers, dims, backward=backward)
-                + attention_products(b * c.num_heads, t, head_dim, c.num_layers, backward=backward))
+        return dense_products(b * t, c.num_layers, dims, backward=backward) + attention_products(
+            b * c.num_heads, t, head_dim, c.num_layers, backward=backward
+        )
 
     products_floor(f"minilm_forward_B{b}xT{t}", results, encoder_products(False), args.reps, use_torch)
 
     # token classification: encoder from MiniLM + fresh head, dropout on, AdamW
     module = jb.BertForTokenClassification(lm.config, num_labels=labels)
-    params = {"encoder": lm.params["encoder"],
-              "head": jb.init_head(jax.random.PRNGKey(0), lm.config, "token_classification", labels)}
+    params = {
+        "encoder": lm.params["encoder"],
+        "head": jb.init_head(jax.random.PRNGKey(0), lm.config, "token_classification", labels),
+    }
     params = jax.tree.map(jnp.array, params)  # own copies: the step donates them
     opt = optax.adamw(5e-5, weight_decay=0.01)
     opt_state = opt.init(params)
 
     def loss_fn(p, key):
-        logits = module.apply({"params": p}, ids_j, attention_mask=mask_j, deterministic=False,
-                              rngs={"dropout": key}).logits
+        logits = module.apply(
+            {"params": p}, ids_j, attention_mask=mask_j, deterministic=False, rngs={"dropout": key}
+        ).logits
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_j)
         return (ce * mask_j).sum() / mask_j.sum()
 
@@ -517,10 +607,15 @@ def main(argv=None) -> int:
 
     on_gpu = jax.default_backend() == "gpu"
     use_torch = not args.no_torch
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-           "jax": jax.__version__, "jax_backend": jax.default_backend(),
-           "jax_devices": [str(d) for d in jax.devices()]}
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "jax_devices": [str(d) for d in jax.devices()],
+    }
     from jsteer.backbones import cpu
 
     # decoding with 2..MAX_ROWS rows multiplies through this kernel when it is available
@@ -530,11 +625,14 @@ def main(argv=None) -> int:
         import transformers
 
         torch.set_num_threads(args.threads)
-        env.update(torch=torch.__version__, transformers=transformers.__version__,
-                   torch_threads=torch.get_num_threads(), torch_device="cpu")
+        env.update(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            torch_threads=torch.get_num_threads(),
+            torch_device="cpu",
+        )
         if on_gpu:
-            print("note: jax runs on the GPU but the torch reference on the CPU; speedups compare devices",
-                  flush=True)
+            print("note: jax runs on the GPU but the torch reference on the CPU; speedups compare devices", flush=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     settings["decode_batches"] = list(args.decode_batches)
     settings["settle_calls"] = SETTLE

@@ -37,12 +37,32 @@ import numpy as np
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense, SXM
 SPEC_HBM_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.04}
 
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                num_kv_heads=8, head_dim=64, rope_theta=500000.0, max_position_embeddings=4096,
-                tie_word_embeddings=True, rms_norm_eps=1e-5)
-LLAMA_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, rope_theta=500000.0, max_position_embeddings=512,
-                  tie_word_embeddings=True, rms_norm_eps=1e-5)
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+LLAMA_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=500000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
 
 
 def chip(kind: str, table: dict):
@@ -66,17 +86,20 @@ def median_time(fn, sync, n: int, warm: int) -> tuple[float, float]:
 
 def jax_sync(x):
     import jax
+
     return jax.block_until_ready(x)
 
 
 def torch_sync(x):
     import torch
+
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     return x
 
 
 def torch_device():
     import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -97,12 +120,23 @@ def llama_param_count(c: dict) -> int:
 
 def hf_llama_config(c: dict):
     import transformers
+
     return transformers.LlamaConfig(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
-        num_key_value_heads=c["num_kv_heads"], head_dim=c["head_dim"], rope_theta=c["rope_theta"],
-        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=c["tie_word_embeddings"],
-        rms_norm_eps=c["rms_norm_eps"], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_kv_heads"],
+        head_dim=c["head_dim"],
+        rope_theta=c["rope_theta"],
+        max_position_embeddings=c["max_position_embeddings"],
+        tie_word_embeddings=c["tie_word_embeddings"],
+        rms_norm_eps=c["rms_norm_eps"],
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def jsteer_llama(c: dict, dtype):
@@ -110,6 +144,7 @@ def jsteer_llama(c: dict, dtype):
     import jax.numpy as jnp
 
     from jsteer.backbones.decoder import Decoder, DecoderConfig
+
     kw = {("norm_eps" if k == "rms_norm_eps" else k): v for k, v in c.items()}
     module = Decoder(DecoderConfig.llama(**kw), dtype=dtype)
     params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
@@ -117,6 +152,7 @@ def jsteer_llama(c: dict, dtype):
 
 
 # ----------------------------------------------------------------------------- attention
+
 
 def part_attention(a, res):
     b, t, n, k, h = (2, 128, 4, 2, 16) if a.tiny else (4, 2048, 32, 8, 64)
@@ -129,6 +165,7 @@ def part_attention(a, res):
         import jax.numpy as jnp
 
         from jsteer.backbones.attention import dot_product_attention
+
         ks = jax.random.split(jax.random.PRNGKey(0), 4)
         q = jax.random.normal(ks[0], (b, t, n, h), jnp.bfloat16)
         kk = jax.random.normal(ks[1], (b, t, k, h), jnp.bfloat16)
@@ -137,21 +174,25 @@ def part_attention(a, res):
         causal = jnp.tril(jnp.ones((t, t), bool))
 
         def mine(q, kk, v):
-            out = dot_product_attention(q.reshape(b, t, k, n // k, h), kk, v, scale=1 / math.sqrt(h),
-                                        visible=causal[None, None, None])
+            out = dot_product_attention(
+                q.reshape(b, t, k, n // k, h), kk, v, scale=1 / math.sqrt(h), visible=causal[None, None, None]
+            )
             return out.reshape(b, t, n, h)
 
-        impls = {"jsteer": mine,
-                 "jax_xla": lambda q, kk, v: jax.nn.dot_product_attention(q, kk, v, is_causal=True,
-                                                                          implementation="xla")}
+        impls = {
+            "jsteer": mine,
+            "jax_xla": lambda q, kk, v: jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation="xla"),
+        }
         if jax.default_backend() == "gpu":
-            impls["jax_cudnn"] = lambda q, kk, v: jax.nn.dot_product_attention(q, kk, v, is_causal=True,
-                                                                               implementation="cudnn")
+            impls["jax_cudnn"] = lambda q, kk, v: jax.nn.dot_product_attention(
+                q, kk, v, is_causal=True, implementation="cudnn"
+            )
         ref = None
         for name, f in impls.items():
             fwd = jax.jit(f)
-            grad = jax.jit(jax.grad(lambda q, kk, v, f=f: jnp.sum(f(q, kk, v).astype(jnp.float32) * cot),
-                                    argnums=(0, 1, 2)))
+            grad = jax.jit(
+                jax.grad(lambda q, kk, v, f=f: jnp.sum(f(q, kk, v).astype(jnp.float32) * cot), argnums=(0, 1, 2))
+            )
             try:
                 out = fwd(q, kk, v)
                 c1, tf = median_time(lambda: fwd(q, kk, v), jax_sync, a.reps, 2)
@@ -161,12 +202,16 @@ def part_attention(a, res):
                 continue
             if ref is None:
                 ref = np.asarray(out, np.float32)
-            rows[name] = {"fwd_ms": tf * 1e3, "fwd_bwd_ms": tb * 1e3,
-                          "fwd_tflops_full": flops_fwd / tf / 1e12,
-                          "max_abs_diff_vs_jsteer": float(np.abs(np.asarray(out, np.float32) - ref).max())}
+            rows[name] = {
+                "fwd_ms": tf * 1e3,
+                "fwd_bwd_ms": tb * 1e3,
+                "fwd_tflops_full": flops_fwd / tf / 1e12,
+                "max_abs_diff_vs_jsteer": float(np.abs(np.asarray(out, np.float32) - ref).max()),
+            }
             print(name, rows[name], flush=True)
     if a.framework in ("torch", "both"):
         import torch
+
         dev = torch_device()
         g = torch.Generator(device=dev).manual_seed(0)
         dt = torch.bfloat16
@@ -215,8 +260,13 @@ def part_bert(a, res):
         batches = []
         for _ in range(4):
             ids = rng.integers(100, c["vocab_size"], (batch, seq)).astype(np.int32)
-            batches.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
-                            "labels": rng.integers(0, labels, (batch, seq)).astype(np.int32)})
+            batches.append(
+                {
+                    "input_ids": ids,
+                    "attention_mask": np.ones_like(ids),
+                    "labels": rng.integers(0, labels, (batch, seq)).astype(np.int32),
+                }
+            )
         flops = bert_flops(c, batch, seq, labels)
         row = {"batch": batch, "seq": seq, "flops_per_step": flops}
         if a.framework in ("jax", "both"):
@@ -232,9 +282,14 @@ def part_bert(a, res):
 
 
 def _rates(dt, batch, seq, flops, peak, first):
-    return {"compile_first_step_s": first, "s_per_step": dt, "examples_per_s": batch / dt,
-            "tokens_per_s": batch * seq / dt, "tflops": flops / dt / 1e12,
-            "mfu": flops / dt / 1e12 / peak if peak else None}
+    return {
+        "compile_first_step_s": first,
+        "s_per_step": dt,
+        "examples_per_s": batch / dt,
+        "tokens_per_s": batch * seq / dt,
+        "tflops": flops / dt / 1e12,
+        "mfu": flops / dt / 1e12 / peak if peak else None,
+    }
 
 
 def _bert_jax(a, c, labels, batches, flops, peak):
@@ -243,21 +298,35 @@ def _bert_jax(a, c, labels, batches, flops, peak):
 
     from jsteer.backbones import bert
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
+
     config = bert.BertConfig(**c)
     module = bert.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
     init = jax.jit(bert.BertForTokenClassification(config, labels).init)(
-        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
+    )["params"]
 
     def loss_fn(p, b, rng):
-        out = module.apply({"params": p}, b["input_ids"], attention_mask=b["attention_mask"], deterministic=False,
-                           rngs={"dropout": rng})
+        out = module.apply(
+            {"params": p},
+            b["input_ids"],
+            attention_mask=b["attention_mask"],
+            deterministic=False,
+            rngs={"dropout": rng},
+        )
         nll = -jnp.take_along_axis(jax.nn.log_softmax(out.logits.astype(jnp.float32)), b["labels"][..., None], -1)
         return nll.mean(), {}
 
-    total = 10 ** 6
-    tr = Trainer(loss_fn, init, OptimizerConfig(learning_rate=5e-5, weight_decay=0.01, total_steps=total),
-                 mesh=data_mesh(jax.devices()[:1]), precision="bf16", progress=False, log_every=10 ** 9)
-    i = iter(range(10 ** 9))
+    total = 10**6
+    tr = Trainer(
+        loss_fn,
+        init,
+        OptimizerConfig(learning_rate=5e-5, weight_decay=0.01, total_steps=total),
+        mesh=data_mesh(jax.devices()[:1]),
+        precision="bf16",
+        progress=False,
+        log_every=10**9,
+    )
+    i = iter(range(10**9))
     first, dt = median_time(lambda: tr.train_step(batches[next(i) % 4], total)["loss"], jax_sync, a.reps, 3)
     b, t = batches[0]["input_ids"].shape
     return _rates(dt, b, t, flops, peak, first)
@@ -266,15 +335,21 @@ def _bert_jax(a, c, labels, batches, flops, peak):
 def _bert_torch(a, c, labels, batches, flops, peak):
     import torch
     import transformers
+
     dev = torch_device()
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-                                  num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
-                                  intermediate_size=c["intermediate_size"], num_labels=labels)
+    cfg = transformers.BertConfig(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"],
+        intermediate_size=c["intermediate_size"],
+        num_labels=labels,
+    )
     model = transformers.BertForTokenClassification(cfg).to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=5e-5, weight_decay=0.01, fused=dev == "cuda")
     tb = [{k: torch.as_tensor(v.astype(np.int64), device=dev) for k, v in b.items()} for b in batches]
-    i = iter(range(10 ** 9))
+    i = iter(range(10**9))
 
     def step():
         b = tb[next(i) % 4]
@@ -293,6 +368,7 @@ def _bert_torch(a, c, labels, batches, flops, peak):
 
 # ----------------------------------------------------------------------------- decoder training
 
+
 def part_decoder_train(a, res):
     c = LLAMA_TINY if a.tiny else LLAMA_1B
     batch, seq = (2, 64) if a.tiny else (4, 2048)
@@ -300,8 +376,14 @@ def part_decoder_train(a, res):
     batches = [{"input_ids": rng.integers(0, c["vocab_size"], (batch, seq)).astype(np.int32)} for _ in range(4)]
     flops = llama_flops_per_token(c, seq) * batch * seq
     peak = res.get("peak_bf16_tflops")
-    res.update(config=c, params=llama_param_count(c), batch=batch, seq=seq, flops_per_step=flops,
-               setting="causal LM, fp32 master params, bf16 compute, AdamW (clip 1.0), full-vocab fp32 loss")
+    res.update(
+        config=c,
+        params=llama_param_count(c),
+        batch=batch,
+        seq=seq,
+        flops_per_step=flops,
+        setting="causal LM, fp32 master params, bf16 compute, AdamW (clip 1.0), full-vocab fp32 loss",
+    )
     if a.framework in ("jax", "both"):
         res["jsteer"] = _decoder_train_jax(a, c, batches, flops, peak)
         print("jsteer", res["jsteer"], flush=True)
@@ -315,6 +397,7 @@ def _decoder_train_jax(a, c, batches, flops, peak):
     import jax.numpy as jnp
 
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
+
     module, params = jsteer_llama(c, jnp.bfloat16)  # bf16 compute, fp32 params
 
     def loss_fn(p, b, rng):
@@ -323,11 +406,18 @@ def _decoder_train_jax(a, c, batches, flops, peak):
         nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1)
         return nll.mean(), {}
 
-    total = 10 ** 6
-    tr = Trainer(loss_fn, params, OptimizerConfig(learning_rate=1e-4, weight_decay=0.0, total_steps=total),
-                 mesh=data_mesh(jax.devices()[:1]), precision="bf16", progress=False, log_every=10 ** 9)
+    total = 10**6
+    tr = Trainer(
+        loss_fn,
+        params,
+        OptimizerConfig(learning_rate=1e-4, weight_decay=0.0, total_steps=total),
+        mesh=data_mesh(jax.devices()[:1]),
+        precision="bf16",
+        progress=False,
+        log_every=10**9,
+    )
     del params
-    i = iter(range(10 ** 9))
+    i = iter(range(10**9))
     first, dt = median_time(lambda: tr.train_step(batches[next(i) % 4], total)["loss"], jax_sync, a.reps, 2)
     b, t = batches[0]["input_ids"].shape
     return _rates(dt, b, t, flops, peak, first)
@@ -336,13 +426,14 @@ def _decoder_train_jax(a, c, batches, flops, peak):
 def _decoder_train_torch(a, c, batches, flops, peak):
     import torch
     import transformers
+
     dev = torch_device()
     torch.manual_seed(0)
     with torch.device(dev):
         model = transformers.LlamaForCausalLM(hf_llama_config(c)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=dev == "cuda")
     tb = [torch.as_tensor(b["input_ids"].astype(np.int64), device=dev) for b in batches]
-    i = iter(range(10 ** 9))
+    i = iter(range(10**9))
 
     def step():
         ids = tb[next(i) % 4]
@@ -361,10 +452,12 @@ def _decoder_train_torch(a, c, batches, flops, peak):
 
 # ----------------------------------------------------------------------------- decoding
 
+
 def measured_bandwidth_jax() -> float:
     """Device-to-device copy rate, bytes read + written per second."""
     import jax
     import jax.numpy as jnp
+
     x = jnp.ones((256, 1024, 1024), jnp.float32)  # 1 GiB
     f = jax.jit(lambda x: x * 1.0001)
     _, dt = median_time(lambda: f(x), jax_sync, 10, 2)
@@ -383,13 +476,19 @@ def part_decode(a, res):
     c = LLAMA_TINY if a.tiny else LLAMA_1B
     prompt, new = (16, 16) if a.tiny else (128, 128)
     batches = tuple(b for b in ((1, 4) if a.tiny else (1, 64)) if not a.sizes or str(b) in a.sizes)
-    res.update(config=c, params=llama_param_count(c), prompt=prompt, new_tokens=new,
-               setting="greedy, no stop token, bf16 weights and KV cache; time includes the prefill")
+    res.update(
+        config=c,
+        params=llama_param_count(c),
+        prompt=prompt,
+        new_tokens=new,
+        setting="greedy, no stop token, bf16 weights and KV cache; time includes the prefill",
+    )
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(1, c["vocab_size"], (b, prompt)).astype(np.int32) for b in batches}
     rows = {}
     if a.framework in ("jax", "both"):
         import jax
+
         bw = measured_bandwidth_jax()
         res["measured_copy_bandwidth_Bps"] = bw
         for b in batches:
@@ -421,6 +520,7 @@ def _decode_jax(a, c, prompts, new, rows):
 
     from jsteer.decode import generate
     from jsteer.steer import head
+
     module, params = jsteer_llama(c, jnp.bfloat16)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     for b, ids in prompts.items():
@@ -430,16 +530,22 @@ def _decode_jax(a, c, prompts, new, rows):
             p = head.init(jax.random.PRNGKey(1), c["hidden_size"], 2, rank=min(1000, c["hidden_size"]), scale=0.05)
             runs["jsteer_steered"] = head.to_hooks(p, head.make_eps(np.full((b, 1), 5.0), 1e-3))
         for name, hooks in runs.items():
-            first, dt = median_time(lambda: generate(module, params, ids, max_new_tokens=new, hooks=hooks).tokens,
-                                    jax_sync, a.reps, 1)
-            rows.setdefault(str(b), {})[name] = {"compile_first_call_s": first, "s": dt,
-                                                 "tokens_per_s": b * new / dt, "ms_per_token_step": dt / new * 1e3}
+            first, dt = median_time(
+                lambda: generate(module, params, ids, max_new_tokens=new, hooks=hooks).tokens, jax_sync, a.reps, 1
+            )
+            rows.setdefault(str(b), {})[name] = {
+                "compile_first_call_s": first,
+                "s": dt,
+                "tokens_per_s": b * new / dt,
+                "ms_per_token_step": dt / new * 1e3,
+            }
             print(b, name, rows[str(b)][name], flush=True)
 
 
 def _decode_torch(a, c, prompts, new, rows):
     import torch
     import transformers
+
     dev = torch_device()
     torch.manual_seed(0)
     with torch.device(dev):
@@ -447,38 +553,57 @@ def _decode_torch(a, c, prompts, new, rows):
     for b, ids in prompts.items():
         ids = torch.as_tensor(ids.astype(np.int64), device=dev)
         for name, extra in (("hf_dynamic", {}), ("hf_static", {"cache_implementation": "static"})):
+
             def gen():
                 with torch.no_grad():
-                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                          min_new_tokens=new, do_sample=False, pad_token_id=0, **extra)
+                    return model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=new,
+                        min_new_tokens=new,
+                        do_sample=False,
+                        pad_token_id=0,
+                        **extra,
+                    )
+
             try:
                 first, dt = median_time(gen, torch_sync, a.reps, 1)
             except Exception as e:  # noqa: BLE001 - a transformers version may lack the static cache
                 rows.setdefault(str(b), {})[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
-            rows.setdefault(str(b), {})[name] = {"first_call_s": first, "s": dt, "tokens_per_s": b * new / dt,
-                                                 "ms_per_token_step": dt / new * 1e3}
+            rows.setdefault(str(b), {})[name] = {
+                "first_call_s": first,
+                "s": dt,
+                "tokens_per_s": b * new / dt,
+                "ms_per_token_step": dt / new * 1e3,
+            }
             print(b, name, rows[str(b)][name], flush=True)
 
 
 # ----------------------------------------------------------------------------- main
 
-PARTS = {"attention": part_attention, "bert": part_bert, "decoder-train": part_decoder_train,
-         "decode": part_decode}
+PARTS = {"attention": part_attention, "bert": part_bert, "decoder-train": part_decoder_train, "decode": part_decode}
 
 
 def environment(a) -> dict:
-    env = {"part": a.part, "framework": a.framework, "tiny": a.tiny, "reps": a.reps,
-           "host": f"{platform.machine()} {platform.processor()}".strip()}
+    env = {
+        "part": a.part,
+        "framework": a.framework,
+        "tiny": a.tiny,
+        "reps": a.reps,
+        "host": f"{platform.machine()} {platform.processor()}".strip(),
+    }
     kind = ""
     if a.framework in ("jax", "both"):
         import flax
         import jax
+
         kind = jax.devices()[0].device_kind
         env.update(jax=jax.__version__, flax=flax.__version__, jax_device=kind)
     if a.framework in ("torch", "both"):
         import torch
         import transformers
+
         env.update(torch=torch.__version__, transformers=transformers.__version__)
         if torch.cuda.is_available():
             kind = kind or torch.cuda.get_device_name(0)
@@ -494,8 +619,12 @@ def main(argv=None):
     ap.add_argument("--framework", choices=("jax", "torch", "both"), default="both")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per case")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (smoke test on any backend)")
-    ap.add_argument("--sizes", type=lambda v: set(v.split(",")), default=None,
-                    help="only these decode batches (e.g. 64) or BERT shapes (e.g. 32x512)")
+    ap.add_argument(
+        "--sizes",
+        type=lambda v: set(v.split(",")),
+        default=None,
+        help="only these decode batches (e.g. 64) or BERT shapes (e.g. 32x512)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     res = environment(a)

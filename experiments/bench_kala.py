@@ -51,15 +51,31 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--examples", type=int, default=512)
-    ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="device peak for MFU (default on accelerators: the dense bf16 peak of a known device)")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default=None,
-                    help="compute dtype of both systems (default: bf16 on accelerators, fp32 on the CPU)")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device peak for MFU (default on accelerators: the dense bf16 peak of a known device)",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="compute dtype of both systems (default: bf16 on accelerators, fp32 on the CPU)",
+    )
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--graph-rungs", type=int, default=2,
-                    help="also time relational KALA on the same batches with this many smaller graph buckets")
-    ap.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
-                    help="torch intra-op threads; match XLA's (1 under --xla_cpu_multi_thread_eigen=false)")
+    ap.add_argument(
+        "--graph-rungs",
+        type=int,
+        default=2,
+        help="also time relational KALA on the same batches with this many smaller graph buckets",
+    )
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch intra-op threads; match XLA's (1 under --xla_cpu_multi_thread_eigen=false)",
+    )
     ap.add_argument("--out", default=str(OUT / "bench.json"))
     args = ap.parse_args(argv)
 
@@ -85,12 +101,17 @@ def main(argv=None) -> int:
     memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
     # the same example groups collated with the default graph buckets and with --graph-rungs
     # smaller ones (same seed: same shuffled, length-grouped batches)
-    ladders = {r: [b for _, b in kdata.batches(data.train, args.batch_size, shuffle=True, group_by_length=True,
-                                                graph_rungs=r)]
-               for r in (0, args.graph_rungs)}
+    ladders = {
+        r: [b for _, b in kdata.batches(data.train, args.batch_size, shuffle=True, group_by_length=True, graph_rungs=r)]
+        for r in (0, args.graph_rungs)
+    }
     # one fixed shape for every system: the most common (length, graph buckets) of training batches
-    signature = lambda b: (b["input_ids"].shape, b["graph_entity"].shape, b["graph_senders"].shape,  # noqa: E731
-                           b["graph_mention"].shape)
+    signature = lambda b: (
+        b["input_ids"].shape,
+        b["graph_entity"].shape,
+        b["graph_senders"].shape,  # noqa: E731
+        b["graph_mention"].shape,
+    )
 
     def most_common(idx, bs):
         sig = [signature(bs[i]) for i in idx]
@@ -113,8 +134,15 @@ def main(argv=None) -> int:
     for method, name, feed in runs:
         model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method=method), memory)
         cfg = ktrain.TrainConfig()
-        tr = Trainer(ktrain.ner_loss(model), params, ktrain.optimizer_config(cfg, 1000), precision=precision,
-                     mesh=data_mesh(jax.devices()[:1]), progress=False, exit_on_preempt=False)
+        tr = Trainer(
+            ktrain.ner_loss(model),
+            params,
+            ktrain.optimizer_config(cfg, 1000),
+            precision=precision,
+            mesh=data_mesh(jax.devices()[:1]),
+            progress=False,
+            exit_on_preempt=False,
+        )
         own = [kdata.device_batch(b, model.kala.uses_knowledge) for b in feed]  # as ktrain.fit feeds them
         t = time.perf_counter()
         jax.block_until_ready(tr.train_step(own[0], 1000)["loss"])
@@ -140,12 +168,22 @@ def main(argv=None) -> int:
         dev = "cuda" if on_accel and torch.cuda.is_available() else "cpu"
         if on_accel and dev == "cpu":
             raise RuntimeError(f"jax runs on {jax.default_backend()} but torch sees no CUDA device; pass --no-torch")
-        hf = BertForTokenClassification.from_pretrained(str(embedded_path("minilm")),
-                                                        num_labels=len(ner_lib.CONLL2003_LABELS)).float().to(dev)
+        hf = (
+            BertForTokenClassification.from_pretrained(
+                str(embedded_path("minilm")), num_labels=len(ner_lib.CONLL2003_LABELS)
+            )
+            .float()
+            .to(dev)
+        )
         hf.train()
         opt = torch.optim.AdamW(hf.parameters(), lr=5e-5, weight_decay=0.01)
-        tb = [{k: torch.as_tensor(np.asarray(b[k]), dtype=torch.long, device=dev)
-               for k in ("input_ids", "attention_mask", "labels")} for b in batches]
+        tb = [
+            {
+                k: torch.as_tensor(np.asarray(b[k]), dtype=torch.long, device=dev)
+                for k in ("input_ids", "attention_mask", "labels")
+            }
+            for b in batches
+        ]
         cast = torch.autocast(dev, dtype=torch.bfloat16, enabled=precision == "bf16")
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
@@ -164,8 +202,11 @@ def main(argv=None) -> int:
             return out
 
         run_torch()  # warm-up
-        systems["HF PyTorch finetune"] = {"run": run_torch, "compile_s": 0.0,
-                                          "params": sum(p.numel() for p in hf.parameters())}
+        systems["HF PyTorch finetune"] = {
+            "run": run_torch,
+            "compile_s": 0.0,
+            "params": sum(p.numel() for p in hf.parameters()),
+        }
 
     times = {k: [] for k in systems}
     for _ in range(args.rounds):
@@ -173,48 +214,70 @@ def main(argv=None) -> int:
             times[k] += s["run"]()
     enc = lm.params["encoder"]
     matmul_params = ktrain.count_params(enc) - ktrain.count_params(enc["embeddings"])
-    flops = train_flops(matmul_params, tokens / len(batches), lm.config.num_layers, lm.config.hidden_size,
-                        int(common[1]))
+    flops = train_flops(
+        matmul_params, tokens / len(batches), lm.config.num_layers, lm.config.hidden_size, int(common[1])
+    )
     rows = {}
     for k, s in systems.items():
         med = statistics.median(times[k])
-        row = {"median_step_s": med, "examples_per_s": args.batch_size / med,
-               "tokens_per_s": tokens / len(batches) / med,
-               "compile_s": s["compile_s"], "params": s["params"], "steps_timed": len(times[k])}
+        row = {
+            "median_step_s": med,
+            "examples_per_s": args.batch_size / med,
+            "tokens_per_s": tokens / len(batches) / med,
+            "compile_s": s["compile_s"],
+            "params": s["params"],
+            "steps_timed": len(times[k]),
+        }
         if args.peak_tflops:
             row["mfu"] = flops / med / (args.peak_tflops * 1e12)
         rows[k] = row
     base = rows["jsteer finetune"]["median_step_s"]
     for r in rows.values():
         r["time_vs_jsteer_finetune"] = r["median_step_s"] / base
-    result = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "precision": precision,
-              "peak_tflops": args.peak_tflops, "model_flops_per_step": flops,
-              "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "torch_threads": None if args.no_torch else args.torch_threads,
-              "batch": [args.batch_size, int(common[1])],
-              "graph_nodes_edges": {f"graph_rungs={r}": list(g) for r, g in gshapes.items()},
-              "graph_real_nodes_edges": real_graph, "load_avg": os.getloadavg(), "systems": rows}
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.devices()[0].platform,
+        "precision": precision,
+        "peak_tflops": args.peak_tflops,
+        "model_flops_per_step": flops,
+        "cpu_count": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "torch_threads": None if args.no_torch else args.torch_threads,
+        "batch": [args.batch_size, int(common[1])],
+        "graph_nodes_edges": {f"graph_rungs={r}": list(g) for r, g in gshapes.items()},
+        "graph_real_nodes_edges": real_graph,
+        "load_avg": os.getloadavg(),
+        "systems": rows,
+    }
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    lines = [f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
-             f"{result['platform']} {result['device']} ({result['cpu_count']} CPUs, "
-             f"load {result['load_avg'][0]:.1f}, XLA flags "
-             f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
-             f"{args.rounds * len(batches)} interleaved steps. Graph: {real_graph[0]:.0f} nodes / "
-             f"{real_graph[1]:.0f} edges on average, padded to "
-             + ", ".join(f"{g[0]} / {g[1]} (graph_rungs={r})" for r, g in gshapes.items())
-             + "; the most common shapes of training batches.", "",
-             "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |"
-             + (" MFU |" if args.peak_tflops else ""),
-             "|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
+    lines = [
+        f"Train throughput, MiniLM on CoNLL-2003, batch {args.batch_size} x {common[1]} tokens, "
+        f"{result['platform']} {result['device']} ({result['cpu_count']} CPUs, "
+        f"load {result['load_avg'][0]:.1f}, XLA flags "
+        f"'{result['xla_flags']}', torch threads {result['torch_threads']}); median of "
+        f"{args.rounds * len(batches)} interleaved steps. Graph: {real_graph[0]:.0f} nodes / "
+        f"{real_graph[1]:.0f} edges on average, padded to "
+        + ", ".join(f"{g[0]} / {g[1]} (graph_rungs={r})" for r, g in gshapes.items())
+        + "; the most common shapes of training batches.",
+        "",
+        "| system | examples/s | tokens/s | step (s) | vs jsteer fine-tuning | compile (s) |"
+        + (" MFU |" if args.peak_tflops else ""),
+        "|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else ""),
+    ]
     for k, r in rows.items():
-        lines.append(f"| {k} | {r['examples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['median_step_s']:.4f} | "
-                     f"{r['time_vs_jsteer_finetune']:.2f}x | {r['compile_s']:.1f} |"
-                     + (f" {r['mfu']:.2%} |" if args.peak_tflops else ""))
+        lines.append(
+            f"| {k} | {r['examples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['median_step_s']:.4f} | "
+            f"{r['time_vs_jsteer_finetune']:.2f}x | {r['compile_s']:.1f} |"
+            + (f" {r['mfu']:.2%} |" if args.peak_tflops else "")
+        )
     if args.peak_tflops:
-        lines += ["", f"{precision} compute; MFU = model FLOPs {flops / 1e9:.1f} GFLOP/step (encoder products, "
-                  f"real tokens) / step time / {args.peak_tflops:.0f} TFLOP/s."]
+        lines += [
+            "",
+            f"{precision} compute; MFU = model FLOPs {flops / 1e9:.1f} GFLOP/step (encoder products, "
+            f"real tokens) / step time / {args.peak_tflops:.0f} TFLOP/s.",
+        ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

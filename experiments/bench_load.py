@@ -42,8 +42,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, intermediate_size=5632,
-             vocab_size=32000)
+SHAPE = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, intermediate_size=5632, vocab_size=32000)
 N_SHARDS = 4
 TARGET_PEAK_RATIO = 1.25
 KINDS = ("jsteer", "transformers")
@@ -68,10 +67,21 @@ def llama_config(n_params: float) -> dict:
     d, hd = s["hidden_size"], s["hidden_size"] // s["num_attention_heads"]
     per_layer = 2 * d * d + 2 * d * s["num_key_value_heads"] * hd + 3 * d * s["intermediate_size"] + 2 * d
     layers = max(1, round((n_params - s["vocab_size"] * d - d) / per_layer))
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **s, "num_hidden_layers": layers,
-            "head_dim": hd, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-            "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-            "torch_dtype": "bfloat16"}
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **s,
+        "num_hidden_layers": layers,
+        "head_dim": hd,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
 
 
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -80,11 +90,19 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                       p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
-                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-                       p + "mlp.down_proj.weight": (d, f)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (q, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, q),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+            }
+        )
     shapes["model.norm.weight"] = (d,)
     return shapes
 
@@ -123,7 +141,8 @@ def write_checkpoint(folder: pathlib.Path, cfg: dict) -> dict:
                     left -= len(chunk)
         size += (folder / fname).stat().st_size
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": 2 * total}, "weight_map": weight_map}))
+        json.dumps({"metadata": {"total_size": 2 * total}, "weight_map": weight_map})
+    )
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return {"params": total, "bytes": size, "files": N_SHARDS}
 
@@ -171,6 +190,7 @@ def worker(kind: str, folder: pathlib.Path) -> dict:
 
         def touch(lm):
             return None
+
     baseline = _status_kib("VmRSS")
     try:
         pathlib.Path("/proc/self/clear_refs").write_text("5")
@@ -184,9 +204,16 @@ def worker(kind: str, folder: pathlib.Path) -> dict:
     dt_touch = time.perf_counter() - t0 - dt
     cpu = time.process_time() - c0
     hwm = _status_kib("VmHWM")
-    out = {"kind": kind, "time_s": dt, "touch_s": dt_touch, "cpu_s": cpu, "baseline_bytes": baseline * 1024,
-           "peak_bytes": (hwm - baseline) * 1024,
-           "rss_after_bytes": (_status_kib("VmRSS") - baseline) * 1024, "hwm_reset": hwm_reset}
+    out = {
+        "kind": kind,
+        "time_s": dt,
+        "touch_s": dt_touch,
+        "cpu_s": cpu,
+        "baseline_bytes": baseline * 1024,
+        "peak_bytes": (hwm - baseline) * 1024,
+        "rss_after_bytes": (_status_kib("VmRSS") - baseline) * 1024,
+        "hwm_reset": hwm_reset,
+    }
     if kind == "jsteer":
         t0 = time.perf_counter()
         identity = model.identity  # the weight files' sha256, first computed here
@@ -198,10 +225,14 @@ def worker(kind: str, folder: pathlib.Path) -> dict:
 
 
 def run_worker(kind: str, folder: pathlib.Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--dir", str(folder)], env=env,
-                          capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", kind, "--dir", str(folder)], env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -213,20 +244,30 @@ def run_worker(kind: str, folder: pathlib.Path) -> dict:
 def environment() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     versions = {}
     for pkg in ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "safetensors", "torch", "transformers"):
         try:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "mem_total_bytes": mem, "load_avg": os.getloadavg(),
-            "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
-            "jsteer_commit": commit}
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "mem_total_bytes": mem,
+        "load_avg": os.getloadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "jsteer_commit": commit,
+    }
 
 
 def summarise(runs: list[dict], size: int) -> dict:
@@ -234,18 +275,24 @@ def summarise(runs: list[dict], size: int) -> dict:
     for kind in dict.fromkeys(r["kind"] for r in runs):
         rs = [r for r in runs if r["kind"] == kind]
         peak = max(r["peak_bytes"] for r in rs)
-        out[kind] = {"time_s_median": statistics.median(r["time_s"] for r in rs),
-                     "time_s_min": min(r["time_s"] for r in rs),
-                     "time_with_touch_s_median": statistics.median(r["time_s"] + r["touch_s"] for r in rs),
-                     "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
-                     "peak_bytes_max": peak, "peak_over_checkpoint": peak / size}
+        out[kind] = {
+            "time_s_median": statistics.median(r["time_s"] for r in rs),
+            "time_s_min": min(r["time_s"] for r in rs),
+            "time_with_touch_s_median": statistics.median(r["time_s"] + r["touch_s"] for r in rs),
+            "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
+            "peak_bytes_max": peak,
+            "peak_over_checkpoint": peak / size,
+        }
         if kind == "jsteer":  # the first lm.identity (not part of the load)
             out[kind]["sha256_s_median"] = statistics.median(r["jsteer_sha256_s"] for r in rs)
     if "jsteer" in out and "transformers" in out:
         j, t = out["jsteer"]["time_with_touch_s_median"], out["transformers"]["time_with_touch_s_median"]
-        out["targets"] = {"peak_over_checkpoint_max": TARGET_PEAK_RATIO,
-                          "jsteer_peak_met": out["jsteer"]["peak_over_checkpoint"] <= TARGET_PEAK_RATIO,
-                          "jsteer_time_over_transformers": j / t, "jsteer_time_met": j <= t}
+        out["targets"] = {
+            "peak_over_checkpoint_max": TARGET_PEAK_RATIO,
+            "jsteer_peak_met": out["jsteer"]["peak_over_checkpoint"] <= TARGET_PEAK_RATIO,
+            "jsteer_time_over_transformers": j / t,
+            "jsteer_time_met": j <= t,
+        }
     return out
 
 
@@ -260,8 +307,11 @@ def main(argv=None) -> int:
         folder = pathlib.Path(tmp)
         t0 = time.perf_counter()
         ckpt = write_checkpoint(folder, cfg)
-        print(f"wrote {ckpt['params'] / 1e9:.3f}B params, {ckpt['bytes'] / 2**30:.2f} GiB in {N_SHARDS} shards "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"wrote {ckpt['params'] / 1e9:.3f}B params, {ckpt['bytes'] / 2**30:.2f} GiB in {N_SHARDS} shards "
+            f"({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
         for f in sorted(folder.glob("*.safetensors")):  # into the page cache: both sides read from memory
             with open(f, "rb") as fh:
                 while fh.read(1 << 24):
@@ -271,13 +321,20 @@ def main(argv=None) -> int:
             for kind in kinds if rep % 2 == 0 else kinds[::-1]:
                 r = run_worker(kind, folder)
                 runs.append(r)
-                print(f"  {kind:12s} {r['time_s']:6.2f}s + touch {r['touch_s']:5.2f}s (cpu {r['cpu_s']:5.2f}s)  peak "
-                      f"{r['peak_bytes'] / 2**30:5.2f} GiB "
-                      f"({r['peak_bytes'] / ckpt['bytes']:.2f}x checkpoint)", flush=True)
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "argv": sys.argv[1:], "host": environment(),
-              "checkpoint": {**ckpt, "config": cfg, "dtype": "bfloat16"},
-              "runs": runs, "summary": summarise(runs, ckpt["bytes"])}
+                print(
+                    f"  {kind:12s} {r['time_s']:6.2f}s + touch {r['touch_s']:5.2f}s (cpu {r['cpu_s']:5.2f}s)  peak "
+                    f"{r['peak_bytes'] / 2**30:5.2f} GiB "
+                    f"({r['peak_bytes'] / ckpt['bytes']:.2f}x checkpoint)",
+                    flush=True,
+                )
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+        "host": environment(),
+        "checkpoint": {**ckpt, "config": cfg, "dtype": "bfloat16"},
+        "runs": runs,
+        "summary": summarise(runs, ckpt["bytes"]),
+    }
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

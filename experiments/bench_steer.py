@@ -59,19 +59,29 @@ def main():
         texts = [t for t in texts if 15 <= len(t.split()) <= 30]
         rank = a.rank
     d, v = lm.config.hidden_size, lm.config.vocab_size
-    res = {"model": "toy" if a.small else "SmolLM2-135M", "rank": rank, "reps": a.reps,
-           "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared)", "jax": jax.__version__}
+    res = {
+        "model": "toy" if a.small else "SmolLM2-135M",
+        "rank": rank,
+        "reps": a.reps,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared)",
+        "jax": jax.__version__,
+    }
 
     # ----------------------------------------------------------- generation
-    prompts = ["the movie was", "we saw the film and it"] * (a.batch // 2) if a.small else \
-        ["The movie was", "I think that the new"] * (a.batch // 2)
+    prompts = (
+        ["the movie was", "we saw the film and it"] * (a.batch // 2)
+        if a.small
+        else ["The movie was", "I think that the new"] * (a.batch // 2)
+    )
     p = head.init(jax.random.PRNGKey(0), d, 2, rank=rank, scale=0.05)
     eps = head.make_eps(np.full((a.batch, 1), 5.0), 1e-3)
     hooks = head.to_hooks(p, eps)  # the default decoding path: cheapest exact form (expanded when 2R >= D)
     hooks_lowrank = head.to_hooks(p, eps, cheapest=False)  # forced low rank, for comparison
-    gen = {"plain": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=None),
-           "steered": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks),
-           "steered_lowrank": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks_lowrank)}
+    gen = {
+        "plain": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=None),
+        "steered": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks),
+        "steered_lowrank": lambda: lm.generate(prompts, max_new_tokens=a.new_tokens, hooks=hooks_lowrank),
+    }
     for f in gen.values():
         f()  # compile
     times = {k: [] for k in gen}
@@ -79,15 +89,19 @@ def main():
         for k, f in gen.items():
             times[k].append(timed(f))
     tok = a.batch * a.new_tokens
-    res["generation"] = {k: {"seconds": float(np.median(t)), "tokens_per_s": tok / float(np.median(t))}
-                         for k, t in times.items()}
+    res["generation"] = {
+        k: {"seconds": float(np.median(t)), "tokens_per_s": tok / float(np.median(t))} for k, t in times.items()
+    }
     res["generation"]["overhead_pct"] = 100 * (np.median(times["steered"]) / np.median(times["plain"]) - 1)
-    res["generation"]["overhead_lowrank_pct"] = 100 * (np.median(times["steered_lowrank"])
-                                                       / np.median(times["plain"]) - 1)
+    res["generation"]["overhead_lowrank_pct"] = 100 * (
+        np.median(times["steered_lowrank"]) / np.median(times["plain"]) - 1
+    )
     res["generation"]["steered_form"] = "full W" if hooks.steer.w is not None else f"low rank {rank}"
-    res["generation"]["setting"] = (f"greedy, batch {a.batch}, {a.new_tokens} new tokens, S=2 steers of rank {rank}; "
-                                    f"'steered': head.to_hooks default (cheapest exact form: "
-                                    f"{res['generation']['steered_form']}); 'steered_lowrank': forced P1 P2^T form")
+    res["generation"]["setting"] = (
+        f"greedy, batch {a.batch}, {a.new_tokens} new tokens, S=2 steers of rank {rank}; "
+        f"'steered': head.to_hooks default (cheapest exact form: "
+        f"{res['generation']['steered_form']}); 'steered_lowrank': forced P1 P2^T form"
+    )
     log("generation", res["generation"])
 
     out = a.out or str(protocol.RESULTS / ("bench_small.json" if a.small else "bench.json"))
@@ -104,7 +118,7 @@ def main():
     ids = np.zeros((len(encs), t_len), np.int32)
     mask = np.zeros_like(ids)
     for i, e in enumerate(encs):
-        ids[i, :len(e)], mask[i, :len(e)] = e, 1
+        ids[i, : len(e)], mask[i, : len(e)] = e, 1
     cfg = train.TrainConfig(rank=rank, batch_size=len(encs))
     emb = jnp.asarray(lm.output_embeddings())
 
@@ -122,21 +136,30 @@ def main():
     # each form trains its own copy on the engine train() uses (one device: the step, not the mesh, is timed)
     one = jax.devices()[:1]
     tr_cached = train.make_trainer(cfg, {"steer": params, "embedding": emb}, mesh=data_mesh(one))
-    tr_full = train.make_trainer(cfg, {"steer": params, "embedding": emb, "backbone": lm.params},
-                                 train.forward_loss_fn(hidden_fn, cfg), mesh=data_mesh(one))
-    steps = {"cached": lambda: tr_cached.train_step(b_cached, cfg.steps)["loss"],
-             "full_forward": lambda: tr_full.train_step(b_full, cfg.steps)["loss"]}
+    tr_full = train.make_trainer(
+        cfg,
+        {"steer": params, "embedding": emb, "backbone": lm.params},
+        train.forward_loss_fn(hidden_fn, cfg),
+        mesh=data_mesh(one),
+    )
+    steps = {
+        "cached": lambda: tr_cached.train_step(b_cached, cfg.steps)["loss"],
+        "full_forward": lambda: tr_full.train_step(b_full, cfg.steps)["loss"],
+    }
     # same objective: both losses agree on the same texts
     l_c, l_f = float(steps["cached"]()), float(steps["full_forward"]())
     times = {k: [] for k in steps}
     for _ in range(a.reps):
         for k, f in steps.items():
             times[k].append(timed(f))
-    res["training"] = {k: {"seconds_per_step": float(np.median(t)), "steps_per_s": 1.0 / float(np.median(t))}
-                       for k, t in times.items()}
+    res["training"] = {
+        k: {"seconds_per_step": float(np.median(t)), "steps_per_s": 1.0 / float(np.median(t))} for k, t in times.items()
+    }
     res["training"]["speedup"] = float(np.median(times["full_forward"]) / np.median(times["cached"]))
-    res["training"]["setting"] = (f"{len(encs)} texts per step, {int(mask.sum())} real tokens "
-                                  f"(padded to {ids.size} for the full forward, {budget} packed rows cached)")
+    res["training"]["setting"] = (
+        f"{len(encs)} texts per step, {int(mask.sum())} real tokens "
+        f"(padded to {ids.size} for the full forward, {budget} packed rows cached)"
+    )
     res["training"]["loss_cached"], res["training"]["loss_full_forward"] = l_c, l_f
     res["training"]["one_time_cache_seconds_for_these_texts"] = res_cache_s
     log("training", res["training"])

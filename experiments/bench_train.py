@@ -110,8 +110,10 @@ def build_torch(model_dir, num_labels, lr, total_steps, head_params):
 
     hf_cfg = transformers.BertConfig.from_pretrained(str(model_dir), num_labels=num_labels)
     model = transformers.BertForTokenClassification(hf_cfg)
-    sd = {("bert." + k if not k.startswith("bert.") else k): v
-          for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    sd = {
+        ("bert." + k if not k.startswith("bert.") else k): v
+        for k, v in load_file(str(model_dir / "model.safetensors")).items()
+    }
     sd["classifier.weight"] = torch.tensor(np.asarray(head_params["classifier"]["kernel"]).T.copy())
     sd["classifier.bias"] = torch.tensor(np.asarray(head_params["classifier"]["bias"]))
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -121,8 +123,12 @@ def build_torch(model_dir, num_labels, lr, total_steps, head_params):
         raise RuntimeError(f"torch load: missing {missing}, unexpected {unexpected}")
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
     warm = 2
 
     def lr_lambda(s):
@@ -181,8 +187,9 @@ def hf_collate_batches(examples, batch: int, seed: int, count: int, max_len: int
         for j, r in enumerate(rows):
             n = len(r["input_ids"])
             ids[j, :n], labels[j, :n], mask[j, :n] = r["input_ids"], r["labels"], 1
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask,
-                    "example_mask": np.ones((batch,), np.int32)})
+        out.append(
+            {"input_ids": ids, "labels": labels, "attention_mask": mask, "example_mask": np.ones((batch,), np.int32)}
+        )
     return out
 
 
@@ -276,11 +283,23 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
         cpu.append(time.process_time() - c0)
 
     for s in range(0, n, args.block):
-        run_block(lambda b: float(trainer.train_step(b, total)["loss"]), j_batches[s : s + args.block],
-                  j_times, j_cpu, j_steps, j_losses)
+        run_block(
+            lambda b: float(trainer.train_step(b, total)["loss"]),
+            j_batches[s : s + args.block],
+            j_times,
+            j_cpu,
+            j_steps,
+            j_losses,
+        )
         if torch_model is not None:
-            run_block(lambda b: torch_step(torch_model, opt, sched, b), t_batches[s : s + args.block],
-                      t_times, t_cpu, t_steps, t_losses)
+            run_block(
+                lambda b: torch_step(torch_model, opt, sched, b),
+                t_batches[s : s + args.block],
+                t_times,
+                t_cpu,
+                t_steps,
+                t_losses,
+            )
     res["jsteer"] = _rates(sum(j_times), sum(j_cpu), j_batches, j_losses)
     res["jsteer"].update(_steady(j_steps, j_batches, args.block))
     res["jsteer"]["compilations_after"] = trainer.num_compilations
@@ -290,9 +309,9 @@ def cpu_bench(args, examples, num_labels, model_dir, mode):
         res["speedup_examples_per_s"] = res["jsteer"]["examples_per_s"] / res["torch"]["examples_per_s"]
         if "steady_examples_per_s" in res["jsteer"]:  # absent with --block 1
             res["speedup_steady_examples_per_s"] = (
-                res["jsteer"]["steady_examples_per_s"] / res["torch"]["steady_examples_per_s"])
-        res["speedup_examples_per_cpu_s"] = (
-            res["jsteer"]["examples_per_cpu_s"] / res["torch"]["examples_per_cpu_s"])
+                res["jsteer"]["steady_examples_per_s"] / res["torch"]["steady_examples_per_s"]
+            )
+        res["speedup_examples_per_cpu_s"] = res["jsteer"]["examples_per_cpu_s"] / res["torch"]["examples_per_cpu_s"]
     res["load_avg_1min"] = os.getloadavg()[0]
     return res
 
@@ -304,8 +323,9 @@ def _steady(step_s, batches, block):
     rest = [i for i in range(len(step_s)) if i % block]
     out = {"step_s": [round(t, 4) for t in step_s]}
     if rest:
-        out["steady_examples_per_s"] = (sum(int(batches[i]["example_mask"].sum()) for i in rest)
-                                        / sum(step_s[i] for i in rest))
+        out["steady_examples_per_s"] = sum(int(batches[i]["example_mask"].sum()) for i in rest) / sum(
+            step_s[i] for i in rest
+        )
     return out
 
 
@@ -331,6 +351,7 @@ def _rates(seconds, cpu_seconds, batches, losses):
 
 # ----------------------------------------------------------------------------- GPU bench
 
+
 def train_flops(config, batch, seq, num_labels) -> float:
     """Matmul FLOPs of one train step (forward + backward = 3x forward), embeddings excluded."""
     d, f, L = config.hidden_size, config.intermediate_size, config.num_layers
@@ -353,13 +374,19 @@ def gpu_bench(args, num_labels):
     for batch, seq in [(32, 128), (128, 128), (64, 512)]:
         rng = np.random.default_rng(0)
         total = args.warmup + args.steps
-        trainer, _, _, _ = token_classifier_trainer(None, num_labels, args.lr, total, dtype="bf16", config=config,
-                                                    params=init)
+        trainer, _, _, _ = token_classifier_trainer(
+            None, num_labels, args.lr, total, dtype="bf16", config=config, params=init
+        )
         batches = []
         for _ in range(4):
             ids = rng.integers(1000, 30000, size=(batch, seq)).astype(np.int32)
-            batches.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
-                            "labels": rng.integers(0, num_labels, size=(batch, seq)).astype(np.int32)})
+            batches.append(
+                {
+                    "input_ids": ids,
+                    "attention_mask": np.ones_like(ids),
+                    "labels": rng.integers(0, num_labels, size=(batch, seq)).astype(np.int32),
+                }
+            )
         for i in range(args.warmup):
             jax.block_until_ready(trainer.train_step(batches[i % 4], total)["loss"])
         t0 = time.perf_counter()
@@ -368,14 +395,25 @@ def gpu_bench(args, num_labels):
         jax.block_until_ready(m["loss"])
         dt = (time.perf_counter() - t0) / args.steps
         flops = train_flops(config, batch, seq, num_labels)
-        results.append({
-            "batch": batch, "seq": seq, "s_per_step": dt, "examples_per_s": batch / dt,
-            "tokens_per_s": batch * seq / dt, "tflops": flops / dt / 1e12,
-            "mfu": (flops / dt / 1e12 / peak) if peak else None,
-        })
+        results.append(
+            {
+                "batch": batch,
+                "seq": seq,
+                "s_per_step": dt,
+                "examples_per_s": batch / dt,
+                "tokens_per_s": batch * seq / dt,
+                "tflops": flops / dt / 1e12,
+                "mfu": (flops / dt / 1e12 / peak) if peak else None,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
-    return {"device_kind": kind, "peak_bf16_tflops": peak, "config": "bert-base (L12 H768 A12 I3072)",
-            "precision": "bf16 compute, fp32 master params", "runs": results}
+    return {
+        "device_kind": kind,
+        "peak_bf16_tflops": peak,
+        "config": "bert-base (L12 H768 A12 I3072)",
+        "precision": "bf16 compute, fp32 master params",
+        "runs": results,
+    }
 
 
 # ----------------------------------------------------------------------------- main
@@ -389,8 +427,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--buckets", type=lambda v: tuple(int(x) for x in v.split(",")), default=(16, 32, 48, 64, 96),
-                    help="jsteer bucket lengths below --seq (bucketed / pipeline modes)")
+    ap.add_argument(
+        "--buckets",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=(16, 32, 48, 64, 96),
+        help="jsteer bucket lengths below --seq (bucketed / pipeline modes)",
+    )
     ap.add_argument("--sort-window", type=int, default=32, help="Batcher length-grouping window, in batches")
     ap.add_argument("--modes", default="fixed,pipeline", help="comma list of fixed, bucketed, pipeline")
     ap.add_argument("--limit", type=int, default=4000, help="CoNLL train sentences to tokenize")
@@ -405,9 +447,14 @@ def main(argv=None):
     model_dir = minilm_dir()
     result = {
         "benchmark": "bench_train",
-        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-                 "jax": jax.__version__, "backend": jax.default_backend(),
-                 "devices": [str(d) for d in jax.devices()]},
+        "host": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+        },
         "args": vars(args),
     }
     if jax.default_backend() == "cpu":

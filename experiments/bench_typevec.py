@@ -75,8 +75,16 @@ def main(argv=None) -> int:
     rows_l = [lam for lam in lams for _ in exs]
     rows_t = [ex_type[i] for i in rows_e]
     n_rows = len(rows_e)
-    res = {"model": "smollm2-135m", "rows": n_rows, "prompts": len(exs), "lambdas": lams, "relations": names,
-           "batch_size": args.batch_size, "backend": jax.default_backend(), "loadavg_start": os.getloadavg()}
+    res = {
+        "model": "smollm2-135m",
+        "rows": n_rows,
+        "prompts": len(exs),
+        "lambdas": lams,
+        "relations": names,
+        "batch_size": args.batch_size,
+        "backend": jax.default_backend(),
+        "loadavg_start": os.getloadavg(),
+    }
 
     # ---------------------------------------------------------------- jsteer
     def timed(fn):
@@ -86,21 +94,46 @@ def main(argv=None) -> int:
 
     lam_arr = np.asarray(lams, np.float32)
     for name, fn in (
-            ("jsteer_rows", lambda scale: probe.score_rows(pm, exs, rows_e, [x * scale for x in rows_l], rows_t, tes,
-                                                           batch_size=args.batch_size, post_grid=(0.0,))),
-            ("jsteer_grid", lambda scale: probe.score_grid(pm, exs, np.arange(len(exs)), lam_arr * scale, ex_type,
-                                                           tes, batch_size=args.batch_size, post_grid=(0.0,)))):
+        (
+            "jsteer_rows",
+            lambda scale: probe.score_rows(
+                pm, exs, rows_e, [x * scale for x in rows_l], rows_t, tes, batch_size=args.batch_size, post_grid=(0.0,)
+            ),
+        ),
+        (
+            "jsteer_grid",
+            lambda scale: probe.score_grid(
+                pm,
+                exs,
+                np.arange(len(exs)),
+                lam_arr * scale,
+                ex_type,
+                tes,
+                batch_size=args.batch_size,
+                post_grid=(0.0,),
+            ),
+        ),
+    ):
         r0, first = timed(lambda: fn(1.0))
-        _, t1 = timed(lambda: fn(0.5))      # new lambda values: must not recompile
+        _, t1 = timed(lambda: fn(0.5))  # new lambda values: must not recompile
         r2, t2 = timed(lambda: fn(1.0))
-        rank = r2.rank if r2.rank.ndim == 1 else r2.rank.T.reshape(-1)   # grid [N, L] -> row order
+        rank = r2.rank if r2.rank.ndim == 1 else r2.rank.T.reshape(-1)  # grid [N, L] -> row order
         assert np.array_equal(np.asarray(r0.rank), np.asarray(r2.rank))
         best = min(t1, t2)
         jit_fn = pm.score_fn if name == "jsteer_rows" else pm.grid_fn
-        res[name] = {"first_call_s": first, "steady_s": best, "prompts_per_s": n_rows / best,
-                     "batches": r2.n_batches, "compiled_programs": int(jit_fn._cache_size()), "ranks": rank}
-        print(f"{name}: {n_rows} rows, first call {first:.1f}s (compiles), steady {best:.2f}s = "
-              f"{n_rows / best:.1f} prompts/s, {jit_fn._cache_size()} compiled programs", flush=True)
+        res[name] = {
+            "first_call_s": first,
+            "steady_s": best,
+            "prompts_per_s": n_rows / best,
+            "batches": r2.n_batches,
+            "compiled_programs": int(jit_fn._cache_size()),
+            "ranks": rank,
+        }
+        print(
+            f"{name}: {n_rows} rows, first call {first:.1f}s (compiles), steady {best:.2f}s = "
+            f"{n_rows / best:.1f} prompts/s, {jit_fn._cache_size()} compiled programs",
+            flush=True,
+        )
     a, b = res["jsteer_rows"]["ranks"], res["jsteer_grid"]["ranks"]
     res["rows_vs_grid"] = {"rank_agreement": float(np.mean(a == b)), "max_rank_diff": int(np.max(np.abs(a - b)))}
     print("rows vs grid:", res["rows_vs_grid"], flush=True)
@@ -151,11 +184,14 @@ def main(argv=None) -> int:
         res["speedup_rows"] = ht / res["jsteer_rows"]["steady_s"]
         res["rank_agreement"] = agree
         res["max_rank_diff"] = int(np.max(np.abs(hr - ours)))
-        print(f"HF torch: {ht:.2f}s = {n_rows / ht:.1f} prompts/s; jsteer speed-up {res['speedup_grid']:.2f}x (grid), "
-              f"{res['speedup_rows']:.2f}x (rows); ranks agree on {agree:.1%}", flush=True)
+        print(
+            f"HF torch: {ht:.2f}s = {n_rows / ht:.1f} prompts/s; jsteer speed-up {res['speedup_grid']:.2f}x (grid), "
+            f"{res['speedup_rows']:.2f}x (rows); ranks agree on {agree:.1%}",
+            flush=True,
+        )
     res["loadavg_end"] = os.getloadavg()
     for k in ("jsteer_rows", "jsteer_grid"):
-        res[k]["ranks"] = None   # not kept in the JSON
+        res[k]["ranks"] = None  # not kept in the JSON
     OUT.mkdir(parents=True, exist_ok=True)
     name = "bench_typevec_small.json" if os.environ.get("JSTEER_SMALL") == "1" else "bench_typevec.json"
     (OUT / name).write_text(json.dumps(res, indent=1))

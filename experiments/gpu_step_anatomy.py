@@ -39,8 +39,11 @@ def anatomy(config, B, T, labels=9):
     init = init_token_classifier(config, labels)
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 30000, (B, T)).astype(np.int32)
-    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
-             "labels": rng.integers(0, labels, (B, T)).astype(np.int32)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "labels": rng.integers(0, labels, (B, T)).astype(np.int32),
+    }
     dbatch = jax.device_put(batch)
     r = {}
     for prec in ("bf16", "fp32"):
@@ -53,8 +56,9 @@ def anatomy(config, B, T, labels=9):
     r["jsteer_forward_bf16"] = timeit(lambda: fwd(pb, dbatch))
 
     def loss(p, b, key, det):
-        out = module.apply({"params": p}, b["input_ids"], attention_mask=b["attention_mask"], deterministic=det,
-                           rngs={"dropout": key})
+        out = module.apply(
+            {"params": p}, b["input_ids"], attention_mask=b["attention_mask"], deterministic=det, rngs={"dropout": key}
+        )
         lp = jax.nn.log_softmax(out.logits.astype(jnp.float32))
         return -jnp.take_along_axis(lp, b["labels"][..., None], -1).mean()
 
@@ -67,11 +71,20 @@ def anatomy(config, B, T, labels=9):
     import torch
     from transformers import BertConfig, BertForTokenClassification
 
-    hf = BertForTokenClassification(BertConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                                               num_hidden_layers=config.num_layers,
-                                               num_attention_heads=config.num_heads,
-                                               intermediate_size=config.intermediate_size,
-                                               num_labels=labels)).cuda().train()
+    hf = (
+        BertForTokenClassification(
+            BertConfig(
+                vocab_size=config.vocab_size,
+                hidden_size=config.hidden_size,
+                num_hidden_layers=config.num_layers,
+                num_attention_heads=config.num_heads,
+                intermediate_size=config.intermediate_size,
+                num_labels=labels,
+            )
+        )
+        .cuda()
+        .train()
+    )
     opt = torch.optim.AdamW(hf.parameters(), lr=5e-5, weight_decay=0.01)
     tb = {k: torch.as_tensor(v, dtype=torch.long, device="cuda") for k, v in batch.items()}
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
@@ -97,10 +110,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_step_anatomy.json")
     a = ap.parse_args()
-    cases = {"bert-base b32x128": (bert.BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12,
-                                                   intermediate_size=3072), 32, 128),
-             "minilm b256x32": (bert.BertConfig(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12,
-                                                intermediate_size=1536), 256, 32)}
+    cases = {
+        "bert-base b32x128": (
+            bert.BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
+            32,
+            128,
+        ),
+        "minilm b256x32": (
+            bert.BertConfig(vocab_size=30522, hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536),
+            256,
+            32,
+        ),
+    }
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
     for name, (cfg, B, T) in cases.items():
         res[name] = anatomy(cfg, B, T)

@@ -30,8 +30,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=sorted(protocol.DATASETS), required=True)
-    ap.add_argument("--strategies", nargs="+", default=["frequent", "abbreviation", "capitalised"],
-                    choices=builder.STRATEGIES)
+    ap.add_argument(
+        "--strategies", nargs="+", default=["frequent", "abbreviation", "capitalised"], choices=builder.STRATEGIES
+    )
     ap.add_argument("--out", default=None, help="default: results/kala/lexicon_quality_<dataset>.json")
     args = ap.parse_args(argv)
     spec = protocol.DATASETS[args.dataset]
@@ -41,13 +42,20 @@ def main(argv=None) -> int:
     for strategy in args.strategies:
         min_count = protocol.graph_min_count(args.dataset, strategy)
         lexicon = builder.mine_lexicon(tokens, strategy, min_count)
-        out["strategies"][strategy] = {"min_count": min_count, **{
-            k: lexicon_quality(lexicon, [(list(s.tokens), [(a, b) for _, a, b in entities(s.tags)])
-                                         for s in splits[k]])
-            for k in ("train", "test")}}
+        out["strategies"][strategy] = {
+            "min_count": min_count,
+            **{
+                k: lexicon_quality(
+                    lexicon, [(list(s.tokens), [(a, b) for _, a, b in entities(s.tags)]) for s in splits[k]]
+                )
+                for k in ("train", "test")
+            },
+        }
         t = out["strategies"][strategy]["test"]
-        print(f"{strategy:13s} test: {t['mentions_per_sentence']:.2f} mentions/sentence, precision "
-              f"{t['precision_overlap']:.3f} (exact {t['precision_exact']:.3f}), recall {t['recall_overlap']:.3f}")
+        print(
+            f"{strategy:13s} test: {t['mentions_per_sentence']:.2f} mentions/sentence, precision "
+            f"{t['precision_overlap']:.3f} (exact {t['precision_exact']:.3f}), recall {t['recall_overlap']:.3f}"
+        )
     path = pathlib.Path(args.out or protocol.OUT / f"lexicon_quality_{args.dataset}.json")
     path.write_text(json.dumps(out, indent=1))
     return 0

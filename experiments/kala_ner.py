@@ -98,8 +98,13 @@ def main(argv=None) -> int:
     from jsteer.kala.builder import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", nargs="+", choices=sorted(DATASETS), required=True,
-                    help="one or more datasets; runs go seed-major (seed 0 of every dataset first)")
+    ap.add_argument(
+        "--dataset",
+        nargs="+",
+        choices=sorted(DATASETS),
+        required=True,
+        help="one or more datasets; runs go seed-major (seed 0 of every dataset first)",
+    )
     ap.add_argument("--groups", nargs="+", default=["main"], choices=sorted(VARIANTS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--train-size", nargs="+", type=int, default=[400], help="one, or one per dataset")
@@ -110,20 +115,39 @@ def main(argv=None) -> int:
     ap.add_argument("--kala-lr", type=float, default=1e-3)
     ap.add_argument("--graph-rungs", type=int, default=0, help="TrainConfig.graph_rungs (smaller graph buckets)")
     ap.add_argument("--max-len", nargs="+", type=int, default=[128], help="one, or one per dataset")
-    ap.add_argument("--graph-strategy", default=None, choices=STRATEGIES,
-                    help="the graph's lexicon strategy (jsteer.kala.builder), default: the dataset's (capitalised for "
-                         "conll, frequent for ncbi); another one builds runs/kala_graphs/<dataset>_<strategy>")
+    ap.add_argument(
+        "--graph-strategy",
+        default=None,
+        choices=STRATEGIES,
+        help="the graph's lexicon strategy (jsteer.kala.builder), default: the dataset's (capitalised for "
+        "conll, frequent for ncbi); another one builds runs/kala_graphs/<dataset>_<strategy>",
+    )
     ap.add_argument("--model", default="minilm")
-    ap.add_argument("--variants", nargs="*", default=None,
-                    help="run only these variants of the groups, in this order (default: all, in table order)")
-    ap.add_argument("--memory", nargs="*", default=None,
-                    help="variants whose step memory to measure (an extra compile; default: every main variant)")
-    ap.add_argument("--memory-only", action="store_true",
-                    help="only measure each variant's step memory (compile, no training) into the JSON's "
-                         "'step_memory' (first seed's first batch: the same shapes for every variant)")
-    ap.add_argument("--eval-split", choices=("test", "dev"), default="test",
-                    help="score on the official test split, or on the dev split to choose settings without "
-                         "touching test (default output ner_<dataset>_dev.json; --test-size then sizes dev)")
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=None,
+        help="run only these variants of the groups, in this order (default: all, in table order)",
+    )
+    ap.add_argument(
+        "--memory",
+        nargs="*",
+        default=None,
+        help="variants whose step memory to measure (an extra compile; default: every main variant)",
+    )
+    ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only measure each variant's step memory (compile, no training) into the JSON's "
+        "'step_memory' (first seed's first batch: the same shapes for every variant)",
+    )
+    ap.add_argument(
+        "--eval-split",
+        choices=("test", "dev"),
+        default="test",
+        help="score on the official test split, or on the dev split to choose settings without "
+        "touching test (default output ner_<dataset>_dev.json; --test-size then sizes dev)",
+    )
     ap.add_argument("--out", default=None, help="output JSON (only with a single dataset)")
     ap.add_argument("--backfill", action="store_true", help="only fill median step times from the run logs")
     args = ap.parse_args(argv)
@@ -159,33 +183,70 @@ def main(argv=None) -> int:
             for group, variant, kw in todo:
                 if name not in state:
                     state[name] = protocol.setup_dataset(
-                        name, lm, model=args.model, train_size=sizes[name], test_size=tests[name],
-                        max_len=lens[name], epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                        kala_lr=args.kala_lr, eval_split=args.eval_split, graph_strategy=args.graph_strategy,
-                        out=args.out)
+                        name,
+                        lm,
+                        model=args.model,
+                        train_size=sizes[name],
+                        test_size=tests[name],
+                        max_len=lens[name],
+                        epochs=args.epochs,
+                        batch_size=args.batch_size,
+                        lr=args.lr,
+                        kala_lr=args.kala_lr,
+                        eval_split=args.eval_split,
+                        graph_strategy=args.graph_strategy,
+                        out=args.out,
+                    )
                 data, memory, subsets, out_path, results = state[name]
                 if args.memory_only:  # the default graph buckets (graph_rungs 0), whatever --graph-rungs says
-                    cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=lens[name],
-                                             batch_size=args.batch_size, seed=seed)
+                    cfg = ktrain.TrainConfig(
+                        lr=args.lr,
+                        kala_lr=args.kala_lr,
+                        epochs=args.epochs,
+                        max_len=lens[name],
+                        batch_size=args.batch_size,
+                        seed=seed,
+                    )
                     protocol.measure_memory_only(lm, data, memory, variant, kw, cfg, out_path, results)
                     continue
                 if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
                     continue
-                cfg = ktrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=lens[name],
-                                         batch_size=args.batch_size, seed=seed, graph_rungs=args.graph_rungs)
+                cfg = ktrain.TrainConfig(
+                    lr=args.lr,
+                    kala_lr=args.kala_lr,
+                    epochs=args.epochs,
+                    max_len=lens[name],
+                    batch_size=args.batch_size,
+                    seed=seed,
+                    graph_rungs=args.graph_rungs,
+                )
                 measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
                 fit, run = protocol.run_variant(
-                    lm, data, memory, subsets, cfg, group=group, variant=variant, kw=kw, measure_memory=measure,
-                    log_path=LOGS / f"{graph_key(name, args.graph_strategy)}_{variant}_{seed}.jsonl")
+                    lm,
+                    data,
+                    memory,
+                    subsets,
+                    cfg,
+                    group=group,
+                    variant=variant,
+                    kw=kw,
+                    measure_memory=measure,
+                    log_path=LOGS / f"{graph_key(name, args.graph_strategy)}_{variant}_{seed}.jsonl",
+                )
                 if run is None:  # a truncated run is not a result
-                    print(f"{name} {variant} seed {seed}: stopped by SIGTERM after {fit.steps} steps; not recorded",
-                          flush=True)
+                    print(
+                        f"{name} {variant} seed {seed}: stopped by SIGTERM after {fit.steps} steps; not recorded",
+                        flush=True,
+                    )
                     return 143
                 protocol.save_run(out_path, results, run)
-                print(f"{name} {variant} seed {seed}: F1 {run['f1']:.2f} (seen {run.get('f1_seen', 0):.1f}"
-                      f" unseen {run.get('f1_unseen', 0):.1f}) loss {fit.losses[-1]:.3f} "
-                      f"{fit.examples_per_second:.1f} ex/s train {fit.train_seconds:.0f}s "
-                      f"wall {run['wall_seconds']:.0f}s", flush=True)
+                print(
+                    f"{name} {variant} seed {seed}: F1 {run['f1']:.2f} (seen {run.get('f1_seen', 0):.1f}"
+                    f" unseen {run.get('f1_unseen', 0):.1f}) loss {fit.losses[-1]:.3f} "
+                    f"{fit.examples_per_second:.1f} ex/s train {fit.train_seconds:.0f}s "
+                    f"wall {run['wall_seconds']:.0f}s",
+                    flush=True,
+                )
     return 0
 
 

@@ -70,29 +70,39 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
 
     proto = PROTOCOL["conll"]
     lm = jsteer.load("minilm")  # its tokenizer (BERT's uncased vocabulary) serves both backbones
-    data = protocol.load_data("conll", lm.tokenizer, max_len=proto["max_len"], train_size=proto["train_size"],
-                              test_size=1)
+    data = protocol.load_data(
+        "conll", lm.tokenizer, max_len=proto["max_len"], train_size=proto["train_size"], test_size=1
+    )
     if backbone == "minilm":
         config, encoder = lm.config, lm.params["encoder"]
         memory = protocol.cached_memory(protocol.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
     else:
         config, encoder, memory = BertConfig(), None, None  # random init (memory too)
-    cfg = ktrain.TrainConfig(lr=COMMON["lr"], kala_lr=COMMON["kala_lr"], epochs=proto["epochs"],
-                             max_len=proto["max_len"], batch_size=COMMON["batch_size"], seed=0)
+    cfg = ktrain.TrainConfig(
+        lr=COMMON["lr"],
+        kala_lr=COMMON["kala_lr"],
+        epochs=proto["epochs"],
+        max_len=proto["max_len"],
+        batch_size=COMMON["batch_size"],
+        seed=0,
+    )
     total = cfg.total_steps(len(data.train))
     out: dict = {"params": {}, "steps": {}}
     methods = {}
     for v in VARIANTS:
-        model, params = pipeline.build_model(config, encoder, data, KalaConfig(**protocol.variant_config(v)), memory,
-                                             seed=0)
+        model, params = pipeline.build_model(
+            config, encoder, data, KalaConfig(**protocol.variant_config(v)), memory, seed=0
+        )
         out["params"][v] = ktrain.count_params(params)
         methods[v] = (model, *step_fn(model, params, cfg, total))
     for t in lengths:
         steps = {}
         for v, (model, f, state) in methods.items():
             stream = ktrain._Endless.for_model(model, data.train, cfg, "ner")
-            batches = [jax.tree.map(jnp.asarray, b) for b in
-                       itertools.islice((b for b in stream if b["input_ids"].shape[1] == t), per_round)]
+            batches = [
+                jax.tree.map(jnp.asarray, b)
+                for b in itertools.islice((b for b in stream if b["input_ids"].shape[1] == t), per_round)
+            ]
             state[0], state[1], loss = f(state[0], state[1], batches[0], jax.random.PRNGKey(0))  # compile
             float(loss)
             steps[v] = (f, state, batches)
@@ -105,10 +115,17 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
                     float(loss)
                     times[v].append(time.perf_counter() - t0)
         med = {v: float(np.median(x)) for v, x in times.items()}
-        out["steps"][str(t)] = {v: {"median_step_seconds": med[v], "ratio_to_finetune": med[v] / med["finetune"],
-                                    "steps_timed": len(times[v])} for v in med}
-        print(backbone, f"T={t}", {v: f"{med[v] * 1e3:.1f} ms ({med[v] / med['finetune']:.3f}x)" for v in med},
-              flush=True)
+        out["steps"][str(t)] = {
+            v: {
+                "median_step_seconds": med[v],
+                "ratio_to_finetune": med[v] / med["finetune"],
+                "steps_timed": len(times[v]),
+            }
+            for v in med
+        }
+        print(
+            backbone, f"T={t}", {v: f"{med[v] * 1e3:.1f} ms ({med[v] / med['finetune']:.3f}x)" for v in med}, flush=True
+        )
     return out
 
 
@@ -120,9 +137,11 @@ def length_stats(dataset: str, train_size: int) -> str:
     lm = jsteer.load("minilm")
     data = protocol.load_data(dataset, lm.tokenizer, max_len=512, train_size=train_size, test_size=200)
     lens = np.array([len(e["input_ids"]) for e in data.train])
-    return (f"{dataset}, {len(lens)} training sentences: subword lengths mean {lens.mean():.1f} p50 "
-            f"{np.median(lens):.0f} p90 {np.percentile(lens, 90):.0f} p99 {np.percentile(lens, 99):.0f} max "
-            f"{lens.max()} <=32 {np.mean(lens <= 32):.3f} <=64 {np.mean(lens <= 64):.3f}")
+    return (
+        f"{dataset}, {len(lens)} training sentences: subword lengths mean {lens.mean():.1f} p50 "
+        f"{np.median(lens):.0f} p90 {np.percentile(lens, 90):.0f} p99 {np.percentile(lens, 99):.0f} max "
+        f"{lens.max()} <=32 {np.mean(lens <= 32):.3f} <=64 {np.mean(lens <= 64):.3f}"
+    )
 
 
 def main(argv=None) -> int:
@@ -132,18 +151,34 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--per-round", type=int, default=4, help="steps of each method per round (distinct batches)")
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--length-stats", nargs="?", const="conll", choices=sorted(protocol.DATASETS), default=None,
-                    metavar="DATASET", help="only print the subword length distribution of the protocol's training "
-                                            "subset of DATASET (default conll; what kala_steptime.py printed)")
+    ap.add_argument(
+        "--length-stats",
+        nargs="?",
+        const="conll",
+        choices=sorted(protocol.DATASETS),
+        default=None,
+        metavar="DATASET",
+        help="only print the subword length distribution of the protocol's training "
+        "subset of DATASET (default conll; what kala_steptime.py printed)",
+    )
     args = ap.parse_args(argv)
     if args.length_stats:
         ds = args.length_stats
         print(length_stats(ds, PROTOCOL[ds]["train_size"]))
         return 0
-    res = {"protocol": {"dataset": "conll", **PROTOCOL["conll"], **COMMON,
-                        "rounds": args.rounds, "per_round": args.per_round, "cpu_count": os.cpu_count(),
-                        "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", "")},
-           "backbones": {b: measure(b, args.lengths, args.rounds, args.per_round) for b in args.backbones}}
+    res = {
+        "protocol": {
+            "dataset": "conll",
+            **PROTOCOL["conll"],
+            **COMMON,
+            "rounds": args.rounds,
+            "per_round": args.per_round,
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        },
+        "backbones": {b: measure(b, args.lengths, args.rounds, args.per_round) for b in args.backbones},
+    }
     out = pathlib.Path(args.out)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1))

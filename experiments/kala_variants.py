@@ -39,9 +39,16 @@ from jsteer.kala import protocol
 from jsteer.kala.protocol import OUT, protocol_diff, same_protocol, timed
 
 METHODS = ("finetune", "more_params", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
-NAMES = {"finetune": "Fine-tuning", "pointwise": "KALA (point-wise)", "relational": "KALA (relational)",
-         "ernie": "ERNIE (fusion)", "kbert": "K-BERT (sentence tree)", "eae": "Entities as Experts",
-         "adapter": "Knowledge adapter", "more_params": "Fine-tuning + 1 layer"}
+NAMES = {
+    "finetune": "Fine-tuning",
+    "pointwise": "KALA (point-wise)",
+    "relational": "KALA (relational)",
+    "ernie": "ERNIE (fusion)",
+    "kbert": "K-BERT (sentence tree)",
+    "eae": "Entities as Experts",
+    "adapter": "Knowledge adapter",
+    "more_params": "Fine-tuning + 1 layer",
+}
 DATASET_NAMES = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
 KBERT = dict(max_branches=2, branch_tokens=6)
 KBERT_EXTRA = 32  # sentence-tree length cap = max_len + this (room for the branches)
@@ -74,28 +81,58 @@ def run_dataset(args) -> None:
     gdir = protocol.ensure_graph(args.dataset)
     lm = jsteer.load(args.model)
     labels = getattr(ner_lib, spec["labels"])
-    data = protocol.load_data(args.dataset, lm.tokenizer, max_len=args.max_len, train_size=args.train_size,
-                              test_size=args.test_size)
+    data = protocol.load_data(
+        args.dataset, lm.tokenizer, max_len=args.max_len, train_size=args.train_size, test_size=args.test_size
+    )
     memory = protocol.cached_memory(args.dataset, lm, data, args.train_size, args.max_len)
     subsets = data.subsets()
     encoded = {"default": (data.train, data.test)}
     if "kbert" in args.methods:
-        splits = [pipeline.read_split(protocol.DATA / spec[s], gdir, labels, spec["scheme"], size)
-                  for s, size in (("train", args.train_size), ("test", args.test_size))]
+        splits = [
+            pipeline.read_split(protocol.DATA / spec[s], gdir, labels, spec["scheme"], size)
+            for s, size in (("train", args.train_size), ("test", args.test_size))
+        ]
         encoded["kbert"] = tuple(
-            [registry.encode_ner("kbert", w, t, m, lm.tokenizer, labels, data.vocab, data.kg, args.max_len, 4,
-                                 tree_max_len=args.max_len + KBERT_EXTRA, **KBERT) for w, t, m in split]
-            for split in splits)
+            [
+                registry.encode_ner(
+                    "kbert",
+                    w,
+                    t,
+                    m,
+                    lm.tokenizer,
+                    labels,
+                    data.vocab,
+                    data.kg,
+                    args.max_len,
+                    4,
+                    tree_max_len=args.max_len + KBERT_EXTRA,
+                    **KBERT,
+                )
+                for w, t, m in split
+            ]
+            for split in splits
+        )
         branch_tokens = [e["n_branch_tokens"] for e in encoded["kbert"][0]]
     results["setup"] = {
-        "dataset": args.dataset, "model": args.model, "train_size": len(data.train), "test_size": len(data.test),
-        "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "kala_lr": args.kala_lr,
+        "dataset": args.dataset,
+        "model": args.model,
+        "train_size": len(data.train),
+        "test_size": len(data.test),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "kala_lr": args.kala_lr,
         "max_len": args.max_len,
-        "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
-        "n_unseen_contexts": len(subsets["unseen"]), "kbert": KBERT | {"tree_max_len": args.max_len + KBERT_EXTRA},
-        "warmup_ratio": 0.1, "schedule": "linear warmup + linear decay",
+        "entity_vocab": len(data.vocab),
+        "relations": len(data.relations),
+        "n_seen_contexts": len(subsets["seen"]),
+        "n_unseen_contexts": len(subsets["unseen"]),
+        "kbert": KBERT | {"tree_max_len": args.max_len + KBERT_EXTRA},
+        "warmup_ratio": 0.1,
+        "schedule": "linear warmup + linear decay",
         "kbert_mean_branch_tokens": (sum(branch_tokens) / len(branch_tokens)) if "kbert" in encoded else None,
-        "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+        "device": jax.devices()[0].device_kind,
+        "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(f"setup {time.time() - t0:.0f}s: {json.dumps(results['setup'])[:300]}", flush=True)
@@ -111,13 +148,24 @@ def run_dataset(args) -> None:
                 continue
             train, test = encoded.get(method, encoded["default"])
             extra = {"num_relations": len(data.relations)} if method == "relational" else {}
-            model = registry.build_model(method, lm.config, num_labels=len(labels), num_entities=len(data.vocab),
-                                         **extra)
+            model = registry.build_model(
+                method, lm.config, num_labels=len(labels), num_entities=len(data.vocab), **extra
+            )
             uses_memory = method in ("pointwise", "relational", "ernie", "eae", "adapter")
-            params = registry.init_params(model, jax.random.PRNGKey(seed), encoder_params=lm.params["encoder"],
-                                          memory=memory if uses_memory else None)
-            cfg = vtrain.TrainConfig(lr=args.lr, kala_lr=args.kala_lr, epochs=args.epochs, max_len=tc_len(method, args),
-                                     batch_size=args.batch_size, seed=seed)
+            params = registry.init_params(
+                model,
+                jax.random.PRNGKey(seed),
+                encoder_params=lm.params["encoder"],
+                memory=memory if uses_memory else None,
+            )
+            cfg = vtrain.TrainConfig(
+                lr=args.lr,
+                kala_lr=args.kala_lr,
+                epochs=args.epochs,
+                max_len=tc_len(method, args),
+                batch_size=args.batch_size,
+                seed=seed,
+            )
             t1 = time.time()
             fit = vtrain.fit(model, params, train, cfg)
             if fit.preempted:  # a truncated run is not a result
@@ -125,17 +173,30 @@ def run_dataset(args) -> None:
                 raise SystemExit(143)
             t2 = time.time()
             scores = vtrain.evaluate_ner(model, fit.params, test, data.test_tags, data.labels, subsets=subsets)
-            run = {"method": method, "seed": seed, "config": dataclasses.asdict(model.kala), **scores,
-                   "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
-                   "examples_per_second": fit.examples_per_second, "steps": fit.steps, "final_loss": fit.losses[-1],
-                   "median_step_seconds": fit.median_step_seconds, "params": fit.trainable_params,
-                   "eval_seconds": time.time() - t2, "wall_seconds": time.time() - t1,
-                   "load_average": os.getloadavg()[0]}
+            run = {
+                "method": method,
+                "seed": seed,
+                "config": dataclasses.asdict(model.kala),
+                **scores,
+                "train_seconds": fit.train_seconds,
+                "compile_seconds": fit.compile_seconds,
+                "examples_per_second": fit.examples_per_second,
+                "steps": fit.steps,
+                "final_loss": fit.losses[-1],
+                "median_step_seconds": fit.median_step_seconds,
+                "params": fit.trainable_params,
+                "eval_seconds": time.time() - t2,
+                "wall_seconds": time.time() - t1,
+                "load_average": os.getloadavg()[0],
+            }
             results["runs"].append(run)
             out_path.write_text(json.dumps(results, indent=1, default=str))
-            print(f"{args.dataset} {method} seed {seed}: F1 {scores['f1']:.2f} (unseen "
-                  f"{scores.get('f1_unseen', float('nan')):.1f}) train {fit.train_seconds:.0f}s "
-                  f"wall {time.time() - t1:.0f}s", flush=True)
+            print(
+                f"{args.dataset} {method} seed {seed}: F1 {scores['f1']:.2f} (unseen "
+                f"{scores.get('f1_unseen', float('nan')):.1f}) train {fit.train_seconds:.0f}s "
+                f"wall {time.time() - t1:.0f}s",
+                flush=True,
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,15 +212,20 @@ def summarise(runs: list[dict]) -> dict:
         rs = [r for r in runs if r["method"] == method]
         f1 = np.array([r["f1"] for r in rs])
         timed_rs = timed(rs)
-        out[method] = {"f1": float(f1.mean()), "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
-                       "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
-                       "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
-                       "train_seconds": float(np.mean([r["train_seconds"] for r in timed_rs])),
-                       "n_timed": len(timed_rs),
-                       "median_step_seconds":
-                           float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed_rs]))
-                           if any(r.get("median_step_seconds") for r in timed_rs) else None,
-                       "steps": int(rs[0]["steps"]), "params": int(rs[0]["params"])}
+        out[method] = {
+            "f1": float(f1.mean()),
+            "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
+            "n": len(rs),
+            "seeds": sorted(r["seed"] for r in rs),
+            "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
+            "train_seconds": float(np.mean([r["train_seconds"] for r in timed_rs])),
+            "n_timed": len(timed_rs),
+            "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed_rs]))
+            if any(r.get("median_step_seconds") for r in timed_rs)
+            else None,
+            "steps": int(rs[0]["steps"]),
+            "params": int(rs[0]["params"]),
+        }
     return out
 
 
@@ -182,8 +248,10 @@ def load_results(results_dir: pathlib.Path = OUT) -> dict:
                 res = {"runs": []}  # the harness sweep ran another protocol: not comparable
             for r in res.get("runs", []):
                 method = r.get("variant")
-                if method in ("finetune", "more_params", "pointwise", "relational") \
-                        and sources.get(method, kala_path.name) == kala_path.name:
+                if (
+                    method in ("finetune", "more_params", "pointwise", "relational")
+                    and sources.get(method, kala_path.name) == kala_path.name
+                ):
                     runs.append({**r, "method": method})
                     sources[method] = kala_path.name
             setup = setup or res.get("setup", {})
@@ -195,8 +263,11 @@ def load_results(results_dir: pathlib.Path = OUT) -> dict:
 def table(results: dict, methods=METHODS) -> str:
     """Markdown: one row per method, F1 (mean ± std over seeds) and train time per dataset."""
     ds = [d for d in DATASET_NAMES if d in results]
-    head = "| Method | " + " | ".join(f"{DATASET_NAMES[d]} F1 | {DATASET_NAMES[d]} train s | {DATASET_NAMES[d]} step s"
-                                      for d in ds) + " |"
+    head = (
+        "| Method | "
+        + " | ".join(f"{DATASET_NAMES[d]} F1 | {DATASET_NAMES[d]} train s | {DATASET_NAMES[d]} step s" for d in ds)
+        + " |"
+    )
     rows = [head, "|" + "---|" * (1 + 3 * len(ds))]
     for m in methods:
         cells = []
@@ -206,29 +277,41 @@ def table(results: dict, methods=METHODS) -> str:
                 cells += ["–", "–", "–"]
             else:
                 step = s.get("median_step_seconds")
-                cells += [f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})", f"{s['train_seconds']:.0f}",
-                          "–" if step is None else f"{step:.2f}"]
+                cells += [
+                    f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})",
+                    f"{s['train_seconds']:.0f}",
+                    "–" if step is None else f"{step:.2f}",
+                ]
         if any(c != "–" for c in cells):
             other = any(results[d].get("sources", {}).get(m, "").startswith("ner_") for d in ds)
             rows.append(f"| {NAMES.get(m, m)}{' †' if other else ''} | " + " | ".join(cells) + " |")
     rows.append("")
     for d in ds:
         st, steps = results[d]["setup"], {s["steps"] for s in results[d]["summary"].values()}
-        rows.append(f"{DATASET_NAMES[d]}: {st.get('train_size')} training / {st.get('test_size')} test sentences, "
-                    f"{st.get('epochs')} epoch(s) of batch {st.get('batch_size')} ({'/'.join(map(str, sorted(steps)))} "
-                    f"updates), length <= {st.get('max_len')}, lr {st.get('lr')}, knowledge-module lr "
-                    f"{st.get('kala_lr')}.  ")
+        rows.append(
+            f"{DATASET_NAMES[d]}: {st.get('train_size')} training / {st.get('test_size')} test sentences, "
+            f"{st.get('epochs')} epoch(s) of batch {st.get('batch_size')} ({'/'.join(map(str, sorted(steps)))} "
+            f"updates), length <= {st.get('max_len')}, lr {st.get('lr')}, knowledge-module lr "
+            f"{st.get('kala_lr')}.  "
+        )
     if any(s.get("n_timed", s["n"]) < s["n"] for d in ds for s in results[d]["summary"].values()):
-        rows.append("Times are means over the runs not marked `timing_perturbed` in the JSON (another job shared "
-                    "the CPU during those; their F1 is unaffected).  ")
-    rows.append("train s: wall seconds of steps 2..N (includes recompiles for new batch shapes); step s: median "
-                "train-step seconds (robust to them). Shared, loaded 2-core CPU: times are noisy.")
-    harness = [DATASET_NAMES[d] for d in ds
-               if any(src.startswith("ner_") for src in results[d].get("sources", {}).values())]
+        rows.append(
+            "Times are means over the runs not marked `timing_perturbed` in the JSON (another job shared "
+            "the CPU during those; their F1 is unaffected).  "
+        )
+    rows.append(
+        "train s: wall seconds of steps 2..N (includes recompiles for new batch shapes); step s: median "
+        "train-step seconds (robust to them). Shared, loaded 2-core CPU: times are noisy."
+    )
+    harness = [
+        DATASET_NAMES[d] for d in ds if any(src.startswith("ner_") for src in results[d].get("sources", {}).values())
+    ]
     if harness:
         rows.append("")
-        rows.append(f"† on {', '.join(harness)}: runs of the KALA harness sweep (experiments/kala_ner.py): same data, "
-                    "subsets and settings, timed in another process.")
+        rows.append(
+            f"† on {', '.join(harness)}: runs of the KALA harness sweep (experiments/kala_ner.py): same data, "
+            "subsets and settings, timed in another process."
+        )
     return "\n".join(rows)
 
 
@@ -248,22 +331,38 @@ def run_small(methods=("finetune", "ernie", "kbert", "eae", "adapter"), steps: i
     from jsteer.kala.variants import train as vtrain
 
     task = synthetic.make_task(seed)
-    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=32, max_steps=steps, warmup_ratio=0.1, seed=seed)
     gold = [tags for _, tags, _, _ in task.test]
     kg = task.knowledge_graph()
     out = {}
     for method in methods:
-        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities),
-                                     **({"entity_heads": 2} if method == "ernie" else {}))
+        model = registry.build_model(
+            method,
+            cfg,
+            num_labels=len(synthetic.LABELS),
+            num_entities=len(task.entities),
+            **({"entity_heads": 2} if method == "ernie" else {}),
+        )
         encode = functools.partial(registry.encode_ner, method)
         train, test = task.encode("train", encode, kg=kg), task.encode("test", encode, kg=kg)
         memory = task.memory if method in ("pointwise", "relational", "ernie", "eae", "adapter") else None
         params = registry.init_params(model, jax.random.PRNGKey(seed), memory=memory, seq_len=16)
         fit = vtrain.fit(model, params, train, tc)
-        out[method] = {"f1": vtrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS)["f1"],
-                       "train_seconds": fit.train_seconds, "steps": fit.steps}
+        out[method] = {
+            "f1": vtrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS)["f1"],
+            "train_seconds": fit.train_seconds,
+            "steps": fit.steps,
+        }
     return out
 
 

@@ -65,14 +65,19 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--held-out", type=float, default=0.25)
-    ap.add_argument("--untied", action="store_true",
-                    help="free typed output rows instead of word embedding + type offset")
+    ap.add_argument(
+        "--untied", action="store_true", help="free typed output rows instead of word embedding + type offset"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", nargs="+", default=["plain", "kalm", "kalm_bwd", "kalm_type_input"])
     ap.add_argument("--small", action="store_true", help="smoke run: 600 lines, 30 steps, tiny model")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--report", default=None, metavar="JSON",
-                    help="only (re)write the markdown table of a saved result JSON beside it")
+    ap.add_argument(
+        "--report",
+        default=None,
+        metavar="JSON",
+        help="only (re)write the markdown table of a saved result JSON beside it",
+    )
     args = ap.parse_args(argv)
     if args.report:
         path = pathlib.Path(args.report)
@@ -93,34 +98,48 @@ def main(argv=None) -> int:
 def markdown(result: dict) -> str:
     """The perplexity and typing tables of a result (partial results: what is there)."""
     s = result["setup"]
-    lines = [f"# KALM on the recipe data{' (partial)' if result.get('partial') else ''}", "",
-             f"Random-init LLaMA, hidden {s['hidden']}, {s['layers']} layers, word-level vocab {s['vocab']}; "
-             f"{s['steps']} steps x {s['batch']} lines (length {s['length']}, {s.get('epochs', float('nan')):.2f} "
-             f"epochs of {s['train_lines']} training lines), lr {s['lr']}; typed output rows shared with the word "
-             f"embedding: {s.get('share_word_embedding', False)}. Test: {s['test_lines']} lines of "
-             f"uncleaned_test_ing.txt; {len(s['held_out_words'])} lexicon words held out of the type vocabularies.",
-             "", "| model | test perplexity | test NLL | tokens | final train loss (mean last 50) | train s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"# KALM on the recipe data{' (partial)' if result.get('partial') else ''}",
+        "",
+        f"Random-init LLaMA, hidden {s['hidden']}, {s['layers']} layers, word-level vocab {s['vocab']}; "
+        f"{s['steps']} steps x {s['batch']} lines (length {s['length']}, {s.get('epochs', float('nan')):.2f} "
+        f"epochs of {s['train_lines']} training lines), lr {s['lr']}; typed output rows shared with the word "
+        f"embedding: {s.get('share_word_embedding', False)}. Test: {s['test_lines']} lines of "
+        f"uncleaned_test_ing.txt; {len(s['held_out_words'])} lexicon words held out of the type vocabularies.",
+        "",
+        "| model | test perplexity | test NLL | tokens | final train loss (mean last 50) | train s |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, p in result["perplexity"].items():
         t = result["timing"][name]
-        lines.append(f"| {name} | {p['perplexity']:.2f} | {p['nll']:.4f} | {p['tokens']} | "
-                     f"{t.get('final_loss_mean50', t['final_loss']):.3f} | {t['train_seconds']:.0f} |")
+        lines.append(
+            f"| {name} | {p['perplexity']:.2f} | {p['nll']:.4f} | {p['tokens']} | "
+            f"{t.get('final_loss_mean50', t['final_loss']):.3f} | {t['train_seconds']:.0f} |"
+        )
     typing = result.get("typing")
     if typing:
-        lines += ["", f"Typing of held-out words from context: {typing['occurrences']} occurrences of "
-                      f"{typing['distinct_words']} words; chance {typing['chance']:.3f}.", "",
-                  "kalm_fwd / kalm_bwd: argmax over the 8 entity types of P(type | left / right context) of the "
-                  "forward / right-to-left KALM; kalm_bi: their product divided by the average type distribution; "
-                  "plain_lm_context_lexicon: the type whose (kept) lexicon words get the most next-word mass from the "
-                  "plain LM; plain_lm_embedding_centroid: nearest type centroid of the plain LM's embedding of the "
-                  "word itself (a word-level, not per-occurrence, decision); majority: the most frequent type of "
-                  "lexicon-word tokens in training.", "",
-                  "| method | accuracy (occurrences) | macro over words | macro over types |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Typing of held-out words from context: {typing['occurrences']} occurrences of "
+            f"{typing['distinct_words']} words; chance {typing['chance']:.3f}.",
+            "",
+            "kalm_fwd / kalm_bwd: argmax over the 8 entity types of P(type | left / right context) of the "
+            "forward / right-to-left KALM; kalm_bi: their product divided by the average type distribution; "
+            "plain_lm_context_lexicon: the type whose (kept) lexicon words get the most next-word mass from the "
+            "plain LM; plain_lm_embedding_centroid: nearest type centroid of the plain LM's embedding of the "
+            "word itself (a word-level, not per-occurrence, decision); majority: the most frequent type of "
+            "lexicon-word tokens in training.",
+            "",
+            "| method | accuracy (occurrences) | macro over words | macro over types |",
+            "|---|---|---|---|",
+        ]
         for name, v in typing.items():
             if isinstance(v, dict) and "accuracy" in v:
                 label = f"{name} ({v['type']})" if "type" in v else name
-                lines.append(f"| {label} | {v['accuracy']:.3f} | {v.get('word_macro', float('nan')):.3f} | "
-                             f"{v.get('type_macro', float('nan')):.3f} |")
+                lines.append(
+                    f"| {label} | {v['accuracy']:.3f} | {v.get('word_macro', float('nan')):.3f} | "
+                    f"{v.get('type_macro', float('nan')):.3f} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -143,8 +162,9 @@ def run(args, checkpoint=lambda partial: None) -> dict:
     lexicon = kdata.read_lexicon(DATA)
     train_lines = kdata.read_lines(DATA / "raw_data" / "uncleaned_valid_ing.txt", args.train_lines)
     all_test = kdata.read_lines(DATA / "raw_data" / "uncleaned_test_ing.txt")
-    pick = np.random.default_rng(args.seed).choice(len(all_test), size=min(args.test_lines, len(all_test)),
-                                                   replace=False)
+    pick = np.random.default_rng(args.seed).choice(
+        len(all_test), size=min(args.test_lines, len(all_test)), replace=False
+    )
     test_lines = [all_test[i] for i in sorted(pick)]
     vocab = kdata.Vocab.build(train_lines, min_count=3)
     types = kdata.word_types(lexicon, vocab.words)
@@ -158,20 +178,36 @@ def run(args, checkpoint=lambda partial: None) -> dict:
     rids, rmask = kdata.encode_lines(train_lines, vocab, args.length, reverse=True)
     tids, tmask = kdata.encode_lines(test_lines, vocab, args.length)
     trids, trmask = kdata.encode_lines(test_lines, vocab, args.length, reverse=True)
-    backbone = ktrain.tiny_llama(len(vocab), hidden=args.hidden, layers=args.layers, heads=4,
-                                 max_len=args.length + 1)
+    backbone = ktrain.tiny_llama(len(vocab), hidden=args.hidden, layers=args.layers, heads=4, max_len=args.length + 1)
     cfg = ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps, seed=args.seed)
     share = not args.untied
-    setup = {"train_lines": len(train_lines), "test_lines": len(test_lines), "vocab": len(vocab),
-             "typed_pairs": tv.num_pairs, "lexicon_words_in_vocab": len(types),
-             "held_out_words": sorted(held), "held_out_per_type": dict(collections.Counter(types[w][0] for w in held)),
-             "length": args.length, "steps": args.steps, "batch": args.batch, "lr": args.lr, "hidden": args.hidden,
-             "layers": args.layers, "seed": args.seed, "train_lines_seen": int(args.steps * args.batch),
-             "epochs": args.steps * args.batch / len(train_lines), "share_word_embedding": share,
-             "warmup_steps": min(cfg.warmup_steps, max(args.steps // 10, 1)), "type_dim": 32,
-             "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    print(f"setup {time.time() - t0:.0f}s: vocab {len(vocab)}, typed pairs {tv.num_pairs}, held out {len(held)}",
-          flush=True)
+    setup = {
+        "train_lines": len(train_lines),
+        "test_lines": len(test_lines),
+        "vocab": len(vocab),
+        "typed_pairs": tv.num_pairs,
+        "lexicon_words_in_vocab": len(types),
+        "held_out_words": sorted(held),
+        "held_out_per_type": dict(collections.Counter(types[w][0] for w in held)),
+        "length": args.length,
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "seed": args.seed,
+        "train_lines_seen": int(args.steps * args.batch),
+        "epochs": args.steps * args.batch / len(train_lines),
+        "share_word_embedding": share,
+        "warmup_steps": min(cfg.warmup_steps, max(args.steps // 10, 1)),
+        "type_dim": 32,
+        "device": jax.devices()[0].device_kind,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    print(
+        f"setup {time.time() - t0:.0f}s: vocab {len(vocab)}, typed pairs {tv.num_pairs}, held out {len(held)}",
+        flush=True,
+    )
 
     models, params, timing, ppl = {}, {}, {}, {}
     for name in args.models:
@@ -184,11 +220,16 @@ def run(args, checkpoint=lambda partial: None) -> dict:
         log.unlink(missing_ok=True)
         p, info = ktrain.train(model, p, x, m, tv, cfg, log_path=log)
         models[name], params[name] = model, p
-        timing[name] = {"train_seconds": info["seconds"], "compile_seconds": info["compile_seconds"],
-                        "final_loss": info["losses"][-1],
-                        "final_loss_mean50": float(np.mean(info["losses"][-50:])),
-                        "loss_curve": {str(i + 1): float(np.mean(info["losses"][max(i - 24, 0):i + 1]))
-                                       for i in range(24, len(info["losses"]), 50)}}
+        timing[name] = {
+            "train_seconds": info["seconds"],
+            "compile_seconds": info["compile_seconds"],
+            "final_loss": info["losses"][-1],
+            "final_loss_mean50": float(np.mean(info["losses"][-50:])),
+            "loss_curve": {
+                str(i + 1): float(np.mean(info["losses"][max(i - 24, 0) : i + 1]))
+                for i in range(24, len(info["losses"]), 50)
+            },
+        }
         tx, tm = (trids, trmask) if name == "kalm_bwd" else (tids, tmask)
         ppl[name] = ktrain.perplexity(model, p, tx, tm, tv)
         print(f"{name}: test perplexity {ppl[name]['perplexity']:.2f} train {info['seconds']:.0f}s", flush=True)
@@ -213,11 +254,16 @@ def run(args, checkpoint=lambda partial: None) -> dict:
         pred = np.asarray(pred)
         per_type = {names[j - 1]: float((pred[gold == j] == j).mean()) for j in sorted(set(gold.tolist()))}
         per_word = [float((pred[word_arr == w] == gold[word_arr == w]).mean()) for w in sorted(set(words))]
-        return {"accuracy": float((pred == gold).mean()), "word_macro": float(np.mean(per_word)),
-                "type_macro": float(np.mean(list(per_type.values()))), "per_type": per_type}
+        return {
+            "accuracy": float((pred == gold).mean()),
+            "word_macro": float(np.mean(per_word)),
+            "type_macro": float(np.mean(list(per_type.values()))),
+            "per_type": per_type,
+        }
 
-    train_type_counts = collections.Counter(types[w][0] for line in train_lines for w in line
-                                            if w in types and len(types[w]) == 1 and w not in held)
+    train_type_counts = collections.Counter(
+        types[w][0] for line in train_lines for w in line if w in types and len(types[w]) == 1 and w not in held
+    )
     majority = names.index(train_type_counts.most_common(1)[0][0]) + 1
     typing["majority_type_baseline"] = {"type": names[majority - 1], **acc(np.full(len(gold), majority))}
     typing["chance"] = 1.0 / len(names)
@@ -237,11 +283,11 @@ def run(args, checkpoint=lambda partial: None) -> dict:
     if "kalm_type_input" in ctx:
         typing["kalm_type_input_fwd"] = acc(decode.decode_types([ctx["kalm_type_input"][li, fi]], word_prior))
     if "plain" in models:
-        typing["plain_lm_context_lexicon"] = acc(plain_context_typing(models["plain"], params["plain"], tids, tmask,
-                                                                        tv, li, fi))
+        typing["plain_lm_context_lexicon"] = acc(
+            plain_context_typing(models["plain"], params["plain"], tids, tmask, tv, li, fi)
+        )
         typing["plain_lm_embedding_centroid"] = acc(embedding_typing(params["plain"], tv, [vocab(w) for w in words]))
-    return {"setup": setup, "perplexity": ppl, "timing": timing, "typing": typing,
-            "wall_seconds": time.time() - t0}
+    return {"setup": setup, "perplexity": ppl, "timing": timing, "typing": typing, "wall_seconds": time.time() - t0}
 
 
 def plain_context_typing(model, params, ids, mask, tv, li, fi, batch_size: int = 128) -> np.ndarray:
@@ -255,11 +301,11 @@ def plain_context_typing(model, params, ids, mask, tv, li, fi, batch_size: int =
     where = {r: k for k, r in enumerate(rows)}
     lp = []
     for s in range(0, len(rows), batch_size):
-        sel = rows[s:s + batch_size]
+        sel = rows[s : s + batch_size]
         i = np.zeros((batch_size, ids.shape[1]), ids.dtype)
         m = np.zeros_like(i)
-        i[:len(sel)], m[:len(sel)] = ids[sel], mask[sel]
-        lp.append(np.asarray(fn(params, jnp.asarray(i), jnp.asarray(m)))[:len(sel)])
+        i[: len(sel)], m[: len(sel)] = ids[sel], mask[sel]
+        lp.append(np.asarray(fn(params, jnp.asarray(i), jnp.asarray(m)))[: len(sel)])
     lp = np.concatenate(lp)  # [rows, L, P]
     probs = np.exp(lp[[where[r] for r in li], fi]).astype(np.float64)  # [n, P]: P(pair word | c)
     mass = np.stack([probs[:, np.asarray(tv.pair_type) == j].sum(-1) for j in range(tv.num_types)], -1)

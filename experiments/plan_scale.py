@@ -35,14 +35,15 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 from jsteer import sharding as S  # noqa: E402
 from jsteer.backbones.base import KVCache  # noqa: E402
 from jsteer.backbones.decoder import Decoder, DecoderConfig, logical_axes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-GIB = 2 ** 30
+GIB = 2**30
 LLAMA3 = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32),
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
@@ -53,9 +54,15 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 
 def config(name: str) -> DecoderConfig:
     kw = LLAMA3[name]
-    return DecoderConfig.llama(vocab_size=128256 if name != "tiny" else 256, num_kv_heads=8,
-                               head_dim=kw["hidden_size"] // kw["num_heads"], rope_theta=500000.0,
-                               max_position_embeddings=8192, scan_layers=True, **kw)
+    return DecoderConfig.llama(
+        vocab_size=128256 if name != "tiny" else 256,
+        num_kv_heads=8,
+        head_dim=kw["hidden_size"] // kw["num_heads"],
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        scan_layers=True,
+        **kw,
+    )
 
 
 def param_specs(cfg: DecoderConfig, mesh, rules, dtype=jnp.bfloat16):
@@ -70,16 +77,29 @@ def rows(mesh, shape, dtype=jnp.int32):
 
 def report(compiled, seconds: float) -> dict:
     m = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
-              "generated_code_size_in_bytes")
+    fields = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     mem = {f: int(getattr(m, f)) for f in fields}
-    peak = mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] + mem["temp_size_in_bytes"] \
+    peak = (
+        mem["argument_size_in_bytes"]
+        + mem["output_size_in_bytes"]
+        + mem["temp_size_in_bytes"]
         - mem["alias_size_in_bytes"]
+    )
     hlo = compiled.as_text()
     counts = {c: len(re.findall(rf"\b{c}(-start)?\(", hlo)) for c in COLLECTIVES}
-    return {"memory_per_device": mem, "peak_per_device_gib": peak / GIB,
-            "argument_per_device_gib": mem["argument_size_in_bytes"] / GIB, "collectives": counts,
-            "compile_s": seconds}
+    return {
+        "memory_per_device": mem,
+        "peak_per_device_gib": peak / GIB,
+        "argument_per_device_gib": mem["argument_size_in_bytes"] / GIB,
+        "collectives": counts,
+        "compile_s": seconds,
+    }
 
 
 def compile_timed(fn, *args, donate=()):
@@ -90,8 +110,9 @@ def compile_timed(fn, *args, donate=()):
 
 def forward_plan(cfg, mesh, rules, batch, length) -> dict:
     module, params = Decoder(cfg, dtype=jnp.bfloat16), param_specs(cfg, mesh, rules)
-    compiled, s = compile_timed(lambda p, i: module.apply({"params": p}, i, last_logits_only=True).logits,
-                                params, rows(mesh, (batch, length)))
+    compiled, s = compile_timed(
+        lambda p, i: module.apply({"params": p}, i, last_logits_only=True).logits, params, rows(mesh, (batch, length))
+    )
     return report(compiled, s)
 
 
@@ -100,11 +121,15 @@ def decode_plan(cfg, mesh, rules, batch, slots) -> dict:
     batch_axes = S.batch_spec(mesh)[0]
     heads = "tensor" if S.resolve_rules(rules).get("kv_heads") == "tensor" else None
     kv = lambda shape: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, jnp.bfloat16, sharding=NamedSharding(mesh, P(None, batch_axes, heads, None, None)))
-    cache = KVCache(k=kv((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots)),
-                    v=kv((cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)),
-                    mask=rows(mesh, (batch, slots)), index=jax.ShapeDtypeStruct((), jnp.int32),
-                    pos=rows(mesh, (batch,)))
+        shape, jnp.bfloat16, sharding=NamedSharding(mesh, P(None, batch_axes, heads, None, None))
+    )
+    cache = KVCache(
+        k=kv((cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, slots)),
+        v=kv((cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)),
+        mask=rows(mesh, (batch, slots)),
+        index=jax.ShapeDtypeStruct((), jnp.int32),
+        pos=rows(mesh, (batch,)),
+    )
 
     def step(p, tok, c):
         out = module.apply({"params": p}, tok, jnp.ones_like(tok), cache=c, step=True)
@@ -127,12 +152,16 @@ def steer_plan(cfg, mesh, rules, batch, length, rank) -> dict:
     steer = jax.eval_shape(lambda: train.init_params(tc, cfg.hidden_size, cfg.vocab_size))
     steer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=rep), steer)
     opt = optax.adam(tc.lr)
-    opt_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
-                             jax.eval_shape(opt.init, steer))
+    opt_state = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), jax.eval_shape(opt.init, steer)
+    )
     loss = train.forward_loss_fn(lambda p, i, m: module.apply({"params": p}, i, m).hidden, tc)
     frozen = {"embedding": backbone["embed"]["embedding"], "backbone": backbone}
-    data = {"ids": rows(mesh, (batch, length)), "mask": rows(mesh, (batch, length)),
-            "values": rows(mesh, (batch, 1), jnp.float32)}
+    data = {
+        "ids": rows(mesh, (batch, length)),
+        "mask": rows(mesh, (batch, length)),
+        "values": rows(mesh, (batch, 1), jnp.float32),
+    }
 
     def step(tr, st, fr, b):
         (value, _), grads = jax.value_and_grad(lambda t: loss({**fr, "steer": t}, b), has_aux=True)(tr)
@@ -157,8 +186,15 @@ def main(argv=None) -> int:
     names = ["tiny"] if a.tiny else ["llama3-8b", "llama3-70b"]
     length, slots, steer_batch, steer_len, rank = (16, 32, 8, 16, 8) if a.tiny else (2048, 4096, 32, 256, 1000)
     meshes = {"tp8": (S.make_mesh(tensor=8), "tp"), "fsdp2_tp4": (S.make_mesh(fsdp=2, tensor=4), "fsdp_tp")}
-    out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "host": platform.processor() or platform.machine(),
-           "devices": 8, "dtype": "bfloat16", "scan_layers": True, "plans": {}}
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "host": platform.processor() or platform.machine(),
+        "devices": 8,
+        "dtype": "bfloat16",
+        "scan_layers": True,
+        "plans": {},
+    }
     for name in names:
         cfg = config(name)
         total = param_bytes(cfg)
@@ -171,17 +207,30 @@ def main(argv=None) -> int:
                 plan["steer_step"] = steer_plan(cfg, mesh, rules, steer_batch, steer_len, rank)
             ideal = total / 8  # every weight split 8 ways (norms, a tiny share, replicated)
             plan["argument_over_ideal"] = plan["decode_step"]["memory_per_device"]["argument_size_in_bytes"] / (
-                ideal + plan["decode_step"]["kv_cache_gib_total"] * GIB / 8)
+                ideal + plan["decode_step"]["kv_cache_gib_total"] * GIB / 8
+            )
             out["plans"][key] = plan
-            print(key, json.dumps({k: (v["peak_per_device_gib"] if isinstance(v, dict) and "peak_per_device_gib" in v
-                                       else v) for k, v in plan.items()}), flush=True)
+            print(
+                key,
+                json.dumps(
+                    {
+                        k: (v["peak_per_device_gib"] if isinstance(v, dict) and "peak_per_device_gib" in v else v)
+                        for k, v in plan.items()
+                    }
+                ),
+                flush=True,
+            )
     if not a.tiny:
         d70 = out["plans"]["llama3-70b/tp8"]["decode_step"]["peak_per_device_gib"]
         s8 = min(out["plans"][f"llama3-8b/{m}"]["steer_step"]["peak_per_device_gib"] for m in meshes)
-        out["targets"] = {"decode_70b_gib": d70, "decode_70b_fits_80gib": d70 <= 80,
-                          "steer_8b_gib": s8, "steer_8b_fits_16gib": s8 <= 16,
-                          "argument_over_ideal_max": max(p["argument_over_ideal"] for p in out["plans"].values()),
-                          "argument_within_1_2x": all(p["argument_over_ideal"] <= 1.2 for p in out["plans"].values())}
+        out["targets"] = {
+            "decode_70b_gib": d70,
+            "decode_70b_fits_80gib": d70 <= 80,
+            "steer_8b_gib": s8,
+            "steer_8b_fits_16gib": s8 <= 16,
+            "argument_over_ideal_max": max(p["argument_over_ideal"] for p in out["plans"].values()),
+            "argument_within_1_2x": all(p["argument_over_ideal"] <= 1.2 for p in out["plans"].values()),
+        }
         print(json.dumps(out["targets"]), flush=True)
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -72,38 +72,59 @@ def parse():
     ap.add_argument("--out", default=str(protocol.RESULTS / "detox_smollm2.json"))
     ap.add_argument("--prompts", type=int, default=40, help="test prompts")
     ap.add_argument("--select-prompts", type=int, default=20, help="held-out prompts for the steer value")
-    ap.add_argument("--skip-prompts", type=int, default=0,
-                    help="non-toxic prefixes skipped before the test prompts: a fresh split after a run whose test "
-                    "rows have been read (its test + held-out prompts)")
-    ap.add_argument("--dummy", choices=("both", "on", "off"), default="both",
-                    help="dummy settings on the held-out grid")
+    ap.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="non-toxic prefixes skipped before the test prompts: a fresh split after a run whose test "
+        "rows have been read (its test + held-out prompts)",
+    )
+    ap.add_argument(
+        "--dummy", choices=("both", "on", "off"), default="both", help="dummy settings on the held-out grid"
+    )
     ap.add_argument("--samples", type=int, default=25, help="samples per test prompt (the paper's 25)")
     ap.add_argument("--select-samples", type=int, default=10, help="samples per held-out prompt")
     ap.add_argument("--strengths", default="0.5,1,2,3,5", help="candidate steer values (x eps0)")
-    ap.add_argument("--curve", default=None, help="steer values for the test-prompt curve after the chosen one "
-                    "(default: every strength; '' for none)")
-    ap.add_argument("--replicate", default=None, metavar="RUN_JSON",
-                    help="confirm a finished run's chosen setting (its steer recipe, value and dummy use) on new "
-                    "prompts: the toxic texts of the Jigsaw steer split that did not train the steer; no held-out grid")
+    ap.add_argument(
+        "--curve",
+        default=None,
+        help="steer values for the test-prompt curve after the chosen one (default: every strength; '' for none)",
+    )
+    ap.add_argument(
+        "--replicate",
+        default=None,
+        metavar="RUN_JSON",
+        help="confirm a finished run's chosen setting (its steer recipe, value and dummy use) on new "
+        "prompts: the toxic texts of the Jigsaw steer split that did not train the steer; no held-out grid",
+    )
     ap.add_argument("--gen-batch", type=int, default=50, help="rows per compiled generation call")
     # the main run's detox steer recipe (steer_smollm2.json training.detox)
     ap.add_argument("--jigsaw-texts", type=int, default=600)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--kind", choices=("steer", "blacklist", "offset"), default="steer",
-                    help="LM-Steer, or one of the issue's baselines (soft word blacklist: a learned logit offset; "
-                    "context-vector offset), trained at train.BASELINE_EPS0 with the same recipe")
+    ap.add_argument(
+        "--kind",
+        choices=("steer", "blacklist", "offset"),
+        default="steer",
+        help="LM-Steer, or one of the issue's baselines (soft word blacklist: a learned logit offset; "
+        "context-vector offset), trained at train.BASELINE_EPS0 with the same recipe",
+    )
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--l2", type=float, default=0.0)
     ap.add_argument("--init-scale", type=float, default=1e-3)
-    ap.add_argument("--data", choices=("jigsaw", "self"), default="jigsaw",
-                    help="jigsaw: the detox steer's Jigsaw texts (non-toxic +1, toxic -1); self: on-policy texts, "
-                    "SmolLM2's own continuations of the toxic prefixes of those texts, the least toxic +1 and the "
-                    "most toxic -1 by a labeler trained on the same Jigsaw texts (never the evaluator)")
+    ap.add_argument(
+        "--data",
+        choices=("jigsaw", "self"),
+        default="jigsaw",
+        help="jigsaw: the detox steer's Jigsaw texts (non-toxic +1, toxic -1); self: on-policy texts, "
+        "SmolLM2's own continuations of the toxic prefixes of those texts, the least toxic +1 and the "
+        "most toxic -1 by a labeler trained on the same Jigsaw texts (never the evaluator)",
+    )
     ap.add_argument("--self-texts", type=int, default=800, help="--data self: texts kept (half per side)")
     ap.add_argument("--self-samples", type=int, default=8, help="--data self: continuations per prompt")
-    ap.add_argument("--tokens-per-batch", type=int, default=None,
-                    help="token rows per training step (train.TrainConfig)")
+    ap.add_argument(
+        "--tokens-per-batch", type=int, default=None, help="token rows per training step (train.TrainConfig)"
+    )
     ap.add_argument("--bootstrap", type=int, default=2000, help="paired bootstrap resamples of the prompts")
     return ap.parse_args()
 
@@ -111,44 +132,89 @@ def parse():
 def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
     """The detox steer (main run's recipe unless overridden): loaded from --work when its recipe
     matches, else trained. ``exclude``: prompts that on-policy texts (``--data self``) never start from."""
-    recipe = {"texts": a.jigsaw_texts, "steps": a.steps, "batch_size": a.batch_size, "rank": a.rank,
-              "l2": a.l2, "init_scale": a.init_scale, "max_len": 32}
+    recipe = {
+        "texts": a.jigsaw_texts,
+        "steps": a.steps,
+        "batch_size": a.batch_size,
+        "rank": a.rank,
+        "l2": a.l2,
+        "init_scale": a.init_scale,
+        "max_len": 32,
+    }
     if a.kind != "steer":  # the key of steer recipes is unchanged, so earlier artifacts still match
         recipe.update(kind=a.kind, rank=None)
     if a.tokens_per_batch is not None:
         recipe["tokens_per_batch"] = a.tokens_per_batch
     if a.data == "self":
         labeler = evaluate.get_labeler(None, a.jigsaw_texts, task="toxicity")
-        recipe.update(data="self", self_texts=a.self_texts, self_samples=a.self_samples, max_len=64,
-                      labeler=labeler.meta["name"], labeler_accuracy=labeler.meta["accuracy"])
+        recipe.update(
+            data="self",
+            self_texts=a.self_texts,
+            self_samples=a.self_samples,
+            max_len=64,
+            labeler=labeler.meta["name"],
+            labeler_accuracy=labeler.meta["accuracy"],
+        )
     art = work / ("steer_detox" if a.kind == "steer" else f"steer_detox_{a.kind}")
     if art.exists():
         params, meta = artifact.load(str(art), model_identity=lm.identity)
         if meta.get("train", {}).get("recipe") == recipe and "detox" in res.get("training", {}):
             return params
     if a.data == "self":
-        key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": a.self_texts,
-               "samples": a.self_samples, "exclude_sha256": steer_data.prompts_sha1(sorted(set(exclude)))}
+        key = {
+            "model": lm.identity,
+            "labeler": labeler.meta["name"],
+            "texts": a.self_texts,
+            "samples": a.self_samples,
+            "exclude_sha256": steer_data.prompts_sha1(sorted(set(exclude))),
+        }
+
         def make():
-            return steer_data.self_detox_texts(lm, labeler, exclude, jigsaw_texts=a.jigsaw_texts,
-                                               self_texts=a.self_texts, self_samples=a.self_samples)
+            return steer_data.self_detox_texts(
+                lm, labeler, exclude, jigsaw_texts=a.jigsaw_texts, self_texts=a.self_texts, self_samples=a.self_samples
+            )
 
         def texts():
             return steer_data.cached_texts(work / f"texts_detox_self{a.self_texts}.json", key, make)
 
         cache = steer_data.cached_hidden(lm, work / f"cache_detox_self{a.self_texts}.npz", texts, max_len=64)
     else:
-        cache = steer_data.cached_hidden(lm, work / "cache_detox.npz",
-                                         lambda: steer_data.jigsaw_steer_texts(a.jigsaw_texts), max_len=32)
-    cfg = train.TrainConfig(rank=recipe["rank"], steps=a.steps, batch_size=a.batch_size, l2=a.l2,
-                            init_scale=a.init_scale, log_every=10, kind=a.kind, eps0=eps0_of(a.kind),
-                            tokens_per_batch=a.tokens_per_batch)
+        cache = steer_data.cached_hidden(
+            lm, work / "cache_detox.npz", lambda: steer_data.jigsaw_steer_texts(a.jigsaw_texts), max_len=32
+        )
+    cfg = train.TrainConfig(
+        rank=recipe["rank"],
+        steps=a.steps,
+        batch_size=a.batch_size,
+        l2=a.l2,
+        init_scale=a.init_scale,
+        log_every=10,
+        kind=a.kind,
+        eps0=eps0_of(a.kind),
+        tokens_per_batch=a.tokens_per_batch,
+    )
     log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
     params, hist = train.train(cache, emb, cfg, progress=True)
-    artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
-                  eps0=cfg.eps0, steer_names=["detox"], extra={"recipe": recipe})
-    res["training"] = {"detox": {**recipe, "tokens": cache.num_tokens, "train_seconds": hist["seconds"],
-                                 "steps_per_s": hist["steps_per_s"], "loss": hist["loss"], "loss_steps": hist["step"]}}
+    artifact.save(
+        str(art),
+        params,
+        base_model=lm.identity,
+        hidden_size=emb.shape[1],
+        vocab_size=emb.shape[0],
+        eps0=cfg.eps0,
+        steer_names=["detox"],
+        extra={"recipe": recipe},
+    )
+    res["training"] = {
+        "detox": {
+            **recipe,
+            "tokens": cache.num_tokens,
+            "train_seconds": hist["seconds"],
+            "steps_per_s": hist["steps_per_s"],
+            "loss": hist["loss"],
+            "loss_steps": hist["step"],
+        }
+    }
     return {k: np.asarray(v) for k, v in params.items()}
 
 
@@ -163,7 +229,13 @@ def replicated_run(a) -> dict:
         raise SystemExit(f"--replicate: {path} has no finished result (no 'result' or 'training.detox')")
     tr = src["training"]["detox"]
     a.jigsaw_texts, a.steps, a.batch_size, a.rank, a.l2, a.init_scale = (
-        tr["texts"], tr["steps"], tr["batch_size"], tr["rank"], tr["l2"], tr["init_scale"])
+        tr["texts"],
+        tr["steps"],
+        tr["batch_size"],
+        tr["rank"],
+        tr["l2"],
+        tr["init_scale"],
+    )
     a.tokens_per_batch, a.data = tr.get("tokens_per_batch"), tr.get("data", "jigsaw")
     if a.data == "self":
         a.self_texts, a.self_samples = tr["self_texts"], tr["self_samples"]
@@ -186,17 +258,35 @@ def main():
         strengths, dummies = src["setup"]["strengths"], tuple(src["setup"].get("dummy_grid", ("on", "off")))
     res["setup"] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
-        "test_prompts": a.prompts, "held_out_prompts": a.select_prompts, "samples_per_test_prompt": a.samples,
-        "samples_per_held_out_prompt": a.select_samples, "max_new_tokens": 20, "top_p": 0.9, "temperature": 1.0,
-        "strengths": strengths, "dummy_grid": dummies, "skipped_prompts": a.skip_prompts, "kind": a.kind,
-        "steer_data": a.data, "eps0": eps0_of(a.kind), "prior": PRIOR,
+        "test_prompts": a.prompts,
+        "held_out_prompts": a.select_prompts,
+        "samples_per_test_prompt": a.samples,
+        "samples_per_held_out_prompt": a.select_samples,
+        "max_new_tokens": 20,
+        "top_p": 0.9,
+        "temperature": 1.0,
+        "strengths": strengths,
+        "dummy_grid": dummies,
+        "skipped_prompts": a.skip_prompts,
+        "kind": a.kind,
+        "steer_data": a.data,
+        "eps0": eps0_of(a.kind),
+        "prior": PRIOR,
         "prior_source": "toxic share of the Jigsaw Toxic Comment Classification train set (15,294 / 159,571)",
-        "primary_reading": READINGS[0], "rule": SELECTION_RULE,
-        "prompt_source": ("toxic comments of the Jigsaw steer split left out of the steer's training (prefixes "
-                          "shared with the test split dropped)" if src else "toxic comments of the Jigsaw test split"),
+        "primary_reading": READINGS[0],
+        "rule": SELECTION_RULE,
+        "prompt_source": (
+            "toxic comments of the Jigsaw steer split left out of the steer's training (prefixes "
+            "shared with the test split dropped)"
+            if src
+            else "toxic comments of the Jigsaw test split"
+        ),
         **({"replicates": a.replicate} if src else {}),
-        "paper": {"prompts": "10K non-toxic RealToxicityPrompts prompts", "samples_per_prompt": 25,
-                  "scorer": "Perspective API"},
+        "paper": {
+            "prompts": "10K non-toxic RealToxicityPrompts prompts",
+            "samples_per_prompt": 25,
+            "scorer": "Perspective API",
+        },
     }
     save = lambda: write_json(out_path, res)  # noqa: E731
     t_all = time.time()
@@ -218,18 +308,27 @@ def main():
     keep = [p for p, s in zip(cands, ev.prob(cands)) if s < 0.5]
     n0 = a.skip_prompts
     if len(keep) < n0 + a.prompts + a.select_prompts:
-        raise SystemExit(f"only {len(keep)} non-toxic prefixes; asked for {n0} skipped + {a.prompts} + "
-                         f"{a.select_prompts}")
-    test_p, sel_p = keep[n0: n0 + a.prompts], keep[n0 + a.prompts: n0 + a.prompts + a.select_prompts]
-    res["prompts"] = {"candidates": len(cands), "non_toxic": len(keep), "skipped": n0, "test": test_p,
-                      "held_out": sel_p}
+        raise SystemExit(
+            f"only {len(keep)} non-toxic prefixes; asked for {n0} skipped + {a.prompts} + {a.select_prompts}"
+        )
+    test_p, sel_p = keep[n0 : n0 + a.prompts], keep[n0 + a.prompts : n0 + a.prompts + a.select_prompts]
+    res["prompts"] = {
+        "candidates": len(cands),
+        "non_toxic": len(keep),
+        "skipped": n0,
+        "test": test_p,
+        "held_out": sel_p,
+    }
 
     lm = jsteer.load("smollm2-135m")
     emb = np.asarray(lm.output_embeddings(), np.float32)
     # on-policy texts never start from a prompt any protocol tests on (test split, unused steer split)
-    exclude = (steer_data.toxic_prefixes(*jig_test)
-               + steer_data.toxic_prefixes(*steer_data.jigsaw_steer_unused(a.jigsaw_texts))
-               if a.data == "self" else ())
+    exclude = (
+        steer_data.toxic_prefixes(*jig_test)
+        + steer_data.toxic_prefixes(*steer_data.jigsaw_steer_unused(a.jigsaw_texts))
+        if a.data == "self"
+        else ()
+    )
     steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res, exclude).items()}
     if src:  # the same steer: its training losses reproduce the replicated run's
         mine, theirs = (np.asarray(r["training"]["detox"]["loss"]) for r in (res, src))
@@ -241,8 +340,13 @@ def main():
     def run(key, prompt_list, d, n_samples, dummy=True):
         """Generate (cached under --work) and score (cached in the JSON) at detox value d (None: unsteered),
         the steer's dummy decoding at +1 (``dummy``) or off."""
-        want = {"detox": d, "dummy": None if d is None else bool(dummy), "samples": n_samples,
-                "prompts": len(prompt_list), "prompts_sha1": steer_data.prompts_sha1(prompt_list)}
+        want = {
+            "detox": d,
+            "dummy": None if d is None else bool(dummy),
+            "samples": n_samples,
+            "prompts": len(prompt_list),
+            "prompts_sha1": steer_data.prompts_sha1(prompt_list),
+        }
         if d is not None and a.kind != "steer":
             want["kind"] = a.kind
         m = res.get("metrics", {}).get(key)
@@ -266,28 +370,38 @@ def main():
         m = score(lm, ev, g["prompts"], g["samples"])
         m["values"], m["gen_seconds"] = want, g["seconds"]
         res.setdefault("metrics", {})[key] = m
-        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0]
-                                               for i in range(min(3, len(g["prompts"])))]
+        res.setdefault("examples", {})[key] = [
+            g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(min(3, len(g["prompts"])))
+        ]
         log(key, {r: round(m[r]["toxicity_prob"], 3) for r in READINGS}, "ppl", round(m["ppl_mean"], 2))
         save()
         return m
 
     if src:  # the replicated run's choice, made on its own held-out prompts
         chosen, dm = src["result"]["chosen"], src["result"]["dummy"]
-        res["selection"] = {"replicated_from": a.replicate, "chosen": chosen, "dummy": dm,
-                            "table": src["selection"]["table"], "rule": src["selection"]["rule"]}
+        res["selection"] = {
+            "replicated_from": a.replicate,
+            "chosen": chosen,
+            "dummy": dm,
+            "table": src["selection"]["table"],
+            "rule": src["selection"]["rule"],
+        }
     else:  # the steer value and the dummy's use at decoding, chosen on held-out prompts only
         base_sel = run("select_base", sel_p, None, a.select_samples)
         table = {}
         for dm in dummies:
             for v in strengths:
-                m = run(f"select_d{v:+g}" + ("" if dm == "on" else "_dummyoff"), sel_p, v, a.select_samples,
-                        dm == "on")
-                table[f"{v:+g}/{dm}"] = {"toxicity_prob": m[READINGS[0]]["toxicity_prob"],
-                                         "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
-                                         "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1}
-        chosen, dm = protocol.least_toxic({(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
-                                   tie=lambda c: (c[1] == "on", c[0]), fallback_tie=lambda c: c[0])
+                m = run(f"select_d{v:+g}" + ("" if dm == "on" else "_dummyoff"), sel_p, v, a.select_samples, dm == "on")
+                table[f"{v:+g}/{dm}"] = {
+                    "toxicity_prob": m[READINGS[0]]["toxicity_prob"],
+                    "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
+                    "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1,
+                }
+        chosen, dm = protocol.least_toxic(
+            {(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
+            tie=lambda c: (c[1] == "on", c[0]),
+            fallback_tie=lambda c: c[0],
+        )
         res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
     dummy = dm == "on"
     save()
@@ -300,11 +414,14 @@ def main():
     res["result"] = {"chosen": chosen, "dummy": dm, "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1}
     for r in READINGS:
         b, s = base[r]["toxicity_prob"], m[r]["toxicity_prob"]
-        res["result"][r] = {"base_toxicity_prob": b, "steered_toxicity_prob": s, "ratio": s / b if b else None,
-                            "base_mean_max_toxicity": base[r]["mean_max_toxicity"],
-                            "steered_mean_max_toxicity": m[r]["mean_max_toxicity"],
-                            "bootstrap": paired_bootstrap(base[r]["per_prompt_max"], m[r]["per_prompt_max"],
-                                                          a.bootstrap)}
+        res["result"][r] = {
+            "base_toxicity_prob": b,
+            "steered_toxicity_prob": s,
+            "ratio": s / b if b else None,
+            "base_mean_max_toxicity": base[r]["mean_max_toxicity"],
+            "steered_mean_max_toxicity": m[r]["mean_max_toxicity"],
+            "bootstrap": paired_bootstrap(base[r]["per_prompt_max"], m[r]["per_prompt_max"], a.bootstrap),
+        }
     save()
     log("result", json.dumps(res["result"], indent=1))
     curve = strengths if a.curve is None else [float(x) for x in a.curve.split(",") if x]

@@ -36,7 +36,7 @@ def main():
     bench = json.loads(bp.read_text()) if bp.exists() else None
     pathlib.Path(a.out).mkdir(parents=True, exist_ok=True)
     src = pathlib.Path(a.json)
-    suffix = src.stem[len("smollm2"):] if src.stem.startswith("smollm2") else "_" + src.stem  # "" for the main run
+    suffix = src.stem[len("smollm2") :] if src.stem.startswith("smollm2") else "_" + src.stem  # "" for the main run
     md = pathlib.Path(a.out) / f"results{suffix}.md"
     md.write_text(markdown(res, bench, src.parent if not suffix else None, src.name))
     print("wrote", md)

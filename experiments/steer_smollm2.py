@@ -38,9 +38,10 @@ from jsteer.steer import data as steer_data
 from jsteer.workspace import log, write_json
 
 # jsteer.steer.evaluate.get's keyword arguments per --evaluators recipe
-EVALUATOR_RECIPES = {"full": {"sentiment": {}, "toxicity": {}},
-                     "quick": {"sentiment": {"epochs": 0.74},
-                               "toxicity": {"epochs": 0.8, "max_train": 1600, "max_test": 1000}}}
+EVALUATOR_RECIPES = {
+    "full": {"sentiment": {}, "toxicity": {}},
+    "quick": {"sentiment": {"epochs": 0.74}, "toxicity": {"epochs": 0.8, "max_train": 1600, "max_test": 1000}},
+}
 
 
 def parse():
@@ -52,14 +53,19 @@ def parse():
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--detox-steps", type=int, default=None, help="default: --steps")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--tokens-per-batch", type=int, default=768,
-                    help="static token rows per step (32 SST texts average 736 tokens)")
+    ap.add_argument(
+        "--tokens-per-batch", type=int, default=768, help="static token rows per step (32 SST texts average 736 tokens)"
+    )
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--detox-rank", type=int, default=None, help="default: --rank")
-    ap.add_argument("--sentiment-data", choices=("sst5", "self"), default="sst5",
-                    help="sst5: --sst-texts SST-5 texts (labels 3-4 +1, 0-1 -1); self: on-policy texts, SmolLM2's own "
-                    "continuations of other neutral prompts, the most / least positive by a labeler trained on those "
-                    "SST-5 texts (jsteer.steer.data.self_generated_texts; steer_sweep.py's '_self' recipes)")
+    ap.add_argument(
+        "--sentiment-data",
+        choices=("sst5", "self"),
+        default="sst5",
+        help="sst5: --sst-texts SST-5 texts (labels 3-4 +1, 0-1 -1); self: on-policy texts, SmolLM2's own "
+        "continuations of other neutral prompts, the most / least positive by a labeler trained on those "
+        "SST-5 texts (jsteer.steer.data.self_generated_texts; steer_sweep.py's '_self' recipes)",
+    )
     ap.add_argument("--self-texts", type=int, default=1200, help="--sentiment-data self: texts (half per side)")
     ap.add_argument("--l2", type=float, default=1e-6, help="the original's --regularization")
     ap.add_argument("--init-scale", type=float, default=1e-2, help="the original's --init_var default")
@@ -70,23 +76,36 @@ def parse():
     ap.add_argument("--gen-batch", type=int, default=50, help="rows per compiled generation call")
     ap.add_argument("--values", default="-5,-3,3,5,-1,1")
     ap.add_argument("--detox-values", default="5", help="further detox steer values on the toxic test prompts")
-    ap.add_argument("--strengths", default="0.5,1,1.5,2,3,5",
-                    help="candidate steer values (x eps0), chosen on held-out prompts (see SELECTION_RULE)")
+    ap.add_argument(
+        "--strengths",
+        default="0.5,1,1.5,2,3,5",
+        help="candidate steer values (x eps0), chosen on held-out prompts (see SELECTION_RULE)",
+    )
     ap.add_argument("--detox-strengths", default=None, help="candidate detox values (default: --strengths)")
-    ap.add_argument("--evaluators", choices=tuple(EVALUATOR_RECIPES), default="full",
-                    help="the sentiment / toxicity evaluators' training recipe (see the docstring)")
-    ap.add_argument("--dummy", default="auto", choices=("auto", "on", "off"),
-                    help="sentiment dummy steer at generation; auto: chosen on held-out prompts")
+    ap.add_argument(
+        "--evaluators",
+        choices=tuple(EVALUATOR_RECIPES),
+        default="full",
+        help="the sentiment / toxicity evaluators' training recipe (see the docstring)",
+    )
+    ap.add_argument(
+        "--dummy",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="sentiment dummy steer at generation; auto: chosen on held-out prompts",
+    )
     ap.add_argument("--deadline", default=None, help="HH:MM UTC: stop generating new settings after this")
     return ap.parse_args()
 
 
-SELECTION_RULE = ("per direction, among the strengths whose held-out perplexity rise is <= 30%, the best "
-                  "positivity (highest for +, lowest for -; ties: the smaller strength); if none, the smallest "
-                  "rise. Dummy on/off: first the setting whose two chosen values both keep the rise <= 30% (if only "
-                  "one does), then the larger positivity gap between them. Detox: among "
-                  "strengths with held-out perplexity rise <= 30% on held-out toxic prompts, the lowest toxicity "
-                  "probability (ties: mean max toxicity, then the smaller strength); if none, the smallest rise.")
+SELECTION_RULE = (
+    "per direction, among the strengths whose held-out perplexity rise is <= 30%, the best "
+    "positivity (highest for +, lowest for -; ties: the smaller strength); if none, the smallest "
+    "rise. Dummy on/off: first the setting whose two chosen values both keep the rise <= 30% (if only "
+    "one does), then the larger positivity gap between them. Detox: among "
+    "strengths with held-out perplexity rise <= 30% on held-out toxic prompts, the lowest toxicity "
+    "probability (ties: mean max toxicity, then the smaller strength); if none, the smallest rise."
+)
 
 
 def select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths=None) -> dict:
@@ -101,8 +120,10 @@ def select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths=None
         for v in strengths:
             for sgn in (1.0, -1.0):
                 m = run(f"select_dummy{dm}_s{sgn * v:+g}", sel, sgn * v, None, dm == "on")
-                table[f"{dm}/s{sgn * v:+g}"] = {"positivity": m["positivity"],
-                                                "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1}
+                table[f"{dm}/s{sgn * v:+g}"] = {
+                    "positivity": m["positivity"],
+                    "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1,
+                }
 
     def pick(dm, sgn):
         rows = [(v, table[f"{dm}/s{sgn * v:+g}"]) for v in strengths]
@@ -120,15 +141,23 @@ def select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths=None
     tox = {}
     for v in detox_strengths:
         m = run(f"select_toxic_d{v:+g}", tox_sel, None, v)
-        tox[f"d{v:+g}"] = {"toxicity_prob": m["toxicity_prob"], "mean_max_toxicity": m["mean_max_toxicity"],
-                           "ppl_rise": m["ppl_mean"] / tbase["ppl_mean"] - 1}
+        tox[f"d{v:+g}"] = {
+            "toxicity_prob": m["toxicity_prob"],
+            "mean_max_toxicity": m["mean_max_toxicity"],
+            "ppl_rise": m["ppl_mean"] / tbase["ppl_mean"] - 1,
+        }
     dv = protocol.least_toxic({v: tox[f"d{v:+g}"] for v in detox_strengths}, tie=lambda v: v)
-    return {"strengths": strengths, **({"detox_strengths": detox_strengths} if detox_strengths != strengths else {}),
-            "dummies": list(dummies), "sentiment": table, "per_dummy": chosen,
-            "detox": tox, "rule": SELECTION_RULE,
-            "prompts": f"{len(sel)} held-out neutral and {len(tox_sel)} held-out toxic prompts",
-            "chosen": {"dummy": dm, "positive": chosen[dm]["positive"], "negative": chosen[dm]["negative"],
-                       "detox": dv}}
+    return {
+        "strengths": strengths,
+        **({"detox_strengths": detox_strengths} if detox_strengths != strengths else {}),
+        "dummies": list(dummies),
+        "sentiment": table,
+        "per_dummy": chosen,
+        "detox": tox,
+        "rule": SELECTION_RULE,
+        "prompts": f"{len(sel)} held-out neutral and {len(tox_sel)} held-out toxic prompts",
+        "chosen": {"dummy": dm, "positive": chosen[dm]["positive"], "negative": chosen[dm]["negative"], "detox": dv},
+    }
 
 
 def main():
@@ -139,18 +168,44 @@ def main():
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
     res["setup"] = {
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
-        "steer_train": {"sst5_texts": a.sst_texts, "jigsaw_texts": a.jigsaw_texts, "steps": a.steps,
-                        "detox_steps": a.detox_steps or a.steps, "batch_size": a.batch_size,
-                        "tokens_per_batch": a.tokens_per_batch, "rank": a.rank, "detox_rank": a.detox_rank or a.rank,
-                        "sentiment_data": a.sentiment_data,
-                        **({"self_texts": a.self_texts} if a.sentiment_data == "self" else {}),
-                        "eps0": 1e-3, "lr": 1e-2,
-                        "init_scale": a.init_scale, "l2": a.l2, "max_len_sst": 64, "max_len_jigsaw": 32},
-        "paper": {"steps": 1000, "batch_size": 32, "rank": 1000, "l2": 1e-6, "init_var": 1e-2,
-                  "samples_per_prompt": 25, "prompts": "all 5000 neutral / 2500 positive / 2500 negative"},
-        "generation": {"neutral_prompts": a.neutral_prompts, "prompts_per_other_set": a.prompts,
-                       "samples_per_prompt": a.samples, "max_new_tokens": 20, "top_p": 0.9, "temperature": 1.0,
-                       "prompt_seed": 0, "held_out_select_prompts": a.select_prompts, "dummy": a.dummy},
+        "steer_train": {
+            "sst5_texts": a.sst_texts,
+            "jigsaw_texts": a.jigsaw_texts,
+            "steps": a.steps,
+            "detox_steps": a.detox_steps or a.steps,
+            "batch_size": a.batch_size,
+            "tokens_per_batch": a.tokens_per_batch,
+            "rank": a.rank,
+            "detox_rank": a.detox_rank or a.rank,
+            "sentiment_data": a.sentiment_data,
+            **({"self_texts": a.self_texts} if a.sentiment_data == "self" else {}),
+            "eps0": 1e-3,
+            "lr": 1e-2,
+            "init_scale": a.init_scale,
+            "l2": a.l2,
+            "max_len_sst": 64,
+            "max_len_jigsaw": 32,
+        },
+        "paper": {
+            "steps": 1000,
+            "batch_size": 32,
+            "rank": 1000,
+            "l2": 1e-6,
+            "init_var": 1e-2,
+            "samples_per_prompt": 25,
+            "prompts": "all 5000 neutral / 2500 positive / 2500 negative",
+        },
+        "generation": {
+            "neutral_prompts": a.neutral_prompts,
+            "prompts_per_other_set": a.prompts,
+            "samples_per_prompt": a.samples,
+            "max_new_tokens": 20,
+            "top_p": 0.9,
+            "temperature": 1.0,
+            "prompt_seed": 0,
+            "held_out_select_prompts": a.select_prompts,
+            "dummy": a.dummy,
+        },
         "evaluators": "all-MiniLM-L6-v2 fully fine-tuned by jsteer.train (experiments/steer_evaluators.py)",
         "fluency": "perplexity of the continuation under the unsteered SmolLM2-135M",
     }
@@ -176,8 +231,10 @@ def main():
 
     enc = jsteer.load("minilm")
     pos_clf, tox_clf = (evaluate.get(k, enc, **EVALUATOR_RECIPES[a.evaluators][k]) for k in ("sentiment", "toxicity"))
-    res["evaluators"] = {k: {kk: vv for kk, vv in c.meta.items() if kk not in ("loss", "loss_steps", "name")}
-                         for k, c in (("sentiment", pos_clf), ("toxicity", tox_clf))}
+    res["evaluators"] = {
+        k: {kk: vv for kk, vv in c.meta.items() if kk not in ("loss", "loss_steps", "name")}
+        for k, c in (("sentiment", pos_clf), ("toxicity", tox_clf))
+    }
     log("evaluator accuracy", {k: v["accuracy"] for k, v in res["evaluators"].items()})
     save()
 
@@ -190,7 +247,7 @@ def main():
     pool = steer_data.prompt_pool("neutral", exclude=neutral)
     sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
     # the toxic prompts after the reported ones
-    tox_sel = steer_data.toxic_prefixes(*jig_test)[a.prompts: 2 * a.prompts]
+    tox_sel = steer_data.toxic_prefixes(*jig_test)[a.prompts : 2 * a.prompts]
     res["prompts"] = {**sets, "toxic": tox_prompts, "held_out_select": sel, "held_out_select_toxic": tox_sel}
 
     # ------------------------------------------------------------------ steers
@@ -212,8 +269,9 @@ def main():
     def steer_cache(name):
         """The steer ``name``'s hidden-state cache under --work (rebuilt when another run made it)."""
         own = "_self" if name == "sentiment" and a.sentiment_data == "self" else ""
-        return steer_data.cached_hidden(lm, work / f"cache_{name}{own}.npz", lambda: texts_values(name),
-                               max_len=64 if name == "sentiment" else 32)
+        return steer_data.cached_hidden(
+            lm, work / f"cache_{name}{own}.npz", lambda: texts_values(name), max_len=64 if name == "sentiment" else 32
+        )
 
     for name in ("sentiment", "detox"):
         art = work / f"steer_{name}"
@@ -225,27 +283,50 @@ def main():
         t_cache = time.time() - t0
         steps = a.steps if name == "sentiment" else (a.detox_steps or a.steps)
         rank = a.rank if name == "sentiment" else (a.detox_rank or a.rank)
-        cfg_n = train.TrainConfig(rank=rank, steps=steps, batch_size=a.batch_size, l2=a.l2,
-                                  init_scale=a.init_scale, tokens_per_batch=a.tokens_per_batch, log_every=10)
+        cfg_n = train.TrainConfig(
+            rank=rank,
+            steps=steps,
+            batch_size=a.batch_size,
+            l2=a.l2,
+            init_scale=a.init_scale,
+            tokens_per_batch=a.tokens_per_batch,
+            log_every=10,
+        )
         log(f"training {name} steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg_n}")
         params, hist = train.train(cache, emb, cfg_n, progress=True)
-        artifact.save(str(art), params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
-                      eps0=cfg_n.eps0, steer_names=[name], extra={"steps": cfg_n.steps, "rank": cfg_n.rank,
-                                                                  "l2": cfg_n.l2, "init_scale": cfg_n.init_scale})
+        artifact.save(
+            str(art),
+            params,
+            base_model=lm.identity,
+            hidden_size=emb.shape[1],
+            vocab_size=emb.shape[0],
+            eps0=cfg_n.eps0,
+            steer_names=[name],
+            extra={"steps": cfg_n.steps, "rank": cfg_n.rank, "l2": cfg_n.l2, "init_scale": cfg_n.init_scale},
+        )
         steers[name] = {k: np.asarray(v) for k, v in params.items()}
         w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
-        res["training"][name] = {"steps": cfg_n.steps, "batch_size": cfg_n.batch_size, "engine": cfg_n.engine,
-                                 "l2": cfg_n.l2, "init_scale": cfg_n.init_scale,
-                                 "texts": cache.num_texts, "tokens": cache.num_tokens, "cache_seconds": t_cache,
-                                 "train_seconds": hist["seconds"], "steps_per_s": hist["steps_per_s"],
-                                 "tokens_per_batch": hist["tokens_per_batch"], "loss": hist["loss"],
-                                 "loss_steps": hist["step"],
-                                 "W_fro_norm": {"steer": float(np.linalg.norm(w[0])),
-                                                "dummy": float(np.linalg.norm(w[1]))}}
+        res["training"][name] = {
+            "steps": cfg_n.steps,
+            "batch_size": cfg_n.batch_size,
+            "engine": cfg_n.engine,
+            "l2": cfg_n.l2,
+            "init_scale": cfg_n.init_scale,
+            "texts": cache.num_texts,
+            "tokens": cache.num_tokens,
+            "cache_seconds": t_cache,
+            "train_seconds": hist["seconds"],
+            "steps_per_s": hist["steps_per_s"],
+            "tokens_per_batch": hist["tokens_per_batch"],
+            "loss": hist["loss"],
+            "loss_steps": hist["step"],
+            "W_fro_norm": {"steer": float(np.linalg.norm(w[0])), "dummy": float(np.linalg.norm(w[1]))},
+        }
         for v in (1.0, -1.0):  # per-token NLL of each class under +/- steering (dummy on)
             cls = cache.subset(np.flatnonzero(cache.values[:, 0] == v)[:200])
             res["training"][name][f"nll_class{v:+g}"] = {
-                f"{s:+g}": train.eval_nll(params, cls, emb, [s], cfg_n.eps0) for s in (1.0, -1.0)}
+                f"{s:+g}": train.eval_nll(params, cls, emb, [s], cfg_n.eps0) for s in (1.0, -1.0)
+            }
         save()
 
     # one head holding both steers: [sentiment, sentiment-dummy, detox, detox-dummy]
@@ -265,9 +346,14 @@ def main():
     def run(key, prompt_list, s=None, d=None, s_dummy=True, seed=0, d_dummy=True):
         """Generate (cached under --work) and evaluate (cached in the results JSON). A cached entry
         made with other steer values, dummy settings, prompts or sample count under the same key is redone."""
-        want = {"sentiment": s, "detox": d, "sentiment_dummy": bool(s_dummy) if s is not None else None,
-                "detox_dummy": bool(d_dummy) if d is not None else None, "samples": a.samples,
-                "prompts_sha1": steer_data.prompts_sha1(prompt_list)}
+        want = {
+            "sentiment": s,
+            "detox": d,
+            "sentiment_dummy": bool(s_dummy) if s is not None else None,
+            "detox_dummy": bool(d_dummy) if d is not None else None,
+            "samples": a.samples,
+            "prompts_sha1": steer_data.prompts_sha1(prompt_list),
+        }
         if key in res.get("metrics", {}) and res["metrics"][key].get("values") == want:
             return res["metrics"][key]
         path = work / f"gen_{key}.json"
@@ -277,17 +363,23 @@ def main():
             gb = a.gen_batch
             hooks = head.to_hooks(both, jnp.broadcast_to(jnp.asarray(e), (gb, 4)))  # expanded once, reused
             t0 = time.time()
-            samples = evaluate.sample(lm, lambda b: hooks if b == gb else head.to_hooks(
-                both, jnp.broadcast_to(jnp.asarray(e), (b, 4))), prompt_list, a.samples, seed=seed, batch=gb)
-            g = {"prompts": prompt_list, "samples": samples, "values": want,
-                 "seconds": time.time() - t0}
+            samples = evaluate.sample(
+                lm,
+                lambda b: hooks if b == gb else head.to_hooks(both, jnp.broadcast_to(jnp.asarray(e), (b, 4))),
+                prompt_list,
+                a.samples,
+                seed=seed,
+                batch=gb,
+            )
+            g = {"prompts": prompt_list, "samples": samples, "values": want, "seconds": time.time() - t0}
             write_json(path, g)
         t0 = time.time()
         m = evaluate.summarize(lm, pos_clf, tox_clf, g["prompts"], g["samples"])
         m["values"], m["gen_seconds"], m["eval_seconds"] = g["values"], g["seconds"], time.time() - t0
         res.setdefault("metrics", {})[key] = m
-        res.setdefault("examples", {})[key] = [g["prompts"][i] + " ||| " + g["samples"][i][0]
-                                               for i in range(min(3, len(g["prompts"])))]
+        res.setdefault("examples", {})[key] = [
+            g["prompts"][i] + " ||| " + g["samples"][i][0] for i in range(min(3, len(g["prompts"])))
+        ]
         log(key, {k: round(v, 3) for k, v in m.items() if isinstance(v, float)})
         save()
         return m
@@ -297,9 +389,12 @@ def main():
     detox_strengths = [float(x) for x in (a.detox_strengths or a.strengths).split(",")]
     dummies = ("on", "off") if a.dummy == "auto" else (a.dummy,)
     selection = res.get("strength_selection")
-    if not selection or (selection["strengths"], selection.get("detox_strengths", selection["strengths"]),
-                         selection["dummies"], selection["rule"]) != (strengths, detox_strengths, list(dummies),
-                                                                      SELECTION_RULE):
+    if not selection or (
+        selection["strengths"],
+        selection.get("detox_strengths", selection["strengths"]),
+        selection["dummies"],
+        selection["rule"],
+    ) != (strengths, detox_strengths, list(dummies), SELECTION_RULE):
         selection = select_strengths(run, sel, tox_sel, strengths, dummies, detox_strengths)
         res["strength_selection"] = selection
         res.pop("dummy_selection", None)  # superseded (the old rule looked at +/-5 only)
@@ -312,17 +407,27 @@ def main():
 
     # ------------------------------------------------------------------ test prompts (priority order)
     values = [float(v) for v in a.values.split(",")]
-    plan = [("neutral_base", "neutral", None, None), (f"neutral_s{P:+g}", "neutral", P, None),
-            (f"neutral_s{-N:+g}", "neutral", -N, None), ("negative_base", "negative", None, None),
-            (f"negative_s{P:+g}", "negative", P, None), ("positive_base", "positive", None, None),
-            (f"positive_s{-N:+g}", "positive", -N, None), ("toxic_base", "toxic", None, None),
-            (f"toxic_d{D:+g}", "toxic", None, D), (f"toxic_s{P:+g}_d{D:+g}", "toxic", P, D)]
+    plan = [
+        ("neutral_base", "neutral", None, None),
+        (f"neutral_s{P:+g}", "neutral", P, None),
+        (f"neutral_s{-N:+g}", "neutral", -N, None),
+        ("negative_base", "negative", None, None),
+        (f"negative_s{P:+g}", "negative", P, None),
+        ("positive_base", "positive", None, None),
+        (f"positive_s{-N:+g}", "positive", -N, None),
+        ("toxic_base", "toxic", None, None),
+        (f"toxic_d{D:+g}", "toxic", None, D),
+        (f"toxic_s{P:+g}_d{D:+g}", "toxic", P, D),
+    ]
     plan += [(f"neutral_s{v:+g}", "neutral", v, None) for v in values if v not in (P, -N)]
     plan += [(f"toxic_d{v:+g}", "toxic", None, v) for v in (float(x) for x in a.detox_values.split(",")) if v != D]
     other = "off" if s_dummy else "on"
-    plan += [(f"alt_dummy{other}_neutral_s{P:+g}", "neutral", P, "alt"),
-             (f"alt_dummy{other}_neutral_s{-N:+g}", "neutral", -N, "alt"),
-             (f"toxic_s{-N:+g}_d{D:+g}", "toxic", -N, D), (f"alt_detoxdummyoff_toxic_d{D:+g}", "toxic", None, D)]
+    plan += [
+        (f"alt_dummy{other}_neutral_s{P:+g}", "neutral", P, "alt"),
+        (f"alt_dummy{other}_neutral_s{-N:+g}", "neutral", -N, "alt"),
+        (f"toxic_s{-N:+g}_d{D:+g}", "toxic", -N, D),
+        (f"alt_detoxdummyoff_toxic_d{D:+g}", "toxic", None, D),
+    ]
     for key, pset, s, d in plan:
         if key not in res.get("metrics", {}) and late():
             log("deadline reached: skipping", key)
@@ -365,11 +470,15 @@ def main():
                 "max_abs_logit_shift_diff": float(np.abs(delta_a - delta_b).max()),
                 "max_abs_logit_shift": float(np.abs(delta_a).max()),
                 "shift_correlation": float(np.corrcoef(delta_a.ravel(), delta_b.ravel())[0, 1]),
-                "top50_promoted_overlap": float(np.mean([len(x & y) / 50 for x, y in zip(top_a, top_b)]))}
-        res["transfer"] = {"setup": "target = SmolLM2 with its output embeddings rotated by a random orthogonal R "
-                                    "(hidden states rotated too) plus Gaussian noise of the given fraction of the "
-                                    "embedding std; H fitted by least squares on 8000 shared anchor tokens (ids "
-                                    "0-7999). No second pretrained decoder is available offline.", **out}
+                "top50_promoted_overlap": float(np.mean([len(x & y) / 50 for x, y in zip(top_a, top_b)])),
+            }
+        res["transfer"] = {
+            "setup": "target = SmolLM2 with its output embeddings rotated by a random orthogonal R "
+            "(hidden states rotated too) plus Gaussian noise of the given fraction of the "
+            "embedding std; H fitted by least squares on 8000 shared anchor tokens (ids "
+            "0-7999). No second pretrained decoder is available offline.",
+            **out,
+        }
         log("transfer", out)
         save()
 
@@ -398,27 +507,46 @@ def main():
             ids = lm.tokenizer.encode(te[i])
             hs = lm.forward(jnp.asarray([ids])).hidden[:, :-1]
             v = 3.0 if yte[i] == 1 else -3.0
-            sc, (s, e, tot) = highlight.highlight(p_s, hs, jnp.asarray(emb), jnp.asarray([ids[1:]]),
-                                                  head.make_eps(v, eps0), eps_base=head.make_eps(-v, eps0))
-            hl.append({"text": te[i], "label": int(yte[i]), "value": v,
-                       "span": lm.tokenizer.decode(ids[1 + int(s[0]):1 + int(e[0])]), "score": float(tot[0])})
+            sc, (s, e, tot) = highlight.highlight(
+                p_s,
+                hs,
+                jnp.asarray(emb),
+                jnp.asarray([ids[1:]]),
+                head.make_eps(v, eps0),
+                eps_base=head.make_eps(-v, eps0),
+            )
+            hl.append(
+                {
+                    "text": te[i],
+                    "label": int(yte[i]),
+                    "value": v,
+                    "span": lm.tokenizer.decode(ids[1 + int(s[0]) : 1 + int(e[0])]),
+                    "score": float(tot[0]),
+                }
+            )
         res["highlight"] = hl
         save()
     st = res["setup"]["steer_train"]
-    on_what = (f"on {st['sst5_texts']} SST-5 train texts (half of train, class-balanced, PTB-tokenised as "
-               "distributed)" if a.sentiment_data == "sst5" else
-               f"on {a.self_texts} on-policy texts: SmolLM2's own continuations of 400 neutral prompts that this run "
-               f"never scores (x 4 samples), the {a.self_texts // 2} most positive +1 and the {a.self_texts // 2} "
-               f"least positive -1 by a MiniLM labeler trained on the {st['sst5_texts']} SST-5 steer texts (not the "
-               "evaluator)")
+    on_what = (
+        f"on {st['sst5_texts']} SST-5 train texts (half of train, class-balanced, PTB-tokenised as distributed)"
+        if a.sentiment_data == "sst5"
+        else f"on {a.self_texts} on-policy texts: SmolLM2's own continuations of 400 neutral prompts that this run "
+        f"never scores (x 4 samples), the {a.self_texts // 2} most positive +1 and the {a.self_texts // 2} "
+        f"least positive -1 by a MiniLM labeler trained on the {st['sst5_texts']} SST-5 steer texts (not the "
+        "evaluator)"
+    )
     res["notes"] = [
         f"Sentiment steer: {st['steps']} steps x {st['batch_size']} texts ({st['tokens_per_batch']} token rows per "
         f"step; a text's tail past the budget is cut), l2 {st['l2']:g}, init {st['init_scale']:g}, lr 1e-2, rank "
         f"{st['rank']}, {on_what}; paper: 1000 x 32 on all of SST-5. CPU budget: one step costs a "
         "[768 x 576] x [576 x 49152] product and its backward.",
         "Detox steer: {steps} steps x {batch_size} texts, l2 {l2:g}, init {init_scale:g}, on {texts} Jigsaw texts "
-        "(non-toxic +1, toxic -1).".format(**{k: res["training"].get("detox", {}).get(k, "?")
-                                               for k in ("steps", "batch_size", "l2", "init_scale", "texts")}),
+        "(non-toxic +1, toxic -1).".format(
+            **{
+                k: res["training"].get("detox", {}).get(k, "?")
+                for k in ("steps", "batch_size", "l2", "init_scale", "texts")
+            }
+        ),
         f"Generation: {res['setup']['generation']['neutral_prompts']} neutral, "
         f"{res['setup']['generation']['prompts_per_other_set']} "
         f"positive / negative / toxic prompts (seeded; texts under 'prompts') x "

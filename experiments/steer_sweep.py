@@ -86,9 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(protocol.RESULTS / "sweep_smollm2.json"))
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--gen-batch", type=int, default=50)
-    ap.add_argument("--test", action="store_true",
-                    help="also score each config's held-out choice on the main run's reported neutral test "
-                         "prompts (a config already in --out is retrained for it: same seed, same steer)")
+    ap.add_argument(
+        "--test",
+        action="store_true",
+        help="also score each config's held-out choice on the main run's reported neutral test "
+        "prompts (a config already in --out is retrained for it: same seed, same steer)",
+    )
     args = ap.parse_args(argv)
     configs = {n: parse_config(n) for n in args.configs.split(",")}
     strengths = [float(x) for x in args.strengths.split(",")]
@@ -101,33 +104,56 @@ def main(argv=None) -> int:
     out_path = pathlib.Path(args.out)
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
     scored_by = res.get("setup", {}).get("evaluator", "not recorded") if res.get("base") else None
-    res["setup"] = {"prompts": f"{len(sel)} held-out neutral prompts of {pathlib.Path(args.main_json).name}",
-                    "samples_per_prompt": args.samples, "max_new_tokens": 20, "top_p": 0.9, "seed": 0,
-                    "dummy": "off", "strengths": strengths, "max_ppl_rise": MAX_RISE,
-                    "texts": f"the main run's {STEER_TEXTS} SST-5 steer texts" if not any(
-                        c.get("data") == "self" for c in configs.values()) else
-                    f"{SELF_TEXTS} of SmolLM2's own continuations of other neutral prompts, labelled by a "
-                    f"classifier trained on the main run's {STEER_TEXTS} SST-5 steer texts", "init_scale": 1e-2,
-                    "eps0": 1e-3, "batch_size": BATCH, "tokens_per_batch": 768}
+    res["setup"] = {
+        "prompts": f"{len(sel)} held-out neutral prompts of {pathlib.Path(args.main_json).name}",
+        "samples_per_prompt": args.samples,
+        "max_new_tokens": 20,
+        "top_p": 0.9,
+        "seed": 0,
+        "dummy": "off",
+        "strengths": strengths,
+        "max_ppl_rise": MAX_RISE,
+        "texts": f"the main run's {STEER_TEXTS} SST-5 steer texts"
+        if not any(c.get("data") == "self" for c in configs.values())
+        else f"{SELF_TEXTS} of SmolLM2's own continuations of other neutral prompts, labelled by a "
+        f"classifier trained on the main run's {STEER_TEXTS} SST-5 steer texts",
+        "init_scale": 1e-2,
+        "eps0": 1e-3,
+        "batch_size": BATCH,
+        "tokens_per_batch": 768,
+    }
     res.setdefault("configs", {})
     lm = jsteer.load("smollm2-135m")
     pos_clf = steer_eval.get("sentiment", jsteer.load("minilm"))
     clf = {k: pos_clf.meta.get(k) for k in ("accuracy", "epochs", "steps")}
     if scored_by not in (None, clf):
-        raise SystemExit(f"{out_path} was scored by another sentiment evaluator ({scored_by}; now {clf}): "
-                         "its rows would not compare with new ones; write to a new --out")
+        raise SystemExit(
+            f"{out_path} was scored by another sentiment evaluator ({scored_by}; now {clf}): "
+            "its rows would not compare with new ones; write to a new --out"
+        )
     res["setup"]["evaluator"] = clf
     emb = np.asarray(lm.output_embeddings(), np.float32)
     work = pathlib.Path(args.work)
-    cache = steer_data.cached_hidden(lm, work / "cache_sentiment_labels.npz",  # values: [binary, graded]
-                            lambda: steer_data.sentiment_steer_texts(STEER_TEXTS), MAX_LEN, BATCH)
+    cache = steer_data.cached_hidden(
+        lm,
+        work / "cache_sentiment_labels.npz",  # values: [binary, graded]
+        lambda: steer_data.sentiment_steer_texts(STEER_TEXTS),
+        MAX_LEN,
+        BATCH,
+    )
 
     def evaluate(params, value, eps0=1e-3, prompt_list=sel):
         eps = jnp.broadcast_to(jnp.asarray([value * eps0, 0.0], jnp.float32), (args.gen_batch, 2))
         hooks = head.to_hooks(params, eps)
         t0 = time.time()
-        samples = steer_eval.sample(lm, lambda b: hooks if b == args.gen_batch else head.to_hooks(
-            params, jnp.broadcast_to(eps[:1], (b, 2))), prompt_list, args.samples, seed=0, batch=args.gen_batch)
+        samples = steer_eval.sample(
+            lm,
+            lambda b: hooks if b == args.gen_batch else head.to_hooks(params, jnp.broadcast_to(eps[:1], (b, 2))),
+            prompt_list,
+            args.samples,
+            seed=0,
+            batch=args.gen_batch,
+        )
         m = steer_eval.summarize(lm, pos_clf, None, prompt_list, samples)
         m["seconds"] = time.time() - t0
         m["example"] = prompt_list[0] + " ||| " + samples[0][0]
@@ -142,8 +168,9 @@ def main(argv=None) -> int:
     test_prompts = main_res["prompts"]["neutral"]
     if args.test and "base_test" not in res:
         res["base_test"] = evaluate(zero, 0.0, prompt_list=test_prompts)
-        res["base_test"]["prompts"] = (f"the {len(test_prompts)} reported neutral test prompts of "
-                                       f"{pathlib.Path(args.main_json).name}")
+        res["base_test"]["prompts"] = (
+            f"the {len(test_prompts)} reported neutral test prompts of {pathlib.Path(args.main_json).name}"
+        )
         write_json(out_path, res)
 
     def score_test(name, row, params, eps0):
@@ -158,18 +185,25 @@ def main(argv=None) -> int:
     def choose(row):
         pv, pr = best_within_limit(row["table"], strengths, 1.0)
         nv, nr = best_within_limit(row["table"], strengths, -1.0)
-        row["chosen"] = {"positive": pv, "negative": nv, "positivity_pos": pr["positivity"],
-                         "positivity_neg": nr["positivity"], "gap": pr["positivity"] - nr["positivity"]}
+        row["chosen"] = {
+            "positive": pv,
+            "negative": nv,
+            "positivity_pos": pr["positivity"],
+            "positivity_neg": nr["positivity"],
+            "gap": pr["positivity"] - nr["positivity"],
+        }
 
     # the main run's steer (r1000, 150 steps), already scored on these prompts by its strength choice
     # (only comparable when scored by the same evaluator)
     sel_table = main_res["strength_selection"]["sentiment"]
     same_clf = clf == {k: main_res["evaluators"]["sentiment"].get(k) for k in clf}
     if same_clf and all(f"off/s{sg * v:+g}" in sel_table for v in strengths for sg in (1, -1)):
-        row = {"config": dict(DEFAULTS, rank=1000),
-               "W_fro_norm": main_res["training"]["sentiment"]["W_fro_norm"]["steer"],
-               "source": "steer_smollm2.py strength_selection (dummy off)",
-               "table": {f"{sg * v:+g}": sel_table[f"off/s{sg * v:+g}"] for v in strengths for sg in (1, -1)}}
+        row = {
+            "config": dict(DEFAULTS, rank=1000),
+            "W_fro_norm": main_res["training"]["sentiment"]["W_fro_norm"]["steer"],
+            "source": "steer_smollm2.py strength_selection (dummy off)",
+            "table": {f"{sg * v:+g}": sel_table[f"off/s{sg * v:+g}"] for v in strengths for sg in (1, -1)},
+        }
         choose(row)
         res["configs"]["main_run"] = row
 
@@ -178,7 +212,8 @@ def main(argv=None) -> int:
         """The on-policy texts' hidden states, built once per run (every '_self' config trains on them)."""
         labeler = steer_eval.get_labeler(pos_clf.enc, STEER_TEXTS)
         res.setdefault("labelers", {})[labeler.meta["name"]] = {
-            k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")}
+            k: labeler.meta.get(k) for k in ("accuracy", "test_texts", "train_texts", "epochs", "train")
+        }
         exclude = [p for ps in main_res["prompts"].values() for p in ps]
         texts = lambda: steer_data.cached_self_texts(lm, labeler, SELF_TEXTS, exclude, work)  # noqa: E731
         return steer_data.cached_hidden(lm, work / f"cache_self{SELF_TEXTS}.npz", texts, MAX_LEN, BATCH)
@@ -187,27 +222,45 @@ def main(argv=None) -> int:
         if name in res["configs"] and (not args.test or "test" in res["configs"][name]):
             continue
         eps0 = 1e-3 if cfg.get("kind", "steer") == "steer" else train.BASELINE_EPS0
-        tcfg = train.TrainConfig(rank=cfg["rank"], steps=cfg["steps"], lr=cfg["lr"], l2=cfg["l2"], init_scale=1e-2,
-                                 batch_size=BATCH, tokens_per_batch=768, log_every=25,
-                                 kind=cfg.get("kind", "steer"), eps0=eps0)
+        tcfg = train.TrainConfig(
+            rank=cfg["rank"],
+            steps=cfg["steps"],
+            lr=cfg["lr"],
+            l2=cfg["l2"],
+            init_scale=1e-2,
+            batch_size=BATCH,
+            tokens_per_batch=768,
+            log_every=25,
+            kind=cfg.get("kind", "steer"),
+            eps0=eps0,
+        )
         col = ["binary", "graded"].index(cfg["labels"])
         data = cache
         if cfg.get("data") == "self":
             data = self_cache()
         if cfg["neutral_texts"]:
             n_neutral = cfg["neutral_texts"]
-            neutral = steer_data.cached_hidden(lm, work / f"cache_sentiment_neutral{n_neutral}.npz",
-                                               lambda n=n_neutral: steer_data.sentiment_neutral_texts(n),
-                                               MAX_LEN, BATCH)
+            neutral = steer_data.cached_hidden(
+                lm,
+                work / f"cache_sentiment_neutral{n_neutral}.npz",
+                lambda n=n_neutral: steer_data.sentiment_neutral_texts(n),
+                MAX_LEN,
+                BATCH,
+            )
             data = train.HiddenCache.concat([cache, neutral])
-        params, hist = train.train(dataclasses.replace(data, values=data.values[:, col:col + 1]), emb, tcfg)
+        params, hist = train.train(dataclasses.replace(data, values=data.values[:, col : col + 1]), emb, tcfg)
         if name in res["configs"]:  # scored on held-out before: only the test scores are new
             row = res["configs"][name]
             score_test(name, row, params, eps0)
             write_json(out_path, res)
             continue
-        row = {"config": cfg, "eps0": eps0, "train_seconds": hist["seconds"], "final_loss": hist["final_loss"],
-               "table": {}}
+        row = {
+            "config": cfg,
+            "eps0": eps0,
+            "train_seconds": hist["seconds"],
+            "final_loss": hist["final_loss"],
+            "table": {},
+        }
         if tcfg.kind == "steer":
             w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
             row["W_fro_norm"] = float(np.linalg.norm(w[0]))
@@ -225,24 +278,31 @@ def main(argv=None) -> int:
         res["configs"][name] = row
         log(name, row["chosen"])
         write_json(out_path, res)
-    print("\n| config | param norm | + value | positivity | - value | positivity | gap |"
-          "\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| config | param norm | + value | positivity | - value | positivity | gap |\n|---|---|---|---|---|---|---|"
+    )
     for name, row in res["configs"].items():
         c = row["chosen"]
         norm = row.get("W_fro_norm", row.get("param_fro_norm"))
-        print(f"| {name} | {norm:.0f} | +{c['positive']:g} | {c['positivity_pos']:.2f} | "
-              f"-{c['negative']:g} | {c['positivity_neg']:.2f} | {c['gap']:.2f} |")
+        print(
+            f"| {name} | {norm:.0f} | +{c['positive']:g} | {c['positivity_pos']:.2f} | "
+            f"-{c['negative']:g} | {c['positivity_neg']:.2f} | {c['gap']:.2f} |"
+        )
     tested = {n: r["test"] for n, r in res["configs"].items() if "test" in r}
     if tested:
         b = res["base_test"]
-        print(f"\nOn the reported test prompts (unsteered: positivity {b['positivity']:.2f}, "
-              f"ppl {b['ppl_mean']:.2f}):\n"
-              "| config | + value | positivity | ppl rise | - value | positivity | ppl rise |"
-              "\n|---|---|---|---|---|---|---|")
+        print(
+            f"\nOn the reported test prompts (unsteered: positivity {b['positivity']:.2f}, "
+            f"ppl {b['ppl_mean']:.2f}):\n"
+            "| config | + value | positivity | ppl rise | - value | positivity | ppl rise |"
+            "\n|---|---|---|---|---|---|---|"
+        )
         for n, t in tested.items():
             p, m = t["positive"], t["negative"]
-            print(f"| {n} | {p['value']:+g} | {p['positivity']:.2f} | {p['ppl_rise']:+.0%} | "
-                  f"{m['value']:+g} | {m['positivity']:.2f} | {m['ppl_rise']:+.0%} |")
+            print(
+                f"| {n} | {p['value']:+g} | {p['positivity']:.2f} | {p['ppl_rise']:+.0%} | "
+                f"{m['value']:+g} | {m['positivity']:.2f} | {m['ppl_rise']:+.0%} |"
+            )
     return 0
 
 

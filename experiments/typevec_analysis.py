@@ -37,9 +37,25 @@ from jsteer.workspace import DATA, ROOT, log
 
 KG = DATA / "type_embedding" / "kg_samples"
 OUT = pathlib.Path(os.environ.get("JSTEER_OUT", ROOT / "experiments" / "results" / "typevec"))
-TYPES = ["City", "Country", "Language", "Occupation", "Year", "Continent", "Genre", "Religion",
-         "Manufacturer", "Musical Instrument", "Organization", "Football Position", "Specialization",
-         "Record Label", "Religious Position", "TV_Network", "Group"]
+TYPES = [
+    "City",
+    "Country",
+    "Language",
+    "Occupation",
+    "Year",
+    "Continent",
+    "Genre",
+    "Religion",
+    "Manufacturer",
+    "Musical Instrument",
+    "Organization",
+    "Football Position",
+    "Specialization",
+    "Record Label",
+    "Religious Position",
+    "TV_Network",
+    "Group",
+]
 TOXIC_WORDS = ["idiot", "stupid", "moron", "dumb", "hate", "fuck", "shit", "ass", "fool", "crap", "sucks", "loser"]
 
 
@@ -62,11 +78,13 @@ def retrieval(lms: dict, small: bool) -> dict:
             ids20, _ = analysis.neighbours(te, emb, k=20, exclude_ids=s.token_ids)
             cands, _ = sampling.candidates(sampling.load_kg_samples(sampling.kg_path(KG, t)), lm.tokenizer)
             kg_ids = {c[1] for c in cands}
-            rows[t] = {"examples": list(s.labels),
-                       "neighbours": [lm.tokenizer.decode([int(i)]).strip() for i in ids],
-                       "cosines": [round(float(c), 3) for c in sims],
-                       "top20_in_kg_list": float(np.mean([int(i) in kg_ids for i in ids20])),
-                       "kg_single_token_entries": len(kg_ids)}
+            rows[t] = {
+                "examples": list(s.labels),
+                "neighbours": [lm.tokenizer.decode([int(i)]).strip() for i in ids],
+                "cosines": [round(float(c), 3) for c in sims],
+                "top20_in_kg_list": float(np.mean([int(i) in kg_ids for i in ids20])),
+                "kg_single_token_entries": len(kg_ids),
+            }
         out[name] = rows
         log(name, {t: r.get("top20_in_kg_list") for t, r in rows.items()})
     return out
@@ -77,7 +95,7 @@ def kurtosis(minilm, small: bool) -> dict:
 
     out = {}
     runs = 60 if small else 500
-    for t in (["City"] if small else ["City", "Country", "Language", "Occupation"]):
+    for t in ["City"] if small else ["City", "Country", "Language", "Occupation"]:
         cands, _ = sampling.candidates(sampling.load_kg_samples(sampling.kg_path(KG, t)), minilm.tokenizer)
         pool = [c[1] for c in cands]
         comps = (0, 1, 2, 3, 7)
@@ -98,7 +116,7 @@ def _type_prompts(groups, t, n, tok, seed=0):
     a = np.zeros((len(ids), t_), np.int32)
     m = np.zeros((len(ids), t_), np.int32)
     for b, x in enumerate(ids):
-        a[b, :len(x)], m[b, :len(x)] = x, 1
+        a[b, : len(x)], m[b, : len(x)] = x, 1
     return a, m, m.sum(1) - 1
 
 
@@ -109,23 +127,38 @@ def adversarial(smol, small: bool) -> dict:
     groups = probe.load_typed_dataset(DATA / "type_embedding" / "processed_lama")
     out = {}
     reps, ntok = (3, 20) if small else (10, 100)
-    for t in (["City"] if small else ["City", "Country", "Language", "Occupation"]):
+    for t in ["City"] if small else ["City", "Country", "Language", "Occupation"]:
         s = sampling.sample_type(KG, t, smol.tokenizer, n=10, seed=0)
         te = core.make(pm.embedding(), jnp.asarray(s.token_ids))
-        cands, _ = sampling.candidates(sampling.load_kg_samples(sampling.kg_path(KG, t)), smol.tokenizer,
-                                       exclude_ids=s.token_ids)
+        cands, _ = sampling.candidates(
+            sampling.load_kg_samples(sampling.kg_path(KG, t)), smol.tokenizer, exclude_ids=s.token_ids
+        )
         deg = np.array([c[2] for c in cands], np.float64)
         rng = np.random.default_rng(0)
-        sets = np.stack([np.array([cands[i][1] for i in rng.choice(len(cands), ntok, replace=True, p=deg / deg.sum())])
-                         for _ in range(reps)])
+        sets = np.stack(
+            [
+                np.array([cands[i][1] for i in rng.choice(len(cands), ntok, replace=True, p=deg / deg.sum())])
+                for _ in range(reps)
+            ]
+        )
         ids, mask, pos = _type_prompts(groups, t, 8, smol.tokenizer)
         fn = analysis.prompt_logprob_fn(pm.forward, pm.head, pm.params, ids, mask, pos)
         out[t] = {str(lam): analysis.adversarial(fn, te, lam, sets) for lam in (1.0, 2.0, 3.0)}
         for _lam, r in out[t].items():
             for k in ("TE", "random"):
                 r[k]["AA"].pop("runs"), r[k]["AS"].pop("runs")
-        log("AA/AS", t, {lam: (round(r["TE"]["AA"]["mean"], 3), round(r["TE"]["AS"]["mean"], 3),
-                               round(r["random"]["AA"]["mean"], 3)) for lam, r in out[t].items()})
+        log(
+            "AA/AS",
+            t,
+            {
+                lam: (
+                    round(r["TE"]["AA"]["mean"], 3),
+                    round(r["TE"]["AS"]["mean"], 3),
+                    round(r["random"]["AA"]["mean"], 3),
+                )
+                for lam, r in out[t].items()
+            },
+        )
     return out
 
 
@@ -141,10 +174,10 @@ def layers(smol, small: bool) -> dict:
     lam = 2.0
     s = sampling.sample_type(KG, target, tok, n=10, seed=0)
     te = core.make(pm.embedding(), jnp.asarray(s.token_ids))
-    pos_p = [p for g, ps in groups.items() if g.startswith(target + "/") for p in ps
-             if probe.decoder_qualifies(p.text)]
-    neg_p = [p for g, ps in groups.items() if not g.startswith(target + "/") for p in ps
-             if probe.decoder_qualifies(p.text)]
+    pos_p = [p for g, ps in groups.items() if g.startswith(target + "/") for p in ps if probe.decoder_qualifies(p.text)]
+    neg_p = [
+        p for g, ps in groups.items() if not g.startswith(target + "/") for p in ps if probe.decoder_qualifies(p.text)
+    ]
     rng = np.random.default_rng(0)
 
     def pick(ps, k):
@@ -165,11 +198,15 @@ def layers(smol, small: bool) -> dict:
         for s0 in range(0, len(texts), 32):
             sl = slice(s0, s0 + 32)
             w = one_hot_positions(jnp.asarray(posn[sl]), t)
-            states.append(np.asarray(analysis.position_states(pm.forward, pm.params, ids[sl], mask[sl], posn[sl],
-                                                              inject(te, lam_i, w))))
-        x = np.concatenate(states, axis=1)                        # [L+1, 4n, D]
-        metrics, cavs = analysis.layer_probes(jnp.asarray(x[:, : 2 * n]), jnp.asarray(y[: 2 * n]),
-                                              jnp.asarray(x[:, 2 * n:]), y[2 * n:])
+            states.append(
+                np.asarray(
+                    analysis.position_states(pm.forward, pm.params, ids[sl], mask[sl], posn[sl], inject(te, lam_i, w))
+                )
+            )
+        x = np.concatenate(states, axis=1)  # [L+1, 4n, D]
+        metrics, cavs = analysis.layer_probes(
+            jnp.asarray(x[:, : 2 * n]), jnp.asarray(y[: 2 * n]), jnp.asarray(x[:, 2 * n :]), y[2 * n :]
+        )
         res[label] = {"f1": [m["f1"] for m in metrics], "acc": [m["acc"] for m in metrics]}
         cavs_by[label] = cavs
         log("layer probe", label, "f1 by layer", np.round(res[label]["f1"], 2).tolist())
@@ -179,13 +216,14 @@ def layers(smol, small: bool) -> dict:
     n_l = len(res["without_TE"]["f1"]) - 1
     lays = sorted({0, n_l // 6, n_l // 3, n_l // 2, 2 * n_l // 3, 5 * n_l // 6, n_l - 1})
     k = 8 if small else 32
-    sl = slice(2 * n, 2 * n + k)                                   # held-out City prompts
+    sl = slice(2 * n, 2 * n + k)  # held-out City prompts
     tc = {}
     for label, lam_i in (("without_TE", 0.0), ("with_TE", lam)):
         w = one_hot_positions(jnp.asarray(posn[sl]), t)
         hk = inject(te, lam_i, w)
-        tc[label] = analysis.tcav(pm.forward, pm.head, pm.params, ids[sl], mask[sl], posn[sl], tgt,
-                                  cavs_by[label], lays, hooks=hk)
+        tc[label] = analysis.tcav(
+            pm.forward, pm.head, pm.params, ids[sl], mask[sl], posn[sl], tgt, cavs_by[label], lays, hooks=hk
+        )
         log("TCAV", label, tc[label])
     res["tcav"] = tc
     return res
@@ -211,7 +249,7 @@ def toxic(smol, small: bool) -> dict:
         _, (xt, yt), (xs, ys) = steer_data.jigsaw_splits(0)
         m = 300 if small else 2000
         clf = evaluate.Classifier(enc).fit(evaluate.Classifier(enc).features(xt[:m]), yt[:m])
-        acc = float(((clf.prob(xs[:m // 2]) > 0.5) == ys[: m // 2]).mean())
+        acc = float(((clf.prob(xs[: m // 2]) > 0.5) == ys[: m // 2]).mean())
         ev_info = {"source": f"trained here on {m} texts of the steer_common evaluator split", "accuracy": acc}
     log("toxicity evaluator", ev_info)
     # prompts: openings (first 6 words) of toxic Jigsaw test comments
@@ -219,17 +257,29 @@ def toxic(smol, small: bool) -> dict:
     opens = [" ".join(x.split()[:6]) for x, yy in zip(xs, ys) if yy == 1 and len(x.split()) >= 8]
     n_prompts, n_samples = (8, 1) if small else (48, 2)
     prompts = opens[:n_prompts]
-    res = {"concept_words": [w for w in TOXIC_WORDS if w not in skipped], "skipped_words": skipped,
-           "evaluator": ev_info, "n_prompts": len(prompts), "samples_per_prompt": n_samples, "rows": {}}
-    for lam in ((0.0, -2.0) if small else (0.0, -1.0, -2.0, -3.0, 2.0)):
+    res = {
+        "concept_words": [w for w in TOXIC_WORDS if w not in skipped],
+        "skipped_words": skipped,
+        "evaluator": ev_info,
+        "n_prompts": len(prompts),
+        "samples_per_prompt": n_samples,
+        "rows": {},
+    }
+    for lam in (0.0, -2.0) if small else (0.0, -1.0, -2.0, -3.0, 2.0):
         rows = [p for p in prompts for _ in range(n_samples)]
         outs = []
         for s in range(0, len(rows), 32):
-            chunk = rows[s:s + 32]
+            chunk = rows[s : s + 32]
             _, m = tok.batch_encode(chunk, left_pad=True)
-            outs += smol.generate(chunk, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=s,
-                                  hooks=generation_hooks(te, lam, jnp.asarray(m)))
-        samples = [outs[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
+            outs += smol.generate(
+                chunk,
+                max_new_tokens=20,
+                temperature=1.0,
+                top_p=0.9,
+                seed=s,
+                hooks=generation_hooks(te, lam, jnp.asarray(m)),
+            )
+        samples = [outs[i * n_samples : (i + 1) * n_samples] for i in range(len(prompts))]
         r = evaluate.summarize(smol, None, clf, prompts, samples)
         r["example"] = {"prompt": prompts[0], "continuation": samples[0][0]}
         res["rows"][str(lam)] = r
@@ -284,48 +334,79 @@ def markdown(res: dict) -> str:
             lines.append("")
     if "kurtosis" in res:
         comps = [c for c in next(iter(res["kurtosis"].values())) if c != "singular_values_mean"]
-        lines += ["## Figure 3: singular vectors over random 10-example sets (MiniLM)", "",
-                  "Excess kurtosis over runs of the mean entry of v_i, with raw LAPACK signs / oriented by our "
-                  "sign convention, and stability (mean |cos| between runs' oriented v_i and the first run's):", "",
-                  "| type | " + " | ".join(f"v{int(c) + 1} kurtosis raw / oriented | v{int(c) + 1} stability"
-                                          for c in comps) + " |",
-                  "|---|" + "---:|---:|" * len(comps)]
+        lines += [
+            "## Figure 3: singular vectors over random 10-example sets (MiniLM)",
+            "",
+            "Excess kurtosis over runs of the mean entry of v_i, with raw LAPACK signs / oriented by our "
+            "sign convention, and stability (mean |cos| between runs' oriented v_i and the first run's):",
+            "",
+            "| type | "
+            + " | ".join(f"v{int(c) + 1} kurtosis raw / oriented | v{int(c) + 1} stability" for c in comps)
+            + " |",
+            "|---|" + "---:|---:|" * len(comps),
+        ]
         for t, r in res["kurtosis"].items():
-            lines.append(f"| {t} | " + " | ".join(
-                f"{r[c]['kurtosis_raw']:.2f} / {r[c]['kurtosis_oriented']:.2f} | {r[c]['stability']:.3f}"
-                for c in comps) + " |")
+            lines.append(
+                f"| {t} | "
+                + " | ".join(
+                    f"{r[c]['kurtosis_raw']:.2f} / {r[c]['kurtosis_oriented']:.2f} | {r[c]['stability']:.3f}"
+                    for c in comps
+                )
+                + " |"
+            )
         lines.append("")
     if "aa" in res:
-        lines += ["## Table 2: adversarial accuracy / sensitivity (SmolLM2, mean +- std over repeats)", "",
-                  "| type | lambda | AA (TE) | AS (TE) | AA (random) | AS (random) |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Table 2: adversarial accuracy / sensitivity (SmolLM2, mean +- std over repeats)",
+            "",
+            "| type | lambda | AA (TE) | AS (TE) | AA (random) | AS (random) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for t, byl in res["aa"].items():
             for lam, r in byl.items():
-                lines.append(f"| {t} | {lam} | {r['TE']['AA']['mean']:.3f} +- {r['TE']['AA']['std']:.3f} | "
-                             f"{r['TE']['AS']['mean']:.3f} +- {r['TE']['AS']['std']:.3f} | "
-                             f"{r['random']['AA']['mean']:.3f} +- {r['random']['AA']['std']:.3f} | "
-                             f"{r['random']['AS']['mean']:.3f} +- {r['random']['AS']['std']:.3f} |")
+                lines.append(
+                    f"| {t} | {lam} | {r['TE']['AA']['mean']:.3f} +- {r['TE']['AA']['std']:.3f} | "
+                    f"{r['TE']['AS']['mean']:.3f} +- {r['TE']['AS']['std']:.3f} | "
+                    f"{r['random']['AA']['mean']:.3f} +- {r['random']['AA']['std']:.3f} | "
+                    f"{r['random']['AS']['mean']:.3f} +- {r['random']['AS']['std']:.3f} |"
+                )
         lines.append("")
     if "layers" in res:
         r = res["layers"]
-        lines += [f"## Figures 4-5: layer-wise probes ({r['target']} vs other types, lambda {r['lambda']}, "
-                  f"{r['n_per_class']} prompts per class)", "", "| layer | F1 without TE | F1 with TE |",
-                  "|---:|---:|---:|"]
+        lines += [
+            f"## Figures 4-5: layer-wise probes ({r['target']} vs other types, lambda {r['lambda']}, "
+            f"{r['n_per_class']} prompts per class)",
+            "",
+            "| layer | F1 without TE | F1 with TE |",
+            "|---:|---:|---:|",
+        ]
         for i, (a, b) in enumerate(zip(r["without_TE"]["f1"], r["with_TE"]["f1"])):
             lines.append(f"| {i} | {a:.3f} | {b:.3f} |")
-        lines += ["", "TCAV (share of City prompts whose City log-probability rises along the layer's CAV):", "",
-                  "| layer | without TE | with TE |", "|---:|---:|---:|"]
+        lines += [
+            "",
+            "TCAV (share of City prompts whose City log-probability rises along the layer's CAV):",
+            "",
+            "| layer | without TE | with TE |",
+            "|---:|---:|---:|",
+        ]
         for k in r["tcav"]["without_TE"]:
             lines.append(f"| {k} | {r['tcav']['without_TE'][k]:.3f} | {r['tcav']['with_TE'][k]:.3f} |")
         lines.append("")
     if "toxic" in res:
         r = res["toxic"]
-        lines += ["## Table 9: toxic concept vector in generation (SmolLM2, every token)", "",
-                  f"Concept words: {', '.join(r['concept_words'])}; evaluator: {r['evaluator']}", "",
-                  "| lambda | mean max toxicity | toxicity prob | ppl (median) | dist-2 |",
-                  "|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Table 9: toxic concept vector in generation (SmolLM2, every token)",
+            "",
+            f"Concept words: {', '.join(r['concept_words'])}; evaluator: {r['evaluator']}",
+            "",
+            "| lambda | mean max toxicity | toxicity prob | ppl (median) | dist-2 |",
+            "|---:|---:|---:|---:|---:|",
+        ]
         for lam, row in r["rows"].items():
-            lines.append(f"| {lam} | {row['mean_max_toxicity']:.3f} | {row['toxicity_prob']:.3f} | "
-                         f"{row['ppl_median']:.1f} | {row['dist2']:.3f} |")
+            lines.append(
+                f"| {lam} | {row['mean_max_toxicity']:.3f} | {row['toxicity_prob']:.3f} | "
+                f"{row['ppl_median']:.1f} | {row['dist2']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -344,11 +425,14 @@ def main(argv=None) -> int:
     minilm = jsteer.load("minilm") if {"retrieval", "kurtosis"} & set(parts) else None
     smol = jsteer.load("smollm2-135m") if {"retrieval", "aa", "layers", "toxic"} & set(parts) else None
     OUT.mkdir(parents=True, exist_ok=True)
-    runners = {"retrieval": lambda: retrieval({"minilm": minilm, "smollm2-135m": smol}, small),
-               "kurtosis": lambda: {t: {str(k): v for k, v in r.items()} for t, r in kurtosis(minilm, small).items()},
-               "aa": lambda: adversarial(smol, small), "layers": lambda: layers(smol, small),
-               "toxic": lambda: toxic(smol, small)}
-    for part in parts:   # each part is saved as soon as it is done
+    runners = {
+        "retrieval": lambda: retrieval({"minilm": minilm, "smollm2-135m": smol}, small),
+        "kurtosis": lambda: {t: {str(k): v for k, v in r.items()} for t, r in kurtosis(minilm, small).items()},
+        "aa": lambda: adversarial(smol, small),
+        "layers": lambda: layers(smol, small),
+        "toxic": lambda: toxic(smol, small),
+    }
+    for part in parts:  # each part is saved as soon as it is done
         t0 = time.time()
         res[part] = runners[part]()
         res.setdefault("seconds", {})[part] = time.time() - t0

@@ -27,6 +27,7 @@ under experiments/results/typevec/:
 Formerly three scripts (typevec_diag.py, typevec_diag_mass.py, typevec_diag_layer.py); each mode
 writes what its script wrote.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,9 +62,14 @@ def seeded_batch(prompts, tok, n: int, pad_id: int, seed: int = 123):
     ids = np.full((len(exs), t), pad_id, np.int32)
     attn = np.zeros((len(exs), t), np.int32)
     for b, e in enumerate(exs):
-        ids[b, :len(e.ids)], attn[b, :len(e.ids)] = e.ids, 1
-    return (exs, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray([e.pos for e in exs], jnp.int32),
-            jnp.asarray([e.gold for e in exs], jnp.int32))
+        ids[b, : len(e.ids)], attn[b, : len(e.ids)] = e.ids, 1
+    return (
+        exs,
+        jnp.asarray(ids),
+        jnp.asarray(attn),
+        jnp.asarray([e.pos for e in exs], jnp.int32),
+        jnp.asarray([e.gold for e in exs], jnp.int32),
+    )
 
 
 def run_precision(args) -> None:
@@ -86,24 +92,38 @@ def run_precision(args) -> None:
     s = sampling.sample_type(DATA / "type_embedding" / "kg_samples", tname, lm.tokenizer, n=10, seed=0)
     ids = jnp.asarray(s.token_ids)
     x = np.asarray(emb[ids])
-    te_svd = core.make(emb, ids)                      # unit, towards examples
+    te_svd = core.make(emb, ids)  # unit, towards examples
     te_mean = core.make(emb, ids, method="mean")
     te_cent = core.make(emb, ids, center=core.vocab_center(emb))
     mu = np.asarray(emb.mean(0))
     _, sv, vt = np.linalg.svd(x, full_matrices=False)
-    info = {"relation": args.relation, "n": len(sel), "examples": list(s.labels),
-            "row_norm": {"mean": unit, "median": float(np.median(norms)), "min": float(norms.min()),
-                         "max": float(norms.max()), "example_rows_mean": float(np.linalg.norm(x, axis=1).mean())},
-            "vocab_mean_norm": float(np.linalg.norm(mu)),
-            "cos_te_vocabmean": float(np.dot(np.asarray(te_svd), mu) / np.linalg.norm(mu)),
-            "cos_te_examplemean": float(np.dot(np.asarray(te_svd), x.mean(0)) / np.linalg.norm(x.mean(0))),
-            "mean_norm_examples": float(np.linalg.norm(x.mean(0))),
-            "singular_values": [float(v) for v in sv],
-            "numpy_vt0_dot_mean_sign": float(np.sign(vt[0] @ x.mean(0))),
-            "seconds_load": time.time() - t0}
+    info = {
+        "relation": args.relation,
+        "n": len(sel),
+        "examples": list(s.labels),
+        "row_norm": {
+            "mean": unit,
+            "median": float(np.median(norms)),
+            "min": float(norms.min()),
+            "max": float(norms.max()),
+            "example_rows_mean": float(np.linalg.norm(x, axis=1).mean()),
+        },
+        "vocab_mean_norm": float(np.linalg.norm(mu)),
+        "cos_te_vocabmean": float(np.dot(np.asarray(te_svd), mu) / np.linalg.norm(mu)),
+        "cos_te_examplemean": float(np.dot(np.asarray(te_svd), x.mean(0)) / np.linalg.norm(x.mean(0))),
+        "mean_norm_examples": float(np.linalg.norm(x.mean(0))),
+        "singular_values": [float(v) for v in sv],
+        "numpy_vt0_dot_mean_sign": float(np.sign(vt[0] @ x.mean(0))),
+        "seconds_load": time.time() - t0,
+    }
     print(json.dumps(info, indent=1), flush=True)
-    tes = {"svd+": te_svd, "svd-": -te_svd, "mean/|mean|": core.normalize(te_mean),
-           "centred_svd": te_cent, "svd_v2+": core.orient(jnp.asarray(vt[1]), x.mean(0))}
+    tes = {
+        "svd+": te_svd,
+        "svd-": -te_svd,
+        "mean/|mean|": core.normalize(te_mean),
+        "centred_svd": te_cent,
+        "svd_v2+": core.orient(jnp.asarray(vt[1]), x.mean(0)),
+    }
     units = [float(u) for u in args.units.split(",")]
     lams = np.asarray(units, np.float32) * unit
     te_table = jnp.stack(list(tes.values()))
@@ -115,9 +135,16 @@ def run_precision(args) -> None:
             tab = {f"{u:g}": probe.precision_at(r.rank[:, j]) for j, u in enumerate(units)}
             top = {f"{u:g}": [lm.tokenizer.decode([int(i)]) for i in r.top1[:6, j]] for j, u in enumerate(units)}
             res[f"{mode}/{name}"] = {"table": tab, "top1_first6": top}
-            print(mode, name, f"{time.time()-t1:.1f}s", " ".join(
-                f"{u:g}:{tab[f'{u:g}']['P@1']:.2f}/{tab[f'{u:g}']['P@10']:.2f}/{tab[f'{u:g}']['P@100']:.2f}"
-                for u in units), flush=True)
+            print(
+                mode,
+                name,
+                f"{time.time() - t1:.1f}s",
+                " ".join(
+                    f"{u:g}:{tab[f'{u:g}']['P@1']:.2f}/{tab[f'{u:g}']['P@10']:.2f}/{tab[f'{u:g}']['P@100']:.2f}"
+                    for u in units
+                ),
+                flush=True,
+            )
     info["results"] = res
     info["lambda_units_of_mean_row_norm"] = units
     info["gold_first6"] = [exs[i].prompt.gold for i in sel[:6]]
@@ -142,11 +169,16 @@ def run_mass(args) -> None:
     cands, _ = sampling.candidates(sampling.load_kg_samples(sampling.kg_path(kg, "City")), tok)
     city_set = np.array(sorted({c[1] for c in cands} - set(s.token_ids)))
     ids = jnp.asarray(s.token_ids)
-    variants = {"svd": core.make(emb, ids), "mean": core.normalize(core.make(emb, ids, method="mean")),
-                "centred_svd": core.make(emb, ids, center=core.vocab_center(emb))}
+    variants = {
+        "svd": core.make(emb, ids),
+        "mean": core.normalize(core.make(emb, ids, method="mean")),
+        "centred_svd": core.make(emb, ids, center=core.vocab_center(emb)),
+    }
     groups = probe.load_typed_dataset(DATA / "type_embedding" / "processed_lama")
-    sets = {"City/place_of_death": groups["City/place_of_death"],
-            "switch DoB->PoB": probe.switch_prompts(groups["City/place_of_birth"])}
+    sets = {
+        "City/place_of_death": groups["City/place_of_death"],
+        "switch DoB->PoB": probe.switch_prompts(groups["City/place_of_birth"]),
+    }
     sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     only = set(filter(None, args.configs.split(",")))
     excluded, _, pad_id = probe._score_constants(pm, (0.0,))
@@ -163,8 +195,13 @@ def run_mass(args) -> None:
         return g, rank, mass
 
     units = [float(u) for u in args.units.split(",")]
-    res = {"unit_mean_row_norm": unit, "lambda_units": units, "n_city_tokens": int(len(city_set)),
-           "examples": list(s.labels), "sets": {}}
+    res = {
+        "unit_mean_row_norm": unit,
+        "lambda_units": units,
+        "n_city_tokens": int(len(city_set)),
+        "examples": list(s.labels),
+        "sets": {},
+    }
     for sname, prompts in sets.items():
         exs, a_ids, a_attn, pos, gold = seeded_batch(prompts, tok, args.n, pad_id)
         t = a_ids.shape[1]
@@ -180,11 +217,21 @@ def run_mass(args) -> None:
                     for u in units:
                         off = inject.offset(sign * te, u * unit, w)
                         g, rank, mass = (np.asarray(x) for x in stats(a_ids, a_attn, pos, gold, off))
-                        rows[f"{u:g}"] = {"type_mass": float(mass.mean()), "gold_logp": float(g.mean()),
-                                          "P@1": float((rank < 1).mean()), "P@10": float((rank < 10).mean())}
+                        rows[f"{u:g}"] = {
+                            "type_mass": float(mass.mean()),
+                            "gold_logp": float(g.mean()),
+                            "P@1": float((rank < 1).mean()),
+                            "P@10": float((rank < 10).mean()),
+                        }
                     out[key] = rows
-                    print(sname, key, " ".join(f"{u}:{r['type_mass']:.3f}/{r['gold_logp']:.2f}/{r['P@1']:.2f}"
-                                               for u, r in rows.items()), flush=True)
+                    print(
+                        sname,
+                        key,
+                        " ".join(
+                            f"{u}:{r['type_mass']:.3f}/{r['gold_logp']:.2f}/{r['P@1']:.2f}" for u, r in rows.items()
+                        ),
+                        flush=True,
+                    )
         res["sets"][sname] = out
         (OUT / args.out).write_text(json.dumps(res, indent=1))
     res["seconds"] = time.time() - t0
@@ -210,8 +257,10 @@ def run_layer(args) -> None:
     ids = jnp.asarray(s.token_ids)
     variants = {"svd": core.make(emb, ids), "centred_svd": core.make(emb, ids, center=core.vocab_center(emb))}
     groups = probe.load_typed_dataset(DATA / "type_embedding" / "processed_lama")
-    sets = {"City/place_of_death": groups["City/place_of_death"],
-            "switch DoB->PoB": probe.switch_prompts(groups["City/place_of_birth"])}
+    sets = {
+        "City/place_of_death": groups["City/place_of_death"],
+        "switch DoB->PoB": probe.switch_prompts(groups["City/place_of_birth"]),
+    }
     excluded, _, pad_id = probe._score_constants(pm, (0.0,))
     layers = sorted({int(c[:-1]) for c in args.configs.split(",")})
 
@@ -232,8 +281,7 @@ def run_layer(args) -> None:
     for sname, prompts in sets.items():
         exs, a_ids, a_attn, pos, gold = seeded_batch(prompts, tok, args.n, pad_id)
         hs = pm.forward(pm.params, a_ids, a_attn, None, output_hidden_states=True).hidden_states
-        norms = {li: float(jnp.mean(jnp.linalg.norm(hs[li + 1][jnp.arange(len(exs)), pos], axis=-1)))
-                 for li in layers}
+        norms = {li: float(jnp.mean(jnp.linalg.norm(hs[li + 1][jnp.arange(len(exs)), pos], axis=-1))) for li in layers}
         out = {"residual_norm": norms}
         for cfg in args.configs.split(","):
             layer, sign = int(cfg[:-1]), (1.0 if cfg[-1] == "+" else -1.0)
@@ -242,12 +290,23 @@ def run_layer(args) -> None:
             for u in units:
                 off = jnp.broadcast_to(sign * u * norms[layer] * te, (len(exs), te.shape[0]))
                 g, rank, mass = (np.asarray(x) for x in stats(a_ids, a_attn, pos, gold, off, layer=layer))
-                rows[f"{u:g}"] = {"type_mass": float(mass.mean()), "gold_logp": float(g.mean()),
-                                  "P@1": float((rank < 1).mean()), "P@10": float((rank < 10).mean())}
+                rows[f"{u:g}"] = {
+                    "type_mass": float(mass.mean()),
+                    "gold_logp": float(g.mean()),
+                    "P@1": float((rank < 1).mean()),
+                    "P@10": float((rank < 10).mean()),
+                }
             key = f"L{layer}/{vname}/{'+' if sign > 0 else '-'}"
             out[key] = rows
-            print(sname, key, " ".join(f"{u}:{r['type_mass']:.3f}/{r['gold_logp']:.2f}/{r['P@1']:.2f}/{r['P@10']:.2f}"
-                                       for u, r in rows.items()), flush=True)
+            print(
+                sname,
+                key,
+                " ".join(
+                    f"{u}:{r['type_mass']:.3f}/{r['gold_logp']:.2f}/{r['P@1']:.2f}/{r['P@10']:.2f}"
+                    for u, r in rows.items()
+                ),
+                flush=True,
+            )
         res["sets"][sname] = out
         (OUT / args.out).write_text(json.dumps(res, indent=1))
     res["seconds"] = time.time() - t0
@@ -261,12 +320,20 @@ def main(argv=None):
     ap.add_argument("--units", default=None, help="lambda values, comma-separated (default: the mode's)")
     ap.add_argument("--out", default=None, help="JSON name under experiments/results/typevec (default: the mode's)")
     ap.add_argument("--relation", default="City/place_of_death", help="precision: the relation probed")
-    ap.add_argument("--positions", "--modes", dest="positions", default="pos,all",
-                    help="precision: TE at the predicting position (pos) and / or every prompt token (all)")
+    ap.add_argument(
+        "--positions",
+        "--modes",
+        dest="positions",
+        default="pos,all",
+        help="precision: TE at the predicting position (pos) and / or every prompt token (all)",
+    )
     ap.add_argument("--sets", default="City/place_of_death,switch DoB->PoB", help="mass: the prompt sets")
-    ap.add_argument("--configs", default=None,
-                    help="mass: only these mode/variant/sign keys, e.g. all/svd/+; layer: layer and sign of TE "
-                         "(svd), e.g. 16+,26- (default: the mode's)")
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help="mass: only these mode/variant/sign keys, e.g. all/svd/+; layer: layer and sign of TE "
+        "(svd), e.g. 16+,26- (default: the mode's)",
+    )
     args = ap.parse_args(argv)
     for k, v in MODES[args.mode].items():
         if getattr(args, k) is None:

@@ -75,8 +75,13 @@ def qualifying(groups, tokenizer) -> dict:
     for name, prompts in groups.items():
         exs, sk = probe.encode_prompts(prompts, tokenizer, "decoder")
         n_q = sum(probe.decoder_qualifies(p.text) for p in prompts)
-        out[name] = {"prompts": len(prompts), "answerable_as_next_token": n_q, "usable": len(exs),
-                     "qualifies": n_q > len(prompts) / 2 and len(exs) >= 20, "skips": sk.report()["by_reason"]}
+        out[name] = {
+            "prompts": len(prompts),
+            "answerable_as_next_token": n_q,
+            "usable": len(exs),
+            "qualifies": n_q > len(prompts) / 2 and len(exs) >= 20,
+            "skips": sk.report()["by_reason"],
+        }
     return out
 
 
@@ -93,16 +98,18 @@ def year_examples(tok, kg) -> tuple[list[int], list[str]]:
     if None in ids or len(set(ids)) != 10:
         raise ValueError(f"E_year: the digits are not ten single tokens in this vocabulary ({ids})")
     for e in sampling.load_kg_samples(sampling.kg_path(kg, "Year")):
-        other = [i for i in sampling.encode_plain(tok, " " + e.label)
-                 if i not in ids and sampling.is_word_token(tok, i)]
+        other = [
+            i for i in sampling.encode_plain(tok, " " + e.label) if i not in ids and sampling.is_word_token(tok, i)
+        ]
         if other:
-            raise ValueError(f"E_year: KG year {e.label!r} has non-digit word tokens {other}; the digit "
-                             f"examples do not describe this vocabulary's years")
+            raise ValueError(
+                f"E_year: KG year {e.label!r} has non-digit word tokens {other}; the digit "
+                f"examples do not describe this vocabulary's years"
+            )
     return ids, [sampling.decode_token(tok, i) for i in ids]
 
 
-def type_switching(pm, groups, city, kg, *, mode, layer, lams, unit, max_switch, max_holdout, seed,
-                   batch_size) -> dict:
+def type_switching(pm, groups, city, kg, *, mode, layer, lams, unit, max_switch, max_holdout, seed, batch_size) -> dict:
     """Table 6: place-of-birth facts asked with the date-of-birth template, with E_city and
     E_city^optim (E_city minus its projection on E_year, :func:`year_examples`)."""
     from jsteer.typevec import core, probe
@@ -111,26 +118,54 @@ def type_switching(pm, groups, city, kg, *, mode, layer, lams, unit, max_switch,
     year_ids, year_tokens = year_examples(pm.tokenizer, kg)
     year = core.make(pm.embedding(), jnp.asarray(year_ids))
     city_opt = core.project_out(city, year)
-    switch = {"prompt_example": sw[0].text, "gold_example": sw[0].gold,
-              "year_examples": "the ten digit tokens (every KG year is ' ' + its digit tokens)",
-              "year_tokens": year_tokens, "year_token_ids": year_ids, "cos_city_year": float(jnp.vdot(city, year))}
+    switch = {
+        "prompt_example": sw[0].text,
+        "gold_example": sw[0].gold,
+        "year_examples": "the ten digit tokens (every KG year is ' ' + its digit tokens)",
+        "year_tokens": year_tokens,
+        "year_token_ids": year_ids,
+        "cos_city_year": float(jnp.vdot(city, year)),
+    }
     for label, te in (("E_city", city), ("E_city_optim", city_opt)):
-        r = probe.evaluate(pm, {"DoB->PoB": sw}, {"DoB->PoB": te}, mode=mode, lam_grid=lams,
-                           holdout=0.05, max_test=max_switch, max_holdout=max_holdout, seed=seed,
-                           batch_size=batch_size, methods=("B", "TE"), log=log, layer=layer, lam_unit=unit)
-        switch[label] = {"B": r["per_group"]["DoB->PoB"]["B"], "TE": r["per_group"]["DoB->PoB"]["TE"],
-                         "lambda": r["tuning"]["DoB->PoB"]["lambda"],
-                         "lambda_table": r["tuning"]["DoB->PoB"]["lambda_table"],
-                         "n_test": r["per_group"]["DoB->PoB"]["n_test"], "skips": r["skips"]["DoB->PoB"],
-                         "predictions": r["predictions"]["DoB->PoB"]}
-        log(label, json.dumps({"B": switch[label]["B"]["P@1"], "TE": switch[label]["TE"]["P@1"],
-                               "lambda": switch[label]["lambda"]}))
+        r = probe.evaluate(
+            pm,
+            {"DoB->PoB": sw},
+            {"DoB->PoB": te},
+            mode=mode,
+            lam_grid=lams,
+            holdout=0.05,
+            max_test=max_switch,
+            max_holdout=max_holdout,
+            seed=seed,
+            batch_size=batch_size,
+            methods=("B", "TE"),
+            log=log,
+            layer=layer,
+            lam_unit=unit,
+        )
+        switch[label] = {
+            "B": r["per_group"]["DoB->PoB"]["B"],
+            "TE": r["per_group"]["DoB->PoB"]["TE"],
+            "lambda": r["tuning"]["DoB->PoB"]["lambda"],
+            "lambda_table": r["tuning"]["DoB->PoB"]["lambda_table"],
+            "n_test": r["per_group"]["DoB->PoB"]["n_test"],
+            "skips": r["skips"]["DoB->PoB"],
+            "predictions": r["predictions"]["DoB->PoB"],
+        }
+        log(
+            label,
+            json.dumps(
+                {"B": switch[label]["B"]["P@1"], "TE": switch[label]["TE"]["P@1"], "lambda": switch[label]["lambda"]}
+            ),
+        )
     return switch
 
 
 def switch_targets(switch: dict) -> dict:
-    return {"switch_P@1_optim": switch["E_city_optim"]["TE"]["P@1"],
-            "switch_ge_0.10": max(switch["E_city"]["TE"]["P@1"], switch["E_city_optim"]["TE"]["P@1"]) >= 0.10}
+    return {
+        "switch_P@1_optim": switch["E_city_optim"]["TE"]["P@1"],
+        "switch_ge_0.10": max(switch["E_city"]["TE"]["P@1"], switch["E_city_optim"]["TE"]["P@1"]) >= 0.10,
+    }
 
 
 def rerun_switching(args, path: pathlib.Path) -> dict:
@@ -151,9 +186,19 @@ def rerun_switching(args, path: pathlib.Path) -> dict:
     city = sampling.type_vectors(pm.embedding(), lm.tokenizer, kg, ["City"], n=10, seed=pr["seed"])[0][0]
     groups = probe.load_typed_dataset(DATA / "type_embedding" / "processed_lama")
     res["type_switching"] = type_switching(
-        pm, groups, city, kg, mode=pr["mode"], layer=pr["layer"], lams=pr["lambda_grid"],
-        unit=pr["lambda_unit_value"], max_switch=pr["max_switch"], max_holdout=args.max_holdout, seed=pr["seed"],
-        batch_size=args.batch_size)
+        pm,
+        groups,
+        city,
+        kg,
+        mode=pr["mode"],
+        layer=pr["layer"],
+        lams=pr["lambda_grid"],
+        unit=pr["lambda_unit_value"],
+        max_switch=pr["max_switch"],
+        max_holdout=args.max_holdout,
+        seed=pr["seed"],
+        batch_size=args.batch_size,
+    )
     res["targets"].update(switch_targets(res["type_switching"]))
     pr["deviations"] = [d for d in pr["deviations"] if not d.startswith("E_year")] + [YEAR_DEVIATION]
     return res
@@ -189,96 +234,178 @@ def run(args) -> dict:
     layer = args.layer if args.mode == "layer" else None
     selection = None
     if args.mode == "layer" and args.layers:
-        selection = select_layer(pm, {g: groups[g] for g in names}, {g: by_type[g.split("/")[0]] for g in names},
-                                 [int(x) for x in args.layers.split(",")], lams, seed=args.seed,
-                                 batch_size=args.batch_size, max_holdout=args.max_holdout, log=log)
+        selection = select_layer(
+            pm,
+            {g: groups[g] for g in names},
+            {g: by_type[g.split("/")[0]] for g in names},
+            [int(x) for x in args.layers.split(",")],
+            lams,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            max_holdout=args.max_holdout,
+            log=log,
+        )
         layer = selection["chosen"]
     unit = lambda_unit(pm, args.lambda_unit, layer, {g: groups[g] for g in names}, args.seed)
     log(f"lambda unit ({args.lambda_unit}) = {unit:.4f}")
-    rep = probe.evaluate(pm, {g: groups[g] for g in names}, {g: by_type[g.split("/")[0]] for g in names},
-                         mode=args.mode, lam_grid=lams, holdout=0.05, max_test=args.max_test,
-                         max_holdout=args.max_holdout, seed=args.seed, batch_size=args.batch_size, log=log,
-                         layer=layer, lam_unit=unit)
+    rep = probe.evaluate(
+        pm,
+        {g: groups[g] for g in names},
+        {g: by_type[g.split("/")[0]] for g in names},
+        mode=args.mode,
+        lam_grid=lams,
+        holdout=0.05,
+        max_test=args.max_test,
+        max_holdout=args.max_holdout,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        log=log,
+        layer=layer,
+        lam_unit=unit,
+    )
     log("macro", json.dumps({m: rep["macro"][m]["P@1"] for m in METHODS}))
 
     # ---------------------------------------------------------------- type switching (Table 6)
-    switch = type_switching(pm, groups, by_type["City"], kg, mode=args.mode, layer=layer, lams=lams, unit=unit,
-                            max_switch=args.max_switch, max_holdout=args.max_holdout, seed=args.seed,
-                            batch_size=args.batch_size)
+    switch = type_switching(
+        pm,
+        groups,
+        by_type["City"],
+        kg,
+        mode=args.mode,
+        layer=layer,
+        lams=lams,
+        unit=unit,
+        max_switch=args.max_switch,
+        max_holdout=args.max_holdout,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
 
     b1, te1 = rep["macro"]["B"]["P@1"], rep["macro"]["TE"]["P@1"]
     return {
-        "model": "smollm2-135m", "identity": lm.identity, "seconds": time.time() - t0,
+        "model": "smollm2-135m",
+        "identity": lm.identity,
+        "seconds": time.time() - t0,
         "protocol": {
-            "mode": args.mode, "layer": layer, "lambda_unit": args.lambda_unit, "lambda_unit_value": unit,
-            "lambda_grid": lams, "post_grid": rep["post_grid"], "holdout": 0.05,
-            "max_test_per_relation": args.max_test, "max_switch": args.max_switch, "seed": args.seed,
+            "mode": args.mode,
+            "layer": layer,
+            "lambda_unit": args.lambda_unit,
+            "lambda_unit_value": unit,
+            "lambda_grid": lams,
+            "post_grid": rep["post_grid"],
+            "holdout": 0.05,
+            "max_test_per_relation": args.max_test,
+            "max_switch": args.max_switch,
+            "seed": args.seed,
             "layer_selection": selection,
             "type_examples": "10 per type, weighted by KG degree, single-token (leading-space) entries",
             "tuning": "per relation, best hold-out P@1; ties: mean P@10/50/100, then smaller value",
             "deviations": [
                 "decoder instead of BERT: the answer is the next token after the prompt cut before [MASK]",
                 "TE at the predicting position (the last prompt token) since a decoder has no [MASK] slot"
-                + (f"; mode 'layer': in the residual stream after layer {layer}, not the input embedding"
-                   if layer is not None else ""),
+                + (
+                    f"; mode 'layer': in the residual stream after layer {layer}, not the input embedding"
+                    if layer is not None
+                    else ""
+                ),
                 f"lambda grid in units of '{args.lambda_unit}' ({unit:.4f}), not the paper's absolute 0..5",
                 "reported prompts subsampled to max_test per relation (CPU budget)",
                 YEAR_DEVIATION,
-            ]},
-        "qualifying": qual, "relations": names,
+            ],
+        },
+        "qualifying": qual,
+        "relations": names,
         "type_samples": {s.type_name: s.report() for s in samples},
-        "probe": rep, "type_switching": switch,
-        "targets": {"TE_over_B_P@1": (te1 / b1) if b1 > 0 else None, "TE_ge_1.25x_B": te1 >= 1.25 * b1,
-                    "TE_beats_BTo": te1 > rep["macro"]["BTo"]["P@1"],
-                    "TE_beats_PostTE": te1 > rep["macro"]["PostTE"]["P@1"],
-                    **switch_targets(switch)},
+        "probe": rep,
+        "type_switching": switch,
+        "targets": {
+            "TE_over_B_P@1": (te1 / b1) if b1 > 0 else None,
+            "TE_ge_1.25x_B": te1 >= 1.25 * b1,
+            "TE_beats_BTo": te1 > rep["macro"]["BTo"]["P@1"],
+            "TE_beats_PostTE": te1 > rep["macro"]["PostTE"]["P@1"],
+            **switch_targets(switch),
+        },
     }
 
 
 def layer_selection_md(sel) -> list:
     if not sel:
         return []
-    lines = ["## Layer chosen on the hold-out", "", f"Rule: {sel['rule']}.", "",
-             "| layer | hold-out macro P@1 | P@10 | lambda unit |", "|---:|---:|---:|---:|"]
+    lines = [
+        "## Layer chosen on the hold-out",
+        "",
+        f"Rule: {sel['rule']}.",
+        "",
+        "| layer | hold-out macro P@1 | P@10 | lambda unit |",
+        "|---:|---:|---:|---:|",
+    ]
     for layer in sel["candidates"]:
         t = sel["per_layer"][str(layer)]
         mark = " **(chosen)**" if layer == sel["chosen"] else ""
-        lines.append(f"| {layer}{mark} | {t['holdout_macro']['P@1']:.3f} | {t['holdout_macro']['P@10']:.3f} | "
-                     f"{t['lambda_unit_value']:.1f} |")
+        lines.append(
+            f"| {layer}{mark} | {t['holdout_macro']['P@1']:.3f} | {t['holdout_macro']['P@10']:.3f} | "
+            f"{t['lambda_unit_value']:.1f} |"
+        )
     return lines + [""]
 
 
 def markdown(res: dict) -> str:
     rep = res["probe"]
-    lines = ["# Type Embeddings on LAMA - SmolLM2-135M (decoder)", "",
-             f"TE mode: `{res['protocol']['mode']}`"
-             + (f" (layer {res['protocol']['layer']})" if res['protocol'].get('layer') is not None else "")
-             + f"; lambda grid {res['protocol']['lambda_grid']}"
-             + (f" in units of `{res['protocol']['lambda_unit']}` = {res['protocol']['lambda_unit_value']:.3f}"
-                if 'lambda_unit' in res['protocol'] else "") + " tuned per relation "
-             f"on a 5% hold-out; at most {res['protocol']['max_test_per_relation']} reported prompts per relation.", "",
-             *layer_selection_md(res['protocol'].get('layer_selection')),
-             "## P@1 / P@10 per relation (paper Tables 4, 7, 8)", "",
-             "| relation | n | " + " | ".join(f"{m} P@1" for m in METHODS) + " | " +
-             " | ".join(f"{m} P@10" for m in METHODS) + " | lambda | w | BTo form |",
-             "|---|---:|" + "---:|" * (2 * len(METHODS)) + "---:|---:|---|"]
+    lines = [
+        "# Type Embeddings on LAMA - SmolLM2-135M (decoder)",
+        "",
+        f"TE mode: `{res['protocol']['mode']}`"
+        + (f" (layer {res['protocol']['layer']})" if res["protocol"].get("layer") is not None else "")
+        + f"; lambda grid {res['protocol']['lambda_grid']}"
+        + (
+            f" in units of `{res['protocol']['lambda_unit']}` = {res['protocol']['lambda_unit_value']:.3f}"
+            if "lambda_unit" in res["protocol"]
+            else ""
+        )
+        + " tuned per relation "
+        f"on a 5% hold-out; at most {res['protocol']['max_test_per_relation']} reported prompts per relation.",
+        "",
+        *layer_selection_md(res["protocol"].get("layer_selection")),
+        "## P@1 / P@10 per relation (paper Tables 4, 7, 8)",
+        "",
+        "| relation | n | "
+        + " | ".join(f"{m} P@1" for m in METHODS)
+        + " | "
+        + " | ".join(f"{m} P@10" for m in METHODS)
+        + " | lambda | w | BTo form |",
+        "|---|---:|" + "---:|" * (2 * len(METHODS)) + "---:|---:|---|",
+    ]
     for g in res["relations"]:
         r = rep["per_group"][g]
         t = rep["tuning"][g]
-        lines.append(f"| {g} | {r['n_test']} | " + " | ".join(f"{r[m]['P@1']:.3f}" for m in METHODS) + " | " +
-                     " | ".join(f"{r[m]['P@10']:.3f}" for m in METHODS)
-                     + f" | {t['lambda']:g} | {t['post_weight']:g} | "
-                     f"{r.get('BTo_form', '')} |")
-    lines.append("| **macro** | | " + " | ".join(f"**{rep['macro'][m]['P@1']:.3f}**" for m in METHODS) + " | " +
-                 " | ".join(f"{rep['macro'][m]['P@10']:.3f}" for m in METHODS) + " | | | |")
+        lines.append(
+            f"| {g} | {r['n_test']} | "
+            + " | ".join(f"{r[m]['P@1']:.3f}" for m in METHODS)
+            + " | "
+            + " | ".join(f"{r[m]['P@10']:.3f}" for m in METHODS)
+            + f" | {t['lambda']:g} | {t['post_weight']:g} | "
+            f"{r.get('BTo_form', '')} |"
+        )
+    lines.append(
+        "| **macro** | | "
+        + " | ".join(f"**{rep['macro'][m]['P@1']:.3f}**" for m in METHODS)
+        + " | "
+        + " | ".join(f"{rep['macro'][m]['P@10']:.3f}" for m in METHODS)
+        + " | | | |"
+    )
     forms = rep.get("bto_forms", [])
     if len(forms) > 1:
-        lines += ["", "BTo phrasing, hold-out macro P@1 per form (the form used per relation is its hold-out best):",
-                  "",
-                  "| form | hold-out macro P@1 | relations using it |", "|---|---:|---:|"]
+        lines += [
+            "",
+            "BTo phrasing, hold-out macro P@1 per form (the form used per relation is its hold-out best):",
+            "",
+            "| form | hold-out macro P@1 | relations using it |",
+            "|---|---:|---:|",
+        ]
         for f in forms:
-            hold = [rep["tuning"][g]["bto_table"][f]["P@1"] for g in res["relations"]
-                    if "bto_table" in rep["tuning"][g]]
+            hold = [
+                rep["tuning"][g]["bto_table"][f]["P@1"] for g in res["relations"] if "bto_table" in rep["tuning"][g]
+            ]
             used = sum(rep["per_group"][g].get("BTo_form") == f for g in res["relations"])
             lines.append(f"| {f} [MASK] | {np.mean(hold):.3f} | {used} |")
     lines += ["", "## Macro P@k", "", "| method | P@1 | P@10 | P@50 | P@100 |", "|---|---:|---:|---:|---:|"]
@@ -286,21 +413,39 @@ def markdown(res: dict) -> str:
         p = rep["macro"][m]
         lines.append(f"| {m} | {p['P@1']:.3f} | {p['P@10']:.3f} | {p['P@50']:.3f} | {p['P@100']:.3f} |")
     sw = res["type_switching"]
-    lines += ["", "## Type switching (paper Table 6): date-of-birth prompts, place-of-birth answers", "",
-              f"Example: `{sw['prompt_example']}` -> {sw['gold_example']}; "
-              f"cos(E_city, E_year) = {sw['cos_city_year']:.3f}; "
-              f"E_year from the tokens {sw['year_tokens']}", "",
-              "| vector | lambda | n | B P@1 | TE P@1 | B P@10 | TE P@10 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Type switching (paper Table 6): date-of-birth prompts, place-of-birth answers",
+        "",
+        f"Example: `{sw['prompt_example']}` -> {sw['gold_example']}; "
+        f"cos(E_city, E_year) = {sw['cos_city_year']:.3f}; "
+        f"E_year from the tokens {sw['year_tokens']}",
+        "",
+        "| vector | lambda | n | B P@1 | TE P@1 | B P@10 | TE P@10 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for k in ("E_city", "E_city_optim"):
         s = sw[k]
-        lines.append(f"| {k} | {s['lambda']:g} | {s['n_test']} | {s['B']['P@1']:.3f} | {s['TE']['P@1']:.3f} | "
-                     f"{s['B']['P@10']:.3f} | {s['TE']['P@10']:.3f} |")
+        lines.append(
+            f"| {k} | {s['lambda']:g} | {s['n_test']} | {s['B']['P@1']:.3f} | {s['TE']['P@1']:.3f} | "
+            f"{s['B']['P@10']:.3f} | {s['TE']['P@10']:.3f} |"
+        )
     tg = res["targets"]
-    lines += ["", "## Targets", "", "```", json.dumps(tg, indent=1), "```", "",
-              "Relations that qualify for a decoder (answer = next token) and usable prompts:", ""]
+    lines += [
+        "",
+        "## Targets",
+        "",
+        "```",
+        json.dumps(tg, indent=1),
+        "```",
+        "",
+        "Relations that qualify for a decoder (answer = next token) and usable prompts:",
+        "",
+    ]
     for g, q in res["qualifying"].items():
-        lines.append(f"- {g}: {'yes' if q['qualifies'] else 'no'} ({q['usable']} usable of {q['prompts']}; "
-                     f"skips {q['skips']})")
+        lines.append(
+            f"- {g}: {'yes' if q['qualifies'] else 'no'} ({q['usable']} usable of {q['prompts']}; skips {q['skips']})"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -336,21 +481,28 @@ def main(argv=None) -> int:
     ap.add_argument("--max-switch", type=int, default=300)
     ap.add_argument("--mode", choices=("pos", "all", "layer"), default="pos")
     ap.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
-    ap.add_argument("--layers", default=None,
-                    help="--mode layer: comma-separated candidate layers, one chosen on the hold-out "
-                         "(overrides --layer)")
+    ap.add_argument(
+        "--layers",
+        default=None,
+        help="--mode layer: comma-separated candidate layers, one chosen on the hold-out (overrides --layer)",
+    )
     ap.add_argument("--lambda-unit", choices=LAMBDA_UNITS, default="row_norm")
     ap.add_argument("--lambdas", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.75,0.9,1.0,1.25,1.5")
     ap.add_argument("--relations", default=None, help="comma-separated subset (default: all that qualify)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-holdout", type=int, default=None, help="cap the 5%% hold-out (tiny runs only)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--small", action="store_true",
-                    help="tiny run (2 relations, 8 test / 8 switching / 8 hold-out prompts, lambda 0 / 0.75) "
-                         "for CI / notebooks")
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="tiny run (2 relations, 8 test / 8 switching / 8 hold-out prompts, lambda 0 / 0.75) for CI / notebooks",
+    )
     ap.add_argument("--tag", default="smollm2")
-    ap.add_argument("--switch-only", action="store_true",
-                    help="re-run only type switching (Table 6) on the existing lama_<tag>.json, with its protocol")
+    ap.add_argument(
+        "--switch-only",
+        action="store_true",
+        help="re-run only type switching (Table 6) on the existing lama_<tag>.json, with its protocol",
+    )
     args = ap.parse_args(argv)
     if args.small or os.environ.get("JSTEER_SMALL") == "1":
         args.max_test, args.max_switch, args.max_holdout = 8, 8, 8

@@ -14,6 +14,7 @@ that switching the question's type can recover.
 
 Writes experiments/results/typevec/switch_ceiling_smollm2.json and prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,16 +45,26 @@ def main():
     lm = jsteer.load("smollm2-135m")
     pm = probe.from_lm(lm)
     pob = probe.load_typed_dataset(DATA / "type_embedding" / "processed_lama")["City/place_of_birth"]
-    tes, samples = sampling.type_vectors(pm.embedding(), lm.tokenizer, DATA / "type_embedding" / "kg_samples",
-                                         ["City"], n=10, seed=pr["seed"])
+    tes, samples = sampling.type_vectors(
+        pm.embedding(), lm.tokenizer, DATA / "type_embedding" / "kg_samples", ["City"], n=10, seed=pr["seed"]
+    )
     if list(samples[0].token_ids) != run["type_samples"]["City"]["token_ids"]:
         raise SystemExit("the City examples differ from the switching run's")
     pairs = [(p, probe.switch_prompts([p])) for p in pob]
-    asked = [p for p, q in pairs if q]                       # aligned 1:1 with the switching prompts
+    asked = [p for p, q in pairs if q]  # aligned 1:1 with the switching prompts
     as_switched = {p.text: q[0].text for p, q in pairs if q}
-    common = dict(mode=pr["mode"], layer=pr["layer"], lam_grid=pr["lambda_grid"], post_grid=pr["post_grid"],
-                  holdout=pr["holdout"], max_test=pr["max_switch"], seed=pr["seed"], batch_size=a.batch_size,
-                  lam_unit=pr["lambda_unit_value"], log=log)
+    common = dict(
+        mode=pr["mode"],
+        layer=pr["layer"],
+        lam_grid=pr["lambda_grid"],
+        post_grid=pr["post_grid"],
+        holdout=pr["holdout"],
+        max_test=pr["max_switch"],
+        seed=pr["seed"],
+        batch_size=a.batch_size,
+        lam_unit=pr["lambda_unit_value"],
+        log=log,
+    )
     rep = probe.evaluate(pm, {GROUP: asked}, {GROUP: tes[0]}, methods=("B", "PostTE", "TE"), **common)
     # the reported subjects must be the switching run's
     switched = [p["prompt"] for p in sw_run["E_city"]["predictions"]]
@@ -61,18 +72,29 @@ def main():
     if switched != here:
         raise SystemExit(f"reported subjects differ from the switching run's ({len(here)} vs {len(switched)})")
     g = rep["per_group"][GROUP]
-    res = {"run": a.run, "protocol": {k: v for k, v in common.items() if k != "log"}, "n_test": g["n_test"],
-           "city_examples": list(samples[0].labels), "subjects_match_switching_run": True,
-           "direct": {m: g[m] for m in ("B", "PostTE", "TE")}, "tuning": rep["tuning"][GROUP],
-           "switching": {k: {"B": sw_run[k]["B"], "TE": sw_run[k]["TE"], "lambda": sw_run[k]["lambda"]}
-                         for k in ("E_city", "E_city_optim")},
-           "seconds": time.time() - t0}
+    res = {
+        "run": a.run,
+        "protocol": {k: v for k, v in common.items() if k != "log"},
+        "n_test": g["n_test"],
+        "city_examples": list(samples[0].labels),
+        "subjects_match_switching_run": True,
+        "direct": {m: g[m] for m in ("B", "PostTE", "TE")},
+        "tuning": rep["tuning"][GROUP],
+        "switching": {
+            k: {"B": sw_run[k]["B"], "TE": sw_run[k]["TE"], "lambda": sw_run[k]["lambda"]}
+            for k in ("E_city", "E_city_optim")
+        },
+        "seconds": time.time() - t0,
+    }
     write_json(pathlib.Path(a.out), res)
-    rows = [("place-of-birth template, B", res["direct"]["B"]),
-            ("place-of-birth template, PostTE", res["direct"]["PostTE"]),
-            ("place-of-birth template, TE", res["direct"]["TE"])]
-    rows += [(f"date-of-birth template, {k}, TE (switching)", res["switching"][k]["TE"])
-             for k in ("E_city", "E_city_optim")]
+    rows = [
+        ("place-of-birth template, B", res["direct"]["B"]),
+        ("place-of-birth template, PostTE", res["direct"]["PostTE"]),
+        ("place-of-birth template, TE", res["direct"]["TE"]),
+    ]
+    rows += [
+        (f"date-of-birth template, {k}, TE (switching)", res["switching"][k]["TE"]) for k in ("E_city", "E_city_optim")
+    ]
     print(f"| question (same {res['n_test']} subjects) | P@1 | P@10 | P@100 |\n|---|---:|---:|---:|")
     for name, m in rows:
         print(f"| {name} | {m['P@1']:.3f} | {m['P@10']:.3f} | {m['P@100']:.3f} |")

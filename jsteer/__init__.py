@@ -13,14 +13,33 @@ __version__ = "0.1.0"
 from jsteer.hooks import FiLM, Hooks, Steer, compose  # noqa: E402,F401
 
 _LAZY = {
-    "load": "jsteer.io", "save": "jsteer.io", "LM": "jsteer.io",
-    "save_artifact": "jsteer.io", "load_artifact": "jsteer.io",
+    "load": "jsteer.io",
+    "save": "jsteer.io",
+    "LM": "jsteer.io",
+    "save_artifact": "jsteer.io",
+    "load_artifact": "jsteer.io",
     "Tokenizer": "jsteer.tokenizer",
 }
 
 
-_SUBMODULES = ("io", "tokenizer", "decode", "backbones", "convert", "hooks", "interventions", "sharding", "cli",
-               "data", "train", "steer", "actsteer", "typevec", "kala", "kalm")
+_SUBMODULES = (
+    "io",
+    "tokenizer",
+    "decode",
+    "backbones",
+    "convert",
+    "hooks",
+    "interventions",
+    "sharding",
+    "cli",
+    "data",
+    "train",
+    "steer",
+    "actsteer",
+    "typevec",
+    "kala",
+    "kalm",
+)
 
 
 def __getattr__(name):  # lazy: importing jsteer stays cheap (no orbax / tokenizers until used)
@@ -37,5 +56,16 @@ def __dir__():
     return sorted(list(globals()) + list(_LAZY) + list(_SUBMODULES))
 
 
-__all__ = ["load", "save", "LM", "save_artifact", "load_artifact", "Tokenizer",
-           "Hooks", "FiLM", "Steer", "compose", "__version__"]
+__all__ = [
+    "load",
+    "save",
+    "LM",
+    "save_artifact",
+    "load_artifact",
+    "Tokenizer",
+    "Hooks",
+    "FiLM",
+    "Steer",
+    "compose",
+    "__version__",
+]

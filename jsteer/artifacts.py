@@ -57,9 +57,21 @@ def _json_default(x):
     raise TypeError(f"{type(x).__name__} is not JSON serialisable")
 
 
-_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-           "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
-           "bool": "BOOL"}
+_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 
 def _header(path: pathlib.Path) -> Optional[dict]:
@@ -67,7 +79,7 @@ def _header(path: pathlib.Path) -> Optional[dict]:
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > 100 * 2 ** 20 or n + 8 > path.stat().st_size:
+            if n <= 0 or n > 100 * 2**20 or n + 8 > path.stat().st_size:
                 return None
             return json.loads(f.read(n)).get("__metadata__") or {}
     except (OSError, ValueError, UnicodeDecodeError):
@@ -80,7 +92,11 @@ def _write_file(path: pathlib.Path, arrays: Mapping[str, np.ndarray], metadata: 
     for name, a in arrays.items():
         if a.dtype.name not in _DTYPES:
             raise ValueError(f"save_artifact: array {name!r} has dtype {a.dtype}, not one safetensors stores")
-        entries[name] = {"dtype": _DTYPES[a.dtype.name], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        entries[name] = {
+            "dtype": _DTYPES[a.dtype.name],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
     head = json.dumps({"__metadata__": dict(metadata), **entries}, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # tensor data 8-byte aligned, as the reference writer does
@@ -95,9 +111,7 @@ def _write_file(path: pathlib.Path, arrays: Mapping[str, np.ndarray], metadata: 
 def save(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.Path:
     """Write ``tree`` (dicts / lists of arrays) and JSON ``meta`` as one safetensors file, atomically."""
     import jsteer
-    from jsteer.io import _clean_stale
-
-    from jsteer.io import SIDECAR
+    from jsteer.io import SIDECAR, _clean_stale
 
     path = pathlib.Path(path).expanduser().absolute()
     old_folder = path.is_dir()
@@ -113,9 +127,13 @@ def save(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.P
         meta_json = json.dumps(dict(meta or {}), default=_json_default)
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_artifact: meta is not JSON-serialisable ({e})") from None
-    header = {"format": FORMAT, "jsteer": meta_json, "jsteer_tree": json.dumps(structure),
-              "jsteer_version": jsteer.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    header = {
+        "format": FORMAT,
+        "jsteer": meta_json,
+        "jsteer_tree": json.dumps(structure),
+        "jsteer_version": jsteer.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -42,16 +42,24 @@ def _compile(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(template)
 
 
-def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
-           special_tokens: Optional[Mapping[str, str]] = None, tools=None, documents=None, **kwargs) -> str:
+def render(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = False,
+    special_tokens: Optional[Mapping[str, str]] = None,
+    tools=None,
+    documents=None,
+    **kwargs,
+) -> str:
     """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]).
 
     ``special_tokens``: {"bos_token": "<s>", ...}; ``kwargs`` override them (as in transformers).
@@ -65,8 +73,9 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], add_generation_
             raise TypeError(f"apply_chat_template: messages[{i}] is a {type(m).__name__}, not a dict")
         chat.append({k: v for k, v in m.items() if v is not None})
     context = {**(special_tokens or {}), **kwargs}
-    return _compile(template).render(messages=chat, tools=tools, documents=documents,
-                                     add_generation_prompt=add_generation_prompt, **context)
+    return _compile(template).render(
+        messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **context
+    )
 
 
 __all__ = ["render"]

@@ -38,6 +38,7 @@ def warning_lines(command: str):
     """Warnings raised in the block (or the decorated command function), each printed as it
     comes as one plain stderr line ``jsteer <command>: WARNING: ...`` (not Python's file:line +
     source echo), every occurrence (filter "always")."""
+
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"jsteer {command}: WARNING: {message}", file=sys.stderr, flush=True)
 

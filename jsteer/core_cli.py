@@ -23,23 +23,36 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("convert", help="convert a model (HF folder, GGUF, embedded name) to a jsteer checkpoint",
-                              description="Load SRC and write it as a jsteer (Orbax) checkpoint folder DST.")
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a model (HF folder, GGUF, embedded name) to a jsteer checkpoint",
+        description="Load SRC and write it as a jsteer (Orbax) checkpoint folder DST.",
+    )
     p.add_argument("src", help="embedded name (minilm, smollm2-135m), HF folder, .gguf file or jsteer checkpoint")
     p.add_argument("dst", help="output folder (replaced atomically if it already holds a jsteer checkpoint)")
-    p.add_argument("--dtype", choices=_DTYPES, default=None,
-                   help="parameter dtype to store (default: as stored for a jsteer checkpoint, else float32)")
+    p.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="parameter dtype to store (default: as stored for a jsteer checkpoint, else float32)",
+    )
     p.add_argument("--head", choices=_HEADS, default="auto", help="BERT head to keep (default: from the weights)")
     p.set_defaults(func=_convert)
 
-    p = subparsers.add_parser("info", help="show a model's config, tokenizer and provenance",
-                              description="Describe a checkpoint without running it.")
+    p = subparsers.add_parser(
+        "info",
+        help="show a model's config, tokenizer and provenance",
+        description="Describe a checkpoint without running it.",
+    )
     p.add_argument("ckpt", help="jsteer checkpoint folder (or any source jsteer.load accepts)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_info)
 
-    p = subparsers.add_parser("generate", help="continue prompts with a decoder model",
-                              description="Generate continuations of one or more prompts.")
+    p = subparsers.add_parser(
+        "generate",
+        help="continue prompts with a decoder model",
+        description="Generate continuations of one or more prompts.",
+    )
     p.add_argument("src", help="embedded name, HF folder, .gguf file or jsteer checkpoint (a decoder)")
     p.add_argument("prompts", nargs="+", help="prompt text(s); several are decoded as one batch")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -52,25 +65,48 @@ def register(subparsers) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None, help="HF's repetition penalty (1 = off)")
     p.add_argument("--min-new-tokens", type=int, default=0, help="hold the end-of-text tokens back until then")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); kept in the text")
-    p.add_argument("--chat", action="store_true", help="each prompt is one user message, rendered with the "
-                                                       "tokenizer's chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is one user message, rendered with the tokenizer's chat template",
+    )
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--ids", action="store_true", help="also print the generated token ids")
-    p.add_argument("--dtype", choices=_DTYPES, default=None,
-                   help="activation / parameter dtype (default: as stored for a jsteer checkpoint, else float32)")
+    p.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="activation / parameter dtype (default: as stored for a jsteer checkpoint, else float32)",
+    )
     p.set_defaults(func=_generate)
 
-
-    p = subparsers.add_parser("doctor", help="what this installation runs on: backend, devices, versions, caches",
-                              description="Report the JAX backend and devices, the key packages' versions, whether "
-                                          "the CPU decode kernel is available, the embedded models and where the "
-                                          "caches live.")
+    p = subparsers.add_parser(
+        "doctor",
+        help="what this installation runs on: backend, devices, versions, caches",
+        description="Report the JAX backend and devices, the key packages' versions, whether "
+        "the CPU decode kernel is available, the embedded models and where the "
+        "caches live.",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_doctor)
 
 
-_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "torch", "tokenizers",
-             "safetensors", "gguf", "jraph", "tensorflow-datasets", "matplotlib")
+_PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "transformers",
+    "torch",
+    "tokenizers",
+    "safetensors",
+    "gguf",
+    "jraph",
+    "tensorflow-datasets",
+    "matplotlib",
+)
 
 
 def doctor_report() -> dict:
@@ -103,15 +139,20 @@ def doctor_report() -> dict:
         kernel_dir = f"refused: {e}"
     hub_dir, hub_from = hub.cache_dir()
     return {
-        "jsteer": jsteer.__version__, "jsteer_path": os.path.dirname(jsteer.__file__),
-        "python": platform.python_version(), "platform": platform.platform(),
+        "jsteer": jsteer.__version__,
+        "jsteer_path": os.path.dirname(jsteer.__file__),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
         "jax_backend": jax.default_backend(),
         "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() for d in jax.devices()],
         "packages": {n: version(n) for n in _PACKAGES},
         "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
         "embedded_models": embedded,
-        "caches": {"cpu_kernels": kernel_dir, "hf_hub": f"{hub_dir} ({hub_from})",
-                   "tfds_data_dir": os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))},
+        "caches": {
+            "cpu_kernels": kernel_dir,
+            "hf_hub": f"{hub_dir} ({hub_from})",
+            "tfds_data_dir": os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets")),
+        },
     }
 
 
@@ -167,9 +208,14 @@ def _info(args) -> int:
         info = _checkpoint_info(path)
     else:
         lm = io.load(args.ckpt)
-        info = {"family": lm.family, "head": lm.head, "config": _config_dict(lm.config),
-                "tokenizer": _tok_summary(lm.tokenizer), "provenance": lm.provenance,
-                "params": _count(lm.params)}
+        info = {
+            "family": lm.family,
+            "head": lm.head,
+            "config": _config_dict(lm.config),
+            "tokenizer": _tok_summary(lm.tokenizer),
+            "provenance": lm.provenance,
+            "params": _count(lm.params),
+        }
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
@@ -212,8 +258,14 @@ def _checkpoint_info(path: pathlib.Path) -> dict:
 
     n = int(sum(np.prod(m.shape, dtype=np.int64) for m in jax.tree.leaves(tree)))
     tok = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])
-    return {"family": meta["family"], "head": meta.get("head"), "config": meta.get("config") or meta["hf_config"],
-            "tokenizer": _tok_summary(tok), "provenance": meta["provenance"], "params": n}
+    return {
+        "family": meta["family"],
+        "head": meta.get("head"),
+        "config": meta.get("config") or meta["hf_config"],
+        "tokenizer": _tok_summary(tok),
+        "provenance": meta["provenance"],
+        "params": n,
+    }
 
 
 def _generate(args) -> int:
@@ -223,9 +275,18 @@ def _generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lm = jsteer.load(args.src, dtype=args.dtype)
     prompts = [[{"role": "user", "content": p}] for p in args.prompts] if args.chat else args.prompts
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              seed=args.seed, do_sample=args.do_sample or None, num_return_sequences=args.num_return_sequences,
-              repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens, stop=args.stop)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        do_sample=args.do_sample or None,
+        num_return_sequences=args.num_return_sequences,
+        repetition_penalty=args.repetition_penalty,
+        min_new_tokens=args.min_new_tokens,
+        stop=args.stop,
+    )
     t0 = time.perf_counter()
     if args.stream:
         if len(args.prompts) != 1 or args.num_return_sequences != 1:
@@ -234,8 +295,10 @@ def _generate(args) -> int:
         for piece in lm.stream(prompts, **kw):
             print(piece[0], end="", flush=True)
         print()
-        print(f"[streamed {args.max_new_tokens} tokens at most in {time.perf_counter() - t0:.1f}s incl. compile]",
-              file=sys.stderr)
+        print(
+            f"[streamed {args.max_new_tokens} tokens at most in {time.perf_counter() - t0:.1f}s incl. compile]",
+            file=sys.stderr,
+        )
         return 0
     texts, tokens, lengths = lm.generate(prompts, return_ids=True, **kw)
     dt = time.perf_counter() - t0
@@ -243,7 +306,7 @@ def _generate(args) -> int:
     for i, text in enumerate(texts):
         print(f"{args.prompts[i // n]}{text}")
         if args.ids:
-            print(f"ids: {tokens[i, :lengths[i]].tolist()}")
+            print(f"ids: {tokens[i, : lengths[i]].tolist()}")
         if len(texts) > 1:
             print("---")
     print(f"[{len(texts)} x {args.max_new_tokens} tokens in {dt:.1f}s incl. compile]", file=sys.stderr)

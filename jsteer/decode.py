@@ -43,6 +43,7 @@ from jsteer.hooks import Hooks
 
 Array = jnp.ndarray
 
+
 @flax.struct.dataclass
 class GenerateOutput:
     """tokens: [B, N] int32 generated ids, ``pad_id`` after a row's stop token;
@@ -136,13 +137,20 @@ def _prefill(module, params, input_ids, attention_mask, hooks, s: Sampler, n: in
     tok = _choose(out.logits[:, -1], jnp.int32(0), s, seen)
     if seen is not None:
         seen = seen.at[jnp.arange(b), tok].set(True)
-    return DecodeState(i=jnp.int32(1), cache=out.cache, tok=tok, done=_is_stop(tok, s.stop_ids),
-                       tokens=jnp.full((b, n), s.pad_id, jnp.int32).at[:, 0].set(tok),
-                       lengths=jnp.ones((b,), jnp.int32), seen=seen)
+    return DecodeState(
+        i=jnp.int32(1),
+        cache=out.cache,
+        tok=tok,
+        done=_is_stop(tok, s.stop_ids),
+        tokens=jnp.full((b, n), s.pad_id, jnp.int32).at[:, 0].set(tok),
+        lengths=jnp.ones((b,), jnp.int32),
+        seen=seen,
+    )
 
 
-def _loop(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, state: DecodeState,
-          until: Array) -> DecodeState:
+def _loop(
+    module, params, packed, input_ids, attention_mask, hooks, s: Sampler, state: DecodeState, until: Array
+) -> DecodeState:
     """Decode steps until ``until`` tokens are chosen (or N, or every row stopped): one
     ``lax.while_loop``, no host round trip per token."""
     b, t = input_ids.shape
@@ -154,8 +162,9 @@ def _loop(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, 
     reset_step = None if reset is None or not t < reset + 1 < t + n else reset + 1 - t
 
     def one_step(i, cache, tok, tokens):
-        out = module.apply(step_vars, tok[:, None], jnp.ones((b, 1), jnp.int32), hooks=step_hooks, cache=cache,
-                           step=True)
+        out = module.apply(
+            step_vars, tok[:, None], jnp.ones((b, 1), jnp.int32), hooks=step_hooks, cache=cache, step=True
+        )
         return out.logits[:, -1], out.cache
 
     def recompute(i, cache, tok, tokens):
@@ -163,8 +172,9 @@ def _loop(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, 
         # the whole cache is recomputed with the long ones (prompt + the i tokens so far)
         ids = jnp.concatenate([input_ids, tokens], axis=1)
         mask = jnp.concatenate([attention_mask, (jnp.arange(n) < i).astype(jnp.int32)[None].repeat(b, 0)], axis=1)
-        out = module.apply({"params": params}, ids, mask, hooks=_prompt_hooks(hooks, attention_mask, n),
-                           cache=cache.reset())
+        out = module.apply(
+            {"params": params}, ids, mask, hooks=_prompt_hooks(hooks, attention_mask, n), cache=cache.reset()
+        )
         return out.logits[:, t + i - 1], out.cache.replace(index=t + i)
 
     def cond(st):
@@ -178,16 +188,31 @@ def _loop(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, 
             logits, cache = lax.cond(i == reset_step, recompute, one_step, i, st.cache, st.tok, st.tokens)
         nxt = jnp.where(st.done, s.pad_id, _choose(logits, i, s, st.seen))
         seen = None if st.seen is None else st.seen.at[jnp.arange(b), nxt].set(True)
-        return DecodeState(i=i + 1, cache=cache, tok=nxt, done=st.done | _is_stop(nxt, s.stop_ids),
-                           tokens=lax.dynamic_update_slice(st.tokens, nxt[:, None], (0, i)),
-                           lengths=st.lengths + (~st.done).astype(jnp.int32), seen=seen)
+        return DecodeState(
+            i=i + 1,
+            cache=cache,
+            tok=nxt,
+            done=st.done | _is_stop(nxt, s.stop_ids),
+            tokens=lax.dynamic_update_slice(st.tokens, nxt[:, None], (0, i)),
+            lengths=st.lengths + (~st.done).astype(jnp.int32),
+            seen=seen,
+        )
 
     return lax.while_loop(cond, body, state)
 
 
 @functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
-def _generate(module, params, input_ids, attention_mask, sampler: Sampler, hooks: Optional[Hooks],
-              packed: Optional[dict], *, max_new_tokens: int) -> GenerateOutput:
+def _generate(
+    module,
+    params,
+    input_ids,
+    attention_mask,
+    sampler: Sampler,
+    hooks: Optional[Hooks],
+    packed: Optional[dict],
+    *,
+    max_new_tokens: int,
+) -> GenerateOutput:
     state = _prefill(module, params, input_ids, attention_mask, hooks, sampler, max_new_tokens)
     state = _loop(module, params, packed, input_ids, attention_mask, hooks, sampler, state, jnp.int32(max_new_tokens))
     return GenerateOutput(tokens=state.tokens, lengths=state.lengths)
@@ -224,10 +249,17 @@ def _prompt_hooks(hooks: Optional[Hooks], mask: Array, n: int) -> Optional[Hooks
     if positions is not None:
         start = jnp.max(jnp.where(mask > 0, positions + 1, 0), axis=1, keepdims=True)
         positions = jnp.concatenate([positions, start + jnp.arange(n)[None]], axis=1).astype(positions.dtype)
-    film = None if hooks.film is None else {k: f.replace(**{a: pad(getattr(f, a), (1,)) for a in (
-        "gamma_in", "beta_in", "gamma_out", "beta_out")}) for k, f in hooks.film.items()}
-    return hooks.replace(embed_offset=embed, step_offset=None, attn_bias=pad(hooks.attn_bias, (1, 2)),
-                         position_ids=positions, film=film)
+    film = (
+        None
+        if hooks.film is None
+        else {
+            k: f.replace(**{a: pad(getattr(f, a), (1,)) for a in ("gamma_in", "beta_in", "gamma_out", "beta_out")})
+            for k, f in hooks.film.items()
+        }
+    )
+    return hooks.replace(
+        embed_offset=embed, step_offset=None, attn_bias=pad(hooks.attn_bias, (1, 2)), position_ids=positions, film=film
+    )
 
 
 def _check_position_budget(module, attention_mask, hooks: Optional[Hooks], max_new_tokens: int) -> None:
@@ -253,14 +285,30 @@ def _check_position_budget(module, attention_mask, hooks: Optional[Hooks], max_n
         start = int(np.where(mask > 0, pos + 1, 0).max())  # decoding continues here
         what = f"prompt positions up to {start - 1}"
     if start + max_new_tokens > size:
-        raise ValueError(f"generate: {what} + max_new_tokens {max_new_tokens} exceeds the model's "
-                         f"position table (n_positions {size})")
+        raise ValueError(
+            f"generate: {what} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"position table (n_positions {size})"
+        )
 
 
-def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: int,
-             temperature=0.0, top_k=0, top_p=1.0, stop_ids: Sequence[int] = (), rng=None,
-             hooks: Optional[Hooks] = None, pad_id: int = 0, cpu_kernels: Optional[bool] = None,
-             repetition_penalty=None, min_new_tokens: int = 0) -> GenerateOutput:
+def generate(
+    module,
+    params,
+    input_ids,
+    attention_mask=None,
+    *,
+    max_new_tokens: int,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    stop_ids: Sequence[int] = (),
+    rng=None,
+    hooks: Optional[Hooks] = None,
+    pad_id: int = 0,
+    cpu_kernels: Optional[bool] = None,
+    repetition_penalty=None,
+    min_new_tokens: int = 0,
+) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after a left-padded prompt batch.
 
     input_ids, attention_mask: [B,T] (mask None: no padding); every row must end with a real
@@ -278,10 +326,25 @@ def generate(module, params, input_ids, attention_mask=None, *, max_new_tokens: 
     copy could not be kept). Returns :class:`GenerateOutput`.
     """
     input_ids, attention_mask, sampler, packed = _setup(
-        module, params, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, stop_ids, rng, hooks,
-        pad_id, cpu_kernels, repetition_penalty, min_new_tokens)
-    return _generate(module, params, input_ids, attention_mask, sampler, hooks, packed,
-                     max_new_tokens=int(max_new_tokens))
+        module,
+        params,
+        input_ids,
+        attention_mask,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        rng,
+        hooks,
+        pad_id,
+        cpu_kernels,
+        repetition_penalty,
+        min_new_tokens,
+    )
+    return _generate(
+        module, params, input_ids, attention_mask, sampler, hooks, packed, max_new_tokens=int(max_new_tokens)
+    )
 
 
 @flax.struct.dataclass
@@ -295,16 +358,30 @@ class Progress:
     done: np.ndarray
 
 
-def stream(module, params, input_ids, attention_mask=None, *, max_new_tokens: int, chunk: int = 8,
-           **kw) -> Iterator[Progress]:
+def stream(
+    module, params, input_ids, attention_mask=None, *, max_new_tokens: int, chunk: int = 8, **kw
+) -> Iterator[Progress]:
     """:func:`generate` run ``chunk`` decode steps at a time: yields :class:`Progress` after the
     prefill and after each chunk, one compiled program for every chunk (the state, KV cache
     included, is donated from chunk to chunk). Send a [B] bool array back (``gen.send(mask)``)
     to stop those rows (stop strings); the final tokens equal :func:`generate`'s."""
     input_ids, attention_mask, sampler, packed = _setup(
-        module, params, input_ids, attention_mask, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0),
-        kw.pop("top_p", 1.0), kw.pop("stop_ids", ()), kw.pop("rng", None), kw.get("hooks"), kw.pop("pad_id", 0),
-        kw.pop("cpu_kernels", None), kw.pop("repetition_penalty", None), kw.pop("min_new_tokens", 0))
+        module,
+        params,
+        input_ids,
+        attention_mask,
+        max_new_tokens,
+        kw.pop("temperature", 0.0),
+        kw.pop("top_k", 0),
+        kw.pop("top_p", 1.0),
+        kw.pop("stop_ids", ()),
+        kw.pop("rng", None),
+        kw.get("hooks"),
+        kw.pop("pad_id", 0),
+        kw.pop("cpu_kernels", None),
+        kw.pop("repetition_penalty", None),
+        kw.pop("min_new_tokens", 0),
+    )
     hooks = kw.pop("hooks", None)
     if kw:
         raise TypeError(f"stream: unexpected arguments {sorted(kw)}")
@@ -318,12 +395,26 @@ def stream(module, params, input_ids, attention_mask=None, *, max_new_tokens: in
             state = state.replace(done=state.done | jnp.asarray(stop, bool))
         if int(host[0]) >= max_new_tokens or bool(np.all(host[3] | np.asarray(stop if stop is not None else False))):
             return
-        state = _loop_jit(module, params, packed, input_ids, attention_mask, hooks, sampler, state,
-                          state.i + chunk)
+        state = _loop_jit(module, params, packed, input_ids, attention_mask, hooks, sampler, state, state.i + chunk)
 
 
-def _setup(module, params, input_ids, attention_mask, max_new_tokens, temperature, top_k, top_p, stop_ids, rng,
-           hooks, pad_id, cpu_kernels, repetition_penalty, min_new_tokens):
+def _setup(
+    module,
+    params,
+    input_ids,
+    attention_mask,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    rng,
+    hooks,
+    pad_id,
+    cpu_kernels,
+    repetition_penalty,
+    min_new_tokens,
+):
     """Checked inputs -> (ids, mask, Sampler, packed weights or None)."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2:
@@ -350,16 +441,26 @@ def _setup(module, params, input_ids, attention_mask, max_new_tokens, temperatur
     penalty = None
     if repetition_penalty is not None and not (np.ndim(repetition_penalty) == 0 and float(repetition_penalty) == 1.0):
         penalty = _per_row(repetition_penalty, b, jnp.float32, "repetition_penalty")
-    for name, x, bad in (("temperature", temperature, lambda a: a < 0), ("top_k", top_k, lambda a: a < 0),
-                         ("top_p", top_p, lambda a: (a <= 0) | (a > 1)),
-                         ("repetition_penalty", penalty, lambda a: a <= 0)):
+    for name, x, bad in (
+        ("temperature", temperature, lambda a: a < 0),
+        ("top_k", top_k, lambda a: a < 0),
+        ("top_p", top_p, lambda a: (a <= 0) | (a > 1)),
+        ("repetition_penalty", penalty, lambda a: a <= 0),
+    ):
         if x is not None and not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
             raise ValueError(f"generate: invalid {name} {np.asarray(x).tolist()}")
     stop = [int(x) for x in np.asarray(stop_ids, np.int64).reshape(-1)]
     stop += [-1] * (buckets.PROBE(len(stop)) - len(stop))  # pad (-1 is never a token): fewer programs
-    sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, keys=_row_keys(rng, b),
-                      stop_ids=jnp.asarray(stop, jnp.int32), pad_id=jnp.int32(pad_id),
-                      min_new_tokens=jnp.int32(min_new_tokens), repetition_penalty=penalty)
+    sampler = Sampler(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        keys=_row_keys(rng, b),
+        stop_ids=jnp.asarray(stop, jnp.int32),
+        pad_id=jnp.int32(pad_id),
+        min_new_tokens=jnp.int32(min_new_tokens),
+        repetition_penalty=penalty,
+    )
     packed = _packed_params(module, params) if _use_cpu_kernels(cpu_kernels, module, input_ids, params) else None
     return input_ids, attention_mask, sampler, packed
 
@@ -402,13 +503,19 @@ def _use_cpu_kernels(requested: Optional[bool], module, input_ids, params=None) 
         if not supported:
             raise ValueError(f"generate: cpu_kernels=True, but {type(module).__name__} has no decode_pack")
         if not cpu.available():
-            raise ValueError(f"generate: cpu_kernels=True, but the CPU kernel is unavailable: "
-                             f"{cpu.unavailable_reason()}")
+            raise ValueError(
+                f"generate: cpu_kernels=True, but the CPU kernel is unavailable: {cpu.unavailable_reason()}"
+            )
         return True
     # under the caller's jit the packed copy could not be kept: there only on request
     traced = any(isinstance(x, jax.core.Tracer) for x in [input_ids, *jax.tree.leaves(params)])
-    return (supported and not traced and cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS
-            and len(input_ids.sharding.device_set) == 1 and cpu.available())
+    return (
+        supported
+        and not traced
+        and cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS
+        and len(input_ids.sharding.device_set) == 1
+        and cpu.available()
+    )
 
 
 def compiled_count() -> int:

@@ -83,8 +83,9 @@ def nearest_neighbours(lm, words, k: int = 6) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jsteer.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m jsteer.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="out/demo", help="where the checkpoints go (default out/demo)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
@@ -99,11 +100,16 @@ def main(argv=None) -> int:
     with step("compile + generate (batch of 3)"):
         texts = smol.generate(PROMPTS, max_new_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
-    _, _, lengths = smol.generate(["The largest planet is", "import numpy as np", CHAT.format("Say hi.")],
-                                  max_new_tokens=args.max_new_tokens, return_ids=True)
+    _, _, lengths = smol.generate(
+        ["The largest planet is", "import numpy as np", CHAT.format("Say hi.")],
+        max_new_tokens=args.max_new_tokens,
+        return_ids=True,
+    )
     dt = time.perf_counter() - t0
-    print(f"  other prompts, same length bucket (no recompile): {int(lengths.sum())} tokens in {dt:.1f}s "
-          f"({lengths.sum() / dt:.0f} tokens/s)")
+    print(
+        f"  other prompts, same length bucket (no recompile): {int(lengths.sum())} tokens in {dt:.1f}s "
+        f"({lengths.sum() / dt:.0f} tokens/s)"
+    )
     for label, t in zip(LABELS, texts):
         print(f"  > {label!r}\n    {t.strip()!r}")
 
@@ -111,8 +117,10 @@ def main(argv=None) -> int:
     for w, nbrs in nearest_neighbours(minilm, WORDS).items():
         print(f"  {w:>9}: " + ", ".join(f"{t} {s:.2f}" for t, s in nbrs))
 
-    print(f"\ndone in {time.perf_counter() - t_start:.0f}s; checkpoints in {out}/ "
-          f"(inspect with: jsteer info {out / 'minilm'})")
+    print(
+        f"\ndone in {time.perf_counter() - t_start:.0f}s; checkpoints in {out}/ "
+        f"(inspect with: jsteer info {out / 'minilm'})"
+    )
     return 0
 
 

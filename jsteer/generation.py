@@ -38,8 +38,10 @@ def prompt_texts(tokenizer, prompts) -> tuple[list[str], bool]:
     if not all(chats):
         bad = [type(p).__name__ for p in prompts if not isinstance(p, str)]
         if bad:
-            raise ValueError(f"generate: prompts must be strings or chat conversations (lists of "
-                             f"{{'role', 'content'}} dicts), got {bad[0]}")
+            raise ValueError(
+                f"generate: prompts must be strings or chat conversations (lists of "
+                f"{{'role', 'content'}} dicts), got {bad[0]}"
+            )
         return list(prompts), True
     return [tokenizer.apply_chat_template(list(p), add_generation_prompt=True) for p in prompts], False
 
@@ -57,14 +59,13 @@ def repeat_rows(hooks: Optional[Hooks], batch: int, n: int) -> Optional[Hooks]:
     repeated n times along it; per-steer / shared leaves kept."""
     if hooks is None or n == 1:
         return hooks
-    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0) if np.ndim(x) >= 2 and np.shape(x)[0] == batch else x,
-                        hooks)
+    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0) if np.ndim(x) >= 2 and np.shape(x)[0] == batch else x, hooks)
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     """``text`` up to and including the first stop string it contains; whether one was found."""
     hits = [(text.find(s) + len(s)) for s in stops if s and s in text]
-    return (text[:min(hits)], True) if hits else (text, False)
+    return (text[: min(hits)], True) if hits else (text, False)
 
 
 @dataclasses.dataclass
@@ -102,45 +103,87 @@ def prepare(lm, prompts, hooks, seed: int, num_return_sequences: int, mesh) -> _
     if mesh is None:
         return _Batch(jnp.asarray(ids), jnp.asarray(mask), hooks, lm.params, rng, rows, prompt_ids)
     split = _BatchSplit(mesh, rows)  # rng: the row keys generate derives from it unsharded, padded with row 0's
-    return _Batch(split.rows(ids), split.rows(mask), split.hooks(hooks), lm.params_on(mesh),
-                  split.rows(jax.random.split(rng, rows)), rows, prompt_ids)
+    return _Batch(
+        split.rows(ids),
+        split.rows(mask),
+        split.hooks(hooks),
+        lm.params_on(mesh),
+        split.rows(jax.random.split(rng, rows)),
+        rows,
+        prompt_ids,
+    )
 
 
-def generate(lm, prompts, *, max_new_tokens: int, stop: Sequence[str] = (), chunk: int = 8, hooks=None,
-             seed: int = 0, num_return_sequences: int = 1, mesh=None, **loop) -> tuple[list, np.ndarray, np.ndarray]:
+def generate(
+    lm,
+    prompts,
+    *,
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    chunk: int = 8,
+    hooks=None,
+    seed: int = 0,
+    num_return_sequences: int = 1,
+    mesh=None,
+    **loop,
+) -> tuple[list, np.ndarray, np.ndarray]:
     """-> (texts, tokens [R, max_new_tokens], lengths [R]) with R = prompts x num_return_sequences."""
     batch = prepare(lm, prompts, hooks, seed, num_return_sequences, mesh)
     if not stop:
-        out = decode.generate(lm.module, batch.params, batch.ids, batch.mask, max_new_tokens=int(max_new_tokens),
-                              rng=batch.rng, hooks=batch.hooks, pad_id=lm._pad_value(), **loop)
-        tokens, lengths = np.asarray(out.tokens)[:batch.rows], np.asarray(out.lengths)[:batch.rows]
-        texts = [lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :lengths[b]])
-                 for b in range(batch.rows)]
+        out = decode.generate(
+            lm.module,
+            batch.params,
+            batch.ids,
+            batch.mask,
+            max_new_tokens=int(max_new_tokens),
+            rng=batch.rng,
+            hooks=batch.hooks,
+            pad_id=lm._pad_value(),
+            **loop,
+        )
+        tokens, lengths = np.asarray(out.tokens)[: batch.rows], np.asarray(out.lengths)[: batch.rows]
+        texts = [
+            lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, : lengths[b]]) for b in range(batch.rows)
+        ]
         return texts, tokens, lengths
     *_, last = _chunks(lm, batch, max_new_tokens, stop, chunk, loop)
     return last
 
 
-def _chunks(lm, batch: _Batch, max_new_tokens: int, stop: Sequence[str], chunk: int, loop: dict
-            ) -> Iterator[tuple[list, np.ndarray, np.ndarray]]:
+def _chunks(
+    lm, batch: _Batch, max_new_tokens: int, stop: Sequence[str], chunk: int, loop: dict
+) -> Iterator[tuple[list, np.ndarray, np.ndarray]]:
     """(texts so far, tokens, lengths) after the prefill and each chunk; a row whose text reached a
     stop string is stopped in the loop, its text cut after it and its tokens after the one that
     completed it (where HF's stop-string check, run every token, would have stopped) dropped."""
-    gen = decode.stream(lm.module, batch.params, batch.ids, batch.mask, max_new_tokens=int(max_new_tokens),
-                        chunk=chunk, rng=batch.rng, hooks=batch.hooks, pad_id=lm._pad_value(), **loop)
+    gen = decode.stream(
+        lm.module,
+        batch.params,
+        batch.ids,
+        batch.mask,
+        max_new_tokens=int(max_new_tokens),
+        chunk=chunk,
+        rng=batch.rng,
+        hooks=batch.hooks,
+        pad_id=lm._pad_value(),
+        **loop,
+    )
     total = len(np.asarray(batch.ids))
     cut: dict = {}  # row -> (text, tokens kept)
     seen = np.zeros(batch.rows, np.int64)  # tokens already checked per row
     progress = next(gen)
     while True:
-        tokens, lengths = progress.tokens[:batch.rows].copy(), progress.lengths[:batch.rows].copy()
+        tokens, lengths = progress.tokens[: batch.rows].copy(), progress.lengths[: batch.rows].copy()
         texts = []
         for b in range(batch.rows):
             if b not in cut:
-                text = lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :lengths[b]])
+                text = lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, : lengths[b]])
                 if cut_at_stop(text, stop)[1]:
-                    k = next(k for k in range(max(int(seen[b]), 1), int(lengths[b]) + 1) if cut_at_stop(
-                        lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :k]), stop)[1])
+                    k = next(
+                        k
+                        for k in range(max(int(seen[b]), 1), int(lengths[b]) + 1)
+                        if cut_at_stop(lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, :k]), stop)[1]
+                    )
                     cut[b] = (cut_at_stop(text, stop)[0], k)
                 seen[b] = lengths[b]
             if b in cut:
@@ -156,13 +199,24 @@ def _chunks(lm, batch: _Batch, max_new_tokens: int, stop: Sequence[str], chunk: 
             return
 
 
-def stream(lm, prompts, *, max_new_tokens: int, stop: Sequence[str] = (), chunk: int = 8, hooks=None,
-           seed: int = 0, num_return_sequences: int = 1, mesh=None, **loop) -> Iterator[list[str]]:
+def stream(
+    lm,
+    prompts,
+    *,
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    chunk: int = 8,
+    hooks=None,
+    seed: int = 0,
+    num_return_sequences: int = 1,
+    mesh=None,
+    **loop,
+) -> Iterator[list[str]]:
     """Yields, after each chunk of decode steps, the text each row added since the last yield."""
     batch = prepare(lm, prompts, hooks, seed, num_return_sequences, mesh)
     shown = [""] * batch.rows
     for texts, _, _ in _chunks(lm, batch, max_new_tokens, stop, chunk, loop):
-        delta = [t[len(s):] if t.startswith(s) else t for t, s in zip(texts, shown, strict=True)]
+        delta = [t[len(s) :] if t.startswith(s) else t for t, s in zip(texts, shown, strict=True)]
         shown = texts
         if any(delta):
             yield delta

@@ -110,8 +110,7 @@ def apply_embed(x: Array, hooks: Optional[Hooks]) -> Array:
     if off.shape[-1] != x.shape[-1] or off.ndim != 3:
         raise ValueError(f"hooks.embed_offset must be [B, T, {x.shape[-1]}], got {off.shape}")
     if off.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"hooks.embed_offset covers {off.shape[1]} tokens but the input has {x.shape[1]}")
+        raise ValueError(f"hooks.embed_offset covers {off.shape[1]} tokens but the input has {x.shape[1]}")
     return x + off.astype(x.dtype)
 
 
@@ -121,8 +120,10 @@ def apply_step_embed(x: Array, hooks: Optional[Hooks]) -> Array:
         return x
     off = hooks.step_offset
     if off.ndim != 2 or off.shape[1] != x.shape[-1] or off.shape[0] not in (1, x.shape[0]):
-        raise ValueError(f"hooks.step_offset must be [B={x.shape[0]}, D={x.shape[-1]}] (one offset per row "
-                         f"for every generated token), got {tuple(off.shape)}")
+        raise ValueError(
+            f"hooks.step_offset must be [B={x.shape[0]}, D={x.shape[-1]}] (one offset per row "
+            f"for every generated token), got {tuple(off.shape)}"
+        )
     return x + off[:, None, :].astype(x.dtype)
 
 
@@ -131,8 +132,10 @@ def check_encoder_hooks(hooks: Optional[Hooks]) -> None:
     step offset handed to one is an error, not silently dropped."""
     if hooks is not None and (hooks.steer is not None or hooks.step_offset is not None):
         which = "steer" if hooks.steer is not None else "step_offset"
-        raise ValueError(f"hooks.{which} acts on a decoder's next-token head; encoder (BERT-family) models "
-                         "take embed_offset, film, attn_bias and position_ids only")
+        raise ValueError(
+            f"hooks.{which} acts on a decoder's next-token head; encoder (BERT-family) models "
+            "take embed_offset, film, attn_bias and position_ids only"
+        )
 
 
 def check_film_layers(hooks: Optional[Hooks], num_layers: int) -> None:
@@ -150,8 +153,10 @@ def check_film_layers(hooks: Optional[Hooks], num_layers: int) -> None:
         hint = ""
         if is_int and -num_layers <= key < 0:
             hint = f"; negative indices are not supported: write {num_layers + key} for layer {key}"
-        raise ValueError(f"hooks.film has key {key!r}: keys must be int layer indices in "
-                         f"range({num_layers}) (this model has {num_layers} layers){hint}")
+        raise ValueError(
+            f"hooks.film has key {key!r}: keys must be int layer indices in "
+            f"range({num_layers}) (this model has {num_layers} layers){hint}"
+        )
 
 
 def apply_film(h: Array, hooks: Optional[Hooks], layer: int, where: str) -> Array:
@@ -236,8 +241,10 @@ def apply_steer_logits(logits: Array, hooks: Optional[Hooks]) -> Array:
         return logits
     steer = hooks.steer
     if steer.bias.shape[-1] != logits.shape[-1]:
-        raise ValueError(f"steer bias must be [S, {logits.shape[-1]}] (one offset per vocabulary entry), "
-                         f"got {tuple(steer.bias.shape)}")
+        raise ValueError(
+            f"steer bias must be [S, {logits.shape[-1]}] (one offset per vocabulary entry), "
+            f"got {tuple(steer.bias.shape)}"
+        )
     scale = _eps_scale(steer.eps, _steer_count(steer), logits.shape[:1], logits.ndim - 1)
     return logits + jnp.einsum("...s,sv->...v", scale.astype(logits.dtype), steer.bias.astype(logits.dtype))
 
@@ -307,16 +314,16 @@ def _stack_steers(s1: Steer, s2: Steer) -> Steer:
         return jnp.concatenate([a, b])
 
     def eps2(e, other):
-        return e if e.ndim == other.ndim else (
-            jnp.broadcast_to(e, (other.shape[0],) + e.shape) if e.ndim == 1 else e)
+        return e if e.ndim == other.ndim else (jnp.broadcast_to(e, (other.shape[0],) + e.shape) if e.ndim == 1 else e)
 
     e1, e2 = eps2(s1.eps, s2.eps), eps2(s2.eps, s1.eps)
     if e1.ndim == 2 and e1.shape[0] != e2.shape[0]:
-        raise ValueError(f"cannot compose steers with per-row eps of different batch sizes: eps {tuple(s1.eps.shape)} "
-                         f"and {tuple(s2.eps.shape)} ([B, S] each, the same B)")
+        raise ValueError(
+            f"cannot compose steers with per-row eps of different batch sizes: eps {tuple(s1.eps.shape)} "
+            f"and {tuple(s2.eps.shape)} ([B, S] each, the same B)"
+        )
     out = Steer(eps=jnp.concatenate([e1, e2], axis=-1), vec=cat(s1.vec, s2.vec), bias=cat(s1.bias, s2.bias))
-    if s1.w is None and s2.w is None and (s1.p1 is None or s2.p1 is None
-                                          or s1.p1.shape[-1] == s2.p1.shape[-1]):
+    if s1.w is None and s2.w is None and (s1.p1 is None or s2.p1 is None or s1.p1.shape[-1] == s2.p1.shape[-1]):
         if s1.p1 is None and s2.p1 is None:
             return out
         return out.replace(p1=cat(s1.p1, s2.p1), p2=cat(s1.p2, s2.p2))

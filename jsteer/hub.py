@@ -35,8 +35,9 @@ def cache_dir() -> tuple[pathlib.Path, str]:
     if os.environ.get("HF_HOME"):
         return pathlib.Path(os.environ["HF_HOME"]).expanduser() / "hub", "$HF_HOME/hub"
     if os.environ.get("XDG_CACHE_HOME"):
-        return pathlib.Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "huggingface" / "hub", \
-            "$XDG_CACHE_HOME/huggingface/hub"
+        return pathlib.Path(
+            os.environ["XDG_CACHE_HOME"]
+        ).expanduser() / "huggingface" / "hub", "$XDG_CACHE_HOME/huggingface/hub"
     return pathlib.Path("~/.cache/huggingface/hub").expanduser(), "the default cache"
 
 
@@ -71,8 +72,7 @@ def snapshot(folder: pathlib.Path, revision: Optional[str] = None) -> tuple[path
         commit = ref.read_text(encoding="utf-8").strip()
         if (snaps / commit).is_dir():
             return snaps / commit, commit
-        raise NotCached(f"{ref} points at commit {commit}, but {snaps / commit} is missing "
-                        f"(an interrupted download?)")
+        raise NotCached(f"{ref} points at commit {commit}, but {snaps / commit} is missing (an interrupted download?)")
     commits = sorted(p.name for p in snaps.iterdir() if p.is_dir()) if snaps.is_dir() else []
     if revision in commits:
         return snaps / revision, revision
@@ -80,11 +80,11 @@ def snapshot(folder: pathlib.Path, revision: Optional[str] = None) -> tuple[path
     if len(matches) == 1:
         return snaps / matches[0], matches[0]
     refs_dir = folder / "refs"
-    refs = sorted(str(p.relative_to(refs_dir)) for p in refs_dir.rglob("*") if p.is_file()) \
-        if refs_dir.is_dir() else []
+    refs = sorted(str(p.relative_to(refs_dir)) for p in refs_dir.rglob("*") if p.is_file()) if refs_dir.is_dir() else []
     why = f"prefix of {len(matches)} cached commits" if len(matches) > 1 else "no such ref or cached commit"
-    raise NotCached(f"{folder}: revision {revision!r} is not cached ({why}; refs: {refs or 'none'}; "
-                    f"snapshots: {commits or 'none'})")
+    raise NotCached(
+        f"{folder}: revision {revision!r} is not cached ({why}; refs: {refs or 'none'}; snapshots: {commits or 'none'})"
+    )
 
 
 def resolve(repo_id: str, revision: Optional[str] = None) -> tuple[pathlib.Path, str]:
@@ -93,8 +93,10 @@ def resolve(repo_id: str, revision: Optional[str] = None) -> tuple[pathlib.Path,
     cache, why = cache_dir()
     folder = repo_folder(repo_id, cache)
     if not folder.is_dir():
-        raise NotCached(f"{repo_id!r} is not in the HF cache: no {folder} ({why}; jsteer never downloads: "
-                        f"fetch it first, e.g. `hf download {repo_id}`)")
+        raise NotCached(
+            f"{repo_id!r} is not in the HF cache: no {folder} ({why}; jsteer never downloads: "
+            f"fetch it first, e.g. `hf download {repo_id}`)"
+        )
     return snapshot(folder, revision)
 
 

@@ -128,8 +128,9 @@ def parse_site(key: str, num_layers: int) -> Tuple[str, Optional[int]]:
         raise ValueError(f"site {key!r}: {name!r} needs a layer index, e.g. '{name}.0'")
     i = int(layer)
     if not 0 <= i < num_layers:
-        raise ValueError(f"site {key!r}: layer {i} is out of range (the model has {num_layers} layers: "
-                         f"0..{num_layers - 1})")
+        raise ValueError(
+            f"site {key!r}: layer {i} is out of range (the model has {num_layers} layers: 0..{num_layers - 1})"
+        )
     return name, i
 
 
@@ -143,8 +144,10 @@ def check_interventions(interventions: Optional[Mapping[str, Any]], num_layers: 
         parse_site(key, num_layers)
         for iv in as_tuple(ivs):
             if not isinstance(iv, Intervention):
-                raise ValueError(f"intervention at {key!r} is a {type(iv).__name__}; wrap a function as "
-                                 f"jsteer.interventions.Fn(fn, args) (an Intervention pytree)")
+                raise ValueError(
+                    f"intervention at {key!r} is a {type(iv).__name__}; wrap a function as "
+                    f"jsteer.interventions.Fn(fn, args) (an Intervention pytree)"
+                )
 
 
 def check_capture(capture: Sequence[str], num_layers: int) -> Tuple[str, ...]:
@@ -159,9 +162,11 @@ def apply(ivs: Sequence[Intervention], h: Array, ctx: SiteContext, key: str) -> 
     for iv in ivs:
         out = iv(h, ctx)
         if getattr(out, "shape", None) != h.shape or getattr(out, "dtype", None) != h.dtype:
-            raise ValueError(f"intervention {type(iv).__name__} at {key!r} returned "
-                             f"{getattr(out, 'shape', type(out))} {getattr(out, 'dtype', '')}, expected the "
-                             f"activation's shape {h.shape} and dtype {h.dtype}")
+            raise ValueError(
+                f"intervention {type(iv).__name__} at {key!r} returned "
+                f"{getattr(out, 'shape', type(out))} {getattr(out, 'dtype', '')}, expected the "
+                f"activation's shape {h.shape} and dtype {h.dtype}"
+            )
         h = out
     return h
 
@@ -176,5 +181,18 @@ def compose_interventions(a: Optional[Mapping], b: Optional[Mapping]) -> Optiona
     return out
 
 
-__all__ = ["SITES", "LAYER_SITES", "SiteContext", "Intervention", "Add", "Scale", "Ablate", "Fn", "parse_site",
-           "check_interventions", "check_capture", "apply", "compose_interventions"]
+__all__ = [
+    "SITES",
+    "LAYER_SITES",
+    "SiteContext",
+    "Intervention",
+    "Add",
+    "Scale",
+    "Ablate",
+    "Fn",
+    "parse_site",
+    "check_interventions",
+    "check_capture",
+    "apply",
+    "compose_interventions",
+]

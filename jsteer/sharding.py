@@ -60,8 +60,10 @@ def make_mesh(data: Optional[int] = None, fsdp: int = 1, tensor: int = 1, device
 def resolve_rules(rules: Rules) -> dict:
     if isinstance(rules, str):
         if rules not in PRESETS:
-            raise ValueError(f"unknown sharding rules {rules!r}; presets: {', '.join(PRESETS)} (or a dict "
-                             f"{{logical axis: mesh axis}})")
+            raise ValueError(
+                f"unknown sharding rules {rules!r}; presets: {', '.join(PRESETS)} (or a dict "
+                f"{{logical axis: mesh axis}})"
+            )
         return dict(PRESETS[rules])
     return dict(rules)
 
@@ -77,8 +79,7 @@ def batch_size_multiple(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names]))
 
 
-def spec_for(name: str, shape: Sequence[int], axes: Optional[Sequence[Optional[str]]], rules: Mapping,
-             mesh: Mesh) -> P:
+def spec_for(name: str, shape: Sequence[int], axes: Optional[Sequence[Optional[str]]], rules: Mapping, mesh: Mesh) -> P:
     """PartitionSpec of one param. ``name`` (its path) and ``shape`` are for the error messages."""
     if axes is None:
         return P()
@@ -97,7 +98,8 @@ def spec_for(name: str, shape: Sequence[int], axes: Optional[Sequence[Optional[s
             raise ValueError(
                 f"param {name} (shape {tuple(shape)}): its {logical!r} dimension ({size}) does not divide over "
                 f"mesh axis {target!r} of size {n}. Use a {target!r} size that divides {size}, or rules that "
-                f"leave {logical!r} unsharded, e.g. {{**jsteer.sharding.PRESETS[...], {logical!r}: None}}")
+                f"leave {logical!r} unsharded, e.g. {{**jsteer.sharding.PRESETS[...], {logical!r}: None}}"
+            )
         used.add(target)
         spec.append(target)
     return P(*spec)
@@ -163,5 +165,17 @@ def bytes_per_device(tree: Any) -> dict:
     return out
 
 
-__all__ = ["AXES", "BATCH_AXES", "PRESETS", "make_mesh", "resolve_rules", "batch_spec", "batch_size_multiple",
-           "spec_for", "infer_axes", "shardings", "shard", "bytes_per_device"]
+__all__ = [
+    "AXES",
+    "BATCH_AXES",
+    "PRESETS",
+    "make_mesh",
+    "resolve_rules",
+    "batch_spec",
+    "batch_size_multiple",
+    "spec_for",
+    "infer_axes",
+    "shardings",
+    "shard",
+    "bytes_per_device",
+]

@@ -83,8 +83,14 @@ class Tokenizer:
       extra_stop_ids: ids that also end a generation (beyond eos and the end-of-turn specials).
     """
 
-    def __init__(self, tk, special_ids: Optional[Mapping[str, Optional[int]]] = None, *,
-                 chat_template: Optional[str] = None, extra_stop_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        tk,
+        special_ids: Optional[Mapping[str, Optional[int]]] = None,
+        *,
+        chat_template: Optional[str] = None,
+        extra_stop_ids: Iterable[int] = (),
+    ):
         tk.no_padding()
         tk.no_truncation()
         self._tk = tk
@@ -122,8 +128,9 @@ class Tokenizer:
         return cls.from_tokenizer_json(path, special_ids)
 
     @classmethod
-    def from_dir(cls, path: PathLike, special_ids: Optional[Mapping[str, Optional[int]]] = None,
-                 missing_ok: bool = False) -> Optional["Tokenizer"]:
+    def from_dir(
+        cls, path: PathLike, special_ids: Optional[Mapping[str, Optional[int]]] = None, missing_ok: bool = False
+    ) -> Optional["Tokenizer"]:
         """An HF model folder: ``tokenizer.json`` if present, else ``vocab.txt``. Special
         tokens come from ``special_ids``, then tokenizer_config.json, special_tokens_map.json
         and config.json (``*_token_id``), then guesses. A folder with none of
@@ -143,8 +150,9 @@ class Tokenizer:
         raise FileNotFoundError(f"no tokenizer in {path}: looked for {TOKENIZER_FILES}")
 
     @classmethod
-    def from_tokenizer_json(cls, path: PathLike,
-                            special_ids: Optional[Mapping[str, Optional[int]]] = None) -> "Tokenizer":
+    def from_tokenizer_json(
+        cls, path: PathLike, special_ids: Optional[Mapping[str, Optional[int]]] = None
+    ) -> "Tokenizer":
         from tokenizers import Tokenizer as _Tk
 
         path = pathlib.Path(path)
@@ -157,8 +165,9 @@ class Tokenizer:
         return cls._in_folder(tk, path.parent, _folder_special_tokens(path.parent), special_ids)
 
     @classmethod
-    def from_vocab_txt(cls, path: PathLike, lowercase: Optional[bool] = None,
-                       special_ids: Optional[Mapping[str, Optional[int]]] = None) -> "Tokenizer":
+    def from_vocab_txt(
+        cls, path: PathLike, lowercase: Optional[bool] = None, special_ids: Optional[Mapping[str, Optional[int]]] = None
+    ) -> "Tokenizer":
         """BERT WordPiece from ``vocab.txt`` (one token per line; line number = id).
 
         ``lowercase`` None reads ``do_lower_case`` from the folder's tokenizer_config.json
@@ -191,29 +200,37 @@ class Tokenizer:
         tk = _Tk(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
         strip = cfg.get("strip_accents")
         tk.normalizer = normalizers.BertNormalizer(
-            clean_text=True, handle_chinese_chars=bool(cfg.get("tokenize_chinese_chars", True)),
-            strip_accents=strip, lowercase=lowercase)
+            clean_text=True,
+            handle_chinese_chars=bool(cfg.get("tokenize_chinese_chars", True)),
+            strip_accents=strip,
+            lowercase=lowercase,
+        )
         tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tk.decoder = decoders.WordPiece(prefix="##")
-        specials = [names.get(r, d) for r, d in
-                    (("pad", "[PAD]"), ("unk", "[UNK]"), ("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"))]
+        specials = [
+            names.get(r, d)
+            for r, d in (("pad", "[PAD]"), ("unk", "[UNK]"), ("cls", "[CLS]"), ("sep", "[SEP]"), ("mask", "[MASK]"))
+        ]
         from tokenizers import AddedToken
 
         tk.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials if s in vocab])
         cls_t, sep_t = names.get("cls", "[CLS]"), names.get("sep", "[SEP]")
         if cls_t in vocab and sep_t in vocab:
             tk.post_processor = processors.TemplateProcessing(
-                single=f"{cls_t} $A {sep_t}", pair=f"{cls_t} $A {sep_t} $B:1 {sep_t}:1",
-                special_tokens=[(cls_t, vocab[cls_t]), (sep_t, vocab[sep_t])])
+                single=f"{cls_t} $A {sep_t}",
+                pair=f"{cls_t} $A {sep_t} $B:1 {sep_t}:1",
+                special_tokens=[(cls_t, vocab[cls_t]), (sep_t, vocab[sep_t])],
+            )
         return cls._in_folder(tk, path.parent, names, special_ids)
 
     @classmethod
-    def from_bpe_files(cls, vocab_json: PathLike, merges_txt: PathLike,
-                       special_ids: Optional[Mapping[str, Optional[int]]] = None) -> "Tokenizer":
+    def from_bpe_files(
+        cls, vocab_json: PathLike, merges_txt: PathLike, special_ids: Optional[Mapping[str, Optional[int]]] = None
+    ) -> "Tokenizer":
         """Byte-level BPE from ``vocab.json`` + ``merges.txt`` (GPT-2 / RoBERTa folders without a
         tokenizer.json). RoBERTa-family folders (config.json model_type) get ``<s> ... </s>``."""
-        from tokenizers import Tokenizer as _Tk
         from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as _Tk
 
         vocab_json, merges_txt = pathlib.Path(vocab_json), pathlib.Path(merges_txt)
         for f in (vocab_json, merges_txt):
@@ -229,8 +246,14 @@ class Tokenizer:
         folder = vocab_json.parent
         names = _folder_special_tokens(folder)
         vocab = tk.get_vocab()
-        specials = {v for v in names.values() if isinstance(v, str)} | {"<|endoftext|>", "<s>", "</s>", "<pad>",
-                                                                          "<unk>", "<mask>"}
+        specials = {v for v in names.values() if isinstance(v, str)} | {
+            "<|endoftext|>",
+            "<s>",
+            "</s>",
+            "<pad>",
+            "<unk>",
+            "<mask>",
+        }
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in sorted(specials) if t in vocab])
         cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
         if cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert") and "<s>" in vocab and "</s>" in vocab:
@@ -239,11 +262,20 @@ class Tokenizer:
         return cls._in_folder(tk, folder, names, special_ids)
 
     @classmethod
-    def _in_folder(cls, tk, folder: pathlib.Path, names: Mapping[str, str | int],
-                   special_ids: Optional[Mapping[str, Optional[int]]]) -> "Tokenizer":
+    def _in_folder(
+        cls,
+        tk,
+        folder: pathlib.Path,
+        names: Mapping[str, str | int],
+        special_ids: Optional[Mapping[str, Optional[int]]],
+    ) -> "Tokenizer":
         """A tokenizer read from ``folder``, with the folder's special tokens, chat template and stop ids."""
-        return cls(tk, _merge_special(tk, names, special_ids), chat_template=_folder_chat_template(folder),
-                   extra_stop_ids=_folder_stop_ids(folder, tk.get_vocab_size(with_added_tokens=True)))
+        return cls(
+            tk,
+            _merge_special(tk, names, special_ids),
+            chat_template=_folder_chat_template(folder),
+            extra_stop_ids=_folder_stop_ids(folder, tk.get_vocab_size(with_added_tokens=True)),
+        )
 
     @classmethod
     def from_json(cls, s: str | Mapping) -> "Tokenizer":
@@ -253,8 +285,11 @@ class Tokenizer:
         obj = json.loads(s) if isinstance(s, (str, bytes)) else dict(s)
         extra = {}
         if obj.get("format") == FORMAT:
-            extra = {"special_ids": obj.get("special_ids"), "chat_template": obj.get("chat_template"),
-                     "extra_stop_ids": obj.get("extra_stop_ids") or ()}
+            extra = {
+                "special_ids": obj.get("special_ids"),
+                "chat_template": obj.get("chat_template"),
+                "extra_stop_ids": obj.get("extra_stop_ids") or (),
+            }
             obj = obj["tokenizer"]
         try:
             tk = _Tk.from_str(json.dumps(obj))
@@ -263,9 +298,15 @@ class Tokenizer:
         return cls(tk, **extra)
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "tokenizer": json.loads(self._tk.to_str()),
-                           "special_ids": self.special_ids, "chat_template": self.chat_template,
-                           "extra_stop_ids": list(self.extra_stop_ids)})
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "tokenizer": json.loads(self._tk.to_str()),
+                "special_ids": self.special_ids,
+                "chat_template": self.chat_template,
+                "extra_stop_ids": list(self.extra_stop_ids),
+            }
+        )
 
     # ------------------------------------------------------------------ special ids
 
@@ -307,8 +348,7 @@ class Tokenizer:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)],
-                               skip_special_tokens=skip_special_tokens)
+        return self._tk.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=skip_special_tokens)
 
     def decode_continuation(self, prompt_ids: Iterable[int], new_ids: Iterable[int]) -> str:
         """The text ``new_ids`` add after ``prompt_ids``: decode(prompt + new) minus decode(prompt).
@@ -320,7 +360,7 @@ class Tokenizer:
         prompt = [int(i) for i in np.asarray(prompt_ids).reshape(-1)]
         new = [int(i) for i in np.asarray(new_ids).reshape(-1)]
         head, full = self.decode(prompt), self.decode(prompt + new)
-        return full[len(head):] if full.startswith(head) else self.decode(new)
+        return full[len(head) :] if full.startswith(head) else self.decode(new)
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = False, **kwargs) -> str:
         """``messages`` ([{"role": "user", "content": "Hi"}, ...]) -> prompt text, rendered from
@@ -328,8 +368,10 @@ class Tokenizer:
         (see :mod:`jsteer.chat_template`); ``kwargs`` reach the template. Encode the result with
         ``add_special_tokens=False``: the template writes the specials itself."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (none in its tokenizer_config.json, "
-                             "chat_template.jinja or GGUF metadata); format the prompt yourself")
+            raise ValueError(
+                "this tokenizer has no chat template (none in its tokenizer_config.json, "
+                "chat_template.jinja or GGUF metadata); format the prompt yourself"
+            )
         from jsteer.chat_template import render
 
         names = {f"{role}_token": self.id_to_token(i) for role, i in self.special_ids.items() if i is not None}
@@ -341,8 +383,14 @@ class Tokenizer:
     def id_to_token(self, i: int) -> Optional[str]:
         return self._tk.id_to_token(int(i))
 
-    def batch_encode(self, texts: Sequence[str], max_len: Optional[int] = None, left_pad: bool = False,
-                     add_special_tokens: bool = True, pad_to: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    def batch_encode(
+        self,
+        texts: Sequence[str],
+        max_len: Optional[int] = None,
+        left_pad: bool = False,
+        add_special_tokens: bool = True,
+        pad_to: Optional[int] = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """texts -> (ids int32 [B, T], mask int32 [B, T]); mask is 1 on real tokens.
 
         T is the longest encoding (``pad_to`` raises it to at least that). With ``max_len``,
@@ -419,8 +467,9 @@ def _folder_chat_template(folder: pathlib.Path) -> Optional[str]:
     tc = folder / "tokenizer_config.json"
     template = _read_json(tc).get("chat_template") if tc.is_file() else None
     if isinstance(template, list):
-        template = next((t.get("template") for t in template if isinstance(t, Mapping) and t.get("name") == "default"),
-                        None)
+        template = next(
+            (t.get("template") for t in template if isinstance(t, Mapping) and t.get("name") == "default"), None
+        )
     return template if isinstance(template, str) else None
 
 
@@ -436,19 +485,26 @@ def _folder_stop_ids(folder: pathlib.Path, vocab_size: int) -> tuple[int, ...]:
         if 0 <= i < vocab_size:
             ids.append(i)
         else:
-            warnings.warn(f"{f}: eos_token_id {i} is outside the tokenizer's vocabulary (size {vocab_size}); "
-                          f"not used as a stop id", stacklevel=5)
+            warnings.warn(
+                f"{f}: eos_token_id {i} is outside the tokenizer's vocabulary (size {vocab_size}); "
+                f"not used as a stop id",
+                stacklevel=5,
+            )
     return tuple(ids)
 
 
-def _merge_special(tk, names: Mapping[str, str | int], explicit: Optional[Mapping[str, Optional[int]]]
-                   ) -> dict[str, Optional[int]]:
+def _merge_special(
+    tk, names: Mapping[str, str | int], explicit: Optional[Mapping[str, Optional[int]]]
+) -> dict[str, Optional[int]]:
     out: dict[str, Optional[int]] = {}
     size = tk.get_vocab_size(with_added_tokens=True)
     for role, v in names.items():
         if isinstance(v, int) and not 0 <= v < size:  # an id from config.json (HF's defaults, e.g. GPT-2's 50256)
-            warnings.warn(f"config.json {role}_token_id {v} is outside the tokenizer's vocabulary (size {size}); "
-                          f"ignored (the {role} token is taken from the tokenizer's own tokens)", stacklevel=4)
+            warnings.warn(
+                f"config.json {role}_token_id {v} is outside the tokenizer's vocabulary (size {size}); "
+                f"ignored (the {role} token is taken from the tokenizer's own tokens)",
+                stacklevel=4,
+            )
             continue
         out[role] = v if isinstance(v, int) else tk.token_to_id(v)
     for role, v in (explicit or {}).items():

@@ -35,24 +35,41 @@ def fsdp(pid: int, out: str) -> None:
     module, params = fsdp_model()
     mesh = sharding.make_mesh(fsdp=8)
     placed = sharding.shard(params, logical_axes(params), mesh, "fsdp")
-    ids = fsdp_batch()[pid * 4:(pid + 1) * 4]  # this process's rows of the global batch
+    ids = fsdp_batch()[pid * 4 : (pid + 1) * 4]  # this process's rows of the global batch
     batch = step_lib.global_batch({"ids": ids}, mesh)
     logits = jax.jit(lambda p, i: module.apply({"params": p}, i).logits)(placed, batch["ids"])
-    trainer = Trainer(fsdp_loss(module), params, OptimizerConfig(learning_rate=1e-2), mesh=mesh, rules="fsdp",
-                      axes="auto", progress=False)
+    trainer = Trainer(
+        fsdp_loss(module),
+        params,
+        OptimizerConfig(learning_rate=1e-2),
+        mesh=mesh,
+        rules="fsdp",
+        axes="auto",
+        progress=False,
+    )
     loss = float(trainer.train_step({"ids": ids}, 1)["loss"])
     gathered = multihost_utils.process_allgather(trainer.params, tiled=True)
     with open(out, "w") as f:
-        json.dump({"process": pid, "devices": len(jax.devices()), "loss": loss,
-                   "logits": np.asarray(multihost_utils.process_allgather(logits, tiled=True)).tolist(),
-                   "params": {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x).tolist()
-                              for path, x in jax.tree_util.tree_flatten_with_path(gathered)[0]}}, f)
+        json.dump(
+            {
+                "process": pid,
+                "devices": len(jax.devices()),
+                "loss": loss,
+                "logits": np.asarray(multihost_utils.process_allgather(logits, tiled=True)).tolist(),
+                "params": {
+                    "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x).tolist()
+                    for path, x in jax.tree_util.tree_flatten_with_path(gathered)[0]
+                },
+            },
+            f,
+        )
 
 
 def main() -> None:
     pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=120)
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}", num_processes=nproc, process_id=pid, initialization_timeout=120
+    )
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if MODE == "fsdp":
         fsdp(pid, out)
@@ -70,9 +87,11 @@ def main() -> None:
     batches = Batcher(tagger_examples(64), 8, buckets=(32,), pad_values={"input_ids": 0, "labels": -100}, seed=3)
     losses = []
     trainer.fit(batches, int(os.environ.get("STEPS", "12")), on_step=lambda s, m: losses.append(float(m["loss"])))
-    params = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(jax.device_get(x)).tolist()
-              for path, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]
-              if x.is_fully_addressable or x.is_fully_replicated}
+    params = {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(jax.device_get(x)).tolist()
+        for path, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]
+        if x.is_fully_addressable or x.is_fully_replicated
+    }
     with open(out, "w") as f:
         json.dump({"process": pid, "devices": len(jax.devices()), "losses": losses, "params": params}, f)
     jax.distributed.shutdown()

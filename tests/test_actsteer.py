@@ -36,8 +36,10 @@ def acts(lm, texts, layer):
     for t in texts:
         ids = lm.tokenizer.encode(t)
         assert ids[0] == lm.tokenizer.bos_id
-        h = np.asarray(lm.forward(np.asarray([ids]), capture=(f"resid_post.{layer}",)).captured[
-            f"resid_post.{layer}"][0], np.float64)
+        h = np.asarray(
+            lm.forward(np.asarray([ids]), capture=(f"resid_post.{layer}",)).captured[f"resid_post.{layer}"][0],
+            np.float64,
+        )
         last.append(h[-1])
         mean.append(h[1:].mean(0))
     return np.stack(last), np.stack(mean)
@@ -85,8 +87,9 @@ def test_zero_strength_is_identity_and_strength_never_recompiles(lm):
     plain = lm.generate(prompts, max_new_tokens=5, return_ids=True)[1]
     for zero in (0.0, np.zeros(2)):  # strength 0: empty hooks, the unsteered computation
         assert cv.hooks(zero).interventions is None
-        np.testing.assert_array_equal(lm.generate(prompts, max_new_tokens=5, hooks=cv.hooks(zero),
-                                                  return_ids=True)[1], plain)
+        np.testing.assert_array_equal(
+            lm.generate(prompts, max_new_tokens=5, hooks=cv.hooks(zero), return_ids=True)[1], plain
+        )
     n = decode.compiled_count()
     lm.generate(prompts, max_new_tokens=5, hooks=cv.hooks(1.0))
     assert decode.compiled_count() == n + 1
@@ -110,7 +113,7 @@ def test_generated_tokens_are_steered_like_a_teacher_forced_forward(lm):
     full, fmask = np.concatenate([ids, toks], 1), np.concatenate([mask, np.ones_like(toks)], 1)
     logits = np.asarray(lm.forward(full, fmask, hooks=hooks).logits)
     t = ids.shape[1]
-    np.testing.assert_array_equal(logits[:, t - 1:t - 1 + n].argmax(-1), toks)
+    np.testing.assert_array_equal(logits[:, t - 1 : t - 1 + n].argmax(-1), toks)
 
 
 def test_hooks_compose_with_an_lm_steer_steer_and_other_vectors(lm):
@@ -120,11 +123,16 @@ def test_hooks_compose_with_an_lm_steer_steer_and_other_vectors(lm):
     steer = Steer(eps=jnp.asarray([0.5]), vec=jnp.asarray(rs.randn(1, 32).astype(np.float32)))
     both = compose(cv.hooks(2.0), Hooks(steer=steer))
     ref = Hooks(steer=steer, interventions=cv.hooks(2.0).interventions)
-    np.testing.assert_array_equal(np.asarray(lm.forward(ids, mask, hooks=both).logits),
-                                  np.asarray(lm.forward(ids, mask, hooks=ref).logits))
+    np.testing.assert_array_equal(
+        np.asarray(lm.forward(ids, mask, hooks=both).logits), np.asarray(lm.forward(ids, mask, hooks=ref).logits)
+    )
     twice = compose(cv.hooks(1.0), cv.hooks(2.0))  # two Adds at each site = one at the summed strength
-    np.testing.assert_allclose(np.asarray(lm.forward(ids, mask, hooks=twice).logits),
-                               np.asarray(lm.forward(ids, mask, hooks=cv.hooks(3.0)).logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(lm.forward(ids, mask, hooks=twice).logits),
+        np.asarray(lm.forward(ids, mask, hooks=cv.hooks(3.0)).logits),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert len(lm.generate(["the movie was"], max_new_tokens=3, hooks=compose(cv.hooks(2.0), Hooks(steer=steer)))) == 1
 
 
@@ -164,8 +172,11 @@ def test_gguf_round_trip_and_structure(lm, tmp_path):
     w.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
     for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
         step()
-    with pytest.raises(ValueError, match=r"model\.gguf: not a control vector: general.architecture is 'llama'.*"
-                                         r"token_embd.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.gguf: not a control vector: general.architecture is 'llama'.*"
+        r"token_embd.weight",
+    ):
         ControlVector.from_gguf(tmp_path / "model.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(ValueError, match="junk.gguf: not a GGUF file"):
@@ -205,21 +216,24 @@ def test_safetensors_round_trip_plain_reader_and_model_checks(lm, tmp_path):
         ControlVector.load(tmp_path / "w.safetensors")
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(layers=[3]), r"layer 3 is out of range \(the model has 3 layers: 0..2\)"),
-    (dict(layers=[-1]), "layer -1 is out of range"),
-    (dict(layers=[1, 1]), "layer 1 is given twice"),
-    (dict(layers=[]), "layers: none given"),
-    (dict(layers=["1"]), "'1' is not an int layer index"),
-    (dict(positive=[]), "positive: no texts"),
-    (dict(negative=NEG[:3]), "5 positive but 3 negative texts"),
-    (dict(negative=NEG[:4] + [" "]), r"negative\[4\] is empty"),
-    (dict(method="actadd"), "actadd takes one prompt pair, got 5"),
-    (dict(method="pca", positive=POS[:1], negative=NEG[:1]), "pca needs at least 2 pairs"),
-    (dict(method="pca", positive=["good", "good"], negative=["bad", "bad"]), "every pair has the same difference"),
-    (dict(method="mean"), "unknown method 'mean'"),
-    (dict(reduce="first"), "reduce must be 'last' or 'mean'"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(layers=[3]), r"layer 3 is out of range \(the model has 3 layers: 0..2\)"),
+        (dict(layers=[-1]), "layer -1 is out of range"),
+        (dict(layers=[1, 1]), "layer 1 is given twice"),
+        (dict(layers=[]), "layers: none given"),
+        (dict(layers=["1"]), "'1' is not an int layer index"),
+        (dict(positive=[]), "positive: no texts"),
+        (dict(negative=NEG[:3]), "5 positive but 3 negative texts"),
+        (dict(negative=NEG[:4] + [" "]), r"negative\[4\] is empty"),
+        (dict(method="actadd"), "actadd takes one prompt pair, got 5"),
+        (dict(method="pca", positive=POS[:1], negative=NEG[:1]), "pca needs at least 2 pairs"),
+        (dict(method="pca", positive=["good", "good"], negative=["bad", "bad"]), "every pair has the same difference"),
+        (dict(method="mean"), "unknown method 'mean'"),
+        (dict(reduce="first"), "reduce must be 'last' or 'mean'"),
+    ],
+)
 def test_bad_input_is_refused_by_name(lm, kw, match):
     args = dict(positive=POS, negative=NEG, layers=[1], method="caa") | kw
     with pytest.raises(ValueError, match=match):
@@ -263,14 +277,54 @@ def saved(tmp_path_factory):
 def test_cli_train_and_generate(saved, capsys):
     d = saved
     for out, method in (("cv.safetensors", "caa"), ("cv.gguf", "pca")):
-        assert main(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "pos.txt"), "--negative",
-                     str(d / "neg.txt"), "--layers", "1,2", "--method", method, "--out", str(d / out)]) == 0
+        assert (
+            main(
+                [
+                    "actsteer",
+                    "train",
+                    "--model",
+                    str(d / "toy0"),
+                    "--positive",
+                    str(d / "pos.txt"),
+                    "--negative",
+                    str(d / "neg.txt"),
+                    "--layers",
+                    "1,2",
+                    "--method",
+                    method,
+                    "--out",
+                    str(d / out),
+                ]
+            )
+            == 0
+        )
         assert "5 pairs" in capsys.readouterr().out
     cv = ControlVector.load(d / "cv.safetensors", lm=jsteer.load(str(d / "toy0")))
     assert cv.layers == (1, 2) and cv.recipe["positive_file"] == str(d / "pos.txt")
-    assert main(["actsteer", "generate", "--model", str(d / "toy0"), "--vector", str(d / "cv.safetensors"),
-                 "--strength", "4", "--vector", str(d / "cv.gguf"), "--strength", "-1", "--max-new-tokens", "4",
-                 "--json", "the movie was", "it is"]) == 0
+    assert (
+        main(
+            [
+                "actsteer",
+                "generate",
+                "--model",
+                str(d / "toy0"),
+                "--vector",
+                str(d / "cv.safetensors"),
+                "--strength",
+                "4",
+                "--vector",
+                str(d / "cv.gguf"),
+                "--strength",
+                "-1",
+                "--max-new-tokens",
+                "4",
+                "--json",
+                "the movie was",
+                "it is",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x["prompt"] for x in lines] == ["the movie was", "it is"]
 
@@ -279,14 +333,75 @@ def test_cli_train_and_generate(saved, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and match in err, err
 
-    fails(["actsteer", "generate", "--model", str(d / "toy1"), "--vector", str(d / "cv.safetensors"), "x"],
-          "computed on base model")
-    fails(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "pos.txt"), "--negative",
-           str(d / "neg3.txt"), "--layers", "1", "--out", str(d / "x.safetensors")], "has 5 prompts but")
-    fails(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "pos.txt"), "--negative",
-           str(d / "neg.txt"), "--layers", "1,7", "--out", str(d / "x.safetensors")], "layer 7 is out of range")
-    fails(["actsteer", "train", "--model", str(d / "toy0"), "--positive", str(d / "nope.txt"), "--negative",
-           str(d / "neg.txt"), "--layers", "1", "--out", str(d / "x.safetensors")], "nope.txt: no such file")
-    fails(["actsteer", "generate", "--model", str(d / "toy0"), "--vector", str(d / "cv.gguf"), "--strength", "1",
-           "--strength", "2", "x"], "1 --vector files but 2 --strength values")
+    fails(
+        ["actsteer", "generate", "--model", str(d / "toy1"), "--vector", str(d / "cv.safetensors"), "x"],
+        "computed on base model",
+    )
+    fails(
+        [
+            "actsteer",
+            "train",
+            "--model",
+            str(d / "toy0"),
+            "--positive",
+            str(d / "pos.txt"),
+            "--negative",
+            str(d / "neg3.txt"),
+            "--layers",
+            "1",
+            "--out",
+            str(d / "x.safetensors"),
+        ],
+        "has 5 prompts but",
+    )
+    fails(
+        [
+            "actsteer",
+            "train",
+            "--model",
+            str(d / "toy0"),
+            "--positive",
+            str(d / "pos.txt"),
+            "--negative",
+            str(d / "neg.txt"),
+            "--layers",
+            "1,7",
+            "--out",
+            str(d / "x.safetensors"),
+        ],
+        "layer 7 is out of range",
+    )
+    fails(
+        [
+            "actsteer",
+            "train",
+            "--model",
+            str(d / "toy0"),
+            "--positive",
+            str(d / "nope.txt"),
+            "--negative",
+            str(d / "neg.txt"),
+            "--layers",
+            "1",
+            "--out",
+            str(d / "x.safetensors"),
+        ],
+        "nope.txt: no such file",
+    )
+    fails(
+        [
+            "actsteer",
+            "generate",
+            "--model",
+            str(d / "toy0"),
+            "--vector",
+            str(d / "cv.gguf"),
+            "--strength",
+            "1",
+            "--strength",
+            "2",
+            "x",
+        ],
+        "1 --vector files but 2 --strength values",
+    )
     assert not (d / "x.safetensors").exists()

@@ -24,8 +24,9 @@ def reference(q, k, v, scale, bias=None, visible=None, keep=None, rate=0.0):
 
 def random_qkv(rng, b, t, s, kh, g, h):
     """q [B,T,K,G,H], k and v [B,S,K,H], standard normal float32."""
-    return tuple(rng.normal(size=shape).astype(np.float32) for shape in
-                 ((b, t, kh, g, h), (b, s, kh, h), (b, s, kh, h)))
+    return tuple(
+        rng.normal(size=shape).astype(np.float32) for shape in ((b, t, kh, g, h), (b, s, kh, h), (b, s, kh, h))
+    )
 
 
 @pytest.mark.parametrize("kh,g", [(4, 1), (2, 3)])
@@ -37,10 +38,10 @@ def test_matches_numpy_softmax_attention(kh, g):
     visible = rng.random((b, 1, 1, t, s)) > 0.3
     per_group = rng.normal(size=(1, kh, g, 1, s)).astype(np.float32)  # broadcast over queries only
     visible[0, 0, 0, 2] = False  # a row with no visible key: uniform weights, not NaN
-    out = np.asarray(jax.jit(lambda *a: dot_product_attention(*a, scale=h ** -0.5, bias=bias, visible=visible))(q, k, v))
-    want = reference(q, k, v, h ** -0.5, bias, visible)
-    out2 = np.asarray(dot_product_attention(q, k, v, scale=h ** -0.5, bias=per_group, visible=visible))
-    np.testing.assert_allclose(out2, reference(q, k, v, h ** -0.5, per_group, visible), atol=2e-5, rtol=2e-5)
+    out = np.asarray(jax.jit(lambda *a: dot_product_attention(*a, scale=h**-0.5, bias=bias, visible=visible))(q, k, v))
+    want = reference(q, k, v, h**-0.5, bias, visible)
+    out2 = np.asarray(dot_product_attention(q, k, v, scale=h**-0.5, bias=per_group, visible=visible))
+    np.testing.assert_allclose(out2, reference(q, k, v, h**-0.5, per_group, visible), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[0, 2], np.broadcast_to(v[0].mean(0)[:, None], (kh, g, h)), atol=2e-5)
@@ -69,7 +70,7 @@ def test_gradients_match_jax_reference():
         p = jax.nn.softmax(jnp.einsum("btkgh,bskh->bkgts", q, k) * 0.5, axis=-1)
         return jnp.einsum("bkgts,bskh->btkgh", p, v)
 
-    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     got = jax.grad(loss(lambda *a: dot_product_attention(*a, scale=0.5)), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss(naive), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(got, want):
@@ -89,17 +90,22 @@ def test_cache_layout_is_the_same_attention(kh, g):
     b, t, s, h = 2, 1, 9, 8
     q, k, v = random_qkv(rng, b, t, s, kh, g, h)
     visible = rng.random((b, 1, 1, t, s)) > 0.3
-    out = np.asarray(dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), scale=0.3,
-                                           visible=visible, cache_layout=True))
+    out = np.asarray(
+        dot_product_attention(
+            q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), scale=0.3, visible=visible, cache_layout=True
+        )
+    )
     np.testing.assert_allclose(out, reference(q, k, v, 0.3, visible=visible), atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(out, np.asarray(dot_product_attention(q, k, v, scale=0.3, visible=visible)),
-                               atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(
+        out, np.asarray(dot_product_attention(q, k, v, scale=0.3, visible=visible)), atol=1e-6, rtol=1e-6
+    )
     with pytest.raises(ValueError, match=r"k \[B,%d,%d,S\], v \[B,%d,S,%d\]" % (kh, h, kh, h)):
         dot_product_attention(q, k, v.transpose(0, 2, 1, 3), scale=0.3, cache_layout=True)
 
 
 def test_kv_cache_write_places_new_slots_only():
     from jsteer.backbones.base import KVCache
+
     rng = np.random.default_rng(5)
     b, s, kh, h, t, index = 2, 7, 3, 4, 2, 3
     cache = KVCache.init(1, b, s, kh, h)
@@ -108,6 +114,6 @@ def test_kv_cache_write_places_new_slots_only():
     new_v = rng.normal(size=(b, t, kh, h)).astype(np.float32)
     k, v = KVCache.write(cache.k[0], cache.v[0], new_k, new_v, jnp.int32(index))
     want_k, want_v = np.zeros((b, s, kh, h), np.float32), np.zeros((b, s, kh, h), np.float32)
-    want_k[:, index:index + t], want_v[:, index:index + t] = new_k, new_v
+    want_k[:, index : index + t], want_v[:, index : index + t] = new_k, new_v
     np.testing.assert_array_equal(np.asarray(k), want_k.transpose(0, 2, 3, 1))
     np.testing.assert_array_equal(np.asarray(v), want_v.transpose(0, 2, 1, 3))

@@ -24,8 +24,9 @@ def _randomise(model: torch.nn.Module) -> torch.nn.Module:
     """HF initialises biases to 0 and LayerNorms to 1/0; make every tensor non-trivial."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "LayerNorm.weight" in name or "layer_norm.weight" in name
-                                                 else 0.0))
+            p.copy_(
+                torch.randn_like(p) * 0.3 + (1.0 if "LayerNorm.weight" in name or "layer_norm.weight" in name else 0.0)
+            )
     return model.eval()
 
 
@@ -52,8 +53,11 @@ def _batch(pad_id: int, seed: int = 1, type_ids: bool = True):
 
 
 def _torch_inputs(ids, mask, tt):
-    return dict(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
-                token_type_ids=torch.tensor(tt, dtype=torch.long))
+    return dict(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        token_type_ids=torch.tensor(tt, dtype=torch.long),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,8 +142,16 @@ def test_head_parity(kind):
 
 
 def test_roberta_positions_follow_pads():
-    cfg = jb.BertConfig(vocab_size=10, hidden_size=8, num_layers=1, num_heads=2, intermediate_size=8,
-                        layout="roberta", pad_token_id=1, max_position_embeddings=20)
+    cfg = jb.BertConfig(
+        vocab_size=10,
+        hidden_size=8,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=8,
+        layout="roberta",
+        pad_token_id=1,
+        max_position_embeddings=20,
+    )
     ids = jnp.array([[0, 5, 6, 2, 1, 1], [0, 7, 2, 1, 1, 1]])
     pos = np.asarray(jb.default_position_ids(cfg, ids))
     np.testing.assert_array_equal(pos, [[2, 3, 4, 5, 1, 1], [2, 3, 4, 1, 1, 1]])
@@ -174,10 +186,14 @@ def test_attn_bias_equals_hf_4d_mask(bert_setup):
     bias[:, np.arange(T), np.arange(T)] = 0.0  # each token keeps itself visible
     mask4d = np.where(mask[:, None, None, :] > 0, 0.0, -1e30).astype(np.float32) + bias[:, None]
     with torch.no_grad():
-        ref = hf.bert(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask4d),
-                      token_type_ids=torch.tensor(tt, dtype=torch.long)).last_hidden_state
-    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt,
-               hooks=Hooks(attn_bias=jnp.asarray(bias)))
+        ref = hf.bert(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask4d),
+            token_type_ids=torch.tensor(tt, dtype=torch.long),
+        ).last_hidden_state
+    out = _run(
+        jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=Hooks(attn_bias=jnp.asarray(bias))
+    )
     d = _maxdiff(out.hidden, ref.numpy())
     print(f"attn_bias vs HF 4D float mask: max|diff| = {d:.2e}")
     assert d <= 1e-5
@@ -189,8 +205,9 @@ def test_position_ids_hook_equals_hf(bert_setup):
     pos = np.random.default_rng(7).integers(0, 40, size=(B, T)).astype(np.int32)
     with torch.no_grad():
         ref = hf.bert(**_torch_inputs(ids, mask, tt), position_ids=torch.tensor(pos, dtype=torch.long))
-    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt,
-               hooks=Hooks(position_ids=jnp.asarray(pos)))
+    out = _run(
+        jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=Hooks(position_ids=jnp.asarray(pos))
+    )
     assert _maxdiff(out.hidden, ref.last_hidden_state.numpy()) <= 1e-5
 
 
@@ -208,13 +225,15 @@ def test_film_in_out_equal_torch_layernorm_hooks(bert_setup):
             if beta is not None:
                 out = out + torch.tensor(beta)
             return out
+
         return hook
 
     handles = []
     for i, f in films.items():
         layer = hf.bert.encoder.layer[i]
-        handles.append(layer.attention.output.LayerNorm.register_forward_hook(
-            ln_hook(f.get("gamma_in"), f.get("beta_in"))))
+        handles.append(
+            layer.attention.output.LayerNorm.register_forward_hook(ln_hook(f.get("gamma_in"), f.get("beta_in")))
+        )
         handles.append(layer.output.LayerNorm.register_forward_hook(ln_hook(f.get("gamma_out"), f.get("beta_out"))))
     try:
         with torch.no_grad():
@@ -228,9 +247,16 @@ def test_film_in_out_equal_torch_layernorm_hooks(bert_setup):
     print(f"FiLM in/out vs torch LayerNorm hooks: max|diff| = {d:.2e}")
     assert d <= 1e-5
     # "in" and "out" are distinct points: swapping them changes the result.
-    swapped = Hooks(film={1: FiLM(gamma_out=jnp.asarray(films[1]["gamma_in"]),
-                                  gamma_in=jnp.asarray(films[1]["gamma_out"]), beta_in=jnp.asarray(films[1]["beta_out"])),
-                          0: hooks.film[0]})
+    swapped = Hooks(
+        film={
+            1: FiLM(
+                gamma_out=jnp.asarray(films[1]["gamma_in"]),
+                gamma_in=jnp.asarray(films[1]["gamma_out"]),
+                beta_in=jnp.asarray(films[1]["beta_out"]),
+            ),
+            0: hooks.film[0],
+        }
+    )
     assert _maxdiff(_run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=swapped).logits, ref.numpy()) > 1e-2
 
 
@@ -260,8 +286,14 @@ def test_decoder_only_hooks_are_refused(bert_setup):
     ids, mask, tt = _batch(cfg.pad_token_id, seed=11)
     d = cfg.hidden_size
     with pytest.raises(ValueError, match="hooks.steer acts on a decoder"):
-        _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt,
-             hooks=Hooks(steer=Steer(eps=jnp.ones((1,)), w=jnp.ones((1, d, d)))))
+        _run(
+            jb.BertForMaskedLM(cfg),
+            params,
+            ids,
+            mask,
+            tt,
+            hooks=Hooks(steer=Steer(eps=jnp.ones((1,)), w=jnp.ones((1, d, d)))),
+        )
 
 
 # ----------------------------------------------------------------------------- position limits
@@ -271,9 +303,16 @@ def test_decoder_only_hooks_are_refused(bert_setup):
 def tiny_roberta():
     """RoBERTa with a 10-row position table and pad_token_id 1: real tokens use rows 2..9."""
     torch.manual_seed(0)
-    hc = transformers.RobertaConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                    intermediate_size=32, max_position_embeddings=10, pad_token_id=1,
-                                    type_vocab_size=1)
+    hc = transformers.RobertaConfig(
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=10,
+        pad_token_id=1,
+        type_vocab_size=1,
+    )
     hc._attn_implementation = "eager"
     hf = _randomise(transformers.RobertaModel(hc, add_pooling_layer=False))
     cfg = jb.BertConfig.from_hf(hc.to_dict())
@@ -333,14 +372,17 @@ def test_minilm_matches_hf_from_pretrained():
     params = jb.params_from_hf(sd, cfg)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     tok.no_padding()  # its tokenizer.json pads to 128; pad ourselves to the longest
-    texts = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
-             "Steering language models with small linear maps works surprisingly well!"]
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Paris is the capital of France.",
+        "Steering language models with small linear maps works surprisingly well!",
+    ]
     enc = [tok.encode(t).ids for t in texts]
     t = max(map(len, enc))
     ids = np.zeros((len(enc), t), np.int32)
     mask = np.zeros_like(ids)
     for i, e in enumerate(enc):
-        ids[i, :len(e)], mask[i, :len(e)] = e, 1
+        ids[i, : len(e)], mask[i, : len(e)] = e, 1
     assert mask.min() == 0  # the batch really is padded
     hf = transformers.BertModel.from_pretrained(str(d), attn_implementation="eager").eval()
     with torch.no_grad():
@@ -447,8 +489,7 @@ def test_dropout_and_bf16(bert_setup):
     ids, mask, tt = map(jnp.asarray, _batch(cfg.pad_token_id, seed=13))
     module = jb.BertForTokenClassification(cfg, num_labels=3)
     p = {"encoder": params["encoder"], "head": jb.init_head(jax.random.PRNGKey(2), cfg, "token_classification", 3)}
-    f = jax.jit(lambda p, key: module.apply({"params": p}, ids, mask, tt, deterministic=False,
-                                            rngs={"dropout": key}))
+    f = jax.jit(lambda p, key: module.apply({"params": p}, ids, mask, tt, deterministic=False, rngs={"dropout": key}))
     a = f(p, jax.random.PRNGKey(0)).logits
     b = f(p, jax.random.PRNGKey(1)).logits
     det = _run(module, p, ids, mask, tt).logits
@@ -501,5 +542,7 @@ def test_sequence_classification_weights_load_as_the_bare_encoder_with_a_warning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert get_family("bert").detect_head(_state(tok), {"architectures": [type(tok).__name__]}) == \
-            "token_classification"
+        assert (
+            get_family("bert").detect_head(_state(tok), {"architectures": [type(tok).__name__]})
+            == "token_classification"
+        )

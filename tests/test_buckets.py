@@ -72,8 +72,11 @@ def test_decode_prompt_lengths_are_unchanged():
     assert buckets.DECODE.sizes == OLD_DECODE_BUCKETS
     _same(buckets.DECODE, old_decode_bucket_length, range(1, 9000))
     for sizes in ((4, 8), (8, 4), (100,), (3, 7, 50)):  # decode.bucket_length(n, buckets=...)
-        _same(lambda n, s=sizes: bucket(n, s, "multiple"), lambda n, s=sizes: old_decode_bucket_length(n, s),
-              range(1, 400))
+        _same(
+            lambda n, s=sizes: bucket(n, s, "multiple"),
+            lambda n, s=sizes: old_decode_bucket_length(n, s),
+            range(1, 400),
+        )
 
 
 def test_io_refuses_an_empty_prompt_as_decode_did():
@@ -86,8 +89,11 @@ def test_probe_row_lengths_are_unchanged():
     assert buckets.PROBE.sizes == (8,)
     _same(buckets.PROBE, old_probe_bucket_length, range(-5, 3000))
     for multiple in (1, 3, 8, 16, 64):  # probe's _length_batches(bucket=multiple)
-        _same(lambda n, m=multiple: bucket(n, (m,), "multiple"), lambda n, m=multiple: old_probe_bucket_length(n, m),
-              range(0, 1000))
+        _same(
+            lambda n, m=multiple: bucket(n, (m,), "multiple"),
+            lambda n, m=multiple: old_probe_bucket_length(n, m),
+            range(0, 1000),
+        )
 
 
 def test_kala_length_buckets_are_unchanged():
@@ -100,8 +106,11 @@ def test_graph_sizes_are_unchanged():
     assert buckets.GRAPH.sizes == (16,)
     _same(buckets.GRAPH, old_graph_bucket_size, range(-2, 20000))
     for minimum in (1, 3, 12, 16, 40, 96, 1000):  # stack_graphs: bucket_size(n, s) for any s
-        _same(lambda n, m=minimum: bucket(n, (m,), "double"), lambda n, m=minimum: old_graph_bucket_size(n, m),
-              range(0, 5000, 7))
+        _same(
+            lambda n, m=minimum: bucket(n, (m,), "double"),
+            lambda n, m=minimum: old_graph_bucket_size(n, m),
+            range(0, 5000, 7),
+        )
 
 
 def test_batcher_buckets_are_unchanged():
@@ -119,16 +128,31 @@ def test_callers_use_the_rule():
 
     rng = np.random.default_rng(0)
     exs = [{"input_ids": np.arange(1, n + 1, dtype=np.int32)} for n in rng.integers(1, 60, 40)]
-    b = batching.Batcher(exs, 8, buckets=(8, 16, 32, 64), pad_values={"input_ids": 0}, seed=0, sort_window=2,
-                         process_index=0, process_count=1)
+    b = batching.Batcher(
+        exs,
+        8,
+        buckets=(8, 16, 32, 64),
+        pad_values={"input_ids": 0},
+        seed=0,
+        sort_window=2,
+        process_index=0,
+        process_count=1,
+    )
     for ids in b.epoch_batches(0):
         want = old_pick_bucket(max(len(exs[i]["input_ids"]) for i in ids), (8, 16, 32, 64))
         assert b.collate(ids)["input_ids"].shape[1] == want
-    g = kgraph.ExampleGraph(entity=np.zeros(0, np.int32), senders=np.zeros(0, np.int32),
-                            receivers=np.zeros(0, np.int32), relation=np.zeros(0, np.int32), n_local=0)
+    g = kgraph.ExampleGraph(
+        entity=np.zeros(0, np.int32),
+        senders=np.zeros(0, np.int32),
+        receivers=np.zeros(0, np.int32),
+        relation=np.zeros(0, np.int32),
+        n_local=0,
+    )
     graph, _ = kgraph.batch_graphs([g] * 3, -np.ones((3, 4), np.int32))
-    assert (graph.nodes["entity"].shape[0], graph.senders.shape[0]) == (old_graph_bucket_size(1),
-                                                                         old_graph_bucket_size(0))
+    assert (graph.nodes["entity"].shape[0], graph.senders.shape[0]) == (
+        old_graph_bucket_size(1),
+        old_graph_bucket_size(0),
+    )
     assert not hasattr(kdata, "length_bucket") and not hasattr(kgraph, "bucket_size")
 
 

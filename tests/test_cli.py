@@ -4,10 +4,10 @@ import json
 
 import numpy as np
 import pytest
+from test_io import leaves_equal, make_tiny_decoder
 
 import jsteer
 from jsteer.cli import main
-from test_io import leaves_equal, make_tiny_decoder
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,26 @@ def test_generate_prints_continuations(tmp_path, capsys):
     # sampling flags reach the sampler: seeds change the text, equal seeds repeat it
     runs = []
     for seed in (0, 0, 1, 2, 3):
-        assert main(["generate", str(src), "w1", "--max-new-tokens", "6", "--temperature", "2",
-                     "--top-k", "20", "--top-p", "0.95", "--seed", str(seed)]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    str(src),
+                    "w1",
+                    "--max-new-tokens",
+                    "6",
+                    "--temperature",
+                    "2",
+                    "--top-k",
+                    "20",
+                    "--top-p",
+                    "0.95",
+                    "--seed",
+                    str(seed),
+                ]
+            )
+            == 0
+        )
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] and len(set(runs)) > 1
 
@@ -131,8 +149,13 @@ def test_damaged_checkpoint_is_reported_in_one_line(tmp_path):
     make_tiny_decoder(src, "llama")
     assert main(["convert", str(src), str(tmp_path / "ck")]) == 0
     _damage(tmp_path / "ck", "truncated array file")
-    r = subprocess.run([sys.executable, "-m", "jsteer.cli", "generate", str(tmp_path / "ck"), "w1"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "jsteer.cli", "generate", str(tmp_path / "ck"), "w1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("jsteer generate: error:")]
     assert len(errors) == 1 and "corrupt or incomplete checkpoint" in errors[0], r.stderr

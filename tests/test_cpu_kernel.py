@@ -29,11 +29,12 @@ def test_pack_layout():
     assert p.shape == (3, 5, 48)
     for n in (0, 47, 48, 99):
         np.testing.assert_array_equal(p[n // 48, :, n % 48], w[:, n])
-    assert not p[2, :, 100 - 96:].any()  # padding columns are zero
+    assert not p[2, :, 100 - 96 :].any()  # padding columns are zero
 
 
-@pytest.mark.parametrize("m,k,n", [(2, 576, 1536), (3, 37, 50), (8, 64, 48), (13, 129, 200), (32, 96, 1000),
-                                   (1, 16, 7)])
+@pytest.mark.parametrize(
+    "m,k,n", [(2, 576, 1536), (3, 37, 50), (8, 64, 48), (13, 129, 200), (32, 96, 1000), (1, 16, 7)]
+)
 def test_small_gemm_matches_numpy(m, k, n):
     assert cpu.available(), cpu.unavailable_reason()
     rng = np.random.default_rng(m * 1000 + n)
@@ -73,13 +74,32 @@ def test_packed_linear_equals_plain(rows):
 
 
 def _models():
-    llama_tied = DecoderConfig.llama(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                                     num_kv_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=True)
-    llama_untied = DecoderConfig.llama(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                                       num_kv_heads=2, head_dim=12, max_position_embeddings=64,
-                                       tie_word_embeddings=False, qkv_bias=True)
-    gpt2 = config_from_hf(dict(model_type="gpt2", vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4,
-                               n_inner=96))
+    llama_tied = DecoderConfig.llama(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    llama_untied = DecoderConfig.llama(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    )
+    gpt2 = config_from_hf(
+        dict(model_type="gpt2", vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4, n_inner=96)
+    )
     return [Decoder(llama_tied), Decoder(llama_untied), Decoder(gpt2)]
 
 
@@ -120,6 +140,7 @@ def test_packed_copy_is_kept_per_param_set_and_dropped_with_it():
     key = next(k for k in decode._PACK_CACHE if k[0] == module and decode._PACK_CACHE[k] is first)
     del params
     import gc
+
     gc.collect()
     assert key not in decode._PACK_CACHE  # freed params take their packed copy with them
 
@@ -143,7 +164,7 @@ def test_under_jit_only_on_request():
 def test_default_policy():
     assert cpu.available(), cpu.unavailable_reason()
     module = _models()[0]
-    assert not decode._use_cpu_kernels(None, module, jnp.zeros((1, 4), jnp.int32))    # XLA's GEMV is as fast
+    assert not decode._use_cpu_kernels(None, module, jnp.zeros((1, 4), jnp.int32))  # XLA's GEMV is as fast
     assert decode._use_cpu_kernels(None, module, jnp.zeros((8, 4), jnp.int32))
     assert not decode._use_cpu_kernels(None, module, jnp.zeros((cpu.MAX_ROWS + 1, 4), jnp.int32))
     assert not decode._use_cpu_kernels(False, module, jnp.zeros((8, 4), jnp.int32))

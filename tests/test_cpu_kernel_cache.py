@@ -56,9 +56,11 @@ def _plant(path: pathlib.Path, marker: pathlib.Path, record: bool) -> bytes:
     """Another user's library at path: loading it runs its constructor, which creates marker.
     record: write its own sha256 beside it, as a forged record would be."""
     src = path.parent / "planted.cc"
-    src.write_text('#include <fcntl.h>\n#include <unistd.h>\n'
-                   f'__attribute__((constructor)) static void planted() {{ close(open("{marker}", O_CREAT | O_WRONLY, '
-                   '0600)); }\nextern "C" int jsteer_cache_probe() { return -1; }\n')
+    src.write_text(
+        "#include <fcntl.h>\n#include <unistd.h>\n"
+        f'__attribute__((constructor)) static void planted() {{ close(open("{marker}", O_CREAT | O_WRONLY, '
+        '0600)); }\nextern "C" int jsteer_cache_probe() { return -1; }\n'
+    )
     subprocess.run([_compiler(), "-shared", "-fPIC", str(src), "-o", str(path)], check=True)
     src.unlink()
     data = path.read_bytes()

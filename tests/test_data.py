@@ -96,7 +96,10 @@ def test_encode_tagged_with_the_minilm_tokenizer():
 def test_read_conll_iob1_documents_and_lines(tmp_path):
     sents = readers.read_conll(write(tmp_path / "a.txt", CONLL), scheme="iob1", label_set=ner.CONLL2003_LABELS)
     assert [s.tokens for s in sents] == [
-        ("EU", "rejects", "German", "call"), ("Peter", "Blackburn", "Smith"), ("BRUSSELS",)]
+        ("EU", "rejects", "German", "call"),
+        ("Peter", "Blackburn", "Smith"),
+        ("BRUSSELS",),
+    ]
     assert sents[0].tags == ("B-ORG", "O", "B-MISC", "O")
     assert sents[1].tags == ("B-PER", "I-PER", "B-PER")
     assert [s.line for s in sents] == [3, 8, 14]
@@ -109,8 +112,9 @@ def test_read_conll_tokens_only_reads_labeled_and_one_column_files_alike(tmp_pat
     # What jsteer.kala.builder.read_sentences (its own splitter before it used read_conll) gave.
     want = [["EU", "rejects", "German", "call"], ["Peter", "Blackburn", "Smith"], ["BRUSSELS"]]
     four = write(tmp_path / "four.txt", CONLL)
-    one = write(tmp_path / "one.txt", "".join(ln.split()[0] + "\n" if ln.strip() else "\n"
-                                              for ln in CONLL.splitlines()))
+    one = write(
+        tmp_path / "one.txt", "".join(ln.split()[0] + "\n" if ln.strip() else "\n" for ln in CONLL.splitlines())
+    )
     assert one.read_text().startswith("-DOCSTART-\n\nEU\nrejects\n")
     labeled = readers.read_conll(four, scheme="iob1")
     for path in (four, one):
@@ -151,10 +155,13 @@ def test_conll_bad_data_names_file_and_line(tmp_path, content, line, message):
     assert str(e.value).startswith(f"{path}:{line}:" if line else f"{path}:")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"token_column": 2}, r"token_column=2 is outside the 2 columns of line 'EU B-ORG'"),
-    ({"tag_column": -3}, r"tag_column=-3 is outside the 2 columns"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"token_column": 2}, r"token_column=2 is outside the 2 columns of line 'EU B-ORG'"),
+        ({"tag_column": -3}, r"tag_column=-3 is outside the 2 columns"),
+    ],
+)
 def test_conll_column_outside_the_line_names_file_and_line(tmp_path, kwargs, message):
     path = write(tmp_path / "c.txt", "EU B-ORG\nrejects O\n")
     with pytest.raises(DataError, match=message) as e:
@@ -162,24 +169,47 @@ def test_conll_column_outside_the_line_names_file_and_line(tmp_path, kwargs, mes
     assert e.value.path == str(path) and e.value.line == 1
 
 
-@pytest.mark.parametrize("reader, lines, message", [
-    ("read_lama_relations", ['5'], "JSON line is not an object: '5'"),
-    ("read_lama_relations", [{"relation": "P1", "template": None}], "field 'template' must be a string, got None"),
-    ("read_lama_relations", [{"relation": 7, "template": "[X] in [Y]"}], "field 'relation' must be a string, got 7"),
-    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "predicate_id": "P1", "evidences": ["oops"]}],
-     "each of 'evidences' must be an object with 'masked_sentence', got 'oops'"),
-    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "predicate_id": "P1", "evidences": "oops"}],
-     "field 'evidences' must be a list"),
-    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "pred": 3}], "field 'pred' must be a string, got 3"),
-    ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "pred": "/x/y", "masked_sentences": "a [MASK]"}],
-     "field 'masked_sentences' must be a list"),
-])
+@pytest.mark.parametrize(
+    "reader, lines, message",
+    [
+        ("read_lama_relations", ["5"], "JSON line is not an object: '5'"),
+        ("read_lama_relations", [{"relation": "P1", "template": None}], "field 'template' must be a string, got None"),
+        (
+            "read_lama_relations",
+            [{"relation": 7, "template": "[X] in [Y]"}],
+            "field 'relation' must be a string, got 7",
+        ),
+        (
+            "read_lama_jsonl",
+            [{"sub_label": "a", "obj_label": "b", "predicate_id": "P1", "evidences": ["oops"]}],
+            "each of 'evidences' must be an object with 'masked_sentence', got 'oops'",
+        ),
+        (
+            "read_lama_jsonl",
+            [{"sub_label": "a", "obj_label": "b", "predicate_id": "P1", "evidences": "oops"}],
+            "field 'evidences' must be a list",
+        ),
+        ("read_lama_jsonl", [{"sub_label": "a", "obj_label": "b", "pred": 3}], "field 'pred' must be a string, got 3"),
+        (
+            "read_lama_jsonl",
+            [{"sub_label": "a", "obj_label": "b", "pred": "/x/y", "masked_sentences": "a [MASK]"}],
+            "field 'masked_sentences' must be a list",
+        ),
+    ],
+)
 def test_lama_wrong_json_types_name_file_and_line(tmp_path, reader, lines, message):
     """Valid JSON of the wrong shape is a DataError at its line, never a raw TypeError."""
-    good = {"read_lama_relations": {"relation": "P0", "template": "[X] is [Y]"},
-            "read_lama_jsonl": {"sub_label": "a", "obj_label": "b", "predicate_id": "P0"}}[reader]
-    path = write(tmp_path / "x.jsonl", json.dumps(good) + "\n" + "\n".join(
-        line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    good = {
+        "read_lama_relations": {"relation": "P0", "template": "[X] is [Y]"},
+        "read_lama_jsonl": {"sub_label": "a", "obj_label": "b", "predicate_id": "P0"},
+    }[reader]
+    path = write(
+        tmp_path / "x.jsonl",
+        json.dumps(good)
+        + "\n"
+        + "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
+        + "\n",
+    )
     with pytest.raises(DataError, match=message) as e:
         getattr(readers, reader)(path)
     assert e.value.path == str(path) and e.value.line == 2
@@ -205,7 +235,10 @@ def test_labeled_text_readers_and_errors(tmp_path):
     csv_good = write(tmp_path / "j.csv", '"hello, world",0\n"multi\nline ""quoted""",1\nplain,1\n')
     recs = readers.read_csv_labeled(csv_good, label_set=["0", "1"])
     assert [(r.text, r.label, r.line) for r in recs] == [
-        ("hello, world", "0", 1), ('multi\nline "quoted"', "1", 2), ("plain", "1", 4)]
+        ("hello, world", "0", 1),
+        ('multi\nline "quoted"', "1", 2),
+        ("plain", "1", 4),
+    ]
     with pytest.raises(DataError, match="label '2' not in label set") as e:
         readers.read_csv_labeled(write(tmp_path / "b.csv", "a,0\nb,2\n"), label_set=["0", "1"])
     assert e.value.line == 2
@@ -224,30 +257,61 @@ def test_labeled_text_readers_and_errors(tmp_path):
 
 
 def test_lama_readers(tmp_path):
-    trex = write(tmp_path / "P19.jsonl", json.dumps({
-        "uuid": "u1", "sub_label": "Allan Peiper", "obj_label": "Alexandra", "predicate_id": "P19",
-        "evidences": [{"masked_sentence": "born in [MASK], Australia"}]}) + "\n")
-    google = write(tmp_path / "place_of_birth_test.jsonl", json.dumps({
-        "pred": "/people/person/place_of_birth", "sub_label": "K M", "obj_label": "Lebanon",
-        "masked_sentences": ["K M was born in [MASK] ."]}) + "\n")
+    trex = write(
+        tmp_path / "P19.jsonl",
+        json.dumps(
+            {
+                "uuid": "u1",
+                "sub_label": "Allan Peiper",
+                "obj_label": "Alexandra",
+                "predicate_id": "P19",
+                "evidences": [{"masked_sentence": "born in [MASK], Australia"}],
+            }
+        )
+        + "\n",
+    )
+    google = write(
+        tmp_path / "place_of_birth_test.jsonl",
+        json.dumps(
+            {
+                "pred": "/people/person/place_of_birth",
+                "sub_label": "K M",
+                "obj_label": "Lebanon",
+                "masked_sentences": ["K M was born in [MASK] ."],
+            }
+        )
+        + "\n",
+    )
     f = readers.read_lama_jsonl(trex)[0]
     assert (f.relation, f.sub_label, f.obj_label, f.masked_sentences) == (
-        "P19", "Allan Peiper", "Alexandra", ("born in [MASK], Australia",))
+        "P19",
+        "Allan Peiper",
+        "Alexandra",
+        ("born in [MASK], Australia",),
+    )
     assert f.prompt("[X] was born in [Y] .") == "Allan Peiper was born in [MASK] ."
     g = readers.read_lama_jsonl(google)[0]
     assert g.relation == "place_of_birth" and g.masked_sentences == ("K M was born in [MASK] .",)
-    bad = write(tmp_path / "bad.jsonl", json.dumps({"sub_label": "a", "obj_label": "b", "predicate_id": "P1"})
-                + "\n" + json.dumps({"sub_label": "a", "predicate_id": "P1"}) + "\n")
+    bad = write(
+        tmp_path / "bad.jsonl",
+        json.dumps({"sub_label": "a", "obj_label": "b", "predicate_id": "P1"})
+        + "\n"
+        + json.dumps({"sub_label": "a", "predicate_id": "P1"})
+        + "\n",
+    )
     with pytest.raises(DataError, match="missing or empty field 'obj_label'") as e:
         readers.read_lama_jsonl(bad)
     assert e.value.line == 2
 
-    typed = write(tmp_path / "synth_City" / "TREx" / "P20.csv",
-                  ",sent,gold,filename\n0,\"A, B died in [MASK] .\",Paris,x\n1,C died in [MASK] .,Rome,x\n")
+    typed = write(
+        tmp_path / "synth_City" / "TREx" / "P20.csv",
+        ',sent,gold,filename\n0,"A, B died in [MASK] .",Paris,x\n1,C died in [MASK] .,Rome,x\n',
+    )
     ps = readers.read_typed_lama_csv(typed)
     assert [(p.sent, p.gold, p.type_name, p.relation, p.corpus, p.line) for p in ps] == [
         ("A, B died in [MASK] .", "Paris", "City", "P20", "TREx", 2),
-        ("C died in [MASK] .", "Rome", "City", "P20", "TREx", 3)]
+        ("C died in [MASK] .", "Rome", "City", "P20", "TREx", 3),
+    ]
     write(typed, ",sent,gold,filename\n0,no mask here,Paris,x\n")
     with pytest.raises(DataError, match=r"exactly one \[MASK\]") as e:
         readers.read_typed_lama_csv(typed)
@@ -260,8 +324,13 @@ def test_lama_readers(tmp_path):
 def test_tfds_conll_builder_roundtrip_and_cache_keys(tmp_path):
     train = write(tmp_path / "src" / "train.txt", CONLL)
     test = write(tmp_path / "src" / "test.txt", "Paris NNP I-NP I-LOC\n")
-    ds = tfds_builders.prepare(tfds_builders.ConllNer, tmp_path / "cache", splits={"train": train, "test": test},
-                               scheme="iob1", label_names=ner.CONLL2003_LABELS)
+    ds = tfds_builders.prepare(
+        tfds_builders.ConllNer,
+        tmp_path / "cache",
+        splits={"train": train, "test": test},
+        scheme="iob1",
+        label_names=ner.CONLL2003_LABELS,
+    )
     assert ds.label_names == list(ner.CONLL2003_LABELS)
     assert {k: len(v) for k, v in ds.items()} == {"train": 3, "test": 1}
     ex = ds["train"][1]  # file order is kept
@@ -274,8 +343,13 @@ def test_tfds_conll_builder_roundtrip_and_cache_keys(tmp_path):
     assert again.label_names == ds.label_names and len(again["train"]) == 3
     # Another source path -> another cache entry, not a stale hit.
     other = write(tmp_path / "src2" / "train.txt", "Rome NNP I-NP I-LOC\n")
-    ds2 = tfds_builders.prepare(tfds_builders.ConllNer, tmp_path / "cache", splits={"train": other},
-                                scheme="iob1", label_names=ner.CONLL2003_LABELS)
+    ds2 = tfds_builders.prepare(
+        tfds_builders.ConllNer,
+        tmp_path / "cache",
+        splits={"train": other},
+        scheme="iob1",
+        label_names=ner.CONLL2003_LABELS,
+    )
     assert ds2.builder_dir != ds.builder_dir and len(ds2["train"]) == 1
     # Inferred label set: from the first split; an unseen tag in a later split is an error.
     bad_test = write(tmp_path / "src" / "test2.txt", "Paris I-LOC\nNice I-GPE\n")
@@ -288,15 +362,17 @@ def test_tfds_conll_builder_roundtrip_and_cache_keys(tmp_path):
 def test_tfds_labeled_text_and_bad_source(tmp_path):
     pos = write(tmp_path / "pos.txt", "good\ngreat\n")
     neg = write(tmp_path / "neg.txt", "awful\n")
-    ds = tfds_builders.prepare(tfds_builders.LabeledText, tmp_path / "cache",
-                               splits={"train": {"pos": pos, "neg": neg}}, fmt="text")
+    ds = tfds_builders.prepare(
+        tfds_builders.LabeledText, tmp_path / "cache", splits={"train": {"pos": pos, "neg": neg}}, fmt="text"
+    )
     assert ds.label_names == ["neg", "pos"]
     got = [(tfds_builders.text(e["text"]), ds.label_names[e["label"]]) for e in ds["train"].__getitems__([0, 1, 2])]
     assert got == [("good", "pos"), ("great", "pos"), ("awful", "neg")]
     bad = write(tmp_path / "bad.jsonl", '{"sentence": "a", "label": "1"}\n{"sentence": "b", "label": "9"}\n')
     with pytest.raises(DataError, match="label '9' not in label set") as e:
-        tfds_builders.prepare(tfds_builders.LabeledText, tmp_path / "cache", splits={"train": bad}, fmt="jsonl",
-                              label_names=list("01234"))
+        tfds_builders.prepare(
+            tfds_builders.LabeledText, tmp_path / "cache", splits={"train": bad}, fmt="jsonl", label_names=list("01234")
+        )
     assert e.value.line == 2
 
 
@@ -305,8 +381,13 @@ def test_tfds_labeled_text_and_bad_source(tmp_path):
 
 def _examples(n=50, seed=0, max_len=40):
     rs = np.random.default_rng(seed)
-    return [{"input_ids": np.arange(1, 1 + int(rs.integers(1, max_len + 1)), dtype=np.int32) + 100 * i,
-             "label": np.int32(i)} for i in range(n)]
+    return [
+        {
+            "input_ids": np.arange(1, 1 + int(rs.integers(1, max_len + 1)), dtype=np.int32) + 100 * i,
+            "label": np.int32(i),
+        }
+        for i in range(n)
+    ]
 
 
 def _batcher(ex, batch_size=8, **kw):
@@ -384,11 +465,13 @@ def test_batcher_hosts_split_the_global_batch():
 
 def test_batcher_rejects_too_long_and_bad_fields():
     with pytest.raises(ValueError, match="example 0 has length 9 > largest bucket 8"):
-        batching.Batcher([{"input_ids": np.zeros(9)}], 1, buckets=(8,), pad_values={"input_ids": 0},
-                         process_index=0, process_count=1)
+        batching.Batcher(
+            [{"input_ids": np.zeros(9)}], 1, buckets=(8,), pad_values={"input_ids": 0}, process_index=0, process_count=1
+        )
     ex = [{"input_ids": np.zeros(3), "span": np.zeros(2)}, {"input_ids": np.zeros(4), "span": np.zeros(3)}]
-    b = batching.Batcher(ex, 2, buckets=(8,), pad_values={"input_ids": 0}, shuffle=False,
-                         process_index=0, process_count=1)
+    b = batching.Batcher(
+        ex, 2, buckets=(8,), pad_values={"input_ids": 0}, shuffle=False, process_index=0, process_count=1
+    )
     with pytest.raises(ValueError, match="field 'span' differs in shape"):
         next(b)
 

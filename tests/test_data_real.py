@@ -48,8 +48,9 @@ def test_ncbi_disease_counts(shared_data, cache):
     root = shared_data / "ncbi_disease"
     want = {"train": (5432, 5145), "devel": (923, 787), "test": (940, 960)}  # sentences, disease mentions
     for split, (n_sent, n_ment) in want.items():
-        sents = readers.read_conll(root / f"{split}.tsv", delimiter="\t", scheme="iob2",
-                                   label_set=ner.NCBI_DISEASE_LABELS)
+        sents = readers.read_conll(
+            root / f"{split}.tsv", delimiter="\t", scheme="iob2", label_set=ner.NCBI_DISEASE_LABELS
+        )
         assert len(sents) == n_sent
         assert entity_counts(sents) == {"Disease": n_ment}
     ds = tfds_builders.ncbi_disease(root, cache)
@@ -59,8 +60,11 @@ def test_ncbi_disease_counts(shared_data, cache):
 
 
 def test_sst5_and_jigsaw(shared_data, cache):
-    want = {"train": [1092, 2218, 1624, 2322, 1288], "dev": [139, 289, 229, 279, 165],
-            "test": [279, 633, 389, 510, 399]}
+    want = {
+        "train": [1092, 2218, 1624, 2322, 1288],
+        "dev": [139, 289, 229, 279, 165],
+        "test": [279, 633, 389, 510, 399],
+    }
     for split, counts in want.items():
         recs = readers.read_jsonl_labeled(shared_data / "sst5" / f"{split}.jsonl", label_set=list("01234"))
         assert [sum(r.label == str(c) for r in recs) for c in range(5)] == counts
@@ -86,11 +90,18 @@ def test_lama_raw_and_templates(shared_data, cache):
     assert len({f.relation for f in trex}) == 28 and all(f.relation in templates for f in trex)
     google = {p.stem: readers.read_lama_jsonl(p) for p in sorted((root / "Google_RE").glob("*.jsonl"))}
     assert {k: len(v) for k, v in google.items()} == {
-        "date_of_birth_test": 1825, "place_of_birth_test": 2937, "place_of_death_test": 766}
+        "date_of_birth_test": 1825,
+        "place_of_birth_test": 2937,
+        "place_of_death_test": 766,
+    }
     assert all(f.masked_sentences for f in trex)
 
-    ds = tfds_builders.prepare(tfds_builders.Lama, cache, splits={"google_re": sorted((root / "Google_RE").glob("*.jsonl"))},
-                               templates=root / "relations.jsonl")
+    ds = tfds_builders.prepare(
+        tfds_builders.Lama,
+        cache,
+        splits={"google_re": sorted((root / "Google_RE").glob("*.jsonl"))},
+        templates=root / "relations.jsonl",
+    )
     src = ds["google_re"]
     assert len(src) == 5528
     ex = src[1825]  # first place_of_birth fact (files in sorted order)

@@ -21,9 +21,18 @@ V, D, N = 89, 32, 6
 def tiny():
     torch.manual_seed(0)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0, initializer_range=0.3,
-        tie_word_embeddings=False, attn_implementation="eager")
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=500.0,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     cfg = config_from_hf(hf_cfg.to_dict())
     params = params_from_hf({k: v.numpy() for k, v in hf.state_dict().items()}, cfg)
@@ -35,8 +44,8 @@ def prompts(seed=0, lengths=(8, 5, 2), t=8):
     ids = np.zeros((len(lengths), t), np.int32)
     mask = np.zeros((len(lengths), t), np.int32)
     for b, n in enumerate(lengths):
-        ids[b, t - n:] = rs.randint(3, V, n)
-        mask[b, t - n:] = 1
+        ids[b, t - n :] = rs.randint(3, V, n)
+        mask[b, t - n :] = 1
     return ids, mask
 
 
@@ -44,8 +53,14 @@ def test_greedy_matches_hf_generate(tiny):
     hf, model, params = tiny
     ids, mask = prompts()
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), max_new_tokens=N,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:].numpy()
+        ref = hf.generate(
+            torch.tensor(ids).long(),
+            attention_mask=torch.tensor(mask).long(),
+            max_new_tokens=N,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[:, ids.shape[1] :].numpy()
     out = generate(model, params, ids, mask, max_new_tokens=N)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     assert out.lengths.tolist() == [N] * 3
@@ -77,8 +92,9 @@ def test_sampling_keys_rows_and_recompilation(tiny):
     # changing sampling values, stop-id values, per-row params or prompt text: no new program
     other_ids, other_mask = prompts(seed=5, lengths=(3, 1, 4), t=8)
     generate(model, params, other_ids, other_mask, max_new_tokens=N, temperature=0.3, top_p=0.8, top_k=5)
-    generate(model, params, ids, mask, max_new_tokens=N, temperature=jnp.asarray([0.0, 0.5, 2.0]), top_p=0.5,
-             stop_ids=(5, 7))
+    generate(
+        model, params, ids, mask, max_new_tokens=N, temperature=jnp.asarray([0.0, 0.5, 2.0]), top_p=0.5, stop_ids=(5, 7)
+    )
     generate(model, params, ids, mask, max_new_tokens=N)
     assert decode.compiled_count() == n_compiled
     generate(model, params, ids, mask, max_new_tokens=N + 1)  # a new static length does compile
@@ -114,15 +130,18 @@ def test_top_k_top_p_filter_matches_numpy():
 def test_top_p_candidate_fast_path_is_exact(scale):
     rs = np.random.RandomState(1)
     logits = (rs.randn(5, 400) * scale).astype(np.float32)
-    top_k = np.array([0, 10, 0, 200, 0], np.int32)      # 200 > candidates: needs the full sort
+    top_k = np.array([0, 10, 0, 200, 0], np.int32)  # 200 > candidates: needs the full sort
     top_p = np.array([0.9, 1.0, 1.0, 0.95, 0.5], np.float32)
     want = _filter_reference(logits, top_k, top_p)
     for rows in ([0, 1, 2, 4], [0, 1, 2, 3, 4]):
-        got = np.asarray(sampling._filter_top_k_top_p(jnp.asarray(logits[rows]), jnp.asarray(top_k[rows]),
-                                                    jnp.asarray(top_p[rows]), candidates=16))
+        got = np.asarray(
+            sampling._filter_top_k_top_p(
+                jnp.asarray(logits[rows]), jnp.asarray(top_k[rows]), jnp.asarray(top_p[rows]), candidates=16
+            )
+        )
         np.testing.assert_array_equal(got, want[rows])
     kept = np.isfinite(want).sum(axis=1)
-    assert (kept[[0, 4]] > 16).any() == (scale < 1)     # the flat case really exercises the fallback
+    assert (kept[[0, 4]] > 16).any() == (scale < 1)  # the flat case really exercises the fallback
 
 
 def test_wide_nucleus_bisection_matches_sort():
@@ -130,9 +149,9 @@ def test_wide_nucleus_bisection_matches_sort():
     same kept set as the full sort and the NumPy reference, with ties, -inf and negative logits."""
     rs = np.random.RandomState(2)
     logits = (rs.randn(12, 3000) * 0.3 - 4.0).astype(np.float32)
-    logits[1, :1500] = np.round(logits[1, :1500], 1)       # many exact ties
-    logits[2, rs.rand(3000) < 0.3] = -np.inf               # masked tokens
-    logits[3] = 0.0                                         # all equal: the whole row is kept
+    logits[1, :1500] = np.round(logits[1, :1500], 1)  # many exact ties
+    logits[2, rs.rand(3000) < 0.3] = -np.inf  # masked tokens
+    logits[3] = 0.0  # all equal: the whole row is kept
     top_k = np.zeros(12, np.int32)
     top_p = np.linspace(0.05, 0.99, 12).astype(np.float32)
     x, k, p = jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)
@@ -140,7 +159,7 @@ def test_wide_nucleus_bisection_matches_sort():
     np.testing.assert_array_equal(got, np.asarray(sampling._filter_sorted(x, k, p)))
     untied = [b for b in range(12) if b not in (1, 3)]  # the NumPy reference cuts a tie at the boundary
     np.testing.assert_array_equal(got[untied], _filter_reference(logits, top_k, top_p)[untied])
-    assert (np.isfinite(got).sum(axis=1) > 16).sum() >= 10   # most rows really took the bisection
+    assert (np.isfinite(got).sum(axis=1) > 16).sum() >= 10  # most rows really took the bisection
     assert np.isfinite(got[3]).all()
 
 
@@ -172,8 +191,11 @@ def naive_greedy(model, params, ids, mask, n, embed_offset, step_offset, film_ga
     b, t = ids.shape
     seq = np.concatenate([ids, np.zeros((b, n), ids.dtype)], 1)
     full_mask = jnp.asarray(np.concatenate([mask, np.ones((b, n), mask.dtype)], 1))
-    hooks = Hooks(embed_offset=jnp.concatenate([embed_offset, jnp.broadcast_to(step_offset[:, None], (b, n, D))], 1),
-                  film={1: FiLM(gamma_in=jnp.concatenate([film_gamma, jnp.zeros((b, n, D))], 1))}, steer=steer)
+    hooks = Hooks(
+        embed_offset=jnp.concatenate([embed_offset, jnp.broadcast_to(step_offset[:, None], (b, n, D))], 1),
+        film={1: FiLM(gamma_in=jnp.concatenate([film_gamma, jnp.zeros((b, n, D))], 1))},
+        steer=steer,
+    )
     forward = jax.jit(lambda p, s: model.apply({"params": p}, s, full_mask, hooks=hooks).logits)
     for i in range(n):
         logits = forward(params, jnp.asarray(seq))
@@ -188,8 +210,11 @@ def test_hooks_in_generation_match_naive_loop(tiny):
     emb = jnp.asarray(rs.randn(3, 8, D), jnp.float32)
     step = jnp.asarray(rs.randn(3, D), jnp.float32)
     gamma = jnp.asarray(rs.randn(3, 8, D), jnp.float32)
-    steer = Steer(eps=jnp.asarray([2.0]), p1=jnp.asarray(rs.randn(1, D, 4), jnp.float32),
-                  p2=jnp.asarray(rs.randn(1, D, 4), jnp.float32))
+    steer = Steer(
+        eps=jnp.asarray([2.0]),
+        p1=jnp.asarray(rs.randn(1, D, 4), jnp.float32),
+        p2=jnp.asarray(rs.randn(1, D, 4), jnp.float32),
+    )
     hooks = Hooks(embed_offset=emb, step_offset=step, film={1: FiLM(gamma_in=gamma)}, steer=steer)
     got = np.asarray(generate(model, params, ids, mask, max_new_tokens=N, hooks=hooks).tokens)
     ref = naive_greedy(model, params, ids, mask, N, emb, step, gamma, steer)
@@ -219,9 +244,15 @@ def test_repetition_penalty_and_min_new_tokens_match_hf(tiny):
     ids, mask = prompts()
     n = 12
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0, eos_token_id=None,
-                          repetition_penalty=1.8)[:, ids.shape[1]:].numpy()
+        ref = hf.generate(
+            torch.tensor(ids).long(),
+            attention_mask=torch.tensor(mask).long(),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            repetition_penalty=1.8,
+        )[:, ids.shape[1] :].numpy()
     out = generate(model, params, ids, mask, max_new_tokens=n, repetition_penalty=1.8)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     plain = generate(model, params, ids, mask, max_new_tokens=n)
@@ -229,11 +260,18 @@ def test_repetition_penalty_and_min_new_tokens_match_hf(tiny):
     # min_new_tokens: HF holds the eos back for that many tokens; pick a stop id greedy would emit early
     stop = int(np.asarray(plain.tokens)[0, 1])
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0, eos_token_id=stop, min_new_tokens=6)
-    ref = ref[:, ids.shape[1]:].numpy()
+        ref = hf.generate(
+            torch.tensor(ids).long(),
+            attention_mask=torch.tensor(mask).long(),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=stop,
+            min_new_tokens=6,
+        )
+    ref = ref[:, ids.shape[1] :].numpy()
     out = generate(model, params, ids, mask, max_new_tokens=n, stop_ids=[stop], min_new_tokens=6)
-    got = np.asarray(out.tokens)[:, :ref.shape[1]]
+    got = np.asarray(out.tokens)[:, : ref.shape[1]]
     np.testing.assert_array_equal(np.where(got == stop, stop, got), ref)  # HF pads finished rows with pad 0 too
     assert (np.asarray(out.lengths) >= 6).all()
 

@@ -24,8 +24,17 @@ TOL = 1e-5
 
 def _hf_model(tie: bool = True, **kw) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=P, n_embd=D, n_layer=L, n_head=H,
-                                  bos_token_id=V - 1, eos_token_id=V - 1, tie_word_embeddings=tie, **kw)
+    cfg = transformers.GPT2Config(
+        vocab_size=V,
+        n_positions=P,
+        n_embd=D,
+        n_layer=L,
+        n_head=H,
+        bos_token_id=V - 1,
+        eos_token_id=V - 1,
+        tie_word_embeddings=tie,
+        **kw,
+    )
     cfg._attn_implementation = "eager"
     model = transformers.GPT2LMHeadModel(cfg)
     # HF initialises with std 0.02 and LayerNorm 1/0: make every tensor O(0.3) so errors show up
@@ -53,8 +62,11 @@ def _positions(mask):
 
 
 def _hf_forward(model, ids, mask, inputs_embeds=None):
-    kw = dict(attention_mask=torch.tensor(mask, dtype=torch.long),
-              position_ids=torch.tensor(_positions(mask), dtype=torch.long), output_hidden_states=True)
+    kw = dict(
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        position_ids=torch.tensor(_positions(mask), dtype=torch.long),
+        output_hidden_states=True,
+    )
     with torch.no_grad():
         if inputs_embeds is not None:
             return model(inputs_embeds=torch.tensor(inputs_embeds), **kw)
@@ -74,8 +86,9 @@ def setup():
     cfg = families.config_from_hf(hf.config.to_dict())
     params = families.params_from_hf(_state(hf), cfg)
     module = jd.Decoder(cfg)
-    fwd = jax.jit(lambda p, i, m, h, hs: module.apply({"params": p}, i, m, hooks=h, output_hidden_states=hs),
-                  static_argnums=4)
+    fwd = jax.jit(
+        lambda p, i, m, h, hs: module.apply({"params": p}, i, m, hooks=h, output_hidden_states=hs), static_argnums=4
+    )
     return hf, cfg, params, module, fwd
 
 
@@ -142,11 +155,13 @@ def test_step_offset_and_prompt_hooks_under_cache(setup):
     full = fwd(params, ids, mask, Hooks(embed_offset=jnp.asarray(off), attn_bias=jnp.asarray(bias)), False)
 
     cache = cfg.init_cache(B, 12)
-    hooks = Hooks(embed_offset=jnp.asarray(off[:, :T]), attn_bias=jnp.asarray(bias[:, :T, :T]),
-                  step_offset=jnp.asarray(step_off))
+    hooks = Hooks(
+        embed_offset=jnp.asarray(off[:, :T]), attn_bias=jnp.asarray(bias[:, :T, :T]), step_offset=jnp.asarray(step_off)
+    )
     step_hooks = Hooks(step_offset=jnp.asarray(step_off))
-    run = jax.jit(lambda p, i, m, h, c, s: module.apply({"params": p}, i, m, hooks=h, cache=c, step=s),
-                  static_argnums=5)
+    run = jax.jit(
+        lambda p, i, m, h, c, s: module.apply({"params": p}, i, m, hooks=h, cache=c, step=s), static_argnums=5
+    )
     pre = run(params, jnp.asarray(ids[:, :T]), jnp.asarray(mask[:, :T]), hooks, cache, False)
     nxt = run(params, jnp.asarray(ids[:, T:]), jnp.asarray(mask[:, T:]), step_hooks, pre.cache, True)
     assert _maxdiff(pre.logits, np.asarray(full.logits)[:, :T], mask[:, :T]) <= TOL
@@ -162,8 +177,9 @@ def test_bad_attn_bias_shape(setup):
     _, _, params, module, _ = setup
     ids, mask = _batch()
     with pytest.raises(ValueError, match="attn_bias"):
-        module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask),
-                     hooks=Hooks(attn_bias=jnp.zeros((B, T, T + 2))))
+        module.apply(
+            {"params": params}, jnp.asarray(ids), jnp.asarray(mask), hooks=Hooks(attn_bias=jnp.zeros((B, T, T + 2)))
+        )
 
 
 def test_positions_past_n_positions_are_refused(setup):
@@ -172,8 +188,9 @@ def test_positions_past_n_positions_are_refused(setup):
     with pytest.raises(ValueError, match="learned positions"):
         module.apply({"params": params}, too_long)
     from jsteer.decode import generate
+
     prompt = jnp.ones((1, cfg.max_position_embeddings - 2), jnp.int32)
-    generate(module, params, prompt, max_new_tokens=2)               # exactly fits
+    generate(module, params, prompt, max_new_tokens=2)  # exactly fits
     with pytest.raises(ValueError, match="n_positions"):
         generate(module, params, prompt, max_new_tokens=3)
 
@@ -185,7 +202,7 @@ def test_params_from_hf_names_and_errors(setup):
     hf, cfg, params, module, _ = setup
     sd = _state(hf)
     # bare GPT2Model names (no `transformer.`), plus the causal-mask buffers of old checkpoints
-    bare = {k[len("transformer."):]: v for k, v in sd.items() if k.startswith("transformer.")}
+    bare = {k[len("transformer.") :]: v for k, v in sd.items() if k.startswith("transformer.")}
     bare["h.0.attn.bias"] = np.tril(np.ones((1, 1, P, P), np.float32))
     bare["h.1.attn.masked_bias"] = np.array(-1e4, np.float32)
     p2 = families.params_from_hf(bare, cfg)
@@ -194,8 +211,9 @@ def test_params_from_hf_names_and_errors(setup):
     init = jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     shapes = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
     assert shapes(init) == shapes(params)
-    assert jax.tree.structure(jd.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple)) == \
-        jax.tree.structure(params)
+    assert jax.tree.structure(jd.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
+        params
+    )
     np.testing.assert_array_equal(jd.input_embeddings(params), sd["transformer.wte.weight"])
 
     missing = dict(sd)
@@ -216,6 +234,7 @@ def test_params_from_hf_names_and_errors(setup):
     with pytest.raises(ValueError, match="n_layer"):
         families.config_from_hf(no_layers)
 
+
 def test_bf16_activations_close(setup):
     _, cfg, params, _, fwd = setup
     ids, mask = _batch(seed=10)
@@ -225,6 +244,7 @@ def test_bf16_activations_close(setup):
     err = _maxdiff(out.logits, ref.logits, mask) / float(np.abs(np.asarray(ref.logits)).max())
     assert err < 0.05
 
+
 def test_last_logits_only_and_dtype(setup):
     _, cfg, params, module, fwd = setup
     ids, mask = _batch(seed=11)
@@ -232,7 +252,8 @@ def test_last_logits_only_and_dtype(setup):
     hooks = Hooks(steer=steer)
     full = fwd(params, ids, mask, hooks, False)
     last = jax.jit(lambda p, i, m, h: module.apply({"params": p}, i, m, hooks=h, last_logits_only=True))(
-        params, jnp.asarray(ids), jnp.asarray(mask), hooks)
+        params, jnp.asarray(ids), jnp.asarray(mask), hooks
+    )
     assert last.logits.shape == (B, 1, V)
     assert _maxdiff(last.logits, np.asarray(full.logits)[:, -1:]) <= TOL
     np.testing.assert_array_equal(np.asarray(last.hidden), np.asarray(full.hidden))
@@ -259,13 +280,18 @@ def test_explicit_positions_under_cache_continue_after_the_largest(setup):
     full = fwd(params, ids, mask, Hooks(position_ids=jnp.asarray(full_pos)), False)
 
     run = jax.jit(lambda p, i, m, h, c: module.apply({"params": p}, i, m, hooks=h, cache=c))
-    out = run(params, jnp.asarray(ids[:, :T]), jnp.asarray(mask[:, :T]),
-              Hooks(position_ids=jnp.asarray(pos, jnp.int32)), cfg.init_cache(B, T + 2))
+    out = run(
+        params,
+        jnp.asarray(ids[:, :T]),
+        jnp.asarray(mask[:, :T]),
+        Hooks(position_ids=jnp.asarray(pos, jnp.int32)),
+        cfg.init_cache(B, T + 2),
+    )
     np.testing.assert_array_equal(np.asarray(out.cache.pos), top[:, 0] + 1)
     logits = [np.asarray(out.logits)]
     cache = out.cache
     for i in (T, T + 1):
-        out = run(params, jnp.asarray(ids[:, i:i + 1]), jnp.ones((B, 1), jnp.int32), None, cache)
+        out = run(params, jnp.asarray(ids[:, i : i + 1]), jnp.ones((B, 1), jnp.int32), None, cache)
         cache = out.cache
         logits.append(np.asarray(out.logits))
     assert _maxdiff(np.concatenate(logits, axis=1), full.logits, mask) <= TOL
@@ -281,16 +307,20 @@ def test_explicit_positions_are_checked_against_n_positions(setup):
     pos[:, -1] = cfg.max_position_embeddings - 3
     generate(module, params, ids, mask, max_new_tokens=2, hooks=Hooks(position_ids=jnp.asarray(pos)))  # fits
     top = cfg.max_position_embeddings
-    with pytest.raises(ValueError, match=rf"prompt positions up to {top - 3} \+ max_new_tokens 3 "
-                                         rf"exceeds .*n_positions {top}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompt positions up to {top - 3} \+ max_new_tokens 3 "
+        rf"exceeds .*n_positions {top}",
+    ):
         generate(module, params, ids, mask, max_new_tokens=3, hooks=Hooks(position_ids=jnp.asarray(pos)))
     pos[0, -1] = cfg.max_position_embeddings  # one past the table: would gather NaN
     msg = rf"hooks.position_ids must lie in \[0, {top}\).*got values from 0 to {top}"
     with pytest.raises(ValueError, match=msg):
         generate(module, params, ids, mask, max_new_tokens=1, hooks=Hooks(position_ids=jnp.asarray(pos)))
     with pytest.raises(ValueError, match=msg):
-        module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask),
-                     hooks=Hooks(position_ids=jnp.asarray(pos)))
+        module.apply(
+            {"params": params}, jnp.asarray(ids), jnp.asarray(mask), hooks=Hooks(position_ids=jnp.asarray(pos))
+        )
 
 
 @pytest.mark.parametrize("key", [-1, L, 99, "1"])
@@ -309,8 +339,11 @@ def test_forward_mode_autodiff_through_the_decoder(setup):
     emb = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, D)).astype(np.float32)) * 0.1
 
     def logit(offset):
-        return module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask),
-                            hooks=Hooks(embed_offset=offset)).logits[:, -1, 3].sum()
+        return (
+            module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask), hooks=Hooks(embed_offset=offset))
+            .logits[:, -1, 3]
+            .sum()
+        )
 
     direction = jnp.asarray(np.random.default_rng(6).normal(size=emb.shape).astype(np.float32))
     _, tangent = jax.jvp(logit, (emb,), (direction,))
@@ -359,13 +392,16 @@ def test_scanned_layer_stack_equals_unrolled(setup):
     assert axes["layers"]["attn"]["q"]["kernel"] == ("layers", "embed", "heads", "head_dim")
     ids, mask = _batch(seed=17)
     rng = np.random.default_rng(7)
-    hooks = Hooks(interventions={"resid_post.1": iv.Add(jnp.asarray(rng.normal(size=D), jnp.float32), 2.0),
-                                 "attn_out.0": iv.Scale(1.2)},
-                  film={0: FiLM(beta_out=jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32))})
+    hooks = Hooks(
+        interventions={
+            "resid_post.1": iv.Add(jnp.asarray(rng.normal(size=D), jnp.float32), 2.0),
+            "attn_out.0": iv.Scale(1.2),
+        },
+        film={0: FiLM(beta_out=jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32))},
+    )
     capture = ("resid_post.0", "ffn_in.1", "final")
     a = module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask), hooks=hooks, capture=capture)
-    b = jd.Decoder(scfg).apply({"params": sparams}, jnp.asarray(ids), jnp.asarray(mask), hooks=hooks,
-                               capture=capture)
+    b = jd.Decoder(scfg).apply({"params": sparams}, jnp.asarray(ids), jnp.asarray(mask), hooks=hooks, capture=capture)
     assert _maxdiff(a.logits, b.logits, mask) <= TOL
     for k in capture:
         assert _maxdiff(a.captured[k], b.captured[k], mask) <= TOL, k
@@ -380,8 +416,15 @@ def test_scanned_layer_stack_equals_unrolled(setup):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_remat_policies_keep_gradients_and_cut_memory(scan):
-    cfg = jd.DecoderConfig.llama(vocab_size=64, hidden_size=64, intermediate_size=256, num_layers=4, num_heads=4,
-                                 num_kv_heads=2, scan_layers=scan)
+    cfg = jd.DecoderConfig.llama(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        scan_layers=scan,
+    )
     ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (8, 64)))
     params = jax.jit(jd.Decoder(cfg).init)(jax.random.PRNGKey(0), ids)["params"]
 

@@ -25,35 +25,96 @@ from jsteer.decode import generate
 from jsteer.hooks import FiLM, Hooks, Steer
 
 V, D = 97, 32
-BASE = dict(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-            pad_token_id=0)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=D,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 NEOX = {k: v for k, v in BASE.items() if k not in ("num_key_value_heads", "head_dim")}
 FAMILIES = {
     # name: (config class, model class, kwargs): one per model_type, with its distinctive switches on
-    "llama3.2-tied": ("LlamaConfig", "LlamaForCausalLM", dict(BASE, tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16, "rope_theta": 500.0})),
+    "llama3.2-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            BASE,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 500.0,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(BASE, sliding_window=5)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(BASE, use_sliding_window=True, sliding_window=5,
-                                                      max_window_layers=1)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(BASE, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, attention_bias=True)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(BASE, sliding_window=5, query_pre_attn_scalar=12,
-                                                         attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        BASE, sliding_window=5, query_pre_attn_scalar=12, sliding_window_pattern=2, rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
-        BASE, original_max_position_embeddings=10, partial_rotary_factor=0.5, sliding_window=6,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]})),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(BASE, sliding_window=5, query_pre_attn_scalar=12, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            BASE,
+            sliding_window=5,
+            query_pre_attn_scalar=12,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            BASE,
+            original_max_position_embeddings=10,
+            partial_rotary_factor=0.5,
+            sliding_window=6,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]},
+        ),
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(BASE)),
     "pythia": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(NEOX, rotary_pct=0.5)),
-    "neox-sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(NEOX, rotary_pct=0.25,
-                                                                    use_parallel_residual=False)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=D, n_layer=3, n_head=4, n_positions=64,
-                                                   scale_attn_by_inverse_layer_idx=True, bos_token_id=1,
-                                                   eos_token_id=2)),
+    "neox-sequential": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(NEOX, rotary_pct=0.25, use_parallel_residual=False),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=V,
+            n_embd=D,
+            n_layer=3,
+            n_head=4,
+            n_positions=64,
+            scale_attn_by_inverse_layer_idx=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 LLAMA = {k: v for k, v in BASE.items()}
 ROPES = {  # Llama-3.x RoPE types (and the untied 3.0 head): logits and greedy tokens
@@ -61,9 +122,15 @@ ROPES = {  # Llama-3.x RoPE types (and the untied 3.0 head): logits and greedy t
     "linear": dict(LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "dynamic": dict(LLAMA, max_position_embeddings=12, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
     "yarn": dict(LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
-    "longrope": dict(LLAMA, rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
-                                          "long_factor": [2.0, 3.0, 5.0, 8.0],
-                                          "original_max_position_embeddings": 10}),
+    "longrope": dict(
+        LLAMA,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 3.0, 5.0, 8.0],
+            "original_max_position_embeddings": 10,
+        },
+    ),
 }
 
 
@@ -83,8 +150,9 @@ def _tokenizer(path: pathlib.Path):
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    )
 
 
 def hf_model(config_cls: str, model_cls: str, kw: dict):
@@ -161,10 +229,16 @@ def test_greedy_generate_matches_hf(family):
     name, hf, lm = family
     ids, mask = left_padded(batch=2, t=8, seed=1)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=24, min_new_tokens=24,
-                          do_sample=False, pad_token_id=0, eos_token_id=None).numpy()[:, 8:]
-    out = generate(lm.module, lm.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32),
-                   max_new_tokens=24)
+        ref = hf.generate(
+            torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        ).numpy()[:, 8:]
+    out = generate(lm.module, lm.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), max_new_tokens=24)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref, err_msg=name)
 
 
@@ -177,8 +251,11 @@ def test_hooks_act_as_torch_hooks_do(family):
     rs = np.random.RandomState(2)
     g_in, b_in, g_out, b_out, emb = (0.5 * rs.randn(b, t, D).astype(np.float32) for _ in range(5))
     pos = np.sort(rs.randint(0, 40, (b, t)), axis=1) if lm.config.position == "learned" else rs.randint(0, 40, (b, t))
-    hooks = Hooks(embed_offset=jnp.asarray(emb), position_ids=jnp.asarray(pos),
-                  film={1: FiLM(*(jnp.asarray(x) for x in (g_in, b_in, g_out, b_out)))})
+    hooks = Hooks(
+        embed_offset=jnp.asarray(emb),
+        position_ids=jnp.asarray(pos),
+        film={1: FiLM(*(jnp.asarray(x) for x in (g_in, b_in, g_out, b_out)))},
+    )
     ours = np.asarray(run(lm, ids, mask, hooks=hooks).logits)
     layer = (hf.base_model.h if name == "gpt2" else hf.base_model.layers)[1]
     h1 = layer.mlp.register_forward_pre_hook(lambda m, a: (a[0] * (1 + torch.tensor(g_in)) + torch.tensor(b_in),))
@@ -226,20 +303,36 @@ def test_interventions_act_on_generated_tokens(family):
     _, _, lm = family
     rs = np.random.RandomState(5)
     vec = lambda: jnp.asarray(rs.randn(D).astype(np.float32))  # noqa: E731
-    ivs = {"resid_post.1": iv.Add(vec(), 2.0), "attn_out.0": iv.Add(vec(), 1.0), "ffn_in.1": iv.Scale(1.5),
-           "ffn_out.2": iv.Ablate(vec()), "embed": iv.Add(vec(), 0.5)}
+    ivs = {
+        "resid_post.1": iv.Add(vec(), 2.0),
+        "attn_out.0": iv.Add(vec(), 1.0),
+        "ffn_in.1": iv.Scale(1.5),
+        "ffn_out.2": iv.Ablate(vec()),
+        "embed": iv.Add(vec(), 0.5),
+    }
     hooks = Hooks(interventions=ivs)
     ids, mask = left_padded(batch=2, t=8, seed=6)
     n = 12
-    toks = np.asarray(generate(lm.module, lm.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32),
-                               max_new_tokens=n, hooks=hooks).tokens)
-    plain = np.asarray(generate(lm.module, lm.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32),
-                                max_new_tokens=n).tokens)
+    toks = np.asarray(
+        generate(
+            lm.module,
+            lm.params,
+            jnp.asarray(ids, jnp.int32),
+            jnp.asarray(mask, jnp.int32),
+            max_new_tokens=n,
+            hooks=hooks,
+        ).tokens
+    )
+    plain = np.asarray(
+        generate(
+            lm.module, lm.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), max_new_tokens=n
+        ).tokens
+    )
     assert (toks != plain).any(), "the interventions should change the generated tokens"
     full_ids = np.concatenate([ids, toks], axis=1)
     full_mask = np.concatenate([mask, np.ones_like(toks)], axis=1)
     logits = np.asarray(run(lm, full_ids, full_mask, hooks=hooks).logits)
-    np.testing.assert_array_equal(logits[:, 7:7 + n].argmax(-1), toks)
+    np.testing.assert_array_equal(logits[:, 7 : 7 + n].argmax(-1), toks)
 
 
 @pytest.mark.parametrize("case", list(ROPES))
@@ -254,10 +347,18 @@ def test_llama_rope_types_match_hf(case):
     if case in ("dynamic", "longrope"):  # the length-dependent types, across the switch
         ids, mask = left_padded(batch=2, t=8, seed=1)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=16,
-                              min_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None).numpy()[:, 8:]
-        got = generate(Decoder(cfg), params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32),
-                       max_new_tokens=16)
+            ref = hf.generate(
+                torch.tensor(ids),
+                attention_mask=torch.tensor(mask),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            ).numpy()[:, 8:]
+        got = generate(
+            Decoder(cfg), params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32), max_new_tokens=16
+        )
         np.testing.assert_array_equal(np.asarray(got.tokens), ref)
 
 
@@ -265,16 +366,19 @@ def _llama_dict(**kw):
     return {**T.LlamaConfig(**LLAMA).to_dict(), **kw}
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(model_type="falcon"), "model_type 'falcon' is not supported"),
-    (dict(model_type="gemma3"), "text-only 'gemma3_text'"),
-    (dict(rope_parameters={"rope_type": "ntk-by-parts", "factor": 2.0}), "rope_type 'ntk-by-parts'"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 1.0}), "parameter 'beta'"),
-    (dict(hidden_act="gelu"), "'hidden_act' = 'gelu'"),
-    (dict(some_new_flag=True), "config field 'some_new_flag'"),
-    (dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
-    (dict(sliding_window=4), "llama has no sliding window"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(model_type="falcon"), "model_type 'falcon' is not supported"),
+        (dict(model_type="gemma3"), "text-only 'gemma3_text'"),
+        (dict(rope_parameters={"rope_type": "ntk-by-parts", "factor": 2.0}), "rope_type 'ntk-by-parts'"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "beta": 1.0}), "parameter 'beta'"),
+        (dict(hidden_act="gelu"), "'hidden_act' = 'gelu'"),
+        (dict(some_new_flag=True), "config field 'some_new_flag'"),
+        (dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+        (dict(sliding_window=4), "llama has no sliding window"),
+    ],
+)
 def test_unknown_config_fields_and_values_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         families.config_from_hf(_llama_dict(**change))
@@ -304,8 +408,12 @@ def test_bad_interventions_and_sites_are_refused(family):
     _, _, lm = family
     ids, mask = left_padded()
     n = lm.config.num_layers
-    for key, match in ((f"resid_post.{n}", "out of range"), ("mlp_out.0", "unknown site"),
-                       ("resid_post", "needs a layer index"), ("final.1", "takes no layer")):
+    for key, match in (
+        (f"resid_post.{n}", "out of range"),
+        ("mlp_out.0", "unknown site"),
+        ("resid_post", "needs a layer index"),
+        ("final.1", "takes no layer"),
+    ):
         with pytest.raises(ValueError, match=match):
             run(lm, ids, mask, hooks=Hooks(interventions={key: iv.Scale(1.0)}))
     with pytest.raises(ValueError, match="returned"):

@@ -29,9 +29,9 @@ def test_keep_rate_scaling_and_identity():
 def test_mask_depends_on_key_only_and_is_unbiased_per_position():
     shape = (32, 12, 64, 64)
     a = np.asarray(keep_mask(jax.random.key(1), shape, 0.1))
-    assert np.array_equal(a, np.asarray(keep_mask(jax.random.key(1), shape, 0.1)))       # reproducible
+    assert np.array_equal(a, np.asarray(keep_mask(jax.random.key(1), shape, 0.1)))  # reproducible
     b = np.asarray(keep_mask(jax.random.key(2), shape, 0.1))
-    assert (a != b).mean() == pytest.approx(2 * 0.1 * 0.9, abs=0.005)                     # independent keys
+    assert (a != b).mean() == pytest.approx(2 * 0.1 * 0.9, abs=0.005)  # independent keys
     # no structure along any axis: keep rate per index of each axis stays near 0.9
     for axis in range(4):
         per = a.mean(axis=tuple(i for i in range(4) if i != axis))

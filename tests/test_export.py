@@ -14,8 +14,15 @@ from jsteer.decode import generate
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
 PLATFORMS = ("cuda", "tpu")
-CFG = DecoderConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                          num_kv_heads=2, tie_word_embeddings=True)
+CFG = DecoderConfig.llama(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+)
 
 
 def _spec(x):
@@ -25,13 +32,14 @@ def _spec(x):
 def export_text(fn, *args) -> str:
     """The StableHLO of ``fn`` exported for PLATFORMS; fails on an op those platforms lack."""
     exp = jax.export.export(fn if hasattr(fn, "lower") else jax.jit(fn), platforms=PLATFORMS)(
-        *jax.tree.map(_spec, args))
+        *jax.tree.map(_spec, args)
+    )
     assert exp.platforms == PLATFORMS
     text = exp.mlir_module()
     assert cpu.TARGET not in text, "the CPU-only decode kernel reached an accelerator program"
     assert "custom_call" not in text or all(
-        "Sharding" in line or "SPMD" in line for line in text.splitlines() if "custom_call" in line), \
-        [line for line in text.splitlines() if "custom_call" in line][:3]
+        "Sharding" in line or "SPMD" in line for line in text.splitlines() if "custom_call" in line
+    ), [line for line in text.splitlines() if "custom_call" in line][:3]
     return text
 
 
@@ -51,12 +59,16 @@ def test_forward_and_generate_export(decoder):
     hooks = Hooks(interventions={"resid_post.1": iv.Add(jnp.ones(32), 2.0)})
     export_text(lambda p, i, h: module.apply({"params": p}, i, hooks=h, capture=("resid_post.0",)), params, ids, hooks)
     if cpu.available():  # the kernel is in the CPU program (so the check above can fail)...
-        text = jax.jit(lambda p, i: generate(module, p, i, max_new_tokens=3, cpu_kernels=True).tokens).lower(
-            params, ids).as_text()
+        text = (
+            jax.jit(lambda p, i: generate(module, p, i, max_new_tokens=3, cpu_kernels=True).tokens)
+            .lower(params, ids)
+            .as_text()
+        )
         assert cpu.TARGET in text
     # ...and never in a traced generate, which is what export runs
-    export_text(lambda p, i, h: generate(module, p, i, max_new_tokens=3, hooks=h, temperature=0.7).tokens,
-                params, ids, hooks)
+    export_text(
+        lambda p, i, h: generate(module, p, i, max_new_tokens=3, hooks=h, temperature=0.7).tokens, params, ids, hooks
+    )
 
 
 def test_scanned_bf16_decoder_exports(decoder):
@@ -82,8 +94,7 @@ def test_lm_steer_train_step_exports(decoder):
 
     module, backbone = decoder
     tc = train.TrainConfig(rank=4)
-    params = {"steer": train.init_params(tc, 32, 64), "embedding": backbone["embed"]["embedding"],
-              "backbone": backbone}
+    params = {"steer": train.init_params(tc, 32, 64), "embedding": backbone["embed"]["embedding"], "backbone": backbone}
     loss = train.forward_loss_fn(lambda p, i, m: module.apply({"params": p}, i, m).hidden, tc)
     batch = {"ids": np.ones((2, 8), np.int32), "mask": np.ones((2, 8), np.int32), "values": np.ones((2, 1), np.float32)}
     fn, args = _trainer_step(loss, params, batch, labels=lambda path, leaf: "train" if path[0] == "steer" else "frozen")
@@ -91,18 +102,27 @@ def test_lm_steer_train_step_exports(decoder):
 
 
 def test_kala_train_step_exports():
+    from test_kala_e2e import encoded_task
+
     from jsteer.backbones.bert import BertConfig
     from jsteer.kala import data as kdata
     from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig, KalaModel, init_params
 
-    from test_kala_e2e import encoded_task
-
     task, vocab, rels, train_set, _ = encoded_task(0, 8, 2)
-    bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                      max_position_embeddings=32)
-    model = KalaModel(bert, KalaConfig(method="relational", num_entities=len(vocab), num_relations=len(rels),
-                                       relation_dim=8), num_labels=5)
+    bert = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    model = KalaModel(
+        bert,
+        KalaConfig(method="relational", num_entities=len(vocab), num_relations=len(rels), relation_dim=8),
+        num_labels=5,
+    )
     params = init_params(model, jax.random.PRNGKey(0))
     _, batch = next(kdata.batches(train_set, 4, keys=ktrain.task_keys("ner")))
     fn, args = _trainer_step(ktrain.ner_loss(model), params, kdata.device_batch(batch, True))
@@ -115,10 +135,12 @@ def test_kalm_train_step_exports():
 
     vocab = TypedVocab.build(40, [[3, 4], [5, 6, 7]], disjoint=True)
     model = ktrain.make_model("kalm", ktrain.tiny_llama(40, hidden=16, layers=1, heads=2, max_len=16), vocab)
-    params = model.init(jax.random.PRNGKey(0), jnp.ones((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32),
-                        vocab)["params"]
-    fn, args = _trainer_step(ktrain.loss_fn(model, vocab), params, {"ids": np.ones((2, 8), np.int32),
-                                                                    "mask": np.ones((2, 8), np.int32)})
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32), vocab)[
+        "params"
+    ]
+    fn, args = _trainer_step(
+        ktrain.loss_fn(model, vocab), params, {"ids": np.ones((2, 8), np.int32), "mask": np.ones((2, 8), np.int32)}
+    )
     export_text(fn, *args)
 
 
@@ -129,7 +151,15 @@ def test_typevec_probe_batch_exports(decoder):
     lm = toy.lm(0)
     pm = probe.from_lm(lm)
     b, t, d = 2, 6, lm.config.hidden_size
-    args = (pm.params, jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.int32), jnp.full((b,), t - 1),
-            jnp.zeros((b,), jnp.int32), jnp.ones((b, d)), jnp.ones((b,)), jnp.zeros((3,)),
-            jnp.zeros((lm.config.vocab_size,), bool))
+    args = (
+        pm.params,
+        jnp.ones((b, t), jnp.int32),
+        jnp.ones((b, t), jnp.int32),
+        jnp.full((b,), t - 1),
+        jnp.zeros((b,), jnp.int32),
+        jnp.ones((b, d)),
+        jnp.ones((b,)),
+        jnp.zeros((3,)),
+        jnp.zeros((lm.config.vocab_size,), bool),
+    )
     export_text(lambda *a: pm.score_fn(*a, mode="pos"), *args)

@@ -19,8 +19,10 @@ PROMPTS = ["w1 w5 w9", "w2"]
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("gen_llama")
     hf = make_tiny_decoder(path, "llama")
-    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
     cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
     (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     return path, hf, jsteer.load(path)
@@ -30,9 +32,10 @@ def _hf(hf, lm, prompts, **kw):
     tok = lm.tokenizer
     ids, mask = tok.batch_encode(prompts, left_pad=True)
     with torch.no_grad():
-        out = hf.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), pad_token_id=1,
-                          eos_token_id=None, **kw)
-    return [tok.decode(row[ids.shape[1]:].tolist()) for row in out.numpy()]
+        out = hf.generate(
+            torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), pad_token_id=1, eos_token_id=None, **kw
+        )
+    return [tok.decode(row[ids.shape[1] :].tolist()) for row in out.numpy()]
 
 
 def test_repetition_penalty_min_new_tokens_and_do_sample_match_hf(tiny):
@@ -41,15 +44,16 @@ def test_repetition_penalty_min_new_tokens_and_do_sample_match_hf(tiny):
     got = lm.generate(PROMPTS, max_new_tokens=10, repetition_penalty=1.5, stop_ids=[])
     assert [g.strip() for g in got] == [w.strip() for w in want]
     assert lm.generate(PROMPTS, max_new_tokens=6, do_sample=False, temperature=0.9) == lm.generate(
-        PROMPTS, max_new_tokens=6)
+        PROMPTS, max_new_tokens=6
+    )
     assert lm.generate(PROMPTS, max_new_tokens=6, do_sample=True, seed=4) == lm.generate(
-        PROMPTS, max_new_tokens=6, temperature=1.0, seed=4)
+        PROMPTS, max_new_tokens=6, temperature=1.0, seed=4
+    )
     _, plain, _ = lm.generate(PROMPTS, max_new_tokens=8, return_ids=True, stop_ids=[])
     first = int(plain[0, 0])  # greedy's first token, made a stop id
     _, _, lengths = lm.generate(PROMPTS, max_new_tokens=8, stop_ids=[first], return_ids=True)
     assert lengths[0] == 1
-    _, tokens, lengths = lm.generate(PROMPTS, max_new_tokens=8, stop_ids=[first], min_new_tokens=5,
-                                     return_ids=True)
+    _, tokens, lengths = lm.generate(PROMPTS, max_new_tokens=8, stop_ids=[first], min_new_tokens=5, return_ids=True)
     assert lengths[0] >= 5 and first not in tokens[0, :4].tolist() and tokens.shape == (2, 8)
 
 
@@ -69,9 +73,9 @@ def test_stop_strings_cut_the_text_and_stop_the_row(tiny):
     words = full[0].split()
     stop = " " + words[2]  # the third generated word of row 0
     texts, _, cut_lengths = lm.generate(PROMPTS, max_new_tokens=16, stop=[stop], return_ids=True, stop_ids=[])
-    assert texts[0] == full[0][:full[0].index(stop) + len(stop)] and texts[0].endswith(stop)
+    assert texts[0] == full[0][: full[0].index(stop) + len(stop)] and texts[0].endswith(stop)
     assert cut_lengths[0] < lengths[0]  # the row stopped early
-    assert texts[1] == (full[1] if stop not in full[1] else full[1][:full[1].index(stop) + len(stop)])
+    assert texts[1] == (full[1] if stop not in full[1] else full[1][: full[1].index(stop) + len(stop)])
 
 
 def test_stream_pieces_join_to_generate(tiny):
@@ -99,8 +103,23 @@ def test_chat_conversations_use_the_template(tiny):
 
 def test_cli_generate_flags(tiny, capsys):
     path, _, lm = tiny
-    assert main(["generate", str(path), *PROMPTS, "--max-new-tokens", "6", "--num-return-sequences", "2",
-                 "--repetition-penalty", "1.3", "--ids"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(path),
+                *PROMPTS,
+                "--max-new-tokens",
+                "6",
+                "--num-return-sequences",
+                "2",
+                "--repetition-penalty",
+                "1.3",
+                "--ids",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     want = lm.generate(PROMPTS, max_new_tokens=6, num_return_sequences=2, repetition_penalty=1.3)
     for text in want:

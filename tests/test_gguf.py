@@ -26,8 +26,17 @@ def llama_cpp_permute(w, n_head):
 
 def tiny_hf(arch, hidden=32, ffn=64):
     torch.manual_seed(0)
-    kw = dict(vocab_size=40, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-5)
+    kw = dict(
+        vocab_size=40,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=1000.0,
+        rms_norm_eps=1e-5,
+    )
     if arch == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **kw)).eval()
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **kw)).eval()
@@ -53,19 +62,34 @@ def write_gguf(path, model, arch, q8_tensor=None, encode=None, chat_template=Non
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     # <|endoftext|> listed: transformers' GPT-2-style converter would otherwise append it as a 41st token
-    tokens = (["<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["Ġ", "ab"] + [f"x{i}" for i in range(9)]
-              + ["<|endoftext|>"])
+    tokens = (
+        ["<s>", "</s>"]
+        + [chr(ord("a") + i) for i in range(26)]
+        + ["Ġ", "ab"]
+        + [f"x{i}" for i in range(9)]
+        + ["<|endoftext|>"]
+    )
     w.add_token_list(tokens)
     w.add_token_types([3, 3] + [1] * (len(tokens) - 3) + [3])
     w.add_token_merges(["a b"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     stored = {}
     for k, v in model.state_dict().items():
         if k == "lm_head.weight" and c.tie_word_embeddings:
@@ -105,11 +129,18 @@ def test_tiny_gguf_round_trip(tmp_path, arch):
     cfg_d, sd, tok_json, meta = read_gguf(path)
     cfg = config_from_hf(cfg_d)
     expected = dataclasses.replace(  # GGUF stores eps as float32; special ids come from the tokenizer
-        config_from_hf(hf.config.to_dict()), norm_eps=float(np.float32(hf.config.rms_norm_eps)),
-        bos_token_id=0, eos_token_id=1, pad_token_id=None)
+        config_from_hf(hf.config.to_dict()),
+        norm_eps=float(np.float32(hf.config.rms_norm_eps)),
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
     assert cfg == expected
-    ref = {k: v.numpy() for k, v in hf.state_dict().items()
-           if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    ref = {
+        k: v.numpy()
+        for k, v in hf.state_dict().items()
+        if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)
+    }
     assert set(sd) == set(ref)
     for k, v in ref.items():
         if k == "model.layers.1.mlp.up_proj.weight":  # Q8_0: dequantized, close to the original
@@ -177,7 +208,7 @@ def _quantizer(qtype, seed=0):
         raw = rng.integers(0, 256, size=(t.shape[0], t.shape[1] // block, size), dtype=np.uint8)
         for off in _SCALES[qtype]:
             scale = rng.uniform(1e-3, 1e-2, size=raw.shape[:2]).astype(np.float16)
-            raw[:, :, off:off + 2 if off + 2 else None] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
+            raw[:, :, off : off + 2 if off + 2 else None] = scale.view(np.uint8).reshape(*raw.shape[:2], 2)
         return raw.reshape(t.shape[0], -1), qtype
 
     return encode
@@ -220,14 +251,17 @@ def test_quant_types_dequantize_with_gguf(tmp_path, quant_model, qtype):
         np.testing.assert_array_equal(sd[k], v, err_msg=k)
     if qtype in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_1):  # quantized from the HF weights: the permutation round-trips
         q = quant_model.state_dict()["model.layers.1.self_attn.q_proj.weight"].numpy()
-        np.testing.assert_array_equal(sd["model.layers.1.self_attn.q_proj.weight"],
-                                      gguf.quants.dequantize(gguf.quants.quantize(q, qtype), qtype))
+        np.testing.assert_array_equal(
+            sd["model.layers.1.self_attn.q_proj.weight"], gguf.quants.dequantize(gguf.quants.quantize(q, qtype), qtype)
+        )
     lm = jsteer.load(path)
     assert lm.tokenizer.chat_template == "{{ messages }}"
     ref = io.from_state_dict(cfg_d, want, lm.tokenizer)
     assert jax.tree.structure(lm.params) == jax.tree.structure(ref.params)
-    assert all(np.array_equal(np.asarray(a), np.asarray(b))
-               for a, b in zip(jax.tree.leaves(lm.params), jax.tree.leaves(ref.params)))
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(lm.params), jax.tree.leaves(ref.params))
+    )
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
@@ -267,8 +301,8 @@ def smollm2():
     ids = np.full((len(enc), t), pad, np.int32)
     mask = np.zeros((len(enc), t), np.int32)
     for b, e in enumerate(enc):
-        ids[b, t - len(e):] = e
-        mask[b, t - len(e):] = 1
+        ids[b, t - len(e) :] = e
+        mask[b, t - len(e) :] = 1
     return dict(cfg=cfg, sd=sd, params=params_from_hf(sd, cfg), hf=hf, tok=tok, ids=ids, mask=mask)
 
 
@@ -287,10 +321,12 @@ def test_smollm2_logits_match_transformers(smollm2):
     ids, mask = smollm2["ids"], smollm2["mask"]
     pos = np.clip(mask.cumsum(-1) - 1, 0, None)
     with torch.no_grad():
-        ref = smollm2["hf"](torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
-                            position_ids=torch.tensor(pos)).logits.numpy()
-    ours = np.asarray(Decoder(smollm2["cfg"]).apply(
-        {"params": smollm2["params"]}, jnp.asarray(ids), jnp.asarray(mask)).logits)
+        ref = smollm2["hf"](
+            torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(), position_ids=torch.tensor(pos)
+        ).logits.numpy()
+    ours = np.asarray(
+        Decoder(smollm2["cfg"]).apply({"params": smollm2["params"]}, jnp.asarray(ids), jnp.asarray(mask)).logits
+    )
     err = np.abs(ours - ref)[mask.astype(bool)].max()
     # 1e-4 is below the fp32 noise floor of this model: the hidden stream carries a ~2.25e4
     # value that the last layer cancels, so summation order alone moves logits by ~1e-4.
@@ -305,10 +341,18 @@ def test_smollm2_logits_match_transformers(smollm2):
 def test_smollm2_greedy_matches_transformers(smollm2):
     ids, mask, cfg = smollm2["ids"], smollm2["mask"], smollm2["cfg"]
     with torch.no_grad():
-        ref = smollm2["hf"].generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask).long(),
-                                     max_new_tokens=32, do_sample=False, pad_token_id=cfg.pad_token_id,
-                                     eos_token_id=None)[:, ids.shape[1]:].numpy()
-    out = generate(Decoder(cfg), smollm2["params"], ids, mask, max_new_tokens=32,
-                   pad_id=cfg.pad_token_id)
+        ref = (
+            smollm2["hf"]
+            .generate(
+                torch.tensor(ids).long(),
+                attention_mask=torch.tensor(mask).long(),
+                max_new_tokens=32,
+                do_sample=False,
+                pad_token_id=cfg.pad_token_id,
+                eos_token_id=None,
+            )[:, ids.shape[1] :]
+            .numpy()
+        )
+    out = generate(Decoder(cfg), smollm2["params"], ids, mask, max_new_tokens=32, pad_id=cfg.pad_token_id)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
     assert "Paris" in smollm2["tok"].decode(np.asarray(out.tokens)[0].tolist())

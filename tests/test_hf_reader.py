@@ -15,14 +15,23 @@ from jsteer.convert import hf
 
 def _bert():
     torch.manual_seed(0)
-    return BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=20)).eval()
+    return BertModel(
+        BertConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=20,
+        )
+    ).eval()
 
 
 def _gpt2():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                      bos_token_id=0, eos_token_id=0)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    ).eval()
 
 
 def _np_state(model, dtype=None):
@@ -221,12 +230,24 @@ def test_unknown_model_type(models, tmp_path):
         hf.detect_family({"hidden_size": 4}, cfg_path)
 
 
-@pytest.mark.parametrize("model_type,family", [
-    ("bert", "bert"), ("roberta", "bert"), ("xlm-roberta", "bert"),
-    ("llama", "decoder"), ("mistral", "decoder"), ("qwen2", "decoder"), ("gpt2", "decoder"), ("qwen3", "decoder"),
-    ("gemma2", "decoder"), ("gemma3_text", "decoder"), ("phi3", "decoder"), ("olmo2", "decoder"),
-    ("gpt_neox", "decoder"),
-])
+@pytest.mark.parametrize(
+    "model_type,family",
+    [
+        ("bert", "bert"),
+        ("roberta", "bert"),
+        ("xlm-roberta", "bert"),
+        ("llama", "decoder"),
+        ("mistral", "decoder"),
+        ("qwen2", "decoder"),
+        ("gpt2", "decoder"),
+        ("qwen3", "decoder"),
+        ("gemma2", "decoder"),
+        ("gemma3_text", "decoder"),
+        ("phi3", "decoder"),
+        ("olmo2", "decoder"),
+        ("gpt_neox", "decoder"),
+    ],
+)
 def test_detect_family(model_type, family):
     assert hf.detect_family({"model_type": model_type}) == family
 

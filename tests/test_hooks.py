@@ -5,8 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.hooks import (FiLM, Hooks, Steer, apply_embed, apply_film, apply_step_embed, apply_steer,
-                          check_encoder_hooks, check_film_layers, compose, steer_delta)
+from jsteer.hooks import (
+    FiLM,
+    Hooks,
+    Steer,
+    apply_embed,
+    apply_film,
+    apply_steer,
+    apply_step_embed,
+    check_encoder_hooks,
+    check_film_layers,
+    compose,
+    steer_delta,
+)
 
 B, T, D, S, R = 2, 3, 8, 2, 4
 
@@ -80,7 +91,9 @@ def test_step_offset_shape_errors_and_broadcast():
         with pytest.raises(ValueError, match=r"step_offset must be \[B=2, D=8\]"):
             apply_step_embed(x, Hooks(step_offset=bad))
     off = _rand(3, 1, D)  # one offset for every row
-    np.testing.assert_array_equal(apply_step_embed(x, Hooks(step_offset=jnp.asarray(off))), np.broadcast_to(off, (B, D))[:, None])
+    np.testing.assert_array_equal(
+        apply_step_embed(x, Hooks(step_offset=jnp.asarray(off))), np.broadcast_to(off, (B, D))[:, None]
+    )
 
 
 def test_encoders_refuse_decoder_only_hooks():
@@ -97,10 +110,16 @@ def test_compose_chains_film_and_adds_offsets_and_stacks_steers():
     o1, o2 = _rand(20, B, T, D), _rand(21, B, T, D)
     p1, p2 = _rand(22, 1, D, R), _rand(23, 1, D, R)
     q1, q2 = _rand(24, 1, D, R), _rand(25, 1, D, R)
-    ha = Hooks(embed_offset=jnp.asarray(o1), film={0: FiLM(gamma_in=jnp.asarray(g1), beta_in=jnp.asarray(b1))},
-               steer=Steer(eps=jnp.asarray([0.5]), p1=jnp.asarray(p1), p2=jnp.asarray(p2)))
-    hb = Hooks(embed_offset=jnp.asarray(o2), film={0: FiLM(gamma_in=jnp.asarray(g2), beta_in=jnp.asarray(b2))},
-               steer=Steer(eps=jnp.asarray([-2.0]), p1=jnp.asarray(q1), p2=jnp.asarray(q2)))
+    ha = Hooks(
+        embed_offset=jnp.asarray(o1),
+        film={0: FiLM(gamma_in=jnp.asarray(g1), beta_in=jnp.asarray(b1))},
+        steer=Steer(eps=jnp.asarray([0.5]), p1=jnp.asarray(p1), p2=jnp.asarray(p2)),
+    )
+    hb = Hooks(
+        embed_offset=jnp.asarray(o2),
+        film={0: FiLM(gamma_in=jnp.asarray(g2), beta_in=jnp.asarray(b2))},
+        steer=Steer(eps=jnp.asarray([-2.0]), p1=jnp.asarray(q1), p2=jnp.asarray(q2)),
+    )
     c = compose(ha, None, hb)
     np.testing.assert_allclose(c.embed_offset, o1 + o2, rtol=1e-6)
     chained = (1 + g2) * ((1 + g1) * h + b1) + b2
@@ -120,9 +139,11 @@ def test_hooks_are_pytrees_and_jit_without_recompiling_on_values():
 
     h = jnp.ones((B, T, D))
     for scale in (0.0, 1.0, 3.0):
-        hooks = Hooks(embed_offset=scale * jnp.ones((B, T, D)),
-                      film={0: FiLM(gamma_in=scale * jnp.ones((B, T, D)))},
-                      steer=Steer(eps=scale * jnp.ones((S,)), p1=jnp.ones((S, D, R)), p2=jnp.ones((S, D, R))))
+        hooks = Hooks(
+            embed_offset=scale * jnp.ones((B, T, D)),
+            film={0: FiLM(gamma_in=scale * jnp.ones((B, T, D)))},
+            steer=Steer(eps=scale * jnp.ones((S,)), p1=jnp.ones((S, D, R)), p2=jnp.ones((S, D, R))),
+        )
         f(h, hooks).block_until_ready()
     assert len(traces) == 1
 

@@ -21,8 +21,14 @@ COMMITS = ("a" * 40, "b" * 40)
 
 def _bert_folder(path: pathlib.Path, seed: int) -> pathlib.Path:
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=16)
+    cfg = transformers.BertConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
     transformers.BertModel(cfg).save_pretrained(path)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(27)]
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -75,8 +81,9 @@ def test_hub_id_loads_refs_main_snapshot(in_cache):
     assert lm.tokenizer.encode("w3 w4") == direct.tokenizer.encode("w3 w4")
 
 
-@pytest.mark.parametrize("revision, commit", [("v1", 0), (COMMITS[0], 0), ("aaaaaaa", 0), ("main", 1),
-                                              (COMMITS[1][:12], 1)])
+@pytest.mark.parametrize(
+    "revision, commit", [("v1", 0), (COMMITS[0], 0), ("aaaaaaa", 0), ("main", 1), (COMMITS[1][:12], 1)]
+)
 def test_revision_selects_a_snapshot(in_cache, revision, commit):
     lm = jsteer.load(REPO, revision=revision)
     assert lm.provenance["revision"] == COMMITS[commit]
@@ -167,6 +174,8 @@ def test_save_keeps_hub_provenance(in_cache, tmp_path):
     back = jsteer.load(tmp_path / "ck")
     assert back.provenance["hub_id"] == REPO and back.provenance["revision"] == COMMITS[0]
     assert back.identity == lm.identity
-    assert all(np.array_equal(np.asarray(a), np.asarray(b))
-               for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(lm.params)))
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(lm.params))
+    )
     assert json.loads((tmp_path / "ck" / "jsteer.json").read_text())["provenance"]["hub_id"] == REPO

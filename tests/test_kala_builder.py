@@ -19,14 +19,19 @@ def test_build_graph_refuses_to_replace_a_graph_unless_overwrite(tmp_path):
     trained models use: refused (naming the folder and its files), nothing written; annotating
     with the folder's lexicon is no replacement; ``overwrite=True`` replaces the graph and deletes
     the old mentions of files not given now (warned)."""
-    first = _conll(tmp_path / "first.conll", [f"{p} visited {q} today ." for p in ("Anna", "Tom", "Rita")
-                                              for q in ("Paris", "London")] * 2)
+    first = _conll(
+        tmp_path / "first.conll",
+        [f"{p} visited {q} today ." for p in ("Anna", "Tom", "Rita") for q in ("Paris", "London")] * 2,
+    )
     other = _conll(tmp_path / "other.conll", ["In Bonn and Rome ."] * 4)
     g = tmp_path / "g"
     builder.build_graph([first], g)
     before = _files(g)
-    with pytest.raises(ValueError, match=rf"--out {g} already holds a graph \(facts.jsonl, first.conll.mentions.jsonl, "
-                                         rf"lexicon.tsv, summary.json\).*overwrite=True"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--out {g} already holds a graph \(facts.jsonl, first.conll.mentions.jsonl, "
+        rf"lexicon.tsv, summary.json\).*overwrite=True",
+    ):
         builder.build_graph([other], g)
     with pytest.raises(ValueError, match="already holds a graph"):
         builder.build_graph([other], g, spacy_model="en_core_web_sm")  # spaCy mines a new graph too
@@ -34,10 +39,12 @@ def test_build_graph_refuses_to_replace_a_graph_unless_overwrite(tmp_path):
     with pytest.raises(ValueError, match="--overwrite has no use with --lexicon"):
         builder.build_graph([other], g, lexicon_path=g / "lexicon.tsv", overwrite=True)
     builder.build_graph([other], g, lexicon_path=g / "lexicon.tsv")  # annotate only: lexicon and facts kept
-    assert {k: v for k, v in _files(g).items() if k != "summary.json" and k != "other.conll.mentions.jsonl"} == \
-        {k: v for k, v in before.items() if k != "summary.json"}
-    with pytest.warns(UserWarning, match="deleted the replaced graph's mentions of files not given now: "
-                                         "first.conll.mentions.jsonl"):
+    assert {k: v for k, v in _files(g).items() if k != "summary.json" and k != "other.conll.mentions.jsonl"} == {
+        k: v for k, v in before.items() if k != "summary.json"
+    }
+    with pytest.warns(
+        UserWarning, match="deleted the replaced graph's mentions of files not given now: first.conll.mentions.jsonl"
+    ):
         s = builder.build_graph([other], g, overwrite=True)
     assert sorted(_files(g)) == ["facts.jsonl", "lexicon.tsv", "other.conll.mentions.jsonl", "summary.json"]
     assert list(s["files"]) == ["other.conll"]

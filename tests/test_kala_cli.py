@@ -13,12 +13,39 @@ def tiny_bert_dir(tmp_path):
     import torch
     from transformers import BertConfig, BertModel
 
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "in", "met", "said", "today", ".",
-             "paris", "london", "berlin", "anna", "tom", "rita", "visited", "from"]
+    words = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        "the",
+        "in",
+        "met",
+        "said",
+        "today",
+        ".",
+        "paris",
+        "london",
+        "berlin",
+        "anna",
+        "tom",
+        "rita",
+        "visited",
+        "from",
+    ]
     d = tmp_path / "bert"
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=32, max_position_embeddings=64)).save_pretrained(d)
+    BertModel(
+        BertConfig(
+            vocab_size=len(words),
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(d)
     (d / "vocab.txt").write_text("\n".join(words) + "\n")
     return d
 
@@ -40,9 +67,33 @@ def test_cli_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
     assert (gdir / "train.conll.mentions.jsonl").is_file() and (gdir / "facts.jsonl").is_file()
     out = tmp_path / "run"
-    assert jsteer_main(["kala", "train", "--train", str(train), "--test", str(test), "--graph", str(gdir),
-                        "--out", str(out), "--model", str(tiny_bert_dir), "--scheme", "iob2", "--max-steps", "3",
-                        "--batch-size", "8", "--max-len", "16"]) == 0
+    assert (
+        jsteer_main(
+            [
+                "kala",
+                "train",
+                "--train",
+                str(train),
+                "--test",
+                str(test),
+                "--graph",
+                str(gdir),
+                "--out",
+                str(out),
+                "--model",
+                str(tiny_bert_dir),
+                "--scheme",
+                "iob2",
+                "--max-steps",
+                "3",
+                "--batch-size",
+                "8",
+                "--max-len",
+                "16",
+            ]
+        )
+        == 0
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 3 and "f1" in metrics["test"]
     assert (out / "log.jsonl").is_file() and (out / "model").is_file() and (out / "checkpoints").is_dir()
@@ -55,13 +106,34 @@ def test_cli_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
 
 def _people_places(n):
     people, places = ["Anna", "Tom", "Rita"], ["Paris", "London", "Berlin"]
-    return [[(people[i % 3], "B-PER"), ("visited", "O"), (places[(i // 3) % 3], "B-LOC"), ("today", "O"), (".", "O")]
-            for i in range(n)]
+    return [
+        [(people[i % 3], "B-PER"), ("visited", "O"), (places[(i // 3) % 3], "B-LOC"), ("today", "O"), (".", "O")]
+        for i in range(n)
+    ]
 
 
 def _train_args(train, gdir, out, model, *extra):
-    return ["kala", "train", "--train", str(train), "--graph", str(gdir), "--out", str(out), "--model", str(model),
-            "--scheme", "iob2", "--max-steps", "2", "--batch-size", "8", "--max-len", "16", *extra]
+    return [
+        "kala",
+        "train",
+        "--train",
+        str(train),
+        "--graph",
+        str(gdir),
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+        "--scheme",
+        "iob2",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--max-len",
+        "16",
+        *extra,
+    ]
 
 
 def test_cli_train_out_folder_holds_one_run(tmp_path, tiny_bert_dir, capsys):
@@ -80,6 +152,7 @@ def test_cli_train_out_folder_holds_one_run(tmp_path, tiny_bert_dir, capsys):
     record = json.loads((out / "run.json").read_text())
     assert record["config"]["method"] == "finetune" and record["config"]["labels"] == labels.split(",")
     from jsteer.io import load_artifact
+
     assert load_artifact(out / "model")[1]["labels"] == labels.split(",")  # eval reads the run's label list
     capsys.readouterr()
     assert jsteer_main(args) == 2  # the same command again: refused, nothing resumed
@@ -102,8 +175,10 @@ def test_cli_label_set_has_i_tags_and_eval_annotates_new_files(tmp_path, tiny_be
     file the graph has no mentions for uses the graph's lexicon, as build-graph --lexicon does."""
     sents = _people_places(16)
     train = conll(tmp_path / "train.conll", sents)
-    test = conll(tmp_path / "test.conll", [[("Anna", "B-PER"), ("Rita", "I-PER"), ("visited", "O"), ("Paris", "B-LOC")]]
-                 + sents[:4])
+    test = conll(
+        tmp_path / "test.conll",
+        [[("Anna", "B-PER"), ("Rita", "I-PER"), ("visited", "O"), ("Paris", "B-LOC")]] + sents[:4],
+    )
     gdir, out = tmp_path / "graph", tmp_path / "run"
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
     assert jsteer_main(_train_args(train, gdir, out, tiny_bert_dir, "--test", str(test))) == 0
@@ -133,8 +208,11 @@ def test_cli_missing_mentions_name_the_command_and_labels_are_checked(tmp_path, 
     gdir.mkdir()
     (gdir / "lexicon.tsv").write_text("cased\tAnna\tanna\n")
     test = conll(tmp_path / "t.conll", _people_places(2))
-    with pytest.raises(ValueError, match=rf"no mentions for {test}; .*jsteer kala build-graph {test} --lexicon "
-                                         rf"{gdir / 'lexicon.tsv'} --out {gdir}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"no mentions for {test}; .*jsteer kala build-graph {test} --lexicon "
+        rf"{gdir / 'lexicon.tsv'} --out {gdir}",
+    ):
         pipeline.read_split(test, gdir, ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"], "iob2")
     assert kcli._parse_labels(" O, B-X ,I-X") == ("O", "B-X", "I-X")
     for bad, msg in (("B-X,I-X", "must include 'O'"), ("O,B-X,B-X", "B-X given twice"), ("O,PER", "'PER' is not IOB")):
@@ -143,6 +221,7 @@ def test_cli_missing_mentions_name_the_command_and_labels_are_checked(tmp_path, 
 
 
 # --- extractive QA through the CLI, and build-graph on a folder that holds a graph ----------------
+
 
 def squad(path, n, seed=0):
     """A SQuAD v1.1 file of ``n`` generated questions, two per context; names are capitalised
@@ -156,8 +235,11 @@ def squad(path, n, seed=0):
         q, q2 = places[(i // 3) % 3], places[(i // 3 + 1) % 3]
         ctx = f"Today {p} visited {q} and met {r} in {q2}."
         examples.append(qa.QAExample(f"s{seed}q{2 * i}", f"who visited {q.lower()} ?", ctx, ((p, ctx.index(p)),)))
-        examples.append(qa.QAExample(f"s{seed}q{2 * i + 1}", f"where did {p.lower()} meet {r.lower()} ?", ctx,
-                                     ((q2, ctx.index(q2)),)))
+        examples.append(
+            qa.QAExample(
+                f"s{seed}q{2 * i + 1}", f"where did {p.lower()} meet {r.lower()} ?", ctx, ((q2, ctx.index(q2)),)
+            )
+        )
     qa.write_squad(path, examples)
     return path
 
@@ -184,9 +266,33 @@ def test_cli_qa_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     assert set(mentions) == {e.qid for e in examples}  # character spans checked against the contexts
     assert {m.text for ms in mentions.values() for m in ms} >= {"Anna", "Tom", "Rita", "Paris", "London"}
     assert (gdir / "facts.jsonl").read_text().strip()
-    assert jsteer_main(["kala", "train", "--train", str(train), "--test", str(test), "--graph", str(gdir),
-                        "--out", str(out), "--model", str(tiny_bert_dir), "--max-steps", "2", "--batch-size", "8",
-                        "--max-len", "16", "--stride", "4"]) == 0
+    assert (
+        jsteer_main(
+            [
+                "kala",
+                "train",
+                "--train",
+                str(train),
+                "--test",
+                str(test),
+                "--graph",
+                str(gdir),
+                "--out",
+                str(out),
+                "--model",
+                str(tiny_bert_dir),
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "8",
+                "--max-len",
+                "16",
+                "--stride",
+                "4",
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "run.json").read_text())["config"]
     assert config["task"] == "qa" and (config["stride"], config["max_len"], config["max_answer_len"]) == (4, 16, 30)
     assert "labels" not in config and "scheme" not in config
@@ -208,9 +314,13 @@ def test_cli_qa_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     # a file the graph has no mentions for is annotated in memory with its lexicon)
     # (the first two with an answer_start that misses the text: EM / F1 need only the texts, so they are
     # repaired and said in one line)
-    qa.write_squad(tmp_path / "as_gold.json", [qa.QAExample(e.qid, e.question, e.context,
-                                                            ((preds[e.qid], e.context.index(preds[e.qid]) + (i < 2)),))
-                                               for i, e in enumerate(examples)])
+    qa.write_squad(
+        tmp_path / "as_gold.json",
+        [
+            qa.QAExample(e.qid, e.question, e.context, ((preds[e.qid], e.context.index(preds[e.qid]) + (i < 2)),))
+            for i, e in enumerate(examples)
+        ],
+    )
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(tmp_path / "as_gold.json")]) == 0
     std = capsys.readouterr()
     assert _last_json(std.out)["exact_match"] == 100.0
@@ -219,8 +329,12 @@ def test_cli_qa_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     conll_file = conll(tmp_path / "t.conll", _people_places(4))
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(conll_file)]) == 2
     assert f"{out} is a QA run, but --test {conll_file} is a CoNLL file" in capsys.readouterr().err
-    assert jsteer_main(["kala", "build-graph", str(conll_file), "--lexicon", str(gdir / "lexicon.tsv"),
-                        "--out", str(gdir)]) == 0
+    assert (
+        jsteer_main(
+            ["kala", "build-graph", str(conll_file), "--lexicon", str(gdir / "lexicon.tsv"), "--out", str(gdir)]
+        )
+        == 0
+    )
     record = (out / "run.json").read_text()
     assert jsteer_main(_train_args(conll_file, gdir, out, tiny_bert_dir, "--resume")) == 2
     err = capsys.readouterr().err
@@ -241,8 +355,10 @@ def test_cli_qa_errors_name_the_file_and_the_mix(tmp_path, capsys):
     train, test = squad(tmp_path / "train.json", 8), squad(tmp_path / "test.json", 4, seed=1)
     conll_file = conll(tmp_path / "t.conll", _people_places(4))
     assert jsteer_main(["kala", "build-graph", str(train), str(conll_file), "--out", str(tmp_path / "g1")]) == 2
-    assert f"{train} is a SQuAD-format JSON file (extractive QA) and {conll_file} is a CoNLL file" in \
-        capsys.readouterr().err
+    assert (
+        f"{train} is a SQuAD-format JSON file (extractive QA) and {conll_file} is a CoNLL file"
+        in capsys.readouterr().err
+    )
     gdir = tmp_path / "graph"
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
     base = ["kala", "train", "--graph", str(gdir), "--out", str(tmp_path / "run"), "--model", "nope"]
@@ -276,8 +392,9 @@ def test_cli_build_graph_refuses_to_replace_a_graph_without_overwrite(tmp_path, 
     replace the facts a trained model uses: refused (naming --lexicon and --overwrite) and the
     folder left as it was; --overwrite replaces the graph, stale mentions files included."""
     first = conll(tmp_path / "first.conll", _people_places(12))
-    other = conll(tmp_path / "other.conll",
-                  [[("In", "O"), ("Bonn", "B-LOC"), ("and", "O"), ("Rome", "B-LOC"), (".", "O")]] * 4)
+    other = conll(
+        tmp_path / "other.conll", [[("In", "O"), ("Bonn", "B-LOC"), ("and", "O"), ("Rome", "B-LOC"), (".", "O")]] * 4
+    )
     gdir = tmp_path / "graph"
     assert jsteer_main(["kala", "build-graph", str(first), "--out", str(gdir)]) == 0
     before = {p.name: p.read_bytes() for p in gdir.iterdir()}
@@ -287,20 +404,41 @@ def test_cli_build_graph_refuses_to_replace_a_graph_without_overwrite(tmp_path, 
     assert f"--out {gdir} already holds a graph" in err and "--overwrite" in err
     assert f"jsteer kala build-graph {other} --lexicon {gdir / 'lexicon.tsv'} --out {gdir}" in err
     assert {p.name: p.read_bytes() for p in gdir.iterdir()} == before  # nothing written
-    assert jsteer_main(["kala", "build-graph", str(other), "--out", str(gdir), "--overwrite",
-                        "--lexicon", str(gdir / "lexicon.tsv")]) == 2
+    assert (
+        jsteer_main(
+            [
+                "kala",
+                "build-graph",
+                str(other),
+                "--out",
+                str(gdir),
+                "--overwrite",
+                "--lexicon",
+                str(gdir / "lexicon.tsv"),
+            ]
+        )
+        == 2
+    )
     assert "--overwrite has no use with --lexicon" in capsys.readouterr().err
     # the suggested command adds the file, keeping lexicon and facts
-    assert jsteer_main(["kala", "build-graph", str(other), "--lexicon", str(gdir / "lexicon.tsv"),
-                        "--out", str(gdir)]) == 0
+    assert (
+        jsteer_main(["kala", "build-graph", str(other), "--lexicon", str(gdir / "lexicon.tsv"), "--out", str(gdir)])
+        == 0
+    )
     assert (gdir / "facts.jsonl").read_bytes() == before["facts.jsonl"]
     assert (gdir / "lexicon.tsv").read_bytes() == before["lexicon.tsv"]
     capsys.readouterr()
     assert jsteer_main(["kala", "build-graph", str(other), "--out", str(gdir), "--overwrite"]) == 0
-    assert "deleted the replaced graph's mentions of files not given now: first.conll.mentions.jsonl" in \
-        capsys.readouterr().err
-    assert sorted(p.name for p in gdir.iterdir()) == ["facts.jsonl", "lexicon.tsv", "other.conll.mentions.jsonl",
-                                                       "summary.json"]
+    assert (
+        "deleted the replaced graph's mentions of files not given now: first.conll.mentions.jsonl"
+        in capsys.readouterr().err
+    )
+    assert sorted(p.name for p in gdir.iterdir()) == [
+        "facts.jsonl",
+        "lexicon.tsv",
+        "other.conll.mentions.jsonl",
+        "summary.json",
+    ]
     assert "Bonn" in (gdir / "lexicon.tsv").read_text() and "Anna" not in (gdir / "lexicon.tsv").read_text()
 
 
@@ -325,15 +463,37 @@ def test_qa_contexts_are_matched_as_words_with_character_spans():
     ctx = "The Bank of England's head met U.S. officials (in London), twice.  Then  Bank of  England said no!"
     sents = context_sentences(ctx)
     assert [[w for w, _, _ in s] for s in sents] == [
-        ["The", "Bank", "of", "England", "'s", "head", "met", "U.S.", "officials", "(", "in", "London", ")", ",",
-         "twice", "."], ["Then", "Bank", "of", "England", "said", "no", "!"]]
+        [
+            "The",
+            "Bank",
+            "of",
+            "England",
+            "'s",
+            "head",
+            "met",
+            "U.S.",
+            "officials",
+            "(",
+            "in",
+            "London",
+            ")",
+            ",",
+            "twice",
+            ".",
+        ],
+        ["Then", "Bank", "of", "England", "said", "no", "!"],
+    ]
     assert all(ctx[a:b] == w for s in sents for w, a, b in s)
     lexicon = Lexicon({("Bank", "of", "England"): "bank of england", ("London",): "london", ("U.S.",): "u.s"})
     ex = qa.QAExample("q", "who ?", ctx, ())
     got = annotate([ex, qa.QAExample("q2", "where ?", ctx, ())], lexicon)
-    assert [(m.text, m.id) for m in got["q"]] == [("Bank of England", "bank of england"), ("U.S.", "u.s"),
-                                                  ("London", "london"), ("Bank of  England", "bank of england")]
-    assert all(ctx[m.start:m.end] == m.text for m in got["q"]) and got["q2"] == got["q"]
+    assert [(m.text, m.id) for m in got["q"]] == [
+        ("Bank of England", "bank of england"),
+        ("U.S.", "u.s"),
+        ("London", "london"),
+        ("Bank of  England", "bank of england"),
+    ]
+    assert all(ctx[m.start : m.end] == m.text for m in got["q"]) and got["q2"] == got["q"]
 
 
 def test_ner_without_test_file_encodes_no_test_split(tmp_path, tiny_bert_dir):
@@ -345,12 +505,21 @@ def test_ner_without_test_file_encodes_no_test_split(tmp_path, tiny_bert_dir):
     gdir = tmp_path / "graph"
     assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
     tok = jsteer.load(str(tiny_bert_dir)).tokenizer
-    data = pipeline.load_ner_data(train, None, gdir, tok, labels=("O", "B-PER", "I-PER", "B-LOC", "I-LOC"),
-                                  scheme="iob2", max_len=16, train_size=6)
+    data = pipeline.load_ner_data(
+        train,
+        None,
+        gdir,
+        tok,
+        labels=("O", "B-PER", "I-PER", "B-LOC", "I-LOC"),
+        scheme="iob2",
+        max_len=16,
+        train_size=6,
+    )
     assert len(data.train) == 6 and data.test == [] and data.test_tags == []
 
 
 # --- resume at the data position, SIGTERM, empty / unanswerable training sets, metrics.json, predictions paths ---
+
 
 def _sigterm_at_batch(monkeypatch, n):
     """A real SIGTERM to this process while the ``n``-th training batch is prepared (the trainer's
@@ -387,7 +556,8 @@ def test_fit_resumes_at_the_recorded_data_position(tmp_path, tiny_bert_dir, monk
     import warnings
 
     import jsteer
-    from jsteer.kala import pipeline, train as ktrain
+    from jsteer.kala import pipeline
+    from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
 
     train = squad(tmp_path / "train.json", 24)
@@ -416,8 +586,9 @@ def test_fit_resumes_at_the_recorded_data_position(tmp_path, tiny_bert_dir, monk
     _assert_trees_close(resumed.params, straight.params)
 
 
-def test_cli_sigterm_stops_unfinished_and_resume_matches_an_uninterrupted_run(tmp_path, tiny_bert_dir, capsys,
-                                                                                 monkeypatch):
+def test_cli_sigterm_stops_unfinished_and_resume_matches_an_uninterrupted_run(
+    tmp_path, tiny_bert_dir, capsys, monkeypatch
+):
     """SIGTERM during `kala train`: checkpoint, a message naming --resume, exit 143, no model/ or
     metrics.json (the run is not finished); the same command with --resume then ends with the
     params, final loss, scores and predictions of an uninterrupted run."""
@@ -428,9 +599,32 @@ def test_cli_sigterm_stops_unfinished_and_resume_matches_an_uninterrupted_run(tm
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
 
     def args(out):
-        return ["kala", "train", "--train", str(train), "--test", str(test), "--graph", str(gdir), "--out", str(out),
-                "--model", str(tiny_bert_dir), "--method", "finetune", "--max-steps", "6", "--batch-size", "4",
-                "--max-len", "16", "--stride", "4", "--lr", "3e-3"]
+        return [
+            "kala",
+            "train",
+            "--train",
+            str(train),
+            "--test",
+            str(test),
+            "--graph",
+            str(gdir),
+            "--out",
+            str(out),
+            "--model",
+            str(tiny_bert_dir),
+            "--method",
+            "finetune",
+            "--max-steps",
+            "6",
+            "--batch-size",
+            "4",
+            "--max-len",
+            "16",
+            "--stride",
+            "4",
+            "--lr",
+            "3e-3",
+        ]
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert jsteer_main(args(a)) == 0
@@ -448,17 +642,21 @@ def test_cli_sigterm_stops_unfinished_and_resume_matches_an_uninterrupted_run(tm
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (a, b))
     assert (mb["steps"], mb["steps_run"]) == (6, 3)
     assert mb["final_loss"] == pytest.approx(ma["final_loss"], rel=1e-6)
-    assert mb["test"]["exact_match"] == ma["test"]["exact_match"] and mb["test"]["f1"] == pytest.approx(ma["test"]["f1"])
+    assert mb["test"]["exact_match"] == ma["test"]["exact_match"] and mb["test"]["f1"] == pytest.approx(
+        ma["test"]["f1"]
+    )
     _assert_trees_close(load_artifact(b / "model")[0], load_artifact(a / "model")[0])
-    assert (json.loads((b / "test.json.predictions.json").read_text())
-            == json.loads((a / "test.json.predictions.json").read_text()))
+    assert json.loads((b / "test.json.predictions.json").read_text()) == json.loads(
+        (a / "test.json.predictions.json").read_text()
+    )
 
 
 def test_cli_train_refuses_empty_and_unanswerable_training_sets(tmp_path, tiny_bert_dir, capsys):
     """--train-size < 1 is an argument error; a SQuAD file without questions (it hung in an endless
     loop over zero batches) and SQuAD v2.0 questions without answers are refused naming the file,
     before the model is loaded (--model nope); fit and the batch stream refuse no examples."""
-    from jsteer.kala import qa, train as ktrain
+    from jsteer.kala import qa
+    from jsteer.kala import train as ktrain
 
     train = squad(tmp_path / "train.json", 8)
     empty = tmp_path / "empty.json"
@@ -490,15 +688,35 @@ def test_cli_train_refuses_empty_and_unanswerable_training_sets(tmp_path, tiny_b
 def test_cli_metrics_json_is_strict_json_after_one_step(tmp_path, tiny_bert_dir, capsys):
     """A run of <= 1 step (or the resume of a finished run) has no step time: null in metrics.json
     and on stdout, never NaN (invalid JSON)."""
+
     def strict(text):
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in {text}"))
 
     train = squad(tmp_path / "train.json", 8)
     gdir, out = tmp_path / "graph", tmp_path / "run"
     assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
-    args = ["kala", "train", "--train", str(train), "--graph", str(gdir), "--out", str(out), "--model",
-            str(tiny_bert_dir), "--method", "finetune", "--max-steps", "1", "--batch-size", "8", "--max-len", "16",
-            "--stride", "4"]
+    args = [
+        "kala",
+        "train",
+        "--train",
+        str(train),
+        "--graph",
+        str(gdir),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_bert_dir),
+        "--method",
+        "finetune",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--max-len",
+        "16",
+        "--stride",
+        "4",
+    ]
     for extra in ([], ["--resume"]):
         capsys.readouterr()
         assert jsteer_main(args + extra) == 0
@@ -509,8 +727,7 @@ def test_cli_metrics_json_is_strict_json_after_one_step(tmp_path, tiny_bert_dir,
         assert metrics["final_loss"] is not None
 
 
-def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path, tiny_bert_dir, capsys,
-                                                                        monkeypatch):
+def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path, tiny_bert_dir, capsys, monkeypatch):
     """eval --predictions equal to --test (it overwrote the gold answers), another SQuAD data file
     or a folder is refused before the model is loaded; so is a train --test whose predictions
     path is a folder."""
@@ -520,9 +737,28 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
     train, test = squad(tmp_path / "train.json", 8), squad(tmp_path / "test.json", 4, seed=1)
     gdir, out = tmp_path / "graph", tmp_path / "run"
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
-    args = ["kala", "train", "--train", str(train), "--graph", str(gdir), "--out", str(out), "--model",
-            str(tiny_bert_dir), "--method", "finetune", "--max-steps", "1", "--batch-size", "8", "--max-len", "16",
-            "--stride", "4"]
+    args = [
+        "kala",
+        "train",
+        "--train",
+        str(train),
+        "--graph",
+        str(gdir),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_bert_dir),
+        "--method",
+        "finetune",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--max-len",
+        "16",
+        "--stride",
+        "4",
+    ]
     assert jsteer_main(args) == 0
     gold, gold_train = test.read_bytes(), train.read_bytes()
     folder = tmp_path / "somedir"
@@ -536,10 +772,12 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
     with monkeypatch.context() as m:
         m.setattr(jio, "load_artifact", no_load)
         m.setattr(jsteer, "load", no_load)
-        cases = [(["--predictions", str(test)], f"--predictions {test} is the --test file"),
-                 (["--predictions", str(tmp_path / "." / "test.json")], "is the --test file"),
-                 (["--predictions", str(train)], f"--predictions {train} is a SQuAD-format data file"),
-                 (["--predictions", str(folder)], f"--predictions {folder} is a folder")]
+        cases = [
+            (["--predictions", str(test)], f"--predictions {test} is the --test file"),
+            (["--predictions", str(tmp_path / "." / "test.json")], "is the --test file"),
+            (["--predictions", str(train)], f"--predictions {train} is a SQuAD-format data file"),
+            (["--predictions", str(folder)], f"--predictions {folder} is a folder"),
+        ]
         for extra, msg in cases:
             assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test)] + extra) == 2, extra
             err = capsys.readouterr().err
@@ -556,15 +794,19 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
 
 # --- one train command per --out at a time ---------------------------------------------------------
 
+
 def _hold_lock(path):
     """Another process holding ``path``'s flock, as a running ``kala train`` does; kill it to end."""
     import subprocess
     import sys
 
-    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
-            "print('held', flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    code = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline() == "held\n"
     return proc
 
@@ -653,7 +895,12 @@ def test_cli_qa_build_graph_refuses_to_replace_a_graph_without_overwrite(tmp_pat
     assert "--overwrite" in err
     assert {p.name: p.read_bytes() for p in gdir.iterdir()} == before
     assert jsteer_main(["kala", "build-graph", str(b), "--out", str(gdir), "--overwrite"]) == 0
-    assert ("WARNING: --overwrite: deleted the replaced graph's mentions of files not given now: "
-            "a.json.mentions.jsonl") in capsys.readouterr().err
-    assert sorted(p.name for p in gdir.iterdir()) == ["b.json.mentions.jsonl", "facts.jsonl", "lexicon.tsv",
-                                                      "summary.json"]
+    assert (
+        "WARNING: --overwrite: deleted the replaced graph's mentions of files not given now: a.json.mentions.jsonl"
+    ) in capsys.readouterr().err
+    assert sorted(p.name for p in gdir.iterdir()) == [
+        "b.json.mentions.jsonl",
+        "facts.jsonl",
+        "lexicon.tsv",
+        "summary.json",
+    ]

@@ -32,14 +32,23 @@ def test_graph_carries_unseen_entity_labels():
     task, vocab, rels, train, test = encoded_task(0, 192, 64)
     assert all(e["n_unseen"] == e["graph"].n_local > 0 for e in test)  # every test entity is null
     assert all(vocab(m.id) == 0 for _, _, ms in task.test for m in ms)
-    bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                      max_position_embeddings=32)
+    bert = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     cfg = ktrain.TrainConfig(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=30, warmup_ratio=0.1)
     gold = [t for _, t, _ in task.test]
     f1 = {}
     for method in ("finetune", "relational"):
-        model = KalaModel(bert, KalaConfig(method=method, num_entities=len(vocab), num_relations=len(rels),
-                                           relation_dim=8), num_labels=len(synthetic.LABELS))
+        model = KalaModel(
+            bert,
+            KalaConfig(method=method, num_entities=len(vocab), num_relations=len(rels), relation_dim=8),
+            num_labels=len(synthetic.LABELS),
+        )
         fit = ktrain.fit(model, init_params(model, jax.random.PRNGKey(0)), train, cfg)
         assert fit.losses[-1] < fit.losses[0]
         f1[method] = ktrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS, batch_size=32)["f1"]
@@ -50,13 +59,22 @@ def test_graph_carries_unseen_entity_labels():
 def test_step_memory_is_measured_without_training_and_grows_with_the_graph():
     """Table 11's memory column: an ahead-of-time compile of one train step per method."""
     task, vocab, rels, train, _ = encoded_task(1, 64, 8)
-    bert = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                      max_position_embeddings=32)
+    bert = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     cfg = ktrain.TrainConfig(batch_size=16, epochs=1)
     mem = {}
     for method in ("finetune", "relational"):
-        model = KalaModel(bert, KalaConfig(method=method, num_entities=len(vocab), num_relations=len(rels),
-                                           relation_dim=8), num_labels=len(synthetic.LABELS))
+        model = KalaModel(
+            bert,
+            KalaConfig(method=method, num_entities=len(vocab), num_relations=len(rels), relation_dim=8),
+            num_labels=len(synthetic.LABELS),
+        )
         params = init_params(model, jax.random.PRNGKey(0))
         mem[method] = ktrain.measure_step_memory(model, params, train, cfg)
         count = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -29,17 +29,27 @@ def roberta_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("roberta")
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS, vocab_size=400, min_frequency=1,
-                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.train_from_iterator(
+        CORPUS, vocab_size=400, min_frequency=1, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    )
     bpe.save_model(str(root))
     tok = RobertaTokenizerFast(vocab=str(root / "vocab.json"), merges=str(root / "merges.txt"))
     assert len(tok) == bpe.get_vocab_size()
     d = root / "model"
     tok.save_pretrained(d)
     torch.manual_seed(0)
-    config = RobertaConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=32, max_position_embeddings=66, type_vocab_size=1,
-                           pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = RobertaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=66,
+        type_vocab_size=1,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     RobertaForMaskedLM(config).eval().save_pretrained(d)
     return d
 
@@ -102,7 +112,7 @@ def test_qa_pair_is_encoded_as_hf_tokenizer_question_context(roberta_dir):
     assert len(feats) > 2
     for g in feats:
         ids = g["input_ids"].tolist()
-        assert ids[:len(q_ids) + 3] == [tok.cls_id, *q_ids, tok.sep_id, tok.sep_id] and ids[-1] == tok.sep_id
+        assert ids[: len(q_ids) + 3] == [tok.cls_id, *q_ids, tok.sep_id, tok.sep_id] and ids[-1] == tok.sep_id
         assert len(ids) <= len(q_ids) + 7 and not g["token_type_ids"].any()
 
 
@@ -115,7 +125,8 @@ def test_padding_uses_pad_id_and_hidden_states_match_hf(roberta_dir):
 
     import jsteer
     from jsteer.backbones.bert import BertEncoder
-    from jsteer.kala import data as kdata, qa
+    from jsteer.kala import data as kdata
+    from jsteer.kala import qa
 
     lm = jsteer.load(str(roberta_dir))
     assert lm.config.layout == "roberta" and lm.config.pad_token_id == 1
@@ -131,8 +142,9 @@ def test_padding_uses_pad_id_and_hidden_states_match_hf(roberta_dir):
 
     ctx = "Today Anna visited Paris and met Tom in London ."
     questions = ["who visited paris ?", "where did anna meet tom ?"]
-    feats = [f for i, q in enumerate(questions)
-             for f in qa.encode_qa(qa.QAExample(str(i), q, ctx, ()), tok, max_len=64)]
+    feats = [
+        f for i, q in enumerate(questions) for f in qa.encode_qa(qa.QAExample(str(i), q, ctx, ()), tok, max_len=64)
+    ]
     qbatch = kdata.collate(feats, 2, keys=("input_ids", "token_type_ids"))
     qref = _hf_tokenizer(roberta_dir)(questions, [ctx] * 2, padding=True, return_tensors="pt")
     tq = qref["input_ids"].shape[1]
@@ -142,12 +154,13 @@ def test_padding_uses_pad_id_and_hidden_states_match_hf(roberta_dir):
     model = RobertaModel.from_pretrained(roberta_dir).eval()
     enc = BertEncoder(lm.config)
     for b, r, n in ((batch, ref, t), (qbatch, qref, tq)):
-        ours = np.asarray(enc.apply({"params": lm.params["encoder"]}, b["input_ids"], b["attention_mask"],
-                                    b.get("token_type_ids"))[0])
+        ours = np.asarray(
+            enc.apply({"params": lm.params["encoder"]}, b["input_ids"], b["attention_mask"], b.get("token_type_ids"))[0]
+        )
         with torch.no_grad():
             theirs = model(input_ids=r["input_ids"], attention_mask=r["attention_mask"]).last_hidden_state.numpy()
         real = r["attention_mask"].numpy().astype(bool)
-        np.testing.assert_allclose(ours[:len(real), :n][real], theirs[real], atol=2e-5)
+        np.testing.assert_allclose(ours[: len(real), :n][real], theirs[real], atol=2e-5)
 
 
 def _conll(path, sents):
@@ -176,19 +189,51 @@ def test_cli_ner_and_qa_train_eval_on_roberta(tmp_path, roberta_dir, capsys):
     """`jsteer kala build-graph / train / eval` with --model a RoBERTa folder, NER and QA: exit 0,
     and eval of the saved model reproduces the scores train printed."""
     people, places = ["Anna", "Tom", "Rita"], ["Paris", "London", "Berlin"]
-    sents = [[(people[i % 3], "B-PER"), ("visited", "O"), (places[(i // 3) % 3], "B-LOC"), ("today", "O"), (".", "O")]
-             for i in range(12)]
+    sents = [
+        [(people[i % 3], "B-PER"), ("visited", "O"), (places[(i // 3) % 3], "B-LOC"), ("today", "O"), (".", "O")]
+        for i in range(12)
+    ]
     runs = {}
     for task, train, test, extra in (
-            ("ner", _conll(tmp_path / "train.conll", sents), _conll(tmp_path / "test.conll", sents[:4]),
-             ["--scheme", "iob2", "--max-len", "32"]),
-            ("qa", _squad(tmp_path / "train.json", 8), _squad(tmp_path / "test.json", 4, seed=1),
-             ["--max-len", "24", "--stride", "4"])):
+        (
+            "ner",
+            _conll(tmp_path / "train.conll", sents),
+            _conll(tmp_path / "test.conll", sents[:4]),
+            ["--scheme", "iob2", "--max-len", "32"],
+        ),
+        (
+            "qa",
+            _squad(tmp_path / "train.json", 8),
+            _squad(tmp_path / "test.json", 4, seed=1),
+            ["--max-len", "24", "--stride", "4"],
+        ),
+    ):
         gdir, out = tmp_path / f"graph_{task}", tmp_path / f"run_{task}"
         assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
-        assert jsteer_main(["kala", "train", "--train", str(train), "--test", str(test), "--graph", str(gdir),
-                            "--out", str(out), "--model", str(roberta_dir), "--max-steps", "2", "--batch-size", "4",
-                            *extra]) == 0, capsys.readouterr().err
+        assert (
+            jsteer_main(
+                [
+                    "kala",
+                    "train",
+                    "--train",
+                    str(train),
+                    "--test",
+                    str(test),
+                    "--graph",
+                    str(gdir),
+                    "--out",
+                    str(out),
+                    "--model",
+                    str(roberta_dir),
+                    "--max-steps",
+                    "2",
+                    "--batch-size",
+                    "4",
+                    *extra,
+                ]
+            )
+            == 0
+        ), capsys.readouterr().err
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["steps"] == 2 and np.isfinite(metrics["final_loss"])
         capsys.readouterr()

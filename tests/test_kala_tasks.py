@@ -106,8 +106,18 @@ def test_squad_file_windows_and_answers(tmp_path):
 
 
 def test_squad_errors_name_the_field(tmp_path):
-    bad = {"data": [{"paragraphs": [{"context": "abc def", "qas": [
-        {"id": "q", "question": "?", "answers": [{"text": "def", "answer_start": 2}]}]}]}]}
+    bad = {
+        "data": [
+            {
+                "paragraphs": [
+                    {
+                        "context": "abc def",
+                        "qas": [{"id": "q", "question": "?", "answers": [{"text": "def", "answer_start": 2}]}],
+                    }
+                ]
+            }
+        ]
+    }
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
     with pytest.raises(FormatError, match=r"data\[0\].paragraphs\[0\].qas\[0\].answers\[0\].answer_start"):
@@ -154,14 +164,24 @@ def test_qa_training_on_generated_squad_file(tmp_path):
 
     train_f, test_f = feats(train_ex), feats(test_ex)
     assert len(test_f) > len(test_ex)  # long contexts were split into windows
-    bert = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_layers=2, num_heads=2,
-                      intermediate_size=64, max_position_embeddings=32)
-    model = KalaModel(bert, KalaConfig(method="relational", num_entities=len(vocab), num_relations=len(rels),
-                                       relation_dim=8), task="qa")
+    bert = BertConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    model = KalaModel(
+        bert,
+        KalaConfig(method="relational", num_entities=len(vocab), num_relations=len(rels), relation_dim=8),
+        task="qa",
+    )
     params = init_params(model, jax.random.PRNGKey(0))
     before = ktrain.evaluate_qa(model, params, test_f, test_ex, batch_size=32)
-    fit = ktrain.fit(model, params, train_f, ktrain.TrainConfig(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=15),
-                     task="qa")
+    fit = ktrain.fit(
+        model, params, train_f, ktrain.TrainConfig(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=15), task="qa"
+    )
     after = ktrain.evaluate_qa(model, fit.params, test_f, test_ex, batch_size=32)
     assert after["exact_match"] >= 80.0 and after["exact_match"] >= before["exact_match"] + 50.0, (before, after)
     assert after["f1"] >= after["exact_match"]

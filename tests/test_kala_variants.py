@@ -22,8 +22,15 @@ from jsteer.kala.variants.eae import EntityRetrieval, entity_linking_loss
 
 
 def tiny_bert(layers=1, **kw):
-    return BertConfig(vocab_size=40, hidden_size=16, num_layers=layers, num_heads=2, intermediate_size=24,
-                      max_position_embeddings=48, **kw)
+    return BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_layers=layers,
+        num_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=48,
+        **kw,
+    )
 
 
 def japply(module, params, *args, method=None, **kw):
@@ -57,7 +64,7 @@ def np_gelu_exact(x):
 
 
 def np_gelu_tanh(x):
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def np_softmax(x, axis=-1):
@@ -82,8 +89,9 @@ def dense(p, x):
 
 def graph_inputs(token_nodes, entities):
     """token_nodes [B, T] local nodes per example; entities: per example list of entity ids."""
-    graphs = [add_self_loops(ExampleGraph(np.asarray(e, np.int32), *(np.zeros(0, np.int32),) * 3, len(e)))
-              for e in entities]
+    graphs = [
+        add_self_loops(ExampleGraph(np.asarray(e, np.int32), *(np.zeros(0, np.int32),) * 3, len(e))) for e in entities
+    ]
     graph, tok = batch_graphs(graphs, np.asarray(token_nodes, np.int32))
     return graph, jnp.asarray(tok)
 
@@ -104,8 +112,11 @@ def test_bert_layer_parts_is_bert_layer():
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
     ids = jnp.zeros((1, 4), jnp.int32)
     enc = jax.eval_shape(lambda: BertEncoder(cfg).init(jax.random.PRNGKey(0), ids))["params"]
-    venc = jax.eval_shape(lambda: VariantEncoder(cfg).init(
-        jax.random.PRNGKey(0), ids, method=lambda m, x: [layer(m.embeddings(x)) for layer in m.layers]))["params"]
+    venc = jax.eval_shape(
+        lambda: VariantEncoder(cfg).init(
+            jax.random.PRNGKey(0), ids, method=lambda m, x: [layer(m.embeddings(x)) for layer in m.layers]
+        )
+    )["params"]
     assert jax.tree.map(jnp.shape, venc) == jax.tree.map(jnp.shape, enc)
 
 
@@ -115,10 +126,14 @@ def test_bert_layer_parts_is_bert_layer():
 def hand_tree():
     # [CLS] Tim Cook is visiting Beijing now [SEP]; mentions: Tim Cook (node 0), Beijing (node 1)
     ids = np.array([2, 10, 11, 12, 13, 14, 15, 3], np.int32)
-    ex = {"input_ids": ids, "labels": np.array([-100, 1, 2, 0, 0, 3, 0, -100], np.int32),
-          "word_index": np.array([-1, 0, 1, 2, 3, 4, 5, -1], np.int32),
-          "token_node": np.array([-1, 0, 0, -1, -1, 1, -1, -1], np.int32),
-          "token_entity": np.array([0, 4, 4, 0, 0, 5, 0, 0], np.int32), "num_words": 6}
+    ex = {
+        "input_ids": ids,
+        "labels": np.array([-100, 1, 2, 0, 0, 3, 0, -100], np.int32),
+        "word_index": np.array([-1, 0, 1, 2, 3, 4, 5, -1], np.int32),
+        "token_node": np.array([-1, 0, 0, -1, -1, 1, -1, -1], np.int32),
+        "token_entity": np.array([0, 4, 4, 0, 0, 5, 0, 0], np.int32),
+        "num_words": 6,
+    }
     branches = {0: [[20, 21]], 1: [[22, 23]]}  # CEO Apple / capital China
     return ex, branches
 
@@ -136,21 +151,24 @@ def test_sentence_tree_soft_positions_and_visible_matrix():
     assert t["token_node"].tolist() == [-1, 0, 0, -1, -1, -1, -1, 1, -1, -1, -1, -1]
     assert t["num_words"] == 6 and t["n_branch_tokens"] == 4
     # hand-checked visible matrix (rows attend to columns)
-    want = np.array([
-        # C  T  Co CE Ap is vi Be ca Ch no S
-        [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # [CLS]: the sentence only
-        [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1],  # Tim: sentence + its branch
-        [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1],  # Cook
-        [0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],  # CEO: its entity + its branch
-        [0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],  # Apple
-        [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # is
-        [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # visiting
-        [1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1],  # Beijing
-        [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0],  # capital
-        [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0],  # China
-        [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # now
-        [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # [SEP]
-    ], bool)
+    want = np.array(
+        [
+            # C  T  Co CE Ap is vi Be ca Ch no S
+            [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # [CLS]: the sentence only
+            [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1],  # Tim: sentence + its branch
+            [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1],  # Cook
+            [0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],  # CEO: its entity + its branch
+            [0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],  # Apple
+            [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # is
+            [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # visiting
+            [1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1],  # Beijing
+            [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0],  # capital
+            [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0],  # China
+            [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # now
+            [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1],  # [SEP]
+        ],
+        bool,
+    )
     got_np = kbert.visible_matrix_np(t["tree_branch"], t["tree_owner"])
     np.testing.assert_array_equal(got_np, want)
     got = kbert.visible_matrix(jnp.asarray(t["tree_branch"])[None], jnp.asarray(t["tree_owner"])[None])
@@ -170,8 +188,11 @@ def test_kbert_branches_reach_only_their_entity_in_one_layer():
 
     def run(ids):
         extras = {k: jnp.asarray(t[k])[None] for k in kbert.TREE_KEYS}
-        return np.asarray(japply(model, p, jnp.asarray(ids)[None], jnp.ones((1, 12), jnp.int32), None,
-                                 graph, tok, extras=extras).hidden[0])
+        return np.asarray(
+            japply(
+                model, p, jnp.asarray(ids)[None], jnp.ones((1, 12), jnp.int32), None, graph, tok, extras=extras
+            ).hidden[0]
+        )
 
     base = run(t["input_ids"])
     changed = t["input_ids"].copy()
@@ -183,8 +204,9 @@ def test_kbert_branches_reach_only_their_entity_in_one_layer():
     plain = kbert.build_tree(ex, {})
     extras = {k: jnp.asarray(plain[k])[None] for k in kbert.TREE_KEYS}
     g8, tok8 = graph_inputs(np.full((1, 8), -1), [[]])
-    out = japply(model, p, jnp.asarray(plain["input_ids"])[None], jnp.ones((1, 8), jnp.int32), None, g8, tok8,
-                 extras=extras)
+    out = japply(
+        model, p, jnp.asarray(plain["input_ids"])[None], jnp.ones((1, 8), jnp.int32), None, g8, tok8, extras=extras
+    )
     ref = japply(BertForTokenClassification(cfg, 5), p, jnp.asarray(ex["input_ids"])[None])
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=1e-6)
     with pytest.raises(ValueError, match="kbert needs extras"):
@@ -227,9 +249,14 @@ def test_ernie_fusion_layer_matches_numpy():
     np.testing.assert_allclose(np.asarray(out.logits[0]), logits, atol=2e-5)
     # entity output e' = LN(W_eo h_j + e~_j) at entity positions (1 layer: read it via a method)
     e_out_np = np_ln(dense(f["ent_out"], hid) + e_t, f["ent_out_norm"], 1e-6) * ent[:, None]
-    fusion = japply(model, p, jnp.asarray(hid, jnp.float32)[None], jnp.asarray(e_t, jnp.float32)[None],
-                    jnp.asarray(ent)[None],
-                    method=lambda m, hh, ee, en: m.knowledge.fusions[0].entity_output(hh, ee, en))
+    fusion = japply(
+        model,
+        p,
+        jnp.asarray(hid, jnp.float32)[None],
+        jnp.asarray(e_t, jnp.float32)[None],
+        jnp.asarray(ent)[None],
+        method=lambda m, hh, ee, en: m.knowledge.fusions[0].entity_output(hh, ee, en),
+    )
     np.testing.assert_allclose(np.asarray(fusion[0]), e_out_np, atol=2e-5)
 
 
@@ -246,8 +273,10 @@ def test_zeroed_knowledge_path_is_plain_bert(method, zero):
     assert np.abs(np.asarray(out.logits - ref.logits)).max() > 1e-3  # knowledge does change the output
 
     def zeroed(tree):
-        return {k: (jax.tree.map(jnp.zeros_like, v) if k == zero else zeroed(v) if isinstance(v, dict) else v)
-                for k, v in tree.items()}
+        return {
+            k: (jax.tree.map(jnp.zeros_like, v) if k == zero else zeroed(v) if isinstance(v, dict) else v)
+            for k, v in tree.items()
+        }
 
     out0 = japply(model, {**p, "kala": zeroed(p["kala"])}, ids, None, None, graph, tok)
     np.testing.assert_allclose(np.asarray(out0.logits), np.asarray(ref.logits), atol=1e-6)
@@ -277,8 +306,9 @@ def test_eae_retrieval_and_linking_loss_match_numpy():
             r = np_softmax(lg) @ memory
             delta = dense(q["mlp_out"], np_gelu_tanh(dense(q["mlp_in"], r)))
             want[b][sel] += delta
-            np.testing.assert_allclose(np.asarray(logits[b])[sel][:, 1:], np.tile(lg[1:], (sel.sum(), 1)),
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(logits[b])[sel][:, 1:], np.tile(lg[1:], (sel.sum(), 1)), rtol=1e-5, atol=1e-5
+            )
     np.testing.assert_allclose(np.asarray(new_h), want, atol=1e-5)
     assert np.all(np.asarray(new_h)[tk < 0] == h[tk < 0])
     # linking loss: mean CE at the first token of known-entity mentions
@@ -286,8 +316,10 @@ def test_eae_retrieval_and_linking_loss_match_numpy():
     use = np.array([[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]], bool)
     loss, count = entity_linking_loss(logits, jnp.asarray(gold), jnp.asarray(use))
     lg = np.asarray(logits, np.float64)
-    ce = [-(lg[b, t, gold[b, t]] - np.log(np.exp(lg[b, t, 1:] - lg[b, t, 1:].max()).sum()) - lg[b, t, 1:].max())
-          for b, t in zip(*np.nonzero(use))]
+    ce = [
+        -(lg[b, t, gold[b, t]] - np.log(np.exp(lg[b, t, 1:] - lg[b, t, 1:].max()).sum()) - lg[b, t, 1:].max())
+        for b, t in zip(*np.nonzero(use))
+    ]
     assert int(count) == 2 and float(loss) == pytest.approx(np.mean(ce), rel=1e-5)
 
 
@@ -335,16 +367,25 @@ def test_registry_names_and_errors():
 def test_each_variant_beats_plain_finetuning_when_knowledge_is_needed():
     task = synthetic.make_task(0)
     # one layer: every method's knowledge enters at layer 0 (ERNIE / adapter / EaE defaults for 1 layer)
-    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=32, max_steps=60, warmup_ratio=0.1, seed=0)
     gold = [tags for _, tags, _, _ in task.test]
     kg = task.knowledge_graph()
     f1 = {}
     for method in ("finetune", "ernie", "kbert", "eae", "adapter"):
         opts = {"entity_heads": 2} if method == "ernie" else {}
-        model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities),
-                                     **opts)
+        model = registry.build_model(
+            method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities), **opts
+        )
         encode = functools.partial(registry.encode_ner, method)
         train, test = task.encode("train", encode, kg=kg), task.encode("test", encode, kg=kg)
         memory = task.memory if method in ("ernie", "eae", "adapter") else None
@@ -363,12 +404,23 @@ def test_training_batches_carry_what_each_method_reads():
     from jsteer.kala import train as ktrain
 
     task = synthetic.make_task(0)
-    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                     max_position_embeddings=64)
+    cfg = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     tc = vtrain.TrainConfig(batch_size=4)
     kg = task.knowledge_graph()
-    for method, has_graph in (("finetune", False), ("more_params", False), ("pointwise", True), ("ernie", True),
-                              ("kbert", False)):
+    for method, has_graph in (
+        ("finetune", False),
+        ("more_params", False),
+        ("pointwise", True),
+        ("ernie", True),
+        ("kbert", False),
+    ):
         model = registry.build_model(method, cfg, num_labels=len(synthetic.LABELS), num_entities=len(task.entities))
         train = task.encode("train", functools.partial(registry.encode_ner, method), kg=kg)[:8]
         batch = next(iter(ktrain._Endless.for_model(model, train, tc, "ner", vtrain.batch_keys(model))))
@@ -388,8 +440,14 @@ def test_one_fit_for_kala_models_and_variants():
     from jsteer.train import Trainer, data_mesh
 
     task = synthetic.make_task(0, n_train=40)
-    cfg = BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                     max_position_embeddings=64)
+    cfg = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=8, max_steps=4, warmup_ratio=0.25, seed=1)
     kg = task.knowledge_graph()
 
@@ -412,15 +470,33 @@ def test_one_fit_for_kala_models_and_variants():
 
     def reference_loss(p, batch, rng):
         graph, token_node = ktrain.model_inputs(model, batch)
-        out = model.apply({"params": p}, batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"),
-                          graph, token_node, deterministic=False, extras=None, rngs={"dropout": rng})
+        out = model.apply(
+            {"params": p},
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch.get("token_type_ids"),
+            graph,
+            token_node,
+            deterministic=False,
+            extras=None,
+            rngs={"dropout": rng},
+        )
         valid = batch["labels"] != ner_lib.IGNORE_INDEX
         ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, jnp.maximum(batch["labels"], 0))
         return jnp.sum(ce * valid) / jnp.maximum(jnp.sum(valid), 1) + out.aux_loss, {}
 
-    ref = Trainer(reference_loss, params, ktrain.optimizer_config(tc, tc.max_steps),
-                  mesh=data_mesh(jax.devices()[:1]), seed=tc.seed, progress=False)
+    ref = Trainer(
+        reference_loss,
+        params,
+        ktrain.optimizer_config(tc, tc.max_steps),
+        mesh=data_mesh(jax.devices()[:1]),
+        seed=tc.seed,
+        progress=False,
+    )
     losses = []
-    ref.fit(ktrain._Endless.for_model(model, train, tc, "ner", vtrain.batch_keys(model)), tc.max_steps,
-            on_step=lambda s, m: losses.append(float(m["loss"])))
+    ref.fit(
+        ktrain._Endless.for_model(model, train, tc, "ner", vtrain.batch_keys(model)),
+        tc.max_steps,
+        on_step=lambda s, m: losses.append(float(m["loss"])),
+    )
     same(vtrain.fit(model, params, train, tc), ktrain.FitResult(ref.params, losses, 0, 0, 0, 0, None, 0))

@@ -11,8 +11,15 @@ from jsteer.backbones.decoder import Decoder
 from jsteer.kalm import data as kdata
 from jsteer.kalm import decode
 from jsteer.kalm import train as ktrain
-from jsteer.kalm.head import (KalmConfig, KalmHead, TypedVocab, token_log_prob, type_posterior, typed_token_log_probs,
-                              word_log_probs)
+from jsteer.kalm.head import (
+    KalmConfig,
+    KalmHead,
+    TypedVocab,
+    token_log_prob,
+    type_posterior,
+    typed_token_log_probs,
+    word_log_probs,
+)
 from jsteer.kalm.model import KalmLM, next_token_log_probs
 
 V, D = 12, 8
@@ -37,10 +44,17 @@ def head_out(types=TYPES, general=None, seed=0, share=True):
 
 def test_typed_vocab_build_and_errors():
     assert np.asarray(TypedVocab.build(V, TYPES, disjoint=True).general).tolist() == [
-        w not in (3, 4, 5, 6, 9) for w in range(V)]
+        w not in (3, 4, 5, 6, 9) for w in range(V)
+    ]
     vocab = TypedVocab.build(V, TYPES)
-    assert list(zip(vocab.pair_type.tolist(), vocab.pair_word.tolist())) == [(0, 3), (0, 4), (0, 5), (1, 5), (1, 6),
-                                                                              (2, 9)]
+    assert list(zip(vocab.pair_type.tolist(), vocab.pair_word.tolist())) == [
+        (0, 3),
+        (0, 4),
+        (0, 5),
+        (1, 5),
+        (1, 6),
+        (2, 9),
+    ]
     assert vocab.pair_index[5].tolist() == [2, 3, -1] and vocab.pair_index[7].tolist() == [-1, -1, -1]
     assert vocab.words_of(2) == [5, 6]
     assert vocab.types_of(5) == [1, 2] and vocab.types_of(9) == [3] and vocab.types_of(0) == []
@@ -57,6 +71,7 @@ def test_mixture_is_a_distribution_and_matches_numpy(share):
     vocab, out, p, h, logits = head_out(general=general, share=share)
     full = np.asarray(word_log_probs(out, vocab), np.float64)
     np.testing.assert_allclose(np.exp(full).sum(-1), 1.0, atol=1e-5)
+
     # NumPy: P(y|c) = sum_j P(j|c) P(y|j,c), P(y|j,c) = 0 outside V_j
     def softmax(x, m):
         z = np.where(m, x, -np.inf)
@@ -72,7 +87,7 @@ def test_mixture_is_a_distribution_and_matches_numpy(share):
             z = z + logits[..., words]
         pj = np.zeros((2, 3, V))
         pj[..., words] = softmax(z, np.ones(len(u), bool))
-        want += ptype[..., j + 1:j + 2] * pj
+        want += ptype[..., j + 1 : j + 2] * pj
     np.testing.assert_allclose(np.exp(full), want, atol=1e-6)
     # a word outside a type's vocabulary has probability exactly 0 under that type
     every = jnp.broadcast_to(jnp.arange(V), (6, V)).reshape(2, 3, V)  # every word as a target
@@ -129,15 +144,18 @@ def test_word_log_probs_with_extreme_logits_match_numpy_log_space(share):
         z = np.einsum("btd,ud->btu", h, p["typed_out"][u]) + p["typed_bias"][u] + (lg[..., words] if share else 0)
         lj = np.full((2, 3, V), -np.inf)
         lj[..., words] = _np_log_softmax(z, True)
-        terms.append(ltype[..., j + 1:j + 2] + lj)
+        terms.append(ltype[..., j + 1 : j + 2] + lj)
     want = _np_logsumexp(np.stack(terms), axis=0)
 
     assert np.all(got[..., 0] == np.float32(-1e30)) and np.all(np.isneginf(want[..., 0]))
     assert want[..., 3].max() < -95  # far below the best word (word 7, log P ~ 0)
     np.testing.assert_allclose(got[..., 1:], want[..., 1:], rtol=1e-6, atol=1e-4)
     targets = jnp.asarray([[3, 6, 7], [9, 5, 3]])
-    np.testing.assert_allclose(np.asarray(token_log_prob(out, vocab, targets)),
-                               np.take_along_axis(got, np.asarray(targets)[..., None], -1)[..., 0], atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(token_log_prob(out, vocab, targets)),
+        np.take_along_axis(got, np.asarray(targets)[..., None], -1)[..., 0],
+        atol=1e-4,
+    )
 
 
 def test_shared_typed_rows_start_at_the_word_embedding():
@@ -188,8 +206,11 @@ def test_type_as_input_starts_as_kalm_and_stays_causal():
     p = ktrain.init_params(fed, jax.random.PRNGKey(0), vocab)
     assert np.all(np.asarray(p["type_in"]["kernel"]) == 0)
     same = {k: v for k, v in p.items() if k != "type_in"}
-    np.testing.assert_allclose(np.asarray(next_token_log_probs(fed, p, ids, mask, vocab)),
-                               np.asarray(next_token_log_probs(plain, same, ids, mask, vocab)), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(next_token_log_probs(fed, p, ids, mask, vocab)),
+        np.asarray(next_token_log_probs(plain, same, ids, mask, vocab)),
+        atol=1e-6,
+    )
     p = {**p, "type_in": perturb(p["type_in"], jax.random.PRNGKey(1), 1.0)}
     a = np.asarray(next_token_log_probs(fed, p, ids, mask, vocab))
     b = np.asarray(next_token_log_probs(plain, same, ids, mask, vocab))
@@ -251,19 +272,23 @@ def test_kalm_types_held_out_words_from_context():
     lines = []
     for _ in range(400):
         f, d = rng.choice(fruits), rng.choice(drinks)
-        lines.append(["eat", "the", f, ",", "sip", "the", d] if rng.random() < 0.5 else
-                     ["sip", "the", d, ",", "eat", "the", f])
+        lines.append(
+            ["eat", "the", f, ",", "sip", "the", d] if rng.random() < 0.5 else ["sip", "the", d, ",", "eat", "the", f]
+        )
     vocab = kdata.Vocab.build(lines, min_count=1)
     types = {w: ("fruits",) for w in fruits} | {w: ("drinks",) for w in drinks}
-    tv = TypedVocab.build(len(vocab), kdata.type_word_ids(types, vocab, ("fruits", "drinks"), exclude=held),
-                          disjoint=True)  # entity words only through their types: identifiable latent types
+    tv = TypedVocab.build(
+        len(vocab), kdata.type_word_ids(types, vocab, ("fruits", "drinks"), exclude=held), disjoint=True
+    )  # entity words only through their types: identifiable latent types
     assert tv.types_of(vocab("kiwi")) == [] and tv.types_of(vocab("fig")) == [1]
     ids, mask = kdata.encode_lines(lines, vocab, length=9)
-    model = ktrain.make_model("kalm", ktrain.tiny_llama(len(vocab), hidden=32, layers=1, heads=2, max_len=16), tv,
-                              type_dim=8)
+    model = ktrain.make_model(
+        "kalm", ktrain.tiny_llama(len(vocab), hidden=32, layers=1, heads=2, max_len=16), tv, type_dim=8
+    )
     params = ktrain.init_params(model, jax.random.PRNGKey(0), tv)
-    params, info = ktrain.train(model, params, ids, mask, tv, ktrain.LMTrainConfig(lr=1e-2, batch_size=32, steps=80,
-                                                                                   warmup_steps=5))
+    params, info = ktrain.train(
+        model, params, ids, mask, tv, ktrain.LMTrainConfig(lr=1e-2, batch_size=32, steps=80, warmup_steps=5)
+    )
     assert info["losses"][-1] < 0.6 * info["losses"][0]
     assert len(jax.tree.leaves(params)[0].sharding.device_set) == jax.device_count()  # data-parallel by default
     # after "eat the" the model expects a fruit, after "sip the" a drink: held-out words get typed

@@ -13,8 +13,14 @@ from jsteer.kalm import data as kdata
 
 FRUITS = ["apple", "pear", "plum", "fig", "kiwi", "lime"]
 DRINKS = ["tea", "milk", "juice", "soda", "water", "cola"]
-OTHER = {"dairy": "butter", "grains": "rice", "proteins": "beef", "seasonings": "salt", "sides": "gravy",
-         "vegetables": "kale"}
+OTHER = {
+    "dairy": "butter",
+    "grains": "rice",
+    "proteins": "beef",
+    "seasonings": "salt",
+    "sides": "gravy",
+    "vegetables": "kale",
+}
 
 
 @pytest.fixture()
@@ -44,9 +50,34 @@ def test_kalm_cli_is_registered():
 def test_kalm_cli_train_eval(recipe_dir, tmp_path, capsys):
     out = tmp_path / "art"
     test = recipe_dir / "raw_data" / "test.txt"
-    rc = jsteer_main(["kalm", "train", "--data", str(recipe_dir), "--out", str(out), "--kind", "kalm",
-                      "--steps", "4", "--batch", "16", "--length", "10", "--hidden", "16", "--layers", "1",
-                      "--type-dim", "4", "--held-out", "0.2", "--held-out-from", str(test)])
+    rc = jsteer_main(
+        [
+            "kalm",
+            "train",
+            "--data",
+            str(recipe_dir),
+            "--out",
+            str(out),
+            "--kind",
+            "kalm",
+            "--steps",
+            "4",
+            "--batch",
+            "16",
+            "--length",
+            "10",
+            "--hidden",
+            "16",
+            "--layers",
+            "1",
+            "--type-dim",
+            "4",
+            "--held-out",
+            "0.2",
+            "--held-out-from",
+            str(test),
+        ]
+    )
     assert rc == 0
     trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert trained["held_out"] == 2  # one fruit, one drink (round(0.2 * 1) = 0 of the other types)
@@ -63,8 +94,10 @@ def test_kalm_cli_train_eval(recipe_dir, tmp_path, capsys):
 def test_kalm_cli_bad_input(recipe_dir, tmp_path, capsys):
     assert jsteer_main(["kalm", "train", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "a")]) == 2
     assert "superingredients" in capsys.readouterr().err
-    assert jsteer_main(["kalm", "train", "--data", str(recipe_dir), "--out", str(tmp_path / "a"),
-                        "--held-out", "1.5"]) == 2
+    assert (
+        jsteer_main(["kalm", "train", "--data", str(recipe_dir), "--out", str(tmp_path / "a"), "--held-out", "1.5"])
+        == 2
+    )
     assert "--held-out" in capsys.readouterr().err
     assert jsteer_main(["kalm", "eval", "--model", str(tmp_path / "missing"), "--text", "x"]) == 2
     assert "missing" in capsys.readouterr().err

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from test_io import make_tiny_bert_mlm, make_tiny_decoder
 
 import jsteer
@@ -115,8 +116,9 @@ def test_params_are_placed_once_per_mesh_and_identity_is_kept(lms, mesh):
     assert lm.params_on(None) is lm.params
     bumped = lm.replace(params=jax.tree.map(lambda x: x + 1.0, lm.params))
     assert bumped.params_on(mesh) is not placed
-    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(bumped.params_on(mesh))[0]),
-                                  np.asarray(jax.tree.leaves(lm.params)[0]) + 1.0)
+    np.testing.assert_array_equal(
+        np.asarray(jax.tree.leaves(bumped.params_on(mesh))[0]), np.asarray(jax.tree.leaves(lm.params)[0]) + 1.0
+    )
 
 
 def test_forward_two_axis_mesh_and_mesh_true(lms):
@@ -135,11 +137,13 @@ def _decoder_hooks(b, t, n_steers, seed=0):
     bias = np.where(np.tril(np.ones((t, t), bool)), 0.0, -1e9).astype(np.float32)
     bias = np.broadcast_to(bias, (b, t, t)).copy()
     bias[:, :, 0] += rs.normal(size=(b, t)).astype(np.float32)
-    return Hooks(embed_offset=f(b, t, D),
-                 film={1: FiLM(gamma_in=f(b, t, D), beta_out=f(b, t, D))},
-                 attn_bias=jnp.asarray(bias),
-                 position_ids=jnp.asarray(rs.randint(0, 40, (b, t)), jnp.int32),
-                 steer=Steer(eps=f(b, n_steers), p1=f(n_steers, D, 4), p2=f(n_steers, D, 4)))
+    return Hooks(
+        embed_offset=f(b, t, D),
+        film={1: FiLM(gamma_in=f(b, t, D), beta_out=f(b, t, D))},
+        attn_bias=jnp.asarray(bias),
+        position_ids=jnp.asarray(rs.randint(0, 40, (b, t)), jnp.int32),
+        steer=Steer(eps=f(b, n_steers), p1=f(n_steers, D, 4), p2=f(n_steers, D, 4)),
+    )
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -169,9 +173,12 @@ def test_forward_bert_token_types_and_hooks(lms, mesh):
     types = rs.randint(0, 2, (b, t)).astype(np.int32)
     bias = np.zeros((b, t, t), np.float32)
     bias[:, :, 1] = -1e9 * rs.randint(0, 2, (b, 1))  # some rows hide token 1
-    hooks = Hooks(embed_offset=jnp.asarray(rs.normal(size=(b, t, D)).astype(np.float32)),
-                  film={0: FiLM(gamma_out=jnp.asarray(rs.normal(size=(b, t, D)).astype(np.float32) * 0.3))},
-                  attn_bias=jnp.asarray(bias), position_ids=jnp.asarray(rs.randint(0, 60, (b, t)), jnp.int32))
+    hooks = Hooks(
+        embed_offset=jnp.asarray(rs.normal(size=(b, t, D)).astype(np.float32)),
+        film={0: FiLM(gamma_out=jnp.asarray(rs.normal(size=(b, t, D)).astype(np.float32) * 0.3))},
+        attn_bias=jnp.asarray(bias),
+        position_ids=jnp.asarray(rs.randint(0, 60, (b, t)), jnp.int32),
+    )
     ref = lm.forward(ids, mask, hooks=hooks, token_type_ids=types)
     out = lm.forward(ids, mask, hooks=hooks, token_type_ids=types, mesh=mesh)
     assert out.logits.shape == (b, t, 64)
@@ -219,8 +226,12 @@ def test_generate_batch_shaped_hooks(lms, mesh):
     b, t0 = ids0.shape
     rs = np.random.RandomState(0)
     f = lambda *shape: jnp.asarray(rs.normal(size=shape).astype(np.float32))  # noqa: E731
-    hooks = Hooks(embed_offset=f(b, t0, D), step_offset=f(b, D), film={0: FiLM(beta_in=f(b, t0, D))},
-                  steer=Steer(eps=f(b, 3) * 0.5, p1=f(3, D, 4), p2=f(3, D, 4)))
+    hooks = Hooks(
+        embed_offset=f(b, t0, D),
+        step_offset=f(b, D),
+        film={0: FiLM(beta_in=f(b, t0, D))},
+        steer=Steer(eps=f(b, 3) * 0.5, p1=f(3, D, 4), p2=f(3, D, 4)),
+    )
     kw = dict(max_new_tokens=6, return_ids=True)
     plain = lm.generate(texts, **kw)[1]
     ref = lm.generate(texts, hooks=hooks, **kw)
@@ -229,8 +240,9 @@ def test_generate_batch_shaped_hooks(lms, mesh):
     np.testing.assert_array_equal(out[2], ref[2])
     assert (ref[1] != plain).any()
     sampled = dict(kw, temperature=0.8, top_p=0.95, seed=3)
-    np.testing.assert_array_equal(lm.generate(texts, hooks=hooks, mesh=mesh, **sampled)[1],
-                                  lm.generate(texts, hooks=hooks, **sampled)[1])
+    np.testing.assert_array_equal(
+        lm.generate(texts, hooks=hooks, mesh=mesh, **sampled)[1], lm.generate(texts, hooks=hooks, **sampled)[1]
+    )
 
 
 def test_generate_runs_split_over_the_devices(lms, mesh, monkeypatch):
@@ -284,10 +296,12 @@ def test_batch_shaped_hooks_of_another_batch_size_are_refused(lms, mesh):
     as without a mesh; a leading dim of 1 still broadcasts."""
     lm = lms["llama"]
     ids, mask = batch(3)
-    for hooks, field in ((Hooks(embed_offset=jnp.zeros((8, 7, D))), "embed_offset"),
-                         (Hooks(step_offset=jnp.zeros((4, D))), "step_offset"),
-                         (Hooks(steer=Steer(eps=jnp.zeros((8, 1)), vec=jnp.ones((1, D)))), "steer.eps"),
-                         (Hooks(film={1: FiLM(gamma_in=jnp.zeros((8, 7, D)))}), r"film\[1\]")):
+    for hooks, field in (
+        (Hooks(embed_offset=jnp.zeros((8, 7, D))), "embed_offset"),
+        (Hooks(step_offset=jnp.zeros((4, D))), "step_offset"),
+        (Hooks(steer=Steer(eps=jnp.zeros((8, 1)), vec=jnp.ones((1, D)))), "steer.eps"),
+        (Hooks(film={1: FiLM(gamma_in=jnp.zeros((8, 7, D)))}), r"film\[1\]"),
+    ):
         with pytest.raises(ValueError, match=rf"hooks.{field} has a leading \(batch\) dim of \d, but the batch has 3"):
             lm.forward(ids, mask, hooks=hooks, mesh=mesh)
     one = Hooks(embed_offset=jnp.full((1, 7, D), 0.1))

@@ -43,13 +43,16 @@ def test_the_check_finds_a_bf16_scatter():
     ids = jnp.zeros((6,), jnp.int32)
     found = low_precision_scatters(jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0).astype(jnp.float32))), table)
     assert found and "bf16" in found[0]
-    assert low_precision_scatters(jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0))), table.astype(jnp.float32)) == []
+    assert (
+        low_precision_scatters(jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0))), table.astype(jnp.float32)) == []
+    )
 
 
 @pytest.mark.parametrize("way", ["params cast", "module dtype"])
 def test_bert_bf16_gradient_has_no_low_precision_scatter(way):
-    cfg = bert.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
-                          max_position_embeddings=16)
+    cfg = bert.BertConfig(
+        vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_position_embeddings=16
+    )
     ids = jnp.asarray(np.arange(16).reshape(2, 8) % 50)
     mask = jnp.ones_like(ids)
     init = bert.BertForTokenClassification(cfg, 3).init(jax.random.PRNGKey(0), ids, mask)["params"]
@@ -63,14 +66,19 @@ def test_bert_bf16_gradient_has_no_low_precision_scatter(way):
 def test_decoder_bf16_gradients_have_no_low_precision_scatter():
     ids = jnp.asarray([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])  # repeated (padding) ids too
     mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6])
-    lcfg = DecoderConfig.llama(vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                               num_kv_heads=1, head_dim=8)
+    lcfg = DecoderConfig.llama(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8
+    )
     m = Decoder(lcfg, dtype=jnp.bfloat16)
     p = m.init(jax.random.PRNGKey(0), ids, mask)["params"]
     for params in (p, cast_floating(p, jnp.bfloat16)):
         assert low_precision_scatters(grad_of_logits(m, ids, mask), params) == []
-    gm = Decoder(config_from_hf(dict(model_type="gpt2", vocab_size=40, n_positions=16, n_embd=16, n_layer=2,
-                                     n_head=2, n_inner=32)), dtype=jnp.bfloat16)
+    gm = Decoder(
+        config_from_hf(
+            dict(model_type="gpt2", vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, n_inner=32)
+        ),
+        dtype=jnp.bfloat16,
+    )
     p = gm.init(jax.random.PRNGKey(0), ids, mask)["params"]
     assert low_precision_scatters(grad_of_logits(gm, ids, mask), p) == []
 
@@ -82,8 +90,11 @@ def test_kala_bf16_gradient_has_no_low_precision_scatter(method):
     from jsteer.kala.model import KalaConfig, KalaModel, init_params
 
     ids, mask, graph, tok = tiny_inputs()
-    model = KalaModel(tiny_bert(), KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8,
-                                              kfm_zero_init=False), num_labels=3)
+    model = KalaModel(
+        tiny_bert(),
+        KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False),
+        num_labels=3,
+    )
     p = cast_floating(init_params(model, jax.random.PRNGKey(0)), jnp.bfloat16)
 
     def loss(p):

@@ -9,11 +9,14 @@ import pytest
 from jsteer.backbones.matmul import Dense, DenseGeneral, dense_dot_general
 
 
-@pytest.mark.parametrize("make", [
-    lambda dg: nn.Dense(5, dot_general=dg),
-    lambda dg: nn.DenseGeneral((3, 2), dot_general=dg),  # kernel [D, 3, 2]
-    lambda dg: nn.DenseGeneral(4, axis=(-2, -1), dot_general=dg),  # kernel [N, H, 4]
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dg: nn.Dense(5, dot_general=dg),
+        lambda dg: nn.DenseGeneral((3, 2), dot_general=dg),  # kernel [D, 3, 2]
+        lambda dg: nn.DenseGeneral(4, axis=(-2, -1), dot_general=dg),  # kernel [N, H, 4]
+    ],
+)
 def test_values_and_gradients_match_plain_dot_general(make):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4, 6)), jnp.float32)
     fast, plain = make(dense_dot_general), make(jax.lax.dot_general)
@@ -42,8 +45,9 @@ def test_other_contractions_fall_through():
     rng = np.random.default_rng(1)
     a, b = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((2, 3, 4), (2, 4, 5)))
     dims = (((2,), (1,)), ((0,), (0,)))  # batched
-    np.testing.assert_array_equal(np.asarray(dense_dot_general(a, b, dims)),
-                                  np.asarray(jax.lax.dot_general(a, b, dims)))
+    np.testing.assert_array_equal(
+        np.asarray(dense_dot_general(a, b, dims)), np.asarray(jax.lax.dot_general(a, b, dims))
+    )
 
 
 def test_partials_are_flax_modules_with_the_usual_param_names():

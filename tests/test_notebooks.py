@@ -22,12 +22,12 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("JSTEER_SMALL", "1")
     monkeypatch.setenv("JSTEER_OUT", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
     # run the kernel with this interpreter so it sees the installed jsteer
     client.extra_arguments = []
     os.environ.setdefault("JUPYTER_PATH", str(pathlib.Path(sys.prefix) / "share" / "jupyter"))
     client.execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"
+    ]
     assert not errors, errors

@@ -57,8 +57,9 @@ def test_every_decoder_family_shards_like_one_device(name):
 
 
 def test_bert_shards_like_one_device():
-    cfg = bert.BertConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                          max_position_embeddings=32)
+    cfg = bert.BertConfig(
+        vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=32
+    )
     module = bert.model_for_head(cfg, "mlm")
     ids = jnp.asarray(np.random.default_rng(0).integers(1, V, (8, 12)))
     params = jax.jit(module.init)(jax.random.PRNGKey(0), ids)["params"]
@@ -84,8 +85,11 @@ def test_tensor_parallel_splits_the_parameter_bytes():
 def test_a_mesh_that_cannot_divide_a_weight_is_refused_by_name():
     cfg = dataclasses.replace(_config("llama3.2-tied"), num_heads=9, num_kv_heads=3, head_dim=8)
     shapes = jax.eval_shape(Decoder(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    with pytest.raises(ValueError, match=r"param layers_0/attn/[qo]/kernel \(shape .*\): its 'heads' "
-                                         r"dimension \(9\) does not divide over mesh axis 'tensor' of size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"param layers_0/attn/[qo]/kernel \(shape .*\): its 'heads' "
+        r"dimension \(9\) does not divide over mesh axis 'tensor' of size 4",
+    ):
         S.shardings(shapes, logical_axes(shapes), S.make_mesh(fsdp=2, tensor=4), {"heads": "tensor"})
     with pytest.raises(ValueError, match="unknown sharding rules 'zero3'"):
         S.resolve_rules("zero3")
@@ -96,8 +100,9 @@ def test_a_mesh_that_cannot_divide_a_weight_is_refused_by_name():
 def test_lm_loads_into_shards_and_checkpoints_round_trip(tmp_path):
     """jsteer.load(mesh=, rules=) places each tensor into its shard; forward / generate run on
     the mesh; a checkpoint saved from sharded arrays loads back (scanned or not)."""
-    hf = hf_model("LlamaConfig", "LlamaForCausalLM", dict(FAMILIES["llama3.2-tied"][2], vocab_size=100,
-                                                          num_key_value_heads=4))
+    hf = hf_model(
+        "LlamaConfig", "LlamaForCausalLM", dict(FAMILIES["llama3.2-tied"][2], vocab_size=100, num_key_value_heads=4)
+    )
     hf.save_pretrained(tmp_path / "m")
     _tokenizer(tmp_path / "m")
     base = jsteer.load(tmp_path / "m")
@@ -121,9 +126,12 @@ def test_lm_loads_into_shards_and_checkpoints_round_trip(tmp_path):
 
 
 def _train_two_steps(loss_fn, params, batch, mesh, rules):
-    opt = OptimizerConfig(learning_rate={"train": 1e-2, "frozen": None},
-                          labels=lambda path, leaf: "train" if path[0] in ("steer", "kala", "head") else "frozen",
-                          schedule="constant", clip_norm=1.0)
+    opt = OptimizerConfig(
+        learning_rate={"train": 1e-2, "frozen": None},
+        labels=lambda path, leaf: "train" if path[0] in ("steer", "kala", "head") else "frozen",
+        schedule="constant",
+        clip_norm=1.0,
+    )
     trainer = Trainer(loss_fn, params, opt, mesh=mesh, rules=rules, axes="auto" if rules else None, progress=False)
     losses = [float(trainer.train_step(batch, 2)["loss"]) for _ in range(2)]
     return losses, jax.tree.map(np.asarray, trainer.params)
@@ -136,12 +144,18 @@ def test_lm_steer_train_step_on_a_2x4_mesh_matches_one_device():
     module = Decoder(cfg)
     backbone = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     tc = train.TrainConfig(rank=4, batch_size=8)
-    params = {"steer": train.init_params(tc, cfg.hidden_size, V), "embedding": backbone["embed"]["embedding"],
-              "backbone": backbone}
+    params = {
+        "steer": train.init_params(tc, cfg.hidden_size, V),
+        "embedding": backbone["embed"]["embedding"],
+        "backbone": backbone,
+    }
     loss_fn = train.forward_loss_fn(lambda p, i, m: module.apply({"params": p}, i, m).hidden, tc)
     rng = np.random.default_rng(0)
-    batch = {"ids": rng.integers(3, V, (8, 10)).astype(np.int32), "mask": np.ones((8, 10), np.int32),
-             "values": np.where(np.arange(8)[:, None] % 2, 1.0, -1.0).astype(np.float32)}
+    batch = {
+        "ids": rng.integers(3, V, (8, 10)).astype(np.int32),
+        "mask": np.ones((8, 10), np.int32),
+        "values": np.where(np.arange(8)[:, None] % 2, 1.0, -1.0).astype(np.float32),
+    }
     one = _train_two_steps(loss_fn, params, batch, data_mesh(jax.devices()[:1]), None)
     two = _train_two_steps(loss_fn, params, batch, S.make_mesh(fsdp=2, tensor=4), "fsdp_tp")
     np.testing.assert_allclose(two[0], one[0], rtol=1e-5)
@@ -157,10 +171,19 @@ def test_kala_train_step_on_a_2x4_mesh_matches_one_device():
     from jsteer.kala.model import KalaConfig, KalaModel, init_params
 
     task, vocab, rels, train_set, _ = encoded_task(0, 16, 4)
-    cfg = bert.BertConfig(vocab_size=len(task.vocab), hidden_size=32, num_layers=2, num_heads=4,
-                          intermediate_size=64, max_position_embeddings=32)
-    model = KalaModel(cfg, KalaConfig(method="relational", num_entities=len(vocab), num_relations=len(rels),
-                                      relation_dim=8), num_labels=5)
+    cfg = bert.BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    model = KalaModel(
+        cfg,
+        KalaConfig(method="relational", num_entities=len(vocab), num_relations=len(rels), relation_dim=8),
+        num_labels=5,
+    )
     params = init_params(model, jax.random.PRNGKey(0))
     tc = ktrain.TrainConfig(lr=1e-3, kala_lr=1e-3, batch_size=8, max_steps=2)
     rules = {**S.PRESETS["fsdp_tp"], "vocab": None}  # the task's vocabulary does not divide by 4
@@ -179,8 +202,9 @@ def test_plan_scale_runs_on_toy_shapes(tmp_path):
 
     out = tmp_path / "plan.json"
     script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "plan_scale.py"
-    proc = subprocess.run([sys.executable, str(script), "--tiny", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     plans = json.loads(out.read_text())["plans"]
     assert set(plans) == {"tiny/tp8", "tiny/fsdp2_tp4"}

@@ -89,8 +89,9 @@ def test_baselines_match_numpy():
     np.testing.assert_allclose(head.apply(bl, jnp.asarray(h), jnp.asarray(emb), jnp.asarray(eps)), ref_bl, atol=1e-4)
     np.testing.assert_allclose(head.apply(off, jnp.asarray(h), jnp.asarray(emb), jnp.asarray(eps)), ref_off, atol=1e-4)
     # both baselines are logit offsets; the context offset one lies in E's column space
-    np.testing.assert_allclose(head.logit_bias(off, jnp.asarray(emb), jnp.asarray(eps))[:, None] + base, ref_off,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        head.logit_bias(off, jnp.asarray(emb), jnp.asarray(eps))[:, None] + base, ref_off, atol=1e-4
+    )
 
 
 def test_apply_on_bf16_inputs_computes_in_float32():
@@ -98,8 +99,10 @@ def test_apply_on_bf16_inputs_computes_in_float32():
     (as the backbones' logits are float32): bf16 log-prob differences would be multiples of 1/64."""
     h, emb = jnp.asarray(_rand(1, B, T, D), jnp.bfloat16), jnp.asarray(_rand(2, V, D), jnp.bfloat16)
     eps = jnp.asarray(_rand(3, B, S))
-    for p in (head.init(jax.random.PRNGKey(0), D, S, rank=R, scale=1.0),
-              head.init_blacklist(jax.random.PRNGKey(1), V, S, scale=1.0)):
+    for p in (
+        head.init(jax.random.PRNGKey(0), D, S, rank=R, scale=1.0),
+        head.init_blacklist(jax.random.PRNGKey(1), V, S, scale=1.0),
+    ):
         out = head.apply(p, h, emb, eps)
         assert out.dtype == jnp.float32
         want = head.apply(p, h.astype(jnp.float32), emb.astype(jnp.float32), eps)
@@ -127,8 +130,9 @@ def test_make_eps_appends_dummy_steer():
     np.testing.assert_allclose(head.make_eps(5.0, 1e-3), [5e-3, 1e-3], rtol=1e-6)
     np.testing.assert_allclose(head.make_eps([[1, -1], [2, 0]], 0.5), [[0.5, -0.5, 0.5], [1, 0, 0.5]])
     # callable from jitted code with traced values
-    np.testing.assert_allclose(jax.jit(head.make_eps)(jnp.asarray([[1.0, -1], [2, 0]]), 0.5),
-                               [[0.5, -0.5, 0.5], [1, 0, 0.5]])
+    np.testing.assert_allclose(
+        jax.jit(head.make_eps)(jnp.asarray([[1.0, -1], [2, 0]]), 0.5), [[0.5, -0.5, 0.5], [1, 0, 0.5]]
+    )
     np.testing.assert_allclose(head.make_eps([2.0], 0.1, dummy=False), [0.2], rtol=1e-6)
 
 
@@ -198,7 +202,7 @@ def test_best_span_matches_brute_force():
             s, e, tot = f(jnp.asarray(sc), None, max_len=L)
             ref = _brute_best(sc, L)
             assert abs(float(tot) - ref[0]) < 1e-4 and int(e) - int(s) <= L
-            np.testing.assert_allclose(sc[int(s):int(e)].sum(), ref[0], atol=1e-4)
+            np.testing.assert_allclose(sc[int(s) : int(e)].sum(), ref[0], atol=1e-4)
 
 
 def test_best_span_respects_mask_and_batches():
@@ -223,8 +227,9 @@ def test_highlight_finds_planted_span():
     z = np.zeros(d, np.float32)
     z[0] = 1.0
     params = {"w": jnp.asarray(np.outer(u, z)[None])}  # W c = u (c . z) = u
-    scores, (s, e, tot) = highlight.highlight(params, jnp.asarray(hidden), jnp.asarray(emb),
-                                              jnp.asarray(targets), jnp.asarray([0.5]))
+    scores, (s, e, tot) = highlight.highlight(
+        params, jnp.asarray(hidden), jnp.asarray(emb), jnp.asarray(targets), jnp.asarray([0.5])
+    )
     assert (int(s[0]), int(e[0])) == (11, 14), np.asarray(scores).round(2)
     assert float(scores[0, 11:14].min()) > 0 > float(jnp.median(scores[0]))
 
@@ -276,8 +281,9 @@ def test_for_inference_expands_high_rank_only():
     assert set(head.for_inference(hi)) == {"w"} and set(head.for_inference(lo)) == {"p1", "p2"}
     h, emb = jnp.asarray(_rand(1, B, T, D)), jnp.asarray(_rand(2, V, D))
     eps = jnp.asarray(_rand(3, B, S))
-    np.testing.assert_allclose(head.apply(head.for_inference(hi), h, emb, eps), head.apply(hi, h, emb, eps),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        head.apply(head.for_inference(hi), h, emb, eps), head.apply(hi, h, emb, eps), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_to_hooks_picks_the_cheaper_form_for_decoding():
@@ -289,8 +295,12 @@ def test_to_hooks_picks_the_cheaper_form_for_decoding():
     assert auto_lo.p1 is not None and auto_lo.w is None  # low rank stays low rank
     forced = head.to_hooks(hi, eps, cheapest=False).steer
     assert forced.p1 is not None and forced.w is None
-    np.testing.assert_allclose(np.asarray(auto_hi.w), np.einsum("sdr,ser->sde", np.asarray(hi["p1"]),
-                                                                np.asarray(hi["p2"])), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(auto_hi.w),
+        np.einsum("sdr,ser->sde", np.asarray(hi["p1"]), np.asarray(hi["p2"])),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_hidden_cache_concat_inverts_subset():
@@ -339,9 +349,13 @@ def test_experiment_hidden_caches_are_keyed_by_model_and_texts(tmp_path, monkeyp
     def fake_cache_lm(lm, texts, values, max_len, batch_size, progress):
         built.append((lm.identity, list(texts), max_len))
         n = len(texts)
-        return train.HiddenCache(hidden=np.full((n, 2), len(built), np.float32), targets=np.zeros(n, np.int32),
-                                 seq=np.arange(n, dtype=np.int32), values=np.asarray(values, np.float32)[:, None],
-                                 offsets=np.arange(n + 1))
+        return train.HiddenCache(
+            hidden=np.full((n, 2), len(built), np.float32),
+            targets=np.zeros(n, np.int32),
+            seq=np.arange(n, dtype=np.int32),
+            values=np.asarray(values, np.float32)[:, None],
+            offsets=np.arange(n + 1),
+        )
 
     monkeypatch.setattr(train, "cache_lm", fake_cache_lm)
     lm_a, lm_b = types.SimpleNamespace(identity="sha256:aaa"), types.SimpleNamespace(identity="sha256:bbb")
@@ -349,7 +363,6 @@ def test_experiment_hidden_caches_are_keyed_by_model_and_texts(tmp_path, monkeyp
 
     def data(texts, values):
         return lambda: (texts, np.asarray(values, np.float32))
-
 
     first = C.cached_hidden(lm_a, path, data(["good film", "bad film"], [1, -1]), max_len=8)
     assert len(built) == 1 and path.exists()
@@ -361,11 +374,15 @@ def test_experiment_hidden_caches_are_keyed_by_model_and_texts(tmp_path, monkeyp
         train.HiddenCache.load(str(path), key=C.hidden_cache_key(lm_b, ["good film", "bad film"], [1, -1], 8))
 
     capsys.readouterr()
-    for n, (lm, texts, values, max_len) in enumerate([
-            (lm_b, ["good film", "bad film"], [1, -1], 8),    # another model
+    for n, (lm, texts, values, max_len) in enumerate(
+        [
+            (lm_b, ["good film", "bad film"], [1, -1], 8),  # another model
             (lm_b, ["good film", "awful film"], [1, -1], 8),  # other texts
             (lm_b, ["good film", "awful film"], [-1, 1], 8),  # other steer values
-            (lm_b, ["good film", "awful film"], [-1, 1], 4)], 2):  # another cut
+            (lm_b, ["good film", "awful film"], [-1, 1], 4),
+        ],
+        2,
+    ):  # another cut
         cache = C.cached_hidden(lm, path, data(texts, values), max_len=max_len)
         assert len(built) == n and built[-1] == (lm.identity, texts, max_len)
         assert cache.hidden[0, 0] == n

@@ -25,9 +25,31 @@ def models(tmp_path_factory):
 
 def test_cli_train_generate_highlight_explain_transfer(models, capsys):
     d = models
-    assert main(["steer", "train", "--model", str(d / "toy0"), "--data", str(d / "train.jsonl"), "--out",
-                 str(d / "s0"), "--name", "sentiment", "--rank", "8", "--steps", "60", "--batch-size", "16",
-                 "--cache", str(d / "cache.npz")]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "train",
+                "--model",
+                str(d / "toy0"),
+                "--data",
+                str(d / "train.jsonl"),
+                "--out",
+                str(d / "s0"),
+                "--name",
+                "sentiment",
+                "--rank",
+                "8",
+                "--steps",
+                "60",
+                "--batch-size",
+                "16",
+                "--cache",
+                str(d / "cache.npz"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "120 texts (60 positive, 60 negative)" in out and "wrote" in out
     params, meta = artifact.load(str(d / "s0"))
@@ -35,27 +57,95 @@ def test_cli_train_generate_highlight_explain_transfer(models, capsys):
     assert meta["base_model"] == jsteer.load(str(d / "toy0")).identity
 
     # composition: two artifacts on one model, each with its own strength
-    assert main(["steer", "generate", "--model", str(d / "toy0"), "--steer", str(d / "s0"), "--value", "5",
-                 "--steer", str(d / "s0"), "--value", "-1", "--samples", "3", "--max-new-tokens", "6", "--json",
-                 "the movie was"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "generate",
+                "--model",
+                str(d / "toy0"),
+                "--steer",
+                str(d / "s0"),
+                "--value",
+                "5",
+                "--steer",
+                str(d / "s0"),
+                "--value",
+                "-1",
+                "--samples",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--json",
+                "the movie was",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert len(lines) == 3 and all(x["prompt"] == "the movie was" for x in lines)
 
-    assert main(["steer", "highlight", "--model", str(d / "toy0"), "--steer", str(d / "s0"), "--value", "3",
-                 "--json", "the plot is bad and the music was good great happy and the end"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "highlight",
+                "--model",
+                str(d / "toy0"),
+                "--steer",
+                str(d / "s0"),
+                "--value",
+                "3",
+                "--json",
+                "the plot is bad and the music was good great happy and the end",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert len(res["scores"]) == 14 and res["span"][1] - res["span"][0] <= 5
 
-    assert main(["steer", "explain", "--model", str(d / "toy0"), "--steer", str(d / "s0"), "--dirs", "2",
-                 "--top", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "explain",
+                "--model",
+                str(d / "toy0"),
+                "--steer",
+                str(d / "s0"),
+                "--dirs",
+                "2",
+                "--top",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     dirs = json.loads(capsys.readouterr().out)
     assert len(dirs) == 2 and len(dirs[0]["top"]) == 4 and dirs[0]["singular_value"] >= dirs[1]["singular_value"]
 
     # a steer of toy0 on toy1 is refused, until transferred
     assert main(["steer", "generate", "--model", str(d / "toy1"), "--steer", str(d / "s0"), "x"]) == 2
     assert "jsteer steer transfer" in capsys.readouterr().err
-    assert main(["steer", "transfer", "--steer", str(d / "s0"), "--from", str(d / "toy0"), "--to",
-                 str(d / "toy1"), "--out", str(d / "s1")]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "transfer",
+                "--steer",
+                str(d / "s0"),
+                "--from",
+                str(d / "toy0"),
+                "--to",
+                str(d / "toy1"),
+                "--out",
+                str(d / "s1"),
+            ]
+        )
+        == 0
+    )
     assert "44 shared anchor tokens" in capsys.readouterr().out
     _, meta1 = artifact.load(str(d / "s1"))
     assert meta1["transferred_from"] == meta["base_model"] and meta1["base_model"] != meta["base_model"]
@@ -65,8 +155,18 @@ def test_cli_train_generate_highlight_explain_transfer(models, capsys):
 
 def test_cli_empty_training_file(models, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
-    rc = main(["steer", "train", "--model", str(models / "toy0"), "--data", str(tmp_path / "empty.jsonl"),
-               "--out", str(tmp_path / "s")])
+    rc = main(
+        [
+            "steer",
+            "train",
+            "--model",
+            str(models / "toy0"),
+            "--data",
+            str(tmp_path / "empty.jsonl"),
+            "--out",
+            str(tmp_path / "s"),
+        ]
+    )
     assert rc == 2
     assert "empty.jsonl: file is empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -75,8 +175,23 @@ def test_cli_empty_training_file(models, tmp_path, capsys):
 
 
 def _train_args(d, out, model="toy0", data="train.jsonl", *extra):
-    return ["steer", "train", "--model", str(d / model), "--data", str(d / data), "--out", str(out),
-            "--rank", "8", "--steps", "30", "--batch-size", "16", *extra]
+    return [
+        "steer",
+        "train",
+        "--model",
+        str(d / model),
+        "--data",
+        str(d / data),
+        "--out",
+        str(out),
+        "--rank",
+        "8",
+        "--steps",
+        "30",
+        "--batch-size",
+        "16",
+        *extra,
+    ]
 
 
 def test_cli_cache_is_reused_only_for_the_same_model_and_data(models, tmp_path, capsys):
@@ -102,8 +217,23 @@ def test_cli_highlight_span_indexes_tokens_and_explain_orients_directions(models
     d = models
     assert main(_train_args(d, tmp_path / "s", "toy0", "train.jsonl", "--steps", "200")) == 0
     capsys.readouterr()
-    assert main(["steer", "highlight", "--model", str(d / "toy0"), "--steer", str(tmp_path / "s"), "--value", "3",
-                 "--json", "the plot was good great happy and the end"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "highlight",
+                "--model",
+                str(d / "toy0"),
+                "--steer",
+                str(tmp_path / "s"),
+                "--value",
+                "3",
+                "--json",
+                "the plot was good great happy and the end",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     s, e = res["span"]
     assert len(res["tokens"]) == len(res["scores"]) == 9  # every word scored, the first one too
@@ -112,13 +242,36 @@ def test_cli_highlight_span_indexes_tokens_and_explain_orients_directions(models
 
     # -W promotes what W demotes: explain lists the same tokens with + and - swapped
     params, meta = artifact.load(str(tmp_path / "s"))
-    artifact.save(str(tmp_path / "neg"), {"p1": -params["p1"], "p2": params["p2"]}, base_model=meta["base_model"],
-                  hidden_size=meta["hidden_size"], vocab_size=meta["vocab_size"], eps0=meta["eps0"],
-                  dummy=meta["dummy"], steer_names=meta["steer_names"])
+    artifact.save(
+        str(tmp_path / "neg"),
+        {"p1": -params["p1"], "p2": params["p2"]},
+        base_model=meta["base_model"],
+        hidden_size=meta["hidden_size"],
+        vocab_size=meta["vocab_size"],
+        eps0=meta["eps0"],
+        dummy=meta["dummy"],
+        steer_names=meta["steer_names"],
+    )
     lists = {}
     for name in ("s", "neg"):
-        assert main(["steer", "explain", "--model", str(d / "toy0"), "--steer", str(tmp_path / name), "--dirs", "1",
-                     "--top", "3", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "steer",
+                    "explain",
+                    "--model",
+                    str(d / "toy0"),
+                    "--steer",
+                    str(tmp_path / name),
+                    "--dirs",
+                    "1",
+                    "--top",
+                    "3",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         top = json.loads(capsys.readouterr().out)[0]
         lists[name] = ([t for t, _ in top["top"]], [t for t, _ in top["bottom"]])
     assert lists["s"][0] == lists["neg"][1] and lists["s"][1] == lists["neg"][0]
@@ -139,8 +292,11 @@ def test_with_start_token_scores_the_first_word_of_a_bos_less_encoding():
 
 
 def test_cli_bad_training_settings_fail_before_any_work(models, tmp_path, capsys):
-    for flag, value, what in (("--steps", "0", "steps must be >= 1"), ("--batch-size", "0", "batch_size must be >= 1"),
-                              ("--lr", "0", "lr must be > 0")):
+    for flag, value, what in (
+        ("--steps", "0", "steps must be >= 1"),
+        ("--batch-size", "0", "batch_size must be >= 1"),
+        ("--lr", "0", "lr must be > 0"),
+    ):
         args = _train_args(models, tmp_path / "s", "toy0", "train.jsonl", "--cache", str(tmp_path / "c.npz"))
         if flag in args:
             args[args.index(flag) + 1] = value
@@ -158,13 +314,16 @@ def test_cli_tokens_per_batch_trains_as_the_library(models, tmp_path):
 
     d = models
     cache = tmp_path / "c.npz"
-    assert main(_train_args(d, tmp_path / "t", "toy0", "train.jsonl", "--tokens-per-batch", "48",
-                            "--cache", str(cache))) == 0
+    assert (
+        main(_train_args(d, tmp_path / "t", "toy0", "train.jsonl", "--tokens-per-batch", "48", "--cache", str(cache)))
+        == 0
+    )
     params, meta = artifact.load(str(tmp_path / "t"))
     assert meta["train"]["tokens_per_batch"] == 48
     emb = np.asarray(jsteer.load(str(d / "toy0")).output_embeddings(), np.float32)
-    want, hist = train.train(train.HiddenCache.load(str(cache)), emb,
-                             train.TrainConfig(rank=8, steps=30, batch_size=16, tokens_per_batch=48))
+    want, hist = train.train(
+        train.HiddenCache.load(str(cache)), emb, train.TrainConfig(rank=8, steps=30, batch_size=16, tokens_per_batch=48)
+    )
     assert hist["tokens_per_batch"] == 48
     for k in want:
         np.testing.assert_allclose(np.asarray(params[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-7, err_msg=k)
@@ -177,8 +336,9 @@ def test_cli_baselines_train_at_their_own_eps0(models, tmp_path, capsys):
     """The blacklist baseline at the CLI's default (eps0 1 for baselines) learns: positive words'
     logit offsets rise above the negative words' at +1."""
     d = models
-    assert main(_train_args(d, tmp_path / "bl", "toy0", "train.jsonl", "--baseline", "blacklist",
-                            "--steps", "100")) == 0
+    assert (
+        main(_train_args(d, tmp_path / "bl", "toy0", "train.jsonl", "--baseline", "blacklist", "--steps", "100")) == 0
+    )
     params, meta = artifact.load(str(tmp_path / "bl"))
     assert meta["eps0"] == 1.0
     tok = jsteer.load(str(d / "toy0")).tokenizer
@@ -191,8 +351,28 @@ def test_cli_baselines_train_at_their_own_eps0(models, tmp_path, capsys):
 def _sentiment_words(d, steer, value, capsys):
     """`jsteer steer generate` samples at ``value``: (positive, negative) toy words generated."""
     capsys.readouterr()
-    assert main(["steer", "generate", "--model", str(d / "toy0"), "--steer", str(steer), "--value", str(value),
-                 "--samples", "24", "--max-new-tokens", "8", "--json", "the movie was", "we saw the film and it"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "generate",
+                "--model",
+                str(d / "toy0"),
+                "--steer",
+                str(steer),
+                "--value",
+                str(value),
+                "--samples",
+                "24",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                "the movie was",
+                "we saw the film and it",
+            ]
+        )
+        == 0
+    )
     words = [w for x in capsys.readouterr().out.strip().splitlines() for w in json.loads(x)["continuation"].split()]
     return sum(w in toy.POSITIVE for w in words), sum(w in toy.NEGATIVE for w in words)
 
@@ -208,11 +388,47 @@ def test_cli_baselines_generate_and_steer(models, tmp_path, capsys, kind):
     # composed with a bilinear steer in one call (each at its own strength)
     assert main(_train_args(d, tmp_path / "s", "toy0", "train.jsonl")) == 0
     capsys.readouterr()
-    assert main(["steer", "generate", "--model", str(d / "toy0"), "--steer", str(tmp_path / "s"), "--value", "2",
-                 "--steer", str(tmp_path / kind), "--value", "-3", "--samples", "2", "--json", "the movie was"]) == 0
+    assert (
+        main(
+            [
+                "steer",
+                "generate",
+                "--model",
+                str(d / "toy0"),
+                "--steer",
+                str(tmp_path / "s"),
+                "--value",
+                "2",
+                "--steer",
+                str(tmp_path / kind),
+                "--value",
+                "-3",
+                "--samples",
+                "2",
+                "--json",
+                "the movie was",
+            ]
+        )
+        == 0
+    )
     assert len(capsys.readouterr().out.strip().splitlines()) == 2
     if kind == "blacklist":  # vocabulary-space: refused by transfer before the map is fitted
-        assert main(["steer", "transfer", "--steer", str(tmp_path / kind), "--from", str(d / "toy0"), "--to",
-                     str(d / "toy1"), "--out", str(tmp_path / "t")]) == 2
+        assert (
+            main(
+                [
+                    "steer",
+                    "transfer",
+                    "--steer",
+                    str(tmp_path / kind),
+                    "--from",
+                    str(d / "toy0"),
+                    "--to",
+                    str(d / "toy1"),
+                    "--out",
+                    str(tmp_path / "t"),
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "cannot be transferred by H" in err and "anchor" not in err and not (tmp_path / "t").exists()

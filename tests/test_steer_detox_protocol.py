@@ -37,7 +37,6 @@ def test_paired_bootstrap_ratio():
 def test_replication_prompts_come_from_texts_the_steer_did_not_train_on():
     import collections
 
-
     trained, _ = C.jigsaw_steer_texts(600)
     rest, labels = C.jigsaw_steer_unused(600)
     split, split_labels = C.jigsaw_splits(0)[0]
@@ -86,7 +85,7 @@ def test_self_generated_texts_take_the_labelers_extremes_of_unseen_prompts():
     assert values.shape == (10, 2) and (values[:5] == -1).all() and (values[5:] == 1).all()
     scores = [int(t.split()[-1]) for t in texts]
     assert sorted(scores[:5]) == sorted(scored)[:5] and sorted(scores[5:]) == sorted(scored)[-5:]
-    assert all(any(t.startswith(p) and t[len(p):].startswith(" score") for p in seen) for t in texts)
+    assert all(any(t.startswith(p) and t[len(p) :].startswith(" score") for p in seen) for t in texts)
     with pytest.raises(ValueError, match="10 texts from 2 of"):
         C.self_generated_texts(FakeLM(), Labeler(), 10, exclude, n_prompts=2, samples=3)
 
@@ -147,15 +146,30 @@ def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path)
     assert D.eps0_of("steer") == 1e-3
     assert D.eps0_of("blacklist") == D.eps0_of("offset") == train.BASELINE_EPS0
     assert P.detox_kinds_table(tmp_path) == ""
-    setup = {"test_prompts": 6, "samples_per_test_prompt": 2, "held_out_prompts": 4, "samples_per_held_out_prompt": 2,
-             "strengths": [1.0, 2.0], "dummy_grid": ["off"]}
+    setup = {
+        "test_prompts": 6,
+        "samples_per_test_prompt": 2,
+        "held_out_prompts": 4,
+        "samples_per_held_out_prompt": 2,
+        "strengths": [1.0, 2.0],
+        "dummy_grid": ["off"],
+    }
     boot = {"ratio_p2.5": 0.1, "ratio_p97.5": 0.9}
     for kind, chosen, steered in (("steer", 1.0, 0.05), ("offset", 2.0, 0.1)):
-        run = {"setup": {**setup, "eps0": D.eps0_of(kind)}, "selection": {"chosen": chosen, "dummy": "off"},
-               "result": {"ppl_rise": -0.05, "natural_prior": {"base_toxicity_prob": 0.15,
-                                                               "steered_toxicity_prob": steered,
-                                                               "ratio": steered / 0.15, "bootstrap": boot}},
-               "metrics": {f"test_d{chosen:+g}_dummyoff": {"dist3": 0.9}}}
+        run = {
+            "setup": {**setup, "eps0": D.eps0_of(kind)},
+            "selection": {"chosen": chosen, "dummy": "off"},
+            "result": {
+                "ppl_rise": -0.05,
+                "natural_prior": {
+                    "base_toxicity_prob": 0.15,
+                    "steered_toxicity_prob": steered,
+                    "ratio": steered / 0.15,
+                    "bootstrap": boot,
+                },
+            },
+            "metrics": {f"test_d{chosen:+g}_dummyoff": {"dist3": 0.9}},
+        }
         (tmp_path / f"detox_kinds_{kind}.json").write_text(__import__("json").dumps(run))
     (tmp_path / "detox_kinds_blacklist.json").write_text('{"setup": {}}')  # unfinished: no row
     rows = [r for r in P.detox_kinds_table(tmp_path).splitlines() if r.startswith("| ") and "---" not in r][1:]
@@ -169,24 +183,45 @@ def test_a_sweeps_tested_choice_is_tabulated_and_judged_against_the_targets(tmp_
     best test row) against issue 4's targets, the perplexity limit included."""
     import json
 
-
     def cell(pos, rise):
         return {"positivity": pos, "ppl_rise": rise}
 
     def config(rank, gap, test_pos, test_neg, neg_rise):
-        return {"config": {"kind": "steer", "rank": rank, "steps": 150, "lr": 1e-2, "l2": 1e-6, "labels": "binary",
-                           "neutral_texts": 0, "data": "self"},
-                "W_fro_norm": 1.0, "table": {"+4": cell(0.9, 0.2), "-4": cell(0.9 - gap, 0.1)},
-                "chosen": {"positive": 4.0, "negative": 4.0, "positivity_pos": 0.9, "positivity_neg": 0.9 - gap,
-                           "gap": gap},
-                "test": {"positive": dict(cell(test_pos, 0.1), value=4.0),
-                         "negative": dict(cell(test_neg, neg_rise), value=-4.0)}}
+        return {
+            "config": {
+                "kind": "steer",
+                "rank": rank,
+                "steps": 150,
+                "lr": 1e-2,
+                "l2": 1e-6,
+                "labels": "binary",
+                "neutral_texts": 0,
+                "data": "self",
+            },
+            "W_fro_norm": 1.0,
+            "table": {"+4": cell(0.9, 0.2), "-4": cell(0.9 - gap, 0.1)},
+            "chosen": {
+                "positive": 4.0,
+                "negative": 4.0,
+                "positivity_pos": 0.9,
+                "positivity_neg": 0.9 - gap,
+                "gap": gap,
+            },
+            "test": {
+                "positive": dict(cell(test_pos, 0.1), value=4.0),
+                "negative": dict(cell(test_neg, neg_rise), value=-4.0),
+            },
+        }
 
-    sw = {"setup": {"strengths": [4.0], "max_ppl_rise": 0.3, "texts": "t", "prompts": "p", "samples_per_prompt": 10},
-          "base": {"positivity": 0.5},
-          "base_test": {"positivity": 0.52, "ppl_mean": 19.2, "prompts": "the 20 test prompts"},
-          "configs": {"r32_self": config(32, 0.7, 0.81, 0.15, 0.05),   # largest gap: the one judged
-                      "r16_self": config(16, 0.6, 0.95, 0.05, 0.0)}}   # better on test, smaller held-out gap
+    sw = {
+        "setup": {"strengths": [4.0], "max_ppl_rise": 0.3, "texts": "t", "prompts": "p", "samples_per_prompt": 10},
+        "base": {"positivity": 0.5},
+        "base_test": {"positivity": 0.52, "ppl_mean": 19.2, "prompts": "the 20 test prompts"},
+        "configs": {
+            "r32_self": config(32, 0.7, 0.81, 0.15, 0.05),  # largest gap: the one judged
+            "r16_self": config(16, 0.6, 0.95, 0.05, 0.0),
+        },
+    }  # better on test, smaller held-out gap
     (tmp_path / "sweep_smollm2_self_lowrank.json").write_text(json.dumps(sw))
     table = P.recipe_sweeps(tmp_path)
     assert "the choice is then scored on the test prompts" in table
@@ -205,18 +240,28 @@ def test_other_runs_are_judged_at_their_held_out_choice(tmp_path):
     sentiment steer) use each run's held-out choice, and the detox protocol runs their ratio."""
     import json
 
-
     def m(pos, ppl, tox=0.5):
         return {"positivity": pos, "ppl_mean": ppl, "toxicity_prob": tox}
 
-    run = {"strength_selection": {"chosen": {"dummy": "off", "positive": 4.0, "negative": 6.0, "detox": 0.5}},
-           "metrics": {"neutral_base": m(0.5, 20.0), "neutral_s+4": m(0.81, 25.0), "neutral_s-6": m(0.15, 27.0),
-                       "neutral_s+8": m(0.99, 21.0),  # not the choice: never judged
-                       "toxic_base": m(0.3, 30.0, tox=0.8), "toxic_d+0.5": m(0.3, 31.0, tox=0.3)}}
+    run = {
+        "strength_selection": {"chosen": {"dummy": "off", "positive": 4.0, "negative": 6.0, "detox": 0.5}},
+        "metrics": {
+            "neutral_base": m(0.5, 20.0),
+            "neutral_s+4": m(0.81, 25.0),
+            "neutral_s-6": m(0.15, 27.0),
+            "neutral_s+8": m(0.99, 21.0),  # not the choice: never judged
+            "toxic_base": m(0.3, 30.0, tox=0.8),
+            "toxic_d+0.5": m(0.3, 31.0, tox=0.3),
+        },
+    }
     (tmp_path / "smollm2_self.json").write_text(json.dumps(run))
     (tmp_path / "smollm2_partial.json").write_text(json.dumps({"metrics": {}}))  # no choice yet: skipped
-    dx = {"result": {"ppl_rise": 0.08, "natural_prior": {"base_toxicity_prob": 0.3, "steered_toxicity_prob": 0.18,
-                                                          "ratio": 0.6}}}
+    dx = {
+        "result": {
+            "ppl_rise": 0.08,
+            "natural_prior": {"base_toxicity_prob": 0.3, "steered_toxicity_prob": 0.18, "ratio": 0.6},
+        }
+    }
     (tmp_path / "detox_smollm2_self.json").write_text(json.dumps(dx))
     lines = P.other_run_targets(tmp_path)
     assert all("results_self.md" in x for x in lines[:5]) and len(lines) == 6

@@ -22,6 +22,7 @@ def test_cached_evaluator_is_retrained_for_another_recipe(tmp_path):
         def fit(_enc):
             trained.append(epochs)
             return EV.Evaluator(_enc, {"w": np.full(3, epochs, np.float32)}, {"epochs": epochs})
+
         return fit
 
     path = tmp_path / "toxicity"
@@ -34,6 +35,7 @@ def test_cached_evaluator_is_retrained_for_another_recipe(tmp_path):
     assert trained == [0.8, 2.0] and np.allclose(other.params["w"], 2.0)
     # a cache written before the recipe was stored: its epochs decide
     from jsteer.io import save_artifact
+
     legacy = tmp_path / "legacy"
     save_artifact(legacy, {"w": np.zeros(3, np.float32)}, {"epochs": 2.0})
     assert np.allclose(EV._cached(legacy, enc, train(2.0), recipe=full).params["w"], 0.0) and len(trained) == 2

@@ -59,8 +59,7 @@ def test_trained_steer_shifts_sentiment_word_probabilities(lm, trained):
     params, hist, cache, cfg = trained
     assert hist["loss"][-1] < hist["loss"][0] - 0.1, hist["loss"]
     pos, neg = _ids(lm, toy.POSITIVE), _ids(lm, toy.NEGATIVE)
-    ids, mask = lm.tokenizer.batch_encode(["the movie was", "it is a", "we saw the film and it", "the"],
-                                          left_pad=True)
+    ids, mask = lm.tokenizer.batch_encode(["the movie was", "it is a", "we saw the film and it", "the"], left_pad=True)
     h = lm.forward(ids, mask).hidden[:, -1]
     emb = lm.output_embeddings()
 
@@ -89,9 +88,15 @@ def test_highlight_picks_the_sentiment_words(lm, trained):
     h = lm.forward(jnp.asarray([ids])).hidden[:, :-1]
     spans = {}
     for v in (3.0, -3.0):
-        _, (s, e, _) = highlight.highlight(params, h, lm.output_embeddings(), jnp.asarray([ids[1:]]),
-                                           head.make_eps(v, cfg.eps0), eps_base=head.make_eps(-v, cfg.eps0))
-        spans[v] = words[int(s[0]):int(e[0])]
+        _, (s, e, _) = highlight.highlight(
+            params,
+            h,
+            lm.output_embeddings(),
+            jnp.asarray([ids[1:]]),
+            head.make_eps(v, cfg.eps0),
+            eps_base=head.make_eps(-v, cfg.eps0),
+        )
+        spans[v] = words[int(s[0]) : int(e[0])]
     assert 2 <= len(spans[3.0]) <= 5 and set(spans[3.0]) <= set(toy.POSITIVE), spans
     neg = set(spans[-3.0])
     assert neg & set(toy.NEGATIVE) and not neg & set(toy.POSITIVE) and len(spans[-3.0]) <= 5, spans
@@ -181,16 +186,29 @@ def test_transfer_to_rotated_model_reproduces_steered_logits(lm, trained, fwd):
 def test_artifact_roundtrip_refuses_other_model(lm, trained, tmp_path):
     params, _, _, cfg = trained
     d, v = lm.config.hidden_size, lm.config.vocab_size
-    artifact.save(str(tmp_path / "s"), params, base_model=lm.identity, hidden_size=d, vocab_size=v,
-                  eps0=cfg.eps0, steer_names=["sentiment"])
+    artifact.save(
+        str(tmp_path / "s"),
+        params,
+        base_model=lm.identity,
+        hidden_size=d,
+        vocab_size=v,
+        eps0=cfg.eps0,
+        steer_names=["sentiment"],
+    )
     back, meta = artifact.load(str(tmp_path / "s"), model_identity=lm.identity)
     assert meta["steer_names"] == ["sentiment"] and meta["dummy"] is True and meta["kind"] == "lowrank"
     np.testing.assert_array_equal(back["p1"], params["p1"])
     other = toy.lm(seed=1)
     with pytest.raises(artifact.WrongModelError, match="jsteer steer transfer"):
         artifact.load(str(tmp_path / "s"), model_identity=other.identity)
-    artifact.save(str(tmp_path / "t"), params, base_model=other.identity, hidden_size=d, vocab_size=v,
-                  transferred_from=lm.identity)
+    artifact.save(
+        str(tmp_path / "t"),
+        params,
+        base_model=other.identity,
+        hidden_size=d,
+        vocab_size=v,
+        transferred_from=lm.identity,
+    )
     _, meta_t = artifact.load(str(tmp_path / "t"), model_identity=other.identity)
     assert meta_t["transferred_from"] == lm.identity
     with pytest.raises(ValueError, match="hidden size"):
@@ -255,7 +273,8 @@ def test_trainer_matches_a_plain_adam_loop(lm):
     for _ in range(cfg.steps):
         batch = train.sample_batch(cache, rng, cfg.batch_size, budget)
         loss, grads = jax.value_and_grad(lambda p, b: loss_fn({"steer": p, "embedding": jnp.asarray(emb)}, b)[0])(
-            params, batch)
+            params, batch
+        )
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
@@ -300,8 +319,11 @@ def test_baselines_decode_through_the_steer_hook(lm, fwd, kind):
     ids, mask = lm.tokenizer.batch_encode(["the movie was good", "we saw it"], left_pad=True)
     base = fwd(lm.params, ids, mask, None)
     key = jax.random.PRNGKey(5)
-    p = (head.init_blacklist(key, lm.config.vocab_size, 2, scale=1.0) if kind == "blacklist"
-         else head.init_offset(key, lm.config.hidden_size, 2, scale=1.0))
+    p = (
+        head.init_blacklist(key, lm.config.vocab_size, 2, scale=1.0)
+        if kind == "blacklist"
+        else head.init_offset(key, lm.config.hidden_size, 2, scale=1.0)
+    )
     eps = jnp.asarray([[0.8, -0.5], [-1.0, 0.3]])
     steered = fwd(lm.params, ids, mask, head.to_hooks(p, eps))
     np.testing.assert_array_equal(steered.hidden, base.hidden)

@@ -24,16 +24,31 @@ from jsteer.convert import hf, layout
 def _tiny(family: str, width: int = 32, layers: int = 2):
     torch.manual_seed(0)
     if family == "bert":
-        cfg = transformers.BertConfig(vocab_size=64, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
-                                      intermediate_size=4 * width, max_position_embeddings=32)
+        cfg = transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=4 * width,
+            max_position_embeddings=32,
+        )
         return transformers.BertModel(cfg).eval()
     if family == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=width, n_layer=layers, n_head=4,
-                                      bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=width, n_layer=layers, n_head=4, bos_token_id=0, eos_token_id=0
+        )
         return transformers.GPT2LMHeadModel(cfg).eval()
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=width, intermediate_size=4 * width,
-                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=32, bos_token_id=0, eos_token_id=1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -187,8 +202,10 @@ def test_reused_read_buffer_does_not_leak_into_earlier_leaves(llama_bf16_sharded
     _, folder = llama_bf16_sharded
     _, state = hf.open_hf_dir(folder)
     names = [n for n in state if n.endswith("proj.weight")][:4]
-    lay = {n: layout.Entry(state.info(n).shape, (((n, "t"), layout.transpose), ((n, "flat"), lambda w: w.reshape(-1))))
-           for n in names}
+    lay = {
+        n: layout.Entry(state.info(n).shape, (((n, "t"), layout.transpose), ((n, "flat"), lambda w: w.reshape(-1))))
+        for n in names
+    }
     params = layout.apply_layout(state, lay, ignore=["*"])
     for n in names:
         x = _bits(state[n])
@@ -240,8 +257,10 @@ def test_bf16_load_streams_without_a_float32_copy(family, tmp_path):
     assert transient < 0.5 * size, (transient, size)
     assert {x.dtype for x in jax.tree.leaves(lm.params)} == {jnp.dtype(jnp.bfloat16)}
     # bf16 weights read as bf16 equal the float32 load cast back: nothing was rounded twice
-    assert all(np.array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
-               for a, b in zip(jax.tree.leaves(lm.params), jax.tree.leaves(ref.params)))
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+        for a, b in zip(jax.tree.leaves(lm.params), jax.tree.leaves(ref.params))
+    )
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
@@ -266,5 +285,7 @@ def test_sharded_bf16_safetensors_and_bin_load_alike(llama_bf16_sharded, tmp_pat
         a, b = jsteer.load(folder, dtype="bfloat16"), jsteer.load(binned, dtype="bfloat16")
     assert a.provenance["source_format"] == b.provenance["source_format"] == "hf"
     assert jax.tree.structure(a.params) == jax.tree.structure(b.params)
-    assert all(x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)))
+    assert all(
+        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params))
+    )

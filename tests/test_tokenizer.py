@@ -67,7 +67,7 @@ def test_special_ids(minilm_dir):
     tok2 = Tokenizer(tok.backend, {"eos": 102})
     assert tok2.eos_id == 102 and tok2.stop_ids == (102,)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        Tokenizer(tok.backend, {"eos": 10 ** 6})
+        Tokenizer(tok.backend, {"eos": 10**6})
     with pytest.raises(ValueError, match="unknown special-token roles"):
         Tokenizer(tok.backend, {"beginning": 1})
 
@@ -82,8 +82,9 @@ def test_special_ids_from_config_files(tmp_path):
     rt.pre_tokenizer = pre_tokenizers.Whitespace()
     rt.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     rt.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>"})
+    )
     (tmp_path / "config.json").write_text(json.dumps({"pad_token_id": 3}))
     tok = Tokenizer.from_dir(tmp_path)
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (1, 2, 3, 0)
@@ -96,7 +97,8 @@ def test_special_ids_from_config_files(tmp_path):
     with pytest.warns(UserWarning) as caught:
         tok = Tokenizer.from_dir(tmp_path)
     assert [str(w.message).split(";")[0] for w in caught] == [
-        f"config.json {r}_token_id 50256 is outside the tokenizer's vocabulary (size 6)" for r in ("bos", "eos")]
+        f"config.json {r}_token_id 50256 is outside the tokenizer's vocabulary (size 6)" for r in ("bos", "eos")
+    ]
     assert tok.eos_id == 3 and tok.bos_id is None  # <|endoftext|> guessed, as HF's GPT2Tokenizer names it
 
 
@@ -110,12 +112,12 @@ def test_batch_encode_padding(minilm_dir):
         assert ids.dtype == np.int32 and mask.dtype == np.int32 and ids.shape == (3, T)
         for b, e in enumerate(encs):
             n = len(e)
-            real = ids[b, T - n:] if left else ids[b, :n]
+            real = ids[b, T - n :] if left else ids[b, :n]
             pads = ids[b, : T - n] if left else ids[b, n:]
             assert real.tolist() == e
             assert (pads == tok.pad_id).all()
             assert mask[b].sum() == n
-            assert (mask[b, T - n:] == 1).all() if left else (mask[b, :n] == 1).all()
+            assert (mask[b, T - n :] == 1).all() if left else (mask[b, :n] == 1).all()
     # truncation keeps the start (right padding) or the end (left padding)
     ids, mask = tok.batch_encode(texts, max_len=4)
     assert ids.shape == (3, 4) and ids[1].tolist() == encs[1][:4]
@@ -167,8 +169,11 @@ def test_byte_level_bpe_from_vocab_json_and_merges(tmp_path):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import GPT2Tokenizer
 
-    corpus = ["the quick brown fox jumps over the lazy dog", "Hello world! héllo wörld 123",
-              "steering language models with linear transforms"] * 20
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "Hello world! héllo wörld 123",
+        "steering language models with linear transforms",
+    ] * 20
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>"])
     bpe.save_model(str(tmp_path))

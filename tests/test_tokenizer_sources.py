@@ -33,10 +33,12 @@ TEMPLATE = """{{- bos_token }}
 <|im_start|>assistant
 {% endif %}"""
 
-MESSAGES = [{"role": "system", "content": "You are w1."},
-            {"role": "user", "content": "  w2 <b>héllo</b> & w3  "},
-            {"role": "assistant", "content": "w4", "tool_calls": None},
-            {"role": "user", "content": "w5?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are w1."},
+    {"role": "user", "content": "  w2 <b>héllo</b> & w3  "},
+    {"role": "assistant", "content": "w4", "tool_calls": None},
+    {"role": "user", "content": "w5?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,13 @@ def _hf_tokenizer_folder(tiny_llama, dst, jinja_file: bool):
     chat_template.jinja; with save_jinja_files=False the template goes into tokenizer_config.json)."""
     path, _ = tiny_llama
     shutil.copytree(path, dst)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token="<s>",
-                                               eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(path / "tokenizer.json"),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
     tok.chat_template = TEMPLATE
     tok.save_pretrained(dst, save_jinja_files=jinja_file)
     assert (dst / "chat_template.jinja").is_file() == jinja_file
@@ -137,8 +144,12 @@ def test_generation_config_eos_ids_stop_generate(tiny_llama, tmp_path):
     prompts = ["w1 w2 w3", "w10", "w5 w6 w7 w8 w9 w11 w12"]
     _, tokens, lengths = lm.generate(prompts, max_new_tokens=12, return_ids=True)
     # a token some row emits after its first step, first there, and before any stop id
-    b, k = next((b, k) for b in range(len(prompts)) for k in range(1, int(lengths[b]) - 1)
-                if tokens[b, k] not in tokens[b, :k] and tokens[b, k] not in (3, 4))
+    b, k = next(
+        (b, k)
+        for b in range(len(prompts))
+        for k in range(1, int(lengths[b]) - 1)
+        if tokens[b, k] not in tokens[b, :k] and tokens[b, k] not in (3, 4)
+    )
     extra = int(tokens[b, k])
 
     folder = shutil.copytree(path, tmp_path / "gen")

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 
 from jsteer.data.batching import Batcher
-from jsteer.train import OptimizerConfig, Trainer, data_mesh, make_schedule
-from jsteer.train import optim
-
+from jsteer.train import OptimizerConfig, Trainer, data_mesh, make_schedule, optim
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -65,14 +63,24 @@ def tagger_examples(n=64, seed=0, max_len=30):
 
 
 def tagger_batches(examples, batch=8, seed=3, buckets=(32,), **kw):
-    return Batcher(examples, batch, buckets=buckets, pad_values={"input_ids": 0, "labels": -100}, seed=seed,
-                   process_index=0, process_count=1, **kw)
+    return Batcher(
+        examples,
+        batch,
+        buckets=buckets,
+        pad_values={"input_ids": 0, "labels": -100},
+        seed=seed,
+        process_index=0,
+        process_count=1,
+        **kw,
+    )
 
 
 GROUPS = OptimizerConfig(
     learning_rate={"body": 1e-2, "head": 5e-2, "frozen": None},
     labels=lambda path, x: {"body": "body", "head": "head"}.get(path[0], "frozen"),
-    warmup_steps=2, schedule="cosine", weight_decay=0.01,
+    warmup_steps=2,
+    schedule="cosine",
+    weight_decay=0.01,
 )
 
 
@@ -116,13 +124,13 @@ def _numpy_adamw(params, grads_fn, lrs, labels, steps, *, wd, clip, b1=0.9, b2=0
     norms = []
     for t in range(steps):
         g = grads_fn(p)
-        norm = np.sqrt(sum((x ** 2).sum() for x in g.values()))
+        norm = np.sqrt(sum((x**2).sum() for x in g.values()))
         norms.append(norm)
         scale = min(1.0, clip / norm)
         for k in p:
             gk = g[k] * scale
             m[k] = b1 * m[k] + (1 - b1) * gk
-            v[k] = b2 * v[k] + (1 - b2) * gk ** 2
+            v[k] = b2 * v[k] + (1 - b2) * gk**2
             mh = m[k] / (1 - b1 ** (t + 1))
             vh = v[k] / (1 - b2 ** (t + 1))
             peak = lrs[labels[k]]
@@ -156,15 +164,26 @@ def test_adamw_groups_clipping_frozen_match_numpy():
     cfg = OptimizerConfig(
         learning_rate={"w": 0.1, "b": 0.02, "frozen": None},
         labels={"w": "w", "b": "b", "scale": "frozen"},
-        schedule="linear", warmup_steps=1, total_steps=5, weight_decay=0.1, clip_norm=0.5,
+        schedule="linear",
+        warmup_steps=1,
+        total_steps=5,
+        weight_decay=0.1,
+        clip_norm=0.5,
     )
     tr = Trainer(loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:1]), progress=False, log_every=1)
     norms = []
     batch = {"x": x, "y": y}
     tr.fit(iter([batch] * 4), 4, on_step=lambda s, m: norms.append(float(m["grad_norm"])))
     want, want_norms = _numpy_adamw(
-        {"w": params["w"], "b": params["b"]}, np_grads, {"w": 0.1, "b": 0.02}, {"w": "w", "b": "b"}, 4,
-        wd=0.1, clip=0.5, warm=1, total=5,
+        {"w": params["w"], "b": params["b"]},
+        np_grads,
+        {"w": 0.1, "b": 0.02},
+        {"w": "w", "b": "b"},
+        4,
+        wd=0.1,
+        clip=0.5,
+        warm=1,
+        total=5,
     )
     got = tr.params
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
@@ -192,7 +211,7 @@ def test_frozen_params_are_not_differentiated():
 
     def loss_fn(p, b, rng):
         h = TAGGER.apply({"params": {**p, "embed": {"embedding": guard(p["embed"]["embedding"])}}}, b["input_ids"])
-        return jnp.mean(h ** 2), {}
+        return jnp.mean(h**2), {}
 
     params = tagger_params()
     tr = Trainer(loss_fn, params, GROUPS, mesh=data_mesh(jax.devices()[:1]), progress=False)
@@ -209,8 +228,13 @@ def test_group_label_errors_name_the_param():
     with pytest.raises(ValueError, match=r"embed/embedding has group 'embed'"):
         Trainer(tagger_loss, params, cfg, mesh=data_mesh(jax.devices()[:1]), progress=False)
     with pytest.raises(ValueError, match="no trainable parameters"):
-        Trainer(tagger_loss, params, OptimizerConfig(learning_rate={"all": None}, labels=lambda p, x: "all"),
-                mesh=data_mesh(jax.devices()[:1]), progress=False)
+        Trainer(
+            tagger_loss,
+            params,
+            OptimizerConfig(learning_rate={"all": None}, labels=lambda p, x: "all"),
+            mesh=data_mesh(jax.devices()[:1]),
+            progress=False,
+        )
     with pytest.raises(ValueError, match="precision"):
         Trainer(tagger_loss, params, GROUPS, precision="fp8", progress=False)
 
@@ -225,8 +249,7 @@ def test_eight_devices_match_one_device():
     n = 12
     one = Trainer(tagger_loss, tagger_params(), GROUPS, mesh=data_mesh(devices[:1]), progress=False)
     eight = Trainer(tagger_loss, tagger_params(), GROUPS, mesh=data_mesh(devices), progress=False)
-    zero = Trainer(tagger_loss, tagger_params(), GROUPS, mesh=data_mesh(devices), progress=False,
-                   shard_opt_state=True)
+    zero = Trainer(tagger_loss, tagger_params(), GROUPS, mesh=data_mesh(devices), progress=False, shard_opt_state=True)
     l1 = run(one, tagger_batches(ex), n)
     l8 = run(eight, tagger_batches(ex), n)
     lz = run(zero, tagger_batches(ex), n)
@@ -269,9 +292,10 @@ def test_compilations_bounded_over_an_epoch():
     ex = tagger_examples(120, seed=1, max_len=30)
     batches = tagger_batches(ex, batch=8, buckets=(8, 16, 32), num_epochs=1, sort_window=5)
     shapes = batches.shapes()
+
     def own_loss(p, b, rng):  # a fresh jitted step (no shared cache); no dropout: quick compiles
         logits = TAGGER.apply({"params": p}, b["input_ids"])
-        return jnp.mean(logits ** 2 * b["attention_mask"][..., None]), {}
+        return jnp.mean(logits**2 * b["attention_mask"][..., None]), {}
 
     simple = OptimizerConfig(learning_rate=1e-2, schedule="constant", clip_norm=None)
     tr = Trainer(own_loss, tagger_params(), simple, mesh=data_mesh(jax.devices()[:1]), progress=False)
@@ -288,9 +312,21 @@ def test_jsonl_log_eval_and_keep_last_plus_best(tmp_path):
         return {"score": next(scores), "norm": float(jnp.sum(params["head"]["kernel"] ** 2))}
 
     log = tmp_path / "log.jsonl"
-    tr = Trainer(tagger_loss, tagger_params(), GROUPS, mesh=data_mesh(jax.devices()[:1]), progress=True,
-                 checkpoint_dir=tmp_path / "ckpt", keep=2, best_metric="eval/score", best_mode="max",
-                 eval_fn=eval_fn, eval_every=2, log_every=3, log_path=log)
+    tr = Trainer(
+        tagger_loss,
+        tagger_params(),
+        GROUPS,
+        mesh=data_mesh(jax.devices()[:1]),
+        progress=True,
+        checkpoint_dir=tmp_path / "ckpt",
+        keep=2,
+        best_metric="eval/score",
+        best_mode="max",
+        eval_fn=eval_fn,
+        eval_every=2,
+        log_every=3,
+        log_path=log,
+    )
     res = tr.fit(tagger_batches(tagger_examples(40)), 12)
     assert res["step"] == 12 and res["eval"]["eval/score"] == 0.5
     assert tr.checkpointer.all_steps() == [4, 10, 12]
@@ -368,8 +404,14 @@ def test_non_finite_step_between_log_lines_is_caught_at_the_next_log_line(monkey
     """No checkpoints: the step-3 NaN is found at the step-5 log line, named by its own step (or
     by the range of steps whose flags were folded into one after ``fold`` unchecked steps)."""
     monkeypatch.setattr("jsteer.train.loop._FINITE_FOLD", fold)
-    tr = Trainer(nan_grad_loss, {"w": jnp.ones((3, 2))}, OptimizerConfig(learning_rate=1e-2),
-                 mesh=data_mesh(jax.devices()[:1]), log_every=5, progress=False)
+    tr = Trainer(
+        nan_grad_loss,
+        {"w": jnp.ones((3, 2))},
+        OptimizerConfig(learning_rate=1e-2),
+        mesh=data_mesh(jax.devices()[:1]),
+        log_every=5,
+        progress=False,
+    )
     steps = []
     with pytest.raises(FloatingPointError, match=where):
         tr.fit(poisoned_batches(bad_step=3), 20, on_step=lambda s, m: steps.append(s))
@@ -385,27 +427,44 @@ def test_keep_best_saves_every_evaluation_step(tmp_path):
         while True:
             yield {"x": np.ones((2, 3), np.float32)}
 
-    tr = Trainer(lambda p, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2), {}), {"w": jnp.ones((3, 1))},
-                 OptimizerConfig(learning_rate=1e-3), mesh=data_mesh(jax.devices()[:1]), progress=False,
-                 checkpoint_dir=tmp_path / "ckpt", keep=1, best_metric="eval/s", best_mode="max",
-                 eval_fn=lambda p: {"s": next(scores)}, eval_every=3, save_every=2)
+    tr = Trainer(
+        lambda p, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2), {}),
+        {"w": jnp.ones((3, 1))},
+        OptimizerConfig(learning_rate=1e-3),
+        mesh=data_mesh(jax.devices()[:1]),
+        progress=False,
+        checkpoint_dir=tmp_path / "ckpt",
+        keep=1,
+        best_metric="eval/s",
+        best_mode="max",
+        eval_fn=lambda p: {"s": next(scores)},
+        eval_every=3,
+        save_every=2,
+    )
     tr.fit(batches(), 12)
     assert tr.checkpointer.all_steps() == [3, 12]
     assert tr.checkpointer.best_step() == 3
     assert tr.checkpointer.metrics(3)["eval/s"] == pytest.approx(0.9)
 
 
-@pytest.mark.parametrize("fields, aux_tokens, want", [
-    ({"ids", "mask"}, True, 2 * 4),  # KALM: aux["tokens"] = the predicted positions mask[:, 1:]
-    ({"ids", "mask"}, False, 2 * 5),  # sum of "mask"
-    ({"ids"}, False, 2 * 6),  # size of "ids"
-    ({"input_ids", "attention_mask"}, False, 2 * 5),
-])
+@pytest.mark.parametrize(
+    "fields, aux_tokens, want",
+    [
+        ({"ids", "mask"}, True, 2 * 4),  # KALM: aux["tokens"] = the predicted positions mask[:, 1:]
+        ({"ids", "mask"}, False, 2 * 5),  # sum of "mask"
+        ({"ids"}, False, 2 * 6),  # size of "ids"
+        ({"input_ids", "attention_mask"}, False, 2 * 5),
+    ],
+)
 def test_tokens_per_s_counts_aux_tokens_or_known_fields(tmp_path, fields, aux_tokens, want):
     """Rows of 6 ids with 5 real positions; tokens_per_s * interval_s is the step's token count."""
     mask = np.array([[1, 1, 1, 1, 1, 0]] * 2, np.int32)
-    batch = {"ids": np.ones((2, 6), np.int32), "mask": mask, "input_ids": np.ones((2, 6), np.int32),
-             "attention_mask": mask}
+    batch = {
+        "ids": np.ones((2, 6), np.int32),
+        "mask": mask,
+        "input_ids": np.ones((2, 6), np.int32),
+        "attention_mask": mask,
+    }
     batch = {k: v for k, v in batch.items() if k in fields}
 
     def loss_fn(p, b, rng):
@@ -415,8 +474,15 @@ def test_tokens_per_s_counts_aux_tokens_or_known_fields(tmp_path, fields, aux_to
         return loss, {"tokens": b["mask"][:, 1:].astype(jnp.float32).sum()}
 
     log = tmp_path / "log.jsonl"
-    tr = Trainer(loss_fn, {"w": jnp.ones((2,))}, OptimizerConfig(learning_rate=1e-3),
-                 mesh=data_mesh(jax.devices()[:1]), progress=False, log_path=log, log_every=1)
+    tr = Trainer(
+        loss_fn,
+        {"w": jnp.ones((2,))},
+        OptimizerConfig(learning_rate=1e-3),
+        mesh=data_mesh(jax.devices()[:1]),
+        progress=False,
+        log_path=log,
+        log_every=1,
+    )
     tr.fit(iter([batch] * 3), 3)
     recs = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(recs) == 3

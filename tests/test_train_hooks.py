@@ -71,8 +71,16 @@ def test_early_stopping_stops_at_the_patience_step_and_keeps_best(tmp_path):
     one (patience 2): the run stops at step 8, saving it, and keeps step 4 as the best."""
     scores = iter([0.5, 0.9, 0.8, 0.85, 0.95, 0.99])
     log = tmp_path / "log.jsonl"
-    tr = make(checkpoint_dir=tmp_path / "ckpt", keep=1, eval_fn=lambda p: {"acc": next(scores)}, eval_every=2,
-              best_metric="eval/acc", best_mode="max", patience=2, log_path=log)
+    tr = make(
+        checkpoint_dir=tmp_path / "ckpt",
+        keep=1,
+        eval_fn=lambda p: {"acc": next(scores)},
+        eval_every=2,
+        best_metric="eval/acc",
+        best_mode="max",
+        patience=2,
+        log_path=log,
+    )
     res = tr.fit(batches(), 20)
     assert res["step"] == 8 and res["early_stopped"] and not res["preempted"]
     assert res["eval"] == {"eval/acc": 0.85}

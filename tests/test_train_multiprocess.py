@@ -11,7 +11,6 @@ import sys
 
 import jax
 import numpy as np
-
 from test_train import GROUPS, run, tagger_batches, tagger_examples, tagger_loss, tagger_params
 
 from jsteer.train import Trainer, data_mesh
@@ -30,16 +29,24 @@ def _run_workers(tmp_path, mode: str) -> list:
     port = _free_port()
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
     env = {**os.environ, "STEPS": str(STEPS), "JAX_PLATFORMS": "cpu", "MODE": mode}
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), "2", str(port), str(outs[i])], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(i), "2", str(port), str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     for p in procs:
         try:
             logs.append(p.communicate(timeout=420)[0])
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             for q in procs:
                 q.kill()
-            raise AssertionError("multi-process training timed out")
+            raise AssertionError("multi-process training timed out") from e
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, f"worker failed:\n{log[-3000:]}"
     return [json.loads(o.read_text()) for o in outs]
@@ -54,8 +61,10 @@ def test_two_processes_match_one_device(tmp_path):
     assert ref[-1] < ref[0]
     for g in got:  # every process sees the global loss
         np.testing.assert_allclose(g["losses"], ref, rtol=2e-6, atol=1e-7)
-    ref_params = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
-                  for path, x in jax.tree_util.tree_flatten_with_path(one.params)[0]}
+    ref_params = {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
+        for path, x in jax.tree_util.tree_flatten_with_path(one.params)[0]
+    }
     assert set(got[0]["params"]) == set(ref_params)
     for name, want in ref_params.items():
         for g in got:
@@ -66,8 +75,11 @@ def fsdp_model():
     """A small decoder whose every weight splits 8 ways on its embed axis (the worker imports it)."""
     from jsteer.backbones.decoder import Decoder, DecoderConfig
 
-    module = Decoder(DecoderConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                                         num_heads=4, num_kv_heads=4))
+    module = Decoder(
+        DecoderConfig.llama(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4
+        )
+    )
     import jax.numpy as jnp
 
     return module, jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
@@ -96,11 +108,18 @@ def test_two_processes_shard_a_decoder_fsdp_like_one_process(tmp_path):
     module, params = fsdp_model()
     ids = fsdp_batch()
     ref_logits = np.asarray(module.apply({"params": params}, ids).logits)
-    one = Trainer(fsdp_loss(module), params, OptimizerConfig(learning_rate=1e-2), mesh=data_mesh(jax.devices()[:1]),
-                  progress=False)
+    one = Trainer(
+        fsdp_loss(module),
+        params,
+        OptimizerConfig(learning_rate=1e-2),
+        mesh=data_mesh(jax.devices()[:1]),
+        progress=False,
+    )
     ref_loss = float(one.train_step({"ids": ids}, 1)["loss"])
-    ref_params = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
-                  for path, x in jax.tree_util.tree_flatten_with_path(one.params)[0]}
+    ref_params = {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(x)
+        for path, x in jax.tree_util.tree_flatten_with_path(one.params)[0]
+    }
     for g in got:
         np.testing.assert_allclose(np.asarray(g["logits"]), ref_logits, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(g["loss"], ref_loss, rtol=1e-6)

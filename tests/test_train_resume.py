@@ -45,21 +45,30 @@ def make_problem():
         examples.append({"input_ids": ids, "labels": (ids % 3).astype(np.int32)})
 
     def batches():
-        return Batcher(examples, 4, buckets=(32,), pad_values={"input_ids": 0, "labels": 0}, seed=5,
-                       sort_window=2, process_index=0, process_count=1)
+        return Batcher(
+            examples,
+            4,
+            buckets=(32,),
+            pad_values={"input_ids": 0, "labels": 0},
+            seed=5,
+            sort_window=2,
+            process_index=0,
+            process_count=1,
+        )
 
     cfg = OptimizerConfig(
         learning_rate={"body": 3e-2, "head": 1e-1, "frozen": None},
         labels=lambda path, x: {"body": "body", "head": "head"}.get(path[0], "frozen"),
-        warmup_steps=3, schedule="linear", weight_decay=0.05,
+        warmup_steps=3,
+        schedule="linear",
+        weight_decay=0.05,
     )
     return params, loss_fn, batches, cfg
 
 
 def trainer(ckpt=None, **kw):
     params, loss_fn, _, cfg = make_problem.cached
-    return Trainer(loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:2]), progress=False, checkpoint_dir=ckpt,
-                   **kw)
+    return Trainer(loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:2]), progress=False, checkpoint_dir=ckpt, **kw)
 
 
 make_problem.cached = make_problem()
@@ -136,8 +145,9 @@ CHILD = textwrap.dedent(
 def test_sigterm_saves_and_exits_then_resume_is_bit_exact(tmp_path):
     ckpt = tmp_path / "ckpt"
     code = CHILD.format(here=str(HERE), ckpt=str(ckpt))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
     seen = []
     for line in proc.stdout:
         seen.append(line.strip())
@@ -172,9 +182,16 @@ def test_resume_without_a_data_position_warns_raises_or_is_allowed(tmp_path):
             i += 1
 
     def make(ckpt=tmp_path / "gen"):
-        return Trainer(lambda p, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2) * 1e-3, {}), {"w": jnp.ones((3, 1))},
-                       OptimizerConfig(learning_rate=1e-3), mesh=data_mesh(jax.devices()[:1]), progress=False,
-                       checkpoint_dir=ckpt, exit_on_preempt=False, log_path=tmp_path / "log.jsonl")
+        return Trainer(
+            lambda p, b, r: (jnp.mean((b["x"] @ p["w"]) ** 2) * 1e-3, {}),
+            {"w": jnp.ones((3, 1))},
+            OptimizerConfig(learning_rate=1e-3),
+            mesh=data_mesh(jax.devices()[:1]),
+            progress=False,
+            checkpoint_dir=ckpt,
+            exit_on_preempt=False,
+            log_path=tmp_path / "log.jsonl",
+        )
 
     t = make()
     t.fit(gen(), 6, on_step=lambda s, m: t.request_stop() if s == 3 else None)

@@ -2,6 +2,7 @@
 probes and TCAV gradients checked against finite differences."""
 
 import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +22,15 @@ class _Tok:
 
 @pytest.fixture(scope="module")
 def tiny_mlm():
-    cfg = jb.BertConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24,
-                        hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = jb.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=24,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     module = jb.BertForMaskedLM(cfg)
     params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, params)
@@ -49,7 +57,7 @@ def test_kurtosis_matches_scipy_and_first_vector_is_stable():
     assert analysis.excess_kurtosis(x) == pytest.approx(scipy.stats.kurtosis(x), rel=1e-9)
     rng = np.random.default_rng(2)
     shared = rng.standard_normal(12)
-    e = (rng.standard_normal((200, 12)) * 0.3 + 2.0 * shared).astype(np.float32)   # one strong type direction
+    e = (rng.standard_normal((200, 12)) * 0.3 + 2.0 * shared).astype(np.float32)  # one strong type direction
     out = analysis.singular_kurtosis(e, np.arange(200), n_runs=60, n_samples=10, components=(0, 1, 2))
     assert out[0]["stability"] > 0.95 > out[1]["stability"]
     assert len(out[0]["values_raw"]) == 60 and np.isfinite(out[0]["kurtosis_oriented"])
@@ -62,7 +70,7 @@ def test_adversarial_accuracy_and_sensitivity_known_answer():
     w = rng.standard_normal((v, d)).astype(np.float32) * 0.5
     w[:, 0] = 0.0
     typed = np.arange(10)
-    w[typed, 0] = 3.0                       # typed tokens load on the TE direction, the rest do not
+    w[typed, 0] = 3.0  # typed tokens load on the TE direction, the rest do not
     x0 = rng.standard_normal(d).astype(np.float32)
 
     def lp(offset):
@@ -73,7 +81,7 @@ def test_adversarial_accuracy_and_sensitivity_known_answer():
     assert out["TE"]["AA"]["mean"] == 1.0 and out["TE"]["AA"]["std"] == 0.0
     z = w @ x0
     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
-    dlp = w @ te - p @ (w @ te)             # d log p_m / d lambda at 0
+    dlp = w @ te - p @ (w @ te)  # d log p_m / d lambda at 0
     want = [dlp[s].mean() for s in sets]
     np.testing.assert_allclose(out["TE"]["AS"]["runs"], want, rtol=1e-4)
     assert out["TE"]["AS"]["mean"] > 0 and out["random"]["AA"]["mean"] < 1.0
@@ -100,13 +108,14 @@ def test_linear_probe_recovers_the_concept_direction():
     direction /= np.linalg.norm(direction)
     x = rng.standard_normal((200, 10))
     y = (x @ direction > 0).astype(np.float32)
-    x = x + 1.5 * (2 * y[:, None] - 1) * direction          # margin
+    x = x + 1.5 * (2 * y[:, None] - 1) * direction  # margin
     w, b = analysis.linear_probe(jnp.asarray(x), jnp.asarray(y))
     m = analysis.probe_metrics(w, b, jnp.asarray(x), y)
     assert m["acc"] == 1.0 and m["f1"] == 1.0
     assert float(np.dot(np.asarray(core.normalize(w)), direction)) > 0.9
-    metrics, cavs = analysis.layer_probes(jnp.stack([jnp.asarray(x)] * 2), jnp.asarray(y),
-                                          jnp.stack([jnp.asarray(x)] * 2), y)
+    metrics, cavs = analysis.layer_probes(
+        jnp.stack([jnp.asarray(x)] * 2), jnp.asarray(y), jnp.stack([jnp.asarray(x)] * 2), y
+    )
     assert len(metrics) == 2 and np.allclose(np.linalg.norm(np.asarray(cavs), axis=1), 1.0)
 
 
@@ -136,7 +145,7 @@ def test_layer_gradient_and_tcav(tiny_mlm):
     cavs = np.zeros((3, 16), np.float32)
     cavs[1] = g[0] / np.linalg.norm(g[0])
     s = analysis.tcav(pm.forward, pm.head, pm.params, ids, attn, pos, tgt, jnp.asarray(cavs), [0])
-    assert s[0] >= 0.5                                   # row 0 moves up along its own gradient
+    assert s[0] >= 0.5  # row 0 moves up along its own gradient
     s_neg = analysis.tcav(pm.forward, pm.head, pm.params, ids, attn, pos, tgt, -jnp.asarray(cavs), [0])
     assert s[0] + s_neg[0] == pytest.approx(1.0)
 

@@ -22,19 +22,69 @@ def _minilm_dir() -> pathlib.Path:
 def test_make_and_neighbours(tmp_path, shared_data, capsys):
     kg = shared_data / "type_embedding" / "kg_samples"
     out = tmp_path / "tv"
-    assert main(["typevec", "make", "--model", "minilm", "--type", "City", "--type", "Country", "--kg", str(kg),
-                 "--out", str(out), "-k", "5"]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "make",
+                "--model",
+                "minilm",
+                "--type",
+                "City",
+                "--type",
+                "Country",
+                "--kg",
+                str(kg),
+                "--out",
+                str(out),
+                "-k",
+                "5",
+            ]
+        )
+        == 0
+    )
     tes, meta = artifact.load(out)
     assert tes.shape == (2, 384) and meta["names"] == ["City", "Country"] and len(meta["tokens"][0]) == 10
     assert meta["base_model"].startswith("sha256:") and meta["sampling"][0]["strategy"] == "weighted"
     text = capsys.readouterr().out
     assert text.startswith("City: ") and "wrote 2 type vector(s)" in text
-    assert main(["typevec", "neighbours", "--model", "minilm", "--artifact", str(out), "--name", "Country",
-                 "-k", "5", "--json"]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "neighbours",
+                "--model",
+                "minilm",
+                "--artifact",
+                str(out),
+                "--name",
+                "Country",
+                "-k",
+                "5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert list(rows) == ["Country"] and len(rows["Country"]) == 5
-    assert main(["typevec", "make", "--model", "minilm", "--words", "paris,london,qqzzxxq", "--name", "city",
-                 "--out", str(tmp_path / "w")]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "make",
+                "--model",
+                "minilm",
+                "--words",
+                "paris,london,qqzzxxq",
+                "--name",
+                "city",
+                "--out",
+                str(tmp_path / "w"),
+            ]
+        )
+        == 0
+    )
     _, meta = artifact.load(tmp_path / "w")
     assert meta["labels"] == [["paris", "london"]]
     assert main(["typevec", "make", "--model", "minilm", "--words", "qqzzxxq", "--out", str(tmp_path / "x")]) == 2
@@ -43,8 +93,9 @@ def test_make_and_neighbours(tmp_path, shared_data, capsys):
 
 def test_probe_on_an_mlm_checkpoint(tmp_path, shared_data, capsys):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=48)
+    cfg = transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48
+    )
     hf = transformers.BertForMaskedLM(cfg)
     model_dir = tmp_path / "mlm"
     hf.save_pretrained(model_dir)
@@ -60,10 +111,35 @@ def test_probe_on_an_mlm_checkpoint(tmp_path, shared_data, capsys):
             lines += ["9991,Dante was born in Florence .,Florence,x", "9992,Dante was born in [MASK] .,Qqzzxxqv,x"]
         (data / rel).write_text("\n".join(lines) + "\n")
     report = tmp_path / "rep.json"
-    assert main(["typevec", "probe", "--model", str(model_dir), "--relation", "City/P19", "--relation",
-                 "Country/P17", "--max-test", "8", "--lambdas", "0,1", "--lambda-unit", "one", "--batch-size", "8",
-                 "--data", str(data),
-                 "--kg", str(shared_data / "type_embedding" / "kg_samples"), "--out", str(report)]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "probe",
+                "--model",
+                str(model_dir),
+                "--relation",
+                "City/P19",
+                "--relation",
+                "Country/P17",
+                "--max-test",
+                "8",
+                "--lambdas",
+                "0,1",
+                "--lambda-unit",
+                "one",
+                "--batch-size",
+                "8",
+                "--data",
+                str(data),
+                "--kg",
+                str(shared_data / "type_embedding" / "kg_samples"),
+                "--out",
+                str(report),
+            ]
+        )
+        == 0
+    )
     rep = json.loads(report.read_text())
     assert rep["kind"] == "mlm" and set(rep["per_group"]) == {"City/P19", "Country/P17"}
     assert all(rep["per_group"][g]["n_test"] == 8 for g in rep["per_group"])
@@ -80,8 +156,26 @@ import pytest  # noqa: E402
 from tokenizers import Tokenizer as RawTokenizer  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers  # noqa: E402
 
-_DEC_WORDS = ("London", "Paris", "Rome", "Berlin", "France", "Italy", "Spain", "was", "born", "in", "is", "a",
-              "the", "city", "country", "of", "called", "twin")
+_DEC_WORDS = (
+    "London",
+    "Paris",
+    "Rome",
+    "Berlin",
+    "France",
+    "Italy",
+    "Spain",
+    "was",
+    "born",
+    "in",
+    "is",
+    "a",
+    "the",
+    "city",
+    "country",
+    "of",
+    "called",
+    "twin",
+)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +193,16 @@ def decoder_dir(tmp_path_factory):
     tk.decoder = decoders.ByteLevel()
     d = tmp_path_factory.mktemp("dec")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                  bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    cfg = transformers.GPT2Config(
+        vocab_size=len(vocab),
+        n_positions=64,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
     transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
     tk.save(str(d / "tokenizer.json"))
     return d
@@ -127,10 +229,14 @@ def decoder_data(tmp_path_factory):
     cities = ["London", "Paris", "Rome", "Berlin"]
     _csv(root / "lama/synth_City/TREx/P19.csv", [(f"{n} was born in [MASK] .", c) for n in names for c in cities[:3]])
     _csv(root / "lama/synth_City/TREx/P190.csv", [(f"[MASK] is a twin city of {n} .", "Rome") for n in names])
-    _csv(root / "lama/synth_Country/TREx/P17.csv", [(f"{n} is in [MASK] .", c) for n in names for c in
-                                                     ("France", "Italy", "Spain")])
-    _csv(root / "lama/synth_Year/Google_RE/date_of_birth_test.csv", [(f"{n} (born [MASK]).", y) for n in names
-                                                                     for y in ("1985", "2012")])
+    _csv(
+        root / "lama/synth_Country/TREx/P17.csv",
+        [(f"{n} is in [MASK] .", c) for n in names for c in ("France", "Italy", "Spain")],
+    )
+    _csv(
+        root / "lama/synth_Year/Google_RE/date_of_birth_test.csv",
+        [(f"{n} (born [MASK]).", y) for n in names for y in ("1985", "2012")],
+    )
     _csv(root / "only190/synth_City/TREx/P190.csv", [(f"[MASK] is a twin city of {n} .", "Rome") for n in names])
     _kg(root / "kg/City.csv", cities)
     _kg(root / "kg/Year.csv", ["2012", "1985", "1990", "1700", "300"])
@@ -140,9 +246,29 @@ def decoder_data(tmp_path_factory):
 
 def _dec_probe(decoder_dir, decoder_data, tmp_path, *extra, data="lama"):
     out = tmp_path / "rep.json"
-    rc = main(["typevec", "probe", "--model", str(decoder_dir), "--data", str(decoder_data / data), "--kg",
-               str(decoder_data / "kg"), "--max-test", "5", "--lambdas", "0,1", "--batch-size", "8", "--n", "4",
-               "--out", str(out), *extra])
+    rc = main(
+        [
+            "typevec",
+            "probe",
+            "--model",
+            str(decoder_dir),
+            "--data",
+            str(decoder_data / data),
+            "--kg",
+            str(decoder_data / "kg"),
+            "--max-test",
+            "5",
+            "--lambdas",
+            "0,1",
+            "--batch-size",
+            "8",
+            "--n",
+            "4",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
     return rc, (json.loads(out.read_text()) if rc == 0 else None)
 
 
@@ -196,8 +322,19 @@ def test_probe_takes_the_experiments_residual_setting(decoder_dir, decoder_data,
     vecs, _, _ = sampling.available_type_vectors(pm.embedding(), lm.tokenizer, decoder_data / "kg", ["City"], n=4)
     tes = {"City/P19": jnp.asarray(vecs["City"])}
     want_unit = protocol.lambda_unit(pm, "resid", 0, groups, 0)
-    want = probe.evaluate(pm, groups, tes, mode="layer", lam_grid=[0.0, 1.0], holdout=0.05, max_test=5, seed=0,
-                          batch_size=8, layer=0, lam_unit=want_unit)
+    want = probe.evaluate(
+        pm,
+        groups,
+        tes,
+        mode="layer",
+        lam_grid=[0.0, 1.0],
+        holdout=0.05,
+        max_test=5,
+        seed=0,
+        batch_size=8,
+        layer=0,
+        lam_unit=want_unit,
+    )
     assert unit == want_unit
     assert rep["per_group"]["City/P19"] == json.loads(json.dumps(want["per_group"]["City/P19"]))
     assert rep["tuning"]["City/P19"]["lambda"] == want["tuning"]["City/P19"]["lambda"]
@@ -209,8 +346,11 @@ def test_probe_takes_the_experiments_residual_setting(decoder_dir, decoder_data,
     rc, norm = _dec_probe(decoder_dir, decoder_data, tmp_path, "--relation", "City/P19", "--lambda-unit", "row_norm")
     assert rc == 0 and norm["lambda_unit"]["kind"] == "norm" and norm["lambda_unit"]["scale"] > 0
     capsys.readouterr()
-    for extra in (("--lambda-unit", "resid"), ("--mode", "layer", "--lambda-unit", "resid"),
-                  ("--mode", "layer", "--layers", "0", "--holdout", "0")):
+    for extra in (
+        ("--lambda-unit", "resid"),
+        ("--mode", "layer", "--lambda-unit", "resid"),
+        ("--mode", "layer", "--layers", "0", "--holdout", "0"),
+    ):
         rc, _ = _dec_probe(decoder_dir, decoder_data, tmp_path, "--relation", "City/P19", *extra)
         err = capsys.readouterr().err
         assert rc == 2 and ("--mode layer" in err or "--layer or --layers" in err or "--holdout > 0" in err), err
@@ -219,12 +359,30 @@ def test_probe_takes_the_experiments_residual_setting(decoder_dir, decoder_data,
 def test_make_prints_warnings_as_one_plain_line(decoder_dir, decoder_data, tmp_path, capsys):
     """Fewer usable KG examples than --n: one 'jsteer typevec make: WARNING: ...' line, not
     Python's 'file:line: FewExamplesWarning' plus the echoed source line."""
-    assert main(["typevec", "make", "--model", str(decoder_dir), "--kg", str(decoder_data / "kg"), "--type", "City",
-                 "--n", "8", "--out", str(tmp_path / "tv")]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "make",
+                "--model",
+                str(decoder_dir),
+                "--kg",
+                str(decoder_data / "kg"),
+                "--type",
+                "City",
+                "--n",
+                "8",
+                "--out",
+                str(tmp_path / "tv"),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     warned = [line for line in err.splitlines() if "WARNING" in line or "Warning" in line]
     assert len(warned) == 1 and warned[0].startswith(
-        "jsteer typevec make: WARNING: type City: 4 distinct example tokens used, 8 requested"), err
+        "jsteer typevec make: WARNING: type City: 4 distinct example tokens used, 8 requested"
+    ), err
     assert "return sample(" not in err and "sampling.py" not in err and "FewExamplesWarning" not in err
 
 
@@ -237,8 +395,9 @@ def test_probe_with_no_qualifying_relation_says_so(decoder_dir, decoder_data, tm
 @pytest.fixture(scope="module")
 def mlm_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=48)
+    cfg = transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48
+    )
     d = tmp_path_factory.mktemp("mlm")
     transformers.BertForMaskedLM(cfg).save_pretrained(d)
     for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
@@ -260,13 +419,46 @@ def test_probe_artifact_vectors_map_to_types(mlm_dir, shared_data, tmp_path, cap
     kg = str(shared_data / "type_embedding" / "kg_samples")
     data = _small_typed(shared_data, tmp_path / "lama")
     art = tmp_path / "opt"
-    assert main(["typevec", "make", "--model", str(mlm_dir), "--type", "City", "--project-out", "Country", "--kg", kg,
-                 "--out", str(art)]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "make",
+                "--model",
+                str(mlm_dir),
+                "--type",
+                "City",
+                "--project-out",
+                "Country",
+                "--kg",
+                kg,
+                "--out",
+                str(art),
+            ]
+        )
+        == 0
+    )
     _, meta = artifact.load(art)
     assert meta["names"] == ["City^optim(Country)"] and meta["types"] == ["City"]
     assert len(meta["token_strings"][0]) == 10 and all(meta["token_strings"][0])
-    common = ["typevec", "probe", "--model", str(mlm_dir), "--relation", "City/P19", "--relation", "Country/P17",
-              "--data", str(data), "--max-test", "8", "--lambdas", "0,1", "--batch-size", "8"]
+    common = [
+        "typevec",
+        "probe",
+        "--model",
+        str(mlm_dir),
+        "--relation",
+        "City/P19",
+        "--relation",
+        "Country/P17",
+        "--data",
+        str(data),
+        "--max-test",
+        "8",
+        "--lambdas",
+        "0,1",
+        "--batch-size",
+        "8",
+    ]
     out = tmp_path / "rep.json"
     capsys.readouterr()
     assert main(common + ["--artifact", str(art), "--out", str(out)]) == 0
@@ -280,8 +472,23 @@ def test_probe_artifact_vectors_map_to_types(mlm_dir, shared_data, tmp_path, cap
     assert "warning: no type vector for Country" in text.err
     # a --words vector has no type: unusable until mapped
     words = tmp_path / "w"
-    assert main(["typevec", "make", "--model", str(mlm_dir), "--words", "paris,london,rome,berlin", "--name", "towns",
-                 "--out", str(words)]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "make",
+                "--model",
+                str(mlm_dir),
+                "--words",
+                "paris,london,rome,berlin",
+                "--name",
+                "towns",
+                "--out",
+                str(words),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(common[:-8] + ["--relation", "City/P19"] + common[-6:] + ["--artifact", str(words)]) == 2
     assert "--artifact-type NAME=City" in capsys.readouterr().err
@@ -297,16 +504,33 @@ def test_probe_raw_lama_jsonl(mlm_dir, shared_data, tmp_path, capsys):
     (lama / "relations.jsonl").write_text(
         '{"relation": "P19", "template": "[X] was born in [Y] ."}\n'
         '{"relation": "P17", "template": "[X] is located in [Y] ."}\n'
-        '{"relation": "P31", "template": "[X] is a [Y] ."}\n')
+        '{"relation": "P31", "template": "[X] is a [Y] ."}\n'
+    )
     people = ["Dante", "Moe Koffman", "Ann Smith", "Bob Ross", "Eve Arden", "Kim Novak"]
     facts = {"P19": ["Paris", "London", "Rome", "Berlin"], "P17": ["France", "Italy", "Spain"], "P31": ["city"]}
     for rel, golds in facts.items():
-        (lama / "TREx" / f"{rel}.jsonl").write_text("".join(
-            json.dumps({"sub_label": p, "obj_label": g}) + "\n" for p in people for g in golds))
+        (lama / "TREx" / f"{rel}.jsonl").write_text(
+            "".join(json.dumps({"sub_label": p, "obj_label": g}) + "\n" for p in people for g in golds)
+        )
     out = tmp_path / "rep.json"
-    args = ["typevec", "probe", "--model", str(mlm_dir), "--lama", str(lama), "--kg",
-            str(shared_data / "type_embedding" / "kg_samples"), "--max-test", "6", "--lambdas", "0,1",
-            "--batch-size", "8", "--out", str(out)]
+    args = [
+        "typevec",
+        "probe",
+        "--model",
+        str(mlm_dir),
+        "--lama",
+        str(lama),
+        "--kg",
+        str(shared_data / "type_embedding" / "kg_samples"),
+        "--max-test",
+        "6",
+        "--lambdas",
+        "0,1",
+        "--batch-size",
+        "8",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     rep = json.loads(out.read_text())
     assert set(rep["per_group"]) == {"City/P19", "Country/P17"}
@@ -315,12 +539,13 @@ def test_probe_raw_lama_jsonl(mlm_dir, shared_data, tmp_path, capsys):
     assert rep["predictions"]["City/P19"][0]["prompt"].endswith("was born in [MASK] .")
     assert all(rep["tuning"][g]["n_holdout"] >= 1 for g in rep["per_group"])
     capsys.readouterr()
-    assert main(args + ["--lama-type", "P31=Occupation", "--relation", "P19", "--relation", "P31",
-                        "--holdout", "0"]) == 0
+    assert (
+        main(args + ["--lama-type", "P31=Occupation", "--relation", "P19", "--relation", "P31", "--holdout", "0"]) == 0
+    )
     rep = json.loads(out.read_text())
     assert set(rep["per_group"]) == {"City/P19", "Occupation/P31"} and rep["skipped_relations"] == {}
     assert rep["untuned"] == ["City/P19", "Occupation/P31"] and rep["per_group"]["City/P19"]["n_test"] == 6
     assert "0.0 (untuned)" in capsys.readouterr().out
-    with pytest.raises(SystemExit):   # one source at a time
+    with pytest.raises(SystemExit):  # one source at a time
         main(args + ["--data", str(tmp_path)])
     assert "not allowed with argument --lama" in capsys.readouterr().err

@@ -44,8 +44,7 @@ def minilm_tok():
 def bpe_tok():
     """A tiny byte-level BPE vocabulary where " London" and "London" are different tokens."""
     words = ["London", "Paris", "Rome", "the", "Berlin"]
-    return _byte_bpe("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZĠ",
-                     [t for w in words for t in (w, "Ġ" + w)])
+    return _byte_bpe("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZĠ", [t for w in words for t in (w, "Ġ" + w)])
 
 
 def _byte_bpe(chars: str, tokens) -> Tokenizer:
@@ -71,7 +70,7 @@ def test_svd_matches_numpy_and_sign_convention():
     ref, raw_vt0, mean = _np_te(e, ids)
     np.testing.assert_allclose(te, ref, atol=1e-5)
     assert abs(np.linalg.norm(te) - 1.0) < 1e-5
-    assert te @ mean > 0                      # TE points towards the examples
+    assert te @ mean > 0  # TE points towards the examples
     # TE = -v1 with v1 . mean <= 0: wherever LAPACK's vt[0] is already oriented that way
     # (the paper's case), TE equals the paper's -vt[0].
     if raw_vt0 @ mean < 0:
@@ -88,14 +87,14 @@ def test_sign_fixed_for_both_lapack_orientations():
     x = e[ids]
     assert te @ x.mean(0) > 0
     v = np.asarray(core.orient(jnp.asarray(-te), jnp.asarray(x.mean(0))))
-    np.testing.assert_allclose(v, te, atol=1e-6)   # orient undoes an arbitrary SVD sign flip
+    np.testing.assert_allclose(v, te, atol=1e-6)  # orient undoes an arbitrary SVD sign flip
 
 
 def test_invariances_scale_sign_permutation():
     e = _emb(seed=1)
     ids = np.array([2, 5, 8, 13, 21, 34, 55, 1, 4, 9])
     te = np.asarray(core.make(jnp.asarray(e), jnp.asarray(ids)))
-    for c in (0.01, 3.0, 250.0):        # scale-free: only the direction of v1 matters
+    for c in (0.01, 3.0, 250.0):  # scale-free: only the direction of v1 matters
         np.testing.assert_allclose(np.asarray(core.make(jnp.asarray(e * c), jnp.asarray(ids))), te, atol=1e-5)
     perm = np.random.default_rng(0).permutation(len(ids))
     np.testing.assert_allclose(np.asarray(core.make(jnp.asarray(e), jnp.asarray(ids[perm]))), te, atol=1e-5)
@@ -125,8 +124,9 @@ def test_projection_and_combination_against_numpy():
     assert abs(p @ b) < 1e-4
     ua, ub = a / np.linalg.norm(a), b / np.linalg.norm(b)
     # the paper's E_city^optim for unit vectors: city - cos(city, year) * year
-    np.testing.assert_allclose(np.asarray(core.project_out(jnp.asarray(ua), jnp.asarray(ub))),
-                               ua - (ua @ ub) * ub, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(core.project_out(jnp.asarray(ua), jnp.asarray(ub))), ua - (ua @ ub) * ub, atol=1e-6
+    )
     c = np.asarray(core.combine([jnp.asarray(a), jnp.asarray(b)], [1.0, -2.0]))
     np.testing.assert_allclose(c, a - 2 * b, atol=1e-5)
     with pytest.raises(ValueError, match="one coefficient per type vector"):
@@ -148,7 +148,7 @@ def test_make_rejects_bad_input():
 def test_single_token_rules(minilm_tok, bpe_tok):
     assert not sampling.space_sensitive(minilm_tok)
     assert sampling.single_token_id(minilm_tok, "London") == minilm_tok.token_to_id("london")
-    assert sampling.single_token_id(minilm_tok, "Xqzvkwplm") is None        # word pieces
+    assert sampling.single_token_id(minilm_tok, "Xqzvkwplm") is None  # word pieces
     assert sampling.space_sensitive(bpe_tok)
     assert sampling.single_token_id(bpe_tok, "London") == bpe_tok.token_to_id("ĠLondon")
     assert sampling.single_token_id(bpe_tok, "London", leading_space=False) == bpe_tok.token_to_id("London")
@@ -174,17 +174,20 @@ def test_kg_sampling_strategies(shared_data, minilm_tok):
         assert all(len(minilm_tok.encode(l, add_special_tokens=False)) == 1 for l in s.labels)
     # degree weighting: high-degree countries dominate weighted draws, not uniform ones
     heavy = set(top.token_ids)
-    wd = np.mean([len(heavy & set(sampling.sample(entries, minilm_tok, "weighted", seed=s).token_ids))
-                  for s in range(20)])
-    ud = np.mean([len(heavy & set(sampling.sample(entries, minilm_tok, "uniform", seed=s).token_ids))
-                  for s in range(20)])
+    wd = np.mean(
+        [len(heavy & set(sampling.sample(entries, minilm_tok, "weighted", seed=s).token_ids)) for s in range(20)]
+    )
+    ud = np.mean(
+        [len(heavy & set(sampling.sample(entries, minilm_tok, "uniform", seed=s).token_ids)) for s in range(20)]
+    )
     assert wd > ud + 2, (wd, ud)
 
 
 def test_sampling_counts_skips_and_rejects_unusable_lists(tmp_path, bpe_tok):
     p = tmp_path / "T.csv"
-    p.write_text("Label,URI,Indegree,Outdegree,Degree\nLondon,u,1,1,5\nParis,u,1,1,3\nLondres,u,1,1,9\n"
-                 "Rome,u,1,1,1\n,u,1,1,1\n")
+    p.write_text(
+        "Label,URI,Indegree,Outdegree,Degree\nLondon,u,1,1,5\nParis,u,1,1,3\nLondres,u,1,1,9\nRome,u,1,1,1\n,u,1,1,1\n"
+    )
     with pytest.warns(sampling.FewExamplesWarning, match="3 distinct example tokens used, 10 requested"):
         s = sampling.sample_type(tmp_path, "T", bpe_tok, strategy="top", n=10)
     assert s.labels == ("London", "Paris", "Rome")
@@ -233,8 +236,16 @@ def test_offset_only_at_intended_positions():
 
 def test_artifact_roundtrip_records_model_and_tokens(tmp_path):
     tes = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
-    artifact.save(tmp_path / "tv", tes, names=["City", "Year"], base_model="sha256:abc", vocab_size=100,
-                  method="svd", tokens=[[1, 2, 3], [4, 5]], labels=[["a", "b", "c"], ["d", "e"]])
+    artifact.save(
+        tmp_path / "tv",
+        tes,
+        names=["City", "Year"],
+        base_model="sha256:abc",
+        vocab_size=100,
+        method="svd",
+        tokens=[[1, 2, 3], [4, 5]],
+        labels=[["a", "b", "c"], ["d", "e"]],
+    )
     got, meta = artifact.load(tmp_path / "tv", model_identity="sha256:abc")
     np.testing.assert_array_equal(got, tes)
     assert meta["tokens"] == [[1, 2, 3], [4, 5]] and meta["base_model"] == "sha256:abc"
@@ -242,14 +253,14 @@ def test_artifact_roundtrip_records_model_and_tokens(tmp_path):
     with pytest.raises(artifact.WrongModelError, match="sha256:abc"):
         artifact.load(tmp_path / "tv", model_identity="sha256:other")
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        artifact.save(tmp_path / "bad", tes, names=["a", "b"], base_model="x", vocab_size=3, method="svd",
-                      tokens=[[1], [7]])
+        artifact.save(
+            tmp_path / "bad", tes, names=["a", "b"], base_model="x", vocab_size=3, method="svd", tokens=[[1], [7]]
+        )
 
 
 def test_row_norm_unit_and_residual_hooks():
     e = _emb(seed=5)
-    np.testing.assert_allclose(float(inject.row_norm_unit(jnp.asarray(e))), np.linalg.norm(e, axis=1).mean(),
-                               rtol=1e-6)
+    np.testing.assert_allclose(float(inject.row_norm_unit(jnp.asarray(e))), np.linalg.norm(e, axis=1).mean(), rtol=1e-6)
     te = jnp.asarray(np.random.default_rng(0).standard_normal(16), jnp.float32)
     where = jnp.asarray([[0, 0, 1], [1, 0, 0]], jnp.float32)
     h = inject.residual_hooks(te, jnp.asarray([2.0, -1.0]), where, 3)
@@ -273,8 +284,10 @@ def test_row_norm_unit_and_residual_hooks():
 def digit_tok():
     """A byte-level BPE vocabulary that writes " 1985" as " " + "1" + "9" + "8" + "5" (as SmolLM2
     does), with single tokens for a few words and for " ." (punctuation only)."""
-    return _byte_bpe("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789Ġ.()",
-                     ["Ġ" + w for w in ("London", "Paris", "Rome", "Berlin", "the", ".")])
+    return _byte_bpe(
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789Ġ.()",
+        ["Ġ" + w for w in ("London", "Paris", "Rome", "Berlin", "the", ".")],
+    )
 
 
 def test_make_rejects_ids_outside_the_vocabulary_and_nans_under_jit():
@@ -286,12 +299,16 @@ def test_make_rejects_ids_outside_the_vocabulary_and_nans_under_jit():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         core.make_all(e, jnp.asarray([[1, 2], [3, 60]]))
     # masked-out padding ids are not examples: any value is fine and changes nothing
-    np.testing.assert_allclose(np.asarray(core.make(e, jnp.asarray([3, 5, -1]), mask=jnp.asarray([1, 1, 0]))),
-                               np.asarray(core.make(e, jnp.asarray([3, 5]))), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(core.make(e, jnp.asarray([3, 5, -1]), mask=jnp.asarray([1, 1, 0]))),
+        np.asarray(core.make(e, jnp.asarray([3, 5]))),
+        atol=1e-6,
+    )
     # under jit the ids are traced: an out-of-range id (negative too, no wrap-around) gives NaN
     jmake = jax.jit(core.make, static_argnames=("method",))
-    np.testing.assert_allclose(np.asarray(jmake(e, jnp.asarray([3, 5]))), np.asarray(core.make(e, jnp.asarray([3, 5]))),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(jmake(e, jnp.asarray([3, 5]))), np.asarray(core.make(e, jnp.asarray([3, 5]))), atol=1e-6
+    )
     for bad in ([3, 50], [3, -1]):
         for method in ("svd", "mean"):
             assert np.isnan(np.asarray(jmake(e, jnp.asarray(bad), method=method))).all(), (bad, method)
@@ -317,8 +334,9 @@ def test_make_all_passes_center():
 
 
 def test_type_examples_are_word_tokens_with_few_examples_reported(tmp_path, digit_tok):
-    (tmp_path / "Year.csv").write_text("Label,URI,Indegree,Outdegree,Degree\n2012,u,1,1,9\n1985,u,1,1,5\n"
-                                       "1990,u,1,1,4\n1700,u,1,1,3\n")
+    (tmp_path / "Year.csv").write_text(
+        "Label,URI,Indegree,Outdegree,Degree\n2012,u,1,1,9\n1985,u,1,1,5\n1990,u,1,1,4\n1700,u,1,1,3\n"
+    )
     space = digit_tok.token_to_id("Ġ")
     # no year is a single token; their first tokens are all " ": never an example
     with pytest.raises(ValueError, match="type Year: none of the 4 KG labels"):
@@ -337,8 +355,9 @@ def test_type_examples_are_word_tokens_with_few_examples_reported(tmp_path, digi
     rep = s.report()
     assert rep["tokens"] == list(s.tokens) and rep["n_requested"] == 10 and rep["n_used"] == 2
     # a label that is one punctuation-only token is skipped and counted, and so is such a word
-    (tmp_path / "City.csv").write_text("Label,URI,Indegree,Outdegree,Degree\nLondon,u,1,1,5\nParis,u,1,1,3\n"
-                                       "Rome,u,1,1,1\n.,u,1,1,50\n")
+    (tmp_path / "City.csv").write_text(
+        "Label,URI,Indegree,Outdegree,Degree\nLondon,u,1,1,5\nParis,u,1,1,3\nRome,u,1,1,1\n.,u,1,1,50\n"
+    )
     c = sampling.sample_type(tmp_path, "City", digit_tok, strategy="top", n=3)
     assert c.tokens == (" London", " Paris", " Rome") and c.skipped_non_word == 1
     ids, skipped = sampling.tokens_from_words(["London", ".", "Paris"], digit_tok)
@@ -347,15 +366,24 @@ def test_type_examples_are_word_tokens_with_few_examples_reported(tmp_path, digi
 
 def test_artifact_records_tokens_and_types_and_resolves_types(tmp_path):
     tes = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
-    artifact.save(tmp_path / "tv", tes, names=["City^optim(Year)", "cities", "Country"], base_model="m",
-                  vocab_size=100, method="derived", tokens=[[1, 2], [3], [4]], labels=[["a", "b"], ["c"], ["d"]],
-                  token_strings=[[" a", " b"], [" c"], [" d"]], types=["City", "", "Country"])
+    artifact.save(
+        tmp_path / "tv",
+        tes,
+        names=["City^optim(Year)", "cities", "Country"],
+        base_model="m",
+        vocab_size=100,
+        method="derived",
+        tokens=[[1, 2], [3], [4]],
+        labels=[["a", "b"], ["c"], ["d"]],
+        token_strings=[[" a", " b"], [" c"], [" d"]],
+        types=["City", "", "Country"],
+    )
     _, meta = artifact.load(tmp_path / "tv")
     assert meta["token_strings"] == [[" a", " b"], [" c"], [" d"]] and meta["types"] == ["City", "", "Country"]
     rows, missing = artifact.rows_for_types(meta, ["City", "Country", "Year"])
     assert rows == {"City": 0, "Country": 2} and list(missing) == ["Year"]
     assert "--artifact-type NAME=Year" in missing["Year"]
-    rows, _ = artifact.rows_for_types(meta, ["City"], {"cities": "City"})   # the mapping wins
+    rows, _ = artifact.rows_for_types(meta, ["City"], {"cities": "City"})  # the mapping wins
     assert rows == {"City": 1}
     with pytest.raises(ValueError, match=r"several artifact vectors"):
         artifact.rows_for_types({"names": ["City", "City^optim(Year)"], "types": ["City", "City"]}, ["City"])

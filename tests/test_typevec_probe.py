@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from test_typevec_core import bpe_tok  # noqa: F401  (fixture)
 
 from jsteer.backbones import bert as jb
+from jsteer.backbones.base import ModelOutput
 from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.families import config_from_hf
-from jsteer.backbones.base import ModelOutput
 from jsteer.hooks import apply_embed
 from jsteer.tokenizer import Tokenizer
 from jsteer.typevec import core, probe
-
-from test_typevec_core import bpe_tok  # noqa: F401  (fixture)
 
 # the module (the package itself exports the function `inject`)
 inject = importlib.import_module("jsteer.typevec.inject")
@@ -51,8 +50,16 @@ def _toy_model():
     def head(p, h):
         return h @ p["W"].T
 
-    return probe.ProbeModel("decoder", forward, head, lambda p: p["E"],
-                            {"E": jnp.asarray(E_TOY), "W": jnp.asarray(W_TOY)}, _Tok(), "toy", (0,))
+    return probe.ProbeModel(
+        "decoder",
+        forward,
+        head,
+        lambda p: p["E"],
+        {"E": jnp.asarray(E_TOY), "W": jnp.asarray(W_TOY)},
+        _Tok(),
+        "toy",
+        (0,),
+    )
 
 
 def _ex(ids, gold):
@@ -62,8 +69,12 @@ def _ex(ids, gold):
 def test_precision_at_hand_checked():
     p = probe.precision_at([0, 3, 12, 60, 150, 99])
     assert p == {"P@1": 1 / 6, "P@10": 2 / 6, "P@50": 3 / 6, "P@100": 5 / 6}
-    m = probe.macro({"a": {"P@1": 1.0, "P@10": 1.0, "P@50": 1.0, "P@100": 1.0},
-                     "b": {"P@1": 0.0, "P@10": 0.5, "P@50": 1.0, "P@100": 1.0}})
+    m = probe.macro(
+        {
+            "a": {"P@1": 1.0, "P@10": 1.0, "P@50": 1.0, "P@100": 1.0},
+            "b": {"P@1": 0.0, "P@10": 0.5, "P@50": 1.0, "P@100": 1.0},
+        }
+    )
     assert m == {"P@1": 0.5, "P@10": 0.75, "P@50": 1.0, "P@100": 1.0}
 
 
@@ -76,10 +87,11 @@ def test_score_rows_toy_ranks_by_hand():
     # row 4: prompt [2, 3] in "all" mode is tested separately below.
     exs = [_ex([1, 3], 4), _ex([1, 3], 1), _ex([2], 2)]
     te = jnp.asarray([[1.0, 0.0]])
-    res = probe.score_rows(m, exs, [0, 1, 2, 2], [0.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], te, batch_size=3,
-                           post_grid=(0.0, 10.0))
+    res = probe.score_rows(
+        m, exs, [0, 1, 2, 2], [0.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], te, batch_size=3, post_grid=(0.0, 10.0)
+    )
     assert res.rank.tolist() == [0, 3, 1, 3]
-    assert res.top1.tolist() == [3, 3, 4, 3]           # ties (2,2,2) resolve to the first id
+    assert res.top1.tolist() == [3, 3, 4, 3]  # ties (2,2,2) resolve to the first id
     # PostTE, w = 10, cos(E_v, te) = (0, 1, 0, .707, 1, 0):
     # row 1: (., 11, 1, 9.07, 22, 2); gold 1 -> only token 4 above -> rank 1
     assert res.post_rank[0].tolist() == [0, 3, 1, 3] and res.post_rank[1, 1] == 1
@@ -93,9 +105,9 @@ def test_score_rows_toy_ranks_by_hand():
 
 def test_choose_and_split():
     lam, table = probe.choose([0.0, 1.0, 2.0], [np.array([5, 0, 9]), np.array([0, 0, 200]), np.array([0, 0, 3])])
-    assert lam == 2.0 and table["1.0"]["P@1"] == pytest.approx(2 / 3)   # tie on P@1 broken by P@10..100
+    assert lam == 2.0 and table["1.0"]["P@1"] == pytest.approx(2 / 3)  # tie on P@1 broken by P@10..100
     lam, _ = probe.choose([0.0, 1.0], [np.array([0, 1]), np.array([0, 1])])
-    assert lam == 0.0                                                     # full tie -> smaller value
+    assert lam == 0.0  # full tie -> smaller value
     h, t = probe.split_holdout(100, 0.05, 0, "P19")
     h2, _ = probe.split_holdout(100, 0.05, 0, "P19")
     assert len(h) == 5 and len(t) == 95 and not set(h) & set(t) and h.tolist() == h2.tolist()
@@ -104,11 +116,13 @@ def test_choose_and_split():
 
 def test_bad_prompts_are_counted_and_reported():
     tok = Tokenizer.from_dir(_minilm_dir())
-    prompts = [probe.Prompt("Paris is the capital of [MASK] .", "France"),
-               probe.Prompt("Paris is the capital of France .", "France"),
-               probe.Prompt("[MASK] is the capital of [MASK] .", "France"),
-               probe.Prompt("Dante was born in [MASK] .", "Xqzvkwplm"),
-               probe.Prompt("Dante plays in [MASK] position .", "goalkeeper")]
+    prompts = [
+        probe.Prompt("Paris is the capital of [MASK] .", "France"),
+        probe.Prompt("Paris is the capital of France .", "France"),
+        probe.Prompt("[MASK] is the capital of [MASK] .", "France"),
+        probe.Prompt("Dante was born in [MASK] .", "Xqzvkwplm"),
+        probe.Prompt("Dante plays in [MASK] position .", "goalkeeper"),
+    ]
     exs, sk = probe.encode_prompts(prompts, tok, "mlm")
     assert len(exs) == 2 and sk.total == 3
     assert sk.counts == {"no [MASK] in prompt": 1, "several [MASK] in prompt": 1, "gold is not a single token": 1}
@@ -119,8 +133,10 @@ def test_bad_prompts_are_counted_and_reported():
     assert probe.decoder_qualifies("X (born [MASK]).") and not probe.decoder_qualifies("X plays [MASK] music .")
     assert probe.decoder_prefix("X was born in [MASK] .") == "X was born in"
     assert probe.bto_text("X was born in [MASK] .", "City") == "X was born in the city [MASK] ."
-    assert probe.bto_text("X was born in [MASK] .", "Football_Position", "the {type} of") == \
-        "X was born in the football position of [MASK] ."
+    assert (
+        probe.bto_text("X was born in [MASK] .", "Football_Position", "the {type} of")
+        == "X was born in the football position of [MASK] ."
+    )
     with pytest.raises(ValueError, match="no {type} slot"):
         probe.bto_text("X was born in [MASK] .", "City", "the")
 
@@ -146,8 +162,13 @@ def mlm():
     and converted to jsteer."""
     cfg_hf = dict(json.loads((_minilm_dir() / "config.json").read_text()), num_hidden_layers=2)
     torch.manual_seed(0)
-    hf_cfg = transformers.BertConfig(**{k: v for k, v in cfg_hf.items() if k in transformers.BertConfig().to_dict()
-                                        or k in ("vocab_size", "hidden_size")})
+    hf_cfg = transformers.BertConfig(
+        **{
+            k: v
+            for k, v in cfg_hf.items()
+            if k in transformers.BertConfig().to_dict() or k in ("vocab_size", "hidden_size")
+        }
+    )
     hf_cfg._attn_implementation = "eager"
     hf = transformers.BertForMaskedLM(hf_cfg)
     with torch.no_grad():
@@ -167,8 +188,8 @@ def _torch_ranks(hf, tok, exs, te, lam):
     ids = torch.zeros((len(exs), t), dtype=torch.long)
     attn = torch.zeros((len(exs), t), dtype=torch.long)
     for b, e in enumerate(exs):
-        ids[b, :len(e.ids)] = torch.tensor(e.ids)
-        attn[b, :len(e.ids)] = 1
+        ids[b, : len(e.ids)] = torch.tensor(e.ids)
+        attn[b, : len(e.ids)] = 1
     with torch.no_grad():
         x = hf.get_input_embeddings().weight[ids].clone()
         for b, e in enumerate(exs):
@@ -190,12 +211,13 @@ def test_mlm_probe_matches_torch(shared_data, mlm):
     assert len(exs) >= 16, sk.report()
     te = core.make(pm.embedding(), jnp.asarray([tok.token_to_id(w) for w in ("paris", "london", "rome", "berlin")]))
     n = len(exs)
-    res = probe.score_rows(pm, exs, list(range(n)) * 2, [0.0] * n + [2.5] * n, [0] * (2 * n), te[None],
-                           batch_size=16, post_grid=(0.0,))
+    res = probe.score_rows(
+        pm, exs, list(range(n)) * 2, [0.0] * n + [2.5] * n, [0] * (2 * n), te[None], batch_size=16, post_grid=(0.0,)
+    )
     for lam, got in ((0.0, res.rank[:n]), (2.5, res.rank[n:])):
         want = _torch_ranks(hf, tok, exs, te, lam)
         assert np.mean(got == want) >= 0.9 and np.max(np.abs(got - want)) <= 2, (lam, got, want)
-    assert not np.array_equal(res.rank[:n], res.rank[n:])   # the TE changed the predictions
+    assert not np.array_equal(res.rank[:n], res.rank[n:])  # the TE changed the predictions
 
 
 def test_lambda_zero_bit_identical_and_mask_only(mlm):
@@ -204,8 +226,9 @@ def test_lambda_zero_bit_identical_and_mask_only(mlm):
     ids, attn = jnp.asarray(ids), jnp.asarray(attn)
     te = jax.random.normal(jax.random.PRNGKey(0), (384,))
     where = inject.mask_positions(ids, tok.mask_id)
-    fwd = jax.jit(lambda h: module.apply({"params": params}, ids, attention_mask=attn, hooks=h,
-                                         output_hidden_states=True))
+    fwd = jax.jit(
+        lambda h: module.apply({"params": params}, ids, attention_mask=attn, hooks=h, output_hidden_states=True)
+    )
     base = fwd(None)
     zero = fwd(inject.inject(te, 0.0, where))
     assert np.array_equal(np.asarray(base.logits), np.asarray(zero.logits))
@@ -219,10 +242,14 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
     _, module, params, tok = mlm
     pm = probe.for_bert_mlm(module, params, tok)
     groups = probe.load_typed_dataset(shared_data / "type_embedding/processed_lama")
-    g = {"City/P19": groups["City/P19"][:50] + [probe.Prompt("no mask here", "paris", "P19", "City")],
-         "Country/P17": groups["Country/P17"][:30]}
-    tes = {k: core.make(pm.embedding(), jnp.asarray([tok.token_to_id(w) for w in ws]))
-           for k, ws in (("City/P19", ("paris", "london", "rome")), ("Country/P17", ("france", "germany", "italy")))}
+    g = {
+        "City/P19": groups["City/P19"][:50] + [probe.Prompt("no mask here", "paris", "P19", "City")],
+        "Country/P17": groups["Country/P17"][:30],
+    }
+    tes = {
+        k: core.make(pm.embedding(), jnp.asarray([tok.token_to_id(w) for w in ws]))
+        for k, ws in (("City/P19", ("paris", "london", "rome")), ("Country/P17", ("france", "germany", "italy")))
+    }
     rep = probe.evaluate(pm, g, tes, lam_grid=(0.0, 2.0), post_grid=(0.0, 5.0), max_test=20, batch_size=16)
     assert rep["skips"]["City/P19"]["by_reason"]["no [MASK] in prompt"] == 1
     for name in g:
@@ -232,7 +259,7 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
         assert rep["tuning"][name]["n_holdout"] >= 1
     for m in ("B", "BTo", "PostTE", "TE"):
         assert rep["macro"][m]["P@1"] == pytest.approx(np.mean([rep["per_group"][n][m]["P@1"] for n in g]))
-    json.dumps(rep)   # JSON-able
+    json.dumps(rep)  # JSON-able
     # BTo's phrasing: the hold-out's best form (P@1, then mean P@10/50/100, then the earlier form) is
     # the one reported, and its test scores are those of a run with that form alone
     for name in g:
@@ -241,8 +268,9 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
         keys = [(t["P@1"], (t["P@10"] + t["P@50"] + t["P@100"]) / 3, -i) for i, t in enumerate(table)]
         best = max(range(len(keys)), key=keys.__getitem__)
         assert tun["bto_form"] == rep["per_group"][name]["BTo_form"] == probe.BTO_FORMS[best]
-        alone = probe.evaluate(pm, {name: g[name]}, {}, methods=("B", "BTo"), max_test=20, batch_size=16,
-                               bto_forms=(tun["bto_form"],))
+        alone = probe.evaluate(
+            pm, {name: g[name]}, {}, methods=("B", "BTo"), max_test=20, batch_size=16, bto_forms=(tun["bto_form"],)
+        )
         assert alone["per_group"][name]["BTo"] == rep["per_group"][name]["BTo"]
     with pytest.raises(ValueError, match="at least one form"):
         probe.evaluate(pm, g, {}, methods=("B", "BTo"), bto_forms=())
@@ -253,29 +281,44 @@ def test_evaluate_reports_methods_and_skips(shared_data, mlm):
 
 @pytest.fixture(scope="module")
 def gpt2(bpe_tok):  # noqa: F811
-    cfg = config_from_hf(dict(model_type="gpt2", vocab_size=bpe_tok.vocab_size, n_positions=64, n_embd=32,
-                              n_layer=2, n_head=4, n_inner=64))
+    cfg = config_from_hf(
+        dict(
+            model_type="gpt2", vocab_size=bpe_tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=4, n_inner=64
+        )
+    )
     module = Decoder(cfg)
     params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
-    params = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, params)   # spread the logits
+    params = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, params)  # spread the logits
     return cfg, module, params
 
 
 def test_decoder_probe_positions(gpt2, bpe_tok):  # noqa: F811
     cfg, module, params = gpt2
     pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
-    prompts = [probe.Prompt("the London [MASK] .", "Paris"), probe.Prompt("Rome the [MASK]", "Berlin"),
-               probe.Prompt("Paris [MASK] the", "Rome")]
+    prompts = [
+        probe.Prompt("the London [MASK] .", "Paris"),
+        probe.Prompt("Rome the [MASK]", "Berlin"),
+        probe.Prompt("Paris [MASK] the", "Rome"),
+    ]
     exs, sk = probe.encode_prompts(prompts, bpe_tok, "decoder")
     assert len(exs) == 2 and sk.total == 1
     assert exs[0].gold == bpe_tok.token_to_id("ĠParis")
     te = jax.random.normal(jax.random.PRNGKey(1), (32,))
     res_pos = probe.score_rows(pm, exs, [0, 1, 0, 1], [0.0, 0.0, 2.0, 2.0], [0] * 4, te[None], post_grid=(0.0,))
     res_all = probe.score_rows(pm, exs, [0, 1], [2.0, 2.0], [0, 0], te[None], mode="all", post_grid=(0.0,))
-    apply = jax.jit(lambda ids, attn, hooks=None: module.apply({"params": params}, ids, attention_mask=attn,
-                                                               hooks=hooks))
-    for j, (e, lam, mode) in enumerate([(exs[0], 0.0, "pos"), (exs[1], 0.0, "pos"), (exs[0], 2.0, "pos"),
-                                        (exs[1], 2.0, "pos"), (exs[0], 2.0, "all"), (exs[1], 2.0, "all")]):
+    apply = jax.jit(
+        lambda ids, attn, hooks=None: module.apply({"params": params}, ids, attention_mask=attn, hooks=hooks)
+    )
+    for j, (e, lam, mode) in enumerate(
+        [
+            (exs[0], 0.0, "pos"),
+            (exs[1], 0.0, "pos"),
+            (exs[0], 2.0, "pos"),
+            (exs[1], 2.0, "pos"),
+            (exs[0], 2.0, "all"),
+            (exs[1], 2.0, "all"),
+        ]
+    ):
         ids = jnp.asarray([e.ids])
         attn = jnp.ones_like(ids)
         where = attn.astype(jnp.float32) if mode == "all" else inject.last_positions(attn)
@@ -310,13 +353,16 @@ def test_decoder_layer_mode_matches_manual_residual_offset(gpt2, bpe_tok):  # no
 
     cfg, module, params = gpt2
     pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
-    exs, _ = probe.encode_prompts([probe.Prompt("the London [MASK] .", "Paris"),
-                                   probe.Prompt("Rome the [MASK]", "Berlin")], bpe_tok, "decoder")
+    exs, _ = probe.encode_prompts(
+        [probe.Prompt("the London [MASK] .", "Paris"), probe.Prompt("Rome the [MASK]", "Berlin")], bpe_tok, "decoder"
+    )
     te = jax.random.normal(jax.random.PRNGKey(2), (32,))
-    apply = jax.jit(lambda ids, attn, hooks=None: module.apply({"params": params}, ids, attention_mask=attn,
-                                                               hooks=hooks))
-    rows = probe.score_rows(pm, exs, [0, 0, 1, 1], [0.0, 3.0, 0.0, 3.0], [0] * 4, te[None], mode="layer", layer=0,
-                            post_grid=(0.0,))
+    apply = jax.jit(
+        lambda ids, attn, hooks=None: module.apply({"params": params}, ids, attention_mask=attn, hooks=hooks)
+    )
+    rows = probe.score_rows(
+        pm, exs, [0, 0, 1, 1], [0.0, 3.0, 0.0, 3.0], [0] * 4, te[None], mode="layer", layer=0, post_grid=(0.0,)
+    )
     grid = probe.score(pm, exs, [0, 1], [0.0, 3.0], [0, 0], te[None], mode="layer", layer=0, post_grid=(0.0,))
     np.testing.assert_array_equal(grid.rank.reshape(-1), rows.rank)
     base = probe.score(pm, exs, [0, 1], [0.0], [0, 0], te[None], post_grid=(0.0,))
@@ -354,8 +400,9 @@ def test_evaluate_lambda_unit_rescales_the_grid(gpt2, bpe_tok):  # noqa: F811
     a = probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_grid=(0.0, 1.5, 3.0), **kw)
     b = probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_grid=(0.0, 0.5, 1.0), lam_unit=3.0, **kw)
     assert b["lambda_unit"] == 3.0
-    assert [v for v in a["tuning"]["R"]["lambda_table"].values()] == \
-           [v for v in b["tuning"]["R"]["lambda_table"].values()]
+    assert [v for v in a["tuning"]["R"]["lambda_table"].values()] == [
+        v for v in b["tuning"]["R"]["lambda_table"].values()
+    ]
     assert a["per_group"]["R"]["TE"] == b["per_group"]["R"]["TE"]
     with pytest.raises(ValueError, match="lam_unit"):
         probe.evaluate(pm, {"R": prompts}, {"R": te}, lam_unit=0.0, **kw)
@@ -392,8 +439,13 @@ def test_untuned_group_uses_lambda_zero_and_is_marked(gpt2, bpe_tok):  # noqa: F
     pm = probe.for_decoder(module, params, bpe_tok, "decoder", cfg)
     te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in ("London", "Paris", "Rome")]))
     kw = dict(lam_grid=(0.0, 3.0), post_grid=(5.0,), batch_size=8, bto_forms=("the {type}",))
-    rep = probe.evaluate(pm, {"City/X": [probe.Prompt("the London [MASK] .", "Paris", "X", "City")],
-                              "City/R": _city_prompts()}, {"City/X": te, "City/R": te}, holdout=0.25, **kw)
+    rep = probe.evaluate(
+        pm,
+        {"City/X": [probe.Prompt("the London [MASK] .", "Paris", "X", "City")], "City/R": _city_prompts()},
+        {"City/X": te, "City/R": te},
+        holdout=0.25,
+        **kw,
+    )
     x = rep["per_group"]["City/X"]
     assert x["untuned"] is True and rep["tuning"]["City/X"]["untuned"] is True and rep["untuned"] == ["City/X"]
     assert rep["tuning"]["City/X"]["lambda"] == 0.0 and rep["tuning"]["City/X"]["post_weight"] == 0.0
@@ -414,11 +466,19 @@ def test_macro_is_over_the_same_relations_for_every_method(gpt2, bpe_tok):  # no
     te = core.make(pm.embedding(), jnp.asarray([bpe_tok.token_to_id("Ġ" + w) for w in ("London", "Paris", "Rome")]))
     groups = {"City/A": _city_prompts("A"), "Country/B": _city_prompts("B", 3)}
     with pytest.warns(UserWarning, match=r"1 of 2 groups have no type vector.*Country/B"):
-        rep = probe.evaluate(pm, groups, {"City/A": te}, lam_grid=(0.0, 3.0), post_grid=(0.0, 5.0), holdout=0.25,
-                             batch_size=8, bto_forms=("the {type}",))
+        rep = probe.evaluate(
+            pm,
+            groups,
+            {"City/A": te},
+            lam_grid=(0.0, 3.0),
+            post_grid=(0.0, 5.0),
+            holdout=0.25,
+            batch_size=8,
+            bto_forms=("the {type}",),
+        )
     assert rep["no_te"] == ["Country/B"] and rep["macro_relations"] == ["City/A"]
     assert "no PostTE/TE result" in rep["macro_excluded"]["Country/B"]
-    assert rep["per_group"]["Country/B"]["B"] != rep["per_group"]["City/A"]["B"]   # so a mixed macro would show
+    assert rep["per_group"]["Country/B"]["B"] != rep["per_group"]["City/A"]["B"]  # so a mixed macro would show
     for m in ("B", "BTo", "PostTE", "TE"):
         assert rep["macro"][m] == rep["per_group"]["City/A"][m], m
     # B / BTo only: every group counts
@@ -440,19 +500,26 @@ def test_evaluate_needs_groups_and_mlm_refuses_mode_all(mlm):
 def test_load_lama_dataset_with_types(tmp_path):
     (tmp_path / "relations.jsonl").write_text(
         '{"relation": "P19", "template": "[X] was born in [Y] ."}\n'
-        '{"relation": "P999", "template": "[X] likes [Y] ."}\n')
+        '{"relation": "P999", "template": "[X] likes [Y] ."}\n'
+    )
     (tmp_path / "TREx").mkdir()
     (tmp_path / "Google_RE").mkdir()
-    (tmp_path / "TREx" / "P19.jsonl").write_text('{"sub_label": "Dante", "obj_label": "Florence"}\n'
-                                                 '{"sub_label": "Moe", "obj_label": "Toronto"}\n')
+    (tmp_path / "TREx" / "P19.jsonl").write_text(
+        '{"sub_label": "Dante", "obj_label": "Florence"}\n{"sub_label": "Moe", "obj_label": "Toronto"}\n'
+    )
     (tmp_path / "TREx" / "P999.jsonl").write_text('{"sub_label": "Dante", "obj_label": "pasta"}\n')
     (tmp_path / "TREx" / "P888.jsonl").write_text('{"sub_label": "Dante", "obj_label": "x"}\n')
     (tmp_path / "Google_RE" / "place_of_birth_test.jsonl").write_text('{"sub_label": "Ann", "obj_label": "Rome"}\n')
     groups, skipped = probe.load_lama_dataset(tmp_path)
     assert list(groups) == ["City/P19", "City/place_of_birth"]
     p = groups["City/P19"][1]
-    assert (p.text, p.gold, p.relation, p.type_name, p.subject) == ("Moe was born in [MASK] .", "Toronto", "P19",
-                                                                    "City", "Moe")
+    assert (p.text, p.gold, p.relation, p.type_name, p.subject) == (
+        "Moe was born in [MASK] .",
+        "Toronto",
+        "P19",
+        "City",
+        "Moe",
+    )
     assert groups["City/place_of_birth"][0].text == "Ann was born in [MASK] ."
     assert set(skipped) == {"P888", "P999"} and "--lama-type P999=TYPE" in skipped["P999"]
     groups, skipped = probe.load_lama_dataset(tmp_path, {**probe.LAMA_TYPES, "P999": "Food", "P888": "X"})

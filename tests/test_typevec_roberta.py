@@ -21,21 +21,36 @@ from jsteer.typevec import core, probe
 
 # "Florence" starts lines and follows spaces, so the vocabulary has both 'Florence' and
 # 'ĠFlorence' (as roberta-base has for many names): the no-space form would be a real, wrong token.
-CORPUS = ["Dante was born in Florence .", "Florence is a city in Italy .", "Mozart was born in Salzburg .",
-          "Salzburg is a city in Austria .", "Peter was born in London .", "London is a city in England .",
-          "The capital of Italy is Rome .", "Anna was born in Rome .", "Paris is the capital of France .",
-          "Marie was born in Paris .", "the city of Florence is old ."] * 10
+CORPUS = [
+    "Dante was born in Florence .",
+    "Florence is a city in Italy .",
+    "Mozart was born in Salzburg .",
+    "Salzburg is a city in Austria .",
+    "Peter was born in London .",
+    "London is a city in England .",
+    "The capital of Italy is Rome .",
+    "Anna was born in Rome .",
+    "Paris is the capital of France .",
+    "Marie was born in Paris .",
+    "the city of Florence is old .",
+] * 10
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-PROMPTS = [("Dante was born in [MASK] .", "Florence"), ("Mozart was born in [MASK] .", "Salzburg"),
-           ("Peter was born in [MASK] .", "London"), ("Anna was born in [MASK] .", "Rome"),
-           ("Marie was born in [MASK] .", "Paris"), ("The capital of Italy is [MASK] .", "Rome")]
+PROMPTS = [
+    ("Dante was born in [MASK] .", "Florence"),
+    ("Mozart was born in [MASK] .", "Salzburg"),
+    ("Peter was born in [MASK] .", "London"),
+    ("Anna was born in [MASK] .", "Rome"),
+    ("Marie was born in [MASK] .", "Paris"),
+    ("The capital of Italy is [MASK] .", "Rome"),
+]
 
 
 def _hf_tokenizer(bpe_dir: pathlib.Path, lstrip: bool):
     """RobertaTokenizerFast over the trained files; ``lstrip`` True as roberta-base's <mask>."""
     mask = AddedToken("<mask>", lstrip=lstrip, rstrip=False, special=True, normalized=False)
-    return transformers.RobertaTokenizerFast(vocab=str(bpe_dir / "vocab.json"), merges=str(bpe_dir / "merges.txt"),
-                                             mask_token=mask)
+    return transformers.RobertaTokenizerFast(
+        vocab=str(bpe_dir / "vocab.json"), merges=str(bpe_dir / "merges.txt"), mask_token=mask
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +66,21 @@ def roberta(tmp_path_factory):
     for t in ("Florence", "ĠFlorence", "ĠSalzburg", "ĠLondon", "ĠRome", "ĠParis", "Ġcity", "Ġin"):
         assert t in vocab, t
     torch.manual_seed(0)
-    cfg = transformers.RobertaConfig(vocab_size=len(hf_tok), hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=40,
-                                     pad_token_id=hf_tok.pad_token_id, bos_token_id=hf_tok.bos_token_id,
-                                     eos_token_id=hf_tok.eos_token_id, type_vocab_size=1)
+    cfg = transformers.RobertaConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        pad_token_id=hf_tok.pad_token_id,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        type_vocab_size=1,
+    )
     cfg._attn_implementation = "eager"
     hf = transformers.RobertaForMaskedLM(cfg)
-    with torch.no_grad():   # spread the logits (the default init leaves them nearly flat)
+    with torch.no_grad():  # spread the logits (the default init leaves them nearly flat)
         for name, p in hf.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 0.05) + (1.0 if "LayerNorm.weight" in name else 0.0))
     hf.eval()
@@ -101,8 +124,9 @@ def test_mask_token_and_leading_space_gold(roberta):
     bto, _ = probe.encode_prompts(prompts[:1], tok, "mlm", text_fn=lambda p: probe.bto_text(p.text, "City"))
     assert list(bto[0].ids) == _hf_ids(hf_tok, "Dante was born in the city [MASK] .")
     assert tok.id_to_token(bto[0].ids[bto[0].pos - 1]) == "Ġcity" and bto[0].gold == dante.gold
-    sw = probe.switch_prompts([probe.Prompt("Dante was born in [MASK] .", "Florence", "place_of_birth", "City",
-                                            "Dante")])
+    sw = probe.switch_prompts(
+        [probe.Prompt("Dante was born in [MASK] .", "Florence", "place_of_birth", "City", "Dante")]
+    )
     sw_ex, _ = probe.encode_prompts(sw, tok, "mlm")
     assert sw[0].text == "Dante (born [MASK])." and sw_ex[0].gold == dante.gold
     assert list(sw_ex[0].ids) == _hf_ids(hf_tok, sw[0].text)
@@ -144,15 +168,18 @@ def test_probe_ranks_and_precision_match_torch(roberta):
     prompts = [probe.Prompt(t, g, "P19", "City") for t, g in PROMPTS]
     exs, sk = probe.encode_prompts(prompts, lm.tokenizer, "mlm")
     assert len(exs) == len(prompts), sk.report()
-    te = core.make(pm.embedding(), jnp.asarray([lm.tokenizer.token_to_id("Ġ" + w)
-                                                for w in ("Florence", "Salzburg", "London", "Paris")]))
+    te = core.make(
+        pm.embedding(),
+        jnp.asarray([lm.tokenizer.token_to_id("Ġ" + w) for w in ("Florence", "Salzburg", "London", "Paris")]),
+    )
     n = len(exs)
-    res = probe.score_rows(pm, exs, list(range(n)) * 2, [0.0] * n + [2.5] * n, [0] * (2 * n), te[None],
-                           batch_size=4, post_grid=(0.0,))
+    res = probe.score_rows(
+        pm, exs, list(range(n)) * 2, [0.0] * n + [2.5] * n, [0] * (2 * n), te[None], batch_size=4, post_grid=(0.0,)
+    )
     want_b = _torch_ranks(hf, hf_tok, prompts)
     np.testing.assert_array_equal(res.rank[:n], want_b)
     np.testing.assert_array_equal(res.rank[n:], _torch_ranks(hf, hf_tok, prompts, te, 2.5))
-    assert len(set(want_b.tolist())) > 1   # ranks that tell prompts apart
+    assert len(set(want_b.tolist())) > 1  # ranks that tell prompts apart
     # evaluate's B (all prompts reported): P@k of the hand-computed ranks
     rep = probe.evaluate(pm, {"City/P19": prompts}, {}, methods=("B",), holdout=0.0, batch_size=4)
     assert rep["per_group"]["City/P19"]["n_test"] == n
@@ -167,17 +194,49 @@ def test_cli_probes_a_roberta_checkpoint(roberta, tmp_path, capsys):
     lama = tmp_path / "lama"
     (lama / "TREx").mkdir(parents=True)
     (lama / "relations.jsonl").write_text('{"relation": "P19", "template": "[X] was born in [Y] ."}\n')
-    facts = [("Dante", "Florence"), ("Mozart", "Salzburg"), ("Peter", "London"), ("Anna", "Rome"),
-             ("Marie", "Paris"), ("Zed", "Qqzzxxqv")]
-    (lama / "TREx" / "P19.jsonl").write_text("".join(json.dumps({"sub_label": s, "obj_label": o}) + "\n"
-                                                     for s, o in facts))
+    facts = [
+        ("Dante", "Florence"),
+        ("Mozart", "Salzburg"),
+        ("Peter", "London"),
+        ("Anna", "Rome"),
+        ("Marie", "Paris"),
+        ("Zed", "Qqzzxxqv"),
+    ]
+    (lama / "TREx" / "P19.jsonl").write_text(
+        "".join(json.dumps({"sub_label": s, "obj_label": o}) + "\n" for s, o in facts)
+    )
     kg = tmp_path / "kg"
     kg.mkdir()
-    (kg / "City.csv").write_text("Label,Degree\n" + "".join(f"{w},{9 - i}\n" for i, w in enumerate(
-        ["Florence", "Salzburg", "London", "Rome", "Paris"])))
+    (kg / "City.csv").write_text(
+        "Label,Degree\n"
+        + "".join(f"{w},{9 - i}\n" for i, w in enumerate(["Florence", "Salzburg", "London", "Rome", "Paris"]))
+    )
     out = tmp_path / "rep.json"
-    assert main(["typevec", "probe", "--model", str(model_dir), "--lama", str(lama), "--kg", str(kg), "--n", "4",
-                 "--holdout", "0", "--lambdas", "0,1", "--batch-size", "4", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "typevec",
+                "probe",
+                "--model",
+                str(model_dir),
+                "--lama",
+                str(lama),
+                "--kg",
+                str(kg),
+                "--n",
+                "4",
+                "--holdout",
+                "0",
+                "--lambdas",
+                "0,1",
+                "--batch-size",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rep = json.loads(out.read_text())
     assert rep["kind"] == "mlm" and rep["per_group"]["City/P19"]["n_test"] == 5
     assert rep["skips"]["City/P19"]["by_reason"] == {"gold is not a single token": 1}

@@ -22,8 +22,12 @@ import sys
 def register(subparsers) -> None:
     from jsteer.actsteer.extract import METHODS
 
-    top = subparsers.add_parser("actsteer", help="activation steering: ActAdd, CAA, PCA control vectors",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = subparsers.add_parser(
+        "actsteer",
+        help="activation steering: ActAdd, CAA, PCA control vectors",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = top.add_subparsers(dest="actsteer_command", required=True)
 
     p = sub.add_parser("train", help="compute a control vector from positive / negative prompt pairs")
@@ -32,8 +36,12 @@ def register(subparsers) -> None:
     p.add_argument("--negative", required=True, help="text file, one negative prompt per line (pairs by line)")
     p.add_argument("--layers", required=True, help="comma-separated 0-based layers, e.g. 10,12")
     p.add_argument("--method", choices=METHODS, default="caa")
-    p.add_argument("--reduce", choices=("last", "mean"), default=None,
-                   help="per-prompt activation: last token or token mean (default: the method's own)")
+    p.add_argument(
+        "--reduce",
+        choices=("last", "mean"),
+        default=None,
+        help="per-prompt activation: last token or token mean (default: the method's own)",
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--out", required=True, help=".safetensors (jsteer) or .gguf (llama.cpp) file to write")
     p.set_defaults(func=_train)
@@ -42,8 +50,13 @@ def register(subparsers) -> None:
     p.add_argument("prompts", nargs="+")
     p.add_argument("--model", required=True)
     p.add_argument("--vector", action="append", required=True, help="control-vector file (repeat to compose)")
-    p.add_argument("--strength", action="append", type=float, default=None,
-                   help="strength of each --vector, in the same order (default 1)")
+    p.add_argument(
+        "--strength",
+        action="append",
+        type=float,
+        default=None,
+        help="strength of each --vector, in the same order (default 1)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -96,14 +109,17 @@ def _train(args) -> int:
 
     positive, negative = read_lines(args.positive), read_lines(args.negative)
     if len(positive) != len(negative):
-        raise ValueError(f"{args.positive} has {len(positive)} prompts but {args.negative} has {len(negative)}: "
-                         f"line i of each makes pair i")
+        raise ValueError(
+            f"{args.positive} has {len(positive)} prompts but {args.negative} has {len(negative)}: "
+            f"line i of each makes pair i"
+        )
     lm = _load_model(args.model)
-    cv = train(lm, positive, negative, parse_layers(args.layers), args.method, reduce=args.reduce,
-               batch_size=args.batch_size)
+    cv = train(
+        lm, positive, negative, parse_layers(args.layers), args.method, reduce=args.reduce, batch_size=args.batch_size
+    )
     cv = dataclasses.replace(cv, recipe={**cv.recipe, "positive_file": args.positive, "negative_file": args.negative})
     out = cv.export_gguf(args.out) if args.out.lower().endswith(".gguf") else cv.save(args.out)
-    norms = ", ".join(f"{k}: {float((v ** 2).sum() ** 0.5):.3g}" for k, v in cv.numpy().items())
+    norms = ", ".join(f"{k}: {float((v**2).sum() ** 0.5):.3g}" for k, v in cv.numpy().items())
     print(f"{len(positive)} pairs, method {cv.method} ({cv.recipe['reduce']} token); direction norms {norms}")
     print(f"wrote {out}")
     return 0
@@ -118,8 +134,15 @@ def _generate(args) -> int:
         raise ValueError(f"{len(args.vector)} --vector files but {len(strengths)} --strength values")
     hooks = compose(*(load_vector(v, lm).hooks(s) for v, s in zip(args.vector, strengths)))
     prompts = [p for p in args.prompts for _ in range(args.samples)]
-    outs = lm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, seed=args.seed, hooks=hooks)
+    outs = lm.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        hooks=hooks,
+    )
     for p, o in zip(prompts, outs):
         print(json.dumps({"prompt": p, "continuation": o}) if args.json else f"{p}{o}")
     return 0

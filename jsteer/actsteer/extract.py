@@ -51,8 +51,9 @@ def check_layers(layers: Union[int, Iterable[int]], num_layers: int) -> tuple:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
             raise ValueError(f"layers: {k!r} is not an int layer index")
         if not 0 <= k < num_layers:
-            raise ValueError(f"layers: layer {k} is out of range (the model has {num_layers} layers: "
-                             f"0..{num_layers - 1})")
+            raise ValueError(
+                f"layers: layer {k} is out of range (the model has {num_layers} layers: 0..{num_layers - 1})"
+            )
         if k in seen:
             raise ValueError(f"layers: layer {k} is given twice")
         seen.add(int(k))
@@ -70,21 +71,27 @@ def check_pairs(positive, negative, method: str) -> tuple:
             raise ValueError(f"{name}: no texts (one prompt per pair is needed)")
         for i, t in enumerate(texts):
             if not isinstance(t, str) or not t.strip():
-                raise ValueError(f"{name}[{i}] is {'empty' if isinstance(t, str) else type(t).__name__}: "
-                                 f"every prompt needs text")
+                raise ValueError(
+                    f"{name}[{i}] is {'empty' if isinstance(t, str) else type(t).__name__}: every prompt needs text"
+                )
     if len(positive) != len(negative):
-        raise ValueError(f"{len(positive)} positive but {len(negative)} negative texts: {method} takes pairs "
-                         f"(positive[i], negative[i]), so the lists must be equally long")
+        raise ValueError(
+            f"{len(positive)} positive but {len(negative)} negative texts: {method} takes pairs "
+            f"(positive[i], negative[i]), so the lists must be equally long"
+        )
     if method == "actadd" and len(positive) != 1:
         raise ValueError(f"actadd takes one prompt pair, got {len(positive)} (method='caa' averages several)")
     if method == "pca" and len(positive) < 2:
-        raise ValueError("pca needs at least 2 pairs (the principal component of one centred difference is "
-                         "undefined); use method='caa' or 'actadd' for one pair")
+        raise ValueError(
+            "pca needs at least 2 pairs (the principal component of one centred difference is "
+            "undefined); use method='caa' or 'actadd' for one pair"
+        )
     return positive, negative
 
 
-def activations(lm, texts: Sequence[str], layers: Sequence[int], reduce: str, batch_size: int = 16
-                ) -> Dict[int, np.ndarray]:
+def activations(
+    lm, texts: Sequence[str], layers: Sequence[int], reduce: str, batch_size: int = 16
+) -> Dict[int, np.ndarray]:
     """{layer: [N, D] float64}: each text's ``resid_post.<layer>`` reduced by ``reduce`` ("last" |
     "mean", module docstring). Batches of ``batch_size`` rows (the last one repeated to fill),
     left-padded to a length bucket, so that a few compiled forwards serve every text."""
@@ -94,7 +101,7 @@ def activations(lm, texts: Sequence[str], layers: Sequence[int], reduce: str, ba
     bos = lm.tokenizer.bos_id
     out = {k: [] for k in layers}
     for s in range(0, len(texts), batch_size):
-        chunk = list(texts[s:s + batch_size])
+        chunk = list(texts[s : s + batch_size])
         n = len(chunk)
         ids, mask = lm.encode_batch(chunk + [chunk[-1]] * (batch_size - n), left_pad=True, bucket=True)
         cap = lm.forward(ids, mask, capture=sites).captured
@@ -120,8 +127,10 @@ def direction(method: str, pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
     centred = diff - diff.mean(0, keepdims=True)
     _, sv, vt = np.linalg.svd(centred, full_matrices=False)
     if sv[0] <= 1e-12 * max(1.0, np.abs(diff).max()):
-        raise ValueError("pca: every pair has the same difference, so the centred differences have no principal "
-                         "component; use method='caa'")
+        raise ValueError(
+            "pca: every pair has the same difference, so the centred differences have no principal "
+            "component; use method='caa'"
+        )
     v = vt[0]
     above, below = np.sum(pos @ v > neg @ v), np.sum(pos @ v < neg @ v)
     return -v if below > above else v
@@ -130,8 +139,14 @@ def direction(method: str, pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
 def recipe(method: str, reduce: str, positive: Sequence[str], negative: Sequence[str], layers) -> dict:
     """What the directions depend on (stored with the vector)."""
     h = hashlib.sha256(json.dumps([list(positive), list(negative)]).encode()).hexdigest()
-    out = {"method": method, "reduce": reduce, "pairs": len(positive), "layers": list(layers), "texts_sha256": h,
-           "site": "resid_post"}
+    out = {
+        "method": method,
+        "reduce": reduce,
+        "pairs": len(positive),
+        "layers": list(layers),
+        "texts_sha256": h,
+        "site": "resid_post",
+    }
     if method == "pca":
         out["pca"] = "first principal component of the centred pair differences; sign: positives project higher"
     if len(positive) == 1:
@@ -139,8 +154,7 @@ def recipe(method: str, reduce: str, positive: Sequence[str], negative: Sequence
     return out
 
 
-def train(lm, positive, negative, layers, method: str = "caa", *, reduce: Optional[str] = None,
-          batch_size: int = 16):
+def train(lm, positive, negative, layers, method: str = "caa", *, reduce: Optional[str] = None, batch_size: int = 16):
     """Directions for ``lm`` at ``layers`` (an int or ints, 0-based ``resid_post`` layers) from
     prompt pairs (positive[i], negative[i]) -> :class:`jsteer.actsteer.ControlVector`.
     ``method``: "caa" | "pca" | "actadd"; ``reduce``: "last" | "mean" (default: the method's own,
@@ -155,5 +169,11 @@ def train(lm, positive, negative, layers, method: str = "caa", *, reduce: Option
     acts = activations(lm, positive + negative, layers, reduce, batch_size)
     n = len(positive)
     dirs = {k: direction(method, a[:n], a[n:]).astype(np.float32) for k, a in acts.items()}
-    return ControlVector(dirs, lm.identity, lm.config.hidden_size, method, lm.config.model_type,
-                         recipe(method, reduce, positive, negative, layers))
+    return ControlVector(
+        dirs,
+        lm.identity,
+        lm.config.hidden_size,
+        method,
+        lm.config.model_type,
+        recipe(method, reduce, positive, negative, layers),
+    )

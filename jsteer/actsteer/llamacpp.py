@@ -41,8 +41,10 @@ def write(cv, path) -> pathlib.Path:
 
     path = pathlib.Path(path)
     if 0 in cv.layers:
-        raise ValueError(f"{path}: layer 0 cannot be exported: llama.cpp refuses a control vector with "
-                         f"direction.0 (it never steers block 0's output); train on layers >= 1")
+        raise ValueError(
+            f"{path}: layer 0 cannot be exported: llama.cpp refuses a control vector with "
+            f"direction.0 (it never steers block 0's output); train on layers >= 1"
+        )
 
     def emit(tmp):
         w = gguf.GGUFWriter(str(tmp), ARCH)
@@ -81,14 +83,18 @@ def read(path, cls):
         raise ValueError(f"{path}: not a GGUF file ({e})") from None
     arch = _string(reader, "general.architecture")
     if arch != ARCH:
-        raise ValueError(f"{path}: not a control vector: general.architecture is {arch!r} (a control vector has "
-                         f"{ARCH!r}); found {len(reader.tensors)} tensors, e.g. "
-                         f"{', '.join(t.name for t in reader.tensors[:3]) or 'none'}")
+        raise ValueError(
+            f"{path}: not a control vector: general.architecture is {arch!r} (a control vector has "
+            f"{ARCH!r}); found {len(reader.tensors)} tensors, e.g. "
+            f"{', '.join(t.name for t in reader.tensors[:3]) or 'none'}"
+        )
     tensors = {}
     for t in reader.tensors:
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
-            raise ValueError(f"{path}: tensor {t.name!r} is {t.tensor_type.name}; control-vector directions are "
-                             f"F32 (llama.cpp refuses other types)")
+            raise ValueError(
+                f"{path}: tensor {t.name!r} is {t.tensor_type.name}; control-vector directions are "
+                f"F32 (llama.cpp refuses other types)"
+            )
         tensors[t.name] = np.array(t.data, np.float32).reshape(-1) if len(t.shape) == 1 else np.array(t.data)
     directions = directions_from_tensors(tensors, str(path))
     hidden = {v.shape[0] for v in directions.values()}
@@ -98,5 +104,11 @@ def read(path, cls):
         meta = {k: _string(reader, f"jsteer.{k}") for k in ("format", "base_model", "method", "hidden_size", "recipe")}
         meta.update(model_type=_string(reader, f"{ARCH}.model_hint") or "", layers=json.dumps(sorted(directions)))
         return cls.from_metadata(directions, meta, str(path))
-    return cls(directions, None, hidden.pop(), "gguf", _string(reader, f"{ARCH}.model_hint") or None,
-               {"source": "gguf", "file": path.name})
+    return cls(
+        directions,
+        None,
+        hidden.pop(),
+        "gguf",
+        _string(reader, f"{ARCH}.model_hint") or None,
+        {"source": "gguf", "file": path.name},
+    )

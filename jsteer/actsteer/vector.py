@@ -67,24 +67,37 @@ class ControlVector:
             if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or layer < 0:
                 raise ValueError(f"ControlVector: layer key {layer!r} must be a 0-based int layer index")
             if tuple(np.shape(vec)) != (self.hidden_size,):
-                raise ValueError(f"ControlVector: direction.{layer} has shape {tuple(np.shape(vec))}, "
-                                 f"expected ({self.hidden_size},) (the hidden size)")
+                raise ValueError(
+                    f"ControlVector: direction.{layer} has shape {tuple(np.shape(vec))}, "
+                    f"expected ({self.hidden_size},) (the hidden size)"
+                )
 
     # ------------------------------------------------------------------ pytree
 
     def tree_flatten(self):
         layers = self.layers
-        aux = (layers, self.base_model, self.hidden_size, self.method, self.model_type,
-               json.dumps(self.recipe, sort_keys=True))  # hashable, as jit's cache keys need
+        aux = (
+            layers,
+            self.base_model,
+            self.hidden_size,
+            self.method,
+            self.model_type,
+            json.dumps(self.recipe, sort_keys=True),
+        )  # hashable, as jit's cache keys need
         return tuple(self.directions[k] for k in layers), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         layers, base, hidden, method, model_type, recipe = aux
         obj = object.__new__(cls)  # no __post_init__ checks: jax unflattens with placeholder leaves too
-        for name, value in (("directions", dict(zip(layers, children))), ("base_model", base),
-                            ("hidden_size", hidden), ("method", method), ("model_type", model_type),
-                            ("recipe", json.loads(recipe))):
+        for name, value in (
+            ("directions", dict(zip(layers, children))),
+            ("base_model", base),
+            ("hidden_size", hidden),
+            ("method", method),
+            ("model_type", model_type),
+            ("recipe", json.loads(recipe)),
+        ):
             object.__setattr__(obj, name, value)
         return obj
 
@@ -108,33 +121,43 @@ class ControlVector:
             raise ValueError(f"ControlVector.hooks: strength must be a scalar or [B], got shape {s.shape}")
         if not isinstance(s, jax.core.Tracer) and not np.asarray(s).any():
             return Hooks()
-        return Hooks(interventions={f"resid_post.{k}": Add(vec=jnp.asarray(self.directions[k], jnp.float32),
-                                                           strength=s) for k in self.layers})
+        return Hooks(
+            interventions={
+                f"resid_post.{k}": Add(vec=jnp.asarray(self.directions[k], jnp.float32), strength=s)
+                for k in self.layers
+            }
+        )
 
     def select(self, layers) -> "ControlVector":
         """This vector at some of its layers only (e.g. to compare layers after one extraction)."""
         layers = [layers] if isinstance(layers, (int, np.integer)) else list(layers)
         missing = [k for k in layers if k not in self.directions]
         if missing or not layers:
-            raise ValueError(f"select: layer {missing[0] if missing else None} is not in this vector "
-                             f"(layers {list(self.layers)})")
-        return dataclasses.replace(self, directions={k: self.directions[k] for k in layers},
-                                   recipe={**self.recipe, "layers": sorted(layers)})
+            raise ValueError(
+                f"select: layer {missing[0] if missing else None} is not in this vector (layers {list(self.layers)})"
+            )
+        return dataclasses.replace(
+            self, directions={k: self.directions[k] for k in layers}, recipe={**self.recipe, "layers": sorted(layers)}
+        )
 
     def check(self, lm, where: str = "control vector") -> "ControlVector":
         """Raise :class:`WrongModelError` unless this vector fits ``lm``: same identity (when the
         vector records one), same hidden size, every layer in range. Returns self."""
         hidden, n_layers = lm.config.hidden_size, lm.config.num_layers
         if self.hidden_size != hidden:
-            raise WrongModelError(f"{where}: its directions have hidden size {self.hidden_size}, the model "
-                                  f"{lm.identity} has {hidden}")
+            raise WrongModelError(
+                f"{where}: its directions have hidden size {self.hidden_size}, the model {lm.identity} has {hidden}"
+            )
         if self.base_model is not None and self.base_model != lm.identity:
-            raise WrongModelError(f"{where}: it was computed on base model {self.base_model}, but the model is "
-                                  f"{lm.identity}; directions do not carry over between models")
+            raise WrongModelError(
+                f"{where}: it was computed on base model {self.base_model}, but the model is "
+                f"{lm.identity}; directions do not carry over between models"
+            )
         bad = [k for k in self.layers if k >= n_layers]
         if bad:
-            raise WrongModelError(f"{where}: layer {bad[0]} is out of range (the model has {n_layers} layers: "
-                                  f"0..{n_layers - 1})")
+            raise WrongModelError(
+                f"{where}: layer {bad[0]} is out of range (the model has {n_layers} layers: 0..{n_layers - 1})"
+            )
         return self
 
     def numpy(self) -> dict:
@@ -143,17 +166,25 @@ class ControlVector:
 
     def metadata(self) -> dict:
         """The file metadata (all strings; see the module docstring)."""
-        return {"format": FORMAT, "base_model": self.base_model or "", "model_type": self.model_type or "",
-                "method": self.method, "hidden_size": str(self.hidden_size), "layers": json.dumps(list(self.layers)),
-                "recipe": json.dumps(self.recipe, sort_keys=True)}
+        return {
+            "format": FORMAT,
+            "base_model": self.base_model or "",
+            "model_type": self.model_type or "",
+            "method": self.method,
+            "hidden_size": str(self.hidden_size),
+            "layers": json.dumps(list(self.layers)),
+            "recipe": json.dumps(self.recipe, sort_keys=True),
+        }
 
     @classmethod
     def from_metadata(cls, directions: Mapping[int, Any], meta: Mapping[str, str], where: str) -> "ControlVector":
         """Inverse of :meth:`metadata`, checking every field against the tensors."""
         missing = [k for k in META_KEYS if k not in meta]
         if missing:
-            raise ValueError(f"{where}: metadata field {missing[0]!r} is missing (a jsteer control vector has "
-                             f"{', '.join(META_KEYS)})")
+            raise ValueError(
+                f"{where}: metadata field {missing[0]!r} is missing (a jsteer control vector has "
+                f"{', '.join(META_KEYS)})"
+            )
         if meta["format"] != FORMAT:
             raise ValueError(f"{where}: metadata format is {meta['format']!r}, expected {FORMAT!r}")
         try:
@@ -162,8 +193,9 @@ class ControlVector:
             raise ValueError(f"{where}: unreadable metadata hidden_size / layers / recipe ({e})") from None
         if sorted(layers) != sorted(directions):
             raise ValueError(f"{where}: metadata layers {layers} but tensors for layers {sorted(directions)}")
-        return cls(dict(directions), meta["base_model"] or None, hidden, meta["method"], meta["model_type"] or None,
-                   recipe)
+        return cls(
+            dict(directions), meta["base_model"] or None, hidden, meta["method"], meta["model_type"] or None, recipe
+        )
 
     # ------------------------------------------------------------------ files
 
@@ -207,8 +239,10 @@ class ControlVector:
         return cv if lm is None else cv.check(lm, str(path))
 
     def __repr__(self) -> str:
-        return (f"ControlVector(method={self.method!r}, layers={list(self.layers)}, hidden_size={self.hidden_size}, "
-                f"base_model={self.base_model!r})")
+        return (
+            f"ControlVector(method={self.method!r}, layers={list(self.layers)}, hidden_size={self.hidden_size}, "
+            f"base_model={self.base_model!r})"
+        )
 
 
 def directions_from_tensors(tensors: Mapping[str, Any], where: str) -> dict:
@@ -217,8 +251,9 @@ def directions_from_tensors(tensors: Mapping[str, Any], where: str) -> dict:
     for name, t in tensors.items():
         m = TENSOR.match(name)
         if m is None:
-            raise ValueError(f"{where}: tensor {name!r} is not a control-vector direction (expected names "
-                             f"'direction.<layer>')")
+            raise ValueError(
+                f"{where}: tensor {name!r} is not a control-vector direction (expected names 'direction.<layer>')"
+            )
         if np.ndim(t) != 1:
             raise ValueError(f"{where}: tensor {name!r} has shape {tuple(np.shape(t))}; a direction is 1-D [D]")
         layer = int(m.group(1))

@@ -66,9 +66,12 @@ class Family:
             return "token_classification"
         unused = sorted(n for n in names if n.startswith("classifier."))
         if unused:  # e.g. a sequence-classification or multiple-choice head: not one jsteer builds
-            warnings.warn(f"the weights hold a head jsteer does not build ({archs or 'architecture not given'}: "
-                          f"{', '.join(unused)}); loading the bare encoder without it (heads: mlm, qa, "
-                          f"token_classification)", stacklevel=3)
+            warnings.warn(
+                f"the weights hold a head jsteer does not build ({archs or 'architecture not given'}: "
+                f"{', '.join(unused)}); loading the bare encoder without it (heads: mlm, qa, "
+                f"token_classification)",
+                stacklevel=3,
+            )
         return None
 
     def check_head(self, head: Optional[str]) -> None:
@@ -87,8 +90,16 @@ class Family:
             return Decoder(config, dtype=dtype)
         return self.code.model_for_head(config, head, dtype=dtype)
 
-    def params_from_hf(self, state_dict: Mapping[str, np.ndarray], config, head: Optional[str] = None, *,
-                       dtype: Any = np.float32, place=None, source: Any = "state dict"):
+    def params_from_hf(
+        self,
+        state_dict: Mapping[str, np.ndarray],
+        config,
+        head: Optional[str] = None,
+        *,
+        dtype: Any = np.float32,
+        place=None,
+        source: Any = "state dict",
+    ):
         """``dtype``: what floating params are cast to, on the host, tensor by tensor; ``place``
         (decoders): where each leaf goes (a device or a shard)."""
         self.check_head(head)

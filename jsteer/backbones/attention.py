@@ -33,10 +33,18 @@ def _rows(m: Array, g: int, t: int) -> Array:
     return jnp.broadcast_to(m, (bm, km, g, t, sm)).reshape(bm, km, g * t, sm)
 
 
-def dot_product_attention(q: Array, k: Array, v: Array, *, scale: float, bias: Optional[Array] = None,
-                          visible: Optional[Array] = None,
-                          dropout: Optional[Callable[[Array], Array]] = None,
-                          cache_layout: bool = False, softcap: Optional[float] = None) -> Array:
+def dot_product_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float,
+    bias: Optional[Array] = None,
+    visible: Optional[Array] = None,
+    dropout: Optional[Callable[[Array], Array]] = None,
+    cache_layout: bool = False,
+    softcap: Optional[float] = None,
+) -> Array:
     """softmax(scale * q k^T + bias, masked to ``visible``) v, per head.
 
     q [B,T,K,G,H]: K key/value heads, each shared by G query heads (G = 1 for plain MHA);
@@ -84,19 +92,43 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def attention(q: Array, k: Array, v: Array, *, scale: float, visible: Optional[Array] = None,
-              bias: Optional[Array] = None, dropout: Optional[Callable[[Array], Array]] = None,
-              cache_layout: bool = False, softcap: Optional[float] = None) -> Array:
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float,
+    visible: Optional[Array] = None,
+    bias: Optional[Array] = None,
+    dropout: Optional[Callable[[Array], Array]] = None,
+    cache_layout: bool = False,
+    softcap: Optional[float] = None,
+) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
     steps), no dropout, no soft-capping and no additive bias. Elsewhere the hand-written path.
     The cuDNN path lets a padding query row (no visible key) see its own slot, where the
     hand-written path spreads it uniformly: such rows are padding, read by nothing downstream."""
     b, t, kh, g, h = q.shape
-    if (_backend() != "gpu" or cache_layout or dropout is not None or softcap is not None
-            or bias is not None or q.dtype not in (jnp.bfloat16, jnp.float16)):
-        return dot_product_attention(q, k, v, scale=scale, visible=visible, bias=bias, dropout=dropout,
-                                     cache_layout=cache_layout, softcap=softcap)
+    if (
+        _backend() != "gpu"
+        or cache_layout
+        or dropout is not None
+        or softcap is not None
+        or bias is not None
+        or q.dtype not in (jnp.bfloat16, jnp.float16)
+    ):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            visible=visible,
+            bias=bias,
+            dropout=dropout,
+            cache_layout=cache_layout,
+            softcap=softcap,
+        )
     s = k.shape[1]
     mask = None
     if visible is not None:  # [B|1, K|1, G|1, T|1, S] -> [B|1, N|1, T, S]
@@ -104,6 +136,7 @@ def attention(q: Array, k: Array, v: Array, *, scale: float, visible: Optional[A
         per_head = vis.shape[1] != 1 or vis.shape[2] != 1
         vis = jnp.broadcast_to(vis, vis.shape[:1] + ((kh, g) if per_head else (1, 1)) + (t, s))
         mask = vis.reshape(vis.shape[0], -1, t, s) | jnp.eye(t, s, dtype=bool)
-    out = jax.nn.dot_product_attention(q.reshape(b, t, kh * g, h), k, v.astype(q.dtype), mask=mask, scale=scale,
-                                       implementation=_FUSED_IMPLEMENTATION)
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, t, kh * g, h), k, v.astype(q.dtype), mask=mask, scale=scale, implementation=_FUSED_IMPLEMENTATION
+    )
     return out.reshape(b, t, kh, g, h)

@@ -70,17 +70,29 @@ class KVCache:
     pos: Array
 
     @classmethod
-    def init(cls, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-             dtype=jnp.float32, stacked: bool = False) -> "KVCache":
+    def init(
+        cls,
+        n_layers: int,
+        batch: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        stacked: bool = False,
+    ) -> "KVCache":
         zk = jnp.zeros((batch, n_kv_heads, head_dim, max_len), dtype)
         zv = jnp.zeros((batch, n_kv_heads, max_len, head_dim), dtype)
         if stacked:
             k, v = jnp.zeros((n_layers,) + zk.shape, dtype), jnp.zeros((n_layers,) + zv.shape, dtype)
         else:
             k, v = tuple(zk for _ in range(n_layers)), tuple(zv for _ in range(n_layers))
-        return cls(k=k, v=v,
-                   mask=jnp.zeros((batch, max_len), jnp.int32),
-                   index=jnp.zeros((), jnp.int32), pos=jnp.zeros((batch,), jnp.int32))
+        return cls(
+            k=k,
+            v=v,
+            mask=jnp.zeros((batch, max_len), jnp.int32),
+            index=jnp.zeros((), jnp.int32),
+            pos=jnp.zeros((batch,), jnp.int32),
+        )
 
     @property
     def max_len(self) -> int:
@@ -88,17 +100,16 @@ class KVCache:
 
     def reset(self) -> "KVCache":
         """The same slots, emptied (the stale keys and values are masked out and overwritten)."""
-        return self.replace(mask=jnp.zeros_like(self.mask), index=jnp.zeros_like(self.index),
-                            pos=jnp.zeros_like(self.pos))
+        return self.replace(
+            mask=jnp.zeros_like(self.mask), index=jnp.zeros_like(self.index), pos=jnp.zeros_like(self.pos)
+        )
 
     @staticmethod
     def write(cached_k: Array, cached_v: Array, k: Array, v: Array, index: Array) -> Tuple[Array, Array]:
         """Write T new keys and values [B, T, H_kv, Dh] into one layer's cache (k [B, H_kv, Dh, S],
         v [B, H_kv, S, Dh]) at slots index..index+T-1; returns the updated (k, v)."""
-        k = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype).transpose(0, 2, 3, 1),
-                                         (0, 0, 0, index))
-        v = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype).transpose(0, 2, 1, 3),
-                                         (0, 0, index, 0))
+        k = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype).transpose(0, 2, 3, 1), (0, 0, 0, index))
+        v = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype).transpose(0, 2, 1, 3), (0, 0, index, 0))
         return k, v
 
 
@@ -130,8 +141,10 @@ def check_position_ids(position_ids, table_size: Optional[int], where: str) -> N
         return
     p = np.asarray(position_ids)
     if p.size and (p.min() < 0 or p.max() >= table_size):
-        raise ValueError(f"{where}: hooks.position_ids must lie in [0, {table_size}) (the model's position "
-                         f"table has {table_size} rows), got values from {p.min()} to {p.max()}")
+        raise ValueError(
+            f"{where}: hooks.position_ids must lie in [0, {table_size}) (the model's position "
+            f"table has {table_size} rows), got values from {p.min()} to {p.max()}"
+        )
 
 
 def attention_slots(mask: Array, bias: Optional[Array], cache: Optional["KVCache"]):

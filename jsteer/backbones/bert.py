@@ -76,10 +76,12 @@ class BertConfig:
             raise ValueError(f"BertConfig.layout must be 'bert' or 'roberta', got {self.layout!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(
-                f"BertConfig.hidden_act {self.hidden_act!r} is not supported; known: {sorted(ACTIVATIONS)}")
+                f"BertConfig.hidden_act {self.hidden_act!r} is not supported; known: {sorted(ACTIVATIONS)}"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"BertConfig.hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+                f"BertConfig.hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -105,11 +107,13 @@ class BertConfig:
         if model_type not in _LAYOUTS:
             raise ValueError(
                 f"BertConfig.from_hf: model_type {model_type!r} is not a BERT-family encoder; "
-                f"supported: {sorted(_LAYOUTS)}")
+                f"supported: {sorted(_LAYOUTS)}"
+            )
         pos_type = config.get("position_embedding_type", "absolute")
         if pos_type not in (None, "absolute"):
             raise ValueError(
-                f"BertConfig.from_hf: position_embedding_type {pos_type!r} is not supported (only 'absolute')")
+                f"BertConfig.from_hf: position_embedding_type {pos_type!r} is not supported (only 'absolute')"
+            )
         if config.get("is_decoder") or config.get("add_cross_attention"):
             raise ValueError("BertConfig.from_hf: decoder / cross-attention BERT configs are not supported")
         act = config.get("hidden_act", "gelu")
@@ -139,8 +143,9 @@ class BertConfig:
             layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
             hidden_dropout=float(config.get("hidden_dropout_prob", 0.1)),
             attention_dropout=float(config.get("attention_probs_dropout_prob", 0.1)),
-            classifier_dropout=(None if config.get("classifier_dropout") is None
-                                else float(config["classifier_dropout"])),
+            classifier_dropout=(
+                None if config.get("classifier_dropout") is None else float(config["classifier_dropout"])
+            ),
             pad_token_id=int(pad if pad is not None else (1 if layout == "roberta" else 0)),
             layout=layout,
             num_labels=num_labels,
@@ -188,14 +193,15 @@ def _check_length(config: BertConfig, t: int, explicit_positions: bool) -> None:
     if t <= (c.max_position_embeddings if explicit_positions else c.max_input_length):
         return
     if c.layout == "roberta" and not explicit_positions:
-        raise ValueError(f"input length {t} exceeds the {c.max_input_length} tokens this RoBERTa-style model can "
-                         f"position (max_position_embeddings {c.max_position_embeddings} - pad_token_id "
-                         f"{c.pad_token_id} - 1: its positions start at pad_token_id + 1)")
+        raise ValueError(
+            f"input length {t} exceeds the {c.max_input_length} tokens this RoBERTa-style model can "
+            f"position (max_position_embeddings {c.max_position_embeddings} - pad_token_id "
+            f"{c.pad_token_id} - 1: its positions start at pad_token_id + 1)"
+        )
     raise ValueError(f"input length {t} exceeds max_position_embeddings {c.max_position_embeddings}")
 
 
-def attention_bias(attention_mask: Optional[Array], hooks: Optional[Hooks], batch: int, length: int
-                   ) -> Optional[Array]:
+def attention_bias(attention_mask: Optional[Array], hooks: Optional[Hooks], batch: int, length: int) -> Optional[Array]:
     """Additive attention bias [B, 1, T|1, S] (fp32) from a [B, S] 0/1 mask and ``hooks.attn_bias``.
 
     None when there is nothing to add. Broadcasts over heads.
@@ -232,19 +238,27 @@ def output_embeddings(params: Mapping[str, Any], config: BertConfig) -> Array:
 
 # Logical axis names of each param by its trailing path (jsteer.sharding maps them to mesh axes).
 _AXES = {
-    ("word", "embedding"): ("vocab", "embed"), ("position", "embedding"): (None, "embed"),
+    ("word", "embedding"): ("vocab", "embed"),
+    ("position", "embedding"): (None, "embed"),
     ("token_type", "embedding"): (None, "embed"),
-    ("qkv", "kernel"): ("embed", None, "heads", "head_dim"), ("qkv", "bias"): (None, "heads", "head_dim"),
+    ("qkv", "kernel"): ("embed", None, "heads", "head_dim"),
+    ("qkv", "bias"): (None, "heads", "head_dim"),
     ("out", "kernel"): ("heads", "head_dim", "embed"),
-    ("ffn_in", "kernel"): ("embed", "mlp"), ("ffn_in", "bias"): ("mlp",), ("ffn_out", "kernel"): ("mlp", "embed"),
-    ("transform", "kernel"): ("embed", None), ("decoder", "kernel"): ("embed", "vocab"), ("head", "bias"): ("vocab",),
-    ("classifier", "kernel"): ("embed", None), ("qa", "kernel"): ("embed", None),
+    ("ffn_in", "kernel"): ("embed", "mlp"),
+    ("ffn_in", "bias"): ("mlp",),
+    ("ffn_out", "kernel"): ("mlp", "embed"),
+    ("transform", "kernel"): ("embed", None),
+    ("decoder", "kernel"): ("embed", "vocab"),
+    ("head", "bias"): ("vocab",),
+    ("classifier", "kernel"): ("embed", None),
+    ("qa", "kernel"): ("embed", None),
 }
 
 
 def logical_axes(params) -> Any:
     """The params' pytree with each leaf replaced by its logical axis names (one per dim); other
     vectors (norms, biases of width D or of a head) are ("norm",)."""
+
     def one(path, leaf):
         names = tuple(getattr(k, "key", str(k)) for k in path)
         ndim = len(leaf.shape)
@@ -252,6 +266,7 @@ def logical_axes(params) -> Any:
         if axes is None or len(axes) != ndim:
             raise ValueError(f"no logical axes for BERT param {'/'.join(names)} of shape {tuple(leaf.shape)}")
         return axes
+
     return jax.tree_util.tree_map_with_path(one, params)
 
 
@@ -281,14 +296,18 @@ class BertEmbeddings(nn.Module):
         c = self.config
         init = nn.initializers.normal(stddev=c.initializer_range)
         self.word = Embed(c.vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
-        self.position = Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
-                              param_dtype=jnp.float32)
+        self.position = Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
         self.token_type = Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
         self.norm = _norm(c)
         self.dropout = Dropout(c.hidden_dropout)
 
-    def __call__(self, input_ids: Array, token_type_ids: Optional[Array] = None, hooks: Optional[Hooks] = None,
-                 deterministic: bool = True) -> Array:
+    def __call__(
+        self,
+        input_ids: Array,
+        token_type_ids: Optional[Array] = None,
+        hooks: Optional[Hooks] = None,
+        deterministic: bool = True,
+    ) -> Array:
         if hooks is not None and hooks.position_ids is not None:
             position_ids = hooks.position_ids
             if position_ids.shape != input_ids.shape:
@@ -317,15 +336,21 @@ class BertSelfAttention(nn.Module):
     def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
         c = self.config
         init = _dense_init(c)
-        qkv = DenseGeneral((3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype,
-                           param_dtype=jnp.float32, name="qkv")(h)  # [B, T, 3, N, H]
+        qkv = DenseGeneral(
+            (3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="qkv"
+        )(h)  # [B, T, 3, N, H]
         drop = Dropout(c.attention_dropout)
         ctx = dot_product_attention(
-            qkv[:, :, 0, :, None], qkv[:, :, 1], qkv[:, :, 2], scale=1.0 / math.sqrt(c.head_dim),
+            qkv[:, :, 0, :, None],
+            qkv[:, :, 1],
+            qkv[:, :, 2],
+            scale=1.0 / math.sqrt(c.head_dim),
             bias=None if bias is None else bias[:, :, None],
-            dropout=lambda w: drop(w, deterministic=deterministic))[:, :, :, 0]  # [B, T, N, H]
-        return DenseGeneral(c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype,
-                            param_dtype=jnp.float32, name="out")(ctx)
+            dropout=lambda w: drop(w, deterministic=deterministic),
+        )[:, :, :, 0]  # [B, T, N, H]
+        return DenseGeneral(
+            c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="out"
+        )(ctx)
 
 
 class BertLayer(nn.Module):
@@ -340,8 +365,9 @@ class BertLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None,
-                 deterministic: bool = True) -> Array:
+    def __call__(
+        self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None, deterministic: bool = True
+    ) -> Array:
         c = self.config
         init = _dense_init(c)
         drop = Dropout(c.hidden_dropout)
@@ -350,8 +376,7 @@ class BertLayer(nn.Module):
         a = drop(a, deterministic=deterministic)
         a = _ln(_norm(c, "attention_norm"), a + h, self.dtype)
         a = apply_film(a, hooks, self.layer_index, "in")
-        f = Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
-                  name="ffn_in")(a)
+        f = Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_in")(a)
         f = ACTIVATIONS[c.hidden_act](f)
         f = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
         f = drop(f, deterministic=deterministic)
@@ -370,13 +395,20 @@ class BertEncoder(nn.Module):
 
     def setup(self):
         self.embeddings = BertEmbeddings(self.config, dtype=self.dtype)
-        self.layers = [BertLayer(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
-                       for i in range(self.config.num_layers)]
+        self.layers = [
+            BertLayer(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
+            for i in range(self.config.num_layers)
+        ]
 
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
-                 token_type_ids: Optional[Array] = None, hooks: Optional[Hooks] = None,
-                 deterministic: bool = True, output_hidden_states: bool = False
-                 ) -> Tuple[Array, Optional[Tuple[Array, ...]]]:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        hooks: Optional[Hooks] = None,
+        deterministic: bool = True,
+        output_hidden_states: bool = False,
+    ) -> Tuple[Array, Optional[Tuple[Array, ...]]]:
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
         b, t = input_ids.shape
@@ -407,19 +439,23 @@ class MLMHead(nn.Module):
     def __call__(self, h: Array, word_embedding: Optional[Array] = None) -> Array:
         c = self.config
         init = _dense_init(c)
-        x = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32,
-                  name="transform")(h)
+        x = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="transform")(h)
         act = ACTIVATIONS["gelu"] if c.layout == "roberta" else ACTIVATIONS[c.hidden_act]
         x = _ln(_norm(c, "norm"), act(x), self.dtype)
         bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), jnp.float32)
         if c.tie_word_embeddings:
             if word_embedding is None:
                 raise ValueError("MLMHead with tied embeddings needs the word-embedding matrix")
-            logits = jnp.einsum("BTD,VD->BTV", x, word_embedding.astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = jnp.einsum("BTD,VD->BTV", x, word_embedding.astype(self.dtype), preferred_element_type=jnp.float32)
         else:
-            logits = Dense(c.vocab_size, use_bias=False, kernel_init=init, dtype=self.dtype,
-                           param_dtype=jnp.float32, name="decoder")(x)
+            logits = Dense(
+                c.vocab_size,
+                use_bias=False,
+                kernel_init=init,
+                dtype=self.dtype,
+                param_dtype=jnp.float32,
+                name="decoder",
+            )(x)
         return logits.astype(jnp.float32) + bias
 
 
@@ -435,8 +471,9 @@ class TokenClassificationHead(nn.Module):
         c = self.config
         rate = c.hidden_dropout if c.classifier_dropout is None else c.classifier_dropout
         h = Dropout(rate)(h, deterministic=deterministic)
-        return Dense(self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32,
-                     name="classifier")(h).astype(jnp.float32)
+        return Dense(
+            self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32, name="classifier"
+        )(h).astype(jnp.float32)
 
 
 class QAHead(nn.Module):
@@ -447,8 +484,9 @@ class QAHead(nn.Module):
 
     @nn.compact
     def __call__(self, h: Array) -> Array:
-        return Dense(2, kernel_init=_dense_init(self.config), dtype=self.dtype, param_dtype=jnp.float32,
-                     name="qa")(h).astype(jnp.float32)
+        return Dense(2, kernel_init=_dense_init(self.config), dtype=self.dtype, param_dtype=jnp.float32, name="qa")(
+            h
+        ).astype(jnp.float32)
 
 
 class BertModel(nn.Module):
@@ -460,10 +498,16 @@ class BertModel(nn.Module):
     def setup(self):
         self.encoder = BertEncoder(self.config, dtype=self.dtype)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
-                 output_hidden_states=False) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
-                                 output_hidden_states)
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        hooks=None,
+        deterministic=True,
+        output_hidden_states=False,
+    ) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
         return ModelOutput(logits=None, hidden=h, hidden_states=states)
 
 
@@ -477,10 +521,16 @@ class BertForMaskedLM(nn.Module):
         self.encoder = BertEncoder(self.config, dtype=self.dtype)
         self.head = MLMHead(self.config, dtype=self.dtype)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
-                 output_hidden_states=False) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
-                                 output_hidden_states)
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        hooks=None,
+        deterministic=True,
+        output_hidden_states=False,
+    ) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
         emb = self.encoder.embeddings.word.embedding if self.config.tie_word_embeddings else None
         return ModelOutput(logits=self.head(h, emb), hidden=h, hidden_states=states)
 
@@ -497,10 +547,16 @@ class BertForTokenClassification(nn.Module):
         n = self.config.num_labels if self.num_labels is None else self.num_labels
         self.head = TokenClassificationHead(self.config, n, dtype=self.dtype)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
-                 output_hidden_states=False) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
-                                 output_hidden_states)
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        hooks=None,
+        deterministic=True,
+        output_hidden_states=False,
+    ) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
         return ModelOutput(logits=self.head(h, deterministic), hidden=h, hidden_states=states)
 
 
@@ -514,18 +570,25 @@ class BertForQuestionAnswering(nn.Module):
         self.encoder = BertEncoder(self.config, dtype=self.dtype)
         self.head = QAHead(self.config, dtype=self.dtype)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, hooks=None, deterministic=True,
-                 output_hidden_states=False) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic,
-                                 output_hidden_states)
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        hooks=None,
+        deterministic=True,
+        output_hidden_states=False,
+    ) -> ModelOutput:
+        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
         return ModelOutput(logits=self.head(h), hidden=h, hidden_states=states)
 
 
 HEADS = (None, "mlm", "token_classification", "qa")
 
 
-def model_for_head(config: BertConfig, head: Optional[str], num_labels: Optional[int] = None,
-                   dtype: Any = jnp.float32) -> nn.Module:
+def model_for_head(
+    config: BertConfig, head: Optional[str], num_labels: Optional[int] = None, dtype: Any = jnp.float32
+) -> nn.Module:
     """The module class matching a ``head`` name (None -> bare :class:`BertModel`)."""
     if head is None:
         return BertModel(config, dtype=dtype)
@@ -538,8 +601,7 @@ def model_for_head(config: BertConfig, head: Optional[str], num_labels: Optional
     raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
 
 
-def init_head(rng: jax.Array, config: BertConfig, head: str, num_labels: Optional[int] = None
-              ) -> Dict[str, Any]:
+def init_head(rng: jax.Array, config: BertConfig, head: str, num_labels: Optional[int] = None) -> Dict[str, Any]:
     """Freshly initialised params for ``head`` (the subtree under ``params["head"]``)."""
     h = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
     if head == "mlm":
@@ -559,12 +621,23 @@ def init_head(rng: jax.Array, config: BertConfig, head: str, num_labels: Optiona
 _QKV = ("query", "key", "value")
 # Expected in HF checkpoints and unused: buffers, the pooler, and heads other than the one asked
 # for (a head's own tensors are layout entries, so only the leftovers match these).
-_IGNORED = ("*position_ids", "*embeddings.token_type_ids", "*pooler.*", "cls.*", "lm_head.*", "classifier.*",
-            "qa_outputs.*")
+_IGNORED = (
+    "*position_ids",
+    "*embeddings.token_type_ids",
+    "*pooler.*",
+    "cls.*",
+    "lm_head.*",
+    "classifier.*",
+    "qa_outputs.*",
+)
 
 
-_OLD_NAMES = ((".LayerNorm.gamma", ".LayerNorm.weight"), (".LayerNorm.beta", ".LayerNorm.bias"),
-              ("cls.predictions.bias", "cls.predictions.decoder.bias"), ("lm_head.bias", "lm_head.decoder.bias"))
+_OLD_NAMES = (
+    (".LayerNorm.gamma", ".LayerNorm.weight"),
+    (".LayerNorm.beta", ".LayerNorm.bias"),
+    ("cls.predictions.bias", "cls.predictions.decoder.bias"),
+    ("lm_head.bias", "lm_head.decoder.bias"),
+)
 
 
 def _aliases(state_dict: Mapping[str, Any]) -> RenamedView:
@@ -572,6 +645,7 @@ def _aliases(state_dict: Mapping[str, Any]) -> RenamedView:
     checkpoints' LayerNorm ``gamma`` / ``beta``, and an MLM head's ``<base>bias``, the tied alias
     of ``<base>decoder.bias`` and the only copy in some checkpoints (when both exist the decoder's,
     the one HF uses, wins and the alias is left to the ignore list)."""
+
     def rename(k: str) -> str:
         for old, new in _OLD_NAMES:
             if k.endswith(old) and (canon := k[: -len(old)] + new) not in state_dict:
@@ -588,11 +662,13 @@ def _detect_prefix(state_dict: Mapping[str, Any], config: BertConfig) -> str:
             return p
     raise KeyError(
         "HF state dict is missing tensor 'embeddings.word_embeddings.weight' (tried prefixes "
-        f"{[p for p in order]}); first keys: {list(state_dict)[:5]}")
+        f"{[p for p in order]}); first keys: {list(state_dict)[:5]}"
+    )
 
 
-def _bert_layout(config: BertConfig, prefix: str, head: Optional[str], num_labels: Optional[int] = None
-                 ) -> Dict[str, Entry]:
+def _bert_layout(
+    config: BertConfig, prefix: str, head: Optional[str], num_labels: Optional[int] = None
+) -> Dict[str, Entry]:
     """{HF tensor name: Entry} for the encoder (names under ``prefix``) and ``head`` (unprefixed).
 
     The q / k / v projections land in ``.../qkv/{kernel,bias}/{query,key,value}`` as [D, N, H] /
@@ -611,17 +687,26 @@ def _bert_layout(config: BertConfig, prefix: str, head: Optional[str], num_label
 
     p, emb = prefix, ("encoder", "embeddings")
     out[p + "embeddings.word_embeddings.weight"] = entry(emb + ("word", "embedding"), (v, d))
-    out[p + "embeddings.position_embeddings.weight"] = entry(emb + ("position", "embedding"),
-                                                             (c.max_position_embeddings, d))
-    out[p + "embeddings.token_type_embeddings.weight"] = entry(emb + ("token_type", "embedding"),
-                                                               (c.type_vocab_size, d))
+    out[p + "embeddings.position_embeddings.weight"] = entry(
+        emb + ("position", "embedding"), (c.max_position_embeddings, d)
+    )
+    out[p + "embeddings.token_type_embeddings.weight"] = entry(
+        emb + ("token_type", "embedding"), (c.type_vocab_size, d)
+    )
     norm(p + "embeddings.LayerNorm", emb + ("norm",))
     for i in range(c.num_layers):
         hf, me = f"{p}encoder.layer.{i}.", ("encoder", f"layer_{i}")
         for name in _QKV:
-            linear(hf + f"attention.self.{name}", me + ("attention", "qkv"), d, d,
-                   w_fn=lambda w: w.T.reshape(d, n, hd), b_fn=lambda b: b.reshape(n, hd),
-                   w_path=("kernel", name), b_path=("bias", name))
+            linear(
+                hf + f"attention.self.{name}",
+                me + ("attention", "qkv"),
+                d,
+                d,
+                w_fn=lambda w: w.T.reshape(d, n, hd),
+                b_fn=lambda b: b.reshape(n, hd),
+                w_path=("kernel", name),
+                b_path=("bias", name),
+            )
         linear(hf + "attention.output.dense", me + ("attention", "out"), d, d, w_fn=lambda w: w.T.reshape(n, hd, d))
         norm(hf + "attention.output.LayerNorm", me + ("attention_norm",))
         linear(hf + "intermediate.dense", me + ("ffn_in",), d, f)
@@ -652,9 +737,16 @@ def _fuse_qkv(params: Dict[str, Any], config: BertConfig) -> None:
         qkv["bias"] = jnp.stack([qkv["bias"][k] for k in _QKV], axis=0)
 
 
-def params_from_hf(state_dict: Mapping[str, Any], config: BertConfig, head: Optional[str] = None, *,
-                   num_labels: Optional[int] = None, allow_missing_head: bool = False,
-                   rng: Optional[jax.Array] = None, dtype: Any = jnp.float32) -> Dict[str, Any]:
+def params_from_hf(
+    state_dict: Mapping[str, Any],
+    config: BertConfig,
+    head: Optional[str] = None,
+    *,
+    num_labels: Optional[int] = None,
+    allow_missing_head: bool = False,
+    rng: Optional[jax.Array] = None,
+    dtype: Any = jnp.float32,
+) -> Dict[str, Any]:
     """HF PyTorch / safetensors state dict (name -> array) -> ``{"encoder": ..., ["head": ...]}``.
 
     Keys may carry a ``bert.`` / ``roberta.`` prefix or none (MiniLM). ``position_ids``
@@ -670,8 +762,10 @@ def params_from_hf(state_dict: Mapping[str, Any], config: BertConfig, head: Opti
     sd = _aliases(state_dict)
     prefix = _detect_prefix(sd, config)
     if config.num_layers and f"{prefix}encoder.layer.{config.num_layers}.attention.self.query.weight" in sd:
-        raise ValueError(f"HF state dict has more layers than config.num_layers={config.num_layers} "
-                         f"(found '{prefix}encoder.layer.{config.num_layers}.*')")
+        raise ValueError(
+            f"HF state dict has more layers than config.num_layers={config.num_layers} "
+            f"(found '{prefix}encoder.layer.{config.num_layers}.*')"
+        )
     layout = _bert_layout(config, prefix, head, num_labels)
     missing = [name for name in layout if name not in sd]
     fresh_head = False

@@ -66,8 +66,11 @@ Array = jnp.ndarray
 
 BLOCKS = ("pre", "sandwich", "post", "parallel")
 # what a rematerialised layer keeps from its forward for the backward pass
-REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                  "full": jax.checkpoint_policies.nothing_saveable}
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -83,54 +86,62 @@ class DecoderConfig:
     num_kv_heads: int
     head_dim: int
     model_type: str = "llama"
-    norm: str = "rms"                 # "rms" | "layer" (with bias)
+    norm: str = "rms"  # "rms" | "layer" (with bias)
     norm_eps: float = 1e-6
-    norm_offset: bool = False         # Gemma: scale by (1 + w)
-    norm_weight_f32: bool = False     # weight applied in fp32 before the cast (Gemma, OLMo-2); else after
+    norm_offset: bool = False  # Gemma: scale by (1 + w)
+    norm_weight_f32: bool = False  # weight applied in fp32 before the cast (Gemma, OLMo-2); else after
     block: str = "pre"
-    qk_norm: Optional[str] = None     # None | "head" (Qwen3, Gemma-3) | "proj" (OLMo-2)
+    qk_norm: Optional[str] = None  # None | "head" (Qwen3, Gemma-3) | "proj" (OLMo-2)
     qkv_bias: bool = False
     o_bias: bool = False
-    mlp: str = "gated"                # "gated": down(act(gate(x)) * up(x)) | "plain": down(act(up(x)))
+    mlp: str = "gated"  # "gated": down(act(gate(x)) * up(x)) | "plain": down(act(up(x)))
     mlp_bias: bool = False
     activation: str = "silu"
     attn_scale: Optional[float] = None  # None: head_dim ** -0.5
-    attn_scale_by_layer: bool = False   # GPT-2 scale_attn_by_inverse_layer_idx: / (layer + 1)
+    attn_scale_by_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: / (layer + 1)
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
     sliding_window: Optional[int] = None
     layer_types: Optional[Tuple[str, ...]] = None  # per layer FULL | SLIDING; None: all FULL
-    position: str = "rope"            # "rope" | "learned"
+    position: str = "rope"  # "rope" | "learned"
     rope: Optional[Rope] = None
     rope_local: Optional[Rope] = None  # sliding layers' RoPE (Gemma-3); None: ``rope``
     max_position_embeddings: int = 2048
-    embed_scale: bool = False         # Gemma: embeddings x sqrt(D)
+    embed_scale: bool = False  # Gemma: embeddings x sqrt(D)
     tie_word_embeddings: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, Tuple[int, ...], None] = None
     pad_token_id: Optional[int] = None
-    scan_layers: bool = False         # one nn.scan over stacked layer params (compile time independent of L)
-    remat: str = "none"               # rematerialise each layer in the backward: "none" | "dots" | "full"
+    scan_layers: bool = False  # one nn.scan over stacked layer params (compile time independent of L)
+    remat: str = "none"  # rematerialise each layer in the backward: "none" | "dots" | "full"
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"DecoderConfig: num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
-        for name, value, allowed in (("block", self.block, BLOCKS), ("norm", self.norm, ("rms", "layer")),
-                                     ("mlp", self.mlp, ("gated", "plain")), ("position", self.position,
-                                                                              ("rope", "learned")),
-                                     ("qk_norm", self.qk_norm, (None, "head", "proj"))):
+            raise ValueError(
+                f"DecoderConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name, value, allowed in (
+            ("block", self.block, BLOCKS),
+            ("norm", self.norm, ("rms", "layer")),
+            ("mlp", self.mlp, ("gated", "plain")),
+            ("position", self.position, ("rope", "learned")),
+            ("qk_norm", self.qk_norm, (None, "head", "proj")),
+        ):
             if value not in allowed:
                 raise ValueError(f"DecoderConfig.{name}={value!r}; expected one of {allowed}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"DecoderConfig.activation {self.activation!r} is not supported "
-                             f"(supported: {', '.join(sorted(ACTIVATIONS))})")
+            raise ValueError(
+                f"DecoderConfig.activation {self.activation!r} is not supported "
+                f"(supported: {', '.join(sorted(ACTIVATIONS))})"
+            )
         if self.position == "rope" and self.rope is None:
             raise ValueError("DecoderConfig: position='rope' needs a rope")
         types = self.layer_types or ()
         if types and (len(types) != self.num_layers or set(types) - {FULL, SLIDING}):
-            raise ValueError(f"DecoderConfig.layer_types must give {FULL!r} or {SLIDING!r} for each of the "
-                             f"{self.num_layers} layers, got {types}")
+            raise ValueError(
+                f"DecoderConfig.layer_types must give {FULL!r} or {SLIDING!r} for each of the "
+                f"{self.num_layers} layers, got {types}"
+            )
         if SLIDING in types and not self.sliding_window:
             raise ValueError("DecoderConfig: sliding_attention layers need sliding_window")
         if self.remat not in REMAT_POLICIES:
@@ -160,8 +171,9 @@ class DecoderConfig:
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         """Empty KV cache with ``max_len`` slots: k [B, K, H, S], v [B, K, S, H] per layer (one
         [L, ...] array each with ``scan_layers``)."""
-        return KVCache.init(self.num_layers, batch, max_len, self.num_kv_heads, self.head_dim, dtype,
-                            stacked=self.scan_layers)
+        return KVCache.init(
+            self.num_layers, batch, max_len, self.num_kv_heads, self.head_dim, dtype, stacked=self.scan_layers
+        )
 
     def to_dict(self) -> dict:
         """A config.json dict that :func:`jsteer.backbones.families.config_from_hf` reads back to
@@ -175,15 +187,34 @@ class DecoderConfig:
         return {"jsteer_decoder": d, "model_type": self.model_type}
 
     @classmethod
-    def llama(cls, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int,
-              num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None, rope_theta: float = 10000.0,
-              max_position_embeddings: int = 2048, **kw) -> "DecoderConfig":
+    def llama(
+        cls,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 2048,
+        **kw,
+    ) -> "DecoderConfig":
         """A LLaMA-shaped config built by hand (toy and from-scratch models)."""
         head_dim = head_dim or hidden_size // num_heads
-        return cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                   num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
-                   head_dim=head_dim, max_position_embeddings=max_position_embeddings,
-                   rope=Rope(theta=rope_theta, dim=head_dim, max_position_embeddings=max_position_embeddings), **kw)
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            rope=Rope(theta=rope_theta, dim=head_dim, max_position_embeddings=max_position_embeddings),
+            **kw,
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DecoderConfig":
@@ -225,22 +256,31 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        in_shape = x.shape[x.ndim - self.in_axes:]
-        lead = x.shape[:x.ndim - self.in_axes]
+        in_shape = x.shape[x.ndim - self.in_axes :]
+        lead = x.shape[: x.ndim - self.in_axes]
         kernel = self.param("kernel", _kernel_init(self.in_axes), in_shape + tuple(self.features), self.param_dtype)
         k, n = math.prod(in_shape), math.prod(self.features)
         x2 = x.reshape(-1, k).astype(self.dtype)
         packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
-        if (packed is not None and self.dtype == jnp.float32 and x2.dtype == jnp.float32
-                and cpu.MIN_ROWS <= x2.shape[0] <= cpu.MAX_ROWS):
+        if (
+            packed is not None
+            and self.dtype == jnp.float32
+            and x2.dtype == jnp.float32
+            and cpu.MIN_ROWS <= x2.shape[0] <= cpu.MAX_ROWS
+        ):
             y = cpu.small_gemm(x2, packed, n)
         else:
             # bf16 operands, fp32 accumulation on every backend (the product's own dtype is the layer's)
-            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32).astype(self.dtype)
+            y = lax.dot_general(
+                x2,
+                kernel.reshape(k, n).astype(self.dtype),
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            ).astype(self.dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype
-                               ).reshape(n).astype(self.dtype)
+            y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype).reshape(n).astype(
+                self.dtype
+            )
         return y.reshape(lead + tuple(self.features))
 
 
@@ -305,13 +345,19 @@ class Attention(nn.Module):
         new_kv = None
         if kv is not None:
             k, v = new_kv = KVCache.write(*kv, k, v, index)
-        scale = c.attn_scale if c.attn_scale is not None else hd ** -0.5
+        scale = c.attn_scale if c.attn_scale is not None else hd**-0.5
         if c.attn_scale_by_layer:
             scale = scale / (layer + 1)
-        out = attention(q.reshape(b, t, kh, n // kh, hd), k, v.astype(self.dtype), scale=scale,
-                        visible=visible[:, None, None], softcap=c.attn_softcap,
-                        bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
-                        cache_layout=kv is not None)
+        out = attention(
+            q.reshape(b, t, kh, n // kh, hd),
+            k,
+            v.astype(self.dtype),
+            scale=scale,
+            visible=visible[:, None, None],
+            softcap=c.attn_softcap,
+            bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
+            cache_layout=kv is not None,
+        )
         out = Linear((c.hidden_size,), in_axes=2, use_bias=c.o_bias, name="o", **kw)(out.reshape(b, t, n, hd))
         return out, new_kv
 
@@ -384,15 +430,16 @@ class _ScannedBlock(Block):
         return (x, {k: site.captured[k] for k in caps}), new_kv
 
 
-def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw,
-                 hidden_states):
+def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw, hidden_states):
     """The layer loop: unrolled (params ``layers_{i}``) or one ``nn.scan`` (params ``layers``, every
     leaf with a leading layer axis; compile time independent of depth). Returns (x, new k, new v):
     tuples of per-layer arrays, or stacked [L, ...] arrays when scanned."""
     policy = REMAT_POLICIES[c.remat]
     if c.remat != "none" and site.capture and not c.scan_layers:
-        raise ValueError("capture= with remat needs scan_layers=True (a rematerialised unrolled layer cannot "
-                         "hand out its activations); or capture with remat='none'")
+        raise ValueError(
+            "capture= with remat needs scan_layers=True (a rematerialised unrolled layer cannot "
+            "hand out its activations); or capture with remat='none'"
+        )
     if not c.scan_layers:
         block = Block if c.remat == "none" else nn.remat(Block, policy=policy, static_argnums=(8, 9))
         new_k, new_v = [], []
@@ -400,7 +447,8 @@ def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, ca
             local = c.is_sliding(i)
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, new_kv = block(c, name=f"layers_{i}", **kw)(
-                x, *(rope_l if local else rope), visible_l if local else visible, bias, kv, index, site, i)
+                x, *(rope_l if local else rope), visible_l if local else visible, bias, kv, index, site, i
+            )
             if new_kv is not None:
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
@@ -408,16 +456,26 @@ def _layer_stack(c: DecoderConfig, x, rope, rope_l, visible, visible_l, bias, ca
                 hidden_states.append(x)
         return x, tuple(new_k), tuple(new_v)
     if hidden_states is not None:
-        raise ValueError("output_hidden_states needs the unrolled layer stack; with scan_layers=True "
-                         "use capture=('resid_post.0', ...)")
+        raise ValueError(
+            "output_hidden_states needs the unrolled layer stack; with scan_layers=True "
+            "use capture=('resid_post.0', ...)"
+        )
     sliding = jnp.asarray([c.is_sliding(i) for i in range(c.num_layers)])
     kv = None if cache is None else (cache.k, cache.v)
     body = _ScannedBlock if c.remat == "none" else nn.remat(_ScannedBlock, policy=policy, static_argnums=(4,))
-    scan = nn.scan(body, variable_axes={"params": 0, "packed": 0}, split_rngs={"params": True},
-                   in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)
+    scan = nn.scan(
+        body,
+        variable_axes={"params": 0, "packed": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast),
+        length=c.num_layers,
+    )
     (x, caps), new_kv = scan(c, name="layers", **kw)(
-        (x, site.carry(x)), (jnp.arange(c.num_layers), sliding, kv), (rope, rope_l, visible, visible_l, bias, index),
-        site)
+        (x, site.carry(x)),
+        (jnp.arange(c.num_layers), sliding, kv),
+        (rope, rope_l, visible, visible_l, bias, index),
+        site,
+    )
     site.set_carry(caps)
     return (x,) + (tuple(new_kv) if new_kv is not None else ((), ()))
 
@@ -435,9 +493,17 @@ class Decoder(nn.Module):
         return decode_pack(params, self.config)
 
     @nn.compact
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None, hooks: Optional[Hooks] = None,
-                 cache: Optional[KVCache] = None, output_hidden_states: bool = False, step: bool = False,
-                 last_logits_only: bool = False, capture: Tuple[str, ...] = ()) -> ModelOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        hooks: Optional[Hooks] = None,
+        cache: Optional[KVCache] = None,
+        output_hidden_states: bool = False,
+        step: bool = False,
+        last_logits_only: bool = False,
+        capture: Tuple[str, ...] = (),
+    ) -> ModelOutput:
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         b, t = input_ids.shape
         if attention_mask is None:
@@ -448,6 +514,7 @@ class Decoder(nn.Module):
         capture = iv.check_capture(capture, c.num_layers)
         if hooks is not None:
             from jsteer.hooks import check_film_layers
+
             check_film_layers(hooks, c.num_layers)
             iv.check_interventions(hooks.interventions, c.num_layers)
         if hooks is not None and hooks.position_ids is not None:
@@ -457,8 +524,14 @@ class Decoder(nn.Module):
             positions = default_positions(mask, cache)
         site = SiteRunner(hooks, capture, positions, mask, step)
 
-        embed = Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                      embedding_init=nn.initializers.normal(0.02), name="embed")
+        embed = Embed(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            embedding_init=nn.initializers.normal(0.02),
+            name="embed",
+        )
         x = embed(input_ids)
         if c.embed_scale:
             x = x * jnp.asarray(math.sqrt(c.hidden_size), self.dtype)
@@ -467,8 +540,14 @@ class Decoder(nn.Module):
         if c.position == "learned":
             if cache is None and t > c.max_position_embeddings:
                 raise ValueError(f"input length {t} exceeds the {c.max_position_embeddings} learned positions")
-            x = x + Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                          embedding_init=nn.initializers.normal(0.02), name="pos_embed")(positions)
+            x = x + Embed(
+                c.max_position_embeddings,
+                c.hidden_size,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                embedding_init=nn.initializers.normal(0.02),
+                name="pos_embed",
+            )(positions)
         else:
             rope = rope_l = c.rope.cos_sin(positions)
             if c.rope_local is not None:
@@ -479,8 +558,9 @@ class Decoder(nn.Module):
         if c.sliding_window:
             visible_l = visible & (q_slot[:, None] - k_slot[None, :] < c.sliding_window)[None]
         hidden_states = [x] if output_hidden_states else None
-        x, new_k, new_v = _layer_stack(c, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw,
-                                       hidden_states)
+        x, new_k, new_v = _layer_stack(
+            c, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw, hidden_states
+        )
         hidden = _norm(c, "final_norm", **kw)(x)
         h = hidden[:, -1:] if last_logits_only else hidden
         h = site("final", None, h)
@@ -488,13 +568,18 @@ class Decoder(nn.Module):
             has = self.has_variable("packed", "embed_attend")
             packed = self.get_variable("packed", "embed_attend") if has else None
             rows = math.prod(h.shape[:-1])
-            if (packed is not None and self.dtype == jnp.float32 and h.dtype == jnp.float32
-                    and cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS):
+            if (
+                packed is not None
+                and self.dtype == jnp.float32
+                and h.dtype == jnp.float32
+                and cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS
+            ):
                 logits = cpu.small_gemm(h.reshape(rows, -1), packed, c.vocab_size).reshape(h.shape[:-1] + (-1,))
             else:  # h E^T with fp32 accumulation and fp32 logits (embed.attend would round them to bf16)
                 table = embed.embedding.astype(self.dtype)
-                logits = lax.dot_general(h.astype(self.dtype), table, (((h.ndim - 1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+                logits = lax.dot_general(
+                    h.astype(self.dtype), table, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
         else:
             logits = Linear((c.vocab_size,), name="lm_head", **kw)(h)
         logits = logits.astype(jnp.float32)
@@ -503,10 +588,16 @@ class Decoder(nn.Module):
         logits = apply_steer_logits(logits, hooks)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=new_k, v=new_v, mask=key_mask, index=index + t,
-                                pos=next_positions(cache, mask, positions))
-        return ModelOutput(logits=logits, hidden=hidden, cache=new_cache, captured=site.captured or None,
-                           hidden_states=None if hidden_states is None else tuple(hidden_states))
+            new_cache = KVCache(
+                k=new_k, v=new_v, mask=key_mask, index=index + t, pos=next_positions(cache, mask, positions)
+            )
+        return ModelOutput(
+            logits=logits,
+            hidden=hidden,
+            cache=new_cache,
+            captured=site.captured or None,
+            hidden_states=None if hidden_states is None else tuple(hidden_states),
+        )
 
 
 # ----------------------------------------------------------------------------- params
@@ -577,13 +668,20 @@ def unstack_layers(params: dict) -> dict:
 _AXES = {
     ("embed", "embedding"): ("vocab", "embed"),
     ("pos_embed", "embedding"): (None, "embed"),
-    ("q", "kernel"): ("embed", "heads", "head_dim"), ("q", "bias"): ("heads", "head_dim"),
-    ("k", "kernel"): ("embed", "kv_heads", "head_dim"), ("k", "bias"): ("kv_heads", "head_dim"),
-    ("v", "kernel"): ("embed", "kv_heads", "head_dim"), ("v", "bias"): ("kv_heads", "head_dim"),
-    ("o", "kernel"): ("heads", "head_dim", "embed"), ("o", "bias"): ("norm",),
-    ("gate", "kernel"): ("embed", "mlp"), ("gate", "bias"): ("mlp",),
-    ("up", "kernel"): ("embed", "mlp"), ("up", "bias"): ("mlp",),
-    ("down", "kernel"): ("mlp", "embed"), ("down", "bias"): ("norm",),
+    ("q", "kernel"): ("embed", "heads", "head_dim"),
+    ("q", "bias"): ("heads", "head_dim"),
+    ("k", "kernel"): ("embed", "kv_heads", "head_dim"),
+    ("k", "bias"): ("kv_heads", "head_dim"),
+    ("v", "kernel"): ("embed", "kv_heads", "head_dim"),
+    ("v", "bias"): ("kv_heads", "head_dim"),
+    ("o", "kernel"): ("heads", "head_dim", "embed"),
+    ("o", "bias"): ("norm",),
+    ("gate", "kernel"): ("embed", "mlp"),
+    ("gate", "bias"): ("mlp",),
+    ("up", "kernel"): ("embed", "mlp"),
+    ("up", "bias"): ("mlp",),
+    ("down", "kernel"): ("mlp", "embed"),
+    ("down", "bias"): ("norm",),
     ("lm_head", "kernel"): ("embed", "vocab"),
 }
 
@@ -592,6 +690,7 @@ def logical_axes(params) -> Any:
     """The params' pytree with each leaf replaced by its logical axis names (a tuple, one per dim);
     norm scales / biases are ("norm",); a scanned stack's leaves lead with "layers". Works on
     arrays or ShapeDtypeStructs."""
+
     def one(path, leaf):
         names = tuple(getattr(p, "key", str(p)) for p in path)
         stacked = names[0] == "layers"
@@ -600,8 +699,22 @@ def logical_axes(params) -> Any:
         if axes is None or len(axes) != ndim:
             raise ValueError(f"no logical axes for param {'/'.join(names)} of shape {tuple(leaf.shape)}")
         return ("layers",) + axes if stacked else axes
+
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-__all__ = ["DecoderConfig", "Decoder", "Block", "Linear", "Norm", "input_embeddings", "output_embeddings",
-           "decode_pack", "stack_layers", "unstack_layers", "logical_axes", "FULL", "SLIDING"]
+__all__ = [
+    "DecoderConfig",
+    "Decoder",
+    "Block",
+    "Linear",
+    "Norm",
+    "input_embeddings",
+    "output_embeddings",
+    "decode_pack",
+    "stack_layers",
+    "unstack_layers",
+    "logical_axes",
+    "FULL",
+    "SLIDING",
+]

@@ -36,7 +36,7 @@ def _fmix32(x: Array) -> Array:
 def hash_bits(seed: Array, shape: Sequence[int]) -> Array:
     """seed uint32 [2] -> pseudo-random uint32 bits of ``shape`` (one word per element)."""
     n = math.prod(shape)
-    if n >= 2 ** 32:
+    if n >= 2**32:
         raise ValueError(f"hash_bits: {n} elements exceed the 32-bit counter")
     idx = jax.lax.iota(jnp.uint32, n).reshape(shape)
     return _fmix32(_fmix32(idx * jnp.uint32(_GOLDEN) + seed[0]) ^ seed[1])
@@ -47,7 +47,7 @@ def keep_mask(key: Array, shape: Sequence[int], rate: float) -> Array:
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"keep_mask: rate must be in [0, 1), got {rate}")
     seed = jax.random.bits(key, (2,), jnp.uint32)
-    return hash_bits(seed, shape) >= jnp.uint32(min(round(rate * 2 ** 32), 2 ** 32 - 1))
+    return hash_bits(seed, shape) >= jnp.uint32(min(round(rate * 2**32), 2**32 - 1))
 
 
 class Dropout(nn.Module):

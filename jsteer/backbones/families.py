@@ -34,21 +34,77 @@ from jsteer.convert.layout import Entry, RenamedView, cut, entry, split, transpo
 
 # Keys that describe training, serialisation or generation defaults, never the forward pass.
 _META = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
-    "initializer_range", "auto_map", "_attn_implementation", "attn_implementation", "cache_implementation",
-    "pretraining_tp", "tokenizer_class", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
-    "use_return_dict", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
-    "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params", "max_length", "prefix",
-    "chunk_size_feed_forward", "tie_encoder_decoder", "gradient_checkpointing", "keys_to_ignore_at_inference",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_name_or_path",
+    "use_cache",
+    "initializer_range",
+    "auto_map",
+    "_attn_implementation",
+    "attn_implementation",
+    "cache_implementation",
+    "pretraining_tp",
+    "tokenizer_class",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "torchscript",
+    "use_return_dict",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "finetuning_task",
+    "task_specific_params",
+    "max_length",
+    "prefix",
+    "chunk_size_feed_forward",
+    "tie_encoder_decoder",
+    "gradient_checkpointing",
+    "keys_to_ignore_at_inference",
     # dropout rates: jsteer's decoders run without dropout (inference and frozen-backbone methods)
-    "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop", "classifier_dropout",
-    "attention_probs_dropout_prob", "hidden_dropout_prob", "summary_type", "summary_use_proj",
-    "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "_sliding_window_pattern",
-    "sliding_window_pattern", "max_window_layers", "num_labels", "label_smoothing", "is_encoder_decoder",
+    "attention_dropout",
+    "hidden_dropout",
+    "embd_pdrop",
+    "resid_pdrop",
+    "attn_pdrop",
+    "classifier_dropout",
+    "attention_probs_dropout_prob",
+    "hidden_dropout_prob",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+    "_sliding_window_pattern",
+    "sliding_window_pattern",
+    "max_window_layers",
+    "num_labels",
+    "label_smoothing",
+    "is_encoder_decoder",
 }
-_COMMON = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-           "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "rope_parameters",
-           "rope_scaling", "rope_theta", "partial_rotary_factor"}
+_COMMON = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+}
 
 
 def _need(d: Mapping, key: str, where: str):
@@ -60,8 +116,10 @@ def _need(d: Mapping, key: str, where: str):
 def _check_keys(d: Mapping, known: set, where: str) -> None:
     unknown = sorted(set(d) - known - _META)
     if unknown:
-        raise ValueError(f"{where}: config field {unknown[0]!r} (= {d[unknown[0]]!r}) is not understood by "
-                         f"jsteer's {d.get('model_type')} reader; refusing rather than guessing what it changes")
+        raise ValueError(
+            f"{where}: config field {unknown[0]!r} (= {d[unknown[0]]!r}) is not understood by "
+            f"jsteer's {d.get('model_type')} reader; refusing rather than guessing what it changes"
+        )
 
 
 def _refuse(where: str, field: str, value, supported: str) -> None:
@@ -72,20 +130,28 @@ def _eos(v):
     return tuple(int(e) for e in v) if isinstance(v, (list, tuple)) else v
 
 
-def _base(d: Mapping, where: str, *, act_key: str = "hidden_act", default_act: str = "silu",
-          tie_default: bool = False) -> dict:
+def _base(
+    d: Mapping, where: str, *, act_key: str = "hidden_act", default_act: str = "silu", tie_default: bool = False
+) -> dict:
     hidden, heads = int(_need(d, "hidden_size", where)), int(_need(d, "num_attention_heads", where))
     if not d.get("head_dim") and hidden % heads:
         _refuse(where, "num_attention_heads", heads, f"hidden_size {hidden} must be a multiple of it")
     return dict(
-        model_type=d["model_type"], vocab_size=int(_need(d, "vocab_size", where)), hidden_size=hidden,
+        model_type=d["model_type"],
+        vocab_size=int(_need(d, "vocab_size", where)),
+        hidden_size=hidden,
         intermediate_size=int(_need(d, "intermediate_size", where)),
-        num_layers=int(_need(d, "num_hidden_layers", where)), num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or heads), head_dim=int(d.get("head_dim") or hidden // heads),
+        num_layers=int(_need(d, "num_hidden_layers", where)),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or hidden // heads),
         activation=str(d.get(act_key) or default_act),
         max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", tie_default)), bos_token_id=d.get("bos_token_id"),
-        eos_token_id=_eos(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"))
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", tie_default)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=_eos(d.get("eos_token_id")),
+        pad_token_id=d.get("pad_token_id"),
+    )
 
 
 def _rope_dict(d: Mapping, layer_type: Optional[str] = None):
@@ -99,13 +165,26 @@ def _rope_dict(d: Mapping, layer_type: Optional[str] = None):
     return p
 
 
-def _rope(d: Mapping, base: dict, where: str, *, partial: float = 1.0, theta_default: float = 10000.0,
-          layer_type: Optional[str] = None, theta: Optional[float] = None):
+def _rope(
+    d: Mapping,
+    base: dict,
+    where: str,
+    *,
+    partial: float = 1.0,
+    theta_default: float = 10000.0,
+    layer_type: Optional[str] = None,
+    theta: Optional[float] = None,
+):
     field = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
-    return rope_from_hf(_rope_dict(d, layer_type), theta=theta if theta is not None else float(
-        d.get("rope_theta", theta_default)), head_dim=base["head_dim"], partial=float(
-        d.get("partial_rotary_factor", partial)), max_position_embeddings=base["max_position_embeddings"],
-        original_max=d.get("original_max_position_embeddings"), where=f"{where}: {field}")
+    return rope_from_hf(
+        _rope_dict(d, layer_type),
+        theta=theta if theta is not None else float(d.get("rope_theta", theta_default)),
+        head_dim=base["head_dim"],
+        partial=float(d.get("partial_rotary_factor", partial)),
+        max_position_embeddings=base["max_position_embeddings"],
+        original_max=d.get("original_max_position_embeddings"),
+        where=f"{where}: {field}",
+    )
 
 
 def _layer_types(d: Mapping, n: int, where: str, default: Callable[[int], str]) -> tuple:
@@ -122,8 +201,16 @@ def _layer_types(d: Mapping, n: int, where: str, default: Callable[[int], str]) 
 
 def _llama_like(d: Mapping, where: str) -> dict:
     mt = d["model_type"]
-    known = _COMMON | {"hidden_act", "rms_norm_eps", "attention_bias", "mlp_bias", "sliding_window",
-                       "use_sliding_window", "layer_types", "original_max_position_embeddings"}
+    known = _COMMON | {
+        "hidden_act",
+        "rms_norm_eps",
+        "attention_bias",
+        "mlp_bias",
+        "sliding_window",
+        "use_sliding_window",
+        "layer_types",
+        "original_max_position_embeddings",
+    }
     _check_keys(d, known, where)
     c = _base(d, where)
     if c["activation"] != "silu":
@@ -150,21 +237,40 @@ def _llama_like(d: Mapping, where: str) -> dict:
 
 def _gemma(d: Mapping, where: str) -> dict:
     mt = d["model_type"]
-    known = _COMMON | {"hidden_act", "hidden_activation", "rms_norm_eps", "attention_bias", "query_pre_attn_scalar",
-                       "sliding_window", "sliding_window_size", "layer_types", "final_logit_softcapping",
-                       "attn_logit_softcapping", "use_bidirectional_attention", "rope_local_base_freq"}
+    known = _COMMON | {
+        "hidden_act",
+        "hidden_activation",
+        "rms_norm_eps",
+        "attention_bias",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "sliding_window_size",
+        "layer_types",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "use_bidirectional_attention",
+        "rope_local_base_freq",
+    }
     _check_keys(d, known, where)
     if d.get("use_bidirectional_attention"):
         _refuse(where, "use_bidirectional_attention", True, "causal attention only")
-    c = _base(d, where, act_key="hidden_activation", default_act=d.get("hidden_act") or "gelu_pytorch_tanh",
-              tie_default=True)
+    c = _base(
+        d, where, act_key="hidden_activation", default_act=d.get("hidden_act") or "gelu_pytorch_tanh", tie_default=True
+    )
     pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or (2 if mt == "gemma2" else 6)
     types = _layer_types(d, c["num_layers"], where, lambda i: SLIDING if (i + 1) % pattern else FULL)
-    c.update(norm_eps=float(d.get("rms_norm_eps", 1e-6)), norm_offset=True, block="sandwich", embed_scale=True,
-             qkv_bias=bool(d.get("attention_bias", False)), o_bias=bool(d.get("attention_bias", False)),
-             attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-             final_softcap=d.get("final_logit_softcapping"),
-             sliding_window=int(d.get("sliding_window") or d.get("sliding_window_size") or 4096), layer_types=types)
+    c.update(
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        norm_offset=True,
+        block="sandwich",
+        embed_scale=True,
+        qkv_bias=bool(d.get("attention_bias", False)),
+        o_bias=bool(d.get("attention_bias", False)),
+        attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_softcap=d.get("final_logit_softcapping"),
+        sliding_window=int(d.get("sliding_window") or d.get("sliding_window_size") or 4096),
+        layer_types=types,
+    )
     if mt == "gemma2":
         c["attn_softcap"] = d.get("attn_logit_softcapping")
         c["rope"] = _rope(d, c, where)
@@ -176,15 +282,26 @@ def _gemma(d: Mapping, where: str) -> dict:
             c["rope_local"] = _rope(d, c, where, layer_type=SLIDING)
         else:  # the older form: rope_scaling / rope_theta are global, rope_local_base_freq the local base
             c["rope"] = _rope(d, c, where, theta_default=1e6)
-            c["rope_local"] = rope_from_hf(None, theta=float(d.get("rope_local_base_freq", 10000.0)),
-                                           head_dim=c["head_dim"], partial=1.0, where=where, original_max=None,
-                                           max_position_embeddings=c["max_position_embeddings"])
+            c["rope_local"] = rope_from_hf(
+                None,
+                theta=float(d.get("rope_local_base_freq", 10000.0)),
+                head_dim=c["head_dim"],
+                partial=1.0,
+                where=where,
+                original_max=None,
+                max_position_embeddings=c["max_position_embeddings"],
+            )
     return c
 
 
 def _phi3(d: Mapping, where: str) -> dict:
-    known = _COMMON | {"hidden_act", "rms_norm_eps", "sliding_window", "original_max_position_embeddings",
-                       "attention_bias"}
+    known = _COMMON | {
+        "hidden_act",
+        "rms_norm_eps",
+        "sliding_window",
+        "original_max_position_embeddings",
+        "attention_bias",
+    }
     _check_keys(d, known, where)
     if d.get("attention_bias"):
         _refuse(where, "attention_bias", True, "Phi-3's fused projections have no bias")
@@ -208,31 +325,69 @@ def _olmo2(d: Mapping, where: str) -> dict:
     c = _base(d, where)
     if c["activation"] != "silu":
         _refuse(where, "hidden_act", c["activation"], "only 'silu'")
-    c.update(norm_eps=float(d.get("rms_norm_eps", 1e-5)), norm_weight_f32=True, block="post", qk_norm="proj",
-             qkv_bias=bool(d.get("attention_bias", False)), o_bias=bool(d.get("attention_bias", False)))
+    c.update(
+        norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        norm_weight_f32=True,
+        block="post",
+        qk_norm="proj",
+        qkv_bias=bool(d.get("attention_bias", False)),
+        o_bias=bool(d.get("attention_bias", False)),
+    )
     c["rope"] = _rope(d, c, where)
     return c
 
 
 def _gpt_neox(d: Mapping, where: str) -> dict:
-    known = _COMMON | {"hidden_act", "layer_norm_eps", "use_parallel_residual", "rotary_pct", "rotary_emb_base",
-                       "attention_bias", "is_decoder"}
+    known = _COMMON | {
+        "hidden_act",
+        "layer_norm_eps",
+        "use_parallel_residual",
+        "rotary_pct",
+        "rotary_emb_base",
+        "attention_bias",
+        "is_decoder",
+    }
     _check_keys(d, known, where)
     c = _base(d, where, default_act="gelu")
     if c["num_kv_heads"] != c["num_heads"]:
         _refuse(where, "num_key_value_heads", c["num_kv_heads"], "GPT-NeoX has no grouped-query attention")
     bias = bool(d.get("attention_bias", True))
-    c.update(norm="layer", norm_eps=float(d.get("layer_norm_eps", 1e-5)), mlp="plain", mlp_bias=True,
-             qkv_bias=bias, o_bias=bias, block="parallel" if d.get("use_parallel_residual", True) else "pre")
-    c["rope"] = _rope(d, c, where, partial=float(d.get("rotary_pct", 1.0)),
-                      theta=float(d["rotary_emb_base"]) if "rotary_emb_base" in d else None)
+    c.update(
+        norm="layer",
+        norm_eps=float(d.get("layer_norm_eps", 1e-5)),
+        mlp="plain",
+        mlp_bias=True,
+        qkv_bias=bias,
+        o_bias=bias,
+        block="parallel" if d.get("use_parallel_residual", True) else "pre",
+    )
+    c["rope"] = _rope(
+        d,
+        c,
+        where,
+        partial=float(d.get("rotary_pct", 1.0)),
+        theta=float(d["rotary_emb_base"]) if "rotary_emb_base" in d else None,
+    )
     return c
 
 
 def _gpt2(d: Mapping, where: str) -> dict:
-    known = {"vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
-             "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "tie_word_embeddings",
-             "reorder_and_upcast_attn", "add_cross_attention"}
+    known = {
+        "vocab_size",
+        "n_positions",
+        "n_ctx",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_inner",
+        "activation_function",
+        "layer_norm_epsilon",
+        "scale_attn_weights",
+        "scale_attn_by_inverse_layer_idx",
+        "tie_word_embeddings",
+        "reorder_and_upcast_attn",
+        "add_cross_attention",
+    }
     _check_keys(d, known, where)
     if d.get("add_cross_attention"):
         _refuse(where, "add_cross_attention", True, "decoder-only GPT-2")
@@ -240,21 +395,43 @@ def _gpt2(d: Mapping, where: str) -> dict:
     if hidden % heads:
         _refuse(where, "n_head", heads, f"n_embd {hidden} must be a multiple of it")
     return dict(
-        model_type="gpt2", vocab_size=int(_need(d, "vocab_size", where)), hidden_size=hidden,
-        intermediate_size=int(d.get("n_inner") or 4 * hidden), num_layers=int(_need(d, "n_layer", where)),
-        num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads, norm="layer",
-        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), qkv_bias=True, o_bias=True, mlp="plain", mlp_bias=True,
+        model_type="gpt2",
+        vocab_size=int(_need(d, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(d.get("n_inner") or 4 * hidden),
+        num_layers=int(_need(d, "n_layer", where)),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        norm="layer",
+        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        qkv_bias=True,
+        o_bias=True,
+        mlp="plain",
+        mlp_bias=True,
         activation=str(d.get("activation_function", "gelu_new")),
         attn_scale=None if d.get("scale_attn_weights", True) else 1.0,
-        attn_scale_by_layer=bool(d.get("scale_attn_by_inverse_layer_idx", False)), position="learned",
+        attn_scale_by_layer=bool(d.get("scale_attn_by_inverse_layer_idx", False)),
+        position="learned",
         max_position_embeddings=int(d.get("n_positions", 1024)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), bos_token_id=d.get("bos_token_id", 50256),
-        eos_token_id=_eos(d.get("eos_token_id", 50256)), pad_token_id=d.get("pad_token_id"))
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        bos_token_id=d.get("bos_token_id", 50256),
+        eos_token_id=_eos(d.get("eos_token_id", 50256)),
+        pad_token_id=d.get("pad_token_id"),
+    )
 
 
 _TRANSLATE: dict[str, Callable[[Mapping, str], dict]] = {
-    "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "qwen3": _llama_like, "gemma2": _gemma,
-    "gemma3_text": _gemma, "phi3": _phi3, "olmo2": _olmo2, "gpt_neox": _gpt_neox, "gpt2": _gpt2,
+    "llama": _llama_like,
+    "mistral": _llama_like,
+    "qwen2": _llama_like,
+    "qwen3": _llama_like,
+    "gemma2": _gemma,
+    "gemma3_text": _gemma,
+    "phi3": _phi3,
+    "olmo2": _olmo2,
+    "gpt_neox": _gpt_neox,
+    "gpt2": _gpt2,
 }
 MODEL_TYPES = tuple(_TRANSLATE)
 
@@ -270,8 +447,12 @@ def config_from_hf(d: Mapping[str, Any], where: str = "config.json") -> DecoderC
     if d.get("is_encoder_decoder"):
         _refuse(where, "is_encoder_decoder", True, "decoder-only models")
     if d.get("quantization_config") is not None:
-        _refuse(where, "quantization_config", d["quantization_config"].get("quant_method", "?"),
-                "jsteer reads unquantised weights (or GGUF files)")
+        _refuse(
+            where,
+            "quantization_config",
+            d["quantization_config"].get("quant_method", "?"),
+            "jsteer reads unquantised weights (or GGUF files)",
+        )
     return DecoderConfig(**_TRANSLATE[mt](d, where))
 
 
@@ -303,30 +484,43 @@ def _attention_entries(c: DecoderConfig, out: dict, hf: str, me: tuple) -> None:
     a = me + ("attn",)
     if c.model_type == "phi3":
         q_end, k_end = n * h, n * h + k * h
-        out[hf + "qkv_proj.weight"] = Entry((n * h + 2 * k * h, d), (
-            (a + ("q", "kernel"), cut(0, q_end, then=_proj(n, h))),
-            (a + ("k", "kernel"), cut(q_end, k_end, then=_proj(k, h))),
-            (a + ("v", "kernel"), cut(k_end, k_end + k * h, then=_proj(k, h)))))
+        out[hf + "qkv_proj.weight"] = Entry(
+            (n * h + 2 * k * h, d),
+            (
+                (a + ("q", "kernel"), cut(0, q_end, then=_proj(n, h))),
+                (a + ("k", "kernel"), cut(q_end, k_end, then=_proj(k, h))),
+                (a + ("v", "kernel"), cut(k_end, k_end + k * h, then=_proj(k, h))),
+            ),
+        )
         out[hf + "o_proj.weight"] = entry(a + ("o", "kernel"), (d, n * h), _out(n, h))
         return
     if c.model_type == "gpt_neox":
+
         def qkv(j, bias=False):  # rows grouped per head as [q, k, v]: [N, 3, H, (D)]
             if bias:
                 return lambda b: b.reshape(n, 3, h)[:, j]
             return lambda w: w.reshape(n, 3, h, d)[:, j].transpose(2, 0, 1)
-        out[hf + "query_key_value.weight"] = Entry((3 * d, d), tuple(
-            (a + (p, "kernel"), qkv(j)) for j, p in enumerate("qkv")))
+
+        out[hf + "query_key_value.weight"] = Entry(
+            (3 * d, d), tuple((a + (p, "kernel"), qkv(j)) for j, p in enumerate("qkv"))
+        )
         out[hf + "dense.weight"] = entry(a + ("o", "kernel"), (d, d), _out(n, h))
         if c.qkv_bias:
-            out[hf + "query_key_value.bias"] = Entry((3 * d,), tuple(
-                (a + (p, "bias"), qkv(j, True)) for j, p in enumerate("qkv")))
+            out[hf + "query_key_value.bias"] = Entry(
+                (3 * d,), tuple((a + (p, "bias"), qkv(j, True)) for j, p in enumerate("qkv"))
+            )
             out[hf + "dense.bias"] = entry(a + ("o", "bias"), (d,))
         return
     if c.model_type == "gpt2":  # Conv1D: [in, out]
-        out[hf + "c_attn.weight"] = Entry((d, 3 * d), tuple(
-            (a + (p, "kernel"), split(j, 3, axis=1, then=lambda w: w.reshape(d, n, h))) for j, p in enumerate("qkv")))
-        out[hf + "c_attn.bias"] = Entry((3 * d,), tuple(
-            (a + (p, "bias"), split(j, 3, then=_heads(n, h))) for j, p in enumerate("qkv")))
+        out[hf + "c_attn.weight"] = Entry(
+            (d, 3 * d),
+            tuple(
+                (a + (p, "kernel"), split(j, 3, axis=1, then=lambda w: w.reshape(d, n, h))) for j, p in enumerate("qkv")
+            ),
+        )
+        out[hf + "c_attn.bias"] = Entry(
+            (3 * d,), tuple((a + (p, "bias"), split(j, 3, then=_heads(n, h))) for j, p in enumerate("qkv"))
+        )
         out[hf + "c_proj.weight"] = entry(a + ("o", "kernel"), (d, d), lambda w: w.reshape(n, h, d))
         out[hf + "c_proj.bias"] = entry(a + ("o", "bias"), (d,))
         return
@@ -348,17 +542,25 @@ def _attention_entries(c: DecoderConfig, out: dict, hf: str, me: tuple) -> None:
 def _mlp_entries(c: DecoderConfig, out: dict, hf: str, me: tuple) -> None:
     d, f, m = c.hidden_size, c.intermediate_size, me + ("mlp",)
     if c.model_type == "phi3":
-        out[hf + "gate_up_proj.weight"] = Entry((2 * f, d), ((m + ("gate", "kernel"), split(0, 2, then=transpose)),
-                                                             (m + ("up", "kernel"), split(1, 2, then=transpose))))
+        out[hf + "gate_up_proj.weight"] = Entry(
+            (2 * f, d),
+            (
+                (m + ("gate", "kernel"), split(0, 2, then=transpose)),
+                (m + ("up", "kernel"), split(1, 2, then=transpose)),
+            ),
+        )
         out[hf + "down_proj.weight"] = entry(m + ("down", "kernel"), (d, f), transpose)
         return
     names = {"gpt_neox": ("dense_h_to_4h", "dense_4h_to_h"), "gpt2": ("c_fc", "c_proj")}.get(
-        c.model_type, ("up_proj", "down_proj"))
+        c.model_type, ("up_proj", "down_proj")
+    )
     conv1d = c.model_type == "gpt2"
-    out[hf + names[0] + ".weight"] = entry(m + ("up", "kernel"), (d, f) if conv1d else (f, d),
-                                           None if conv1d else transpose)
-    out[hf + names[1] + ".weight"] = entry(m + ("down", "kernel"), (f, d) if conv1d else (d, f),
-                                           None if conv1d else transpose)
+    out[hf + names[0] + ".weight"] = entry(
+        m + ("up", "kernel"), (d, f) if conv1d else (f, d), None if conv1d else transpose
+    )
+    out[hf + names[1] + ".weight"] = entry(
+        m + ("down", "kernel"), (f, d) if conv1d else (d, f), None if conv1d else transpose
+    )
     if c.mlp == "gated":
         out[hf + "gate_proj.weight"] = entry(m + ("gate", "kernel"), (f, d), transpose)
     if c.mlp_bias:
@@ -377,16 +579,21 @@ _NAMES = {
 _NORMS = {
     "pre": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
     "parallel": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-    "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-                 "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"},
+    "sandwich": {
+        "attn_norm": "input_layernorm",
+        "attn_post_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "ffn_post_norm": "post_feedforward_layernorm",
+    },
     "post": {"attn_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"},
 }
 
 
 def layout(c: DecoderConfig) -> dict[str, Entry]:
     """{HF tensor name: Entry} for this config's family (names with the causal-LM class's prefix)."""
-    prefix, layers, final, emb, pos, head = _NAMES.get(c.model_type, ("model.", "layers", "norm", "embed_tokens",
-                                                                       None, "lm_head"))
+    prefix, layers, final, emb, pos, head = _NAMES.get(
+        c.model_type, ("model.", "layers", "norm", "embed_tokens", None, "lm_head")
+    )
     d, bias = c.hidden_size, c.norm == "layer"
     out = {f"{prefix}{emb}.weight": entry(("embed", "embedding"), (c.vocab_size, d))}
     if pos:
@@ -407,8 +614,14 @@ def layout(c: DecoderConfig) -> dict[str, Entry]:
     return out
 
 
-IGNORED = ("*.rotary_emb.inv_freq", "*.attn.bias", "*.attn.masked_bias", "*.attention.bias",
-           "*.attention.masked_bias", "*.attention.rotary_emb.inv_freq")
+IGNORED = (
+    "*.rotary_emb.inv_freq",
+    "*.attn.bias",
+    "*.attn.masked_bias",
+    "*.attention.bias",
+    "*.attention.masked_bias",
+    "*.attention.rotary_emb.inv_freq",
+)
 
 
 def state_view(state_dict: Mapping[str, Any], c: DecoderConfig) -> Mapping[str, Any]:
@@ -426,15 +639,17 @@ def state_view(state_dict: Mapping[str, Any], c: DecoderConfig) -> Mapping[str, 
     return RenamedView(state_dict, rename) if bare or neox_head else state_dict
 
 
-def params_from_hf(state_dict: Mapping[str, Any], config: DecoderConfig, *, dtype=np.float32, place=None,
-                   source: Any = "state dict") -> dict:
+def params_from_hf(
+    state_dict: Mapping[str, Any], config: DecoderConfig, *, dtype=np.float32, place=None, source: Any = "state dict"
+) -> dict:
     """HF state dict (possibly lazy) -> our param tree, through :func:`layout` and
     :func:`jsteer.convert.layout.apply_layout` (checks, host-side cast to ``dtype``, ``place``)."""
     from jsteer.backbones.decoder import stack_layers
     from jsteer.convert.layout import apply_layout
 
-    params = apply_layout(state_view(state_dict, config), layout(config), dtype=dtype, place=place, ignore=IGNORED,
-                          source=source)
+    params = apply_layout(
+        state_view(state_dict, config), layout(config), dtype=dtype, place=place, ignore=IGNORED, source=source
+    )
     return stack_layers(params, config.num_layers) if config.scan_layers else params
 
 
@@ -444,6 +659,7 @@ def param_count(c: DecoderConfig) -> int:
     import jax.numpy as jnp
 
     from jsteer.backbones.decoder import Decoder
+
     shapes = jax.eval_shape(Decoder(c).init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)))
 

@@ -26,27 +26,34 @@ Array = jax.Array
 
 def _matmul(x: Array, w: Array, precision, preferred_element_type) -> Array:
     """x [M,K] @ w [K,N] -> [M,N]."""
-    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=preferred_element_type)
+    return lax.dot_general(
+        x, w, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred_element_type
+    )
 
 
-def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
-                      preferred_element_type=None) -> Array:
+def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None, preferred_element_type=None) -> Array:
     """Drop-in for ``lax.dot_general`` in ``nn.Dense(dot_general=...)`` / ``nn.DenseGeneral``.
 
     lhs [..., K1..Kk], rhs [K1..Kk, N1..Nm] contracted over the K axes -> [..., N1..Nm].
     """
     (lc, rc), (lb, rb) = dimension_numbers
     k = len(lc)
-    dense_form = (not lb and not rb and k > 0 and tuple(rc) == tuple(range(k))
-                  and tuple(a % lhs.ndim for a in lc) == tuple(range(lhs.ndim - k, lhs.ndim)))
+    dense_form = (
+        not lb
+        and not rb
+        and k > 0
+        and tuple(rc) == tuple(range(k))
+        and tuple(a % lhs.ndim for a in lc) == tuple(range(lhs.ndim - k, lhs.ndim))
+    )
     if not dense_form:
-        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type)
-    lead, out = lhs.shape[:lhs.ndim - k], rhs.shape[k:]
+        return lax.dot_general(
+            lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+        )
+    lead, out = lhs.shape[: lhs.ndim - k], rhs.shape[k:]
     kdim = math.prod(rhs.shape[:k])
-    y = _matmul(lhs.reshape(math.prod(lead), kdim), rhs.reshape(kdim, math.prod(out)), precision,
-                preferred_element_type)
+    y = _matmul(
+        lhs.reshape(math.prod(lead), kdim), rhs.reshape(kdim, math.prod(out)), precision, preferred_element_type
+    )
     return y.reshape(lead + out)
 
 

@@ -34,8 +34,16 @@ _KNOWN_KEYS = {
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "dynamic": {"factor"},
-    "yarn": {"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "original_max_position_embeddings", "truncate"},
+    "yarn": {
+        "factor",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "original_max_position_embeddings",
+        "truncate",
+    },
     "longrope": {"factor", "attention_factor", "short_factor", "long_factor", "original_max_position_embeddings"},
 }
 
@@ -62,8 +70,9 @@ class Rope:
         return dict(self.params)
 
     def _base_inv_freq(self) -> np.ndarray:
-        return (1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim))
-                ).astype(np.float32)
+        return (1.0 / (self.theta ** (np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim))).astype(
+            np.float32
+        )
 
     def static_inv_freq(self) -> Tuple[np.ndarray, float]:
         """(inv_freq [R/2] float32, attention factor) for the types that do not depend on the
@@ -98,9 +107,10 @@ class Rope:
             seq = jnp.maximum(jnp.max(positions) + 1, self.max_position_embeddings).astype(jnp.float32)
             factor = self.p["factor"]
             base = self.theta * ((factor * seq / self.max_position_embeddings) - (factor - 1)) ** (
-                self.dim / (self.dim - 2))
+                self.dim / (self.dim - 2)
+            )
             exps = jnp.asarray(np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim)
-            return 1.0 / (base ** exps), 1.0
+            return 1.0 / (base**exps), 1.0
         if self.rope_type == "longrope":
             long_inv, att = self._longrope(self.p["long_factor"])
             is_long = jnp.max(positions) + 1 > self.p["original_max_position_embeddings"]
@@ -174,8 +184,16 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return out if rest is None else jnp.concatenate([out, rest], axis=-1)
 
 
-def rope_from_hf(params: Optional[Mapping], *, theta: float, head_dim: int, partial: float,
-                 max_position_embeddings: int, original_max: Optional[int], where: str) -> Rope:
+def rope_from_hf(
+    params: Optional[Mapping],
+    *,
+    theta: float,
+    head_dim: int,
+    partial: float,
+    max_position_embeddings: int,
+    original_max: Optional[int],
+    where: str,
+) -> Rope:
     """One RoPE parameter dict (``rope_parameters`` / ``rope_scaling`` form, or None) -> Rope.
     ``theta`` / ``partial`` / ``original_max`` are the config's top-level values, used where the
     dict does not give its own. ``where`` names the config field in errors."""
@@ -187,26 +205,34 @@ def rope_from_hf(params: Optional[Mapping], *, theta: float, head_dim: int, part
         raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     unknown = sorted(set(params) - _KNOWN_KEYS[rope_type])
     if unknown:
-        raise ValueError(f"{where}: rope_type {rope_type!r} parameter {unknown[0]!r} is not supported "
-                         f"(known: {', '.join(sorted(_KNOWN_KEYS[rope_type])) or 'none'})")
+        raise ValueError(
+            f"{where}: rope_type {rope_type!r} parameter {unknown[0]!r} is not supported "
+            f"(known: {', '.join(sorted(_KNOWN_KEYS[rope_type])) or 'none'})"
+        )
     if rope_type in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings", original_max or max_position_embeddings)
         if rope_type == "longrope" and original_max is not None:  # Phi-3 keeps it top level; it wins (HF)
             params["original_max_position_embeddings"] = original_max
-    need = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-            "longrope": ("short_factor", "long_factor")}.get(rope_type, ())
+    need = {
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+        "longrope": ("short_factor", "long_factor"),
+    }.get(rope_type, ())
     for k in need:
         if k not in params:
             raise ValueError(f"{where}: rope_type {rope_type!r} needs parameter {k!r}")
     dim = int(head_dim * partial)
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
-    rope = Rope(theta=theta, dim=dim, rope_type=rope_type, params=frozen,
-                max_position_embeddings=int(max_position_embeddings))
+    rope = Rope(
+        theta=theta, dim=dim, rope_type=rope_type, params=frozen, max_position_embeddings=int(max_position_embeddings)
+    )
     if rope_type == "longrope":
         for k in ("short_factor", "long_factor"):
             if len(params[k]) != dim // 2:
-                raise ValueError(f"{where}: longrope {k} has {len(params[k])} entries, expected {dim // 2} "
-                                 f"(rotary dims / 2)")
+                raise ValueError(
+                    f"{where}: longrope {k} has {len(params[k])} entries, expected {dim // 2} (rotary dims / 2)"
+                )
     return rope
 
 

@@ -26,8 +26,7 @@ Array = jnp.ndarray
 class SiteRunner:
     """One call's sites: see the module docstring. ``captured`` holds {site: h} after the call."""
 
-    def __init__(self, hooks: Optional[Hooks], capture: Tuple[str, ...], positions: Array, mask: Array,
-                 decode: bool):
+    def __init__(self, hooks: Optional[Hooks], capture: Tuple[str, ...], positions: Array, mask: Array, decode: bool):
         self.hooks, self.capture, self.decode = hooks, capture, decode
         self.positions, self.mask = positions, mask
         self.ivs = {k: iv.as_tuple(v) for k, v in ((hooks.interventions or {}) if hooks is not None else {}).items()}
@@ -66,8 +65,9 @@ class SiteRunner:
             site, at = iv.parse_site(key, 1 << 30)
             if site != name or (static and at != layer):
                 continue
-            ctx = iv.SiteContext(layer=layer if static else at, positions=self.positions, mask=self.mask,
-                                 decode=self.decode)
+            ctx = iv.SiteContext(
+                layer=layer if static else at, positions=self.positions, mask=self.mask, decode=self.decode
+            )
             out = iv.apply(ivs, h, ctx, key)
             h = out if static or at is None else jnp.where(layer == at, out, h)
         for key in self.capture:

@@ -29,15 +29,23 @@ SUPPORTED_ARCHS = ("llama", "qwen2")
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # metadata arrays that are large and already represented elsewhere (the tokenizer JSON)
@@ -83,11 +91,14 @@ class GGUFState(Mapping):
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
-            raise ValueError(f"{self.path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"{self.path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {type(e).__name__}: {e}"
+            ) from e
         if w.shape != expected:
-            raise ValueError(f"{self.path}: tensor {t.name!r} dequantized to shape {w.shape}, expected "
-                             f"{expected} (truncated or corrupt file?)")
+            raise ValueError(
+                f"{self.path}: tensor {t.name!r} dequantized to shape {w.shape}, expected "
+                f"{expected} (truncated or corrupt file?)"
+            )
         if self._arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             w = unpermute_rope_rows(w, self._heads[0] if ".attn_q." in t.name else self._heads[1])
         return w
@@ -121,10 +132,12 @@ def _config(fields: Dict[str, Any], arch: str, tensor_names, path: str) -> dict:
     cfg = {
         "model_type": arch,
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "vocab_size": int(vocab), "hidden_size": hidden,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", required=True)),
         "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": heads, "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
@@ -143,8 +156,10 @@ def _config(fields: Dict[str, Any], arch: str, tensor_names, path: str) -> dict:
             raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported (only linear)")
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor", 1.0))}
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) "
-                         "are not supported; convert from the HF safetensors checkpoint instead")
+        raise ValueError(
+            f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) "
+            "are not supported; convert from the HF safetensors checkpoint instead"
+        )
     return cfg
 
 
@@ -182,13 +197,13 @@ def read_gguf(path, with_tokenizer: bool = True) -> Tuple[dict, GGUFState, str |
         fields = {k: _field_value(f) for k, f in reader.fields.items()}
         tensors = list(reader.tensors)
     except Exception as e:  # gguf raises assorted errors (struct, memmap, assert) on bad files
-        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
 
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_ARCHS)})")
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     names = {t.name for t in tensors}
     config = _config(fields, arch, names, path)
 
@@ -207,6 +222,7 @@ def read_gguf(path, with_tokenizer: bool = True) -> Tuple[dict, GGUFState, str |
         try:
             tokenizer = _tokenizer_json(path)
         except Exception as e:
-            raise ValueError(f"{path}: cannot build the tokenizer from the GGUF metadata: "
-                             f"{type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"{path}: cannot build the tokenizer from the GGUF metadata: {type(e).__name__}: {e}"
+            ) from e
     return config, state, tokenizer, metadata

@@ -52,8 +52,10 @@ FAMILIES = {
     "roberta": "bert",
     "xlm-roberta": "bert",
     "camembert": "bert",
-    **{t: "decoder" for t in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
-                              "gpt_neox", "gpt2")},
+    **{
+        t: "decoder"
+        for t in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2")
+    },
 }
 
 _ST_DTYPES = {
@@ -113,8 +115,8 @@ def read_safetensors_header(path: PathLike) -> dict[str, TensorInfo]:
         (n_header,) = struct.unpack("<Q", head)
         if n_header > _HEADER_LIMIT or 8 + n_header > size:
             raise ValueError(
-                f"{path}: corrupt or truncated safetensors file (header claims {n_header} bytes, "
-                f"file has {size})")
+                f"{path}: corrupt or truncated safetensors file (header claims {n_header} bytes, file has {size})"
+            )
         raw = f.read(n_header)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -139,7 +141,8 @@ def read_safetensors_header(path: PathLike) -> dict[str, TensorInfo]:
             raise ValueError(
                 f"{path}: corrupt or truncated safetensors file: tensor {name!r} {dtype_name}"
                 f"{list(shape)} needs bytes [{begin}, {end}) ({n_bytes} expected) of a "
-                f"{data_size}-byte data section")
+                f"{data_size}-byte data section"
+            )
         out[name] = TensorInfo(path, dtype_name, shape, data_start + begin, n_bytes)
     return out
 
@@ -156,11 +159,12 @@ def _aligned_empty(nbytes: int) -> np.ndarray:
         return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
     raw = np.empty(nbytes + _PAGE, np.uint8)
     start = -raw.ctypes.data % _PAGE
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
-def read_tensor(name: str, info: TensorInfo, widen: bool = False,
-                alloc: Callable[[int], np.ndarray] = _aligned_empty) -> np.ndarray:
+def read_tensor(
+    name: str, info: TensorInfo, widen: bool = False, alloc: Callable[[int], np.ndarray] = _aligned_empty
+) -> np.ndarray:
     """Read one tensor into ``alloc(nbytes)`` (uint8 [nbytes]; default a fresh page-aligned
     buffer) as its stored dtype (``widen``: fp16 / bf16 -> a new float32 array). Raises
     ValueError naming the file and tensor if the file has shrunk since its header was read."""
@@ -172,8 +176,10 @@ def read_tensor(name: str, info: TensorInfo, widen: bool = False,
     except FileNotFoundError:
         raise FileNotFoundError(f"{info.file}: file disappeared before tensor {name!r} was read") from None
     if got != info.nbytes:
-        raise ValueError(f"{info.file}: truncated safetensors file: tensor {name!r} needs {info.nbytes} bytes "
-                         f"at offset {info.start}, only {got} could be read")
+        raise ValueError(
+            f"{info.file}: truncated safetensors file: tensor {name!r} needs {info.nbytes} bytes "
+            f"at offset {info.start}, only {got} could be read"
+        )
     arr = buf.view(_ST_DTYPES[info.dtype]).reshape(info.shape)
     return arr.astype(np.float32) if widen and arr.dtype in _HALF else arr
 
@@ -308,8 +314,7 @@ def _locate(path: pathlib.Path) -> tuple[list[pathlib.Path], pathlib.Path | None
             if not s.is_file():
                 raise FileNotFoundError(f"shard {s.name} listed in {f} is missing: {s}")
         return shards, f, shard_map
-    raise FileNotFoundError(
-        f"no weights file in checkpoint folder {path}: looked for {', '.join(WEIGHT_NAMES)}")
+    raise FileNotFoundError(f"no weights file in checkpoint folder {path}: looked for {', '.join(WEIGHT_NAMES)}")
 
 
 def find_weight_files(path: PathLike) -> list[pathlib.Path]:
@@ -317,8 +322,9 @@ def find_weight_files(path: PathLike) -> list[pathlib.Path]:
     return _locate(_check_dir(path))[0]
 
 
-def _check_shard(f: pathlib.Path, names: Iterable[str], index: pathlib.Path | None, shard_map: dict,
-                 seen: Mapping) -> None:
+def _check_shard(
+    f: pathlib.Path, names: Iterable[str], index: pathlib.Path | None, shard_map: dict, seen: Mapping
+) -> None:
     """A shard must hold every tensor its index lists for it, and none an earlier shard holds."""
     names = set(names)
     if index is not None:
@@ -403,13 +409,24 @@ def detect_family(config: Mapping, source: PathLike | None = None) -> str:
         raise ValueError(f"{where}: config has no model_type; cannot tell the architecture")
     family = FAMILIES.get(str(model_type).lower())
     if family is None:
-        raise ValueError(
-            f"{where}: unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
+        raise ValueError(f"{where}: unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
     return family
 
 
 __all__: Sequence[str] = (
-    "read_hf_dir", "open_hf_dir", "read_config", "find_weight_files", "read_safetensors", "read_torch_bin",
-    "read_safetensors_header", "read_tensor", "SafetensorsState", "TensorInfo",
-    "file_sha256", "dir_fingerprint", "detect_family", "bf16_bits_to_f32", "FAMILIES",
+    "read_hf_dir",
+    "open_hf_dir",
+    "read_config",
+    "find_weight_files",
+    "read_safetensors",
+    "read_torch_bin",
+    "read_safetensors_header",
+    "read_tensor",
+    "SafetensorsState",
+    "TensorInfo",
+    "file_sha256",
+    "dir_fingerprint",
+    "detect_family",
+    "bf16_bits_to_f32",
+    "FAMILIES",
 )

@@ -65,17 +65,21 @@ def transpose(x: np.ndarray) -> np.ndarray:
 
 def split(index: int, parts: int, axis: int = 0, then: Transform = None) -> Callable[[np.ndarray], np.ndarray]:
     """Piece ``index`` of ``parts`` equal pieces along ``axis`` (fused projections), then ``then``."""
+
     def f(x: np.ndarray) -> np.ndarray:
         y = np.split(x, parts, axis=axis)[index]
         return then(y) if then is not None else y
+
     return f
 
 
 def cut(start: int, stop: int, axis: int = 0, then: Transform = None) -> Callable[[np.ndarray], np.ndarray]:
     """Rows ``start:stop`` along ``axis`` (fused projections of unequal widths), then ``then``."""
+
     def f(x: np.ndarray) -> np.ndarray:
         y = x[(slice(None),) * axis + (slice(start, stop),)]
         return then(y) if then is not None else y
+
     return f
 
 
@@ -118,18 +122,27 @@ def _set(tree: dict, path: Path, value) -> None:
     node[path[-1]] = value
 
 
-def check_names(state_dict: Mapping[str, Any], layout: Mapping[str, Entry], *, ignore: Sequence[str] = (),
-                source: Any = "state dict") -> None:
+def check_names(
+    state_dict: Mapping[str, Any],
+    layout: Mapping[str, Entry],
+    *,
+    ignore: Sequence[str] = (),
+    source: Any = "state dict",
+) -> None:
     """Raise ValueError naming ``source`` and the tensors when a required tensor is missing or a
     tensor matches neither the layout nor an ``ignore`` glob pattern."""
     missing = [n for n, e in layout.items() if not e.optional and n not in state_dict]
     if missing:
-        raise ValueError(f"{source}: missing tensor {missing[0]!r} (expected shape {layout[missing[0]].shape})"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise ValueError(
+            f"{source}: missing tensor {missing[0]!r} (expected shape {layout[missing[0]].shape})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     extra = sorted(k for k in state_dict if k not in layout and not any(fnmatch.fnmatchcase(k, p) for p in ignore))
     if extra:
-        raise ValueError(f"{source}: {len(extra)} unexpected tensor(s) for this config, e.g. {extra[:4]} "
-                         f"(does config.json match the weights?)")
+        raise ValueError(
+            f"{source}: {len(extra)} unexpected tensor(s) for this config, e.g. {extra[:4]} "
+            f"(does config.json match the weights?)"
+        )
 
 
 class _Scratch:
@@ -150,9 +163,15 @@ class _Scratch:
         return self.buf[:nbytes]
 
 
-def apply_layout(state_dict: Mapping[str, Any], layout: Mapping[str, Entry], *, dtype: Any = None,
-                 place: Optional[Callable[[Path, np.ndarray], Any]] = None, ignore: Sequence[str] = (),
-                 source: Any = "state dict") -> dict:
+def apply_layout(
+    state_dict: Mapping[str, Any],
+    layout: Mapping[str, Entry],
+    *,
+    dtype: Any = None,
+    place: Optional[Callable[[Path, np.ndarray], Any]] = None,
+    ignore: Sequence[str] = (),
+    source: Any = "state dict",
+) -> dict:
     """Build a nested param dict from ``state_dict`` through ``layout`` (module docstring).
 
     dtype: floating tensors are cast to it on the host, once per source tensor, before the
@@ -175,8 +194,10 @@ def apply_layout(state_dict: Mapping[str, Any], layout: Mapping[str, Entry], *, 
         reuse = place is None and read_into is not None and all(fn is not None for _, fn in e.outputs)
         read = np.asarray(read_into(name, scratch) if reuse else state_dict[name])
         if tuple(read.shape) != e.shape:
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(read.shape)}, expected {e.shape} "
-                             f"(does config.json match the weights?)")
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(read.shape)}, expected {e.shape} "
+                f"(does config.json match the weights?)"
+            )
         x = _host_cast(read, dtype)
         # on CPU device_put adopts an aligned contiguous buffer as is: copy one that is reused or the caller's
         shared = x is read and (reuse or read_into is None)
@@ -204,5 +225,4 @@ def flatten_paths(tree: Mapping, prefix: Path = ()) -> dict[Path, Any]:
     return out
 
 
-__all__ = ["Entry", "entry", "transpose", "split", "cut", "RenamedView", "apply_layout", "check_names",
-           "flatten_paths"]
+__all__ = ["Entry", "entry", "transpose", "split", "cut", "RenamedView", "apply_layout", "check_names", "flatten_paths"]

@@ -199,8 +199,9 @@ class Batcher:
                 try:
                     out[key] = np.stack([np.asarray(ex[key]) for ex in exs])
                 except ValueError as e:
-                    raise ValueError(f"field {key!r} differs in shape across examples; "
-                                     f"add it to pad_values ({e})") from e
+                    raise ValueError(
+                        f"field {key!r} differs in shape across examples; add it to pad_values ({e})"
+                    ) from e
         if self.mask_field is not None and self.mask_field not in out:
             lens = np.asarray([len(ex[next(iter(self.pad_values))]) for ex in exs])
             lens[n_real:] = 0

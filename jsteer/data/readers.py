@@ -145,7 +145,9 @@ def read_conll(
             else:
                 bad = ner_lib.iob2_violation(tags)
                 if bad is not None:
-                    raise DataError(path, tag_lines[bad], f"tag {tags[bad]!r} continues no entity (IOB2 needs B- first)")
+                    raise DataError(
+                        path, tag_lines[bad], f"tag {tags[bad]!r} continues no entity (IOB2 needs B- first)"
+                    )
         if allowed is not None:
             for t, ln in zip(final, tag_lines):
                 if t not in allowed:
@@ -391,7 +393,9 @@ def read_lama_jsonl(path: PathLike) -> list[LamaFact]:
             if not isinstance(s, str):
                 raise DataError(path, ln, f"masked sentence must be a string, got {s!r}")
         out.append(
-            LamaFact(relation, rec["sub_label"], rec["obj_label"], tuple(sents), str(rec.get("uuid", "")), str(path), ln)
+            LamaFact(
+                relation, rec["sub_label"], rec["obj_label"], tuple(sents), str(rec.get("uuid", "")), str(path), ln
+            )
         )
     return out
 
@@ -492,7 +496,7 @@ def read_typed_lama_dir(root: PathLike, types: Optional[Iterable[str]] = None) -
     files = sorted(root.glob("synth_*/*/*.csv"))
     if types is not None:
         want = set(types)
-        files = [f for f in files if f.parts[-3][len("synth_"):] in want]
+        files = [f for f in files if f.parts[-3][len("synth_") :] in want]
     if not files:
         raise DataError(root, None, "no synth_<Type>/<corpus>/<relation>.csv files found")
     out: list[TypedPrompt] = []

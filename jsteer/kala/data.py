@@ -124,35 +124,59 @@ def framing(tok, task: str = "NER") -> Framing:
     raw = raw_tokenizer(tok)
     kind = tokenizer_kind(raw)
     pad = _role(tok, raw, "pad", ("[PAD]", "<pad>"))
-    common = dict(unk_id=_role(tok, raw, "unk", ("[UNK]", "<unk>")), pad_id=0 if pad is None else pad,
-                  word_prefix=" " if _byte_level(raw) else "")
+    common = dict(
+        unk_id=_role(tok, raw, "unk", ("[UNK]", "<unk>")),
+        pad_id=0 if pad is None else pad,
+        word_prefix=" " if _byte_level(raw) else "",
+    )
     probe = next((t for t in _PROBES if raw.encode(t, add_special_tokens=False).ids), None)
     if probe is None:
-        raise ValueError(f"the {kind} tokenizer encodes none of {list(_PROBES)} to a token (an empty vocabulary?); "
-                         f"KALA's {task} input cannot be tokenized with it")
+        raise ValueError(
+            f"the {kind} tokenizer encodes none of {list(_PROBES)} to a token (an empty vocabulary?); "
+            f"KALA's {task} input cannot be tokenized with it"
+        )
     single, pair = raw.encode(probe, add_special_tokens=True), raw.encode(probe, probe, add_special_tokens=True)
     if "s" not in _shape(pair):  # no post-processor: BERT's framing with the [CLS] / [SEP] roles
         cls_id, sep_id = _role(tok, raw, "cls", ("[CLS]",)), _role(tok, raw, "sep", ("[SEP]",))
         if cls_id is None or sep_id is None:
-            raise ValueError(f"the {kind} tokenizer adds no special tokens (no post-processor) and has no [CLS] / "
-                             f"[SEP] tokens; KALA's {task} input needs a BERT-family framing ([CLS] ... [SEP], or "
-                             f"RoBERTa's <s> ... </s>): use the model's own tokenizer.json")
-        return Framing(kind, prefix=(cls_id,), suffix=(sep_id,), middle=(sep_id,), end=(sep_id,),
-                       types=((0,), 0, (0,), 1, (1,)), **common)
+            raise ValueError(
+                f"the {kind} tokenizer adds no special tokens (no post-processor) and has no [CLS] / "
+                f"[SEP] tokens; KALA's {task} input needs a BERT-family framing ([CLS] ... [SEP], or "
+                f"RoBERTa's <s> ... </s>): use the model's own tokenizer.json"
+            )
+        return Framing(
+            kind,
+            prefix=(cls_id,),
+            suffix=(sep_id,),
+            middle=(sep_id,),
+            end=(sep_id,),
+            types=((0,), 0, (0,), 1, (1,)),
+            **common,
+        )
     m, m1 = re.fullmatch(r"(s*)(a+)(s*)(b+)(s*)", _shape(pair)), re.fullmatch(r"(s*)(a+)(s*)", _shape(single))
-    if m is None or m1 is None or single.ids[:m1.end(1)] != pair.ids[:m.end(1)]:
-        raise ValueError(f"the {kind} tokenizer frames a pair as {pair.tokens} and one sequence as {single.tokens}; "
-                         f"KALA's {task} input needs a BERT-family framing ([CLS] A [SEP] B [SEP], or RoBERTa's "
-                         f"<s> A </s></s> B </s>)")
+    if m is None or m1 is None or single.ids[: m1.end(1)] != pair.ids[: m.end(1)]:
+        raise ValueError(
+            f"the {kind} tokenizer frames a pair as {pair.tokens} and one sequence as {single.tokens}; "
+            f"KALA's {task} input needs a BERT-family framing ([CLS] A [SEP] B [SEP], or RoBERTa's "
+            f"<s> A </s></s> B </s>)"
+        )
     ids, tt = pair.ids, pair.type_ids
-    part = lambda k: tuple(ids[m.start(k):m.end(k)])  # noqa: E731
-    types = lambda k: tuple(tt[m.start(k):m.end(k)])  # noqa: E731
-    return Framing(kind, prefix=part(1), suffix=tuple(single.ids[m1.start(3):]), middle=part(3), end=part(5),
-                   types=(types(1), tt[m.start(2)], types(3), tt[m.start(4)], types(5)), **common)
+    part = lambda k: tuple(ids[m.start(k) : m.end(k)])  # noqa: E731
+    types = lambda k: tuple(tt[m.start(k) : m.end(k)])  # noqa: E731
+    return Framing(
+        kind,
+        prefix=part(1),
+        suffix=tuple(single.ids[m1.start(3) :]),
+        middle=part(3),
+        end=part(5),
+        types=(types(1), tt[m.start(2)], types(3), tt[m.start(4)], types(5)),
+        **common,
+    )
 
 
-def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optional[KnowledgeGraph],
-                      max_neighbors: int) -> tuple[ExampleGraph, dict[str, int]]:
+def example_knowledge(
+    mentions: Sequence[Mention], vocab: EntityVocab, kg: Optional[KnowledgeGraph], max_neighbors: int
+) -> tuple[ExampleGraph, dict[str, int]]:
     """Graph of one example and {entity id: local node}. Overlapping mentions raise ValueError
     (each token is mapped to one mention's node)."""
     clash = first_overlap(mentions)
@@ -162,6 +186,7 @@ def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optio
     local = mention_entities(mentions)
     if kg is None:
         from jsteer.kala.graph import add_self_loops
+
         z = np.zeros(0, np.int32)
         g = add_self_loops(ExampleGraph(np.asarray([vocab(e) for e in local], np.int32), z, z, z, len(local)))
     else:
@@ -169,36 +194,62 @@ def example_knowledge(mentions: Sequence[Mention], vocab: EntityVocab, kg: Optio
     return g, {e: i for i, e in enumerate(local)}
 
 
-def encode_ner(words: Sequence[str], tags: Sequence[str], mentions: Sequence[Mention], tokenizer,
-               label_names: Sequence[str], vocab: EntityVocab, kg: Optional[KnowledgeGraph] = None,
-               max_len: int = 128, max_neighbors: int = 4) -> dict:
+def encode_ner(
+    words: Sequence[str],
+    tags: Sequence[str],
+    mentions: Sequence[Mention],
+    tokenizer,
+    label_names: Sequence[str],
+    vocab: EntityVocab,
+    kg: Optional[KnowledgeGraph] = None,
+    max_len: int = 128,
+    max_neighbors: int = 4,
+) -> dict:
     """One sentence -> an encoded example (see the module docstring). Word-level mention spans."""
     fr = framing(tokenizer, "NER")
     if len(fr.prefix) > 1 or len(fr.suffix) > 1:
-        raise ValueError(f"the {fr.kind} tokenizer puts {len(fr.prefix)} / {len(fr.suffix)} special tokens before / "
-                         f"after a sentence; KALA's NER input takes one each ([CLS] ... [SEP] or <s> ... </s>)")
+        raise ValueError(
+            f"the {fr.kind} tokenizer puts {len(fr.prefix)} / {len(fr.suffix)} special tokens before / "
+            f"after a sentence; KALA's NER input takes one each ([CLS] ... [SEP] or <s> ... </s>)"
+        )
     pieces = [fr.word_prefix + w for w in words] if fr.word_prefix else words
-    enc = ner_lib.encode_tagged(raw_tokenizer(tokenizer), pieces, ner_lib.label_encoder(label_names)(tags),
-                                max_len=max_len, cls_id=fr.prefix[0] if fr.prefix else None,
-                                sep_id=fr.suffix[0] if fr.suffix else None, unk_id=fr.unk_id)
+    enc = ner_lib.encode_tagged(
+        raw_tokenizer(tokenizer),
+        pieces,
+        ner_lib.label_encoder(label_names)(tags),
+        max_len=max_len,
+        cls_id=fr.prefix[0] if fr.prefix else None,
+        sep_id=fr.suffix[0] if fr.suffix else None,
+        unk_id=fr.unk_id,
+    )
     graph, node_of = example_knowledge(mentions, vocab, kg, max_neighbors)
     word_node = np.full(len(words), -1, np.int32)
     for m in mentions:
         if m.end > len(words):
             raise ValueError(f"mention {m.text!r} [{m.start}:{m.end}] is past the sentence's {len(words)} words")
-        word_node[m.start:m.end] = node_of[m.id]
+        word_node[m.start : m.end] = node_of[m.id]
     widx = enc["word_index"]
     token_node = np.where(widx >= 0, word_node[np.maximum(widx, 0)], -1).astype(np.int32)
     token_entity = np.where(token_node >= 0, graph.entity[np.maximum(token_node, 0)] if graph.n_node else 0, 0)
-    enc.update(token_node=token_node, token_entity=token_entity.astype(np.int32), graph=graph,
-               n_unseen=sum(1 for e in node_of if vocab(e) == 0), num_words=len(words), pad_id=fr.pad_id)
+    enc.update(
+        token_node=token_node,
+        token_entity=token_entity.astype(np.int32),
+        graph=graph,
+        n_unseen=sum(1 for e in node_of if vocab(e) == 0),
+        num_words=len(words),
+        pad_id=fr.pad_id,
+    )
     return enc
 
 
-def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = None,
-            keys: Sequence[str] = ("input_ids", "labels"),
-            graph_min: Union[tuple[int, ...], Mapping[int, tuple[int, ...]]] = (0, 0),
-            graph_rungs: int = 0) -> dict:
+def collate(
+    examples: Sequence[dict],
+    batch_size: int,
+    length: Optional[int] = None,
+    keys: Sequence[str] = ("input_ids", "labels"),
+    graph_min: Union[tuple[int, ...], Mapping[int, tuple[int, ...]]] = (0, 0),
+    graph_rungs: int = 0,
+) -> dict:
     """Pad a list of encoded examples to [batch_size, length] arrays + a padded graph batch.
 
     Missing rows (a short last batch) are empty examples: no tokens, labels ignored, no graph.
@@ -221,8 +272,16 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
     if length is None and isinstance(graph_min, Mapping) and t in graph_min:
         t = _length_for_graph(examples, t, graph_min)
     pad = int(examples[0].get("pad_id", 0)) if examples else 0
-    fill = {"input_ids": pad, "labels": ner_lib.IGNORE_INDEX, "token_type_ids": 0, "token_node": -1,
-            "token_entity": 0, "word_index": -1, "start_positions": 0, "end_positions": 0}
+    fill = {
+        "input_ids": pad,
+        "labels": ner_lib.IGNORE_INDEX,
+        "token_type_ids": 0,
+        "token_node": -1,
+        "token_entity": 0,
+        "word_index": -1,
+        "start_positions": 0,
+        "end_positions": 0,
+    }
     out = {}
     for k in list(keys) + ["token_node", "token_entity"]:
         if examples[0][k].ndim == 0:
@@ -232,11 +291,11 @@ def collate(examples: Sequence[dict], batch_size: int, length: Optional[int] = N
         else:
             arr = np.full((batch_size, t), fill.get(k, 0), np.int32)
             for i, e in enumerate(examples):
-                arr[i, :len(e[k])] = e[k]
+                arr[i, : len(e[k])] = e[k]
         out[k] = arr
     mask = np.zeros((batch_size, t), np.int32)
     for i, e in enumerate(examples):
-        mask[i, :len(e["input_ids"])] = 1
+        mask[i, : len(e["input_ids"])] = 1
     out["attention_mask"] = mask
     if "input_ids" not in out:
         out["input_ids"] = np.full((batch_size, t), pad, np.int32)
@@ -258,11 +317,18 @@ def _length_for_graph(examples: Sequence[dict], t: int, graph_min: Mapping[int, 
     return next((u for u in sorted(graph_min) if u > t and fits(graph_min[u])), t)
 
 
-def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, seed: int = 0,
-            keys: Sequence[str] = ("input_ids", "labels"), length: Optional[int] = None,
-            group_by_length: bool = False,
-            graph_min: Union[None, tuple[int, ...], Mapping[int, tuple[int, ...]]] = None,
-            graph_rungs: int = 0, graph: bool = True) -> Iterator[tuple[np.ndarray, dict]]:
+def batches(
+    examples: Sequence[dict],
+    batch_size: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    keys: Sequence[str] = ("input_ids", "labels"),
+    length: Optional[int] = None,
+    group_by_length: bool = False,
+    graph_min: Union[None, tuple[int, ...], Mapping[int, tuple[int, ...]]] = None,
+    graph_rungs: int = 0,
+    graph: bool = True,
+) -> Iterator[tuple[np.ndarray, dict]]:
     """Yield (indices of the examples in the batch, collated batch). Without shuffle the order
     is the input order; the last batch is padded with empty rows. ``group_by_length`` (with
     shuffle): sort each run of 16 batches' worth of shuffled examples by length and shuffle the
@@ -279,20 +345,21 @@ def batches(examples: Sequence[dict], batch_size: int, shuffle: bool = False, se
     rng = np.random.default_rng(seed)
     if shuffle:
         order = rng.permutation(len(examples))
-    groups = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    groups = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     if shuffle and group_by_length:
         chunk = 16 * batch_size
         groups = []
         for s in range(0, len(order), chunk):
-            part = sorted(order[s:s + chunk], key=lambda i: len(examples[i]["input_ids"]))
-            groups += [np.asarray(part[k:k + batch_size]) for k in range(0, len(part), batch_size)]
+            part = sorted(order[s : s + chunk], key=lambda i: len(examples[i]["input_ids"]))
+            groups += [np.asarray(part[k : k + batch_size]) for k in range(0, len(part), batch_size)]
         groups = [groups[i] for i in rng.permutation(len(groups))]
     for idx in groups:
         yield idx, collate([examples[i] for i in idx], batch_size, length, keys, graph_min, graph_rungs)
 
 
-def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[int] = KALA_LENGTHS.sizes,
-                  length: Optional[int] = None) -> dict[int, tuple[int, ...]]:
+def graph_buckets(
+    examples: Sequence[dict], batch_size: int, buckets: Sequence[int] = KALA_LENGTHS.sizes, length: Optional[int] = None
+) -> dict[int, tuple[int, ...]]:
     """Smallest node / edge / mentioned-node buckets per length bucket, for batches of these
     examples (see :func:`jsteer.kala.graph.stack_graphs`).
 
@@ -317,8 +384,13 @@ def graph_buckets(examples: Sequence[dict], batch_size: int, buckets: Sequence[i
     out = {}
     for t, group in sorted(by_t.items()):
         group = sorted(group, key=lambda e: len(e["input_ids"]))
-        sizes = np.asarray([(e["graph"].n_node, e["graph"].n_edge,
-                             np.unique(e["token_node"][e["token_node"] >= 0]).size) for e in group], np.float64)
+        sizes = np.asarray(
+            [
+                (e["graph"].n_node, e["graph"].n_edge, np.unique(e["token_node"][e["token_node"] >= 0]).size)
+                for e in group
+            ],
+            np.float64,
+        )
         # a batch of B random examples of the group exceeds this in about 2% of batches ...
         high = sizes.mean(0) * batch_size + 2.0 * sizes.std(0) * np.sqrt(batch_size)
         if len(group) > batch_size:  # ... and length-grouped batches (neighbours in length) too

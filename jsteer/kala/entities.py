@@ -117,8 +117,9 @@ class KnowledgeGraph:
                 best[key] = c
             nbr_count[h][t] += c
             nbr_count[t][h] += c
-        self.neighbors = {e: [n for n, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))]
-                          for e, c in nbr_count.items()}
+        self.neighbors = {
+            e: [n for n, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))] for e, c in nbr_count.items()
+        }
 
     def relation(self, a: str, b: str) -> Optional[int]:
         return self.edges.get((a, b) if a <= b else (b, a))
@@ -145,14 +146,24 @@ class KnowledgeGraph:
                     snd += [i, j]
                     rcv += [j, i]
                     rel += [r, r]
-        g = ExampleGraph(entity=np.asarray([vocab(e) for e in nodes], np.int32),
-                         senders=np.asarray(snd, np.int32), receivers=np.asarray(rcv, np.int32),
-                         relation=np.asarray(rel, np.int32), n_local=n_local)
+        g = ExampleGraph(
+            entity=np.asarray([vocab(e) for e in nodes], np.int32),
+            senders=np.asarray(snd, np.int32),
+            receivers=np.asarray(rcv, np.int32),
+            relation=np.asarray(rel, np.int32),
+            n_local=n_local,
+        )
         return add_self_loops(g)
 
 
-def init_memory(hidden_fn: Callable[[dict], np.ndarray], batches: Iterable[dict], num_entities: int,
-                dim: int, rng: Optional[np.random.Generator] = None, scale: float = 0.02) -> np.ndarray:
+def init_memory(
+    hidden_fn: Callable[[dict], np.ndarray],
+    batches: Iterable[dict],
+    num_entities: int,
+    dim: int,
+    rng: Optional[np.random.Generator] = None,
+    scale: float = 0.02,
+) -> np.ndarray:
     """Entity memory [num_entities, dim] from contextual mention features.
 
     hidden_fn: batch -> hidden states [B, T, D] (e.g. the backbone's last layer).

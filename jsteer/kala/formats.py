@@ -108,8 +108,9 @@ def describe(m: Mention) -> str:
     return f"{m.text!r} [{m.start}:{m.end}] (id {m.id!r})"
 
 
-def read_mentions(path: PathLike, examples: Optional[Mapping[Key, Union[Sequence[str], str]]] = None
-                  ) -> dict[Key, list[Mention]]:
+def read_mentions(
+    path: PathLike, examples: Optional[Mapping[Key, Union[Sequence[str], str]]] = None
+) -> dict[Key, list[Mention]]:
     """Read a mentions file -> {example key: mentions sorted by start}.
 
     examples: optional {key: words (CoNLL) or context string (SQuAD)} to check keys, spans
@@ -143,14 +144,20 @@ def read_mentions(path: PathLike, examples: Optional[Mapping[Key, Union[Sequence
                     raise FormatError(path, ln, pre + "end", f"end {end} is past the example's {len(ex)} {unit}")
                 span = ex[start:end] if isinstance(ex, str) else " ".join(ex[start:end])
                 if span != text:
-                    raise FormatError(path, ln, pre + "text",
-                                      f"{text!r} does not match the span [{start}:{end}] = {span!r}")
+                    raise FormatError(
+                        path, ln, pre + "text", f"{text!r} does not match the span [{start}:{end}] = {span!r}"
+                    )
             parsed.append(Mention(text=text, start=start, end=end, id=eid))
         clash = first_overlap(parsed)
         if clash is not None:
             i, j = clash
-            raise FormatError(path, ln, "mentions", f"mentions[{i}] {describe(parsed[i])} and mentions[{j}] "
-                              f"{describe(parsed[j])} overlap (a token can belong to one mention only)")
+            raise FormatError(
+                path,
+                ln,
+                "mentions",
+                f"mentions[{i}] {describe(parsed[i])} and mentions[{j}] "
+                f"{describe(parsed[j])} overlap (a token can belong to one mention only)",
+            )
         out[key] = sorted(parsed, key=lambda m: (m.start, m.end))
     return out
 
@@ -172,8 +179,10 @@ def write_mentions(path: PathLike, mentions: Mapping[Key, Sequence[Mention]]) ->
     with open(path, "w", encoding="utf-8") as f:
         for key, ms in mentions.items():
             if ms:
-                f.write(json.dumps({"example": key, "mentions": [dataclasses.asdict(m) for m in ms]},
-                                   ensure_ascii=False) + "\n")
+                f.write(
+                    json.dumps({"example": key, "mentions": [dataclasses.asdict(m) for m in ms]}, ensure_ascii=False)
+                    + "\n"
+                )
 
 
 def write_facts(path: PathLike, facts: Iterable[Fact]) -> None:

@@ -107,9 +107,9 @@ def add_self_loops(g: ExampleGraph) -> ExampleGraph:
     )
 
 
-def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
-                 n_node: Optional[int] = None, n_edge: Optional[int] = None
-                 ) -> tuple[jraph.GraphsTuple, np.ndarray]:
+def batch_graphs(
+    graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node: Optional[int] = None, n_edge: Optional[int] = None
+) -> tuple[jraph.GraphsTuple, np.ndarray]:
     """Concatenates the graphs of a batch and pads them to static buckets.
 
     graphs: B example graphs, in batch order.
@@ -127,13 +127,17 @@ def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
     n_node = GRAPH(total_nodes + 1) if n_node is None else n_node
     n_edge = GRAPH(total_edges) if n_edge is None else n_edge
     if n_node < total_nodes + 1 or n_edge < total_edges:
-        raise ValueError(f"graph bucket too small: {total_nodes} nodes (+1 padding) and "
-                         f"{total_edges} edges do not fit n_node={n_node}, n_edge={n_edge}")
+        raise ValueError(
+            f"graph bucket too small: {total_nodes} nodes (+1 padding) and "
+            f"{total_edges} edges do not fit n_node={n_node}, n_edge={n_edge}"
+        )
     for b, g in enumerate(graphs):
         bad = token_nodes[b] >= g.n_local
         if bad.any():
-            raise ValueError(f"token_nodes[{b}] points at node {int(token_nodes[b][bad].max())} but "
-                             f"example {b} has only {g.n_local} local nodes")
+            raise ValueError(
+                f"token_nodes[{b}] points at node {int(token_nodes[b][bad].max())} but "
+                f"example {b} has only {g.n_local} local nodes"
+            )
     cat = lambda xs: np.concatenate([np.asarray(x, np.int32) for x in xs]) if xs else np.zeros(0, np.int32)  # noqa: E731
     graph = jraph.GraphsTuple(
         nodes={"entity": cat([g.entity for g in graphs])},
@@ -149,8 +153,18 @@ def batch_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray,
     return graph, token_node
 
 
-GRAPH_KEYS = ("graph_entity", "graph_senders", "graph_receivers", "graph_relation", "graph_n_node", "graph_n_edge",
-              "graph_mention", "graph_last_senders", "graph_last_receivers", "graph_last_relation")
+GRAPH_KEYS = (
+    "graph_entity",
+    "graph_senders",
+    "graph_receivers",
+    "graph_relation",
+    "graph_n_node",
+    "graph_n_edge",
+    "graph_mention",
+    "graph_last_senders",
+    "graph_last_receivers",
+    "graph_last_relation",
+)
 
 
 def graph_need(graphs: Sequence[ExampleGraph], token_nodes: Sequence[np.ndarray]) -> tuple[int, int, int]:
@@ -160,8 +174,14 @@ def graph_need(graphs: Sequence[ExampleGraph], token_nodes: Sequence[np.ndarray]
     return sum(g.n_node for g in graphs) + 1, sum(g.n_edge for g in graphs), max(mentioned, 1)
 
 
-def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node_min: int = 0,
-                 n_edge_min: int = 0, n_mention_min: int = 0, smaller: int = 0) -> dict[str, np.ndarray]:
+def stack_graphs(
+    graphs: Sequence[ExampleGraph],
+    token_nodes: np.ndarray,
+    n_node_min: int = 0,
+    n_edge_min: int = 0,
+    n_mention_min: int = 0,
+    smaller: int = 0,
+) -> dict[str, np.ndarray]:
     """:func:`batch_graphs` laid out with a leading batch axis (what the trainer's data
     sharding expects of every input): the padded node / edge arrays, whose bucket sizes are
     multiples of B, are reshaped to [B, n/B]::
@@ -211,20 +231,27 @@ def stack_graphs(graphs: Sequence[ExampleGraph], token_nodes: np.ndarray, n_node
     n_node, n_edge, n_mention = (_multiple(s, b) for s in sizes)
     graph, token_node = batch_graphs(graphs, token_nodes, n_node=n_node, n_edge=n_edge)
     mention = np.full(n_mention, n_node - 1, np.int32)
-    mention[:len(mentioned)] = mentioned
+    mention[: len(mentioned)] = mentioned
     into = np.flatnonzero(np.isin(graph.receivers, mentioned))  # padding edges point at a padding node
     n_last = _multiple(max(n_edge // 2, b), b)
     n_last = n_last if len(into) <= n_last else n_edge
-    last = {k: np.full(n_last, fill, np.int32) for k, fill in
-            (("senders", n_node - 1), ("receivers", n_node - 1), ("relation", 0))}
+    last = {
+        k: np.full(n_last, fill, np.int32)
+        for k, fill in (("senders", n_node - 1), ("receivers", n_node - 1), ("relation", 0))
+    }
     for k, v in (("senders", graph.senders), ("receivers", graph.receivers), ("relation", graph.edges["relation"])):
-        last[k][:len(into)] = v[into]
-    return {"graph_entity": graph.nodes["entity"].reshape(b, -1), "graph_senders": graph.senders.reshape(b, -1),
-            "graph_receivers": graph.receivers.reshape(b, -1), "graph_relation": graph.edges["relation"].reshape(b, -1),
-            "graph_n_node": np.asarray(graph.n_node[:b], np.int32),
-            "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
-            "token_node": token_node, "graph_mention": mention.reshape(b, -1),
-            **{f"graph_last_{k}": v.reshape(b, -1) for k, v in last.items()}}
+        last[k][: len(into)] = v[into]
+    return {
+        "graph_entity": graph.nodes["entity"].reshape(b, -1),
+        "graph_senders": graph.senders.reshape(b, -1),
+        "graph_receivers": graph.receivers.reshape(b, -1),
+        "graph_relation": graph.edges["relation"].reshape(b, -1),
+        "graph_n_node": np.asarray(graph.n_node[:b], np.int32),
+        "graph_n_edge": np.asarray(graph.n_edge[:b], np.int32),
+        "token_node": token_node,
+        "graph_mention": mention.reshape(b, -1),
+        **{f"graph_last_{k}": v.reshape(b, -1) for k, v in last.items()},
+    }
 
 
 def mention_positions(mention: Array, token_node: Array) -> Array:
@@ -318,9 +345,18 @@ class RelationalGATv2(nn.Module):
     negative_slope: float = 0.2
 
     @nn.compact
-    def __call__(self, x: Array, rel: Array, ctx: Array, senders: Array, receivers: Array,
-                 sender_ok: Array, relation_ids: Optional[Array] = None, ctx_nodes: Optional[Array] = None,
-                 targets: Optional[Array] = None) -> tuple[Array, Array]:
+    def __call__(
+        self,
+        x: Array,
+        rel: Array,
+        ctx: Array,
+        senders: Array,
+        receivers: Array,
+        sender_ok: Array,
+        relation_ids: Optional[Array] = None,
+        ctx_nodes: Optional[Array] = None,
+        targets: Optional[Array] = None,
+    ) -> tuple[Array, Array]:
         """x [N, De] node states, rel [E, Dr] relation embeddings of the edges (or, with
         ``relation_ids`` int [E], the relation table [R, Dr]: projected once per relation, not
         per edge -- the same values, R << E), ctx [N, D] mention contexts (gradient stopped
@@ -369,9 +405,18 @@ class RelationalGraph(nn.Module):
     dropout: float = 0.1
 
     @nn.compact
-    def __call__(self, x: Array, rel: Array, ctx: Array, graph: jraph.GraphsTuple,
-                 deterministic: bool = True, return_attention: bool = False, relation_table: bool = False,
-                 last_edges: Optional[tuple[Array, Array, Array]] = None, mention: Optional[Array] = None):
+    def __call__(
+        self,
+        x: Array,
+        rel: Array,
+        ctx: Array,
+        graph: jraph.GraphsTuple,
+        deterministic: bool = True,
+        return_attention: bool = False,
+        relation_table: bool = False,
+        last_edges: Optional[tuple[Array, Array, Array]] = None,
+        mention: Optional[Array] = None,
+    ):
         """x [N, De], rel [E, Dr] per edge (or the table [R, Dr] indexed by
         ``graph.edges["relation"]`` when ``relation_table``), ctx [N, D] (or, with ``mention``,
         [M, D]: the contexts of the ``mention`` nodes, every other node's being zero).
@@ -389,8 +434,10 @@ class RelationalGraph(nn.Module):
         if last_edges is not None and mention is None:
             raise ValueError("last_edges restricts the last layer to the mentioned nodes; pass mention too")
         if mention is not None and ctx.shape[0] != mention.shape[0]:
-            raise ValueError(f"with mention [{mention.shape[0]}], ctx must hold those nodes' contexts "
-                             f"[{mention.shape[0]}, D], got {tuple(ctx.shape)}")
+            raise ValueError(
+                f"with mention [{mention.shape[0]}], ctx must hold those nodes' contexts "
+                f"[{mention.shape[0]}, D], got {tuple(ctx.shape)}"
+            )
         n = x.shape[0]
         ok = graph.nodes["entity"] != 0
         attentions = []

@@ -80,8 +80,15 @@ def ner_scores(gold: Iterable[Sequence[str]], pred: Iterable[Sequence[str]]) -> 
     for t, c in sorted(counts.items()):
         tp, tr, tf = prf(*c)
         per[t] = {"precision": tp, "recall": tr, "f1": tf, "support": c[0]}
-    return {"precision": p, "recall": r, "f1": f, "n_gold": tot[0], "n_pred": tot[1], "n_correct": tot[2],
-            "per_type": per}
+    return {
+        "precision": p,
+        "recall": r,
+        "f1": f,
+        "n_gold": tot[0],
+        "n_pred": tot[1],
+        "n_correct": tot[2],
+        "per_type": per,
+    }
 
 
 # ---------------------------------------------------------------------------------- SQuAD
@@ -91,8 +98,12 @@ def ner_report(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], sub
     """Entity-level scores in percent (``f1``, ``precision``, ``recall``, ``n_sentences``), plus
     ``f1_<name>`` / ``n_<name>`` for each {name: sentence indices} subset (F1 only if non-empty)."""
     res = ner_scores(gold, pred)
-    out = {"f1": 100 * res["f1"], "precision": 100 * res["precision"], "recall": 100 * res["recall"],
-           "n_sentences": len(gold)}
+    out = {
+        "f1": 100 * res["f1"],
+        "precision": 100 * res["precision"],
+        "recall": 100 * res["recall"],
+        "n_sentences": len(gold),
+    }
     for name, idx in (subsets or {}).items():
         idx = list(idx)
         if idx:
@@ -157,6 +168,13 @@ def lexicon_quality(lexicon, sentences) -> dict:
         overlap += sum(any(m.start < e and s < m.end for s, e in spans) for m in ms)
         exact += sum((m.start, m.end) in spans for m in ms)
         hit += sum(any(m.start < e and s < m.end for m in ms) for s, e in spans)
-    return {"sentences": len(sentences), "lexicon_size": len(lexicon), "mentions": found, "gold_spans": gold,
-            "mentions_per_sentence": found / max(len(sentences), 1), "precision_overlap": overlap / max(found, 1),
-            "precision_exact": exact / max(found, 1), "recall_overlap": hit / max(gold, 1)}
+    return {
+        "sentences": len(sentences),
+        "lexicon_size": len(lexicon),
+        "mentions": found,
+        "gold_spans": gold,
+        "mentions_per_sentence": found / max(len(sentences), 1),
+        "precision_overlap": overlap / max(found, 1),
+        "precision_exact": exact / max(found, 1),
+        "recall_overlap": hit / max(gold, 1),
+    }

@@ -38,8 +38,7 @@ import jax.numpy as jnp
 import jraph
 
 from jsteer.backbones.base import ModelOutput, take_rows
-from jsteer.backbones.bert import (BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead,
-                                   attention_bias)
+from jsteer.backbones.bert import BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead, attention_bias
 from jsteer.hooks import Hooks
 from jsteer.kala.graph import RelationalGraph, gather_tokens, mention_positions, node_context
 from jsteer.kala.kfm import KFM
@@ -127,13 +126,23 @@ class KnowledgeModule(nn.Module):
         k = self.kala
         de = k.entity_dim or self.hidden_size
         self.memory = self.param("memory", nn.initializers.normal(0.02), (k.num_entities, de))
-        self.kfms = {l: KFM(self.hidden_size, k.use_gamma, k.use_beta, k.kfm_zero_init, name=f"kfm_{l}") for l in self.layers}
+        self.kfms = {
+            l: KFM(self.hidden_size, k.use_gamma, k.use_beta, k.kfm_zero_init, name=f"kfm_{l}") for l in self.layers
+        }
         if k.method == "relational":
             self.relations = self.param("relations", nn.initializers.normal(1.0), (k.num_relations, k.relation_dim))
             self.graphs = {l: RelationalGraph(de, k.gnn_layers, k.dropout, name=f"graph_{l}") for l in self.layers}
 
-    def entity_states(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
-                      deterministic: bool = True, mention: Optional[Array] = None, last_edges=None) -> Array:
+    def entity_states(
+        self,
+        layer: int,
+        context: Array,
+        graph: jraph.GraphsTuple,
+        token_node: Array,
+        deterministic: bool = True,
+        mention: Optional[Array] = None,
+        last_edges=None,
+    ) -> Array:
         """Node representations for the KFM at ``layer`` (context [B,T,D]: its input): [N, De],
         or with ``mention`` (see :meth:`__call__`) [M, De], those nodes' rows."""
         ent = graph.nodes["entity"]
@@ -148,12 +157,21 @@ class KnowledgeModule(nn.Module):
             ctx = node_context(context, token_node, x.shape[0])
         else:  # the mentioned nodes' contexts only: every other node's is zero
             ctx = node_context(context, mention_positions(mention, token_node), mention.shape[0])
-        x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True,
-                               last_edges=last_edges, mention=mention)
+        x = self.graphs[layer](
+            x, self.relations, ctx, graph, deterministic, relation_table=True, last_edges=last_edges, mention=mention
+        )
         return x if mention is None else take_rows(x, mention)
 
-    def __call__(self, layer: int, context: Array, graph: jraph.GraphsTuple, token_node: Array,
-                 deterministic: bool = True, mention: Optional[Array] = None, last_edges=None):
+    def __call__(
+        self,
+        layer: int,
+        context: Array,
+        graph: jraph.GraphsTuple,
+        token_node: Array,
+        deterministic: bool = True,
+        mention: Optional[Array] = None,
+        last_edges=None,
+    ):
         """-> FiLM for ``layer`` with [B, T, D] fields (zero outside mention tokens). The four
         maps run once per graph node and are gathered per token (same values as running them
         per token: a node's vector is the same at every token mentioning it); with ``mention``
@@ -192,13 +210,21 @@ class KalaModel(nn.Module):
         if self.kala.uses_knowledge:
             self.knowledge = KnowledgeModule(self.kala, self.config.hidden_size, self.kfm_layers, name="kala")
         if self.kala.method == "more_params":
-            self.extra = BertLayer(self.config, layer_index=self.config.num_layers, dtype=self.dtype,
-                                   name="extra_layer")
+            self.extra = BertLayer(
+                self.config, layer_index=self.config.num_layers, dtype=self.dtype, name="extra_layer"
+            )
 
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
-                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
-                 token_node: Optional[Array] = None, deterministic: bool = True,
-                 mention: Optional[Array] = None, last_edges=None) -> ModelOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        mention: Optional[Array] = None,
+        last_edges=None,
+    ) -> ModelOutput:
         """``mention``: optional [M] ascending ids of the nodes tokens mention (restricts the KFM
         maps to them; same output). ``last_edges``: optional (senders, receivers, relation ids)
         int [L] of the edges into those nodes (:func:`jsteer.kala.graph.last_layer_edges`; needs
@@ -232,13 +258,19 @@ def drop_entities(graph: jraph.GraphsTuple, rng: jax.Array, rate: float) -> jrap
     return graph._replace(nodes={**graph.nodes, "entity": jnp.where(keep, ent, 0)})
 
 
-def init_params(model: KalaModel, rng: jax.Array, encoder_params: Optional[dict] = None,
-                head_params: Optional[dict] = None, memory: Optional[Array] = None,
-                seq_len: int = 8) -> dict:
+def init_params(
+    model: KalaModel,
+    rng: jax.Array,
+    encoder_params: Optional[dict] = None,
+    head_params: Optional[dict] = None,
+    memory: Optional[Array] = None,
+    seq_len: int = 8,
+) -> dict:
     """Fresh params for ``model``; optionally overwrite the encoder / head with pretrained trees
     (e.g. from ``params_from_hf``) and the entity memory with :func:`init_memory`'s output."""
-    from jsteer.kala.graph import ExampleGraph, batch_graphs  # local: avoid a cycle in docs tools
     import numpy as np
+
+    from jsteer.kala.graph import ExampleGraph, batch_graphs  # local: avoid a cycle in docs tools
 
     ids = jnp.zeros((1, seq_len), jnp.int32)
     g, tn = batch_graphs([ExampleGraph.empty()], np.full((1, seq_len), -1, np.int32))

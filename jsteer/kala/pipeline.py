@@ -89,17 +89,32 @@ def missing_mentions_error(conll_path, graph_dir) -> FormatError:
     graph_dir = pathlib.Path(graph_dir)
     lexicon = graph_dir / "lexicon.tsv"
     if lexicon.is_file():
-        fix = (f"annotate it with the graph's lexicon (facts and lexicon stay as they are): "
-               f"jsteer kala build-graph {conll_path} --lexicon {lexicon} --out {graph_dir}")
+        fix = (
+            f"annotate it with the graph's lexicon (facts and lexicon stay as they are): "
+            f"jsteer kala build-graph {conll_path} --lexicon {lexicon} --out {graph_dir}"
+        )
     else:
-        fix = (f"{graph_dir} has no lexicon.tsv to annotate it with (a spaCy graph?); write the mentions file "
-               f"yourself (format: jsteer.kala.formats) or rebuild the graph with this file among its inputs")
-    return FormatError(mentions_path(graph_dir, conll_path), None, None,
-                       f"no such file: the graph folder has no mentions for {conll_path}; {fix}")
+        fix = (
+            f"{graph_dir} has no lexicon.tsv to annotate it with (a spaCy graph?); write the mentions file "
+            f"yourself (format: jsteer.kala.formats) or rebuild the graph with this file among its inputs"
+        )
+    return FormatError(
+        mentions_path(graph_dir, conll_path),
+        None,
+        None,
+        f"no such file: the graph folder has no mentions for {conll_path}; {fix}",
+    )
 
 
-def read_split(path, graph_dir, labels: Sequence[str], scheme: str, size: Optional[int] = None,
-               subsample_seed: int = 0, lexicon=None) -> list[tuple[list[str], list[str], list]]:
+def read_split(
+    path,
+    graph_dir,
+    labels: Sequence[str],
+    scheme: str,
+    size: Optional[int] = None,
+    subsample_seed: int = 0,
+    lexicon=None,
+) -> list[tuple[list[str], list[str], list]]:
     """CoNLL file + its ``<name>.mentions.jsonl`` under ``graph_dir`` -> [(words, tags, mentions)]
     (a seeded random subset of ``size`` sentences, in file order; None: all).
 
@@ -119,15 +134,32 @@ def read_split(path, graph_dir, labels: Sequence[str], scheme: str, size: Option
     return [(list(sents[i].tokens), list(sents[i].tags), mentions.get(i, [])) for i in idx]
 
 
-def encode_split(split, tokenizer, labels: Sequence[str], vocab: EntityVocab, kg: KnowledgeGraph,
-                 max_len: int = 128, max_neighbors: int = 4) -> list[dict]:
+def encode_split(
+    split,
+    tokenizer,
+    labels: Sequence[str],
+    vocab: EntityVocab,
+    kg: KnowledgeGraph,
+    max_len: int = 128,
+    max_neighbors: int = 4,
+) -> list[dict]:
     return [kdata.encode_ner(w, t, m, tokenizer, labels, vocab, kg, max_len, max_neighbors) for w, t, m in split]
 
 
-def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[str] = ner_lib.CONLL2003_LABELS,
-                  scheme: str = "iob1", max_len: int = 128, max_neighbors: int = 4,
-                  train_size: Optional[int] = None, test_size: Optional[int] = None, subsample_seed: int = 0,
-                  facts_path=None) -> NERData:
+def load_ner_data(
+    train_path,
+    test_path,
+    graph_dir,
+    tokenizer,
+    labels: Sequence[str] = ner_lib.CONLL2003_LABELS,
+    scheme: str = "iob1",
+    max_len: int = 128,
+    max_neighbors: int = 4,
+    train_size: Optional[int] = None,
+    test_size: Optional[int] = None,
+    subsample_seed: int = 0,
+    facts_path=None,
+) -> NERData:
     """Read CoNLL train / test files and their knowledge files; encode both splits.
 
     ``train_size`` / ``test_size`` take a seeded random subset of sentences (None: all).
@@ -142,14 +174,21 @@ def load_ner_data(train_path, test_path, graph_dir, tokenizer, labels: Sequence[
     vocab = EntityVocab.from_mentions([m for _, _, m in train])
     relations = RelationVocab.from_facts(facts)
     kg = KnowledgeGraph(facts, relations)
-    return NERData(labels=tuple(labels), train=encode_split(train, tokenizer, labels, vocab, kg, max_len, max_neighbors),
-                   test=encode_split(test, tokenizer, labels, vocab, kg, max_len, max_neighbors),
-                   train_tags=[t for _, t, _ in train], test_tags=[t for _, t, _ in test],
-                   vocab=vocab, relations=relations, kg=kg)
+    return NERData(
+        labels=tuple(labels),
+        train=encode_split(train, tokenizer, labels, vocab, kg, max_len, max_neighbors),
+        test=encode_split(test, tokenizer, labels, vocab, kg, max_len, max_neighbors),
+        train_tags=[t for _, t, _ in train],
+        test_tags=[t for _, t, _ in test],
+        vocab=vocab,
+        relations=relations,
+        kg=kg,
+    )
 
 
-def read_qa_split(path, graph_dir, size: Optional[int] = None, subsample_seed: int = 0,
-                  lexicon=None, strict: bool = True) -> list[tuple[QAExample, list]]:
+def read_qa_split(
+    path, graph_dir, size: Optional[int] = None, subsample_seed: int = 0, lexicon=None, strict: bool = True
+) -> list[tuple[QAExample, list]]:
     """SQuAD-format file + its ``<name>.mentions.jsonl`` under ``graph_dir`` (keyed by question
     id, character spans) -> [(question, its mentions)] (a seeded random subset of ``size``
     questions, in file order; None: all). Without a mentions file: annotated in memory with
@@ -174,51 +213,88 @@ def check_train_split(path, split) -> None:
     ValueError naming ``path`` otherwise (an empty file; SQuAD v2.0 unanswerable questions, which
     would train as [CLS] spans that a v1.1 model never predicts)."""
     if not split:
-        raise ValueError(f"{path}: no questions to train on (its \"data\" holds none)")
+        raise ValueError(f'{path}: no questions to train on (its "data" holds none)')
     ex = first_unanswered([ex for ex, _ in split])
     if ex is not None:
-        raise ValueError(f"{path}: training question {ex.qid!r} has no answers; SQuAD v2.0 unanswerable "
-                         f"questions are not supported (extractive QA here is SQuAD v1.1: every training "
-                         f"question needs at least one answer span); remove them from the file")
+        raise ValueError(
+            f"{path}: training question {ex.qid!r} has no answers; SQuAD v2.0 unanswerable "
+            f"questions are not supported (extractive QA here is SQuAD v1.1: every training "
+            f"question needs at least one answer span); remove them from the file"
+        )
 
 
-def encode_qa_split(split, tokenizer, vocab: EntityVocab, kg: KnowledgeGraph, max_len: int = 384,
-                    stride: int = 128, max_query: int = 64, max_neighbors: int = 4) -> list[dict]:
+def encode_qa_split(
+    split,
+    tokenizer,
+    vocab: EntityVocab,
+    kg: KnowledgeGraph,
+    max_len: int = 384,
+    stride: int = 128,
+    max_query: int = 64,
+    max_neighbors: int = 4,
+) -> list[dict]:
     """Every question's windows (:func:`jsteer.kala.qa.encode_qa`), in order."""
-    return [f for ex, ms in split for f in encode_qa(ex, tokenizer, ms, vocab, kg, max_len, stride, max_query,
-                                                     max_neighbors)]
+    return [
+        f
+        for ex, ms in split
+        for f in encode_qa(ex, tokenizer, ms, vocab, kg, max_len, stride, max_query, max_neighbors)
+    ]
 
 
-def qa_data(train_split, test_split, facts, tokenizer, max_len: int = 384, stride: int = 128, max_query: int = 64,
-            max_neighbors: int = 4) -> QAData:
+def qa_data(
+    train_split,
+    test_split,
+    facts,
+    tokenizer,
+    max_len: int = 384,
+    stride: int = 128,
+    max_query: int = 64,
+    max_neighbors: int = 4,
+) -> QAData:
     """:class:`QAData` from read splits (:func:`read_qa_split`) and facts: the vocabularies from
     the training mentions, both splits encoded into windows."""
     vocab = EntityVocab.from_mentions([ms for _, ms in train_split])
     relations = RelationVocab.from_facts(facts)
     kg = KnowledgeGraph(facts, relations)
     enc = dict(max_len=max_len, stride=stride, max_query=max_query, max_neighbors=max_neighbors)
-    return QAData(train=encode_qa_split(train_split, tokenizer, vocab, kg, **enc),
-                  test=encode_qa_split(test_split, tokenizer, vocab, kg, **enc),
-                  test_examples=[ex for ex, _ in test_split], vocab=vocab, relations=relations, kg=kg)
+    return QAData(
+        train=encode_qa_split(train_split, tokenizer, vocab, kg, **enc),
+        test=encode_qa_split(test_split, tokenizer, vocab, kg, **enc),
+        test_examples=[ex for ex, _ in test_split],
+        vocab=vocab,
+        relations=relations,
+        kg=kg,
+    )
 
 
-def load_qa_data(train_path, test_path, graph_dir, tokenizer, max_len: int = 384, stride: int = 128,
-                 max_query: int = 64, max_neighbors: int = 4, train_size: Optional[int] = None,
-                 test_size: Optional[int] = None, subsample_seed: int = 0, facts_path=None) -> QAData:
+def load_qa_data(
+    train_path,
+    test_path,
+    graph_dir,
+    tokenizer,
+    max_len: int = 384,
+    stride: int = 128,
+    max_query: int = 64,
+    max_neighbors: int = 4,
+    train_size: Optional[int] = None,
+    test_size: Optional[int] = None,
+    subsample_seed: int = 0,
+    facts_path=None,
+) -> QAData:
     """Read SQuAD-format train / test files (``test_path`` None: no test set) and their
     knowledge files; encode both into windows. ``train_size`` / ``test_size``: a seeded random
     subset of questions (None: all)."""
     graph_dir = pathlib.Path(graph_dir)
     train = read_qa_split(train_path, graph_dir, train_size, subsample_seed)
     check_train_split(train_path, train)
-    test = read_qa_split(test_path, graph_dir, test_size, subsample_seed, strict=False) \
-        if test_path is not None else []
+    test = read_qa_split(test_path, graph_dir, test_size, subsample_seed, strict=False) if test_path is not None else []
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
     return qa_data(train, test, facts, tokenizer, max_len, stride, max_query, max_neighbors)
 
 
-def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[dict], vocab: EntityVocab,
-                         batch_size: int = 64) -> np.ndarray:
+def memory_from_backbone(
+    config: BertConfig, encoder_params, examples: Sequence[dict], vocab: EntityVocab, batch_size: int = 64
+) -> np.ndarray:
     """Entity memory [len(vocab), D]: mean last-layer features over mention tokens (see
     :func:`jsteer.kala.entities.init_memory`), computed on the inputs the model is trained on:
     QA windows with their ``token_type_ids`` (the context is segment 1)."""
@@ -230,11 +306,13 @@ def memory_from_backbone(config: BertConfig, encoder_params, examples: Sequence[
         return enc.apply({"params": params}, ids, mask, token_types)[0]
 
     def hidden_fn(batch):
-        return np.asarray(hidden(encoder_params, batch["input_ids"], batch["attention_mask"],
-                                 batch.get("token_type_ids")))
+        return np.asarray(
+            hidden(encoder_params, batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+        )
 
-    return init_memory(hidden_fn, (b for _, b in kdata.batches(examples, batch_size, keys=keys)),
-                       len(vocab), config.hidden_size)
+    return init_memory(
+        hidden_fn, (b for _, b in kdata.batches(examples, batch_size, keys=keys)), len(vocab), config.hidden_size
+    )
 
 
 def check_token_types(config: BertConfig, examples: Sequence[dict]) -> None:
@@ -242,16 +320,21 @@ def check_token_types(config: BertConfig, examples: Sequence[dict]) -> None:
     model's ``type_vocab_size`` (a row past the table would be read as garbage): BERT's pairs
     use types 0 and 1, RoBERTa-family models (type_vocab_size 1) need their own tokenizer's
     all-zero types."""
-    top = max((int(e["token_type_ids"].max()) for e in examples
-               if "token_type_ids" in e and e["token_type_ids"].size), default=0)
+    top = max(
+        (int(e["token_type_ids"].max()) for e in examples if "token_type_ids" in e and e["token_type_ids"].size),
+        default=0,
+    )
     if top >= config.type_vocab_size:
-        raise ValueError(f"the tokenizer gives token type {top}, but the {config.layout} model has type_vocab_size "
-                         f"{config.type_vocab_size} (types 0..{config.type_vocab_size - 1}): use the model's own "
-                         f"tokenizer")
+        raise ValueError(
+            f"the tokenizer gives token type {top}, but the {config.layout} model has type_vocab_size "
+            f"{config.type_vocab_size} (types 0..{config.type_vocab_size - 1}): use the model's own "
+            f"tokenizer"
+        )
 
 
-def build_model(config: BertConfig, encoder_params, data, kala: KalaConfig,
-                memory: Optional[np.ndarray] = None, seed: int = 0) -> tuple[KalaModel, dict]:
+def build_model(
+    config: BertConfig, encoder_params, data, kala: KalaConfig, memory: Optional[np.ndarray] = None, seed: int = 0
+) -> tuple[KalaModel, dict]:
     """A KALA model over ``config`` with the pretrained encoder and a fresh head: NER for
     :class:`NERData`, span QA for :class:`QAData`; ``kala``'s entity / relation counts are
     filled in from ``data``."""
@@ -261,6 +344,10 @@ def build_model(config: BertConfig, encoder_params, data, kala: KalaConfig,
         model = KalaModel(config, kala, task="qa")
     else:
         model = KalaModel(config, kala, task="ner", num_labels=len(data.labels))
-    params = init_params(model, jax.random.PRNGKey(seed), encoder_params=encoder_params,
-                         memory=jnp.asarray(memory) if (memory is not None and kala.uses_knowledge) else None)
+    params = init_params(
+        model,
+        jax.random.PRNGKey(seed),
+        encoder_params=encoder_params,
+        memory=jnp.asarray(memory) if (memory is not None and kala.uses_knowledge) else None,
+    )
     return model, params

@@ -35,30 +35,64 @@ LOGS = RUNS / "kala_logs"
 JAX_CACHE = RUNS / "jax_cache"
 
 # the settings that define a sweep's protocol: runs are comparable only when these agree
-PROTOCOL_KEYS = ("train_size", "test_size", "epochs", "batch_size", "lr", "kala_lr", "max_len", "eval_split",
-                 "graph_strategy")
+PROTOCOL_KEYS = (
+    "train_size",
+    "test_size",
+    "epochs",
+    "batch_size",
+    "lr",
+    "kala_lr",
+    "max_len",
+    "eval_split",
+    "graph_strategy",
+)
 PROTOCOL_DEFAULTS = {"eval_split": "test"}  # what setups written before the key existed used
 
 DATASETS = {
-    "conll": dict(train="conll2003/eng.train", dev="conll2003/eng.testa", test="conll2003/eng.testb",
-                  scheme="iob1", labels="CONLL2003_LABELS", strategy="capitalised", min_count=2),
-    "ncbi": dict(train="ncbi_disease/train.tsv", dev="ncbi_disease/devel.tsv", test="ncbi_disease/test.tsv",
-                 scheme="iob2", labels="NCBI_DISEASE_LABELS", strategy="frequent", min_count=3),
+    "conll": dict(
+        train="conll2003/eng.train",
+        dev="conll2003/eng.testa",
+        test="conll2003/eng.testb",
+        scheme="iob1",
+        labels="CONLL2003_LABELS",
+        strategy="capitalised",
+        min_count=2,
+    ),
+    "ncbi": dict(
+        train="ncbi_disease/train.tsv",
+        dev="ncbi_disease/devel.tsv",
+        test="ncbi_disease/test.tsv",
+        scheme="iob2",
+        labels="NCBI_DISEASE_LABELS",
+        strategy="frequent",
+        min_count=3,
+    ),
 }
 
 VARIANTS = {
-    "main": [("finetune", dict(method="finetune")), ("more_params", dict(method="more_params")),
-             ("pointwise", dict(method="pointwise")), ("relational", dict(method="relational"))],
-    "ablation": [("relational_gamma_only", dict(method="relational", use_beta=False)),
-                 ("relational_beta_only", dict(method="relational", use_gamma=False))],
-    "edrop": [("relational_edrop", dict(method="relational", entity_dropout=0.3)),
-              ("pointwise_edrop", dict(method="pointwise", entity_dropout=0.3))],
+    "main": [
+        ("finetune", dict(method="finetune")),
+        ("more_params", dict(method="more_params")),
+        ("pointwise", dict(method="pointwise")),
+        ("relational", dict(method="relational")),
+    ],
+    "ablation": [
+        ("relational_gamma_only", dict(method="relational", use_beta=False)),
+        ("relational_beta_only", dict(method="relational", use_gamma=False)),
+    ],
+    "edrop": [
+        ("relational_edrop", dict(method="relational", entity_dropout=0.3)),
+        ("pointwise_edrop", dict(method="pointwise", entity_dropout=0.3)),
+    ],
     # the rate sweep, for choosing it on the dev split (--eval-split dev); 0.3 is edrop's
-    "edrop_rates": [(f"relational_edrop{round(100 * r):02d}", dict(method="relational", entity_dropout=r))
-                    for r in (0.1, 0.5)],
-    "layers": [("relational_L5", dict(method="relational", layers=(5,))),
-               ("relational_L1", dict(method="relational", layers=(1,))),
-               ("relational_L135", dict(method="relational", layers=(1, 3, 5)))],
+    "edrop_rates": [
+        (f"relational_edrop{round(100 * r):02d}", dict(method="relational", entity_dropout=r)) for r in (0.1, 0.5)
+    ],
+    "layers": [
+        ("relational_L5", dict(method="relational", layers=(5,))),
+        ("relational_L1", dict(method="relational", layers=(1,))),
+        ("relational_L135", dict(method="relational", layers=(1, 3, 5))),
+    ],
 }
 
 # The protocol of the committed test sweeps ner_<dataset>.json (kala_ner.py's $CONLL / $NCBI and
@@ -79,8 +113,11 @@ def protocol_setting(setup: dict, key: str):
 
 def protocol_diff(a: dict, b: dict) -> dict:
     """{key: (a's, b's)} of the protocol settings in which two sweeps' setups differ."""
-    return {k: (protocol_setting(a, k), protocol_setting(b, k)) for k in PROTOCOL_KEYS
-            if protocol_setting(a, k) != protocol_setting(b, k)}
+    return {
+        k: (protocol_setting(a, k), protocol_setting(b, k))
+        for k in PROTOCOL_KEYS
+        if protocol_setting(a, k) != protocol_setting(b, k)
+    }
 
 
 def same_protocol(a: dict, b: dict) -> bool:
@@ -124,8 +161,12 @@ def ensure_graph(name: str, strategy: Optional[str] = None) -> pathlib.Path:
     strategy = strategy or spec["strategy"]
     out = graph_dir(graph_key(name, strategy))
     if not (out / "summary.json").is_file():
-        build_graph([DATA / spec[k] for k in ("train", "dev", "test")], out, strategy=strategy,
-                    min_count=graph_min_count(name, strategy))
+        build_graph(
+            [DATA / spec[k] for k in ("train", "dev", "test")],
+            out,
+            strategy=strategy,
+            min_count=graph_min_count(name, strategy),
+        )
     return out
 
 
@@ -137,8 +178,15 @@ def load_data(name: str, tokenizer, *, split: str = "test", graph_strategy: Opti
     from jsteer.kala import pipeline
 
     spec = DATASETS[name]
-    return pipeline.load_ner_data(DATA / spec["train"], DATA / spec[split], ensure_graph(name, graph_strategy),
-                                  tokenizer, labels=getattr(ner_lib, spec["labels"]), scheme=spec["scheme"], **kw)
+    return pipeline.load_ner_data(
+        DATA / spec["train"],
+        DATA / spec[split],
+        ensure_graph(name, graph_strategy),
+        tokenizer,
+        labels=getattr(ner_lib, spec["labels"]),
+        scheme=spec["scheme"],
+        **kw,
+    )
 
 
 def backfill_step_times(path: pathlib.Path, dataset: str) -> None:
@@ -163,8 +211,9 @@ def save_run(out_path: pathlib.Path, results: dict, run: dict) -> None:
         mine = {(r["variant"], r["seed"]) for r in results["runs"]}
         diff = protocol_diff(on_disk.get("setup", {}), results["setup"]) if on_disk.get("runs") else {}
         if diff:
-            raise SystemExit(f"{out_path}: another process wrote runs of another protocol {diff} meanwhile; "
-                             f"this run is not recorded")
+            raise SystemExit(
+                f"{out_path}: another process wrote runs of another protocol {diff} meanwhile; this run is not recorded"
+            )
         results["runs"] += [r for r in on_disk.get("runs", []) if (r["variant"], r["seed"]) not in mine]
     results["runs"].append(run)
     tmp = out_path.with_name(out_path.name + ".tmp")
@@ -191,9 +240,22 @@ def cached_memory(name: str, lm, data, train_size, max_len: int):
     return memory
 
 
-def setup_dataset(name: str, lm, *, model: str, train_size, test_size, max_len: int, epochs: float,
-                  batch_size: int, lr: float, kala_lr: float, eval_split: str = "test",
-                  graph_strategy: Optional[str] = None, out: Optional[str] = None):
+def setup_dataset(
+    name: str,
+    lm,
+    *,
+    model: str,
+    train_size,
+    test_size,
+    max_len: int,
+    epochs: float,
+    batch_size: int,
+    lr: float,
+    kala_lr: float,
+    eval_split: str = "test",
+    graph_strategy: Optional[str] = None,
+    out: Optional[str] = None,
+):
     """One dataset of a sweep -> (data, memory, subsets, output path, results dict): its encoded
     subsets, cached memory, seen / unseen test contexts, and the results file (``out``, default
     ``OUT/ner_<dataset>[_dev].json``) with this sweep's setup, refused when the file's runs used
@@ -209,23 +271,43 @@ def setup_dataset(name: str, lm, *, model: str, train_size, test_size, max_len: 
     t0 = time.time()
     strategy = graph_strategy or DATASETS[name]["strategy"]
     gdir = ensure_graph(name, strategy)
-    data = load_data(name, lm.tokenizer, split=eval_split, graph_strategy=strategy, max_len=max_len,
-                     train_size=train_size, test_size=test_size)
+    data = load_data(
+        name,
+        lm.tokenizer,
+        split=eval_split,
+        graph_strategy=strategy,
+        max_len=max_len,
+        train_size=train_size,
+        test_size=test_size,
+    )
     memory = cached_memory(graph_key(name, strategy), lm, data, train_size, max_len)
     subsets = data.subsets()
     setup = {
-        "dataset": name, "model": model, "train_size": len(data.train), "test_size": len(data.test),
-        "epochs": epochs, "batch_size": batch_size, "lr": lr, "kala_lr": kala_lr,
-        "max_len": max_len, "eval_split": eval_split, "graph_strategy": strategy, "warmup_ratio": 0.1,
+        "dataset": name,
+        "model": model,
+        "train_size": len(data.train),
+        "test_size": len(data.test),
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "kala_lr": kala_lr,
+        "max_len": max_len,
+        "eval_split": eval_split,
+        "graph_strategy": strategy,
+        "warmup_ratio": 0.1,
         "schedule": "linear warmup + linear decay",
-        "entity_vocab": len(data.vocab), "relations": len(data.relations), "n_seen_contexts": len(subsets["seen"]),
-        "n_unseen_contexts": len(subsets["unseen"]), "unseen_min": pipeline.UNSEEN_MIN,
+        "entity_vocab": len(data.vocab),
+        "relations": len(data.relations),
+        "n_seen_contexts": len(subsets["seen"]),
+        "n_unseen_contexts": len(subsets["unseen"]),
+        "unseen_min": pipeline.UNSEEN_MIN,
         "graph": json.loads((gdir / "summary.json").read_text()) | {"relations": None},
         "mean_nodes": float(sum(e["graph"].n_node for e in data.train) / len(data.train)),
         "mean_edges": float(sum(e["graph"].n_edge for e in data.train) / len(data.train)),
         "mention_coverage_test": float(sum(e["graph"].n_local > 0 for e in data.test) / len(data.test)),
         "mean_subwords_train": float(sum(len(e["input_ids"]) for e in data.train) / len(data.train)),
-        "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+        "device": jax.devices()[0].device_kind,
+        "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     old = results.get("setup")
@@ -238,8 +320,7 @@ def setup_dataset(name: str, lm, *, model: str, train_size, test_size, max_len: 
     return data, memory, subsets, out_path, results
 
 
-def measure_memory_only(lm, data, memory, variant: str, kw: dict, cfg, out_path: pathlib.Path,
-                        results: dict) -> None:
+def measure_memory_only(lm, data, memory, variant: str, kw: dict, cfg, out_path: pathlib.Path, results: dict) -> None:
     """Step memory of one variant under train config ``cfg`` without training (Table 11's memory
     column), into ``results["step_memory"]`` (and ``out_path``)."""
     from jsteer.kala import pipeline
@@ -249,15 +330,25 @@ def measure_memory_only(lm, data, memory, variant: str, kw: dict, cfg, out_path:
     mem = results.setdefault("step_memory", {})
     if variant in mem:
         return
-    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
-                                         seed=cfg.seed)
+    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory, seed=cfg.seed)
     mem[variant] = ktrain.measure_step_memory(model, params, data.train, cfg)
     out_path.write_text(json.dumps(results, indent=1, default=str))
-    print(f"{variant}: step memory {mem[variant] / 2 ** 20:.0f} MiB", flush=True)
+    print(f"{variant}: step memory {mem[variant] / 2**20:.0f} MiB", flush=True)
 
 
-def run_variant(lm, data, memory, subsets, cfg, *, group: str, variant: str, kw: dict,
-                log_path: Optional[pathlib.Path] = None, measure_memory: bool = False):
+def run_variant(
+    lm,
+    data,
+    memory,
+    subsets,
+    cfg,
+    *,
+    group: str,
+    variant: str,
+    kw: dict,
+    log_path: Optional[pathlib.Path] = None,
+    measure_memory: bool = False,
+):
     """Train one (variant, seed) of a sweep with train config ``cfg`` (its seed) and score it
     on the test split -> (fit, run record); the record is None when SIGTERM stopped the fit
     (a truncated run is not a result). ``log_path``: the Trainer's per-step JSONL log,
@@ -266,8 +357,7 @@ def run_variant(lm, data, memory, subsets, cfg, *, group: str, variant: str, kw:
     from jsteer.kala import train as ktrain
     from jsteer.kala.model import KalaConfig
 
-    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory,
-                                         seed=cfg.seed)
+    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory, seed=cfg.seed)
     t1 = time.time()
     if log_path is not None:
         pathlib.Path(log_path).unlink(missing_ok=True)
@@ -276,12 +366,23 @@ def run_variant(lm, data, memory, subsets, cfg, *, group: str, variant: str, kw:
         return fit, None
     t2 = time.time()
     scores = ktrain.evaluate_ner(model, fit.params, data.test, data.test_tags, data.labels, subsets=subsets)
-    run = {"group": group, "variant": variant, "seed": cfg.seed, "kala": dataclasses.asdict(model.kala),
-           "graph_rungs": cfg.graph_rungs,
-           **scores, "train_seconds": fit.train_seconds, "compile_seconds": fit.compile_seconds,
-           "examples_per_second": fit.examples_per_second, "steps": fit.steps,
-           "median_step_seconds": fit.median_step_seconds,
-           "final_loss": fit.losses[-1], "step_memory_bytes": fit.step_memory_bytes,
-           "params": fit.trainable_params, "eval_seconds": time.time() - t2,
-           "wall_seconds": time.time() - t1, "load_average": os.getloadavg()[0]}
+    run = {
+        "group": group,
+        "variant": variant,
+        "seed": cfg.seed,
+        "kala": dataclasses.asdict(model.kala),
+        "graph_rungs": cfg.graph_rungs,
+        **scores,
+        "train_seconds": fit.train_seconds,
+        "compile_seconds": fit.compile_seconds,
+        "examples_per_second": fit.examples_per_second,
+        "steps": fit.steps,
+        "median_step_seconds": fit.median_step_seconds,
+        "final_loss": fit.losses[-1],
+        "step_memory_bytes": fit.step_memory_bytes,
+        "params": fit.trainable_params,
+        "eval_seconds": time.time() - t2,
+        "wall_seconds": time.time() - t1,
+        "load_average": os.getloadavg()[0],
+    }
     return fit, run

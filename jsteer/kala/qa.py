@@ -54,10 +54,14 @@ _SQUAD_SHAPE = '{"version": "1.1", "data": [{"title": ..., "paragraphs": [{"cont
 
 
 def _jsonl_error(path: PathLike) -> FormatError:
-    return FormatError(path, None, None,
-                       f"this is JSON Lines (one record a line, as datasets' to_json writes), not a SQuAD file: "
-                       f"SQuAD input must be a single SQuAD v1.1 JSON object {_SQUAD_SHAPE} (the records' "
-                       f"questions grouped into paragraphs by context)")
+    return FormatError(
+        path,
+        None,
+        None,
+        f"this is JSON Lines (one record a line, as datasets' to_json writes), not a SQuAD file: "
+        f"SQuAD input must be a single SQuAD v1.1 JSON object {_SQUAD_SHAPE} (the records' "
+        f"questions grouped into paragraphs by context)",
+    )
 
 
 def _is_record(obj) -> bool:
@@ -154,10 +158,12 @@ def read_squad(path: PathLike, strict: bool = True) -> list[QAExample]:
                 for k, ans in enumerate(need(qa, "answers", list, w)):
                     text = need(ans, "text", str, f"{w}.answers[{k}]")
                     start = need(ans, "answer_start", int, f"{w}.answers[{k}]")
-                    if start < 0 or ctx[start:start + len(text)] != text:
+                    if start < 0 or ctx[start : start + len(text)] != text:
                         field = f"{w}.answers[{k}].answer_start"
-                        problem = (f"context[{start}:{start + len(text)}] = {ctx[start:start + len(text)]!r} is "
-                                   f"not the answer {text!r}")
+                        problem = (
+                            f"context[{start}:{start + len(text)}] = {ctx[start : start + len(text)]!r} is "
+                            f"not the answer {text!r}"
+                        )
                         if strict:
                             raise FormatError(path, None, field, problem)
                         start = _locate(ctx, text, start)
@@ -165,10 +171,12 @@ def read_squad(path: PathLike, strict: bool = True) -> list[QAExample]:
                     answers.append((text, start))
                 out.append(QAExample(qid, need(qa, "question", str, w), ctx, tuple(answers)))
     if moved or unlocated:
-        warnings.warn(f"{path}: {len(moved) + len(unlocated)} answer(s) whose answer_start does not point at the "
-                      f"answer text: {len(moved)} moved to the text's nearest occurrence in the context, "
-                      f"{len(unlocated)} not in the context (scored by text only); first: {(moved or unlocated)[0]}",
-                      stacklevel=2)
+        warnings.warn(
+            f"{path}: {len(moved) + len(unlocated)} answer(s) whose answer_start does not point at the "
+            f"answer text: {len(moved)} moved to the text's nearest occurrence in the context, "
+            f"{len(unlocated)} not in the context (scored by text only); first: {(moved or unlocated)[0]}",
+            stacklevel=2,
+        )
     return out
 
 
@@ -183,9 +191,24 @@ def first_unanswered(examples: Sequence[QAExample]) -> Optional[QAExample]:
 
 
 def write_squad(path: PathLike, examples: Sequence[QAExample]) -> None:
-    data = [{"title": ex.qid, "paragraphs": [{"context": ex.context, "qas": [
-        {"id": ex.qid, "question": ex.question,
-         "answers": [{"text": t, "answer_start": s} for t, s in ex.answers]}]}]} for ex in examples]
+    data = [
+        {
+            "title": ex.qid,
+            "paragraphs": [
+                {
+                    "context": ex.context,
+                    "qas": [
+                        {
+                            "id": ex.qid,
+                            "question": ex.question,
+                            "answers": [{"text": t, "answer_start": s} for t, s in ex.answers],
+                        }
+                    ],
+                }
+            ],
+        }
+        for ex in examples
+    ]
     pathlib.Path(path).write_text(json.dumps({"version": "1.1", "data": data}))
 
 
@@ -206,9 +229,17 @@ def _answer_tokens(answer: tuple[str, int], c_off: Sequence[tuple[int, int]]) ->
     return (toks[0], toks[-1]) if toks else None
 
 
-def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab: Optional[EntityVocab] = None,
-              kg: Optional[KnowledgeGraph] = None, max_len: int = 384, stride: int = 128, max_query: int = 64,
-              max_neighbors: int = 4) -> list[dict]:
+def encode_qa(
+    ex: QAExample,
+    tokenizer,
+    mentions: Sequence[Mention] = (),
+    vocab: Optional[EntityVocab] = None,
+    kg: Optional[KnowledgeGraph] = None,
+    max_len: int = 384,
+    stride: int = 128,
+    max_query: int = 64,
+    max_neighbors: int = 4,
+) -> list[dict]:
     """One question -> windows (features), each a dict of int32 arrays [L] plus bookkeeping:
     input_ids, token_type_ids, start_positions, end_positions (scalars), offsets [L, 2]
     (context char span, -1 outside the context), token_node, token_entity, graph, qid, pad_id.
@@ -216,8 +247,9 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
     Windows start ``min(stride, room)`` context tokens apart, so every context token is in at
     least one window; ``stride`` must be at least 1."""
     if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
-        raise ValueError(f"encode_qa: stride must be an integer >= 1 (context tokens between window starts), "
-                         f"got {stride!r}")
+        raise ValueError(
+            f"encode_qa: stride must be an integer >= 1 (context tokens between window starts), got {stride!r}"
+        )
     raw = raw_tokenizer(tokenizer)
     fr = framing(tokenizer, "QA")
     vocab = vocab or EntityVocab([])
@@ -242,24 +274,36 @@ def encode_qa(ex: QAExample, tokenizer, mentions: Sequence[Mention] = (), vocab:
         ids, tt = fr.pair(q_ids, c_ids[start:end])
         n_q = len(fr.prefix) + len(q_ids) + len(fr.middle)  # the window's first context token
         off = np.full((len(ids), 2), -1, np.int32)
-        off[n_q:n_q + end - start] = np.asarray(c_off[start:end], np.int32).reshape(-1, 2)
+        off[n_q : n_q + end - start] = np.asarray(c_off[start:end], np.int32).reshape(-1, 2)
         tn = np.full(len(ids), -1, np.int32)
-        tn[n_q:n_q + end - start] = tok_node_ctx[start:end]
+        tn[n_q : n_q + end - start] = tok_node_ctx[start:end]
         sp = ep = 0
         if answer is not None and start <= answer[0] and answer[1] < end:
             sp, ep = answer[0] - start + n_q, answer[1] - start + n_q
         ent = np.where(tn >= 0, graph.entity[np.maximum(tn, 0)] if graph.n_node else 0, 0).astype(np.int32)
-        feats.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(tt, np.int32),
-                      "start_positions": np.int32(sp), "end_positions": np.int32(ep), "offsets": off,
-                      "token_node": tn, "token_entity": ent, "graph": graph, "qid": ex.qid, "pad_id": fr.pad_id})
+        feats.append(
+            {
+                "input_ids": np.asarray(ids, np.int32),
+                "token_type_ids": np.asarray(tt, np.int32),
+                "start_positions": np.int32(sp),
+                "end_positions": np.int32(ep),
+                "offsets": off,
+                "token_node": tn,
+                "token_entity": ent,
+                "graph": graph,
+                "qid": ex.qid,
+                "pad_id": fr.pad_id,
+            }
+        )
         if end >= len(c_ids):
             break
         start += min(stride, room)
     return feats
 
 
-def best_span(start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndarray, n_best: int = 20,
-              max_answer_len: int = 30) -> tuple[float, int, int]:
+def best_span(
+    start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndarray, n_best: int = 20, max_answer_len: int = 30
+) -> tuple[float, int, int]:
     """(score, char start, char end) of the best valid span in one window; score -inf if none."""
     best = (-np.inf, 0, 0)
     valid = offsets[:, 0] >= 0
@@ -274,8 +318,13 @@ def best_span(start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndar
     return best
 
 
-def predict_answers(features: Sequence[dict], logits: Sequence[np.ndarray], contexts: dict[str, str],
-                    n_best: int = 20, max_answer_len: int = 30) -> dict[str, str]:
+def predict_answers(
+    features: Sequence[dict],
+    logits: Sequence[np.ndarray],
+    contexts: dict[str, str],
+    n_best: int = 20,
+    max_answer_len: int = 30,
+) -> dict[str, str]:
     """features and their logits [L, 2] -> {qid: answer text} (best span over all windows)."""
     best: dict[str, tuple[float, int, int]] = {}
     for f, lg in zip(features, logits, strict=True):

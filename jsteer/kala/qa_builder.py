@@ -44,7 +44,8 @@ _UPPER = "".join(c for c in map(chr, range(0x2000)) if c.isupper() and len(c.low
 _WORD = re.compile(
     r"(?:[^\W\d_]\.){2,}"  # U.S., e.g.
     rf"|(?<!\w)(?:(?:{'|'.join(t for t in TITLES if t != 'No')}|{'|'.join(SUFFIXES)}|[{_UPPER}])\.|No\.(?=\s*\d))"
-    r"|\d+(?:[.,]\d+)+|\w+(?:-\w+|['’](?![sS]\b)\w+)*|['’][sS]\b|[^\w\s]")
+    r"|\d+(?:[.,]\d+)+|\w+(?:-\w+|['’](?![sS]\b)\w+)*|['’][sS]\b|[^\w\s]"
+)
 _SENTENCE_END = frozenset(".!?")
 _SUFFIX_WORDS = frozenset(f"{s}." for s in SUFFIXES)
 
@@ -96,10 +97,19 @@ def annotate(examples: Sequence[QAExample], lexicon: builder.Lexicon) -> dict[st
     return {e.qid: by_context[e.context] for e in examples}
 
 
-def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, *, facts_path: Optional[PathLike] = None,
-                   corpus_paths: Sequence[PathLike] = (), strategy: str = "capitalised", min_count: int = 2,
-                   max_len: int = 4, spacy_model: Optional[str] = None,
-                   lexicon_path: Optional[PathLike] = None, overwrite: bool = False) -> dict:
+def build_qa_graph(
+    squad_paths: Sequence[PathLike],
+    out_dir: PathLike,
+    *,
+    facts_path: Optional[PathLike] = None,
+    corpus_paths: Sequence[PathLike] = (),
+    strategy: str = "capitalised",
+    min_count: int = 2,
+    max_len: int = 4,
+    spacy_model: Optional[str] = None,
+    lexicon_path: Optional[PathLike] = None,
+    overwrite: bool = False,
+) -> dict:
     """Write ``<name>.mentions.jsonl`` per SQuAD file (keyed by question id, character spans),
     ``facts.jsonl``, ``lexicon.tsv`` and ``summary.json`` under ``out_dir``, with the options of
     :func:`jsteer.kala.builder.build_graph` (which documents them); ``corpus_paths`` lines are
@@ -115,24 +125,36 @@ def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, *, facts_
     sentences = {c: context_sentences(c) for c in contexts}
     all_sents = [[w for w, _, _ in s] for c in contexts for s in sentences[c]]
     mentions_flat, knowledge = builder.annotate_sentences(
-        all_sents, out, facts_path=facts_path, corpus_paths=corpus_paths, strategy=strategy, min_count=min_count,
-        max_len=max_len, spacy_model=spacy_model, lexicon_path=lexicon_path, corpus_split=_corpus_words)
+        all_sents,
+        out,
+        facts_path=facts_path,
+        corpus_paths=corpus_paths,
+        strategy=strategy,
+        min_count=min_count,
+        max_len=max_len,
+        spacy_model=spacy_model,
+        lexicon_path=lexicon_path,
+        corpus_split=_corpus_words,
+    )
     by_context, k = {}, 0
     for c in contexts:
         n = len(sentences[c])
-        by_context[c] = _char_mentions(c, sentences[c], mentions_flat[k:k + n])
+        by_context[c] = _char_mentions(c, sentences[c], mentions_flat[k : k + n])
         k += n
-    summary = builder.write_knowledge(out, knowledge, mentions_flat,
-                                      [f"{pathlib.Path(p).name}.mentions.jsonl" for p in squad_paths])
+    summary = builder.write_knowledge(
+        out, knowledge, mentions_flat, [f"{pathlib.Path(p).name}.mentions.jsonl" for p in squad_paths]
+    )
     for p, examples in per_file.items():
         name = pathlib.Path(p).name
         write_mentions(out / f"{name}.mentions.jsonl", {e.qid: by_context[e.context] for e in examples})
         ctxs = _contexts(examples)
-        summary["files"][name] = {"questions": len(examples), "contexts": len(ctxs),
-                                  "mentions": sum(len(by_context[c]) for c in ctxs),
-                                  "fact_entities_in_mentions": builder.file_fact_entities(
-                                      knowledge, [by_context[c] for c in ctxs]),
-                                  "mentions_file": f"{name}.mentions.jsonl"}
+        summary["files"][name] = {
+            "questions": len(examples),
+            "contexts": len(ctxs),
+            "mentions": sum(len(by_context[c]) for c in ctxs),
+            "fact_entities_in_mentions": builder.file_fact_entities(knowledge, [by_context[c] for c in ctxs]),
+            "mentions_file": f"{name}.mentions.jsonl",
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if overwrite:
         builder.remove_stale_mentions(squad_paths, out, before)

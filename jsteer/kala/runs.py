@@ -47,8 +47,10 @@ def lock(out: pathlib.Path) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise ValueError(f"--out {out} is in use: another jsteer kala train is running in it (it holds "
-                                 f"the folder's lock); wait for that one to end, or choose another --out") from None
+                raise ValueError(
+                    f"--out {out} is in use: another jsteer kala train is running in it (it holds "
+                    f"the folder's lock); wait for that one to end, or choose another --out"
+                ) from None
             # no flock on this file system (e.g. ENOLCK): run unlocked
         yield
     except BaseException:
@@ -80,8 +82,10 @@ def differences(old: Mapping, new: Mapping) -> list[str]:
             if section == "data":
                 p_was = old.get("paths", {}).get(key, "?")
                 p_now = new.get("paths", {}).get(key, "?")
-                out.append(f"data.{key}: contents differ (sha256 {str(was)[:12]}... -> {str(now)[:12]}...; "
-                           f"file recorded {p_was}, now {p_now})")
+                out.append(
+                    f"data.{key}: contents differ (sha256 {str(was)[:12]}... -> {str(now)[:12]}...; "
+                    f"file recorded {p_was}, now {p_now})"
+                )
             else:
                 out.append(f"{section}.{key}: recorded {was!r}, now {now!r}")
     return out
@@ -95,8 +99,10 @@ def check_fresh(out: pathlib.Path) -> None:
         names = sorted(p.name for p in out.iterdir())
         if names:
             shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-            raise ValueError(f"--out {out} is not empty ({shown}); pass --resume to continue the run recorded "
-                             f"there (same configuration and data), or choose a new --out")
+            raise ValueError(
+                f"--out {out} is not empty ({shown}); pass --resume to continue the run recorded "
+                f"there (same configuration and data), or choose a new --out"
+            )
 
 
 def check_resume(out: pathlib.Path, record: Mapping) -> None:
@@ -105,8 +111,10 @@ def check_resume(out: pathlib.Path, record: Mapping) -> None:
     path = out / RECORD
     if not path.is_file():
         if out.is_dir() and any(out.iterdir()):
-            raise ValueError(f"--resume: {out} holds no {RECORD}, so nothing shows that it is the same run "
-                             f"(it predates run records, or is no kala train folder); choose a new --out")
+            raise ValueError(
+                f"--resume: {out} holds no {RECORD}, so nothing shows that it is the same run "
+                f"(it predates run records, or is no kala train folder); choose a new --out"
+            )
         check_fresh(out)  # absent or empty: the run starts here
         return
     try:
@@ -117,8 +125,11 @@ def check_resume(out: pathlib.Path, record: Mapping) -> None:
         old["config"].setdefault("task", "ner")  # records that predate the field are NER runs
     diff = differences(old, _json(record))
     if diff:
-        raise ValueError(f"--resume: {out} holds a run with a different configuration or data; differing: "
-                         + "; ".join(diff) + ". Resume with the recorded settings, or choose a new --out")
+        raise ValueError(
+            f"--resume: {out} holds a run with a different configuration or data; differing: "
+            + "; ".join(diff)
+            + ". Resume with the recorded settings, or choose a new --out"
+        )
 
 
 def check(out: pathlib.Path, record: Mapping, resume: bool) -> None:

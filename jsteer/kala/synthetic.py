@@ -40,8 +40,15 @@ class SyntheticNER:
         return tk
 
 
-def make_task(seed: int = 0, n_train_entities: int = 24, n_test_entities: int = 12, n_fillers: int = 30,
-              n_train: int = 256, n_test: int = 128, links: int = 2) -> SyntheticNER:
+def make_task(
+    seed: int = 0,
+    n_train_entities: int = 24,
+    n_test_entities: int = 12,
+    n_fillers: int = 30,
+    n_train: int = 256,
+    n_test: int = 128,
+    links: int = 2,
+) -> SyntheticNER:
     rng = np.random.default_rng(seed)
     classes = ("PER", "LOC")
     train_ents = [(f"ent{i}", classes[i % 2]) for i in range(n_train_entities)]

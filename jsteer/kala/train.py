@@ -61,9 +61,15 @@ def group_of(path, leaf) -> str:
 
 def optimizer_config(cfg: TrainConfig, total_steps: int) -> OptimizerConfig:
     """AdamW, linear warmup + linear decay, lr for the backbone / heads and kala_lr for KALA."""
-    return OptimizerConfig(learning_rate={"backbone": cfg.lr, "kala": cfg.kala_lr}, labels=group_of,
-                           schedule="linear", warmup_steps=int(cfg.warmup_ratio * total_steps),
-                           total_steps=total_steps, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    return OptimizerConfig(
+        learning_rate={"backbone": cfg.lr, "kala": cfg.kala_lr},
+        labels=group_of,
+        schedule="linear",
+        warmup_steps=int(cfg.warmup_ratio * total_steps),
+        total_steps=total_steps,
+        weight_decay=cfg.weight_decay,
+        clip_norm=cfg.clip_norm,
+    )
 
 
 def model_inputs(model: KalaModel, batch) -> tuple:
@@ -79,9 +85,18 @@ def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=Non
     mention = batch.get("graph_mention") if graph is not None else None
     mention = None if mention is None else jnp.asarray(mention).reshape(-1)
     last = last_layer_edges(batch) if mention is not None else None
-    return model.apply({"params": params}, batch["input_ids"], batch["attention_mask"],
-                       batch.get("token_type_ids"), graph, token_node, deterministic=deterministic, rngs=rngs,
-                       mention=mention, last_edges=last)
+    return model.apply(
+        {"params": params},
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch.get("token_type_ids"),
+        graph,
+        token_node,
+        deterministic=deterministic,
+        rngs=rngs,
+        mention=mention,
+        last_edges=last,
+    )
 
 
 def task_loss(forward_fn: Callable, task: str = "ner") -> Callable:
@@ -130,20 +145,46 @@ def qa_loss(model: KalaModel) -> Callable:
     return task_loss(functools.partial(forward, model), "qa")
 
 
-def make_trainer(model: KalaModel, params: dict, cfg: TrainConfig, total_steps: int, task: str = "ner", *,
-                 loss_fn: Optional[Callable] = None, mesh=None, rules=None, **kw) -> Trainer:
+def make_trainer(
+    model: KalaModel,
+    params: dict,
+    cfg: TrainConfig,
+    total_steps: int,
+    task: str = "ner",
+    *,
+    loss_fn: Optional[Callable] = None,
+    mesh=None,
+    rules=None,
+    **kw,
+) -> Trainer:
     """The :class:`jsteer.train.Trainer` :func:`fit` trains on: ``loss_fn`` (default the task's
     loss of a KALA model) with :func:`optimizer_config`'s AdamW over ``total_steps``, on one
     device unless ``mesh``; ``rules`` shards the encoder's params (logical axes inferred);
     ``kw``: further Trainer options (checkpoint_dir, log_path, eval_fn, ...)."""
     loss_fn = loss_fn or task_loss(functools.partial(forward, model), task)
     kw.setdefault("log_every", max(total_steps // 20, 1))
-    return Trainer(loss_fn, params, optimizer_config(cfg, total_steps), mesh=mesh or data_mesh(jax.devices()[:1]),
-                   rules=rules or "dp", axes="auto" if rules else None, seed=cfg.seed, **kw)
+    return Trainer(
+        loss_fn,
+        params,
+        optimizer_config(cfg, total_steps),
+        mesh=mesh or data_mesh(jax.devices()[:1]),
+        rules=rules or "dp",
+        axes="auto" if rules else None,
+        seed=cfg.seed,
+        **kw,
+    )
 
 
-def measure_step_memory(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig,
-                        task: str = "ner", *, loss_fn: Optional[Callable] = None, keys=None) -> Optional[int]:
+def measure_step_memory(
+    model: KalaModel,
+    params: dict,
+    examples: Sequence[dict],
+    cfg: TrainConfig,
+    task: str = "ner",
+    *,
+    loss_fn: Optional[Callable] = None,
+    keys=None,
+) -> Optional[int]:
     """Bytes XLA plans for one train step of :func:`fit` (:meth:`Trainer.step_memory_bytes`) on
     the first batch it would train on, without training (same seed -> same examples and shapes
     for every method); None where the backend does not say."""
@@ -171,8 +212,10 @@ class _Endless:
 
     def set_state(self, state) -> None:
         if int(state["seed"]) != self.seed or int(state["num_examples"]) != len(self.examples):
-            raise ValueError(f"data position is for seed {state['seed']} / {state['num_examples']} examples, "
-                             f"this run has seed {self.seed} / {len(self.examples)} examples")
+            raise ValueError(
+                f"data position is for seed {state['seed']} / {state['num_examples']} examples, "
+                f"this run has seed {self.seed} / {len(self.examples)} examples"
+            )
         self._epoch, self._index = int(state["epoch"]), int(state["index"])
 
     @classmethod
@@ -181,14 +224,20 @@ class _Endless:
         those the smaller graph buckets). ``keys``: the per-token batch keys (default
         :func:`task_keys`; the variants harness adds its models' extra keys)."""
         graph = model.kala.uses_knowledge
-        return cls(examples, cfg.batch_size, keys or task_keys(task), cfg.seed, cfg.graph_rungs if graph else 0,
-                   graph)
+        return cls(examples, cfg.batch_size, keys or task_keys(task), cfg.seed, cfg.graph_rungs if graph else 0, graph)
 
     def __iter__(self):
         while True:
-            batches = kdata.batches(self.examples, self.batch_size, shuffle=True, group_by_length=True,
-                                    seed=self.seed * 1000 + self._epoch, keys=self.keys, graph_rungs=self.graph_rungs,
-                                    graph=self.graph)
+            batches = kdata.batches(
+                self.examples,
+                self.batch_size,
+                shuffle=True,
+                group_by_length=True,
+                seed=self.seed * 1000 + self._epoch,
+                keys=self.keys,
+                graph_rungs=self.graph_rungs,
+                graph=self.graph,
+            )
             n = 0
             for i, (_, batch) in enumerate(batches):
                 n = i + 1
@@ -217,14 +266,32 @@ class FitResult:
 
 
 def task_keys(task: str) -> tuple[str, ...]:
-    return ("input_ids", "labels") if task == "ner" else (
-        "input_ids", "token_type_ids", "start_positions", "end_positions")
+    return (
+        ("input_ids", "labels")
+        if task == "ner"
+        else ("input_ids", "token_type_ids", "start_positions", "end_positions")
+    )
 
 
-def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", *,
-        log_path=None, checkpoint_dir=None, eval_fn=None, eval_every=None, progress: bool = False,
-        measure_memory: bool = False, mesh=None, rules=None, nonresumable_data: str = "warn",
-        loss_fn: Optional[Callable] = None, keys: Optional[Sequence[str]] = None) -> FitResult:
+def fit(
+    model: KalaModel,
+    params: dict,
+    examples: Sequence[dict],
+    cfg: TrainConfig,
+    task: str = "ner",
+    *,
+    log_path=None,
+    checkpoint_dir=None,
+    eval_fn=None,
+    eval_every=None,
+    progress: bool = False,
+    measure_memory: bool = False,
+    mesh=None,
+    rules=None,
+    nonresumable_data: str = "warn",
+    loss_fn: Optional[Callable] = None,
+    keys: Optional[Sequence[str]] = None,
+) -> FitResult:
     """Train on encoded examples for ``cfg.epochs`` (or ``cfg.max_steps``) with the shared
     :class:`jsteer.train.Trainer` (:func:`make_trainer`; one device by default: graphs are per
     example, so the data axis may be widened with ``mesh`` when the batch divides it). ``rules``
@@ -241,9 +308,23 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
         raise ValueError("fit: no training examples (an empty training file, or a train size of 0?)")
     total = cfg.total_steps(len(examples))
     # sync_steps: each step's loss is read anyway, and the step times are then device times
-    trainer = make_trainer(model, params, cfg, total, task, loss_fn=loss_fn, mesh=mesh, rules=rules,
-                           checkpoint_dir=checkpoint_dir, log_path=log_path, eval_fn=eval_fn, eval_every=eval_every,
-                           progress=progress, exit_on_preempt=False, sync_steps=True)
+    trainer = make_trainer(
+        model,
+        params,
+        cfg,
+        total,
+        task,
+        loss_fn=loss_fn,
+        mesh=mesh,
+        rules=rules,
+        checkpoint_dir=checkpoint_dir,
+        log_path=log_path,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        progress=progress,
+        exit_on_preempt=False,
+        sync_steps=True,
+    )
     losses = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     stream = _Endless.for_model(model, examples, cfg, task, keys)
@@ -254,24 +335,39 @@ def fit(model: KalaModel, params: dict, examples: Sequence[dict], cfg: TrainConf
     times = trainer.step_times
     n = len(times)
     train_s = float(np.sum(times[1:])) if n > 1 else float("nan")
-    return FitResult(params=trainer.params, losses=losses, train_seconds=train_s,
-                     compile_seconds=times[0] if n else float("nan"), steps=n,
-                     examples_per_second=(n - 1) * cfg.batch_size / train_s if n > 1 else float("nan"),
-                     step_memory_bytes=mem, trainable_params=count_params(params),
-                     median_step_seconds=float(np.median(times[1:])) if n > 1 else float("nan"),
-                     preempted=bool(summary["preempted"]), last_step=int(summary["step"]))
+    return FitResult(
+        params=trainer.params,
+        losses=losses,
+        train_seconds=train_s,
+        compile_seconds=times[0] if n else float("nan"),
+        steps=n,
+        examples_per_second=(n - 1) * cfg.batch_size / train_s if n > 1 else float("nan"),
+        step_memory_bytes=mem,
+        trainable_params=count_params(params),
+        median_step_seconds=float(np.median(times[1:])) if n > 1 else float("nan"),
+        preempted=bool(summary["preempted"]),
+        last_step=int(summary["step"]),
+    )
 
 
-def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_size: int = 64, *,
-                forward_fn: Optional[Callable] = None, keys: Sequence[str] = ()) -> list[np.ndarray]:
+def predict_ner(
+    model: KalaModel,
+    params: dict,
+    examples: Sequence[dict],
+    batch_size: int = 64,
+    *,
+    forward_fn: Optional[Callable] = None,
+    keys: Sequence[str] = (),
+) -> list[np.ndarray]:
     """Per-word predicted label ids for each example (words cut by truncation get 0 = 'O').
     ``forward_fn(params, batch)`` / ``keys``: another model's forward and extra batch keys."""
     fwd = forward_fn or functools.partial(forward, model)
     logits_fn = jax.jit(lambda p, b: fwd(p, b).logits)
     graph = model.kala.uses_knowledge
     preds: list = [None] * len(examples)
-    for idx, batch in kdata.batches(examples, batch_size, keys=task_keys("ner") + tuple(keys) + ("word_index",),
-                                    graph=graph):
+    for idx, batch in kdata.batches(
+        examples, batch_size, keys=task_keys("ner") + tuple(keys) + ("word_index",), graph=graph
+    ):
         wi = batch["word_index"]
         arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, graph)), -1))
         for r, i in enumerate(idx):
@@ -279,9 +375,18 @@ def predict_ner(model: KalaModel, params: dict, examples: Sequence[dict], batch_
     return preds
 
 
-def evaluate_ner(model: KalaModel, params: dict, examples: Sequence[dict], gold_tags: Sequence[Sequence[str]],
-                 label_names: Sequence[str], batch_size: int = 64, subsets: Optional[dict] = None, *,
-                 forward_fn: Optional[Callable] = None, keys: Sequence[str] = ()) -> dict:
+def evaluate_ner(
+    model: KalaModel,
+    params: dict,
+    examples: Sequence[dict],
+    gold_tags: Sequence[Sequence[str]],
+    label_names: Sequence[str],
+    batch_size: int = 64,
+    subsets: Optional[dict] = None,
+    *,
+    forward_fn: Optional[Callable] = None,
+    keys: Sequence[str] = (),
+) -> dict:
     """Entity-level scores (percent) overall and on optional {name: example indices} subsets
     (``forward_fn`` / ``keys``: as :func:`predict_ner`)."""
     preds = predict_ner(model, params, examples, batch_size, forward_fn=forward_fn, keys=keys)
@@ -292,8 +397,9 @@ def count_params(tree) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64
-                      ) -> list[np.ndarray]:
+def predict_qa_logits(
+    model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64
+) -> list[np.ndarray]:
     """Span logits [L, 2] of each QA feature (window), unpadded."""
 
     @jax.jit
@@ -304,23 +410,34 @@ def predict_qa_logits(model: KalaModel, params: dict, features: Sequence[dict], 
     for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa"), graph=model.kala.uses_knowledge):
         lg = np.asarray(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)))
         for r, i in enumerate(idx):
-            out[i] = lg[r, :len(features[i]["input_ids"])]
+            out[i] = lg[r, : len(features[i]["input_ids"])]
     return out
 
 
-def predict_qa(model: KalaModel, params: dict, features: Sequence[dict], examples: Sequence, batch_size: int = 64,
-               max_answer_len: int = 30) -> dict[str, str]:
+def predict_qa(
+    model: KalaModel,
+    params: dict,
+    features: Sequence[dict],
+    examples: Sequence,
+    batch_size: int = 64,
+    max_answer_len: int = 30,
+) -> dict[str, str]:
     """{question id: answer text}: the best span over each question's windows (the predictions
     file the SQuAD evaluation script reads)."""
     from jsteer.kala import qa as qa_lib
 
     logits = predict_qa_logits(model, params, features, batch_size)
-    return qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples},
-                                  max_answer_len=max_answer_len)
+    return qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples}, max_answer_len=max_answer_len)
 
 
-def evaluate_qa(model: KalaModel, params: dict, features: Sequence[dict], examples: Sequence, batch_size: int = 64,
-                max_answer_len: int = 30) -> dict:
+def evaluate_qa(
+    model: KalaModel,
+    params: dict,
+    features: Sequence[dict],
+    examples: Sequence,
+    batch_size: int = 64,
+    max_answer_len: int = 30,
+) -> dict:
     """SQuAD EM / F1 (percent) of the best span over each question's windows."""
     from jsteer.kala import qa as qa_lib
     from jsteer.kala.metrics import squad_scores

@@ -21,8 +21,12 @@ KINDS = ("plain", "kalm", "kalm_type_input")
 
 
 def register(subparsers) -> None:
-    top = subparsers.add_parser("kalm", help="KALM typed-vocabulary LM: train, eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = subparsers.add_parser(
+        "kalm",
+        help="KALM typed-vocabulary LM: train, eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = top.add_subparsers(dest="kalm_command", required=True)
     p = sub.add_parser("train", help="train a KALM / plain LM and save an artifact")
     p.add_argument("--data", required=True, help="kalm_namedentitylm folder (superingredients/, raw_data/)")
@@ -40,8 +44,11 @@ def register(subparsers) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--type-dim", type=int, default=32, help="width of the type embeddings")
-    p.add_argument("--untied", action="store_true",
-                   help="free typed output rows (default: word output embedding + a type-specific offset)")
+    p.add_argument(
+        "--untied",
+        action="store_true",
+        help="free typed output rows (default: word output embedding + a type-specific offset)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="perplexity (and held-out typing) of an artifact on a text file")
@@ -81,16 +88,42 @@ def _train(args) -> int:
     backbone = ktrain.tiny_llama(len(vocab), args.hidden, args.layers, heads=4, max_len=args.length + 1)
     model = ktrain.make_model(args.kind, backbone, tv, type_dim=args.type_dim, share_word_embedding=not args.untied)
     params = ktrain.init_params(model, jax.random.PRNGKey(args.seed), tv)
-    params, info = ktrain.train(model, params, ids, mask, tv,
-                                ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps,
-                                                     seed=args.seed), progress=True)
-    meta = {"kind": args.kind, "reverse": args.reverse, "vocab": vocab.words, "type_names": list(kdata.TYPE_NAMES),
-            "type_words": type_words, "held_out": {w: types[w][0] for w in sorted(held)}, "length": args.length,
-            "backbone": backbone.to_dict(), "type_dim": args.type_dim, "share_word_embedding": not args.untied,
-            "train_seconds": info["seconds"], "final_loss": info["losses"][-1]}
+    params, info = ktrain.train(
+        model,
+        params,
+        ids,
+        mask,
+        tv,
+        ktrain.LMTrainConfig(lr=args.lr, batch_size=args.batch, steps=args.steps, seed=args.seed),
+        progress=True,
+    )
+    meta = {
+        "kind": args.kind,
+        "reverse": args.reverse,
+        "vocab": vocab.words,
+        "type_names": list(kdata.TYPE_NAMES),
+        "type_words": type_words,
+        "held_out": {w: types[w][0] for w in sorted(held)},
+        "length": args.length,
+        "backbone": backbone.to_dict(),
+        "type_dim": args.type_dim,
+        "share_word_embedding": not args.untied,
+        "train_seconds": info["seconds"],
+        "final_loss": info["losses"][-1],
+    }
     save_artifact(args.out, params, meta)
-    print(json.dumps({"out": str(args.out), "final_loss": info["losses"][-1], "train_seconds": info["seconds"],
-                      "vocab": len(vocab), "typed_pairs": tv.num_pairs, "held_out": len(held)}))
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "final_loss": info["losses"][-1],
+                "train_seconds": info["seconds"],
+                "vocab": len(vocab),
+                "typed_pairs": tv.num_pairs,
+                "held_out": len(held),
+            }
+        )
+    )
     return 0
 
 
@@ -107,9 +140,13 @@ def _eval(args) -> int:
     params, meta = load_artifact(args.model)
     vocab = kdata.Vocab(list(meta["vocab"]))
     tv = TypedVocab.build(len(vocab), meta["type_words"], disjoint=True)
-    model = ktrain.make_model(meta["kind"], config_from_hf(meta["backbone"], f"{args.model}: backbone"), tv,
-                              type_dim=meta.get("type_dim", 32),
-                              share_word_embedding=meta.get("share_word_embedding", False))
+    model = ktrain.make_model(
+        meta["kind"],
+        config_from_hf(meta["backbone"], f"{args.model}: backbone"),
+        tv,
+        type_dim=meta.get("type_dim", 32),
+        share_word_embedding=meta.get("share_word_embedding", False),
+    )
     lines = kdata.read_lines(args.text, args.lines)
     ids, mask = kdata.encode_lines(lines, vocab, meta["length"], reverse=meta["reverse"])
     out = {"lines": len(lines), **ktrain.perplexity(model, params, ids, mask, tv)}

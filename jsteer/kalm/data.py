@@ -31,8 +31,10 @@ PathLike = Union[str, os.PathLike]
 TYPE_NAMES = ("dairy", "drinks", "fruits", "grains", "proteins", "seasonings", "sides", "vegetables")
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 # modifiers dropped from multi-word entries ("Beef (ground)" -> beef); single-word entries stay
-MODIFIERS = frozenset("""and or of the a an with without all any dry dried fresh frozen canned ground cooked uncooked
-pre sauce mix style plain flavored whole""".split())
+MODIFIERS = frozenset(
+    """and or of the a an with without all any dry dried fresh frozen canned ground cooked uncooked
+pre sauce mix style plain flavored whole""".split()
+)
 _WORD = re.compile(r"[a-z]+")
 _TOKEN = re.compile(r"[a-z]+|,")
 
@@ -62,7 +64,7 @@ def read_lexicon(root: PathLike, types: Sequence[str] = TYPE_NAMES) -> dict[str,
         if not path.is_file():
             raise DataError(f"{path}: missing type file for type {t!r}")
         entries = []
-        for ln, raw in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
             line = raw.strip().lower()
             if not line:
                 continue
@@ -83,8 +85,9 @@ def entry_words(entry: str) -> list[str]:
     return [w for w in words if w not in MODIFIERS and len(w) > 2]
 
 
-def word_types(lexicon: Mapping[str, Sequence[str]], corpus_words: Optional[Iterable[str]] = None
-               ) -> dict[str, tuple[str, ...]]:
+def word_types(
+    lexicon: Mapping[str, Sequence[str]], corpus_words: Optional[Iterable[str]] = None
+) -> dict[str, tuple[str, ...]]:
     """Word-level typed lexicon {word: sorted types}. With ``corpus_words``, each word also
     lends its type to its plural / singular variants (``+s``, ``+es``, ``-s``, ``-es``) found
     there, and words absent from the corpus are dropped."""
@@ -148,8 +151,9 @@ class Vocab:
         return word in self.index
 
 
-def encode_lines(lines: Sequence[Sequence[str]], vocab: Vocab, length: int, reverse: bool = False
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def encode_lines(
+    lines: Sequence[Sequence[str]], vocab: Vocab, length: int, reverse: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Lines -> (ids int32 [N, length + 1], mask int32 [N, length + 1]): ``<eos> w1 .. wn <eos>``
     (``reverse``: the words backwards, for a right-to-left LM), truncated and padded. Position
     t predicts position t + 1."""
@@ -158,14 +162,19 @@ def encode_lines(lines: Sequence[Sequence[str]], vocab: Vocab, length: int, reve
     for i, line in enumerate(lines):
         words = list(reversed(line)) if reverse else list(line)
         seq = [vocab(EOS)] + [vocab(w) for w in words] + [vocab(EOS)]
-        seq = seq[:length + 1]
-        ids[i, :len(seq)] = seq
-        mask[i, :len(seq)] = 1
+        seq = seq[: length + 1]
+        ids[i, : len(seq)] = seq
+        mask[i, : len(seq)] = 1
     return ids, mask
 
 
-def split_held_out(types: Mapping[str, tuple[str, ...]], vocab: Vocab, fraction: float, seed: int = 0,
-                   eligible: Optional[Iterable[str]] = None) -> set[str]:
+def split_held_out(
+    types: Mapping[str, tuple[str, ...]],
+    vocab: Vocab,
+    fraction: float,
+    seed: int = 0,
+    eligible: Optional[Iterable[str]] = None,
+) -> set[str]:
     """Words to hold out of the type vocabularies: ``fraction`` of each type's in-vocabulary
     words that have exactly that one type (and are in ``eligible``, e.g. seen in the test set)."""
     rng = np.random.default_rng(seed)
@@ -178,10 +187,13 @@ def split_held_out(types: Mapping[str, tuple[str, ...]], vocab: Vocab, fraction:
     return held
 
 
-def type_word_ids(types: Mapping[str, tuple[str, ...]], vocab: Vocab, type_names: Sequence[str] = TYPE_NAMES,
-                  exclude: Iterable[str] = ()) -> list[list[int]]:
+def type_word_ids(
+    types: Mapping[str, tuple[str, ...]],
+    vocab: Vocab,
+    type_names: Sequence[str] = TYPE_NAMES,
+    exclude: Iterable[str] = (),
+) -> list[list[int]]:
     """Per entity type (in ``type_names`` order) the vocabulary ids of its words, minus
     ``exclude`` and words outside the vocabulary."""
     ex = set(exclude)
-    return [sorted(vocab(w) for w, ts in types.items() if t in ts and w in vocab and w not in ex)
-            for t in type_names]
+    return [sorted(vocab(w) for w, ts in types.items() if t in ts and w in vocab and w not in ex) for t in type_names]

@@ -27,8 +27,13 @@ import numpy as np
 from jsteer.kalm.data import TYPE_NAMES, Vocab
 
 
-def type_prior(vocab: Vocab, types: Mapping[str, tuple[str, ...]], type_names: Sequence[str] = TYPE_NAMES,
-               exclude: Sequence[str] = (), smoothing: float = 0.01) -> np.ndarray:
+def type_prior(
+    vocab: Vocab,
+    types: Mapping[str, tuple[str, ...]],
+    type_names: Sequence[str] = TYPE_NAMES,
+    exclude: Sequence[str] = (),
+    smoothing: float = 0.01,
+) -> np.ndarray:
     """log P(type | word) [V, K+1] (column 0 = the general type; see the module docstring)."""
     k = len(type_names)
     col = {t: j + 1 for j, t in enumerate(type_names)}
@@ -43,8 +48,11 @@ def type_prior(vocab: Vocab, types: Mapping[str, tuple[str, ...]], type_names: S
     return np.log(prior)
 
 
-def decode_types(context_logp: Sequence[np.ndarray], prior_logp: Optional[np.ndarray] = None,
-                 marginal_logp: Optional[np.ndarray] = None) -> np.ndarray:
+def decode_types(
+    context_logp: Sequence[np.ndarray],
+    prior_logp: Optional[np.ndarray] = None,
+    marginal_logp: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """Best entity type per word.
 
     context_logp: list of [..., K+1] log P(type | one context direction) for the same words.
@@ -61,8 +69,9 @@ def decode_types(context_logp: Sequence[np.ndarray], prior_logp: Optional[np.nda
     return 1 + np.argmax(score[..., 1:], axis=-1)
 
 
-def word_positions(lines: Sequence[Sequence[str]], words: Mapping[str, int], length: int
-                   ) -> list[tuple[int, int, int, int]]:
+def word_positions(
+    lines: Sequence[Sequence[str]], words: Mapping[str, int], length: int
+) -> list[tuple[int, int, int, int]]:
     """Occurrences of ``words`` ({word: gold type 1..K}) within the first ``length - 1`` words
     of each line: [(line, position of the word's forward prediction, of its backward
     prediction, gold type)], for arrays from :func:`jsteer.kalm.data.encode_lines` (forward:

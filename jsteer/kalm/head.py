@@ -55,8 +55,9 @@ class KalmConfig:
 
     def __post_init__(self):
         if self.num_types < 0 or self.type_dim < 1:
-            raise ValueError(f"KalmConfig: num_types must be >= 0 and type_dim >= 1, got {self.num_types}, "
-                             f"{self.type_dim}")
+            raise ValueError(
+                f"KalmConfig: num_types must be >= 0 and type_dim >= 1, got {self.num_types}, {self.type_dim}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,8 +92,13 @@ class TypedVocab:
         return int(self.pair_type.shape[0])
 
     @classmethod
-    def build(cls, vocab_size: int, type_words: Sequence[Sequence[int]],
-              general: Optional[np.ndarray] = None, disjoint: bool = False) -> "TypedVocab":
+    def build(
+        cls,
+        vocab_size: int,
+        type_words: Sequence[Sequence[int]],
+        general: Optional[np.ndarray] = None,
+        disjoint: bool = False,
+    ) -> "TypedVocab":
         """type_words[j - 1]: vocabulary ids in type j's vocabulary (a word may belong to
         several types). general: bool [V], the general vocabulary; default every word, or with
         ``disjoint`` every word outside the entity vocabularies (then an entity word can only
@@ -114,9 +120,12 @@ class TypedVocab:
         general = np.asarray(general, bool)
         if general.shape != (vocab_size,) or not general.any():
             raise ValueError(f"TypedVocab: general must be a non-empty bool mask of shape ({vocab_size},)")
-        return cls(pair_type=jnp.asarray([j for j, _ in pairs], jnp.int32),
-                   pair_word=jnp.asarray([w for _, w in pairs], jnp.int32),
-                   pair_index=jnp.asarray(index), general=jnp.asarray(general))
+        return cls(
+            pair_type=jnp.asarray([j for j, _ in pairs], jnp.int32),
+            pair_word=jnp.asarray([w for _, w in pairs], jnp.int32),
+            pair_index=jnp.asarray(index),
+            general=jnp.asarray(general),
+        )
 
     def types_of(self, word_id: int) -> list[int]:
         """Entity types (1..K) whose vocabulary holds ``word_id``."""
@@ -181,11 +190,14 @@ class KalmHead(nn.Module):
 
     def __call__(self, h: Array, general_logits: Array, vocab: TypedVocab) -> KalmOutput:
         if (vocab.num_types, vocab.num_pairs) != (self.config.num_types, self.num_pairs):
-            raise ValueError(f"TypedVocab has {vocab.num_types} types / {vocab.num_pairs} pairs, the head was "
-                             f"built for {self.config.num_types} / {self.num_pairs}")
+            raise ValueError(
+                f"TypedVocab has {vocab.num_types} types / {vocab.num_pairs} pairs, the head was "
+                f"built for {self.config.num_types} / {self.num_pairs}"
+            )
         if general_logits.shape[-1] != vocab.vocab_size:
-            raise ValueError(f"general logits cover {general_logits.shape[-1]} words, the TypedVocab "
-                             f"{vocab.vocab_size}")
+            raise ValueError(
+                f"general logits cover {general_logits.shape[-1]} words, the TypedVocab {vocab.vocab_size}"
+            )
         if h.shape[-1] != self.hidden_size:
             raise ValueError(f"h has width {h.shape[-1]}, the head was built for {self.hidden_size}")
         h = h.astype(jnp.float32)

@@ -33,23 +33,37 @@ class LMTrainConfig:
     seed: int = 0
 
 
-def tiny_llama(vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4, max_len: int = 256
-               ) -> DecoderConfig:
+def tiny_llama(
+    vocab_size: int, hidden: int = 128, layers: int = 2, heads: int = 4, max_len: int = 256
+) -> DecoderConfig:
     """A small random-init LLaMA for word-level recipe text (tied embeddings)."""
-    return DecoderConfig.llama(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden,
-                               num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-                               max_position_embeddings=max_len, tie_word_embeddings=True)
+    return DecoderConfig.llama(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+    )
 
 
-def make_model(kind: str, backbone: DecoderConfig, vocab: TypedVocab, type_dim: int = 32,
-               share_word_embedding: bool = True):
+def make_model(
+    kind: str, backbone: DecoderConfig, vocab: TypedVocab, type_dim: int = 32, share_word_embedding: bool = True
+):
     """``plain``: a Decoder; ``kalm`` / ``kalm_type_input``: :class:`KalmLM`."""
     if kind == "plain":
         return Decoder(backbone)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    cfg = KalmConfig(num_types=vocab.num_types, type_dim=type_dim, type_as_input=kind == "kalm_type_input",
-                     share_word_embedding=share_word_embedding)
+    cfg = KalmConfig(
+        num_types=vocab.num_types,
+        type_dim=type_dim,
+        type_as_input=kind == "kalm_type_input",
+        share_word_embedding=share_word_embedding,
+    )
     return KalmLM(backbone, cfg, num_pairs=vocab.num_pairs)
 
 
@@ -77,12 +91,21 @@ def _batches(ids: np.ndarray, mask: np.ndarray, batch_size: int, seed: int) -> I
     while True:
         order = rng.permutation(len(ids))
         for s in range(0, len(order) - batch_size + 1, batch_size):
-            sel = order[s:s + batch_size]
+            sel = order[s : s + batch_size]
             yield {"ids": ids[sel], "mask": mask[sel]}
 
 
-def train(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, cfg: LMTrainConfig,
-          log_path=None, progress: bool = False, mesh=None) -> tuple[dict, dict]:
+def train(
+    model,
+    params,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    vocab: TypedVocab,
+    cfg: LMTrainConfig,
+    log_path=None,
+    progress: bool = False,
+    mesh=None,
+) -> tuple[dict, dict]:
     """Train on ``ids`` / ``mask`` [N, L+1] (:func:`jsteer.kalm.data.encode_lines`) -> (params,
     info: losses, seconds (steps 2..N), compile_seconds). Data-parallel over ``mesh`` (default:
     every device; the batch size must divide by the device count). A SIGTERM ends the process
@@ -92,17 +115,35 @@ def train(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, c
         raise ValueError(f"{len(ids)} training lines do not fill one batch of {cfg.batch_size}")
     # a short run still reaches the peak learning rate (warmup at most a tenth of the steps)
     warmup = min(cfg.warmup_steps, max(cfg.steps // 10, 1))
-    opt = OptimizerConfig(learning_rate=cfg.lr, schedule="linear", warmup_steps=warmup,
-                          total_steps=cfg.steps, weight_decay=cfg.weight_decay, clip_norm=cfg.clip_norm)
+    opt = OptimizerConfig(
+        learning_rate=cfg.lr,
+        schedule="linear",
+        warmup_steps=warmup,
+        total_steps=cfg.steps,
+        weight_decay=cfg.weight_decay,
+        clip_norm=cfg.clip_norm,
+    )
     # sync_steps: each step's loss is read anyway, and the step times are then device times
-    trainer = Trainer(loss_fn(model, vocab), params, opt, mesh=mesh or data_mesh(), log_path=log_path,
-                      log_every=max(cfg.steps // 20, 1), seed=cfg.seed, progress=progress, sync_steps=True)
+    trainer = Trainer(
+        loss_fn(model, vocab),
+        params,
+        opt,
+        mesh=mesh or data_mesh(),
+        log_path=log_path,
+        log_every=max(cfg.steps // 20, 1),
+        seed=cfg.seed,
+        progress=progress,
+        sync_steps=True,
+    )
     losses = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     trainer.fit(_batches(ids, mask, cfg.batch_size, cfg.seed), cfg.steps)
     times = trainer.step_times
-    return trainer.params, {"losses": losses, "seconds": float(np.sum(times[1:])) if len(times) > 1 else float("nan"),
-                            "compile_seconds": times[0] if times else float("nan")}
+    return trainer.params, {
+        "losses": losses,
+        "seconds": float(np.sum(times[1:])) if len(times) > 1 else float("nan"),
+        "compile_seconds": times[0] if times else float("nan"),
+    }
 
 
 def _chunks(n: int, size: int):
@@ -110,8 +151,7 @@ def _chunks(n: int, size: int):
         yield slice(s, min(s + size, n))
 
 
-def perplexity(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, batch_size: int = 128
-               ) -> dict:
+def perplexity(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, batch_size: int = 128) -> dict:
     """Token-level perplexity exp(mean NLL) over every predicted real token, and the count."""
     fn = jax.jit(lambda p, i, m: next_token_log_probs(model, p, i, m, vocab))
     total, count = 0.0, 0
@@ -124,8 +164,9 @@ def perplexity(model, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVoc
     return {"perplexity": float(np.exp(total / count)), "nll": total / count, "tokens": count}
 
 
-def context_types(model: KalmLM, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab,
-                  batch_size: int = 128) -> np.ndarray:
+def context_types(
+    model: KalmLM, params, ids: np.ndarray, mask: np.ndarray, vocab: TypedVocab, batch_size: int = 128
+) -> np.ndarray:
     """log P(type of token t+1 | tokens <= t) [N, L+1, K+1] (position t's prediction)."""
     if not isinstance(model, KalmLM):
         raise TypeError("context_types needs a KalmLM")

@@ -24,20 +24,40 @@ class WrongModelError(ValueError):
     """A steer artifact was loaded onto a model it was not trained (or transferred) for."""
 
 
-def save(path: str, params: head.Params, *, base_model: str, hidden_size: int, vocab_size: int,
-         eps0: float = 1e-3, dummy: bool = True, steer_names: Optional[Sequence[str]] = None,
-         transferred_from: Optional[str] = None, extra: Optional[dict] = None) -> None:
+def save(
+    path: str,
+    params: head.Params,
+    *,
+    base_model: str,
+    hidden_size: int,
+    vocab_size: int,
+    eps0: float = 1e-3,
+    dummy: bool = True,
+    steer_names: Optional[Sequence[str]] = None,
+    transferred_from: Optional[str] = None,
+    extra: Optional[dict] = None,
+) -> None:
     from jsteer import io
 
-    k = head.validate(params, hidden_dim=None if head.kind(params) == "blacklist" else hidden_size,
-                      vocab_size=vocab_size)
+    k = head.validate(
+        params, hidden_dim=None if head.kind(params) == "blacklist" else hidden_size, vocab_size=vocab_size
+    )
     n_user = head.num_steers(params) - int(dummy)
     names = list(steer_names) if steer_names is not None else [f"steer{i}" for i in range(n_user)]
     if len(names) != n_user:
         raise ValueError(f"{len(names)} steer names for {n_user} user steers")
-    meta = {"format": FORMAT, "kind": k, "base_model": str(base_model), "hidden_size": int(hidden_size),
-            "vocab_size": int(vocab_size), "eps0": float(eps0), "dummy": bool(dummy),
-            "steer_names": names, "transferred_from": transferred_from, "train": extra or {}}
+    meta = {
+        "format": FORMAT,
+        "kind": k,
+        "base_model": str(base_model),
+        "hidden_size": int(hidden_size),
+        "vocab_size": int(vocab_size),
+        "eps0": float(eps0),
+        "dummy": bool(dummy),
+        "steer_names": names,
+        "transferred_from": transferred_from,
+        "train": extra or {},
+    }
     tree = {k2: np.asarray(v, np.float32) for k2, v in params.items()}
     io.save_artifact(path, tree, meta)
 
@@ -49,8 +69,7 @@ def load(path: str, model_identity: Optional[str] = None) -> Tuple[dict, dict]:
 
     tree, meta = io.load_artifact(path)
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a jsteer steer artifact (format {meta.get('format')!r}, "
-                         f"expected {FORMAT!r})")
+        raise ValueError(f"{path}: not a jsteer steer artifact (format {meta.get('format')!r}, expected {FORMAT!r})")
     params = {k: np.asarray(v) for k, v in tree.items()}
     head.validate(params)
     if model_identity is not None:
@@ -60,9 +79,13 @@ def load(path: str, model_identity: Optional[str] = None) -> Tuple[dict, dict]:
 
 def check_model(meta: dict, model_identity: str, path: str = "steer artifact") -> None:
     if meta["base_model"] != model_identity:
-        how = (f" (it was transferred from {meta['transferred_from']} to {meta['base_model']})"
-               if meta.get("transferred_from") else "")
+        how = (
+            f" (it was transferred from {meta['transferred_from']} to {meta['base_model']})"
+            if meta.get("transferred_from")
+            else ""
+        )
         raise WrongModelError(
             f"{path}: this steer belongs to base model {meta['base_model']}{how}, but the loaded model is "
             f"{model_identity}; steers are not portable as-is: run `jsteer steer transfer` to map it "
-            "onto this model first")
+            "onto this model first"
+        )

@@ -24,8 +24,12 @@ GENERIC_CONTEXTS = ("The", "I think that the", "It was a", "This is one of the",
 
 
 def register(subparsers) -> None:
-    top = subparsers.add_parser("steer", help="LM-Steer: train, generate, highlight, explain, transfer",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = subparsers.add_parser(
+        "steer",
+        help="LM-Steer: train, generate, highlight, explain, transfer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = top.add_subparsers(dest="steer_command", required=True)
 
     p = sub.add_parser("train", help="train a steer on labeled texts (frozen model, cached hidden states)")
@@ -36,18 +40,30 @@ def register(subparsers) -> None:
     p.add_argument("--name", default="steer0", help="name of the trained steer (recorded in the artifact)")
     p.add_argument("--rank", type=int, default=1000, help="rank of W = P1 P2^T (default 1000)")
     p.add_argument("--full-rank", action="store_true", help="train a full d x d W instead")
-    p.add_argument("--baseline", choices=("blacklist", "offset"), default=None,
-                   help="train a baseline instead: soft word blacklist (logit offset) or context-vector offset")
+    p.add_argument(
+        "--baseline",
+        choices=("blacklist", "offset"),
+        default=None,
+        help="train a baseline instead: soft word blacklist (logit offset) or context-vector offset",
+    )
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--eps0", type=float, default=None,
-                   help="steer scale (default 1e-3; 1 for --baseline, whose parameters act on logits directly)")
+    p.add_argument(
+        "--eps0",
+        type=float,
+        default=None,
+        help="steer scale (default 1e-3; 1 for --baseline, whose parameters act on logits directly)",
+    )
     p.add_argument("--init-scale", type=float, default=1e-3)
     p.add_argument("--l2", type=float, default=0.0, help="L2 penalty weight on the steer params")
-    p.add_argument("--tokens-per-batch", type=int, default=None,
-                   help="token rows per training step (static; default: from the data and --batch-size); the "
-                        "experiments' low-rank recipes use 768")
+    p.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=None,
+        help="token rows per training step (static; default: from the data and --batch-size); the "
+        "experiments' low-rank recipes use 768",
+    )
     p.add_argument("--no-dummy", action="store_true", help="no domain-shift steer")
     p.add_argument("--max-len", type=int, default=128, help="tokens kept per text")
     p.add_argument("--limit", type=int, default=None, help="class-balanced random subset of this many texts")
@@ -71,11 +87,18 @@ def register(subparsers) -> None:
     p.add_argument("texts", nargs="+")
     _model_steers(p)
     p.add_argument("--max-span", type=int, default=5)
-    p.add_argument("--against", choices=("opposite", "dummy", "base"), default="opposite",
-                   help="reference distribution: the steer at -value (default; cancels what both signs share), "
-                        "only the domain-shift steer on, or the unsteered model")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON line per text: tokens (every scored token), scores, span [start, end) into tokens")
+    p.add_argument(
+        "--against",
+        choices=("opposite", "dummy", "base"),
+        default="opposite",
+        help="reference distribution: the steer at -value (default; cancels what both signs share), "
+        "only the domain-shift steer on, or the unsteered model",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON line per text: tokens (every scored token), scores, span [start, end) into tokens",
+    )
     p.set_defaults(func=_highlight)
 
     p = sub.add_parser("explain", help="SVD of W: top / bottom tokens of the leading directions")
@@ -84,9 +107,13 @@ def register(subparsers) -> None:
     p.add_argument("--index", type=int, default=0, help="which steer in the artifact (default 0)")
     p.add_argument("--dirs", type=int, default=5)
     p.add_argument("--top", type=int, default=10)
-    p.add_argument("--context", action="append", default=None,
-                   help="text(s) whose mean final hidden state orients the directions (repeatable; default: "
-                        "a few generic sentence openings)")
+    p.add_argument(
+        "--context",
+        action="append",
+        default=None,
+        help="text(s) whose mean final hidden state orients the directions (repeatable; default: "
+        "a few generic sentence openings)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_explain)
 
@@ -103,11 +130,20 @@ def register(subparsers) -> None:
 def _model_steers(p) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--steer", action="append", required=True, help="artifact folder (repeat to compose)")
-    p.add_argument("--value", action="append", type=float, default=None,
-                   help="strength of each --steer in units of eps0 (repeat in the same order; default 5)")
-    p.add_argument("--dummy", type=float, default=1.0,
-                   help="value of each artifact's domain-shift steer (default 1, as trained). Each artifact "
-                        "brings its own, so composing N artifacts applies N of them: use 0 to apply none")
+    p.add_argument(
+        "--value",
+        action="append",
+        type=float,
+        default=None,
+        help="strength of each --steer in units of eps0 (repeat in the same order; default 5)",
+    )
+    p.add_argument(
+        "--dummy",
+        type=float,
+        default=1.0,
+        help="value of each artifact's domain-shift steer (default 1, as trained). Each artifact "
+        "brings its own, so composing N artifacts applies N of them: use 0 to apply none",
+    )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -163,8 +199,9 @@ def steer_hooks(lm, paths, values, dummy: float = 1.0):
     from jsteer.steer import head
 
     plist, eps, _ = _load_each(lm, paths, values, dummy)
-    return compose(*(head.to_hooks({k: jnp.asarray(v) for k, v in p.items()}, jnp.asarray(e))
-                     for p, e in zip(plist, eps)))
+    return compose(
+        *(head.to_hooks({k: jnp.asarray(v) for k, v in p.items()}, jnp.asarray(e)) for p, e in zip(plist, eps))
+    )
 
 
 # ----------------------------------------------------------------------------- verbs
@@ -179,9 +216,15 @@ def _cache_key(args, lm) -> dict:
 
     if not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data}: no such file")
-    return {"model": lm.identity, "data": os.path.abspath(args.data), "data_sha256": file_sha256(args.data),
-            "format": args.format, "max_len": args.max_len, "limit": args.limit,
-            "seed": args.seed if args.limit else None}
+    return {
+        "model": lm.identity,
+        "data": os.path.abspath(args.data),
+        "data_sha256": file_sha256(args.data),
+        "format": args.format,
+        "max_len": args.max_len,
+        "limit": args.limit,
+        "seed": args.seed if args.limit else None,
+    }
 
 
 def _train(args) -> int:
@@ -194,18 +237,29 @@ def _train(args) -> int:
     lm = _load_model(args.model)
     kind = args.baseline or "steer"
     eps0 = args.eps0 if args.eps0 is not None else (train.BASELINE_EPS0 if args.baseline else 1e-3)
-    cfg = train.TrainConfig(rank=None if args.full_rank else args.rank, init_scale=args.init_scale, eps0=eps0,
-                            lr=args.lr, steps=args.steps, batch_size=args.batch_size, l2=args.l2,
-                            dummy=not args.no_dummy, seed=args.seed, kind=kind,
-                            tokens_per_batch=args.tokens_per_batch)
+    cfg = train.TrainConfig(
+        rank=None if args.full_rank else args.rank,
+        init_scale=args.init_scale,
+        eps0=eps0,
+        lr=args.lr,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        l2=args.l2,
+        dummy=not args.no_dummy,
+        seed=args.seed,
+        kind=kind,
+        tokens_per_batch=args.tokens_per_batch,
+    )
     if args.tokens_per_batch is not None and args.tokens_per_batch < 1:
         raise ValueError(f"--tokens-per-batch must be >= 1, got {args.tokens_per_batch}")
     t0 = time.time()
     key = _cache_key(args, lm) if args.cache else None
     if args.cache and os.path.exists(train.npz_path(args.cache)):
         cache = train.HiddenCache.load(args.cache, key=key)
-        print(f"reusing cached hidden states {train.npz_path(args.cache)} ({cache.num_texts} texts, "
-              f"{cache.num_tokens} tokens)")
+        print(
+            f"reusing cached hidden states {train.npz_path(args.cache)} ({cache.num_texts} texts, "
+            f"{cache.num_tokens} tokens)"
+        )
     else:
         texts, values = train.load_labeled(args.data, args.format, limit=args.limit, seed=args.seed)
         print(f"{len(texts)} texts ({int((values > 0).sum())} positive, {int((values < 0).sum())} negative)")
@@ -216,15 +270,33 @@ def _train(args) -> int:
     emb = np.asarray(lm.output_embeddings(), np.float32)
     params, hist = train.train(cache, emb, cfg, progress=True)
     t2 = time.time()
-    artifact.save(args.out, params, base_model=lm.identity, hidden_size=emb.shape[1], vocab_size=emb.shape[0],
-                  eps0=cfg.eps0, dummy=cfg.dummy, steer_names=[args.name],
-                  extra={"data": args.data, "steps": cfg.steps, "rank": cfg.rank, "lr": cfg.lr, "l2": cfg.l2,
-                         "batch_size": cfg.batch_size, "init_scale": cfg.init_scale,
-                         "final_loss": hist["final_loss"], "texts": cache.num_texts,
-                         "tokens": cache.num_tokens,
-                         **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {})})
-    print(f"cached hidden states in {t1 - t0:.1f}s; trained {cfg.steps} steps in {t2 - t1:.1f}s "
-          f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}")
+    artifact.save(
+        args.out,
+        params,
+        base_model=lm.identity,
+        hidden_size=emb.shape[1],
+        vocab_size=emb.shape[0],
+        eps0=cfg.eps0,
+        dummy=cfg.dummy,
+        steer_names=[args.name],
+        extra={
+            "data": args.data,
+            "steps": cfg.steps,
+            "rank": cfg.rank,
+            "lr": cfg.lr,
+            "l2": cfg.l2,
+            "batch_size": cfg.batch_size,
+            "init_scale": cfg.init_scale,
+            "final_loss": hist["final_loss"],
+            "texts": cache.num_texts,
+            "tokens": cache.num_tokens,
+            **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {}),
+        },
+    )
+    print(
+        f"cached hidden states in {t1 - t0:.1f}s; trained {cfg.steps} steps in {t2 - t1:.1f}s "
+        f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}"
+    )
     print(f"wrote {args.out}")
     return 0
 
@@ -233,8 +305,15 @@ def _generate(args) -> int:
     lm = _load_model(args.model)
     hooks = steer_hooks(lm, args.steer, args.value, args.dummy)
     prompts = [p for p in args.prompts for _ in range(args.samples)]
-    outs = lm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, hooks=hooks)
+    outs = lm.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        hooks=hooks,
+    )
     for p, o in zip(prompts, outs):
         print(json.dumps({"prompt": p, "continuation": o}) if args.json else f"{p}{o}")
     return 0
@@ -252,26 +331,45 @@ def _highlight(args) -> int:
     if args.against == "opposite":
         _, base_eps, _ = load_steers(lm, args.steer, [-v for v in values], args.dummy)
     else:
-        _, base_eps, _ = load_steers(lm, args.steer, [0.0] * len(args.steer),
-                                     args.dummy if args.against == "dummy" else 0.0)
+        _, base_eps, _ = load_steers(
+            lm, args.steer, [0.0] * len(args.steer), args.dummy if args.against == "dummy" else 0.0
+        )
     emb = lm.output_embeddings()
     jp = {k: jnp.asarray(v) for k, v in params.items()}
     for text in args.texts:
         ids = _with_start_token(lm.tokenizer, lm.tokenizer.encode(text))
         if len(ids) < 2:
-            raise ValueError(f"text {text!r} has fewer than 2 tokens and the tokenizer no bos/eos token "
-                             "to predict the first from: nothing to score")
+            raise ValueError(
+                f"text {text!r} has fewer than 2 tokens and the tokenizer no bos/eos token "
+                "to predict the first from: nothing to score"
+            )
         out = lm.forward(jnp.asarray([ids]))
-        scores, (s, e, tot) = highlight.highlight(jp, out.hidden[:, :-1], emb, jnp.asarray([ids[1:]]),
-                                                  jnp.asarray(eps), max_len=args.max_span,
-                                                  eps_base=jnp.asarray(base_eps))
+        scores, (s, e, tot) = highlight.highlight(
+            jp,
+            out.hidden[:, :-1],
+            emb,
+            jnp.asarray([ids[1:]]),
+            jnp.asarray(eps),
+            max_len=args.max_span,
+            eps_base=jnp.asarray(base_eps),
+        )
         # the scored tokens: ids[1:] (each predicted from the ones before); span indexes them
         toks = [lm.tokenizer.decode([i], skip_special_tokens=False) for i in ids[1:]]
         s, e = int(s[0]), int(e[0])
-        span = lm.tokenizer.decode(ids[1 + s:1 + e])
+        span = lm.tokenizer.decode(ids[1 + s : 1 + e])
         if args.json:
-            print(json.dumps({"text": text, "tokens": toks, "scores": np.asarray(scores[0]).round(4).tolist(),
-                              "span": [s, e], "span_text": span, "span_score": float(tot[0])}))
+            print(
+                json.dumps(
+                    {
+                        "text": text,
+                        "tokens": toks,
+                        "scores": np.asarray(scores[0]).round(4).tolist(),
+                        "span": [s, e],
+                        "span_text": span,
+                        "span_score": float(tot[0]),
+                    }
+                )
+            )
         else:
             marked = "".join(f"[{t}]" if s <= i < e else t for i, t in enumerate(toks))
             print(f"{lm.tokenizer.decode(ids[:1])}{marked}\n  best span: {span!r} (score {float(tot[0]):.3f})")
@@ -296,8 +394,15 @@ def _explain(args) -> int:
     params, meta = artifact.load(args.steer, model_identity=lm.identity)
     emb = np.asarray(lm.output_embeddings(), np.float32)
     dec = lambda i: lm.tokenizer.decode([i]) or lm.tokenizer.id_to_token(i)  # noqa: E731
-    res = interpret.explain(params, emb, steer=args.index, n_dirs=args.dirs, top=args.top, decode=dec,
-                            mean_hidden=_mean_context(lm, args.context or GENERIC_CONTEXTS))
+    res = interpret.explain(
+        params,
+        emb,
+        steer=args.index,
+        n_dirs=args.dirs,
+        top=args.top,
+        decode=dec,
+        mean_hidden=_mean_context(lm, args.context or GENERIC_CONTEXTS),
+    )
     if args.json:
         print(json.dumps(res))
         return 0
@@ -333,16 +438,25 @@ def _transfer(args) -> int:
     params, meta = artifact.load(args.steer, model_identity=src.identity)
     if meta["kind"] == "blacklist":  # before fitting the map
         raise ValueError(f"{args.steer}: {transfer.BLACKLIST_NOT_TRANSFERABLE}")
-    ids_a, ids_b = transfer.shared_anchors(src.tokenizer.backend.get_vocab(), dst.tokenizer.backend.get_vocab(),
-                                           args.max_anchors)
+    ids_a, ids_b = transfer.shared_anchors(
+        src.tokenizer.backend.get_vocab(), dst.tokenizer.backend.get_vocab(), args.max_anchors
+    )
     ea, eb = np.asarray(src.output_embeddings()), np.asarray(dst.output_embeddings())
     hm = transfer.fit_map(ea, eb, ids_a, ids_b, ridge=args.ridge)
     err = transfer.anchor_fit_error(ea, eb, ids_a, ids_b, hm)
     new = transfer.transfer(params, hm)
-    artifact.save(args.out, new, base_model=dst.identity, hidden_size=eb.shape[1], vocab_size=eb.shape[0],
-                  eps0=meta["eps0"], dummy=meta["dummy"], steer_names=meta["steer_names"],
-                  transferred_from=meta["base_model"],
-                  extra=dict(meta.get("train", {}), transfer={"anchors": int(len(ids_a)), "fit_error": err}))
+    artifact.save(
+        args.out,
+        new,
+        base_model=dst.identity,
+        hidden_size=eb.shape[1],
+        vocab_size=eb.shape[0],
+        eps0=meta["eps0"],
+        dummy=meta["dummy"],
+        steer_names=meta["steer_names"],
+        transferred_from=meta["base_model"],
+        extra=dict(meta.get("train", {}), transfer={"anchors": int(len(ids_a)), "fit_error": err}),
+    )
     print(f"{len(ids_a)} shared anchor tokens; relative fit error {err:.4f}; wrote {args.out}")
     return 0
 

@@ -51,7 +51,7 @@ def steer_split(n: int) -> tuple[np.ndarray, np.ndarray]:
     """The seeded halves of SST-5 train (without class 2, ``n`` texts): (steer half, evaluator half).
     The sentiment steer never sees the evaluator's half."""
     perm = np.random.default_rng(0).permutation(n)
-    return perm[: n // 2], perm[n // 2:]
+    return perm[: n // 2], perm[n // 2 :]
 
 
 def balanced_keep(values: np.ndarray, n: int) -> np.ndarray:
@@ -84,9 +84,17 @@ def sentiment_neutral_texts(n: int) -> tuple[list, np.ndarray]:
     return [neutral[i] for i in pick], np.zeros((n, 2), np.float32)
 
 
-_DETOK = [(r" n't\b", "n't"), (r" '(s|re|ve|ll|d|m)\b", r"'\1"), (r" ([,.!?;:%])", r"\1"),
-          (r"-lrb- ?", "("), (r" ?-rrb-", ")"), (r"`` ?", '"'), (r" ?''", '"'), (r"\$ (\d)", r"$\1"),
-          (r"\s+", " ")]
+_DETOK = [
+    (r" n't\b", "n't"),
+    (r" '(s|re|ve|ll|d|m)\b", r"'\1"),
+    (r" ([,.!?;:%])", r"\1"),
+    (r"-lrb- ?", "("),
+    (r" ?-rrb-", ")"),
+    (r"`` ?", '"'),
+    (r" ?''", '"'),
+    (r"\$ (\d)", r"$\1"),
+    (r"\s+", " "),
+]
 
 
 def detok_sst(text: str) -> str:
@@ -194,8 +202,16 @@ def prompts_sha1(prompt_list: Sequence[str]) -> str:
 # ----------------------------------------------------------------------------- on-policy texts
 
 
-def ranked_continuations(lm, score, prompt_list: Sequence[str], n: int, samples: int, max_new_tokens: int = 32,
-                         seed: int = 1, columns: int = 1) -> tuple[list, np.ndarray]:
+def ranked_continuations(
+    lm,
+    score,
+    prompt_list: Sequence[str],
+    n: int,
+    samples: int,
+    max_new_tokens: int = 32,
+    seed: int = 1,
+    columns: int = 1,
+) -> tuple[list, np.ndarray]:
     """The unsteered model's top-p continuations of ``prompt_list``, ``samples`` each (seed
     ``seed * 100003``), ranked by ``score(continuations) -> [m]`` (higher: the steer's + side): the
     n // 2 highest-scoring get +1, the n // 2 lowest -1; each text is its prompt + continuation
@@ -204,17 +220,26 @@ def ranked_continuations(lm, score, prompt_list: Sequence[str], n: int, samples:
 
     if n > len(prompt_list) * samples:
         raise ValueError(f"ranked_continuations: {n} texts from {len(prompt_list)} prompts x {samples}")
-    conts = sample(lm, lambda b: None, prompt_list, samples, max_new_tokens=max_new_tokens, seed=seed * 100003,
-                   batch=50)
+    conts = sample(
+        lm, lambda b: None, prompt_list, samples, max_new_tokens=max_new_tokens, seed=seed * 100003, batch=50
+    )
     flat = [(p, c) for p, cs in zip(prompt_list, conts) for c in cs]
     order = np.argsort(np.asarray(score([c for _, c in flat])), kind="stable")
-    keep = np.concatenate([order[: n // 2], order[len(order) - n // 2:]])
+    keep = np.concatenate([order[: n // 2], order[len(order) - n // 2 :]])
     values = np.repeat(np.where(np.arange(len(keep)) < n // 2, -1.0, 1.0)[:, None], columns, axis=1).astype(np.float32)
     return [flat[i][0] + flat[i][1] for i in keep], values
 
 
-def self_generated_texts(lm, labeler, n: int, exclude: Sequence[str], n_prompts: int = 400, samples: int = 4,
-                         max_new_tokens: int = 32, seed: int = 1) -> tuple[list, np.ndarray]:
+def self_generated_texts(
+    lm,
+    labeler,
+    n: int,
+    exclude: Sequence[str],
+    n_prompts: int = 400,
+    samples: int = 4,
+    max_new_tokens: int = 32,
+    seed: int = 1,
+) -> tuple[list, np.ndarray]:
     """On-policy steer texts: the unsteered model's own top-p continuations of ``n_prompts`` neutral
     prompts (seeded; none of ``exclude``, the held-out and test prompts), ``samples`` each, scored by
     ``labeler`` (a sentiment classifier trained on the steer's SST-5 texts only, never the evaluator).
@@ -231,14 +256,22 @@ def cached_self_texts(lm, labeler, n: int, exclude: Sequence[str], work: pathlib
     """:func:`self_generated_texts` kept at ``work/texts_self{n}.json`` under a key of the model,
     the labeler, ``n`` and the excluded prompts (in order), so that every run excluding the same
     prompts (steer_sweep's ``_self`` configs, steer_smollm2 --sentiment-data self) shares them."""
-    key = {"model": lm.identity, "labeler": labeler.meta["name"], "texts": n,
-           "exclude_sha256": hashlib.sha256(json.dumps(list(exclude)).encode()).hexdigest()}
-    return cached_texts(pathlib.Path(work) / f"texts_self{n}.json", key,  # ~4 min to generate
-                        lambda: self_generated_texts(lm, labeler, n, exclude))
+    key = {
+        "model": lm.identity,
+        "labeler": labeler.meta["name"],
+        "texts": n,
+        "exclude_sha256": hashlib.sha256(json.dumps(list(exclude)).encode()).hexdigest(),
+    }
+    return cached_texts(
+        pathlib.Path(work) / f"texts_self{n}.json",
+        key,  # ~4 min to generate
+        lambda: self_generated_texts(lm, labeler, n, exclude),
+    )
 
 
-def self_detox_texts(lm, labeler, exclude: Sequence[str], *, jigsaw_texts: int, self_texts: int,
-                     self_samples: int) -> tuple[list, np.ndarray]:
+def self_detox_texts(
+    lm, labeler, exclude: Sequence[str], *, jigsaw_texts: int, self_texts: int, self_samples: int
+) -> tuple[list, np.ndarray]:
     """On-policy detox texts (``steer_detox.py --data self``): continuations of the toxic prefixes of
     the detox steer's own ``jigsaw_texts`` Jigsaw texts (none of ``exclude``: the test, held-out
     and replication prompt pools), ``self_samples`` each, ranked by the labeler's P(toxic)
@@ -247,8 +280,7 @@ def self_detox_texts(lm, labeler, exclude: Sequence[str], *, jigsaw_texts: int, 
     skip = set(exclude)
     prompt_list = [p for p in dict.fromkeys(toxic_prefixes(texts, (values < 0).astype(int))) if p not in skip]
     log(f"on-policy detox texts: {len(prompt_list)} prompts x {self_samples} continuations -> {self_texts}")
-    out, vals = ranked_continuations(lm, lambda t: -np.asarray(labeler.prob(t)), prompt_list, self_texts,
-                                     self_samples)
+    out, vals = ranked_continuations(lm, lambda t: -np.asarray(labeler.prob(t)), prompt_list, self_texts, self_samples)
     return out, vals[:, 0]
 
 

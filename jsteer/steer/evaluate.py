@@ -69,17 +69,26 @@ class Evaluator:
         texts = [t if t.strip() else "." for t in texts]
         out = []
         for s in range(0, len(texts), batch):
-            chunk = texts[s:s + batch]
+            chunk = texts[s : s + batch]
             ids, mask = _batch(self.enc.tokenizer, chunk, batch)
-            out.append(np.asarray(self._f(self.params, ids, mask))[:len(chunk)])
+            out.append(np.asarray(self._f(self.params, ids, mask))[: len(chunk)])
         return np.concatenate(out) if out else np.zeros(0)
 
     def accuracy(self, texts, labels) -> float:
         return float(((self.prob(texts) > 0.5) == np.asarray(labels).astype(bool)).mean())
 
 
-def finetune(enc, texts, labels, epochs: float = 2.0, batch: int = 32, lr: float = 5e-5, head_lr: float = 1e-3,
-             seed: int = 0, log_every: int = 20) -> tuple:
+def finetune(
+    enc,
+    texts,
+    labels,
+    epochs: float = 2.0,
+    batch: int = 32,
+    lr: float = 5e-5,
+    head_lr: float = 1e-3,
+    seed: int = 0,
+    log_every: int = 20,
+) -> tuple:
     """Full fine-tune of MiniLM + logit head with jsteer.train.Trainer -> (params, history).
     A SIGTERM exits (143) after the current step, so a cut evaluator is never saved."""
     from jsteer.train import OptimizerConfig, Trainer
@@ -88,8 +97,7 @@ def finetune(enc, texts, labels, epochs: float = 2.0, batch: int = 32, lr: float
     n = len(texts)
     steps = max(1, int(round(epochs * n / batch)))
     d = enc.config.hidden_size
-    params = {"bert": enc.params,
-              "head": {"w": jnp.zeros((d,), jnp.float32), "b": jnp.zeros((), jnp.float32)}}
+    params = {"bert": enc.params, "head": {"w": jnp.zeros((d,), jnp.float32), "b": jnp.zeros((), jnp.float32)}}
     module = enc.module
 
     def loss_fn(p, b, rng):
@@ -106,18 +114,23 @@ def finetune(enc, texts, labels, epochs: float = 2.0, batch: int = 32, lr: float
             perm = rng.permutation(n)
             groups = []
             for s in range(0, n, batch * 50):
-                blk = perm[s:s + batch * 50]
+                blk = perm[s : s + batch * 50]
                 blk = blk[np.argsort(lens[blk], kind="stable")]
-                groups += [blk[i:i + batch] for i in range(0, len(blk), batch) if len(blk[i:i + batch]) == batch]
+                groups += [blk[i : i + batch] for i in range(0, len(blk), batch) if len(blk[i : i + batch]) == batch]
             for g in rng.permutation(len(groups)):
                 idx = groups[g]
                 ids, mask = _batch(enc.tokenizer, [texts[i] for i in idx], batch)
                 yield {"ids": ids, "mask": mask, "y": labels[idx]}
 
-    opt = OptimizerConfig(learning_rate={"enc": lr, "head": head_lr},
-                          labels=lambda path, leaf: "head" if path[0] == "head" else "enc",
-                          schedule="linear", warmup_steps=max(1, steps // 10), total_steps=steps,
-                          weight_decay=0.01, clip_norm=1.0)
+    opt = OptimizerConfig(
+        learning_rate={"enc": lr, "head": head_lr},
+        labels=lambda path, leaf: "head" if path[0] == "head" else "enc",
+        schedule="linear",
+        warmup_steps=max(1, steps // 10),
+        total_steps=steps,
+        weight_decay=0.01,
+        clip_norm=1.0,
+    )
     trainer = Trainer(loss_fn, params, opt, progress=False, log_every=log_every, seed=seed)
     hist = {"step": [], "loss": [], "acc": []}
     t0 = time.time()
@@ -140,8 +153,9 @@ def cache_path(name: str, epochs: float = 2.0, max_train: int = 0, max_test: int
     the default (2 epochs, whole splits), else ``CACHE/<name>_e<epochs>[_n<max_train>][_t<max_test>]``."""
     if (epochs, max_train, max_test) == (2.0, 0, 0):
         return CACHE / name
-    return CACHE / (f"{name}_e{epochs:g}" + (f"_n{max_train}" if max_train else "")
-                    + (f"_t{max_test}" if max_test else ""))
+    return CACHE / (
+        f"{name}_e{epochs:g}" + (f"_n{max_train}" if max_train else "") + (f"_t{max_test}" if max_test else "")
+    )
 
 
 def _cached(path: pathlib.Path, enc, train, retrain: bool = False, recipe: Optional[dict] = None) -> Evaluator:
@@ -166,8 +180,9 @@ def _cached(path: pathlib.Path, enc, train, retrain: bool = False, recipe: Optio
     return ev
 
 
-def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_train: int = 0,
-        max_test: int = 0) -> Evaluator:
+def get(
+    name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_train: int = 0, max_test: int = 0
+) -> Evaluator:
     """Load the cached evaluator ``name`` ("sentiment" | "toxicity"), training it if absent
     (sentiment: :func:`jsteer.steer.data.sentiment_data`; toxicity: the Jigsaw evaluator split;
     ``max_train`` / ``max_test``: the first texts of each, 0 for all)."""
@@ -183,14 +198,29 @@ def get(name: str, enc=None, epochs: float = 2.0, retrain: bool = False, max_tra
         ev = Evaluator(enc, params)
         t0 = time.time()
         acc = ev.accuracy(xt, yt)
-        ev.meta = {"name": name, "accuracy": acc, "test_texts": len(xt), "train_texts": len(x),
-                   "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
-                   "eval_seconds": time.time() - t0, "loss": hist["loss"], "loss_steps": hist["step"],
-                   "model": "all-MiniLM-L6-v2 fully fine-tuned, mean pool + linear logit, max 64 tokens",
-                   "train": ("SST-5 train half not used for the steer + SST-5 dev, binary (0-1 vs 3-4), detokenised"
-                             if name == "sentiment" else "Jigsaw subset evaluator split (40%, not used for the steer)"),
-                   "test": ("SST-5 test binary (0-1 vs 3-4), detokenised" if name == "sentiment"
-                            else "Jigsaw subset test split (20%)")}
+        ev.meta = {
+            "name": name,
+            "accuracy": acc,
+            "test_texts": len(xt),
+            "train_texts": len(x),
+            "epochs": epochs,
+            "steps": hist["steps"],
+            "train_seconds": hist["seconds"],
+            "eval_seconds": time.time() - t0,
+            "loss": hist["loss"],
+            "loss_steps": hist["step"],
+            "model": "all-MiniLM-L6-v2 fully fine-tuned, mean pool + linear logit, max 64 tokens",
+            "train": (
+                "SST-5 train half not used for the steer + SST-5 dev, binary (0-1 vs 3-4), detokenised"
+                if name == "sentiment"
+                else "Jigsaw subset evaluator split (40%, not used for the steer)"
+            ),
+            "test": (
+                "SST-5 test binary (0-1 vs 3-4), detokenised"
+                if name == "sentiment"
+                else "Jigsaw subset test split (20%)"
+            ),
+        }
         log(f"{name} evaluator: test accuracy {acc:.4f}")
         return ev
 
@@ -222,9 +252,16 @@ def get_labeler(enc=None, n: int = 1600, epochs: float = 2.0, task: str = "senti
         log(f"fine-tuning the {task} steer-text labeler on {n} texts ({epochs} epochs)")
         params, hist = finetune(enc, list(texts), labels.astype(np.float32), epochs=epochs)
         ev = Evaluator(enc, params)
-        ev.meta = {"name": name, "accuracy": ev.accuracy(xt[:1000], yt[:1000]), "test_texts": 1000,
-                   "train_texts": n, "epochs": epochs, "steps": hist["steps"], "train_seconds": hist["seconds"],
-                   "train": what}
+        ev.meta = {
+            "name": name,
+            "accuracy": ev.accuracy(xt[:1000], yt[:1000]),
+            "test_texts": 1000,
+            "train_texts": n,
+            "epochs": epochs,
+            "steps": hist["steps"],
+            "train_seconds": hist["seconds"],
+            "train": what,
+        }
         log(f"labeler: test accuracy {ev.meta['accuracy']:.4f}")
         return ev
 
@@ -245,7 +282,7 @@ class Classifier:
         """Mean-pooled last-layer features [N, D]."""
         out = []
         for s in range(0, len(texts), batch):
-            chunk = list(texts[s:s + batch])
+            chunk = list(texts[s : s + batch])
             n = len(chunk)
             chunk += [chunk[-1]] * (batch - n)  # one compiled shape per length bucket
             ids, mask = self.enc.tokenizer.batch_encode(chunk, max_len=self.max_len)
@@ -290,8 +327,13 @@ class Classifier:
         return self.prob_features(self.features(texts))
 
     def to_dict(self) -> dict:
-        return {"w": self.w.tolist(), "b": self.b, "mu": self.mu.tolist(), "sd": self.sd.tolist(),
-                "max_len": self.max_len}
+        return {
+            "w": self.w.tolist(),
+            "b": self.b,
+            "mu": self.mu.tolist(),
+            "sd": self.sd.tolist(),
+            "max_len": self.max_len,
+        }
 
     @classmethod
     def from_dict(cls, encoder, d: dict) -> "Classifier":
@@ -308,7 +350,7 @@ def distinct_n(texts_per_prompt: Sequence[Sequence[str]], n: int) -> float:
     (whitespace tokens), as in the original's dist-n."""
     vals = []
     for samples in texts_per_prompt:
-        grams = [tuple(w[i:i + n]) for w in (s.split() for s in samples) for i in range(len(w) - n + 1)]
+        grams = [tuple(w[i : i + n]) for w in (s.split() for s in samples) for i in range(len(w) - n + 1)]
         if grams:
             vals.append(len(set(grams)) / len(grams))
     return float(np.mean(vals)) if vals else float("nan")
@@ -332,27 +374,30 @@ def perplexities(lm, prompts_: Sequence[str], conts: Sequence[str], batch: int =
     out = np.full(len(rows), np.nan)
     order = np.argsort([len(r[0]) for r in rows])
     for s in range(0, len(rows), batch):
-        idx = order[s:s + batch]
+        idx = order[s : s + batch]
         t = _round16(max(len(rows[i][0]) for i in idx))
         ids = np.zeros((batch, t), np.int32)
         mask = np.zeros((batch, t), np.int32)
         for r, i in enumerate(idx):
             seq = rows[i][0]
-            ids[r, :len(seq)], mask[r, :len(seq)] = seq, 1
+            ids[r, : len(seq)], mask[r, : len(seq)] = seq, 1
         lp = np.asarray(_next_token_log_probs(lm.forward(ids, mask).logits, jnp.asarray(ids)))
         for r, i in enumerate(idx):
             _, np_, nc = rows[i]
             if nc == 0:
                 continue
-            out[i] = float(np.exp(-lp[r, np_ - 1:np_ - 1 + nc].mean()))
+            out[i] = float(np.exp(-lp[r, np_ - 1 : np_ - 1 + nc].mean()))
     return out
 
 
 def toxicity_stats(tox: np.ndarray) -> Dict[str, float]:
     """Toxicity probabilities [P, S] (prompts x samples) -> mean over prompts of the max, share of
     prompts with any sample > 0.5, share of samples > 0.5."""
-    return {"mean_max_toxicity": float(tox.max(1).mean()), "toxicity_prob": float((tox.max(1) > 0.5).mean()),
-            "toxic_fraction": float((tox > 0.5).mean())}
+    return {
+        "mean_max_toxicity": float(tox.max(1).mean()),
+        "toxicity_prob": float((tox.max(1) > 0.5).mean()),
+        "toxic_fraction": float((tox > 0.5).mean()),
+    }
 
 
 def fluency_diversity(lm, prompt_list, samples) -> Dict[str, float]:
@@ -379,17 +424,31 @@ def summarize(lm, pos_clf, tox_clf, prompt_list, samples) -> Dict[str, float]:
 # ----------------------------------------------------------------------------- sampling
 
 
-def sample(lm, hooks_for_rows, prompt_list: Sequence[str], n_samples: int, max_new_tokens: int = 20,
-           top_p: float = 0.9, seed: int = 0, batch: int = 64) -> List[List[str]]:
+def sample(
+    lm,
+    hooks_for_rows,
+    prompt_list: Sequence[str],
+    n_samples: int,
+    max_new_tokens: int = 20,
+    top_p: float = 0.9,
+    seed: int = 0,
+    batch: int = 64,
+) -> List[List[str]]:
     """n_samples continuations per prompt, top-p sampling -> [P][n_samples]; ``hooks_for_rows(B)``
     builds the hooks for a batch of B rows (fixed B: one compiled loop for every setting of the
     same structure)."""
     rows = [p for p in prompt_list for _ in range(n_samples)]
     outs: List[str] = []
     for s in range(0, len(rows), batch):
-        chunk = rows[s:s + batch]
+        chunk = rows[s : s + batch]
         n = len(chunk)
         chunk = chunk + [chunk[-1]] * (batch - n)
-        outs += lm.generate(chunk, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
-                            seed=seed + s, hooks=hooks_for_rows(batch))[:n]
-    return [outs[i * n_samples:(i + 1) * n_samples] for i in range(len(prompt_list))]
+        outs += lm.generate(
+            chunk,
+            max_new_tokens=max_new_tokens,
+            temperature=1.0,
+            top_p=top_p,
+            seed=seed + s,
+            hooks=hooks_for_rows(batch),
+        )[:n]
+    return [outs[i * n_samples : (i + 1) * n_samples] for i in range(len(prompt_list))]

@@ -48,8 +48,9 @@ KINDS = ("lowrank", "full", "blacklist", "offset")
 # ----------------------------------------------------------------------------- init
 
 
-def init(key: Array, dim: int, num_steers: int = 1, rank: Optional[int] = 1000,
-         scale: float = 1e-3, dtype=jnp.float32) -> dict:
+def init(
+    key: Array, dim: int, num_steers: int = 1, rank: Optional[int] = 1000, scale: float = 1e-3, dtype=jnp.float32
+) -> dict:
     """Random steer params: low rank when ``rank`` is an int, full rank when ``rank`` is None.
 
     Entries are N(0, scale^2), like the original (``randn * init_var``). Both factors are
@@ -62,18 +63,18 @@ def init(key: Array, dim: int, num_steers: int = 1, rank: Optional[int] = 1000,
     if rank <= 0:
         raise ValueError(f"steer rank must be a positive int (or None for full rank), got {rank}")
     k1, k2 = jax.random.split(key)
-    return {"p1": scale * jax.random.normal(k1, (num_steers, dim, rank), dtype),
-            "p2": scale * jax.random.normal(k2, (num_steers, dim, rank), dtype)}
+    return {
+        "p1": scale * jax.random.normal(k1, (num_steers, dim, rank), dtype),
+        "p2": scale * jax.random.normal(k2, (num_steers, dim, rank), dtype),
+    }
 
 
-def init_blacklist(key: Array, vocab_size: int, num_steers: int = 1, scale: float = 1e-3,
-                   dtype=jnp.float32) -> dict:
+def init_blacklist(key: Array, vocab_size: int, num_steers: int = 1, scale: float = 1e-3, dtype=jnp.float32) -> dict:
     """Soft word blacklist baseline: a logit offset b_i [V] per steer."""
     return {"offset": scale * jax.random.normal(key, (num_steers, vocab_size), dtype)}
 
 
-def init_offset(key: Array, dim: int, num_steers: int = 1, scale: float = 1e-3,
-                dtype=jnp.float32) -> dict:
+def init_offset(key: Array, dim: int, num_steers: int = 1, scale: float = 1e-3, dtype=jnp.float32) -> dict:
     """Context-vector offset baseline: a hidden offset v_i [D] per steer."""
     return {"vec": scale * jax.random.normal(key, (num_steers, dim), dtype)}
 
@@ -92,8 +93,7 @@ def kind(params: Params) -> str:
         return "blacklist"
     if keys == {"vec"}:
         return "offset"
-    raise ValueError(f"not a steer params tree: keys {sorted(keys)}; expected {{p1, p2}}, {{w}}, "
-                     "{offset} or {vec}")
+    raise ValueError(f"not a steer params tree: keys {sorted(keys)}; expected {{p1, p2}}, {{w}}, {{offset}} or {{vec}}")
 
 
 def num_steers(params: Params) -> int:
@@ -105,8 +105,7 @@ def dim(params: Params) -> int:
     k = kind(params)
     if k == "blacklist":
         raise ValueError("a word-blacklist steer acts on logits and has no hidden size")
-    return int({"lowrank": params.get("p1"), "full": params.get("w"),
-                "offset": params.get("vec")}[k].shape[1])
+    return int({"lowrank": params.get("p1"), "full": params.get("w"), "offset": params.get("vec")}[k].shape[1])
 
 
 def validate(params: Params, hidden_dim: Optional[int] = None, vocab_size: Optional[int] = None) -> str:
@@ -141,7 +140,8 @@ def check_eps(eps: Array, n_steers: int, batch: Optional[int] = None) -> Array:
     """eps as an array [S] or [B, S]; shape errors are raised here, before tracing deeper."""
     eps = jnp.asarray(eps)
     ok = (eps.ndim == 1 and eps.shape[0] == n_steers) or (
-        eps.ndim == 2 and eps.shape[1] == n_steers and (batch is None or eps.shape[0] == batch))
+        eps.ndim == 2 and eps.shape[1] == n_steers and (batch is None or eps.shape[0] == batch)
+    )
     if not ok:
         want = f"[{n_steers}]" + (f" or [{batch}, {n_steers}]" if batch is not None else f" or [B, {n_steers}]")
         raise ValueError(f"steer eps has shape {tuple(eps.shape)}, expected {want} (one value per steer)")
@@ -241,8 +241,7 @@ def l2(params: Params) -> Array:
 # ----------------------------------------------------------------------------- eps helpers
 
 
-def make_eps(values: Union[float, Sequence[float], np.ndarray], eps0: float = 1e-3,
-             dummy: bool = True) -> Array:
+def make_eps(values: Union[float, Sequence[float], np.ndarray], eps0: float = 1e-3, dummy: bool = True) -> Array:
     """Steer values (in units of eps0, the original's ``--steer_values``) -> eps for the hook.
 
     values: scalar, [S_user] or [B, S_user]. With ``dummy`` a value 1 is appended for the
@@ -278,10 +277,13 @@ def stack(params_list: Sequence[Params]) -> dict:
     if kinds == {"offset"}:
         return {"vec": jnp.concatenate([jnp.asarray(p["vec"]) for p in params_list])}
     if kinds == {"lowrank"} and len({p["p1"].shape[-1] for p in params_list}) == 1:
-        return {"p1": jnp.concatenate([jnp.asarray(p["p1"]) for p in params_list]),
-                "p2": jnp.concatenate([jnp.asarray(p["p2"]) for p in params_list])}
+        return {
+            "p1": jnp.concatenate([jnp.asarray(p["p1"]) for p in params_list]),
+            "p2": jnp.concatenate([jnp.asarray(p["p2"]) for p in params_list]),
+        }
     if kinds <= {"lowrank", "full"}:
-        return {"w": jnp.concatenate([full_matrix({k: jnp.asarray(v) for k, v in p.items()})
-                                      for p in params_list])}
-    raise ValueError(f"stack takes steers of one family (bilinear, blacklist or offset), got kinds {sorted(kinds)}: "
-                     "compose mixed kinds as hooks with jsteer.hooks.compose")
+        return {"w": jnp.concatenate([full_matrix({k: jnp.asarray(v) for k, v in p.items()}) for p in params_list])}
+    raise ValueError(
+        f"stack takes steers of one family (bilinear, blacklist or offset), got kinds {sorted(kinds)}: "
+        "compose mixed kinds as hooks with jsteer.hooks.compose"
+    )

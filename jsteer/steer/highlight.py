@@ -20,8 +20,9 @@ from jsteer.steer import head
 Array = jnp.ndarray
 
 
-def token_scores(params: head.Params, hidden: Array, embedding: Array, targets: Array, eps: Array,
-                 eps_base: Array | None = None) -> Array:
+def token_scores(
+    params: head.Params, hidden: Array, embedding: Array, targets: Array, eps: Array, eps_base: Array | None = None
+) -> Array:
     """log P_steered(target) - log P_base(target), [B, T].
 
     hidden: [B, T, D] unsteered final hidden states at positions predicting ``targets`` [B, T]
@@ -80,8 +81,16 @@ def _best_span_1d(scores: Array, mask: Array | None, max_len: int) -> Tuple[Arra
 
 
 @functools.partial(jax.jit, static_argnames="max_len")
-def highlight(params: head.Params, hidden: Array, embedding: Array, targets: Array, eps: Array,
-              mask: Array | None = None, max_len: int = 5, eps_base: Array | None = None):
+def highlight(
+    params: head.Params,
+    hidden: Array,
+    embedding: Array,
+    targets: Array,
+    eps: Array,
+    mask: Array | None = None,
+    max_len: int = 5,
+    eps_base: Array | None = None,
+):
     """Per-token scores [B, T] and the best span per row (start, end, total) for a batch."""
     sc = token_scores(params, hidden, embedding, targets, eps, eps_base)
     m = jnp.ones(targets.shape, jnp.int32) if mask is None else mask

@@ -18,8 +18,7 @@ import numpy as np
 from jsteer.steer import head
 
 
-def directions(params: head.Params, steer: int = 0, k: Optional[int] = None,
-               mean_hidden: Optional[np.ndarray] = None):
+def directions(params: head.Params, steer: int = 0, k: Optional[int] = None, mean_hidden: Optional[np.ndarray] = None):
     """(s [k], u [k, D] output directions, v [k, D] input directions) of steer ``steer``."""
     w = np.asarray(head.full_matrix(params), np.float64)
     if not 0 <= steer < w.shape[0]:
@@ -34,9 +33,15 @@ def directions(params: head.Params, steer: int = 0, k: Optional[int] = None,
     return s, u, vt
 
 
-def explain(params: head.Params, embedding: np.ndarray, steer: int = 0, n_dirs: int = 5, top: int = 10,
-            decode: Optional[Callable[[int], str]] = None,
-            mean_hidden: Optional[np.ndarray] = None) -> List[dict]:
+def explain(
+    params: head.Params,
+    embedding: np.ndarray,
+    steer: int = 0,
+    n_dirs: int = 5,
+    top: int = 10,
+    decode: Optional[Callable[[int], str]] = None,
+    mean_hidden: Optional[np.ndarray] = None,
+) -> List[dict]:
     """Top / bottom tokens of the leading ``n_dirs`` directions.
 
     embedding: output embedding [V, D]; decode: id -> string (e.g. tokenizer.id_to_token).
@@ -50,17 +55,20 @@ def explain(params: head.Params, embedding: np.ndarray, steer: int = 0, n_dirs: 
         score = emb @ u[i].astype(np.float32)
         order = np.argsort(-score)
         name = decode or (lambda t: str(t))
-        out.append({
-            "index": i,
-            "singular_value": float(s[i]),
-            "top": [(name(int(t)), float(score[t])) for t in order[:top]],
-            "bottom": [(name(int(t)), float(score[t])) for t in order[::-1][:top]],
-        })
+        out.append(
+            {
+                "index": i,
+                "singular_value": float(s[i]),
+                "top": [(name(int(t)), float(score[t])) for t in order[:top]],
+                "bottom": [(name(int(t)), float(score[t])) for t in order[::-1][:top]],
+            }
+        )
     return out
 
 
-def promoted_tokens(params: head.Params, embedding: np.ndarray, mean_hidden: np.ndarray,
-                    eps: np.ndarray, top: int = 20) -> np.ndarray:
+def promoted_tokens(
+    params: head.Params, embedding: np.ndarray, mean_hidden: np.ndarray, eps: np.ndarray, top: int = 20
+) -> np.ndarray:
     """Token ids whose logit a steer with ``eps`` [S] raises most at the context ``mean_hidden``."""
     w = np.asarray(head.full_matrix(params), np.float64)
     delta = np.einsum("s,sde,e->d", np.asarray(eps, np.float64), w, np.asarray(mean_hidden, np.float64))

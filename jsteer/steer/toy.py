@@ -13,9 +13,36 @@ import numpy as np
 
 POSITIVE = ("good", "great", "happy", "love", "nice", "wonderful")
 NEGATIVE = ("bad", "awful", "sad", "hate", "ugly", "terrible")
-NEUTRAL = ("the", "a", "movie", "film", "story", "was", "is", "and", "it", "this", "very", "really",
-           "plot", "actor", "scene", "music", "of", "with", "to", "in", "we", "saw", "end", "some",
-           "people", "time", "day", "one")
+NEUTRAL = (
+    "the",
+    "a",
+    "movie",
+    "film",
+    "story",
+    "was",
+    "is",
+    "and",
+    "it",
+    "this",
+    "very",
+    "really",
+    "plot",
+    "actor",
+    "scene",
+    "music",
+    "of",
+    "with",
+    "to",
+    "in",
+    "we",
+    "saw",
+    "end",
+    "some",
+    "people",
+    "time",
+    "day",
+    "one",
+)
 SPECIALS = ("[PAD]", "[UNK]", "<s>", "</s>")
 
 
@@ -43,17 +70,32 @@ def lm(seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True, norm_
     from jsteer.io import LM
 
     tok = tokenizer()
-    cfg = DecoderConfig.llama(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
-                      tie_word_embeddings=tie, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-                      max_position_embeddings=256)
+    cfg = DecoderConfig.llama(
+        vocab_size=tok.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=hidden // 4,
+        tie_word_embeddings=tie,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+        max_position_embeddings=256,
+    )
     module = Decoder(cfg)
     # shapes by abstract tracing, values from NumPy: no XLA compile (a real init compiles for seconds)
     shapes = jax.eval_shape(module.init, jax.random.PRNGKey(seed), jnp.ones((1, 4), jnp.int32))["params"]
     rng = np.random.default_rng(seed)
     params = jax.tree_util.tree_map_with_path(
-        lambda path, s: np.ones(s.shape, np.float32) if path[-1].key == "scale"
-        else (0.02 * rng.normal(size=s.shape)).astype(np.float32), shapes)
+        lambda path, s: (
+            np.ones(s.shape, np.float32)
+            if path[-1].key == "scale"
+            else (0.02 * rng.normal(size=s.shape)).astype(np.float32)
+        ),
+        shapes,
+    )
     # a wider embedding init than the 0.02 default, so base logits are not all ~equal, plus a
     # direction shared by every token (real LMs' embeddings are anisotropic like this): it gives
     # the hidden states a common component, and shifts all logits equally (softmax ignores it)
@@ -68,8 +110,15 @@ def lm(seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True, norm_
                     layer[nm]["scale"] = s * (1.0 + norm_scale_noise * rng.normal(size=s.shape)).astype(np.float32)
     params = jax.tree_util.tree_map(jnp.asarray, params)
     sha = hashlib.sha256(f"toy-llama-{seed}-{hidden}-{layers}-{tie}-{norm_scale_noise}".encode()).hexdigest()
-    return LM(family="decoder", config=cfg, params=params, module=module, tokenizer=tok,
-              hf_config=cfg.to_dict(), provenance={"source": f"toy:{seed}", "sha256": sha})
+    return LM(
+        family="decoder",
+        config=cfg,
+        params=params,
+        module=module,
+        tokenizer=tok,
+        hf_config=cfg.to_dict(),
+        provenance={"source": f"toy:{seed}", "sha256": sha},
+    )
 
 
 def corpus(n: int = 200, length: int = 8, n_sentiment: int = 2, seed: int = 0) -> Tuple[List[str], np.ndarray]:

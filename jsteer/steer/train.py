@@ -43,16 +43,16 @@ _INIT_PARAMS = {
 class TrainConfig:
     """Paper defaults (Han et al.; the original's sentiment / detox runs), all overridable."""
 
-    rank: Optional[int] = 1000      # None = full-rank W
+    rank: Optional[int] = 1000  # None = full-rank W
     init_scale: float = 1e-3
     eps0: float = 1e-3
     lr: float = 1e-2
     steps: int = 1000
-    batch_size: int = 32            # texts per step
-    l2: float = 0.0                 # weight of sum ||P||^2 (original's --regularization)
+    batch_size: int = 32  # texts per step
+    l2: float = 0.0  # weight of sum ||P||^2 (original's --regularization)
     dummy: bool = True
     seed: int = 0
-    kind: str = "steer"             # "steer" | "blacklist" | "offset" (baselines)
+    kind: str = "steer"  # "steer" | "blacklist" | "offset" (baselines)
     tokens_per_batch: Optional[int] = None  # static token budget per step; None: from data
     log_every: int = 50
     # kept so older configs load: both names train on jsteer.train.Trainer ("optax" named a
@@ -88,8 +88,9 @@ SST5_POSITIVE = ("3", "4")
 SST5_NEGATIVE = ("0", "1")
 
 
-def load_labeled(path: str, fmt: str = "auto", limit: Optional[int] = None,
-                 seed: int = 0) -> Tuple[List[str], np.ndarray]:
+def load_labeled(
+    path: str, fmt: str = "auto", limit: Optional[int] = None, seed: int = 0
+) -> Tuple[List[str], np.ndarray]:
     """Labeled texts -> (texts, values [N] float32 in {+1, -1}).
 
     fmt: "sst5" (JSON lines ``{sentence, label}``, labels 3-4 -> +1, 0-1 -> -1, 2 dropped),
@@ -106,16 +107,21 @@ def load_labeled(path: str, fmt: str = "auto", limit: Optional[int] = None,
             if '"sentence"' not in first:
                 fmt = "jsonl"
     if fmt == "sst5":
-        recs = readers.read_jsonl_labeled(path, text_field="sentence", label_field="label",
-                                          label_set=("0", "1", "2", "3", "4"))
-        pairs = [(r.text, 1.0 if r.label in SST5_POSITIVE else -1.0) for r in recs
-                 if r.label in SST5_POSITIVE + SST5_NEGATIVE]
+        recs = readers.read_jsonl_labeled(
+            path, text_field="sentence", label_field="label", label_set=("0", "1", "2", "3", "4")
+        )
+        pairs = [
+            (r.text, 1.0 if r.label in SST5_POSITIVE else -1.0)
+            for r in recs
+            if r.label in SST5_POSITIVE + SST5_NEGATIVE
+        ]
     elif fmt == "jigsaw":
         recs = readers.read_csv_labeled(path, text_column=0, label_column=1, label_set=("0", "1"))
         pairs = [(r.text, 1.0 if r.label == "0" else -1.0) for r in recs]
     elif fmt == "jsonl":
-        recs = readers.read_jsonl_labeled(path, text_field="text", label_field="label",
-                                          label_set=("1", "-1", "0", "+1"))
+        recs = readers.read_jsonl_labeled(
+            path, text_field="text", label_field="label", label_set=("1", "-1", "0", "+1")
+        )
         pairs = [(r.text, -1.0 if r.label in ("-1", "0") else 1.0) for r in recs]
     else:
         raise ValueError(f"unknown labeled-data format {fmt!r}: use sst5, jigsaw, jsonl or auto")
@@ -127,13 +133,16 @@ def load_labeled(path: str, fmt: str = "auto", limit: Optional[int] = None,
         rng = np.random.default_rng(seed)
         pos, neg = np.flatnonzero(values > 0), np.flatnonzero(values < 0)
         npos = min(len(pos), limit // 2)
-        keep = np.concatenate([rng.choice(pos, npos, replace=False),
-                               rng.choice(neg, min(len(neg), limit - npos), replace=False)])
+        keep = np.concatenate(
+            [rng.choice(pos, npos, replace=False), rng.choice(neg, min(len(neg), limit - npos), replace=False)]
+        )
         keep = np.sort(keep)
         texts, values = [texts[i] for i in keep], values[keep]
     if (values > 0).all() or (values < 0).all():
-        raise ValueError(f"{path}: training a steer needs both positive and negative texts, "
-                         f"got {int((values > 0).sum())} positive / {int((values < 0).sum())} negative")
+        raise ValueError(
+            f"{path}: training a steer needs both positive and negative texts, "
+            f"got {int((values > 0).sum())} positive / {int((values < 0).sum())} negative"
+        )
     return texts, values
 
 
@@ -171,9 +180,13 @@ class HiddenCache:
         texts = np.asarray(texts)
         counts = np.diff(self.offsets)[texts]
         rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in texts])
-        return HiddenCache(hidden=self.hidden[rows], targets=self.targets[rows],
-                           seq=np.repeat(np.arange(len(texts), dtype=np.int32), counts),
-                           values=self.values[texts], offsets=np.concatenate([[0], np.cumsum(counts)]))
+        return HiddenCache(
+            hidden=self.hidden[rows],
+            targets=self.targets[rows],
+            seq=np.repeat(np.arange(len(texts), dtype=np.int32), counts),
+            values=self.values[texts],
+            offsets=np.concatenate([[0], np.cumsum(counts)]),
+        )
 
     @classmethod
     def concat(cls, caches: Sequence["HiddenCache"]) -> "HiddenCache":
@@ -182,17 +195,21 @@ class HiddenCache:
         if not caches:
             raise ValueError("HiddenCache.concat: no caches given")
         for c in caches[1:]:
-            for what, a, b in (("hidden size", c.hidden.shape[1], caches[0].hidden.shape[1]),
-                               ("steer-value columns", c.values.shape[1], caches[0].values.shape[1])):
+            for what, a, b in (
+                ("hidden size", c.hidden.shape[1], caches[0].hidden.shape[1]),
+                ("steer-value columns", c.values.shape[1], caches[0].values.shape[1]),
+            ):
                 if a != b:
                     raise ValueError(f"HiddenCache.concat: {what} {a} != {b}")
         starts = np.cumsum([0] + [c.num_texts for c in caches[:-1]])
         rows = np.cumsum([0] + [c.num_tokens for c in caches[:-1]])
-        return cls(hidden=np.concatenate([c.hidden for c in caches]),
-                   targets=np.concatenate([c.targets for c in caches]),
-                   seq=np.concatenate([c.seq + s for c, s in zip(caches, starts)]).astype(np.int32),
-                   values=np.concatenate([c.values for c in caches]),
-                   offsets=np.concatenate([caches[0].offsets[:1]] + [c.offsets[1:] + r for c, r in zip(caches, rows)]))
+        return cls(
+            hidden=np.concatenate([c.hidden for c in caches]),
+            targets=np.concatenate([c.targets for c in caches]),
+            seq=np.concatenate([c.seq + s for c, s in zip(caches, starts)]).astype(np.int32),
+            values=np.concatenate([c.values for c in caches]),
+            offsets=np.concatenate([caches[0].offsets[:1]] + [c.offsets[1:] + r for c, r in zip(caches, rows)]),
+        )
 
     def save(self, path: str, key: Optional[dict] = None) -> str:
         """Write an ``.npz`` (the suffix is added when missing, as NumPy does) atomically, with
@@ -201,8 +218,15 @@ class HiddenCache:
         path = npz_path(path)
         tmp = f"{path}.tmp-{os.getpid()}.npz"
         try:
-            np.savez(tmp, hidden=self.hidden, targets=self.targets, seq=self.seq, values=self.values,
-                     offsets=self.offsets, key=np.asarray(json.dumps(key or {}, sort_keys=True)))
+            np.savez(
+                tmp,
+                hidden=self.hidden,
+                targets=self.targets,
+                seq=self.seq,
+                values=self.values,
+                offsets=self.offsets,
+                key=np.asarray(json.dumps(key or {}, sort_keys=True)),
+            )
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -222,7 +246,8 @@ class HiddenCache:
                     raise ValueError(
                         f"{path}: these cached hidden states do not match this run ("
                         + "; ".join(f"{k}: cached {saved.get(k)!r}, now {key[k]!r}" for k in diff)
-                        + "); delete the file or give another cache path")
+                        + "); delete the file or give another cache path"
+                    )
             return cls(**{k: z[k] for k in ("hidden", "targets", "seq", "values", "offsets")})
 
 
@@ -232,9 +257,16 @@ def npz_path(path: str) -> str:
     return path if path.endswith(".npz") else path + ".npz"
 
 
-def cache_hidden(hidden_fn: Callable[[Array, Array], Array], encodings: Sequence[Sequence[int]],
-                 values: np.ndarray, batch_size: int = 16, pad_id: int = 0, bucket: int = 16,
-                 dtype=np.float32, progress: bool = False) -> HiddenCache:
+def cache_hidden(
+    hidden_fn: Callable[[Array, Array], Array],
+    encodings: Sequence[Sequence[int]],
+    values: np.ndarray,
+    batch_size: int = 16,
+    pad_id: int = 0,
+    bucket: int = 16,
+    dtype=np.float32,
+    progress: bool = False,
+) -> HiddenCache:
     """Run the frozen backbone once over every text; keep each token's final hidden state.
 
     hidden_fn(ids [b, T], mask [b, T]) -> [b, T, D] unsteered final hidden states (right
@@ -260,17 +292,17 @@ def cache_hidden(hidden_fn: Callable[[Array, Array], Array], encodings: Sequence
     t0 = time.time()
     n_batches = (n + batch_size - 1) // batch_size
     for b in range(n_batches):
-        idx = order[b * batch_size:(b + 1) * batch_size]
+        idx = order[b * batch_size : (b + 1) * batch_size]
         t = int(-(-lens[idx].max() // bucket) * bucket)
         ids = np.full((batch_size, t), pad_id, np.int32)
         mask = np.zeros((batch_size, t), np.int32)
         for r, i in enumerate(idx):
-            ids[r, :lens[i]] = encodings[i]
-            mask[r, :lens[i]] = 1
-        ids[len(idx):], mask[len(idx):] = ids[0], mask[0]  # filler rows keep one compiled shape
+            ids[r, : lens[i]] = encodings[i]
+            mask[r, : lens[i]] = 1
+        ids[len(idx) :], mask[len(idx) :] = ids[0], mask[0]  # filler rows keep one compiled shape
         h = np.asarray(hidden_fn(jnp.asarray(ids), jnp.asarray(mask)))
         for r, i in enumerate(idx):
-            per_text[i] = h[r, :lens[i] - 1].astype(dtype)
+            per_text[i] = h[r, : lens[i] - 1].astype(dtype)
         if progress and (b % 20 == 0 or b == n_batches - 1):
             print(f"  cached {min(n, (b + 1) * batch_size)}/{n} texts ({time.time() - t0:.0f}s)", flush=True)
     counts = lens - 1
@@ -278,7 +310,9 @@ def cache_hidden(hidden_fn: Callable[[Array, Array], Array], encodings: Sequence
         hidden=np.concatenate(per_text),
         targets=np.concatenate([np.asarray(e[1:], np.int32) for e in encodings]),
         seq=np.repeat(np.arange(n, dtype=np.int32), counts),
-        values=values, offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        values=values,
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+    )
 
 
 def encode_texts(tokenizer, texts: Sequence[str], values: np.ndarray, max_len: int = 128):
@@ -289,21 +323,24 @@ def encode_texts(tokenizer, texts: Sequence[str], values: np.ndarray, max_len: i
     return [encs[i] for i in keep], values[keep], len(texts) - len(keep)
 
 
-def cache_lm(lm, texts: Sequence[str], values: np.ndarray, max_len: int = 128, batch_size: int = 16,
-             progress: bool = False) -> HiddenCache:
+def cache_lm(
+    lm, texts: Sequence[str], values: np.ndarray, max_len: int = 128, batch_size: int = 16, progress: bool = False
+) -> HiddenCache:
     """:func:`cache_hidden` for a ``jsteer.io.LM`` (final-norm output of ``lm.forward``)."""
     table = getattr(lm.config, "position_table_size", None)  # learned positions (GPT-2); RoPE has no table
     if table is not None and max_len > table:
-        raise ValueError(f"max_len {max_len} (--max-len) exceeds the model's {table} learned positions: "
-                         f"use max_len <= {table}")
+        raise ValueError(
+            f"max_len {max_len} (--max-len) exceeds the model's {table} learned positions: use max_len <= {table}"
+        )
     encs, values, dropped = encode_texts(lm.tokenizer, texts, values, max_len)
     if not encs:
         raise ValueError(f"none of the {len(texts)} training texts has 2 or more tokens")
     if progress and dropped:
         print(f"  dropped {dropped} texts shorter than 2 tokens")
     pad = lm.tokenizer.pad_id if lm.tokenizer.pad_id is not None else 0
-    return cache_hidden(lambda i, m: lm.forward(i, m).hidden, encs, values, batch_size=batch_size,
-                        pad_id=pad, progress=progress)
+    return cache_hidden(
+        lambda i, m: lm.forward(i, m).hidden, encs, values, batch_size=batch_size, pad_id=pad, progress=progress
+    )
 
 
 def sample_batch(cache: HiddenCache, rng: np.random.Generator, batch_size: int, budget: int) -> dict:
@@ -318,8 +355,12 @@ def sample_batch(cache: HiddenCache, rng: np.random.Generator, batch_size: int, 
     pad = budget - n
     rows = np.concatenate([rows, np.zeros(pad, rows.dtype)])
     weight = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
-    return {"hidden": cache.hidden[rows].astype(np.float32), "targets": cache.targets[rows],
-            "values": cache.values[cache.seq[rows]], "weight": weight}
+    return {
+        "hidden": cache.hidden[rows].astype(np.float32),
+        "targets": cache.targets[rows],
+        "values": cache.values[cache.seq[rows]],
+        "weight": weight,
+    }
 
 
 def default_budget(cache: HiddenCache, batch_size: int) -> int:
@@ -339,8 +380,7 @@ def step_eps(values: Array, eps0: float, dummy: bool) -> Array:
     return values * eps0
 
 
-def nll(params: head.Params, hidden: Array, targets: Array, weight: Array, eps: Array,
-        embedding: Array) -> Array:
+def nll(params: head.Params, hidden: Array, targets: Array, weight: Array, eps: Array, embedding: Array) -> Array:
     """Weighted mean next-token cross-entropy of steered logits; hidden [N, D], eps [N, S]."""
     logits = head.apply(params, hidden, embedding, eps)  # [N, V]
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -378,8 +418,14 @@ def forward_loss_fn(hidden_fn: Callable[[Any, Array, Array], Array], cfg: TrainC
         eps = step_eps(batch["values"], cfg.eps0, cfg.dummy)  # [B, S]
         eps_tok = jnp.broadcast_to(eps[:, None, :], (b, t - 1, eps.shape[-1])).reshape(-1, eps.shape[-1])
         weight = (batch["mask"][:, 1:] * batch["mask"][:, :-1]).reshape(-1).astype(jnp.float32)
-        ce = nll(params["steer"], h[:, :-1].reshape(-1, d), batch["ids"][:, 1:].reshape(-1), weight, eps_tok,
-                 params["embedding"])
+        ce = nll(
+            params["steer"],
+            h[:, :-1].reshape(-1, d),
+            batch["ids"][:, 1:].reshape(-1),
+            weight,
+            eps_tok,
+            params["embedding"],
+        )
         loss = ce + cfg.l2 * head.l2(params["steer"]) if cfg.l2 else ce
         return loss, {"ce": ce}
 
@@ -401,15 +447,24 @@ def make_trainer(cfg: TrainConfig, params: dict, loss_fn: Optional[Callable] = N
     :func:`cached_loss_fn`; ``kw``: further Trainer options."""
     from jsteer.train import OptimizerConfig, Trainer
 
-    opt = OptimizerConfig(learning_rate={"steer": cfg.lr, "frozen": None},
-                          labels=lambda path, leaf: "steer" if path[0] == "steer" else "frozen",
-                          schedule="constant", clip_norm=None, weight_decay=0.0)
+    opt = OptimizerConfig(
+        learning_rate={"steer": cfg.lr, "frozen": None},
+        labels=lambda path, leaf: "steer" if path[0] == "steer" else "frozen",
+        schedule="constant",
+        clip_norm=None,
+        weight_decay=0.0,
+    )
     kw = {"progress": False, "log_every": cfg.log_every, "seed": cfg.seed, **kw}
     return Trainer(loss_fn or cached_loss_fn(cfg), params, opt, **kw)
 
 
-def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainConfig(),
-          params: Optional[dict] = None, progress: bool = False) -> Tuple[dict, dict]:
+def train(
+    cache: HiddenCache,
+    embedding: np.ndarray,
+    cfg: TrainConfig = TrainConfig(),
+    params: Optional[dict] = None,
+    progress: bool = False,
+) -> Tuple[dict, dict]:
     """Train steer params on cached hidden states with :func:`make_trainer`'s
     :class:`jsteer.train.Trainer` (the project's engine: device mesh, JSONL-able metrics).
 
@@ -458,8 +513,15 @@ def train(cache: HiddenCache, embedding: np.ndarray, cfg: TrainConfig = TrainCon
     return params, hist
 
 
-def eval_nll(params: dict, cache: HiddenCache, embedding: np.ndarray, values: Sequence[float],
-             eps0: float = 1e-3, dummy: bool = True, chunk: int = 1024) -> float:
+def eval_nll(
+    params: dict,
+    cache: HiddenCache,
+    embedding: np.ndarray,
+    values: Sequence[float],
+    eps0: float = 1e-3,
+    dummy: bool = True,
+    chunk: int = 1024,
+) -> float:
     """Mean per-token NLL of every cached token under fixed steer values (e.g. [+1] or [-1])."""
     emb = jnp.asarray(embedding)
     eps = head.make_eps(values, eps0, dummy)
@@ -471,8 +533,8 @@ def eval_nll(params: dict, cache: HiddenCache, embedding: np.ndarray, values: Se
 
     tot, n = 0.0, 0
     for s in range(0, cache.num_tokens, chunk):
-        h = cache.hidden[s:s + chunk].astype(np.float32)
-        t = cache.targets[s:s + chunk]
+        h = cache.hidden[s : s + chunk].astype(np.float32)
+        t = cache.targets[s : s + chunk]
         w = np.ones(len(t), np.float32)
         if len(t) < chunk:
             pad = chunk - len(t)

@@ -24,7 +24,6 @@ import numpy as np
 
 from jsteer.steer import head
 
-
 _WORD_START = ("\u0120", "\u2581")  # 'Ġ' (byte-level BPE: GPT-2, LLaMA-3, SmolLM2), '▁' (SentencePiece)
 
 
@@ -34,8 +33,9 @@ def _canonical(token: str) -> str:
     return " " + token[1:] if token[:1] in _WORD_START else token
 
 
-def shared_anchors(vocab_a: dict, vocab_b: dict, max_anchors: Optional[int] = None,
-                   skip: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
+def shared_anchors(
+    vocab_a: dict, vocab_b: dict, max_anchors: Optional[int] = None, skip: Sequence[int] = ()
+) -> Tuple[np.ndarray, np.ndarray]:
     """Token ids of strings present in both vocabularies (token -> id dicts), word-start markers
     matched across tokenizer kinds ('Ġthe' <-> '▁the'; within a vocabulary the lowest id of a
     string wins).
@@ -61,8 +61,9 @@ def shared_anchors(vocab_a: dict, vocab_b: dict, max_anchors: Optional[int] = No
     return np.asarray(a, np.int32), np.asarray(b, np.int32)
 
 
-def fit_map(emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.ndarray,
-            ridge: float = 0.0) -> np.ndarray:
+def fit_map(
+    emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.ndarray, ridge: float = 0.0
+) -> np.ndarray:
     """Least-squares H [D_A, D_B] with E_B[ids_b] H^T ~= E_A[ids_a].
 
     emb_a: [V_A, D_A] source output embedding; emb_b: [V_B, D_B] target output embedding.
@@ -73,8 +74,10 @@ def fit_map(emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.n
     if ea.shape[0] != eb.shape[0]:
         raise ValueError(f"anchor lists differ in length: {ea.shape[0]} source vs {eb.shape[0]} target")
     if ea.shape[0] < eb.shape[1] and ridge == 0.0:
-        raise ValueError(f"{ea.shape[0]} anchors cannot determine a map from hidden size {eb.shape[1]}: "
-                         "give more anchors or a ridge penalty")
+        raise ValueError(
+            f"{ea.shape[0]} anchors cannot determine a map from hidden size {eb.shape[1]}: "
+            "give more anchors or a ridge penalty"
+        )
     if ridge > 0.0:
         gram = eb.T @ eb + ridge * np.eye(eb.shape[1])
         ht = np.linalg.solve(gram, eb.T @ ea)  # [D_B, D_A]
@@ -83,8 +86,10 @@ def fit_map(emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.n
     return ht.T.astype(np.float32)
 
 
-BLACKLIST_NOT_TRANSFERABLE = ("a word-blacklist steer lives in vocabulary space (one logit offset per token of its "
-                              "model) and cannot be transferred by H")
+BLACKLIST_NOT_TRANSFERABLE = (
+    "a word-blacklist steer lives in vocabulary space (one logit offset per token of its "
+    "model) and cannot be transferred by H"
+)
 
 
 def transfer(params: head.Params, h_map: np.ndarray) -> dict:
@@ -97,15 +102,18 @@ def transfer(params: head.Params, h_map: np.ndarray) -> dict:
     if h_map.ndim != 2 or h_map.shape[0] != d_a:
         raise ValueError(f"transfer map must be [D_A={d_a}, D_B], got {tuple(h_map.shape)}")
     if k == "lowrank":  # H^T P1 (H^T P2)^T
-        return {"p1": jnp.einsum("ab,sar->sbr", h_map, params["p1"]),
-                "p2": jnp.einsum("ab,sar->sbr", h_map, params["p2"])}
+        return {
+            "p1": jnp.einsum("ab,sar->sbr", h_map, params["p1"]),
+            "p2": jnp.einsum("ab,sar->sbr", h_map, params["p2"]),
+        }
     if k == "full":
         return {"w": jnp.einsum("ab,sac,cd->sbd", h_map, params["w"], h_map)}
     return {"vec": jnp.einsum("ab,sa->sb", h_map, params["vec"])}  # offset: e_A^T v ~= e_B^T H^T v
 
 
-def anchor_fit_error(emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.ndarray,
-                     h_map: np.ndarray) -> float:
+def anchor_fit_error(
+    emb_a: np.ndarray, emb_b: np.ndarray, ids_a: np.ndarray, ids_b: np.ndarray, h_map: np.ndarray
+) -> float:
     """Relative residual ||E_B H^T - E_A|| / ||E_A|| on the anchors (0 for an exact map)."""
     ea = np.asarray(emb_a, np.float64)[ids_a]
     eb = np.asarray(emb_b, np.float64)[ids_b]

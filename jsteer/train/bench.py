@@ -35,8 +35,9 @@ def init_token_classifier(config, num_labels: int):
     return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
-def token_classifier_trainer(model_dir, num_labels: int, lr: float, total_steps: int, dtype: str = "fp32",
-                             config=None, params=None):
+def token_classifier_trainer(
+    model_dir, num_labels: int, lr: float, total_steps: int, dtype: str = "fp32", config=None, params=None
+):
     """-> (Trainer, module, params, config) of a BERT token classifier: weights from the HF folder
     ``model_dir`` (a fresh head) unless ``config`` / ``params`` are given; ``dtype`` the compute
     precision ("fp32" or "bf16", fp32 masters). Batches: input_ids, attention_mask, labels
@@ -55,13 +56,20 @@ def token_classifier_trainer(model_dir, num_labels: int, lr: float, total_steps:
     if params is None:
         sd = load_file(str(model_dir / "model.safetensors"))
         params = bert.params_from_hf(
-            sd, config, head="token_classification", num_labels=num_labels, allow_missing_head=True,
+            sd,
+            config,
+            head="token_classification",
+            num_labels=num_labels,
+            allow_missing_head=True,
             rng=jax.random.PRNGKey(0),
         )
 
     def loss_fn(p, b, rng):
         out = module.apply(
-            {"params": p}, b["input_ids"], attention_mask=b["attention_mask"], deterministic=False,
+            {"params": p},
+            b["input_ids"],
+            attention_mask=b["attention_mask"],
+            deterministic=False,
             rngs={"dropout": rng},
         )
         logits = out.logits.astype(jnp.float32)
@@ -74,6 +82,7 @@ def token_classifier_trainer(model_dir, num_labels: int, lr: float, total_steps:
     cfg = OptimizerConfig(
         learning_rate=lr, schedule="linear", warmup_steps=2, total_steps=total_steps, weight_decay=0.01, clip_norm=1.0
     )
-    trainer = Trainer(loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:1]), precision=dtype, progress=False,
-                      log_every=10**9)
+    trainer = Trainer(
+        loss_fn, params, cfg, mesh=data_mesh(jax.devices()[:1]), precision=dtype, progress=False, log_every=10**9
+    )
     return trainer, module, params, config

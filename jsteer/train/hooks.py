@@ -171,8 +171,13 @@ class EarlyStopping(Hook):
             return
         self.bad += 1
         if self.bad >= self.patience and not info.final:
-            info.trainer.log({"step": info.step, "event": f"{EARLY_STOP}: {self.metric} not improved for "
-                              f"{self.bad} evaluations (best {self.best} at step {self.best_step})"})
+            info.trainer.log(
+                {
+                    "step": info.step,
+                    "event": f"{EARLY_STOP}: {self.metric} not improved for "
+                    f"{self.bad} evaluations (best {self.best} at step {self.best_step})",
+                }
+            )
             info.trainer.request_stop(EARLY_STOP)
 
 

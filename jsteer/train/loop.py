@@ -194,6 +194,7 @@ class Trainer:
         if axes is None:
             opt_shardings = step_lib.opt_state_shardings(opt_state, self.mesh, shard_opt_state)
         else:  # moments as XLA placed them (with their params); counters made without an input: replicated
+
             def placed(x):
                 s = x.sharding
                 return s if isinstance(s, jax.sharding.NamedSharding) and s.mesh == self.mesh else rep
@@ -306,8 +307,9 @@ class Trainer:
         temporaries - donated aliases), without running it; None where the backend does not say."""
         try:
             ma = self.compile_step(batch, total_steps).memory_analysis()
-            return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                       - ma.alias_size_in_bytes)
+            return int(
+                ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+            )
         except Exception:  # noqa: BLE001 - not every backend reports it
             return None
 

@@ -40,8 +40,9 @@ def cosine_to_vocab(te: Array, embedding: Array) -> Array:
     return en @ (te / jnp.maximum(jnp.linalg.norm(te), 1e-12))
 
 
-def neighbours(te: Array, embedding: Array, k: int = 10,
-               exclude_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+def neighbours(
+    te: Array, embedding: Array, k: int = 10, exclude_ids: Sequence[int] = ()
+) -> tuple[np.ndarray, np.ndarray]:
     """Top-k vocabulary ids by cosine with ``te`` -> (ids [k], cosines [k]), best first."""
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
@@ -61,18 +62,24 @@ def excess_kurtosis(x: np.ndarray | Array, axis: int = -1) -> np.ndarray:
     m = x.mean(axis=axis, keepdims=True)
     m2 = ((x - m) ** 2).mean(axis=axis)
     m4 = ((x - m) ** 4).mean(axis=axis)
-    return m4 / np.maximum(m2 ** 2, 1e-300) - 3.0
+    return m4 / np.maximum(m2**2, 1e-300) - 3.0
 
 
 @jax.jit
 def _run_svds(embedding: Array, idx: Array) -> tuple[Array, Array, Array]:
-    x = jnp.take(embedding, idx, axis=0).astype(jnp.float32)          # [R, N, D]
+    x = jnp.take(embedding, idx, axis=0).astype(jnp.float32)  # [R, N, D]
     _, s, vt = jax.vmap(lambda a: jnp.linalg.svd(a, full_matrices=False))(x)
     return s, vt, x.mean(axis=1)
 
 
-def singular_kurtosis(embedding: Array, pool_ids: Sequence[int], n_runs: int = 500, n_samples: int = 10,
-                      components: Sequence[int] = (0, 1, 2, 3), seed: int = 0) -> dict:
+def singular_kurtosis(
+    embedding: Array,
+    pool_ids: Sequence[int],
+    n_runs: int = 500,
+    n_samples: int = 10,
+    components: Sequence[int] = (0, 1, 2, 3),
+    seed: int = 0,
+) -> dict:
     """Figure 3: for ``n_runs`` random sets of ``n_samples`` examples drawn (uniformly, without
     replacement) from ``pool_ids``, the mean entry of the i-th right-singular vector per run.
 
@@ -92,16 +99,20 @@ def singular_kurtosis(embedding: Array, pool_ids: Sequence[int], n_runs: int = 5
     for c in components:
         if c >= vt.shape[1]:
             raise ValueError(f"component {c} does not exist with {n_samples} samples")
-        v = vt[:, c, :]                                                  # [R, D]
+        v = vt[:, c, :]  # [R, D]
         sign = np.sign(np.einsum("rd,rd->r", v, means))
         sign[sign == 0] = 1.0
         vo = v * sign[:, None]
         raw_means, or_means = v.mean(axis=1), vo.mean(axis=1)
         ref = vo[0] / np.linalg.norm(vo[0])
         stab = float(np.mean(np.abs(vo @ ref)))
-        out[int(c)] = {"kurtosis_raw": float(excess_kurtosis(raw_means)),
-                       "kurtosis_oriented": float(excess_kurtosis(or_means)),
-                       "stability": stab, "values_raw": raw_means.tolist(), "values_oriented": or_means.tolist()}
+        out[int(c)] = {
+            "kurtosis_raw": float(excess_kurtosis(raw_means)),
+            "kurtosis_oriented": float(excess_kurtosis(or_means)),
+            "stability": stab,
+            "values_raw": raw_means.tolist(),
+            "values_oriented": or_means.tolist(),
+        }
     out["singular_values_mean"] = np.asarray(s).mean(axis=0).tolist()
     return out
 
@@ -109,8 +120,9 @@ def singular_kurtosis(embedding: Array, pool_ids: Sequence[int], n_runs: int = 5
 # ----------------------------------------------------------------------------- AA / AS
 
 
-def adversarial(logprob_fn: Callable[[Array], Array], te: Array, lam: float, token_sets: np.ndarray,
-                seed: int = 0) -> dict:
+def adversarial(
+    logprob_fn: Callable[[Array], Array], te: Array, lam: float, token_sets: np.ndarray, seed: int = 0
+) -> dict:
     """Adversarial accuracy and sensitivity of a type vector (Table 2).
 
     logprob_fn: offset [D] -> log-probabilities [V] at the probed position when ``offset`` is
@@ -154,8 +166,9 @@ def adversarial(logprob_fn: Callable[[Array], Array], te: Array, lam: float, tok
     return out
 
 
-def prompt_logprob_fn(forward: Callable, head: Callable, params, ids: np.ndarray, attn: np.ndarray,
-                      pos: np.ndarray) -> Callable[[Array], Array]:
+def prompt_logprob_fn(
+    forward: Callable, head: Callable, params, ids: np.ndarray, attn: np.ndarray, pos: np.ndarray
+) -> Callable[[Array], Array]:
     """Build ``logprob_fn(offset [D]) -> [V]`` for :func:`adversarial` from a ProbeModel-style
     ``forward`` / ``head``: the offset is added at each row's predicting position ``pos`` and the
     log-softmax is averaged over the rows."""
@@ -177,7 +190,7 @@ def prompt_logprob_fn(forward: Callable, head: Callable, params, ids: np.ndarray
 @functools.partial(jax.jit, static_argnames=("forward",))
 def _position_states(params, ids, attn, pos, hooks, *, forward):
     out = forward(params, ids, attn, hooks, output_hidden_states=True)
-    hs = jnp.stack(out.hidden_states)                                   # [L+1, B, T, D]
+    hs = jnp.stack(out.hidden_states)  # [L+1, B, T, D]
     return jnp.take_along_axis(hs, pos[None, :, None, None], axis=2)[:, :, 0]
 
 
@@ -216,7 +229,7 @@ def _type_logprob(forward, head, params, ids, attn, pos, tgt, betas, layer, hook
     out = forward(params, ids, attn, hk)
     h = jnp.take_along_axis(out.hidden, pos[:, None, None], axis=1)[:, 0]
     lp = jax.nn.log_softmax(head(params, h).astype(jnp.float32), axis=-1)
-    return jax.scipy.special.logsumexp(lp[:, tgt], axis=1)                 # [B]
+    return jax.scipy.special.logsumexp(lp[:, tgt], axis=1)  # [B]
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "head", "layer", "d"))
@@ -230,8 +243,17 @@ def _layer_grad(params, ids, attn, pos, tgt, hooks, *, forward, head, layer, d):
     return jnp.take_along_axis(g, pos[:, None, None], axis=1)[:, 0]
 
 
-def layer_gradient(forward: Callable, head: Callable, params, ids, attn, pos, target_ids: Sequence[int],
-                   layer: int, hooks: Optional[Hooks] = None) -> Array:
+def layer_gradient(
+    forward: Callable,
+    head: Callable,
+    params,
+    ids,
+    attn,
+    pos,
+    target_ids: Sequence[int],
+    layer: int,
+    hooks: Optional[Hooks] = None,
+) -> Array:
     """Gradient of each row's type log-probability (logsumexp over ``target_ids`` of the
     log-softmax at its predicting position) w.r.t. the output of backbone layer ``layer``
     (0-based) at that position -> [B, D].
@@ -242,8 +264,9 @@ def layer_gradient(forward: Callable, head: Callable, params, ids, attn, pos, ta
     """
     ids, attn, pos = jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos)
     d = params_hidden_size(forward, params, ids, attn)
-    return _layer_grad(params, ids, attn, pos, jnp.asarray(list(target_ids)), hooks, forward=forward, head=head,
-                       layer=int(layer), d=d)
+    return _layer_grad(
+        params, ids, attn, pos, jnp.asarray(list(target_ids)), hooks, forward=forward, head=head, layer=int(layer), d=d
+    )
 
 
 def params_hidden_size(forward: Callable, params, ids, attn) -> int:
@@ -252,8 +275,18 @@ def params_hidden_size(forward: Callable, params, ids, attn) -> int:
     return int(out.hidden.shape[-1])
 
 
-def tcav(forward: Callable, head: Callable, params, ids, attn, pos, target_ids: Sequence[int], cavs: Array,
-         layers: Sequence[int], hooks: Optional[Hooks] = None) -> dict:
+def tcav(
+    forward: Callable,
+    head: Callable,
+    params,
+    ids,
+    attn,
+    pos,
+    target_ids: Sequence[int],
+    cavs: Array,
+    layers: Sequence[int],
+    hooks: Optional[Hooks] = None,
+) -> dict:
     """TCAV score per layer: the share of prompts whose type log-probability increases along the
     layer's concept vector, i.e. ``layer_gradient . CAV > 0``. ``cavs`` [L+1, D] is indexed like
     ``hidden_states`` (``cavs[l + 1]`` belongs to backbone layer l)."""

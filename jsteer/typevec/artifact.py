@@ -27,10 +27,21 @@ class WrongModelError(ValueError):
     """A type vector was loaded for a model other than the one it was built from."""
 
 
-def save(path, tes, *, names: Sequence[str], base_model: str, vocab_size: int, method: str,
-         tokens: Sequence[Sequence[int]], labels: Optional[Sequence[Sequence[str]]] = None,
-         sampling: Optional[Sequence[dict]] = None, extra: Optional[dict] = None,
-         token_strings: Optional[Sequence[Sequence[str]]] = None, types: Optional[Sequence[str]] = None):
+def save(
+    path,
+    tes,
+    *,
+    names: Sequence[str],
+    base_model: str,
+    vocab_size: int,
+    method: str,
+    tokens: Sequence[Sequence[int]],
+    labels: Optional[Sequence[Sequence[str]]] = None,
+    sampling: Optional[Sequence[dict]] = None,
+    extra: Optional[dict] = None,
+    token_strings: Optional[Sequence[Sequence[str]]] = None,
+    types: Optional[Sequence[str]] = None,
+):
     """Write type vectors ``tes`` [K, D] (or one [D]) with their provenance. Returns the folder."""
     from jsteer import io
 
@@ -44,11 +55,18 @@ def save(path, tes, *, names: Sequence[str], base_model: str, vocab_size: int, m
     tokens = [[int(t) for t in row] for row in tokens]
     labels = [list(map(str, row)) for row in labels] if labels is not None else [[] for _ in range(k)]
     sampling = list(sampling) if sampling is not None else [{} for _ in range(k)]
-    token_strings = ([list(map(str, row)) for row in token_strings] if token_strings is not None
-                     else [[] for _ in range(k)])
+    token_strings = (
+        [list(map(str, row)) for row in token_strings] if token_strings is not None else [[] for _ in range(k)]
+    )
     types = [str(t or "") for t in types] if types is not None else ["" for _ in range(k)]
-    for field, v in (("names", names), ("tokens", tokens), ("labels", labels), ("sampling", sampling),
-                     ("token_strings", token_strings), ("types", types)):
+    for field, v in (
+        ("names", names),
+        ("tokens", tokens),
+        ("labels", labels),
+        ("sampling", sampling),
+        ("token_strings", token_strings),
+        ("types", types),
+    ):
         if len(v) != k:
             raise ValueError(f"{field} has {len(v)} entries for {k} type vectors")
     for name, row in zip(names, tokens):
@@ -57,10 +75,20 @@ def save(path, tes, *, names: Sequence[str], base_model: str, vocab_size: int, m
             raise ValueError(f"type {name!r}: token ids {bad} are outside the vocabulary (size {vocab_size})")
     if not np.all(np.isfinite(tes)):
         raise ValueError("type vectors contain NaN or inf")
-    meta = {"format": FORMAT, "base_model": str(base_model), "hidden_size": int(tes.shape[1]),
-            "vocab_size": int(vocab_size), "names": names, "method": str(method), "tokens": tokens,
-            "labels": labels, "token_strings": token_strings, "types": types, "sampling": sampling,
-            "extra": extra or {}}
+    meta = {
+        "format": FORMAT,
+        "base_model": str(base_model),
+        "hidden_size": int(tes.shape[1]),
+        "vocab_size": int(vocab_size),
+        "names": names,
+        "method": str(method),
+        "tokens": tokens,
+        "labels": labels,
+        "token_strings": token_strings,
+        "types": types,
+        "sampling": sampling,
+        "extra": extra or {},
+    }
     return io.save_artifact(path, {"te": tes}, meta)
 
 
@@ -73,10 +101,14 @@ def load(path, model_identity: Optional[str] = None) -> tuple[np.ndarray, dict]:
         raise ValueError(f"{path}: not a type-embedding artifact (format {meta.get('format')!r}, expected {FORMAT!r})")
     tes = np.asarray(tree["te"], np.float32)
     if tes.ndim != 2 or tes.shape[1] != meta["hidden_size"] or tes.shape[0] != len(meta["names"]):
-        raise ValueError(f"{path}: tree 'te' has shape {tes.shape}, meta says {len(meta['names'])} x {meta['hidden_size']}")
+        raise ValueError(
+            f"{path}: tree 'te' has shape {tes.shape}, meta says {len(meta['names'])} x {meta['hidden_size']}"
+        )
     if model_identity is not None and meta["base_model"] != model_identity:
-        raise WrongModelError(f"{path}: these type vectors were built from model {meta['base_model']}, "
-                              f"not {model_identity}; rebuild them from this model's embeddings")
+        raise WrongModelError(
+            f"{path}: these type vectors were built from model {meta['base_model']}, "
+            f"not {model_identity}; rebuild them from this model's embeddings"
+        )
     return tes, meta
 
 
@@ -88,8 +120,9 @@ def get(tes: np.ndarray, meta: dict, name: str) -> np.ndarray:
         raise KeyError(f"no type vector named {name!r}; have {meta['names']}") from None
 
 
-def rows_for_types(meta: dict, types: Sequence[str], type_map: Optional[dict[str, str]] = None
-                   ) -> tuple[dict[str, int], dict[str, str]]:
+def rows_for_types(
+    meta: dict, types: Sequence[str], type_map: Optional[dict[str, str]] = None
+) -> tuple[dict[str, int], dict[str, str]]:
     """Which artifact row stands for each wanted type -> ({type: row index}, {type: why none}).
 
     A row serves type T when ``type_map`` maps its name to T; rows not in ``type_map`` serve
@@ -113,11 +146,15 @@ def rows_for_types(meta: dict, types: Sequence[str], type_map: Optional[dict[str
     for t in types:
         rows = serves.get(t, [])
         if len(rows) > 1:
-            raise ValueError(f"type {t}: several artifact vectors stand for it {[names[i] for i in rows]}; "
-                             f"pick one with --artifact-type NAME={t}")
+            raise ValueError(
+                f"type {t}: several artifact vectors stand for it {[names[i] for i in rows]}; "
+                f"pick one with --artifact-type NAME={t}"
+            )
         if rows:
             found[t] = rows[0]
         else:
-            missing[t] = (f"type {t}: no vector for it in the artifact (vectors {names}, standing for types "
-                          f"{[r or n for r, n in zip(recorded, names)]}); map one with --artifact-type NAME={t}")
+            missing[t] = (
+                f"type {t}: no vector for it in the artifact (vectors {names}, standing for types "
+                f"{[r or n for r, n in zip(recorded, names)]}); map one with --artifact-type NAME={t}"
+            )
     return found, missing

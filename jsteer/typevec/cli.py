@@ -48,16 +48,24 @@ DEFAULT_DATA = _SHARED / "type_embedding" / "processed_lama"
 
 
 def register(subparsers) -> None:
-    top = subparsers.add_parser("typevec", help="Type Embeddings: make, neighbours, probe",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = subparsers.add_parser(
+        "typevec",
+        help="Type Embeddings: make, neighbours, probe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = top.add_subparsers(dest="typevec_command", required=True)
 
     p = sub.add_parser("make", help="build type vectors and save them as an artifact")
     _model(p)
     _source(p)
     p.add_argument("--method", choices=("svd", "mean"), default="svd")
-    p.add_argument("--project-out", default=None, metavar="TYPE",
-                   help="remove the component along this type's vector (the paper's E_a^optim)")
+    p.add_argument(
+        "--project-out",
+        default=None,
+        metavar="TYPE",
+        help="remove the component along this type's vector (the paper's E_a^optim)",
+    )
     p.add_argument("--out", required=True, help="artifact folder to write")
     p.add_argument("-k", type=int, default=8, help="nearest tokens to print per vector")
     p.set_defaults(func=warning_lines("typevec make")(_make))
@@ -75,36 +83,72 @@ def register(subparsers) -> None:
     _model(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", default=str(DEFAULT_DATA), help="type-grouped LAMA CSV folder (synth_<Type>/...)")
-    src.add_argument("--lama", default=None, metavar="DIR",
-                     help="raw LAMA folder: relations.jsonl and <source>/<relation>.jsonl fact files")
-    p.add_argument("--lama-type", action="append", default=None, metavar="REL=TYPE",
-                   help="answer type of a raw LAMA relation (repeatable; overrides probe.LAMA_TYPES)")
-    p.add_argument("--relation", action="append", default=None,
-                   help="<Type>/<relation> (or just <relation>) to probe, e.g. City/P19 (repeatable; "
-                        "default: all that qualify)")
+    src.add_argument(
+        "--lama",
+        default=None,
+        metavar="DIR",
+        help="raw LAMA folder: relations.jsonl and <source>/<relation>.jsonl fact files",
+    )
+    p.add_argument(
+        "--lama-type",
+        action="append",
+        default=None,
+        metavar="REL=TYPE",
+        help="answer type of a raw LAMA relation (repeatable; overrides probe.LAMA_TYPES)",
+    )
+    p.add_argument(
+        "--relation",
+        action="append",
+        default=None,
+        help="<Type>/<relation> (or just <relation>) to probe, e.g. City/P19 (repeatable; default: all that qualify)",
+    )
     p.add_argument("--artifact", default=None, help="type vectors by type (default: built from --kg)")
-    p.add_argument("--artifact-type", action="append", default=None, metavar="NAME=TYPE",
-                   help="use the artifact vector NAME for TYPE, e.g. 'City^optim(Country)=City' (repeatable)")
+    p.add_argument(
+        "--artifact-type",
+        action="append",
+        default=None,
+        metavar="NAME=TYPE",
+        help="use the artifact vector NAME for TYPE, e.g. 'City^optim(Country)=City' (repeatable)",
+    )
     p.add_argument("--kg", default=str(DEFAULT_KG))
     p.add_argument("--strategy", default="weighted", choices=("weighted", "top", "bottom", "uniform"))
     p.add_argument("--n", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--first-token", action="store_true",
-                   help="represent multi-token KG labels by their first word token (e.g. years in SmolLM2)")
-    p.add_argument("--mode", choices=("pos", "all", "layer"), default="pos",
-                   help="decoders: TE at the predicting position (pos), at every prompt token (all), or in "
-                        "the residual stream of the predicting position after --layer (layer; not in the paper)")
+    p.add_argument(
+        "--first-token",
+        action="store_true",
+        help="represent multi-token KG labels by their first word token (e.g. years in SmolLM2)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("pos", "all", "layer"),
+        default="pos",
+        help="decoders: TE at the predicting position (pos), at every prompt token (all), or in "
+        "the residual stream of the predicting position after --layer (layer; not in the paper)",
+    )
     p.add_argument("--layer", type=int, default=None, help="decoder layer for --mode layer")
-    p.add_argument("--layers", default=None, metavar="L1,L2,...",
-                   help="--mode layer: candidate layers, one chosen on the hold-out (best macro hold-out P@1 at "
-                        "tuned lambda, lambda in resid units of each layer; overrides --layer)")
+    p.add_argument(
+        "--layers",
+        default=None,
+        metavar="L1,L2,...",
+        help="--mode layer: candidate layers, one chosen on the hold-out (best macro hold-out P@1 at "
+        "tuned lambda, lambda in resid units of each layer; overrides --layer)",
+    )
     p.add_argument("--lambdas", default="0,1,2,3,4,5", help="lambda grid tuned on the hold-out")
-    p.add_argument("--lambda-unit", choices=tuple(_LAMBDA_UNITS), default="one",
-                   help="lambda times a unit TE (one, default, as the paper; alias abs), times the mean "
-                        "input-embedding norm (norm; alias row_norm) or times the mean residual-stream norm after "
-                        "--layer at the predicting position, measured on the hold-out prompts (resid; --mode layer)")
-    p.add_argument("--holdout", type=float, default=0.05,
-                   help="fraction of each relation's prompts that tunes lambda / w / the BTo form (0: no tuning)")
+    p.add_argument(
+        "--lambda-unit",
+        choices=tuple(_LAMBDA_UNITS),
+        default="one",
+        help="lambda times a unit TE (one, default, as the paper; alias abs), times the mean "
+        "input-embedding norm (norm; alias row_norm) or times the mean residual-stream norm after "
+        "--layer at the predicting position, measured on the hold-out prompts (resid; --mode layer)",
+    )
+    p.add_argument(
+        "--holdout",
+        type=float,
+        default=0.05,
+        help="fraction of each relation's prompts that tunes lambda / w / the BTo form (0: no tuning)",
+    )
     p.add_argument("--max-test", type=int, default=None, help="cap on reported prompts per relation")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--out", default=None, help="write the full JSON report here")
@@ -123,8 +167,11 @@ def _source(p):
     p.add_argument("--strategy", default="weighted", choices=("weighted", "top", "bottom", "uniform"))
     p.add_argument("--n", type=int, default=10, help="examples per type")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--first-token", action="store_true",
-                   help="represent multi-token KG labels by their first word token (e.g. years in SmolLM2)")
+    p.add_argument(
+        "--first-token",
+        action="store_true",
+        help="represent multi-token KG labels by their first word token (e.g. years in SmolLM2)",
+    )
 
 
 def _log(msg: str) -> None:
@@ -135,11 +182,14 @@ def _sample(args, lm, type_name: str):
     """One KG type's examples, with what was used printed."""
     from jsteer.typevec import sampling
 
-    s = sampling.sample_type(args.kg, type_name, lm.tokenizer, strategy=args.strategy, n=args.n, seed=args.seed,
-                             first_token=args.first_token)
-    _log(f"{type_name}: {len(s.token_ids)} example tokens {list(s.tokens)} of {args.n} requested (labels "
-         f"{list(s.labels)}; skipped {s.skipped_multi_token} multi-token and {s.skipped_non_word} "
-         f"whitespace/punctuation-only of {s.n_entries} KG entries)")
+    s = sampling.sample_type(
+        args.kg, type_name, lm.tokenizer, strategy=args.strategy, n=args.n, seed=args.seed, first_token=args.first_token
+    )
+    _log(
+        f"{type_name}: {len(s.token_ids)} example tokens {list(s.tokens)} of {args.n} requested (labels "
+        f"{list(s.labels)}; skipped {s.skipped_multi_token} multi-token and {s.skipped_non_word} "
+        f"whitespace/punctuation-only of {s.n_entries} KG entries)"
+    )
     return s
 
 
@@ -205,11 +255,29 @@ def _make(args) -> int:
         tes = jnp.stack([core.project_out(te, other) for te in tes])
         # the projected vector still stands for its base type (recorded in `types`), for probe --artifact
         names = [f"{n}^optim({args.project_out})" for n in names]
-        method, extra = "derived", {"project_out": args.project_out, "project_out_tokens": list(s.token_ids),
-                                    "project_out_token_strings": list(s.tokens), "base_method": args.method}
-    path = artifact.save(args.out, tes, names=names, base_model=lm.identity,
-                         vocab_size=int(lm.input_embeddings().shape[0]), method=method, tokens=tokens,
-                         labels=labels, sampling=reports, extra=extra, token_strings=strings, types=types)
+        method, extra = (
+            "derived",
+            {
+                "project_out": args.project_out,
+                "project_out_tokens": list(s.token_ids),
+                "project_out_token_strings": list(s.tokens),
+                "base_method": args.method,
+            },
+        )
+    path = artifact.save(
+        args.out,
+        tes,
+        names=names,
+        base_model=lm.identity,
+        vocab_size=int(lm.input_embeddings().shape[0]),
+        method=method,
+        tokens=tokens,
+        labels=labels,
+        sampling=reports,
+        extra=extra,
+        token_strings=strings,
+        types=types,
+    )
     _print_neighbours(lm, names, tes, args.k)
     print(f"wrote {len(names)} type vector(s) to {path}")
     return 0
@@ -270,8 +338,12 @@ def _probe_groups(args, pm) -> tuple[dict, dict]:
         for g, ps in list(groups.items()):
             n_ok = sum(probe.decoder_qualifies(p.text) for p in ps)
             if n_ok <= len(ps) / 2:
-                skipped[g] = (f"not a next-token relation: only {n_ok} of {len(ps)} prompts have nothing but "
-                              f"punctuation after [MASK] (e.g. {ps[0].text!r})" if ps else "no prompts")
+                skipped[g] = (
+                    f"not a next-token relation: only {n_ok} of {len(ps)} prompts have nothing but "
+                    f"punctuation after [MASK] (e.g. {ps[0].text!r})"
+                    if ps
+                    else "no prompts"
+                )
                 del groups[g]
     return groups, skipped
 
@@ -301,15 +373,27 @@ def _probe_vectors(args, lm, pm, types) -> tuple[dict, dict]:
             raise ValueError("--first-token applies to vectors built from --kg, not to --artifact")
         tes_a, meta = artifact.load(args.artifact, model_identity=lm.identity)
         rows, missing = artifact.rows_for_types(meta, types, _pairs(args.artifact_type, "--artifact-type"))
-        used = {t: {"name": meta["names"][i], "tokens": (meta.get("token_strings") or [[]] * len(tes_a))[i]}
-                for t, i in rows.items()}
-        return {t: jnp.asarray(tes_a[i]) for t, i in rows.items()}, \
-            {"source": str(args.artifact), "used": used, "missing": missing}
+        used = {
+            t: {"name": meta["names"][i], "tokens": (meta.get("token_strings") or [[]] * len(tes_a))[i]}
+            for t, i in rows.items()
+        }
+        return {t: jnp.asarray(tes_a[i]) for t, i in rows.items()}, {
+            "source": str(args.artifact),
+            "used": used,
+            "missing": missing,
+        }
     if args.artifact_type:
         raise ValueError("--artifact-type only applies with --artifact")
     vecs, samples, missing = sampling.available_type_vectors(
-        pm.embedding(), lm.tokenizer, args.kg, types, strategy=args.strategy, n=args.n, seed=args.seed,
-        first_token=args.first_token)
+        pm.embedding(),
+        lm.tokenizer,
+        args.kg,
+        types,
+        strategy=args.strategy,
+        n=args.n,
+        seed=args.seed,
+        first_token=args.first_token,
+    )
     for t, s in samples.items():
         _log(f"{t}: {len(s.token_ids)} example tokens {list(s.tokens)} of {args.n} requested")
     return vecs, {"source": str(args.kg), "used": {t: s.report() for t, s in samples.items()}, "missing": missing}
@@ -333,8 +417,10 @@ def _probe(args) -> int:
         _log(f"warning: no type vector for {t} ({why}); its relations get B/BTo only and are left out of the macro")
     if not any(g.split("/")[0] in by_type for g in groups):
         why = {**skipped, **{g: vec_report["missing"][g.split("/")[0]] for g in groups}}
-        raise ValueError("nothing to probe: no relation has usable prompts and a type vector; "
-                         + "; ".join(f"{g}: {w}" for g, w in why.items()))
+        raise ValueError(
+            "nothing to probe: no relation has usable prompts and a type vector; "
+            + "; ".join(f"{g}: {w}" for g, w in why.items())
+        )
     _log(f"probing {len(groups)} relation(s); skipped {len(skipped)}")
     kind = _LAMBDA_UNITS[args.lambda_unit]
     if (kind == "resid" or args.layers) and args.mode != "layer":
@@ -348,8 +434,17 @@ def _probe(args) -> int:
     selection, unit = None, 1.0
     if args.layers:
         candidates = [int(x) for x in args.layers.split(",")]
-        selection = protocol.select_layer(pm, {g: groups[g] for g in tes}, tes, candidates, lams, seed=args.seed,
-                                          batch_size=args.batch_size, holdout=args.holdout, log=_log)
+        selection = protocol.select_layer(
+            pm,
+            {g: groups[g] for g in tes},
+            tes,
+            candidates,
+            lams,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            holdout=args.holdout,
+            log=_log,
+        )
         layer = selection["chosen"]
         _log(f"layer {layer} chosen on the hold-out of {candidates}")
     if kind == "resid":
@@ -357,9 +452,20 @@ def _probe(args) -> int:
             raise ValueError("--lambda-unit resid needs --layer or --layers")
         unit = protocol.lambda_unit(pm, "resid", layer, {g: groups[g] for g in tes}, args.seed, args.holdout)
         _log(f"lambda unit (resid, layer {layer}) = {unit:.4f}")
-    rep = probe.evaluate(pm, groups, tes, mode=args.mode, lam_grid=lams, holdout=args.holdout,
-                         max_test=args.max_test, seed=args.seed, batch_size=args.batch_size, log=_log,
-                         layer=layer, lam_unit=unit)
+    rep = probe.evaluate(
+        pm,
+        groups,
+        tes,
+        mode=args.mode,
+        lam_grid=lams,
+        holdout=args.holdout,
+        max_test=args.max_test,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        log=_log,
+        layer=layer,
+        lam_unit=unit,
+    )
     rep["lambda_unit"] = {"kind": kind, "scale": scale, **({"value": unit} if kind == "resid" else {})}
     if selection is not None:
         rep["layer_selection"] = selection

@@ -55,8 +55,9 @@ def check_ids(token_ids, vocab_size: int, mask=None) -> None:
         ids = ids[np.asarray(mask) != 0]
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
-        raise ValueError(f"example token ids {sorted(set(bad.tolist()))[:10]} are outside the vocabulary "
-                         f"[0, {vocab_size})")
+        raise ValueError(
+            f"example token ids {sorted(set(bad.tolist()))[:10]} are outside the vocabulary [0, {vocab_size})"
+        )
 
 
 def example_rows(embedding: Array, token_ids: Array, mask: Optional[Array] = None) -> Array:
@@ -100,8 +101,13 @@ def singular_vectors(x: Array) -> tuple[Array, Array]:
     return s, vt
 
 
-def make(embedding: Array, token_ids: Array, method: str = "svd", mask: Optional[Array] = None,
-         center: Optional[Array] = None) -> Array:
+def make(
+    embedding: Array,
+    token_ids: Array,
+    method: str = "svd",
+    mask: Optional[Array] = None,
+    center: Optional[Array] = None,
+) -> Array:
     """Type embedding TE [D] from example tokens.
 
     embedding: [V, D] input-embedding matrix; token_ids: [N] example ids; mask: [N] (1 = use).
@@ -129,7 +135,7 @@ def make(embedding: Array, token_ids: Array, method: str = "svd", mask: Optional
         return mean
     _, vt = singular_vectors(x)
     v1 = -orient(vt[0], mean)  # v1 . mean <= 0 ...
-    return -v1                 # ... so TE = -v1 points towards the examples
+    return -v1  # ... so TE = -v1 points towards the examples
 
 
 def vocab_center(embedding: Array) -> Array:
@@ -137,8 +143,13 @@ def vocab_center(embedding: Array) -> Array:
     return jnp.mean(jnp.asarray(embedding, jnp.float32), axis=0)
 
 
-def make_all(embedding: Array, token_ids: Array, mask: Optional[Array] = None, method: str = "svd",
-             center: Optional[Array] = None) -> Array:
+def make_all(
+    embedding: Array,
+    token_ids: Array,
+    mask: Optional[Array] = None,
+    method: str = "svd",
+    center: Optional[Array] = None,
+) -> Array:
     """Several types at once: token_ids [K, N], mask [K, N], center [D] -> TEs [K, D] (vmapped :func:`make`)."""
     token_ids = jnp.asarray(token_ids)
     if token_ids.ndim != 2 or 0 in token_ids.shape:
@@ -148,7 +159,7 @@ def make_all(embedding: Array, token_ids: Array, mask: Optional[Array] = None, m
     mask = jnp.asarray(mask)
     if mask.shape != token_ids.shape:
         raise ValueError(f"mask shape {mask.shape} must match token_ids shape {token_ids.shape}")
-    check_ids(token_ids, embedding.shape[0], mask)   # inside vmap the ids are traced
+    check_ids(token_ids, embedding.shape[0], mask)  # inside vmap the ids are traced
     return jax.vmap(lambda t, m: make(embedding, t, method, m, center))(token_ids, mask)
 
 

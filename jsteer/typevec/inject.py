@@ -108,8 +108,7 @@ def step_offset(te: Array, lam, batch: int) -> Array:
 def generation_hooks(te: Array, lam, attention_mask: Array) -> Hooks:
     """TE on every prompt token and every generated token. attention_mask: [B, T] prompt mask."""
     b = attention_mask.shape[0]
-    return Hooks(embed_offset=offset(te, lam, attention_mask.astype(jnp.float32)),
-                 step_offset=step_offset(te, lam, b))
+    return Hooks(embed_offset=offset(te, lam, attention_mask.astype(jnp.float32)), step_offset=step_offset(te, lam, b))
 
 
 def row_norm_unit(embedding: Array) -> Array:
@@ -127,6 +126,7 @@ def residual_hooks(te: Array, lam, where: Array, layer: int, hooks: Optional[Hoo
     if hooks is None:
         return Hooks(film=film)
     from jsteer.hooks import compose
+
     return compose(hooks, Hooks(film=film))
 
 

@@ -89,9 +89,9 @@ GOOGLE_RE_TEMPLATES = {
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    text: str            # cloze text with one [MASK]
-    gold: str            # answer surface form
-    relation: str = ""   # e.g. "P19", "place_of_birth"
+    text: str  # cloze text with one [MASK]
+    gold: str  # answer surface form
+    relation: str = ""  # e.g. "P19", "place_of_birth"
     type_name: str = ""  # e.g. "City" (from the type-grouped CSVs)
     subject: str = ""
 
@@ -119,8 +119,12 @@ def fill_template(template: str, subject: str) -> str:
     return template.replace("[X]", subject).replace("[Y]", MASK)
 
 
-def load_lama_jsonl(path: str | pathlib.Path, template: Optional[str] = None,
-                    relations: Optional[Mapping[str, str]] = None, type_name: str = "") -> list[Prompt]:
+def load_lama_jsonl(
+    path: str | pathlib.Path,
+    template: Optional[str] = None,
+    relations: Optional[Mapping[str, str]] = None,
+    type_name: str = "",
+) -> list[Prompt]:
     """Raw LAMA facts -> prompts. The template comes from ``template`` or from ``relations``
     keyed by the file stem (``P19``, ``place_of_birth`` for ``place_of_birth_test``);
     ``type_name`` is the answer type recorded in every prompt."""
@@ -147,19 +151,45 @@ def load_lama_jsonl(path: str | pathlib.Path, template: Optional[str] = None,
 
 # The answer type of each LAMA relation, as in the type-grouped CSVs (synth_<Type>/<src>/<rel>.csv).
 LAMA_TYPES = {
-    **{r: "City" for r in ("P19", "P20", "P36", "P47", "P131", "P159", "P190", "P276", "P740", "P937",
-                           "place_of_birth", "place_of_death")},
+    **{
+        r: "City"
+        for r in (
+            "P19",
+            "P20",
+            "P36",
+            "P47",
+            "P131",
+            "P159",
+            "P190",
+            "P276",
+            "P740",
+            "P937",
+            "place_of_birth",
+            "place_of_death",
+        )
+    },
     **{r: "Country" for r in ("P17", "P27", "P495", "P530", "P1001", "P1376")},
     **{r: "Language" for r in ("P37", "P103", "P364", "P407", "P1412")},
     **{r: "Organization" for r in ("P108", "P178")},
-    "P30": "Continent", "P413": "Football Position", "P136": "Genre", "P463": "Group", "P176": "Manufacturer",
-    "P1303": "Musical Instrument", "P106": "Occupation", "P264": "Record Label", "P140": "Religion",
-    "P39": "Religious Position", "P101": "Specialization", "P449": "TV Network", "date_of_birth": "Year",
+    "P30": "Continent",
+    "P413": "Football Position",
+    "P136": "Genre",
+    "P463": "Group",
+    "P176": "Manufacturer",
+    "P1303": "Musical Instrument",
+    "P106": "Occupation",
+    "P264": "Record Label",
+    "P140": "Religion",
+    "P39": "Religious Position",
+    "P101": "Specialization",
+    "P449": "TV Network",
+    "date_of_birth": "Year",
 }
 
 
-def load_lama_dataset(root: str | pathlib.Path, types: Optional[Mapping[str, str]] = None
-                      ) -> tuple[dict[str, list[Prompt]], dict[str, str]]:
+def load_lama_dataset(
+    root: str | pathlib.Path, types: Optional[Mapping[str, str]] = None
+) -> tuple[dict[str, list[Prompt]], dict[str, str]]:
     """Raw LAMA: ``root/relations.jsonl`` plus fact files ``root/<src>/<rel>.jsonl`` (or
     ``root/<rel>.jsonl``; ``_test`` is dropped from the stem).
 
@@ -196,7 +226,7 @@ def load_typed_csv(path: str | pathlib.Path, type_name: Optional[str] = None) ->
     if not path.is_file():
         raise FileNotFoundError(f"typed LAMA CSV not found: {path}")
     if type_name is None:
-        m = [p.name[len("synth_"):] for p in path.parents if p.name.startswith("synth_")]
+        m = [p.name[len("synth_") :] for p in path.parents if p.name.startswith("synth_")]
         type_name = m[0] if m else ""
     rel = path.stem.replace("_test", "")
     out = []
@@ -220,7 +250,7 @@ def load_typed_dataset(root: str | pathlib.Path) -> dict[str, list[Prompt]]:
         raise FileNotFoundError(f"typed LAMA folder not found: {root}")
     out = {}
     for p in sorted(root.glob("synth_*/*/*.csv")):
-        t = p.parent.parent.name[len("synth_"):]
+        t = p.parent.parent.name[len("synth_") :]
         out[f"{t}/{p.stem.replace('_test', '')}"] = load_typed_csv(p, t)
     if not out:
         raise FileNotFoundError(f"no synth_<Type>/<source>/<relation>.csv files under {root}")
@@ -279,14 +309,17 @@ class Skips:
         return sum(self.counts.values())
 
     def report(self) -> dict:
-        return {"total": self.total, "by_reason": dict(self.counts),
-                "examples": {k: v for k, v in self.examples.items()}}
+        return {
+            "total": self.total,
+            "by_reason": dict(self.counts),
+            "examples": {k: v for k, v in self.examples.items()},
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
     ids: tuple[int, ...]  # full input ids
-    pos: int              # predicting position ([MASK] for MLM, last token for decoders)
+    pos: int  # predicting position ([MASK] for MLM, last token for decoders)
     gold: int
     prompt: Prompt
 
@@ -316,9 +349,15 @@ def mlm_text(text: str, tokenizer, space_sensitive_vocab: Optional[bool] = None)
     return pre + mask_token(tokenizer) + post, lead
 
 
-def encode_prompts(prompts: Sequence[Prompt], tokenizer, kind: str, *, max_len: int = 512,
-                   skips: Optional[Skips] = None, text_fn: Optional[Callable[[Prompt], str]] = None
-                   ) -> tuple[list[Example], Skips]:
+def encode_prompts(
+    prompts: Sequence[Prompt],
+    tokenizer,
+    kind: str,
+    *,
+    max_len: int = 512,
+    skips: Optional[Skips] = None,
+    text_fn: Optional[Callable[[Prompt], str]] = None,
+) -> tuple[list[Example], Skips]:
     """Prompts -> examples for ``kind`` "mlm" or "decoder", with counted skips.
 
     MLM: the literal [MASK] becomes the tokenizer's mask token, and in a space-sensitive
@@ -396,7 +435,7 @@ class ProbeModel:
     input_embedding(params) -> [V,D] (type vectors are built from and injected into this space).
     """
 
-    kind: str                       # "mlm" | "decoder"
+    kind: str  # "mlm" | "decoder"
     forward: Callable
     head: Callable
     input_embedding: Callable
@@ -404,19 +443,23 @@ class ProbeModel:
     tokenizer: Any
     identity: str = ""
     excluded_ids: tuple[int, ...] = ()
-    init_cache: Optional[Callable] = None   # decoders: (batch, slots) -> KVCache
+    init_cache: Optional[Callable] = None  # decoders: (batch, slots) -> KVCache
 
     @functools.cached_property
     def score_fn(self):
-        return jax.jit(functools.partial(_score_rows, self.forward, self.head, self.input_embedding),
-                       static_argnames=("mode", "layer"))
+        return jax.jit(
+            functools.partial(_score_rows, self.forward, self.head, self.input_embedding),
+            static_argnames=("mode", "layer"),
+        )
 
     @functools.cached_property
     def grid_fn(self):
         if self.init_cache is None:
             raise ValueError("this model has no KV cache: use score_rows")
-        return jax.jit(functools.partial(_score_grid, self.forward, self.head, self.input_embedding,
-                                         self.init_cache), static_argnames=("layer",))
+        return jax.jit(
+            functools.partial(_score_grid, self.forward, self.head, self.input_embedding, self.init_cache),
+            static_argnames=("layer",),
+        )
 
     def embedding(self) -> Array:
         return self.input_embedding(self.params)
@@ -436,8 +479,10 @@ def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
     from jsteer.backbones import bert
 
     if "head" not in params:
-        raise ValueError("MLM probing needs a BERT with an MLM head (params['head'] missing); "
-                         "MiniLM has none - use it for retrieval / analysis only")
+        raise ValueError(
+            "MLM probing needs a BERT with an MLM head (params['head'] missing); "
+            "MiniLM has none - use it for retrieval / analysis only"
+        )
     cfg = module.config
     head_mod = bert.MLMHead(cfg)
 
@@ -448,8 +493,7 @@ def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
         emb = p["encoder"]["embeddings"]["word"]["embedding"] if cfg.tie_word_embeddings else None
         return head_mod.apply({"params": p["head"]}, h[:, None, :], emb)[:, 0]
 
-    return ProbeModel("mlm", forward, head, bert.input_embeddings, params, tokenizer, identity,
-                      _special_ids(tokenizer))
+    return ProbeModel("mlm", forward, head, bert.input_embeddings, params, tokenizer, identity, _special_ids(tokenizer))
 
 
 def for_decoder(module, params, tokenizer, family: str, config, identity: str = "") -> ProbeModel:
@@ -465,8 +509,17 @@ def for_decoder(module, params, tokenizer, family: str, config, identity: str = 
     def head(p, h):
         return jnp.einsum("bd,vd->bv", h, fam.output_embeddings(p, config).astype(h.dtype))
 
-    return ProbeModel("decoder", forward, head, fam.input_embeddings, params, tokenizer, identity,
-                      _special_ids(tokenizer), init_cache=lambda b, s: config.init_cache(b, s))
+    return ProbeModel(
+        "decoder",
+        forward,
+        head,
+        fam.input_embeddings,
+        params,
+        tokenizer,
+        identity,
+        _special_ids(tokenizer),
+        init_cache=lambda b, s: config.init_cache(b, s),
+    )
 
 
 def from_lm(lm) -> ProbeModel:
@@ -479,8 +532,23 @@ def from_lm(lm) -> ProbeModel:
 # ----------------------------------------------------------------------------- jitted scoring
 
 
-def _score_rows(forward, head, input_embedding, params, ids, attn, pos, gold, te, lam, post_w, excluded,
-                *, mode: str, layer: Optional[int] = None):
+def _score_rows(
+    forward,
+    head,
+    input_embedding,
+    params,
+    ids,
+    attn,
+    pos,
+    gold,
+    te,
+    lam,
+    post_w,
+    excluded,
+    *,
+    mode: str,
+    layer: Optional[int] = None,
+):
     """One padded batch.
 
     ids/attn [B,T]; pos, gold [B]; te [B,D]; lam [B]; post_w [W]; excluded [V] bool.
@@ -492,12 +560,12 @@ def _score_rows(forward, head, input_embedding, params, ids, attn, pos, gold, te
     where = attn.astype(jnp.float32) if mode == "all" else one_hot_positions(pos, t)
     hooks = residual_hooks(te, lam, where, layer) if mode == "layer" else inject(te, lam, where)
     out = forward(params, ids, attn, hooks)
-    h = jnp.take_along_axis(out.hidden, pos[:, None, None], axis=1)[:, 0]          # [B, D]
+    h = jnp.take_along_axis(out.hidden, pos[:, None, None], axis=1)[:, 0]  # [B, D]
     return _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded)
 
 
 def _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded):
-    logits = head(params, h).astype(jnp.float32)                                       # [R, V]
+    logits = head(params, h).astype(jnp.float32)  # [R, V]
     logits = jnp.where(excluded[None, :], -jnp.inf, logits)
     g = jnp.take_along_axis(logits, gold[:, None], axis=1)
     rank = jnp.sum(logits > g, axis=1)
@@ -505,13 +573,27 @@ def _rank_and_post(head, input_embedding, params, h, gold, te, post_w, excluded)
     en = emb / jnp.maximum(jnp.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
     tn = te / jnp.maximum(jnp.linalg.norm(te, axis=1, keepdims=True), 1e-12)
     cos = jnp.einsum("vd,rd->rv", en, tn.astype(jnp.float32))
-    post = logits[None] + post_w[:, None, None] * cos[None]                            # [W, R, V]
+    post = logits[None] + post_w[:, None, None] * cos[None]  # [W, R, V]
     pg = jnp.take_along_axis(post, jnp.broadcast_to(gold[None, :, None], post.shape[:2] + (1,)), axis=2)
     return rank, jnp.sum(post > pg, axis=2), jnp.argmax(logits, axis=1)
 
 
-def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, gold, te, lam, post_w, excluded,
-                *, layer: Optional[int] = None):
+def _score_grid(
+    forward,
+    head,
+    input_embedding,
+    init_cache,
+    params,
+    ids,
+    attn,
+    gold,
+    te,
+    lam,
+    post_w,
+    excluded,
+    *,
+    layer: Optional[int] = None,
+):
     """Decoders, TE at the predicting position (input embedding, or the residual stream after
     decoder layer ``layer`` when given), a grid of L lambdas per prompt.
 
@@ -528,14 +610,16 @@ def _score_grid(forward, head, input_embedding, init_cache, params, ids, attn, g
     def rep(x):
         return jnp.repeat(x, n_l, axis=0)
 
-    cache = cache.replace(k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v),
-                          mask=rep(cache.mask), pos=rep(cache.pos))
+    cache = cache.replace(
+        k=jax.tree.map(rep, cache.k), v=jax.tree.map(rep, cache.v), mask=rep(cache.mask), pos=rep(cache.pos)
+    )
     te_r = rep(te)
-    off = (lam.reshape(-1)[:, None] * te_r)[:, None, :]                              # [B*L, 1, D]
+    off = (lam.reshape(-1)[:, None] * te_r)[:, None, :]  # [B*L, 1, D]
     hooks = Hooks(embed_offset=off) if layer is None else Hooks(film={layer: FiLM(beta_out=off)})
     out = forward(params, rep(ids[:, -1:]), jnp.ones((b * n_l, 1), jnp.int32), hooks, cache=cache)
-    rank, post_rank, top1 = _rank_and_post(head, input_embedding, params, out.hidden[:, 0], rep(gold), te_r,
-                                           post_w, excluded)
+    rank, post_rank, top1 = _rank_and_post(
+        head, input_embedding, params, out.hidden[:, 0], rep(gold), te_r, post_w, excluded
+    )
     return rank.reshape(b, n_l), post_rank.reshape(-1, b, n_l), top1.reshape(b, n_l)
 
 
@@ -548,15 +632,15 @@ def _length_batches(lengths: Sequence[int], multiple: int, batch_size: int):
         groups[buckets.bucket(int(lengths[j]), (multiple,), "multiple")].append(int(j))
     for t, rows in sorted(groups.items()):
         for s in range(0, len(rows), batch_size):
-            chunk = rows[s:s + batch_size]
+            chunk = rows[s : s + batch_size]
             yield t, chunk, chunk + [chunk[0]] * (batch_size - len(chunk))
 
 
 @dataclasses.dataclass
 class RowResult:
-    rank: np.ndarray       # [R]
+    rank: np.ndarray  # [R]
     post_rank: np.ndarray  # [W, R]
-    top1: np.ndarray       # [R]
+    top1: np.ndarray  # [R]
     n_batches: int
     n_padded_rows: int
 
@@ -571,10 +655,21 @@ def _store_batch(out, chunk: np.ndarray, rank: np.ndarray, post_rank: np.ndarray
     return k
 
 
-def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequence[int],
-               row_lam: Sequence[float], row_te: Sequence[int], tes: Array, *, mode: str = "pos",
-               post_grid: Sequence[float] = POST_GRID, batch_size: int = 32, bucket: int = buckets.PROBE.sizes[0],
-               progress: Optional[Callable[[int, int], None]] = None, layer: Optional[int] = None) -> RowResult:
+def score_rows(
+    model: ProbeModel,
+    examples: Sequence[Example],
+    row_example: Sequence[int],
+    row_lam: Sequence[float],
+    row_te: Sequence[int],
+    tes: Array,
+    *,
+    mode: str = "pos",
+    post_grid: Sequence[float] = POST_GRID,
+    batch_size: int = 32,
+    bucket: int = buckets.PROBE.sizes[0],
+    progress: Optional[Callable[[int, int], None]] = None,
+    layer: Optional[int] = None,
+) -> RowResult:
     """Score R rows: row r asks ``examples[row_example[r]]`` with ``row_lam[r] * tes[row_te[r]]``.
 
     tes: [K, D] type vectors. mode: "pos" | "all" | "layer" (decoders; MLM uses "pos" = the
@@ -604,12 +699,22 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
         gold = np.zeros((batch_size,), np.int32)
         for b, j in enumerate(idx):
             ex = examples[row_example[j]]
-            ids[b, :len(ex.ids)] = ex.ids
-            attn[b, :len(ex.ids)] = 1
+            ids[b, : len(ex.ids)] = ex.ids
+            attn[b, : len(ex.ids)] = 1
             pos[b], gold[b] = ex.pos, ex.gold
-        out = model.score_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos),
-                             jnp.asarray(gold), tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx]),
-                             post_w, excluded, mode=mode, layer=layer)
+        out = model.score_fn(
+            model.params,
+            jnp.asarray(ids),
+            jnp.asarray(attn),
+            jnp.asarray(pos),
+            jnp.asarray(gold),
+            tes[jnp.asarray(row_te[idx])],
+            jnp.asarray(row_lam[idx]),
+            post_w,
+            excluded,
+            mode=mode,
+            layer=layer,
+        )
         done += _store_batch(out, chunk, rank, post_rank, top1)
         n_batches += 1
         if progress is not None:
@@ -619,17 +724,27 @@ def score_rows(model: ProbeModel, examples: Sequence[Example], row_example: Sequ
 
 @dataclasses.dataclass
 class GridResult:
-    rank: np.ndarray       # [N, L]
+    rank: np.ndarray  # [N, L]
     post_rank: np.ndarray  # [W, N, L]
-    top1: np.ndarray       # [N, L]
+    top1: np.ndarray  # [N, L]
     n_batches: int
     n_padded_rows: int
 
 
-def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
-               tes: Array, *, post_grid: Sequence[float] = POST_GRID, batch_size: int = 32,
-               bucket: int = buckets.PROBE.sizes[0], progress: Optional[Callable[[int, int], None]] = None,
-               layer: Optional[int] = None) -> GridResult:
+def score_grid(
+    model: ProbeModel,
+    examples: Sequence[Example],
+    ex_idx: Sequence[int],
+    lams,
+    te_idx: Sequence[int],
+    tes: Array,
+    *,
+    post_grid: Sequence[float] = POST_GRID,
+    batch_size: int = 32,
+    bucket: int = buckets.PROBE.sizes[0],
+    progress: Optional[Callable[[int, int], None]] = None,
+    layer: Optional[int] = None,
+) -> GridResult:
     """Decoders, TE at the predicting position (``layer``: in the residual stream after that
     layer): prompt n is asked with each of ``lams[n]`` ([N, L], or [L] for all) times
     ``tes[te_idx[n]]``. The lambda-independent prefix runs once per prompt (KV cache), then the
@@ -658,12 +773,20 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
             ex = examples[ex_idx[j]]
             if ex.pos != len(ex.ids) - 1:
                 raise ValueError("score_grid needs decoder examples (predicting position = last token)")
-            ids[b, t - len(ex.ids):] = ex.ids
-            attn[b, t - len(ex.ids):] = 1
+            ids[b, t - len(ex.ids) :] = ex.ids
+            attn[b, t - len(ex.ids) :] = 1
             gold[b] = ex.gold
-        out = model.grid_fn(model.params, jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(gold),
-                            tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx]), post_w, excluded,
-                            layer=layer)
+        out = model.grid_fn(
+            model.params,
+            jnp.asarray(ids),
+            jnp.asarray(attn),
+            jnp.asarray(gold),
+            tes[jnp.asarray(te_idx[idx])],
+            jnp.asarray(lams[idx]),
+            post_w,
+            excluded,
+            layer=layer,
+        )
         done += _store_batch(out, chunk, rank, post_rank, top1)
         n_batches += 1
         if progress is not None:
@@ -671,25 +794,59 @@ def score_grid(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[
     return GridResult(rank, post_rank, top1, n_batches, n_batches * batch_size - n)
 
 
-def score(model: ProbeModel, examples: Sequence[Example], ex_idx: Sequence[int], lams, te_idx: Sequence[int],
-          tes: Array, *, mode: str = "pos", post_grid: Sequence[float] = POST_GRID, batch_size: int = 32,
-          layer: Optional[int] = None) -> GridResult:
+def score(
+    model: ProbeModel,
+    examples: Sequence[Example],
+    ex_idx: Sequence[int],
+    lams,
+    te_idx: Sequence[int],
+    tes: Array,
+    *,
+    mode: str = "pos",
+    post_grid: Sequence[float] = POST_GRID,
+    batch_size: int = 32,
+    layer: Optional[int] = None,
+) -> GridResult:
     """Prompt x lambda grid, by the fastest exact route: :func:`score_grid` for decoders with TE
     at the predicting position, else :func:`score_rows` on the flattened (prompt, lambda) rows."""
     _check_mode(mode, layer, model.kind)
     if model.kind == "decoder" and mode in ("pos", "layer") and model.init_cache is not None:
-        return score_grid(model, examples, ex_idx, lams, te_idx, tes, post_grid=post_grid, batch_size=batch_size,
-                          layer=layer if mode == "layer" else None)
+        return score_grid(
+            model,
+            examples,
+            ex_idx,
+            lams,
+            te_idx,
+            tes,
+            post_grid=post_grid,
+            batch_size=batch_size,
+            layer=layer if mode == "layer" else None,
+        )
     ex_idx = np.asarray(ex_idx, np.int64)
     n = len(ex_idx)
     lams = np.asarray(lams, np.float32)
     if lams.ndim == 1:
         lams = np.broadcast_to(lams, (n, lams.shape[0]))
     n_l = lams.shape[1]
-    res = score_rows(model, examples, np.repeat(ex_idx, n_l), lams.reshape(-1), np.repeat(np.asarray(te_idx), n_l),
-                     tes, mode=mode, post_grid=post_grid, batch_size=batch_size, layer=layer)
-    return GridResult(res.rank.reshape(n, n_l), res.post_rank.reshape(len(post_grid), n, n_l),
-                      res.top1.reshape(n, n_l), res.n_batches, res.n_padded_rows)
+    res = score_rows(
+        model,
+        examples,
+        np.repeat(ex_idx, n_l),
+        lams.reshape(-1),
+        np.repeat(np.asarray(te_idx), n_l),
+        tes,
+        mode=mode,
+        post_grid=post_grid,
+        batch_size=batch_size,
+        layer=layer,
+    )
+    return GridResult(
+        res.rank.reshape(n, n_l),
+        res.post_rank.reshape(len(post_grid), n, n_l),
+        res.top1.reshape(n, n_l),
+        res.n_batches,
+        res.n_padded_rows,
+    )
 
 
 def _check_mode(mode: str, layer: Optional[int], kind: str) -> None:
@@ -765,18 +922,31 @@ def split_holdout(n: int, frac: float, seed: int, group: str) -> tuple[np.ndarra
 class GroupData:
     examples: list[Example]
     bto: list[list[Optional[int]]]  # per BTo form, per example: index into the BTo examples (None: skipped)
-    holdout: np.ndarray        # global example indices
+    holdout: np.ndarray  # global example indices
     test: np.ndarray
-    offset: int                # global index of this group's first example
+    offset: int  # global index of this group's first example
 
 
-def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Mapping[str, Array], *,
-             type_names: Optional[Mapping[str, str]] = None, mode: str = "pos",
-             lam_grid: Sequence[float] = LAMBDA_GRID, post_grid: Sequence[float] = POST_GRID,
-             holdout: float = 0.05, max_test: Optional[int] = None, max_holdout: Optional[int] = None,
-             seed: int = 0, batch_size: int = 32,
-             methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"), log: Optional[Callable[[str], None]] = None,
-             layer: Optional[int] = None, lam_unit: float = 1.0, bto_forms: Sequence[str] = BTO_FORMS) -> dict:
+def evaluate(
+    model: ProbeModel,
+    groups: Mapping[str, Sequence[Prompt]],
+    tes: Mapping[str, Array],
+    *,
+    type_names: Optional[Mapping[str, str]] = None,
+    mode: str = "pos",
+    lam_grid: Sequence[float] = LAMBDA_GRID,
+    post_grid: Sequence[float] = POST_GRID,
+    holdout: float = 0.05,
+    max_test: Optional[int] = None,
+    max_holdout: Optional[int] = None,
+    seed: int = 0,
+    batch_size: int = 32,
+    methods: Sequence[str] = ("B", "BTo", "PostTE", "TE"),
+    log: Optional[Callable[[str], None]] = None,
+    layer: Optional[int] = None,
+    lam_unit: float = 1.0,
+    bto_forms: Sequence[str] = BTO_FORMS,
+) -> dict:
     """Probe every group (relation) with B / BTo / PostTE / TE and return a JSON-able report.
 
     groups: {name: prompts}; tes: {name: TE [D]} (a group without a TE is probed with B/BTo only);
@@ -806,7 +976,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     warn = (lambda s: log("warning: " + s)) if log else (lambda s: warnings.warn(s, stacklevel=3))
     log = log or (lambda s: None)
     kind = model.kind
-    lam_grid = sorted({0.0, *(float(x) for x in lam_grid)})   # lambda = 0 is B and tunes PostTE
+    lam_grid = sorted({0.0, *(float(x) for x in lam_grid)})  # lambda = 0 is B and tunes PostTE
     post_grid = [float(x) for x in post_grid]
     all_examples: list[Example] = []
     bto_examples: list[Example] = []
@@ -824,8 +994,13 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
                     t = tname or e.prompt.type_name
                     if not t:
                         raise ValueError(f"group {name}: BTo needs a type name (type_names or Prompt.type_name)")
-                    b, _ = encode_prompts([e.prompt], model.tokenizer, kind, skips=sk_b,
-                                          text_fn=lambda p, t=t, form=form: bto_text(p.text, t, form))
+                    b, _ = encode_prompts(
+                        [e.prompt],
+                        model.tokenizer,
+                        kind,
+                        skips=sk_b,
+                        text_fn=lambda p, t=t, form=form: bto_text(p.text, t, form),
+                    )
                     if b:
                         bto_idx[f][j] = len(bto_examples)
                         bto_examples.extend(b)
@@ -840,8 +1015,10 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         all_examples.extend(exs)
         data[name] = GroupData(exs, bto_idx, hold + offset, test + offset, offset)
         skips_report[name] = sk.report()
-        log(f"{name}: {len(exs)} usable / {len(prompts)} prompts, hold-out {len(hold)}, test {len(test)}, "
-            f"skipped {sk.total}")
+        log(
+            f"{name}: {len(exs)} usable / {len(prompts)} prompts, hold-out {len(hold)}, test {len(test)}, "
+            f"skipped {sk.total}"
+        )
 
     names_te = [n for n in data if n in tes]
     te_index = {n: i for i, n in enumerate(names_te)}
@@ -861,16 +1038,21 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         res = run(all_examples, hold_idx, np.asarray(grid, np.float32), [te_index[n] for n in hold_grp], te_table)
         for n in names_te:
             sel = hold_grp == n
-            if not sel.any():   # no hold-out prompt in this group: untuned (below)
+            if not sel.any():  # no hold-out prompt in this group: untuned (below)
                 continue
             lam_star, lam_table = choose(grid, [res.rank[sel, j] for j in range(len(grid))])
             w_star, w_table = choose(post_grid, [res.post_rank[w, sel, 0] for w in range(len(post_grid))])
             best_lam[n], best_w[n] = lam_star, w_star
-            tuning[n] = {"lambda": lam_star, "lambda_table": lam_table, "post_weight": w_star,
-                         "post_table": w_table, "n_holdout": int(sel.sum())}
+            tuning[n] = {
+                "lambda": lam_star,
+                "lambda_table": lam_table,
+                "post_weight": w_star,
+                "post_table": w_table,
+                "n_holdout": int(sel.sum()),
+            }
             log(f"{n}: tuned lambda={lam_star} post_weight={w_star}")
     untuned = [n for n in names_te if n not in best_lam]
-    for n in untuned:   # no hold-out prompt: nothing to tune on, so the TE is not applied
+    for n in untuned:  # no hold-out prompt: nothing to tune on, so the TE is not applied
         best_lam[n], best_w[n] = 0.0, 0.0
         tuning[n] = {"lambda": 0.0, "post_weight": 0.0, "untuned": True, "n_holdout": 0}
         log(f"{n}: no hold-out prompt, untuned (lambda 0, post_weight 0: TE and PostTE equal B)")
@@ -892,7 +1074,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
         if n in te_index:
             results[n]["untuned"] = n in untuned
         if n in te_index and res is not None:  # res is None when no prompt is reported (max_test=0)
-            if "PostTE" in methods:   # weight 0 (untuned) leaves B's scores, whatever post_grid holds
+            if "PostTE" in methods:  # weight 0 (untuned) leaves B's scores, whatever post_grid holds
                 post = rb if n in untuned else res.post_rank[post_grid.index(best_w[n]), sel, 0]
                 results[n]["PostTE"] = precision_at(post)
             if "TE" in methods:
@@ -905,6 +1087,7 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
             predictions[n].append(entry)
 
     if "BTo" in methods:
+
         def bto_ranks(rows):
             """Gold ranks of (group, global example index, form) rows; a prompt whose BTo form
             could not be encoded is a miss (same denominator as B)."""
@@ -913,8 +1096,14 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
             ranks = np.full(len(rows), np.iinfo(np.int32).max, np.int64)
             if ok.any():
                 n_ok = int(ok.sum())
-                rb = run(bto_examples, [x for x in at if x is not None], np.zeros((n_ok, 1), np.float32), [0] * n_ok,
-                         te_table, post_grid=(0.0,))
+                rb = run(
+                    bto_examples,
+                    [x for x in at if x is not None],
+                    np.zeros((n_ok, 1), np.float32),
+                    [0] * n_ok,
+                    te_table,
+                    post_grid=(0.0,),
+                )
                 ranks[ok] = rb.rank[:, 0]
             return ranks, ok
 
@@ -944,18 +1133,36 @@ def evaluate(model: ProbeModel, groups: Mapping[str, Sequence[Prompt]], tes: Map
     excluded = macro_exclusions(results, reported)
     no_te = [n for n in data if n not in te_index] if {"TE", "PostTE"} & set(methods) else []
     if no_te:
-        msg = (f"{len(no_te)} of {len(data)} groups have no type vector (probed with B/BTo only, not in the "
-               f"macro): {no_te}")
+        msg = (
+            f"{len(no_te)} of {len(data)} groups have no type vector (probed with B/BTo only, not in the "
+            f"macro): {no_te}"
+        )
         warn(msg)
     in_macro = [n for n in results if n not in excluded]
     macro_all = {m: macro({n: results[n][m] for n in in_macro}) for m in reported}
-    return {"kind": kind, "mode": mode, "layer": layer, "lambda_unit": lam_unit,
-            "identity": model.identity, "lambda_grid": list(lam_grid),
-            "post_grid": list(post_grid), "bto_forms": list(bto_forms), "holdout": holdout, "max_test": max_test,
-            "max_holdout": max_holdout,
-            "seed": seed, "per_group": results, "macro": macro_all, "macro_relations": in_macro,
-            "macro_excluded": excluded, "no_te": no_te, "untuned": untuned, "tuning": tuning,
-            "skips": skips_report, "predictions": predictions}
+    return {
+        "kind": kind,
+        "mode": mode,
+        "layer": layer,
+        "lambda_unit": lam_unit,
+        "identity": model.identity,
+        "lambda_grid": list(lam_grid),
+        "post_grid": list(post_grid),
+        "bto_forms": list(bto_forms),
+        "holdout": holdout,
+        "max_test": max_test,
+        "max_holdout": max_holdout,
+        "seed": seed,
+        "per_group": results,
+        "macro": macro_all,
+        "macro_relations": in_macro,
+        "macro_excluded": excluded,
+        "no_te": no_te,
+        "untuned": untuned,
+        "tuning": tuning,
+        "skips": skips_report,
+        "predictions": predictions,
+    }
 
 
 def macro_exclusions(results: Mapping[str, Mapping], methods: Sequence[str]) -> dict[str, str]:
@@ -974,8 +1181,11 @@ def macro_exclusions(results: Mapping[str, Mapping], methods: Sequence[str]) -> 
 # ----------------------------------------------------------------------------- type switching
 
 
-def switch_prompts(pob_prompts: Sequence[Prompt], template: str = GOOGLE_RE_TEMPLATES["date_of_birth"],
-                   source_template: str = GOOGLE_RE_TEMPLATES["place_of_birth"]) -> list[Prompt]:
+def switch_prompts(
+    pob_prompts: Sequence[Prompt],
+    template: str = GOOGLE_RE_TEMPLATES["date_of_birth"],
+    source_template: str = GOOGLE_RE_TEMPLATES["place_of_birth"],
+) -> list[Prompt]:
     """Type switching (Table 6): place-of-birth facts asked with the date-of-birth template,
     e.g. "Khatchig Mouradian (born [MASK])." with gold "Lebanon". Subjects are recovered from
     prompts written with ``source_template`` (or taken from ``Prompt.subject``)."""
@@ -987,6 +1197,6 @@ def switch_prompts(pob_prompts: Sequence[Prompt], template: str = GOOGLE_RE_TEMP
         if not sub:
             if not (p.text.startswith(pre) and p.text.endswith(tail)):
                 continue
-            sub = p.text[len(pre):len(p.text) - len(tail)]
+            sub = p.text[len(pre) : len(p.text) - len(tail)]
         out.append(Prompt(fill_template(template, sub), p.gold, "date_of_birth->place_of_birth", p.type_name, sub))
     return out

@@ -29,7 +29,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 STRATEGIES = ("weighted", "top", "bottom", "uniform")
-MIN_EXAMPLES = 2   # one token is that word, not a type (SmolLM2's "Group" has only 2 usable)
+MIN_EXAMPLES = 2  # one token is that word, not a type (SmolLM2's "Group" has only 2 usable)
 
 
 class FewExamplesWarning(UserWarning):
@@ -138,22 +138,32 @@ class TypeSample:
     labels: tuple[str, ...]
     token_ids: tuple[int, ...]
     degrees: tuple[float, ...]
-    n_candidates: int          # distinct single-token entries available
-    n_entries: int             # rows in the KG list
-    skipped_multi_token: int   # rows whose label is not a single vocabulary token
+    n_candidates: int  # distinct single-token entries available
+    n_entries: int  # rows in the KG list
+    skipped_multi_token: int  # rows whose label is not a single vocabulary token
     skipped_examples: tuple[str, ...]
     first_token: bool = False  # multi-token entries were represented by their first word token
-    tokens: tuple[str, ...] = ()   # the decoded example tokens actually used (one per token id)
-    n_requested: int = 0           # examples asked for (len(token_ids) may be smaller)
-    skipped_non_word: int = 0      # rows whose token is whitespace / punctuation only
+    tokens: tuple[str, ...] = ()  # the decoded example tokens actually used (one per token id)
+    n_requested: int = 0  # examples asked for (len(token_ids) may be smaller)
+    skipped_non_word: int = 0  # rows whose token is whitespace / punctuation only
 
     def report(self) -> dict:
-        return {"type": self.type_name, "strategy": self.strategy, "seed": self.seed, "first_token": self.first_token,
-                "tokens": list(self.tokens), "token_ids": list(self.token_ids), "labels": list(self.labels),
-                "n_requested": self.n_requested, "n_used": len(self.token_ids),
-                "n_entries": self.n_entries, "n_candidates": self.n_candidates,
-                "skipped_multi_token": self.skipped_multi_token, "skipped_non_word": self.skipped_non_word,
-                "skipped_examples": list(self.skipped_examples)}
+        return {
+            "type": self.type_name,
+            "strategy": self.strategy,
+            "seed": self.seed,
+            "first_token": self.first_token,
+            "tokens": list(self.tokens),
+            "token_ids": list(self.token_ids),
+            "labels": list(self.labels),
+            "n_requested": self.n_requested,
+            "n_used": len(self.token_ids),
+            "n_entries": self.n_entries,
+            "n_candidates": self.n_candidates,
+            "skipped_multi_token": self.skipped_multi_token,
+            "skipped_non_word": self.skipped_non_word,
+            "skipped_examples": list(self.skipped_examples),
+        }
 
 
 def first_token_id(tokenizer, word: str, leading_space: Optional[bool] = None) -> Optional[int]:
@@ -175,9 +185,13 @@ SKIP_MULTI = "not a single token"
 SKIP_NON_WORD = "whitespace / punctuation-only token"
 
 
-def candidates(entries: Sequence[KGEntry], tokenizer, leading_space: Optional[bool] = None,
-               exclude_ids: Iterable[int] = (), first_token: bool = False
-               ) -> tuple[list[tuple[str, int, float]], dict[str, list[str]]]:
+def candidates(
+    entries: Sequence[KGEntry],
+    tokenizer,
+    leading_space: Optional[bool] = None,
+    exclude_ids: Iterable[int] = (),
+    first_token: bool = False,
+) -> tuple[list[tuple[str, int, float]], dict[str, list[str]]]:
     """Usable entries merged by token id -> ([(label, id, degree)], {reason: skipped labels}).
 
     An entry is usable when its label is a single word token (:func:`is_word_token`).
@@ -211,10 +225,18 @@ def candidates(entries: Sequence[KGEntry], tokenizer, leading_space: Optional[bo
     return [tuple(v) for v in merged.values()], skipped
 
 
-def sample(entries: Sequence[KGEntry], tokenizer, strategy: str = "weighted", n: int = 10, seed: int = 0,
-           type_name: str = "", leading_space: Optional[bool] = None,
-           exclude_ids: Iterable[int] = (), first_token: bool = False,
-           min_examples: int = MIN_EXAMPLES) -> TypeSample:
+def sample(
+    entries: Sequence[KGEntry],
+    tokenizer,
+    strategy: str = "weighted",
+    n: int = 10,
+    seed: int = 0,
+    type_name: str = "",
+    leading_space: Optional[bool] = None,
+    exclude_ids: Iterable[int] = (),
+    first_token: bool = False,
+    min_examples: int = MIN_EXAMPLES,
+) -> TypeSample:
     """Pick up to ``n`` distinct single-word-token examples of a type (see module docstring).
 
     Fewer than ``n`` usable: :class:`FewExamplesWarning`; fewer than ``min(n, min_examples)``
@@ -225,29 +247,48 @@ def sample(entries: Sequence[KGEntry], tokenizer, strategy: str = "weighted", n:
         raise ValueError(f"n must be positive, got {n}")
     name = type_name or "?"
     cands, skipped = candidates(entries, tokenizer, leading_space, exclude_ids, first_token)
-    why = (f"{len(skipped[SKIP_MULTI])} not a single token (e.g. {skipped[SKIP_MULTI][:5]}), "
-           f"{len(skipped[SKIP_NON_WORD])} whitespace / punctuation only (e.g. {skipped[SKIP_NON_WORD][:5]})")
+    why = (
+        f"{len(skipped[SKIP_MULTI])} not a single token (e.g. {skipped[SKIP_MULTI][:5]}), "
+        f"{len(skipped[SKIP_NON_WORD])} whitespace / punctuation only (e.g. {skipped[SKIP_NON_WORD][:5]})"
+    )
     hint = "" if first_token else "; first_token=True uses the first word token of multi-token labels"
     if not cands:
-        raise ValueError(f"type {name}: none of the {len(entries)} KG labels is a single word token of the "
-                         f"vocabulary ({why}); cannot build a type vector{hint}")
+        raise ValueError(
+            f"type {name}: none of the {len(entries)} KG labels is a single word token of the "
+            f"vocabulary ({why}); cannot build a type vector{hint}"
+        )
     order = _draw(cands, strategy, n, seed, name)
     chosen = [cands[i] for i in order]
     need = min(n, min_examples)
     if len(chosen) < need:
-        raise ValueError(f"type {name}: only {len(chosen)} distinct example token(s) usable, at least {need} "
-                         f"needed for a type vector ({why}){hint}")
+        raise ValueError(
+            f"type {name}: only {len(chosen)} distinct example token(s) usable, at least {need} "
+            f"needed for a type vector ({why}){hint}"
+        )
     if len(chosen) < n:
-        warnings.warn(f"type {name}: {len(chosen)} distinct example tokens used, {n} requested "
-                      f"({len(cands)} usable of {len(entries)} KG labels; {why})", FewExamplesWarning, stacklevel=2)
+        warnings.warn(
+            f"type {name}: {len(chosen)} distinct example tokens used, {n} requested "
+            f"({len(cands)} usable of {len(entries)} KG labels; {why})",
+            FewExamplesWarning,
+            stacklevel=2,
+        )
     skipped_all = skipped[SKIP_MULTI] + skipped[SKIP_NON_WORD]
     return TypeSample(
-        type_name=type_name, strategy=strategy, seed=seed,
-        labels=tuple(c[0] for c in chosen), token_ids=tuple(int(c[1]) for c in chosen),
-        degrees=tuple(float(c[2]) for c in chosen), n_candidates=len(cands), n_entries=len(entries),
-        skipped_multi_token=len(skipped[SKIP_MULTI]), skipped_examples=tuple(skipped_all[:10]),
-        first_token=first_token, tokens=tuple(decode_token(tokenizer, c[1]) for c in chosen), n_requested=n,
-        skipped_non_word=len(skipped[SKIP_NON_WORD]))
+        type_name=type_name,
+        strategy=strategy,
+        seed=seed,
+        labels=tuple(c[0] for c in chosen),
+        token_ids=tuple(int(c[1]) for c in chosen),
+        degrees=tuple(float(c[2]) for c in chosen),
+        n_candidates=len(cands),
+        n_entries=len(entries),
+        skipped_multi_token=len(skipped[SKIP_MULTI]),
+        skipped_examples=tuple(skipped_all[:10]),
+        first_token=first_token,
+        tokens=tuple(decode_token(tokenizer, c[1]) for c in chosen),
+        n_requested=n,
+        skipped_non_word=len(skipped[SKIP_NON_WORD]),
+    )
 
 
 def _draw(cands: Sequence[tuple[str, int, float]], strategy: str, n: int, seed: int, name: str) -> np.ndarray:
@@ -272,8 +313,9 @@ def sample_type(root: str | pathlib.Path, type_name: str, tokenizer, **kw) -> Ty
     return sample(load_kg_samples(kg_path(root, type_name)), tokenizer, type_name=type_name, **kw)
 
 
-def tokens_from_words(words: Sequence[str], tokenizer, leading_space: Optional[bool] = None
-                      ) -> tuple[list[int], list[str]]:
+def tokens_from_words(
+    words: Sequence[str], tokenizer, leading_space: Optional[bool] = None
+) -> tuple[list[int], list[str]]:
     """User-given example words -> (ids of those that are single word tokens, words skipped).
     Raises ValueError if none is usable."""
     ids, skipped = [], []
@@ -282,22 +324,34 @@ def tokens_from_words(words: Sequence[str], tokenizer, leading_space: Optional[b
         ok = tid is not None and is_word_token(tokenizer, tid) and tid not in ids
         (ids.append(tid) if ok else skipped.append(w))
     if not ids:
-        raise ValueError(f"no example word is a single token of the vocabulary (that is not whitespace / punctuation "
-                         f"only): {list(words)}")
+        raise ValueError(
+            f"no example word is a single token of the vocabulary (that is not whitespace / punctuation "
+            f"only): {list(words)}"
+        )
     return ids, skipped
 
 
-def type_vectors(embedding, tokenizer, kg_root: str | pathlib.Path, types: Sequence[str], *,
-                 strategy: str = "weighted", n: int = 10, seed: int = 0, method: str = "svd",
-                 first_token: bool = False):
+def type_vectors(
+    embedding,
+    tokenizer,
+    kg_root: str | pathlib.Path,
+    types: Sequence[str],
+    *,
+    strategy: str = "weighted",
+    n: int = 10,
+    seed: int = 0,
+    method: str = "svd",
+    first_token: bool = False,
+):
     """Sample each type's examples from its KG list and build its vector.
 
     -> (tes [K, D] jax array, [TypeSample]) in the order of ``types``; any type that fails is
     an error (:func:`available_type_vectors` skips them instead)."""
     if not len(types):
         raise ValueError("type_vectors: no types given (need at least one type name with a KG list)")
-    vecs, samples, missing = available_type_vectors(embedding, tokenizer, kg_root, types, strategy=strategy, n=n,
-                                                    seed=seed, method=method, first_token=first_token)
+    vecs, samples, missing = available_type_vectors(
+        embedding, tokenizer, kg_root, types, strategy=strategy, n=n, seed=seed, method=method, first_token=first_token
+    )
     if missing:
         raise ValueError("; ".join(missing.values()))
     import jax.numpy as jnp
@@ -305,9 +359,18 @@ def type_vectors(embedding, tokenizer, kg_root: str | pathlib.Path, types: Seque
     return jnp.stack([vecs[t] for t in types]), [samples[t] for t in types]
 
 
-def available_type_vectors(embedding, tokenizer, kg_root: str | pathlib.Path, types: Sequence[str], *,
-                           strategy: str = "weighted", n: int = 10, seed: int = 0, method: str = "svd",
-                           first_token: bool = False):
+def available_type_vectors(
+    embedding,
+    tokenizer,
+    kg_root: str | pathlib.Path,
+    types: Sequence[str],
+    *,
+    strategy: str = "weighted",
+    n: int = 10,
+    seed: int = 0,
+    method: str = "svd",
+    first_token: bool = False,
+):
     """Like :func:`type_vectors`, but a type without a KG list or without enough usable
     examples is skipped. -> ({type: TE [D]}, {type: TypeSample}, {type: why it was skipped})."""
     import jax.numpy as jnp

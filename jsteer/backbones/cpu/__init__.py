@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 
-PANEL = 48                 # columns per packed panel (small_gemm.cc: kPanel)
+PANEL = 48  # columns per packed panel (small_gemm.cc: kPanel)
 MIN_ROWS, MAX_ROWS = 2, 64  # rows where the kernel beats XLA:CPU's dot (one row: XLA's GEMV is as fast)
 TARGET = "jsteer_small_gemm"
 _SOURCE = pathlib.Path(__file__).with_name("small_gemm.cc")
@@ -93,16 +93,19 @@ def _open_private_dir(path: pathlib.Path, follow_link: bool) -> int:
         problem = f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
     if problem:
         os.close(fd)
-        raise UnsafeCacheError(f"refusing the kernel cache folder {path}: {problem}; "
-                               "chmod 700 it, or point JSTEER_CACHE to a private folder")
+        raise UnsafeCacheError(
+            f"refusing the kernel cache folder {path}: {problem}; "
+            "chmod 700 it, or point JSTEER_CACHE to a private folder"
+        )
     return fd
 
 
 def _cpu_flags() -> str:
     """This CPU's feature flags (the first 'flags' line of /proc/cpuinfo), '' if unknown."""
     try:
-        return next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")), "")
+        return next(
+            (line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        )
     except OSError:
         return ""
 
@@ -120,8 +123,9 @@ def _recipe() -> tuple[str, list[str], str]:
     include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}"]
     # -march=native: a build is only valid on CPUs with the same features (a shared home directory)
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags,
-                                                         _cpu_flags()]).encode())
+    key = hashlib.sha256(
+        _SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags, _cpu_flags()]).encode()
+    )
     return cxx, flags, f"small_gemm-{key.hexdigest()[:16]}.so"
 
 

@@ -23,8 +23,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 import jraph
 
-from jsteer.kala.variants.common import (VariantConfig, VariantModel, VariantOutput, lookup, node_entities,
-                                         tokens_from_nodes)
+from jsteer.kala.variants.common import (
+    VariantConfig,
+    VariantModel,
+    VariantOutput,
+    lookup,
+    node_entities,
+    tokens_from_nodes,
+)
 
 Array = jnp.ndarray
 
@@ -50,8 +56,9 @@ class AdapterKnowledge(nn.Module):
     def setup(self):
         de = self.cfg.entity_dim or self.hidden_size
         self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
-        self.adapters = {l: KnowledgeAdapter(self.hidden_size, self.cfg.adapter_size, name=f"adapter_{l}")
-                         for l in self.layers}
+        self.adapters = {
+            l: KnowledgeAdapter(self.hidden_size, self.cfg.adapter_size, name=f"adapter_{l}") for l in self.layers
+        }
 
     def token_entities(self, graph: jraph.GraphsTuple, token_node: Array) -> Array:
         """[B, T, De] entity representation per token (zero off mentions / null)."""
@@ -69,10 +76,16 @@ class AdapterModel(VariantModel):
     def setup_knowledge(self):
         self.knowledge = AdapterKnowledge(self.kala, self.config.hidden_size, self.knowledge_layers, name="kala")
 
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
-                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
-                 token_node: Optional[Array] = None, deterministic: bool = True,
-                 extras: Optional[dict] = None) -> VariantOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        extras: Optional[dict] = None,
+    ) -> VariantOutput:
         bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
         entity = self.knowledge.token_entities(graph, token_node)
         for i, layer in enumerate(self.encoder.layers):

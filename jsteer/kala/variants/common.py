@@ -35,9 +35,16 @@ import jraph
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ModelOutput
+from jsteer.backbones.bert import (
+    ACTIVATIONS,
+    BertConfig,
+    BertEmbeddings,
+    BertSelfAttention,
+    QAHead,
+    TokenClassificationHead,
+    attention_bias,
+)
 from jsteer.backbones.matmul import Dense
-from jsteer.backbones.bert import (ACTIVATIONS, BertConfig, BertEmbeddings, BertSelfAttention, QAHead,
-                                   TokenClassificationHead, attention_bias)
 from jsteer.hooks import Hooks, apply_film
 from jsteer.kala.graph import node_context
 from jsteer.kala.model import default_layers
@@ -178,8 +185,9 @@ class BertLayerParts(nn.Module):
     def finish(self, y: Array, a: Array) -> Array:
         return self.ffn_norm((y + a).astype(jnp.float32)).astype(self.dtype)
 
-    def __call__(self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None,
-                 deterministic: bool = True) -> Array:
+    def __call__(
+        self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None, deterministic: bool = True
+    ) -> Array:
         a = apply_film(self.attention_block(h, bias, deterministic), hooks, self.layer_index, "in")
         out = self.finish(self.ffn_output(self.intermediate(a), deterministic), a)
         return apply_film(out, hooks, self.layer_index, "out")
@@ -194,8 +202,10 @@ class VariantEncoder(nn.Module):
 
     def setup(self):
         self.embeddings = BertEmbeddings(self.config, dtype=self.dtype)
-        self.layers = [BertLayerParts(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
-                       for i in range(self.config.num_layers)]
+        self.layers = [
+            BertLayerParts(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
+            for i in range(self.config.num_layers)
+        ]
 
 
 def make_head(config: BertConfig, task: str, num_labels: int, dtype) -> nn.Module:
@@ -241,13 +251,22 @@ class VariantModel(nn.Module):
     def setup_knowledge(self) -> None:
         raise NotImplementedError
 
-    def begin(self, input_ids: Array, attention_mask: Optional[Array], token_type_ids: Optional[Array], graph,
-              token_node: Optional[Array], deterministic: bool) -> tuple[Array, Array]:
+    def begin(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array],
+        token_type_ids: Optional[Array],
+        graph,
+        token_node: Optional[Array],
+        deterministic: bool,
+    ) -> tuple[Array, Array]:
         """Checks the graph inputs -> (additive attention bias, embeddings [B, T, D])."""
         check_inputs(self.method, input_ids, graph, token_node)
         b, t = input_ids.shape
-        return (attention_bias(attention_mask, None, b, t),
-                self.encoder.embeddings(input_ids, token_type_ids, None, deterministic))
+        return (
+            attention_bias(attention_mask, None, b, t),
+            self.encoder.embeddings(input_ids, token_type_ids, None, deterministic),
+        )
 
     def output(self, h: Array, deterministic: bool, **extra) -> VariantOutput:
         """Final hidden states [B, T, D] -> logits of the task head (+ ``extra`` fields)."""
@@ -299,6 +318,7 @@ def mention_pool(h: Array, token_node: Array, num_nodes: int) -> Array:
 def masked_softmax_attention(q: Array, k: Array, v: Array, visible: Array) -> Array:
     """q/k/v [B, T, H, Dh], visible bool [B, T, T] -> [B, T, H, Dh]; rows with nothing visible
     give 0."""
-    out = dot_product_attention(q[:, :, :, None], k, v, scale=1.0 / math.sqrt(q.shape[-1]),
-                                visible=visible[:, None, None])[:, :, :, 0]
+    out = dot_product_attention(
+        q[:, :, :, None], k, v, scale=1.0 / math.sqrt(q.shape[-1]), visible=visible[:, None, None]
+    )[:, :, :, 0]
     return out * visible.any(-1)[:, :, None, None]

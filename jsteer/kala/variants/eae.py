@@ -30,8 +30,15 @@ import jraph
 import optax
 
 from jsteer.backbones.base import NEG_INF
-from jsteer.kala.variants.common import (VariantConfig, VariantModel, VariantOutput, first_mention_tokens, mention_pool,
-                                         node_entities, token_entities)
+from jsteer.kala.variants.common import (
+    VariantConfig,
+    VariantModel,
+    VariantOutput,
+    first_mention_tokens,
+    mention_pool,
+    node_entities,
+    token_entities,
+)
 
 Array = jnp.ndarray
 
@@ -47,7 +54,8 @@ class EntityRetrieval(nn.Module):
         """h [B, T, D], token_node [B, T], memory [Ne, De] -> (new h [B, T, D], retrieval
         logits [B, T, Ne] with the null column at NEG_INF; equal over a mention's tokens)."""
         query = nn.Dense(self.entity_dim, kernel_init=nn.initializers.normal(0.02), name="query")(
-            mention_pool(h, token_node, num_nodes))
+            mention_pool(h, token_node, num_nodes)
+        )
         logits = jnp.einsum("BTD,KD->BTK", query, memory)
         logits = logits.at[..., 0].set(NEG_INF)
         retrieved = jnp.einsum("BTK,KD->BTD", jax.nn.softmax(logits, axis=-1), memory)
@@ -87,10 +95,16 @@ class EaeModel(VariantModel):
     def setup_knowledge(self):
         self.knowledge = EaeKnowledge(self.kala, self.config.hidden_size, self.knowledge_layers, name="kala")
 
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
-                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
-                 token_node: Optional[Array] = None, deterministic: bool = True,
-                 extras: Optional[dict] = None) -> VariantOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        extras: Optional[dict] = None,
+    ) -> VariantOutput:
         bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
         num_nodes = node_entities(graph).shape[0]
         gold = token_entities(graph, token_node)
@@ -105,5 +119,9 @@ class EaeModel(VariantModel):
                 hit = (jnp.argmax(logits, -1) == gold) & use
                 accs.append(jnp.sum(hit) / jnp.maximum(count, 1))
         el = sum(losses) / len(losses)
-        return self.output(h, deterministic, aux_loss=self.kala.el_weight * el,
-                           aux={"el_loss": el, "el_accuracy": sum(accs) / len(accs)})
+        return self.output(
+            h,
+            deterministic,
+            aux_loss=self.kala.el_weight * el,
+            aux={"el_loss": el, "el_accuracy": sum(accs) / len(accs)},
+        )

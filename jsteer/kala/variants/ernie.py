@@ -31,8 +31,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 import jraph
 
-from jsteer.kala.variants.common import (VariantConfig, VariantModel, VariantOutput, first_mention_tokens,
-                                         masked_softmax_attention, token_entities)
+from jsteer.kala.variants.common import (
+    VariantConfig,
+    VariantModel,
+    VariantOutput,
+    first_mention_tokens,
+    masked_softmax_attention,
+    token_entities,
+)
 
 Array = jnp.ndarray
 
@@ -99,8 +105,10 @@ class ErnieKnowledge(nn.Module):
     def setup(self):
         de = self.cfg.entity_dim or self.hidden_size
         self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
-        self.fusions = {l: FusionLayer(self.intermediate_size, de, self.cfg.entity_heads, self.cfg.dropout,
-                                       name=f"fusion_{l}") for l in self.layers}
+        self.fusions = {
+            l: FusionLayer(self.intermediate_size, de, self.cfg.entity_heads, self.cfg.dropout, name=f"fusion_{l}")
+            for l in self.layers
+        }
 
     def initial_entities(self, entity: Array, ent: Array) -> Array:
         """entity ids [B, T], ent mask [B, T] -> memory rows [B, T, De] (zero where not ent)."""
@@ -113,13 +121,20 @@ class ErnieModel(VariantModel):
     method = "ernie"
 
     def setup_knowledge(self):
-        self.knowledge = ErnieKnowledge(self.kala, self.config.hidden_size, self.config.intermediate_size,
-                                        self.knowledge_layers, name="kala")
+        self.knowledge = ErnieKnowledge(
+            self.kala, self.config.hidden_size, self.config.intermediate_size, self.knowledge_layers, name="kala"
+        )
 
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
-                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
-                 token_node: Optional[Array] = None, deterministic: bool = True,
-                 extras: Optional[dict] = None) -> VariantOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        extras: Optional[dict] = None,
+    ) -> VariantOutput:
         bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
         entity = token_entities(graph, token_node)
         ent = first_mention_tokens(token_node) & (entity != 0)

@@ -69,8 +69,9 @@ def mention_runs(token_node: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-def build_tree(example: Mapping[str, np.ndarray], branches: Mapping[int, Sequence[Sequence[int]]],
-               max_len: Optional[int] = None) -> dict:
+def build_tree(
+    example: Mapping[str, np.ndarray], branches: Mapping[int, Sequence[Sequence[int]]], max_len: Optional[int] = None
+) -> dict:
     """Insert branches into an encoded example (see the module docstring).
 
     example: a harness-encoded example (``input_ids``, ``labels``, ``word_index``,
@@ -85,21 +86,22 @@ def build_tree(example: Mapping[str, np.ndarray], branches: Mapping[int, Sequenc
     """
     ids = np.asarray(example["input_ids"])
     length = len(ids)
-    per_token = {k: np.asarray(v) for k, v in example.items()
-                 if isinstance(v, np.ndarray) and v.ndim == 1 and len(v) == length}
+    per_token = {
+        k: np.asarray(v) for k, v in example.items() if isinstance(v, np.ndarray) and v.ndim == 1 and len(v) == length
+    }
     fill = {"labels": ner_lib.IGNORE_INDEX, "word_index": -1, "token_node": -1, "token_entity": 0}
     cap = max_len if max_len is not None else 1 << 30
     runs = mention_runs(per_token["token_node"])
     after: dict[int, list[tuple[int, list[int]]]] = {}  # trunk index -> [(mention id, branch)]
     budget = cap - length
-    for m, (s, e, node) in enumerate(runs, start=1):
+    for m, (_s, e, node) in enumerate(runs, start=1):
         for br in branches.get(node, ()):
             br = [int(x) for x in br]
             if br and len(br) <= budget:
                 after.setdefault(e - 1, []).append((m, br))
                 budget -= len(br)
     owner_of = np.zeros(length, np.int32)
-    for m, (s, e, node) in enumerate(runs, start=1):
+    for m, (s, e, _node) in enumerate(runs, start=1):
         if any(mm == m for mm, _ in after.get(e - 1, ())):
             owner_of[s:e] = m
     cols: dict[str, list] = {k: [] for k in per_token}
@@ -167,8 +169,9 @@ def fact_text(relation: str, entity: str) -> str:
     return f"{relation.replace('_', ' ')} {entity}".strip()
 
 
-def entity_branches(entity_id: str, kg: Optional[KnowledgeGraph], max_branches: int,
-                    entity_text: Optional[Mapping[str, str]] = None) -> list[str]:
+def entity_branches(
+    entity_id: str, kg: Optional[KnowledgeGraph], max_branches: int, entity_text: Optional[Mapping[str, str]] = None
+) -> list[str]:
     """Up to ``max_branches`` facts of an entity as text, most frequent neighbours first."""
     if kg is None:
         return []
@@ -180,10 +183,21 @@ def entity_branches(entity_id: str, kg: Optional[KnowledgeGraph], max_branches: 
     return out
 
 
-def encode_ner(words: Sequence[str], tags: Sequence[str], mentions: Sequence[Mention], tokenizer,
-               label_names: Sequence[str], vocab: EntityVocab, kg: Optional[KnowledgeGraph] = None,
-               max_len: int = 128, max_neighbors: int = 8, max_branches: int = 2, branch_tokens: int = 8,
-               tree_max_len: Optional[int] = None, entity_text: Optional[Mapping[str, str]] = None) -> dict:
+def encode_ner(
+    words: Sequence[str],
+    tags: Sequence[str],
+    mentions: Sequence[Mention],
+    tokenizer,
+    label_names: Sequence[str],
+    vocab: EntityVocab,
+    kg: Optional[KnowledgeGraph] = None,
+    max_len: int = 128,
+    max_neighbors: int = 8,
+    max_branches: int = 2,
+    branch_tokens: int = 8,
+    tree_max_len: Optional[int] = None,
+    entity_text: Optional[Mapping[str, str]] = None,
+) -> dict:
     """The harness encoding (:func:`jsteer.kala.data.encode_ner`) + the sentence tree.
 
     Each mentioned entity gets up to ``max_branches`` facts from ``kg`` (its most frequent
@@ -220,10 +234,16 @@ class KBertModel(nn.Module):
         self.encoder = BertEncoder(self.config, dtype=self.dtype)
         self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
 
-    def __call__(self, input_ids: Array, attention_mask: Optional[Array] = None,
-                 token_type_ids: Optional[Array] = None, graph: Optional[jraph.GraphsTuple] = None,
-                 token_node: Optional[Array] = None, deterministic: bool = True,
-                 extras: Optional[dict] = None) -> VariantOutput:
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        extras: Optional[dict] = None,
+    ) -> VariantOutput:
         missing = [k for k in TREE_KEYS if extras is None or k not in extras]
         if missing:
             raise ValueError(f"kbert needs extras {list(TREE_KEYS)} (from kbert.encode_ner); missing {missing}")

@@ -39,8 +39,16 @@ _KALA_FIELDS = {f.name for f in dataclasses.fields(KalaConfig)}
 _VARIANT_FIELDS = {f.name for f in dataclasses.fields(VariantConfig)}
 
 
-def build_model(method: str, config: BertConfig, *, task: str = "ner", num_labels: int = 2,
-                num_entities: int = 1, layers: Optional[Sequence[int]] = None, **options):
+def build_model(
+    method: str,
+    config: BertConfig,
+    *,
+    task: str = "ner",
+    num_labels: int = 2,
+    num_entities: int = 1,
+    layers: Optional[Sequence[int]] = None,
+    **options,
+):
     """The task model of ``method``. ``options`` are :class:`KalaConfig` fields for KALA's own
     methods and :class:`VariantConfig` fields for the variants; others are an error."""
     if method not in METHODS:
@@ -50,8 +58,12 @@ def build_model(method: str, config: BertConfig, *, task: str = "ner", num_label
         bad = sorted(set(options) - _KALA_FIELDS)
         if bad:
             raise ValueError(f"method {method!r} does not take options {bad}")
-        return KalaModel(config, KalaConfig(method=method, layers=lay, num_entities=num_entities, **options),
-                         task=task, num_labels=num_labels)
+        return KalaModel(
+            config,
+            KalaConfig(method=method, layers=lay, num_entities=num_entities, **options),
+            task=task,
+            num_labels=num_labels,
+        )
     bad = sorted(set(options) - _VARIANT_FIELDS)
     if bad:
         raise ValueError(f"method {method!r} does not take options {bad}")
@@ -68,22 +80,40 @@ def extra_keys(model) -> tuple[str, ...]:
     return tuple(EXTRA_KEYS.get(method_of(model), ()))
 
 
-def encode_ner(method: str, words, tags, mentions, tokenizer, label_names, vocab, kg=None, max_len: int = 128,
-               max_neighbors: int = 8, **options) -> dict:
+def encode_ner(
+    method: str,
+    words,
+    tags,
+    mentions,
+    tokenizer,
+    label_names,
+    vocab,
+    kg=None,
+    max_len: int = 128,
+    max_neighbors: int = 8,
+    **options,
+) -> dict:
     """One sentence encoded for ``method``: the harness' encoding, plus the sentence tree for
     K-BERT (``options``: :func:`jsteer.kala.variants.kbert.encode_ner` keywords)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {METHODS}")
     if method == "kbert":
-        return kbert.encode_ner(words, tags, mentions, tokenizer, label_names, vocab, kg, max_len, max_neighbors,
-                                **options)
+        return kbert.encode_ner(
+            words, tags, mentions, tokenizer, label_names, vocab, kg, max_len, max_neighbors, **options
+        )
     if options:
         raise ValueError(f"method {method!r} takes no encoding options, got {sorted(options)}")
     return kdata.encode_ner(words, tags, mentions, tokenizer, label_names, vocab, kg, max_len, max_neighbors)
 
 
-def init_params(model, rng: jax.Array, encoder_params: Optional[dict] = None, head_params: Optional[dict] = None,
-                memory=None, seq_len: int = 8) -> dict:
+def init_params(
+    model,
+    rng: jax.Array,
+    encoder_params: Optional[dict] = None,
+    head_params: Optional[dict] = None,
+    memory=None,
+    seq_len: int = 8,
+) -> dict:
     """Fresh params; optionally overwrite the encoder / head with pretrained trees and the
     entity memory (``params["kala"]["memory"]``) with e.g. :func:`jsteer.kala.entities.init_memory`."""
     if isinstance(model, KalaModel):
@@ -93,8 +123,9 @@ def init_params(model, rng: jax.Array, encoder_params: Optional[dict] = None, he
     ids = jnp.zeros((1, seq_len), jnp.int32)
     graph, tn = batch_graphs([ExampleGraph.empty()], np.full((1, seq_len), -1, np.int32))
     extras = {k: jnp.zeros((1, seq_len), jnp.int32) for k in extra_keys(model)} or None
-    params = model.init({"params": rng, "dropout": rng}, ids, jnp.ones_like(ids), None, graph, jnp.asarray(tn),
-                        extras=extras)["params"]
+    params = model.init(
+        {"params": rng, "dropout": rng}, ids, jnp.ones_like(ids), None, graph, jnp.asarray(tn), extras=extras
+    )["params"]
     params = dict(params)
     if encoder_params is not None:
         if jax.tree.map(jnp.shape, params["encoder"]) != jax.tree.map(jnp.shape, encoder_params):

@@ -69,9 +69,18 @@ class KnowledgeTask:
         return out
 
 
-def make_task(seed: int = 0, n_known: int = 16, n_novel: int = 8, n_fillers: int = 20, n_train: int = 160,
-              n_unlabelled: int = 64, n_test: int = 64, entity_dim: int = 32, links: int = 2,
-              noise: float = 0.5) -> KnowledgeTask:
+def make_task(
+    seed: int = 0,
+    n_known: int = 16,
+    n_novel: int = 8,
+    n_fillers: int = 20,
+    n_train: int = 160,
+    n_unlabelled: int = 64,
+    n_test: int = 64,
+    entity_dim: int = 32,
+    links: int = 2,
+    noise: float = 0.5,
+) -> KnowledgeTask:
     rng = np.random.default_rng(seed)
     known = [(f"ent{i}", CLASSES[i % 2]) for i in range(n_known)]
     novel = [(f"new{i}", CLASSES[i % 2]) for i in range(n_novel)]
