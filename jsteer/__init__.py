@@ -10,6 +10,7 @@ Quick start::
 
 __version__ = "0.1.0"
 
+from jsteer import cpu_precision  # noqa: E402,F401  (first: XLA reads its flags when a backend starts)
 from jsteer.hooks import FiLM, Hooks, Steer, compose  # noqa: E402,F401
 
 _LAZY = {

@@ -147,6 +147,7 @@ def doctor_report() -> dict:
         "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() for d in jax.devices()],
         "packages": {n: version(n) for n in _PACKAGES},
         "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
+        "cpu_dots": jsteer.cpu_precision.STATE,
         "embedded_models": embedded,
         "caches": {
             "cpu_kernels": kernel_dir,
@@ -166,6 +167,7 @@ def _doctor(args) -> int:
     print("packages:   " + ", ".join(f"{n} {v or 'NOT INSTALLED'}" for n, v in info["packages"].items()))
     k = info["cpu_kernel"]
     print(f"CPU decode kernel: {'available' if k['available'] else 'unavailable (' + str(k['reason']) + ')'}")
+    print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")
     for name, where in info["embedded_models"].items():
         print(f"embedded model {name}: {where}")
     for name, where in info["caches"].items():
