@@ -20,11 +20,11 @@ demo: $(STAMP)
 	$(BIN)/python -m jsteer.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check jsteer tests experiments
-	$(BIN)/ruff format --check jsteer tests experiments
+	$(BIN)/ruff check jsteer tests experiments notebooks
+	$(BIN)/ruff format --check jsteer tests experiments notebooks
 
 bench: $(STAMP)
 	$(BIN)/python experiments/bench_backbones.py

@@ -7,10 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import jsteer  # noqa: E402,F401  (first: its XLA flags must precede any backend)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -24,3 +27,13 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.fail(f"shared data sets not found at {SHARED_DATA}: tests need ../shared/data beside the repo")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Free each test module's compiled programs after it. XLA:CPU maps every executable's code
+    into the process; a whole-suite run that kept them all passed vm.max_map_count (65530 maps)
+    around test_sharding.py and crashed inside compilation (SIGSEGV in CI, SIGABRT here)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
