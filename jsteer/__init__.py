@@ -13,17 +13,20 @@ __version__ = "0.1.0"
 from jsteer.hooks import FiLM, Hooks, Steer, compose  # noqa: E402,F401
 
 _LAZY = {
-    "load": "jsteer.io",
-    "save": "jsteer.io",
-    "LM": "jsteer.io",
-    "save_artifact": "jsteer.io",
-    "load_artifact": "jsteer.io",
+    "load": "jsteer.loading",
+    "save": "jsteer.checkpoints",
+    "LM": "jsteer.lm",
+    "save_artifact": "jsteer.checkpoints",
+    "load_artifact": "jsteer.checkpoints",
     "Tokenizer": "jsteer.tokenizer",
 }
 
 
 _SUBMODULES = (
     "io",
+    "lm",
+    "loading",
+    "checkpoints",
     "tokenizer",
     "decode",
     "backbones",

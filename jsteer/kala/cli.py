@@ -400,7 +400,7 @@ def _train(args) -> int:
 
 def _train_locked(args, out: pathlib.Path) -> int:
     import jsteer
-    from jsteer.io import save_artifact
+    from jsteer.checkpoints import save_artifact
     from jsteer.kala import pipeline, runs
     from jsteer.kala import train as ktrain
     from jsteer.kala.formats import read_facts
@@ -613,7 +613,7 @@ def _qa_scores(model, params, features, examples, max_answer_len, predictions_pa
 
 def _eval(args) -> int:
     import jsteer
-    from jsteer.io import load_artifact
+    from jsteer.checkpoints import load_artifact
     from jsteer.kala import pipeline
     from jsteer.kala import train as ktrain
     from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab
