@@ -43,6 +43,11 @@ them, go to ``<run>/<test file name>.predictions.json`` (``eval --predictions``:
 the ``--test`` file, another SQuAD-format data file or a folder).
 ``eval`` on a file the graph folder has no mentions for annotates it in memory with the
 folder's lexicon.tsv.
+
+Kept whole (about 690 lines): ``train`` and ``eval`` share the task checks, the
+predictions-path checks and QA scoring (``_task_of``, ``_check_predictions_path``,
+``_qa_scores``), and ``register`` is the one argparse table of all three subcommands; split by
+subcommand those helpers would sit apart from both users.
 """
 
 from __future__ import annotations
