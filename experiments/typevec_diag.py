@@ -181,7 +181,7 @@ def run_mass(args) -> None:
     }
     sets = {k: v for k, v in sets.items() if k in args.sets.split(",")}
     only = set(filter(None, args.configs.split(",")))
-    excluded, _, pad_id = probe._score_constants(pm, (0.0,))
+    excluded, _, pad_id = probe.score_constants(pm, (0.0,))
 
     @jax.jit
     def stats(ids, attn, pos, gold, off):
@@ -261,7 +261,7 @@ def run_layer(args) -> None:
         "City/place_of_death": groups["City/place_of_death"],
         "switch DoB->PoB": probe.switch_prompts(groups["City/place_of_birth"]),
     }
-    excluded, _, pad_id = probe._score_constants(pm, (0.0,))
+    excluded, _, pad_id = probe.score_constants(pm, (0.0,))
     layers = sorted({int(c[:-1]) for c in args.configs.split(",")})
 
     def stats(ids, attn, pos, gold, off, layer):

@@ -14,17 +14,20 @@ from jsteer import cpu_precision  # noqa: E402,F401  (first: XLA reads its flags
 from jsteer.hooks import FiLM, Hooks, Steer, compose  # noqa: E402,F401
 
 _LAZY = {
-    "load": "jsteer.io",
-    "save": "jsteer.io",
-    "LM": "jsteer.io",
-    "save_artifact": "jsteer.io",
-    "load_artifact": "jsteer.io",
+    "load": "jsteer.loading",
+    "save": "jsteer.checkpoints",
+    "LM": "jsteer.lm",
+    "save_artifact": "jsteer.checkpoints",
+    "load_artifact": "jsteer.checkpoints",
     "Tokenizer": "jsteer.tokenizer",
 }
 
 
 _SUBMODULES = (
     "io",
+    "lm",
+    "loading",
+    "checkpoints",
     "tokenizer",
     "decode",
     "backbones",

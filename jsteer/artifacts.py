@@ -111,7 +111,7 @@ def _write_file(path: pathlib.Path, arrays: Mapping[str, np.ndarray], metadata: 
 def save(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.Path:
     """Write ``tree`` (dicts / lists of arrays) and JSON ``meta`` as one safetensors file, atomically."""
     import jsteer
-    from jsteer.io import SIDECAR, _clean_stale
+    from jsteer.checkpoints import SIDECAR, clean_stale
 
     path = pathlib.Path(path).expanduser().absolute()
     old_folder = path.is_dir()
@@ -135,7 +135,7 @@ def save(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.P
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(path)
+    clean_stale(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _write_file(tmp, arrays, header)
@@ -160,9 +160,9 @@ def load(path: PathLike) -> tuple[Any, dict]:
 
     path = pathlib.Path(path).expanduser()
     if path.is_dir():
-        from jsteer import io
+        from jsteer.checkpoints import load_orbax_artifact
 
-        return io.load_orbax_artifact(path)
+        return load_orbax_artifact(path)
     if not path.is_file():
         raise FileNotFoundError(f"artifact not found: {path}")
     header = _header(path)

@@ -53,19 +53,19 @@ def main(argv=None) -> int:
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
-        from jsteer import io
+        from jsteer.checkpoints import REAL_STDERR
 
-        print(f"jsteer {args.command}: error: {e}", file=io.REAL_STDERR[-1] if io.REAL_STDERR else sys.stderr)
+        print(f"jsteer {args.command}: error: {e}", file=REAL_STDERR[-1] if REAL_STDERR else sys.stderr)
         return 2
 
 
 def _exit(code: int) -> None:
     """Exit with ``code``; after a failed checkpoint restore without interpreter finalisation,
     whose abandoned Orbax reads would print tracebacks from their threads as they shut down."""
-    from jsteer import io
+    from jsteer.checkpoints import ORPHANED_READS, REAL_STDERR
 
-    if io.ORPHANED_READS:
-        for stream in (sys.stdout, sys.stderr, *io.REAL_STDERR):
+    if ORPHANED_READS:
+        for stream in (sys.stdout, sys.stderr, *REAL_STDERR):
             stream.flush()
         os._exit(code)
     sys.exit(code)
@@ -73,9 +73,9 @@ def _exit(code: int) -> None:
 
 def run() -> None:
     """The ``jsteer`` console script: :func:`main`, then exit with its status."""
-    from jsteer import io
+    from jsteer.checkpoints import CLI_PROCESS
 
-    io.CLI_PROCESS.append(True)
+    CLI_PROCESS.append(True)
     _exit(main())
 
 

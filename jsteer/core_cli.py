@@ -118,7 +118,7 @@ def doctor_report() -> dict:
     import jax
 
     import jsteer
-    from jsteer import hub, io
+    from jsteer import hub, loading
     from jsteer.backbones import cpu
 
     def version(name):
@@ -128,9 +128,9 @@ def doctor_report() -> dict:
             return None
 
     embedded = {}
-    for name in io.EMBEDDED:
+    for name in loading.EMBEDDED:
         try:
-            embedded[name] = str(io.embedded_path(name))
+            embedded[name] = str(loading.embedded_path(name))
         except FileNotFoundError as e:
             embedded[name] = f"missing: {e}"
     try:
@@ -176,7 +176,7 @@ def _doctor(args) -> int:
 
 
 def _head_arg(h: str):
-    from jsteer.io import _AUTO
+    from jsteer.loading import _AUTO
 
     return _AUTO if h == "auto" else (None if h == "none" else h)
 
@@ -203,13 +203,14 @@ def _count(tree) -> int:
 
 
 def _info(args) -> int:
-    from jsteer import io
+    from jsteer.checkpoints import SIDECAR
+    from jsteer.loading import load
 
     path = pathlib.Path(args.ckpt).expanduser()
-    if path.is_dir() and (path / io.SIDECAR).is_file():
+    if path.is_dir() and (path / SIDECAR).is_file():
         info = _checkpoint_info(path)
     else:
-        lm = io.load(args.ckpt)
+        lm = load(args.ckpt)
         info = {
             "family": lm.family,
             "head": lm.head,
@@ -252,11 +253,11 @@ def _checkpoint_info(path: pathlib.Path) -> dict:
     import jax
     import numpy as np
 
-    from jsteer import io
+    from jsteer import checkpoints
     from jsteer.tokenizer import Tokenizer
 
-    meta = io._read_sidecar(path, io.CHECKPOINT_FORMAT)
-    tree = io.read_tree_metadata(path / io.PARAMS_DIR)
+    meta = checkpoints.read_sidecar(path, checkpoints.CHECKPOINT_FORMAT)
+    tree = checkpoints.read_tree_metadata(path / checkpoints.PARAMS_DIR)
 
     n = int(sum(np.prod(m.shape, dtype=np.int64) for m in jax.tree.leaves(tree)))
     tok = None if meta["tokenizer"] is None else Tokenizer.from_json(meta["tokenizer"])

@@ -8,6 +8,11 @@ act in the loop, and ``stop`` strings end a row once its text contains one (the 
 right after it, as HF's stop strings keep it). Without stop strings the whole generation is one
 compiled call; with them (or streaming) it runs in chunks of decode steps, the text checked on
 the host between chunks, one compiled program for every chunk.
+
+Prompts are encoded left-padded (ids / mask int32 [B, T0]) and padded further to their length
+bucket T (:func:`bucket_length`, :func:`pad_to`; prompt-shaped hooks [B, T0, ...] with
+:func:`pad_hooks`), so texts of similar length share one compiled loop; the loop returns tokens
+[R, max_new_tokens] and lengths [R] for R = B * ``num_return_sequences`` rows.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer import decode
+from jsteer import decode, sharding
 from jsteer.hooks import Hooks
 
 
@@ -68,6 +73,54 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
+def bucket_length(n: int) -> int:
+    """A prompt length rounded up to its :data:`jsteer.data.buckets.DECODE` bucket."""
+    from jsteer.data import buckets
+
+    if n < 1:
+        raise ValueError(f"prompt length must be >= 1, got {n}")
+    return buckets.DECODE(n)
+
+
+def pad_to(ids: np.ndarray, mask: np.ndarray, t: int, left: bool, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    extra = t - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    width = ((0, 0), (extra, 0) if left else (0, extra))
+    return np.pad(ids, width, constant_values=pad), np.pad(mask, width, constant_values=0)
+
+
+def pad_hooks(hooks, t0: int, t: int):
+    """Left-pad prompt-shaped hook arrays ([B, t0, ...]; attn_bias [B, t0, t0]) to t tokens."""
+    extra = t - t0
+
+    def pad(x, axes):
+        if x is None:
+            return None
+        width = [(0, 0)] * x.ndim
+        for a in axes:
+            if x.shape[a] != t0:
+                return x  # not prompt-shaped (already padded by the caller): leave it
+            width[a] = (extra, 0)
+        return jnp.pad(x, width)
+
+    film = None
+    if hooks.film is not None:
+        film = {
+            k: dataclasses.replace(
+                f, **{n: pad(getattr(f, n), (1,)) for n in ("gamma_in", "beta_in", "gamma_out", "beta_out")}
+            )
+            for k, f in hooks.film.items()
+        }
+    return dataclasses.replace(
+        hooks,
+        embed_offset=pad(hooks.embed_offset, (1,)),
+        film=film,
+        attn_bias=pad(hooks.attn_bias, (1, 2)),
+        position_ids=pad(hooks.position_ids, (1,)),
+    )
+
+
 @dataclasses.dataclass
 class _Batch:
     """A prepared call: left-padded ids / mask, hooks, params, row keys; ``rows`` real rows."""
@@ -82,8 +135,6 @@ class _Batch:
 
 
 def prepare(lm, prompts, hooks, seed: int, num_return_sequences: int, mesh) -> _Batch:
-    from jsteer.io import _BatchSplit, _bucket_length, _pad_hooks, _pad_to
-
     if num_return_sequences < 1:
         raise ValueError(f"generate: num_return_sequences must be >= 1, got {num_return_sequences}")
     tokenizer = lm._text_tokenizer("generate")
@@ -94,15 +145,15 @@ def prepare(lm, prompts, hooks, seed: int, num_return_sequences: int, mesh) -> _
     ids, mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
     prompt_ids = [row[m > 0] for row, m in zip(ids, mask, strict=True)]
     t0 = ids.shape[1]
-    t = _bucket_length(t0)
-    ids, mask = _pad_to(ids, mask, t, True, lm._pad_value())
+    t = bucket_length(t0)
+    ids, mask = pad_to(ids, mask, t, True, lm._pad_value())
     if hooks is not None and t != t0:
-        hooks = _pad_hooks(hooks, t0, t)
+        hooks = pad_hooks(hooks, t0, t)
     rows = ids.shape[0]
     rng = jax.random.PRNGKey(seed)
     if mesh is None:
         return _Batch(jnp.asarray(ids), jnp.asarray(mask), hooks, lm.params, rng, rows, prompt_ids)
-    split = _BatchSplit(mesh, rows)  # rng: the row keys generate derives from it unsharded, padded with row 0's
+    split = sharding.BatchSplit(mesh, rows)  # rng: the row keys generate derives from it unsharded, padded with row 0's
     return _Batch(
         split.rows(ids),
         split.rows(mask),
@@ -222,4 +273,14 @@ def stream(
             yield delta
 
 
-__all__ = ["generate", "stream", "prompt_texts", "sampling_temperature", "repeat_rows", "cut_at_stop"]
+__all__ = [
+    "generate",
+    "stream",
+    "prompt_texts",
+    "sampling_temperature",
+    "repeat_rows",
+    "cut_at_stop",
+    "bucket_length",
+    "pad_to",
+    "pad_hooks",
+]

@@ -20,13 +20,21 @@ Custom rules are a dict {logical name: mesh axis | None}; unnamed logical axes a
 dimension that a mesh axis does not divide is an error naming the param, its dimension and the
 axis (never a silent fallback to replication). Batches are split over every batch axis present
 (``data``, ``fsdp``: :func:`batch_spec`).
+
+``LM.forward`` / ``LM.generate`` with ``mesh=`` run data-parallel through :class:`BatchSplit`: a
+batch of B rows ([B, T] ids and mask, [B, T, D] hook arrays, ...) is padded with copies of row 0
+to a multiple of the batch axes' size, split over them, and cut back to B rows on the way out
+(:func:`resolve_data_mesh` checks the mesh; :data:`HOOK_ROW_RANK` says which hook fields are
+per row).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -165,6 +173,117 @@ def bytes_per_device(tree: Any) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- data-parallel LM calls
+
+DATA_AXIS = "data"  # the mesh axis the batch is split over (jsteer.train.data_mesh names it so)
+
+# Hooks fields that hold one row per batch element, with their documented rank: a leaf of that
+# rank whose leading dim is B is split over "data"; anything else (e.g. a [1, D] step offset
+# broadcast over rows) is replicated. Steer: ``eps`` [B, S] is per row; its other fields are per
+# steer ([S, ...]) and always replicated, even where S happens to equal B.
+HOOK_ROW_RANK = {"embed_offset": 3, "step_offset": 2, "attn_bias": 3, "position_ids": 2}
+
+
+def resolve_data_mesh(mesh, where: str):
+    """None / False -> None; True -> a "data" mesh over this process's devices; a Mesh is checked."""
+    if mesh is None or mesh is False:
+        return None
+    if mesh is True:
+        from jsteer.train.step import data_mesh
+
+        return data_mesh(jax.local_devices())
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"LM.{where}: mesh must be a jax.sharding.Mesh with a {DATA_AXIS!r} axis, True (every "
+            f"device of this process) or None, got {type(mesh).__name__}"
+        )
+    if DATA_AXIS not in mesh.axis_names:
+        raise ValueError(
+            f"LM.{where}: the mesh has axes {tuple(mesh.axis_names)} but no {DATA_AXIS!r} axis to "
+            f"split the batch over; build one with jsteer.train.data_mesh()"
+        )
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        raise ValueError(
+            f"LM.{where}: the mesh spans devices of other processes; mesh= splits one process's "
+            f"batch over its own devices (pass data_mesh(jax.local_devices()) or mesh=True)"
+        )
+    return mesh
+
+
+class BatchSplit:
+    """Pads B rows to a multiple of the mesh's batch axes' size ("data" x "fsdp"; copies of row 0)
+    and places arrays: batch leaves split over those axes, everything else replicated;
+    :meth:`drop_padding` undoes the padding on outputs."""
+
+    def __init__(self, mesh, batch: int):
+        n = batch_size_multiple(mesh)
+        self.batch, self.padded = batch, -(-batch // n) * n
+        self._split = NamedSharding(mesh, batch_spec(mesh))
+        self._replicated = NamedSharding(mesh, P())
+
+    def rows(self, x):
+        """[B, ...] -> [B_padded, ...] split over "data" (padding rows copy row 0)."""
+        extra = self.padded - self.batch
+        if extra:
+            xp = jnp if isinstance(x, jax.Array) else np
+            x = xp.concatenate([x, xp.repeat(x[:1], extra, axis=0)])
+        return jax.device_put(x, self._split)
+
+    def replicated(self, x):
+        return None if x is None else jax.device_put(x, self._replicated)
+
+    def _is_rows(self, x, rank: Optional[int] = None) -> bool:
+        return np.ndim(x) >= 1 and np.shape(x)[0] == self.batch and (rank is None or np.ndim(x) == rank)
+
+    def tree(self, tree):
+        """Any pytree (module keyword arrays: token_type_ids [B, T], a KV cache): leaves whose
+        leading dim is B are split, others replicated."""
+        return jax.tree.map(lambda x: self.rows(x) if self._is_rows(x) else self.replicated(x), tree)
+
+    def hooks(self, hooks):
+        if hooks is None:
+            return None
+
+        def place(x, rank, name, broadcast_ok=True):
+            if x is None:
+                return None
+            if np.ndim(x) == rank and np.shape(x)[0] != self.batch and not (broadcast_ok and np.shape(x)[0] == 1):
+                # checked here: after padding, the backbone would compare it with the padded batch
+                raise ValueError(
+                    f"hooks.{name} has a leading (batch) dim of {np.shape(x)[0]}, but the batch has "
+                    f"{self.batch} rows" + ("" if not broadcast_ok else " (or 1, shared by every row)")
+                )
+            return self.rows(x) if self._is_rows(x, rank) else self.replicated(x)
+
+        changes = {}
+        for f in dataclasses.fields(hooks):
+            value = getattr(hooks, f.name)
+            if value is None:
+                continue
+            if f.name in HOOK_ROW_RANK:
+                changes[f.name] = place(value, HOOK_ROW_RANK[f.name], f.name)
+            elif f.name == "film":  # {layer: FiLM}, every field [B, T, D]
+                changes[f.name] = {
+                    k: jax.tree.map(lambda x, k=k: place(x, 3, f"film[{k}]"), v) for k, v in value.items()
+                }
+            elif f.name == "steer":
+                changes[f.name] = dataclasses.replace(
+                    jax.tree.map(self.replicated, value), eps=place(value.eps, 2, "steer.eps", broadcast_ok=False)
+                )
+            else:
+                raise ValueError(
+                    f"mesh=: no rule for splitting hooks.{f.name} over the batch "
+                    f"(add it to jsteer.sharding.HOOK_ROW_RANK)"
+                )
+        return dataclasses.replace(hooks, **changes)
+
+    def drop_padding(self, tree):
+        """Outputs [B_padded, ...] -> [B, ...] (other leaves, e.g. a cache's scalar index, kept)."""
+        if self.padded == self.batch:
+            return tree
+        return jax.tree.map(lambda x: x[: self.batch] if np.ndim(x) >= 1 and x.shape[0] == self.padded else x, tree)
+
+
 __all__ = [
     "AXES",
     "BATCH_AXES",
@@ -178,4 +297,8 @@ __all__ = [
     "shardings",
     "shard",
     "bytes_per_device",
+    "DATA_AXIS",
+    "HOOK_ROW_RANK",
+    "resolve_data_mesh",
+    "BatchSplit",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jsteer
-from jsteer import io
+from jsteer import checkpoints, io, loading
 from jsteer.hooks import Hooks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -557,13 +557,13 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_gpt2, tmp_path, monkey
     before = sorted(p.name for p in (tmp_path / "ck").rglob("*"))
     new = old.replace(params=jax.tree.map(lambda x: x + 1.0, old.params))
 
-    real_write_tree = io._write_tree
+    real_write_tree = checkpoints._write_tree
 
     def write_then_crash(p, tree):  # the params are fully written, then we "die" before the sidecar
         real_write_tree(p, tree)
         raise KeyboardInterrupt("simulated interrupt")
 
-    monkeypatch.setattr(io, "_write_tree", write_then_crash)
+    monkeypatch.setattr(checkpoints, "_write_tree", write_then_crash)
     with pytest.raises(KeyboardInterrupt):
         jsteer.save(new, tmp_path / "ck")
 
@@ -572,8 +572,8 @@ def test_interrupted_save_leaves_previous_checkpoint(tiny_gpt2, tmp_path, monkey
             f.write(json.dumps(obj)[:100])  # half a sidecar
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(io, "_write_tree", real_write_tree)
-    monkeypatch.setattr(io, "_write_json", crash_mid_json)
+    monkeypatch.setattr(checkpoints, "_write_tree", real_write_tree)
+    monkeypatch.setattr(checkpoints, "_write_json", crash_mid_json)
     with pytest.raises(OSError, match="disk full"):
         jsteer.save(new, tmp_path / "ck")
     monkeypatch.undo()
@@ -834,7 +834,7 @@ def test_weight_files_are_hashed_when_identity_is_read_not_at_load(tiny_llama, t
     hashed = []
     real = hf.file_sha256
     monkeypatch.setattr(hf, "file_sha256", lambda p, *a, **k: hashed.append(pathlib.Path(p).name) or real(p, *a, **k))
-    monkeypatch.setattr(io, "_SHA_CACHE", {})
+    monkeypatch.setattr(loading, "_SHA_CACHE", {})
 
     lm = jsteer.load(path)
     prov = lm.provenance
@@ -845,7 +845,7 @@ def test_weight_files_are_hashed_when_identity_is_read_not_at_load(tiny_llama, t
     assert copy["sha256"] == want and dict(prov)["sha256"] == want  # the copy resolves through the cache
     assert jsteer.load(path).identity == lm.identity and hashed == ["model.safetensors"]
 
-    monkeypatch.setattr(io, "_SHA_CACHE", {})
+    monkeypatch.setattr(loading, "_SHA_CACHE", {})
     jsteer.save(jsteer.load(path), tmp_path / "ck")  # save needs it
     assert json.loads((tmp_path / "ck" / io.SIDECAR).read_text())["provenance"]["sha256"] == want
     assert len(hashed) == 2

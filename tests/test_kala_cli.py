@@ -732,7 +732,7 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
     or a folder is refused before the model is loaded; so is a train --test whose predictions
     path is a folder."""
     import jsteer
-    from jsteer import io as jio
+    from jsteer import checkpoints
 
     train, test = squad(tmp_path / "train.json", 8), squad(tmp_path / "test.json", 4, seed=1)
     gdir, out = tmp_path / "graph", tmp_path / "run"
@@ -770,7 +770,7 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
         raise AssertionError("a model was loaded before the predictions path was checked")
 
     with monkeypatch.context() as m:
-        m.setattr(jio, "load_artifact", no_load)
+        m.setattr(checkpoints, "load_artifact", no_load)
         m.setattr(jsteer, "load", no_load)
         cases = [
             (["--predictions", str(test)], f"--predictions {test} is the --test file"),

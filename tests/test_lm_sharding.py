@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 from test_io import make_tiny_bert_mlm, make_tiny_decoder
 
 import jsteer
-from jsteer import decode, io
+from jsteer import decode
+from jsteer import lm as lm_module
 from jsteer.hooks import FiLM, Hooks, Steer
 from jsteer.train import data_mesh
 
@@ -83,13 +84,13 @@ def test_forward_runs_split_over_the_devices(lms, mesh, monkeypatch):
     assert sorted(s.data.shape[0] for s in out.logits.addressable_shards) == [2] * 8
 
     seen = {}
-    real = io._forward
+    real = lm_module._forward
 
     def spy(module, params, input_ids, attention_mask, hooks, arrays, static_kw):
         seen.update(params=params, ids=input_ids, mask=attention_mask)
         return real(module, params, input_ids, attention_mask, hooks, arrays, static_kw)
 
-    monkeypatch.setattr(io, "_forward", spy)
+    monkeypatch.setattr(lm_module, "_forward", spy)
     ids3, mask3 = batch(3, seed=1)
     out3 = lm.forward(ids3, mask3, mesh=mesh)  # padded to 8 rows, cut back to 3: replicated on the mesh
     assert out3.logits.shape == (3, 7, 64) and out3.logits.sharding.is_fully_replicated

@@ -2,7 +2,7 @@
 
 A control vector is a pytree ``{layer: direction [D]}`` (0-based layers of ``resid_post``, the
 residual stream after that layer, HF's ``hidden_states[layer + 1]``) plus metadata: the base
-model's identity (:attr:`jsteer.io.LM.identity`), its hidden size D and ``model_type``, the
+model's identity (:attr:`jsteer.lm.LM.identity`), its hidden size D and ``model_type``, the
 method that made it and its recipe. :meth:`ControlVector.hooks` turns it into one
 :class:`jsteer.interventions.Add` per layer; the strength is traced, so changing it never
 recompiles.

@@ -134,7 +134,7 @@ def check_position_ids(position_ids, table_size: Optional[int], where: str) -> N
 
     A learned position table gathers NaN for an out-of-range row (``jnp.take`` fill mode), so
     this is checked wherever the values are known. Traced values (under ``jit``) cannot be
-    checked here; :meth:`jsteer.io.LM.forward` and :func:`jsteer.decode.generate` check them
+    checked here; :meth:`jsteer.lm.LM.forward` and :func:`jsteer.decode.generate` check them
     before tracing. ``table_size`` None (RoPE: no table) checks nothing.
     """
     if position_ids is None or table_size is None or isinstance(position_ids, jax.core.Tracer):

@@ -23,6 +23,10 @@ when concrete; RoBERTa: real tokens start at ``pad_token_id + 1``); ``attn_bias`
 added to the scores of every head on top of the padding mask; FiLM ``"in"`` acts on the
 attention block output after its LayerNorm (the FFN input and FFN residual), ``"out"`` on the
 layer output after the FFN LayerNorm. FiLM keys are 0-based layer indices in range(num_layers).
+
+Kept whole (about 780 lines): the modules, the three heads and the HF conversion
+(:func:`params_from_hf`) all write or read the one parameter tree above, so they change
+together.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ Params (kernels [in..., out...]; every leaf has logical axis names, :func:`logic
     final_norm {scale[, bias]} [D]       lm_head/kernel [D,V] (untied only)
 
 Norms and the softmax run in float32; matrix products in ``dtype`` (fp32 accumulation).
+
+Kept whole (about 720 lines): config, attention, block layouts, the (scanned) layer loop and
+the param helpers (stack / unstack, logical axes) are one model whose switches cut across all
+of them; the per-family translations already live in :mod:`jsteer.backbones.families`.
 """
 
 from __future__ import annotations

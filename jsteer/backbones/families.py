@@ -19,6 +19,9 @@ olmo2           q/k RMSNorm over the whole projection; norms after attention and
 gpt_neox        LayerNorm with bias, parallel residual, partial rotary, per-head fused qkv
 gpt2            learned positions, LayerNorm, fused c_attn (Conv1D [in, out] weights)
 ==============  =========================================================================
+
+Kept whole (about 670 lines): each family is a short config translation plus layout entries
+built from the same shared helpers and refusal rules; a module per family would repeat them.
 """
 
 from __future__ import annotations

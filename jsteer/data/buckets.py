@@ -13,7 +13,7 @@ function, so every shape a caller produced it still produces:
 ================  ===============================  =========  ==================================
 name              sizes                            beyond     caller
 ================  ===============================  =========  ==================================
-DECODE            16, 32, ..., 2048                multiple   prompt lengths (jsteer.io generate)
+DECODE            16, 32, ..., 2048                multiple   prompt lengths (jsteer.generation)
 KALA_LENGTHS      32, 64, 128, 256, 384, 512       error      KALA batches (jsteer.kala.data)
 PROBE             8                                multiple   LAMA probe rows (jsteer.typevec.probe)
 GRAPH             16                               double     batch graphs (jsteer.kala.graph)

@@ -43,6 +43,11 @@ them, go to ``<run>/<test file name>.predictions.json`` (``eval --predictions``:
 the ``--test`` file, another SQuAD-format data file or a folder).
 ``eval`` on a file the graph folder has no mentions for annotates it in memory with the
 folder's lexicon.tsv.
+
+Kept whole (about 690 lines): ``train`` and ``eval`` share the task checks, the
+predictions-path checks and QA scoring (``_task_of``, ``_check_predictions_path``,
+``_qa_scores``), and ``register`` is the one argparse table of all three subcommands; split by
+subcommand those helpers would sit apart from both users.
 """
 
 from __future__ import annotations
@@ -400,7 +405,7 @@ def _train(args) -> int:
 
 def _train_locked(args, out: pathlib.Path) -> int:
     import jsteer
-    from jsteer.io import save_artifact
+    from jsteer.checkpoints import save_artifact
     from jsteer.kala import pipeline, runs
     from jsteer.kala import train as ktrain
     from jsteer.kala.formats import read_facts
@@ -613,7 +618,7 @@ def _qa_scores(model, params, features, examples, max_answer_len, predictions_pa
 
 def _eval(args) -> int:
     import jsteer
-    from jsteer.io import load_artifact
+    from jsteer.checkpoints import load_artifact
     from jsteer.kala import pipeline
     from jsteer.kala import train as ktrain
     from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab

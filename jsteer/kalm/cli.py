@@ -61,7 +61,7 @@ def register(subparsers) -> None:
 def _train(args) -> int:
     import jax
 
-    from jsteer.io import save_artifact
+    from jsteer.checkpoints import save_artifact
     from jsteer.kalm import data as kdata
     from jsteer.kalm import train as ktrain
     from jsteer.kalm.head import TypedVocab
@@ -131,7 +131,7 @@ def _eval(args) -> int:
     import numpy as np
 
     from jsteer.backbones.families import config_from_hf
-    from jsteer.io import load_artifact
+    from jsteer.checkpoints import load_artifact
     from jsteer.kalm import data as kdata
     from jsteer.kalm import decode
     from jsteer.kalm import train as ktrain

@@ -1,4 +1,4 @@
-"""Steer artifacts: one portable ``.safetensors`` file each (via :func:`jsteer.io.save_artifact`,
+"""Steer artifacts: one portable ``.safetensors`` file each (via :func:`jsteer.checkpoints.save_artifact`,
 :mod:`jsteer.artifacts`; older Orbax folders still load) that records which base model the steer
 belongs to.
 
@@ -37,7 +37,7 @@ def save(
     transferred_from: Optional[str] = None,
     extra: Optional[dict] = None,
 ) -> None:
-    from jsteer import io
+    from jsteer import checkpoints
 
     k = head.validate(
         params, hidden_dim=None if head.kind(params) == "blacklist" else hidden_size, vocab_size=vocab_size
@@ -59,15 +59,15 @@ def save(
         "train": extra or {},
     }
     tree = {k2: np.asarray(v, np.float32) for k2, v in params.items()}
-    io.save_artifact(path, tree, meta)
+    checkpoints.save_artifact(path, tree, meta)
 
 
 def load(path: str, model_identity: Optional[str] = None) -> Tuple[dict, dict]:
     """(params, meta). With ``model_identity`` (``LM.identity``) the artifact must belong to
     that model: a steer trained for another model is refused (transfer it first)."""
-    from jsteer import io
+    from jsteer import checkpoints
 
-    tree, meta = io.load_artifact(path)
+    tree, meta = checkpoints.load_artifact(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a jsteer steer artifact (format {meta.get('format')!r}, expected {FORMAT!r})")
     params = {k: np.asarray(v) for k, v in tree.items()}

@@ -163,7 +163,7 @@ def _cached(path: pathlib.Path, enc, train, retrain: bool = False, recipe: Optio
     ``recipe`` than its metadata's), ``train(enc)`` -> a fitted Evaluator with its meta (and
     ``recipe``), saved there first."""
     import jsteer
-    from jsteer.io import load_artifact, save_artifact
+    from jsteer.checkpoints import load_artifact, save_artifact
 
     enc = enc if enc is not None else jsteer.load("minilm")
     if path.exists() and not retrain:

@@ -8,6 +8,10 @@ baselines (``detox_kinds_<kind>.json``) and the held-out recipe sweeps (:data:`S
 ``experiments/steer_sweep.py``). Every function takes the parsed JSON (or the results folder) and
 returns markdown text (or target lines); nothing is chosen on test prompts here, the JSON records
 each run's held-out choice.
+
+Kept whole (about 710 lines): every table shares the number formatting and the target rules
+(:func:`targets`, the halving and positivity checks), and :func:`markdown` assembles them
+all into the one ``results.md``.
 """
 
 from __future__ import annotations

@@ -62,12 +62,12 @@ def tokenizer():
 
 
 def lm(seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True, norm_scale_noise: float = 0.0):
-    """A tiny random LLaMA ``jsteer.io.LM`` over the toy vocabulary.
+    """A tiny random LLaMA ``jsteer.lm.LM`` over the toy vocabulary.
 
     ``norm_scale_noise`` > 0 perturbs the per-layer RMSNorm scales (not the final norm) so the
     model is not at its init symmetry."""
     from jsteer.backbones.decoder import Decoder, DecoderConfig
-    from jsteer.io import LM
+    from jsteer.lm import LM
 
     tok = tokenizer()
     cfg = DecoderConfig.llama(

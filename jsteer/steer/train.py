@@ -326,7 +326,7 @@ def encode_texts(tokenizer, texts: Sequence[str], values: np.ndarray, max_len: i
 def cache_lm(
     lm, texts: Sequence[str], values: np.ndarray, max_len: int = 128, batch_size: int = 16, progress: bool = False
 ) -> HiddenCache:
-    """:func:`cache_hidden` for a ``jsteer.io.LM`` (final-norm output of ``lm.forward``)."""
+    """:func:`cache_hidden` for a ``jsteer.lm.LM`` (final-norm output of ``lm.forward``)."""
     table = getattr(lm.config, "position_table_size", None)  # learned positions (GPT-2); RoPE has no table
     if table is not None and max_len > table:
         raise ValueError(

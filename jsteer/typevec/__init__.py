@@ -4,7 +4,8 @@ A type vector TE is built from a few example tokens (SVD of their input embeddin
 mean) and added with strength lambda to input embeddings to steer which *type* of token a
 model predicts. Modules: :mod:`~jsteer.typevec.core` (vectors), :mod:`~jsteer.typevec.sampling`
 (examples from KG lists), :mod:`~jsteer.typevec.inject` (hooks), :mod:`~jsteer.typevec.probe`
-(LAMA probing), :mod:`~jsteer.typevec.protocol` (lambda units, hold-out layer choice),
+(LAMA probing; its prompts in :mod:`~jsteer.typevec.lama`, its scoring in
+:mod:`~jsteer.typevec.scoring`), :mod:`~jsteer.typevec.protocol` (lambda units, hold-out layer choice),
 :mod:`~jsteer.typevec.analysis`, :mod:`~jsteer.typevec.artifact`.
 
 Quick start (from the repository root; the KG lists are in ``../shared/data``)::

@@ -1,4 +1,4 @@
-"""Type-embedding artifacts: one portable ``.safetensors`` file each (via :func:`jsteer.io.save_artifact`;
+"""Type-embedding artifacts: one portable ``.safetensors`` file each (via :func:`jsteer.checkpoints.save_artifact`;
 older Orbax folders still load) holding
 one or more type vectors and what they were made from.
 
@@ -43,7 +43,7 @@ def save(
     types: Optional[Sequence[str]] = None,
 ):
     """Write type vectors ``tes`` [K, D] (or one [D]) with their provenance. Returns the folder."""
-    from jsteer import io
+    from jsteer import checkpoints
 
     tes = np.asarray(tes, np.float32)
     if tes.ndim == 1:
@@ -89,14 +89,14 @@ def save(
         "sampling": sampling,
         "extra": extra or {},
     }
-    return io.save_artifact(path, {"te": tes}, meta)
+    return checkpoints.save_artifact(path, {"te": tes}, meta)
 
 
 def load(path, model_identity: Optional[str] = None) -> tuple[np.ndarray, dict]:
     """-> (tes [K, D], meta). With ``model_identity`` the artifact must come from that model."""
-    from jsteer import io
+    from jsteer import checkpoints
 
-    tree, meta = io.load_artifact(path)
+    tree, meta = checkpoints.load_artifact(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a type-embedding artifact (format {meta.get('format')!r}, expected {FORMAT!r})")
     tes = np.asarray(tree["te"], np.float32)
