@@ -6,18 +6,28 @@ Every backbone owns one layer loop and passes each activation through its *sites
 site          activation h                                                            shape
 ============  ======================================================================  =========
 ``embed``     token embeddings (after any embedding scale, before positions / layers)  [B, T, D]
+``resid_pre`` the residual stream entering layer i (HF's ``hidden_states[i]``)         [B, T, D]
 ``attn_out``  layer i's attention output, as added to the residual stream             [B, T, D]
 ``ffn_in``    layer i's FFN input (after its pre-FFN norm, if the family has one)      [B, T, D]
+``ffn_hidden`` layer i's FFN hidden pre-activation: the projection the nonlinearity     [B, T, F]
+              reads (BERT's ``ffn_in`` dense, a plain MLP's ``up``, a gated one's
+              ``gate``)
 ``ffn_out``   layer i's FFN output, as added to the residual stream                   [B, T, D]
 ``resid_post`` the residual stream after layer i (HF's ``hidden_states[i + 1]``)       [B, T, D]
-``final``     the final-norm output the output embedding reads (decoders)             [B, T, D]
+``final``     the final-norm output the output embedding reads (decoders); an
+              encoder's last hidden state, which its heads read (BERT)                [B, T, D]
 ============  ======================================================================  =========
 
 Per-layer sites are written ``"resid_post.5"`` (0-based layers); ``embed`` and ``final`` take no
 layer. An intervention is a pytree (its arrays are traced: changing a strength never recompiles)
 with ``__call__(h, ctx) -> h`` of the same shape and dtype. :class:`SiteContext` tells it the layer,
 the positions [B, T], the attention mask [B, T] and whether this call is one decode step
-(``ctx.decode``; T = 1) or a full forward / prefill. ``Hooks(interventions={site: iv or (iv, ...)})``
+(``ctx.decode``; T = 1) or a full forward / prefill. ``ctx.state`` is one dict shared by every
+site of a call (unrolled layer stacks; None under a scanned one): a method whose interventions pass
+values between sites (a FiLM computed at ``resid_pre.l`` and applied at ``ffn_in.l``, an entity
+stream carried from one fusion layer to the next, a retrieval's logits for an auxiliary loss)
+keeps them there under its own keys; the backbone returns it after the call (BERT's
+``EncoderOutput.state``). ``Hooks(interventions={site: iv or (iv, ...)})``
 carries them to ``forward`` and ``generate``, which apply them identically in a forward, in the
 prefill and at every decode step. Ready-made ones: :class:`Add` (a vector, ActAdd / CAA / control
 vectors), :class:`Scale`, :class:`Ablate` (project a direction out) and :class:`Fn` (any function
@@ -35,20 +45,22 @@ import jax.numpy as jnp
 
 Array = jnp.ndarray
 
-SITES = ("embed", "attn_out", "ffn_in", "ffn_out", "resid_post", "final")
-LAYER_SITES = frozenset({"attn_out", "ffn_in", "ffn_out", "resid_post"})
+SITES = ("embed", "resid_pre", "attn_out", "ffn_in", "ffn_hidden", "ffn_out", "resid_post", "final")
+LAYER_SITES = frozenset({"resid_pre", "attn_out", "ffn_in", "ffn_hidden", "ffn_out", "resid_post"})
 
 
 @dataclasses.dataclass(frozen=True)
 class SiteContext:
     """What an intervention may read. ``layer``: int (or a traced int32 under a scanned layer
     stack; None at ``embed`` / ``final``); ``positions`` / ``mask`` [B, T] int32; ``decode``:
-    True for one decode step with the KV cache, False for a forward or the prefill."""
+    True for one decode step with the KV cache, False for a forward or the prefill; ``state``:
+    the call's shared dict (module docstring; None under a scanned layer stack)."""
 
     layer: Any
     positions: Array
     mask: Array
     decode: bool
+    state: Optional[dict] = None
 
 
 class Intervention(flax.struct.PyTreeNode):

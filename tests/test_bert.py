@@ -272,6 +272,117 @@ def test_identity_hooks_bit_identical(bert_setup):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def _hf_site_outputs(hf, ids, mask, tt, add=None):
+    """HF's activations at our sites (forward hooks), optionally adding ``add`` {(site, layer): vec}
+    to a module's output the way an Add intervention does."""
+    got, handles = {}, []
+    sites = {
+        "attn_out": lambda layer: layer.attention.output.dense,
+        "ffn_in": lambda layer: layer.attention.output,
+        "ffn_hidden": lambda layer: layer.intermediate.dense,
+        "ffn_out": lambda layer: layer.output.dense,
+        "resid_post": lambda layer: layer,
+    }
+    for i, layer in enumerate(hf.bert.encoder.layer):
+        for name, module_of in sites.items():
+
+            def hook(mod, inp, out, key=f"{name}.{i}"):
+                first = out[0] if isinstance(out, tuple) else out
+                if add is not None and key in add:
+                    first = first + torch.tensor(np.asarray(add[key]))
+                got[key] = first.detach().numpy().copy()
+                return (first,) + tuple(out[1:]) if isinstance(out, tuple) else first
+
+            handles.append(module_of(layer).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            ref = hf.bert(**_torch_inputs(ids, mask, tt), output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return got, ref
+
+
+def test_captured_sites_equal_hf_activations(bert_setup):
+    """capture= returns each site's activation: resid_post.i is HF's hidden_states[i + 1],
+    resid_pre.i hidden_states[i], final the last hidden state, and attn_out / ffn_in / ffn_hidden /
+    ffn_out the outputs of the matching HF submodules."""
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=14)
+    names = ("resid_pre", "attn_out", "ffn_in", "ffn_hidden", "ffn_out", "resid_post")
+    capture = tuple(f"{n}.{i}" for i in range(cfg.num_layers) for n in names) + ("embed", "final")
+    out = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, capture=capture)
+    got, ref = _hf_site_outputs(hf, ids, mask, tt)
+    assert set(out.captured) == set(capture)
+    for i in range(cfg.num_layers):
+        assert _maxdiff(out.captured[f"resid_pre.{i}"], ref.hidden_states[i].numpy(), mask) <= 1e-5
+        for n in names[1:]:
+            assert _maxdiff(out.captured[f"{n}.{i}"], got[f"{n}.{i}"], mask) <= 1e-5, (n, i)
+        assert _maxdiff(out.captured[f"resid_post.{i}"], ref.hidden_states[i + 1].numpy(), mask) <= 1e-5
+    assert out.captured["ffn_hidden.0"].shape == (B, T, cfg.intermediate_size)
+    assert _maxdiff(out.captured["final"], ref.last_hidden_state.numpy(), mask) <= 1e-5
+    emb = hf.bert.embeddings.word_embeddings.weight.detach().numpy()[ids]
+    assert _maxdiff(out.captured["embed"], emb) == 0.0
+
+
+def test_interventions_equal_hf_forward_hooks(bert_setup):
+    """An Add at attn_out.0 / ffn_hidden.1 / resid_post.0 is HF with the same vector added to those
+    modules' outputs; the hidden state after the final site is HF's last hidden state."""
+    from jsteer import interventions as iv
+
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=15)
+    rng = np.random.default_rng(3)
+    add = {
+        "attn_out.0": rng.normal(size=cfg.hidden_size).astype(np.float32),
+        "ffn_hidden.1": rng.normal(size=cfg.intermediate_size).astype(np.float32),
+        "resid_post.0": rng.normal(size=cfg.hidden_size).astype(np.float32),
+    }
+    hooks = Hooks(interventions={k: iv.Add(jnp.asarray(v)) for k, v in add.items()})
+    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=hooks)
+    _, ref = _hf_site_outputs(hf, ids, mask, tt, add)
+    base = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt)
+    assert _maxdiff(base.hidden, ref.last_hidden_state.numpy(), mask) > 1e-1  # the vectors do matter
+    assert _maxdiff(out.hidden, ref.last_hidden_state.numpy(), mask) <= 1e-5
+
+
+def test_identity_interventions_bit_identical(bert_setup):
+    """No interventions (``Hooks(interventions={})``) is bit-identical under jit; identity ones at
+    every site are bit-identical op by op (eager) and within 1e-5 under jit, where XLA may fuse the
+    extra no-op differently."""
+    from jsteer import interventions as iv
+
+    _, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=16)
+    module = jb.BertForMaskedLM(cfg)
+    d = cfg.hidden_size
+    ivs = {"embed": iv.Add(jnp.zeros(d)), "final": (iv.Scale(1.0), iv.Add(jnp.zeros(d)))}
+    for i in range(cfg.num_layers):
+        for n in ("resid_pre", "attn_out", "ffn_in", "ffn_out", "resid_post"):
+            ivs[f"{n}.{i}"] = (iv.Scale(1.0), iv.Add(jnp.zeros(d)), iv.Fn(lambda h, ctx: h))
+        ivs[f"ffn_hidden.{i}"] = iv.Scale(1.0)
+    capture = ("resid_post.0", "ffn_hidden.1", "final")
+    kw = dict(output_hidden_states=True, capture=capture)
+    base = _run(module, params, ids, mask, tt, **kw)
+    empty = _run(module, params, ids, mask, tt, hooks=Hooks(interventions={}), **kw)
+    jitted = _run(module, params, ids, mask, tt, hooks=Hooks(interventions=ivs), **kw)
+    args = (jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt))
+    eager_base = module.apply({"params": params}, *args, **kw)
+    eager = module.apply({"params": params}, *args, hooks=Hooks(interventions=ivs), **kw)
+    for a, b, exact in ((empty, base, True), (eager, eager_base, True), (jitted, base, False)):
+        for x, y in zip(
+            (a.logits, *a.hidden_states, *a.captured.values()), (b.logits, *b.hidden_states, *b.captured.values())
+        ):
+            if exact:
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            else:
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        _run(module, params, ids, mask, tt, capture=(f"resid_post.{cfg.num_layers}",))
+    with pytest.raises(ValueError, match="unknown site"):
+        _run(module, params, ids, mask, tt, hooks=Hooks(interventions={"mlp.0": iv.Scale(2.0)}))
+
+
 @pytest.mark.parametrize("key", [-1, 2, 5, "1"])
 def test_film_on_a_missing_layer_is_an_error(bert_setup, key):
     _, cfg, params = bert_setup

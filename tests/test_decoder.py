@@ -399,12 +399,15 @@ def test_scanned_layer_stack_equals_unrolled(setup):
         },
         film={0: FiLM(beta_out=jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32))},
     )
-    capture = ("resid_post.0", "ffn_in.1", "final")
+    capture = ("resid_post.0", "ffn_in.1", "final", "resid_pre.1", "ffn_hidden.1")
     a = module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask), hooks=hooks, capture=capture)
     b = jd.Decoder(scfg).apply({"params": sparams}, jnp.asarray(ids), jnp.asarray(mask), hooks=hooks, capture=capture)
     assert _maxdiff(a.logits, b.logits, mask) <= TOL
     for k in capture:
         assert _maxdiff(a.captured[k], b.captured[k], mask) <= TOL, k
+    # layer 1's input is layer 0's output; the FFN hidden is F wide
+    np.testing.assert_array_equal(np.asarray(a.captured["resid_pre.1"]), np.asarray(a.captured["resid_post.0"]))
+    assert a.captured["ffn_hidden.1"].shape == (B, T, cfg.intermediate_size)
     gen_hooks = Hooks(interventions=hooks.interventions)
     ta = generate(module, params, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=8, hooks=gen_hooks)
     tb = generate(jd.Decoder(scfg), sparams, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=8, hooks=gen_hooks)

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones.bert import BertConfig, BertEncoder, BertForTokenClassification, BertLayer
-from jsteer.hooks import FiLM, Hooks
+from jsteer import interventions as iv
+from jsteer.backbones.bert import BertConfig, BertEncoder, BertForTokenClassification
+from jsteer.hooks import Hooks
 from jsteer.kala.graph import ExampleGraph, add_self_loops, batch_graphs
 from jsteer.kala.variants import kbert, registry, synthetic
 from jsteer.kala.variants import train as vtrain
 from jsteer.kala.variants.adapter import KnowledgeAdapter
-from jsteer.kala.variants.common import BertLayerParts, VariantEncoder
 from jsteer.kala.variants.eae import EntityRetrieval, entity_linking_loss
 
 
@@ -99,25 +99,60 @@ def graph_inputs(token_nodes, entities):
 # ---------------------------------------------------------------------------------- backbone parts
 
 
-def test_bert_layer_parts_is_bert_layer():
+@pytest.mark.parametrize("method", ["ernie", "eae", "adapter", "kbert"])
+def test_variants_run_the_shared_encoder(method):
+    """Every variant's encoder is BertEncoder itself (same tree), driven through its sites: no
+    method-owned layer loop or layer copy."""
     cfg = tiny_bert(layers=2)
-    h = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 16))
-    p = perturb(jinit(BertLayer(cfg, layer_index=1), jax.random.PRNGKey(1), h), jax.random.PRNGKey(2))
-    parts_p = jax.eval_shape(lambda: BertLayerParts(cfg, layer_index=1).init(jax.random.PRNGKey(3), h))["params"]
-    assert jax.tree.map(jnp.shape, parts_p) == jax.tree.map(jnp.shape, p)
-    film = {1: FiLM(gamma_in=0.1 * h, beta_out=0.2 * h)}
-    for hooks in (None, Hooks(film=film)):
-        ref = japply(BertLayer(cfg, layer_index=1), p, h, None, hooks)
-        got = japply(BertLayerParts(cfg, layer_index=1), p, h, None, hooks)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+    model = registry.build_model(method, cfg, num_labels=3, num_entities=6, entity_heads=2)
+    p = jax.eval_shape(lambda: registry.init_params(model, jax.random.PRNGKey(0)))
     ids = jnp.zeros((1, 4), jnp.int32)
     enc = jax.eval_shape(lambda: BertEncoder(cfg).init(jax.random.PRNGKey(0), ids))["params"]
-    venc = jax.eval_shape(
-        lambda: VariantEncoder(cfg).init(
-            jax.random.PRNGKey(0), ids, method=lambda m, x: [layer(m.embeddings(x)) for layer in m.layers]
-        )
-    )["params"]
-    assert jax.tree.map(jnp.shape, venc) == jax.tree.map(jnp.shape, enc)
+    assert jax.tree.map(jnp.shape, p["encoder"]) == jax.tree.map(jnp.shape, enc)
+    assert type(model.bind({"params": p}).encoder) is BertEncoder
+
+
+@pytest.mark.parametrize("method", ["adapter", "eae"])
+def test_variant_is_bert_plus_its_intervention_by_hand(method):
+    """Adapter / EaE models = plain BertForTokenClassification with the method's step written out
+    here as an intervention (its module applied to its own params) at the site it acts on."""
+    from jsteer.kala.variants.adapter import KnowledgeAdapter
+
+    cfg = tiny_bert(layers=3)
+    layers = (0, 2)
+    model = registry.build_model(method, cfg, num_labels=3, num_entities=6, layers=layers)
+    p = perturb(registry.init_params(model, jax.random.PRNGKey(0)), jax.random.PRNGKey(1), 0.2)
+    ids = jnp.asarray([[2, 7, 8, 9, 10, 11, 3, 0], [4, 5, 6, 7, 8, 9, 10, 11]])
+    mask = jnp.asarray([[1] * 7 + [0], [1] * 8])
+    graph, tok = graph_inputs([[-1, 0, 0, -1, 1, 2, -1, -1], [1, -1, 0, 0, -1, -1, -1, -1]], [[4, 5, 0], [3, 1]])
+    out = japply(model, p, ids, mask, None, graph, tok)
+    memory, ent = np.asarray(p["kala"]["memory"]), np.asarray(graph.nodes["entity"])
+    tk = np.asarray(tok)
+    n = ent.shape[0]
+    if method == "adapter":
+        rows = np.where((ent != 0)[:, None], memory[ent], 0.0)
+        e_tok = jnp.asarray(np.where((tk >= 0)[..., None], rows[np.maximum(tk, 0)], 0.0), jnp.float32)
+
+        def step(l):
+            return lambda y, ctx: KnowledgeAdapter(16, 64).apply({"params": p["kala"][f"adapter_{l}"]}, y, e_tok)
+
+        ivs = {f"ffn_out.{l}": iv.Fn(step(l)) for l in layers}
+    else:
+
+        def step(l):
+            return lambda h, ctx: EntityRetrieval(16, 16).apply(
+                {"params": p["kala"][f"retrieval_{l}"]}, h, tok, p["kala"]["memory"], n
+            )[0]
+
+        ivs = {f"resid_post.{l}": iv.Fn(step(l)) for l in layers}
+    ref = japply(
+        BertForTokenClassification(cfg, 3),
+        {"encoder": p["encoder"], "head": p["head"]},
+        ids,
+        mask,
+        hooks=Hooks(interventions=ivs),
+    )
+    np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(ref.logits))
 
 
 # ---------------------------------------------------------------------------------- K-BERT

@@ -83,22 +83,31 @@ def test_decoder_bf16_gradients_have_no_low_precision_scatter():
     assert low_precision_scatters(grad_of_logits(gm, ids, mask), p) == []
 
 
-@pytest.mark.parametrize("method", ["pointwise", "relational"])
+@pytest.mark.parametrize(
+    "method", ["finetune", "more_params", "pointwise", "relational", "ernie", "eae", "adapter", "kbert"]
+)
 def test_kala_bf16_gradient_has_no_low_precision_scatter(method):
+    """Every method of the KALA harness (KALA's own and the variants): entity-memory, graph-node
+    and embedding gathers in bf16 all accumulate their gradients in fp32."""
     from test_kala import tiny_bert, tiny_inputs
 
-    from jsteer.kala.model import KalaConfig, KalaModel, init_params
+    from jsteer.kala.variants import registry
 
     ids, mask, graph, tok = tiny_inputs()
-    model = KalaModel(
-        tiny_bert(),
-        KalaConfig(method=method, num_entities=4, num_relations=5, relation_dim=8, kfm_zero_init=False),
-        num_labels=3,
-    )
-    p = cast_floating(init_params(model, jax.random.PRNGKey(0)), jnp.bfloat16)
+    opts = dict(num_relations=5, relation_dim=8, kfm_zero_init=False) if method in ("pointwise", "relational") else {}
+    if method == "ernie":
+        opts = dict(entity_heads=2)
+    model = registry.build_model(method, tiny_bert(), num_labels=3, num_entities=4, **opts)
+    p = cast_floating(registry.init_params(model, jax.random.PRNGKey(0)), jnp.bfloat16)
+    kw = {}
+    if method in registry.VARIANTS:
+        kw["extras"] = {k: jnp.zeros_like(ids) for k in registry.extra_keys(model)} or None
 
     def loss(p):
-        out = model.apply({"params": p}, ids, mask, None, graph, tok, False, rngs={"dropout": jax.random.PRNGKey(1)})
-        return jnp.sum(out.logits.astype(jnp.float32) ** 2)
+        out = model.apply(
+            {"params": p}, ids, mask, None, graph, tok, False, rngs={"dropout": jax.random.PRNGKey(1)}, **kw
+        )
+        aux = getattr(out, "aux_loss", None)
+        return jnp.sum(out.logits.astype(jnp.float32) ** 2) + (0.0 if aux is None else aux.astype(jnp.float32))
 
     assert low_precision_scatters(jax.grad(loss), p) == []

@@ -16,6 +16,22 @@ Parameter tree (every model, bare or with a head)::
 
 so ``{"encoder": p["encoder"]}`` moves an encoder between heads unchanged.
 
+The encoder owns the one layer loop every BERT-family method runs through, with the named sites
+of :mod:`jsteer.interventions` (the decoder's protocol: ``hooks.interventions`` act there and
+``capture=("resid_post.3", ...)`` returns activations in ``out.captured``)::
+
+    embed            word-embedding lookup (+ embed_offset), before positions / token types / LN
+    resid_pre.i      layer i's input (HF hidden_states[i])
+    attn_out.i       attention output after its dropout, as added to the residual
+    ffn_in.i         LayerNorm(resid_pre + attn_out): the FFN input and the FFN residual
+    ffn_hidden.i     ffn_in dense output [B, T, F], before ``hidden_act``
+    ffn_out.i        FFN output after its dropout, as added to the residual
+    resid_post.i     LayerNorm(ffn_in + ffn_out): layer i's output (HF hidden_states[i + 1])
+    final            the last hidden state the heads read
+
+Methods that need more than one site (KALA's KFM, ERNIE's fusion, EaE's retrieval) share values
+between them in ``ctx.state``, returned as :attr:`EncoderOutput.state`.
+
 Hook points (see :mod:`jsteer.hooks`): ``embed_offset`` is added to the word-embedding lookup
 before position / token-type embeddings and the embedding LayerNorm (HF's ``inputs_embeds``);
 ``position_ids`` are raw rows of the position table, in [0, max_position_embeddings) (checked
@@ -33,18 +49,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jsteer import interventions as iv
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, ModelOutput, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
+from jsteer.backbones.sites import SiteRunner
 from jsteer.convert.layout import Entry, RenamedView, apply_layout, entry, transpose
-from jsteer.hooks import Hooks, apply_embed, apply_film, check_encoder_hooks, check_film_layers
+from jsteer.hooks import Hooks, check_encoder_hooks, check_film_layers
 
 Array = jnp.ndarray
 
@@ -187,6 +205,17 @@ def default_position_ids(config: BertConfig, input_ids: Array) -> Array:
     return jnp.cumsum(real, axis=1) * real + config.pad_token_id
 
 
+def positions_of(config: BertConfig, input_ids: Array, hooks: Optional[Hooks]) -> Array:
+    """Position-table rows [B, T]: ``hooks.position_ids`` (checked) or :func:`default_position_ids`."""
+    if hooks is not None and hooks.position_ids is not None:
+        position_ids = hooks.position_ids
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(f"hooks.position_ids must be {input_ids.shape}, got {position_ids.shape}")
+        check_position_ids(position_ids, config.position_table_size, "BERT embeddings")
+        return position_ids
+    return default_position_ids(config, input_ids)
+
+
 def _check_length(config: BertConfig, t: int, explicit_positions: bool) -> None:
     """Refuse T tokens the position table cannot hold (an out-of-range row gathers NaN).
 
@@ -311,17 +340,14 @@ class BertEmbeddings(nn.Module):
         token_type_ids: Optional[Array] = None,
         hooks: Optional[Hooks] = None,
         deterministic: bool = True,
+        site: Optional[SiteRunner] = None,
     ) -> Array:
-        if hooks is not None and hooks.position_ids is not None:
-            position_ids = hooks.position_ids
-            if position_ids.shape != input_ids.shape:
-                raise ValueError(f"hooks.position_ids must be {input_ids.shape}, got {position_ids.shape}")
-            check_position_ids(position_ids, self.config.position_table_size, "BERT embeddings")
-        else:
-            position_ids = default_position_ids(self.config, input_ids)
+        """``site``: the encoder's site runner (``embed``); None builds one from ``hooks``."""
+        position_ids = positions_of(self.config, input_ids, hooks)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        x = apply_embed(self.word(input_ids), hooks)
+        site = site or SiteRunner(hooks, (), position_ids, None, False)
+        x = site("embed", None, self.word(input_ids))
         x = x + self.token_type(token_type_ids) + self.position(position_ids)
         x = _ln(self.norm, x, self.dtype)
         return self.dropout(x, deterministic=deterministic)
@@ -358,10 +384,12 @@ class BertSelfAttention(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """One post-LN transformer layer: h [B, T, D] -> [B, T, D].
+    """One post-LN transformer layer: h [B, T, D] -> [B, T, D], through the sites ``resid_pre``,
+    ``attn_out``, ``ffn_in``, ``ffn_hidden``, ``ffn_out`` and ``resid_post`` of ``layer_index``.
 
-    ``bias``: additive attention bias [B, 1, T|1, S] (see :func:`attention_bias`).
-    ``layer_index`` selects this layer's FiLM in ``hooks.film``.
+    ``bias``: additive attention bias [B, 1, T|1, S] (see :func:`attention_bias`). ``site``: the
+    encoder's :class:`~jsteer.backbones.sites.SiteRunner`; None (a layer run on its own) builds
+    one from ``hooks`` (its FiLM and interventions for ``layer_index``).
     """
 
     config: BertConfig
@@ -370,29 +398,43 @@ class BertLayer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None, deterministic: bool = True
+        self,
+        h: Array,
+        bias: Optional[Array] = None,
+        hooks: Optional[Hooks] = None,
+        deterministic: bool = True,
+        site: Optional[SiteRunner] = None,
     ) -> Array:
-        c = self.config
+        c, i = self.config, self.layer_index
+        site = site or SiteRunner(hooks, (), None, None, False)
         init = _dense_init(c)
         drop = Dropout(c.hidden_dropout)
-        h = h.astype(self.dtype)
+        h = site("resid_pre", i, h.astype(self.dtype))
         a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
-        a = drop(a, deterministic=deterministic)
-        a = _ln(_norm(c, "attention_norm"), a + h, self.dtype)
-        a = apply_film(a, hooks, self.layer_index, "in")
+        a = site("attn_out", i, drop(a, deterministic=deterministic))
+        a = site("ffn_in", i, _ln(_norm(c, "attention_norm"), a + h, self.dtype))
         f = Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_in")(a)
-        f = ACTIVATIONS[c.hidden_act](f)
+        f = ACTIVATIONS[c.hidden_act](site("ffn_hidden", i, f))
         f = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
-        f = drop(f, deterministic=deterministic)
-        out = _ln(_norm(c, "ffn_norm"), f + a, self.dtype)
-        return apply_film(out, hooks, self.layer_index, "out")
+        f = site("ffn_out", i, drop(f, deterministic=deterministic))
+        return site("resid_post", i, _ln(_norm(c, "ffn_norm"), f + a, self.dtype))
+
+
+class EncoderOutput(NamedTuple):
+    """What :class:`BertEncoder` returns: ``hidden`` the last hidden state [B, T, D] (after the
+    ``final`` site), ``hidden_states`` (embeddings, layer 1..L) or None, ``captured`` {site: h}
+    for ``capture=`` (None when empty), ``state`` the sites' shared dict (``ctx.state``)."""
+
+    hidden: Array
+    hidden_states: Optional[Tuple[Array, ...]] = None
+    captured: Optional[dict] = None
+    state: Optional[dict] = None
 
 
 class BertEncoder(nn.Module):
-    """Embeddings + ``num_layers`` :class:`BertLayer` s (the tree under ``params["encoder"]``).
-
-    Returns (last hidden [B, T, D], hidden_states tuple (embeddings, layer 1..L) or None).
-    """
+    """Embeddings + ``num_layers`` :class:`BertLayer` s (the tree under ``params["encoder"]``):
+    the one layer loop of every BERT-family model and method, with the sites of the module
+    docstring. Returns an :class:`EncoderOutput` (``out[0]`` the last hidden state)."""
 
     config: BertConfig
     dtype: Any = jnp.float32
@@ -412,21 +454,29 @@ class BertEncoder(nn.Module):
         hooks: Optional[Hooks] = None,
         deterministic: bool = True,
         output_hidden_states: bool = False,
-    ) -> Tuple[Array, Optional[Tuple[Array, ...]]]:
+        capture: Tuple[str, ...] = (),
+    ) -> EncoderOutput:
+        c = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
         b, t = input_ids.shape
-        _check_length(self.config, t, explicit_positions=hooks is not None and hooks.position_ids is not None)
-        check_film_layers(hooks, self.config.num_layers)
+        _check_length(c, t, explicit_positions=hooks is not None and hooks.position_ids is not None)
+        check_film_layers(hooks, c.num_layers)
         check_encoder_hooks(hooks)
+        capture = iv.check_capture(capture, c.num_layers)
+        if hooks is not None:
+            iv.check_interventions(hooks.interventions, c.num_layers)
         bias = attention_bias(attention_mask, hooks, b, t)
-        h = self.embeddings(input_ids, token_type_ids, hooks, deterministic)
+        mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        site = SiteRunner(hooks, capture, positions_of(c, input_ids, hooks), mask, False, ffn_width=c.intermediate_size)
+        h = self.embeddings(input_ids, token_type_ids, hooks, deterministic, site)
         states = [h] if output_hidden_states else None
         for layer in self.layers:
-            h = layer(h, bias, hooks, deterministic)
+            h = layer(h, bias, hooks, deterministic, site)
             if states is not None:
                 states.append(h)
-        return h, (tuple(states) if states is not None else None)
+        h = site("final", None, h)
+        return EncoderOutput(h, None if states is None else tuple(states), site.captured or None, site.state)
 
 
 class MLMHead(nn.Module):
@@ -510,9 +560,12 @@ class BertModel(nn.Module):
         hooks=None,
         deterministic=True,
         output_hidden_states=False,
+        capture=(),
     ) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
-        return ModelOutput(logits=None, hidden=h, hidden_states=states)
+        h, states, captured, _ = self.encoder(
+            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
+        )
+        return ModelOutput(logits=None, hidden=h, hidden_states=states, captured=captured)
 
 
 class BertForMaskedLM(nn.Module):
@@ -533,10 +586,13 @@ class BertForMaskedLM(nn.Module):
         hooks=None,
         deterministic=True,
         output_hidden_states=False,
+        capture=(),
     ) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
+        h, states, captured, _ = self.encoder(
+            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
+        )
         emb = self.encoder.embeddings.word.embedding if self.config.tie_word_embeddings else None
-        return ModelOutput(logits=self.head(h, emb), hidden=h, hidden_states=states)
+        return ModelOutput(logits=self.head(h, emb), hidden=h, hidden_states=states, captured=captured)
 
 
 class BertForTokenClassification(nn.Module):
@@ -559,9 +615,12 @@ class BertForTokenClassification(nn.Module):
         hooks=None,
         deterministic=True,
         output_hidden_states=False,
+        capture=(),
     ) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
-        return ModelOutput(logits=self.head(h, deterministic), hidden=h, hidden_states=states)
+        h, states, captured, _ = self.encoder(
+            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
+        )
+        return ModelOutput(logits=self.head(h, deterministic), hidden=h, hidden_states=states, captured=captured)
 
 
 class BertForQuestionAnswering(nn.Module):
@@ -582,9 +641,12 @@ class BertForQuestionAnswering(nn.Module):
         hooks=None,
         deterministic=True,
         output_hidden_states=False,
+        capture=(),
     ) -> ModelOutput:
-        h, states = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states)
-        return ModelOutput(logits=self.head(h), hidden=h, hidden_states=states)
+        h, states, captured, _ = self.encoder(
+            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
+        )
+        return ModelOutput(logits=self.head(h), hidden=h, hidden_states=states, captured=captured)
 
 
 HEADS = (None, "mlm", "token_classification", "qa")

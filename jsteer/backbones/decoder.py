@@ -372,14 +372,19 @@ class MLP(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, site=None, layer=None) -> Array:
+        """``site`` / ``layer``: the call's site runner, for ``ffn_hidden`` (the activation's input)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         act = ACTIVATIONS[c.activation]
+
+        def hidden(h):
+            return h if site is None else site("ffn_hidden", layer, h)
+
         up = Linear((c.intermediate_size,), use_bias=c.mlp_bias, name="up", **kw)(x)
         if c.mlp == "gated":
-            up = act(Linear((c.intermediate_size,), use_bias=c.mlp_bias, name="gate", **kw)(x)) * up
+            up = act(hidden(Linear((c.intermediate_size,), use_bias=c.mlp_bias, name="gate", **kw)(x))) * up
         else:
-            up = act(up)
+            up = act(hidden(up))
         return Linear((c.hidden_size,), use_bias=c.mlp_bias, name="down", **kw)(up)
 
 
@@ -398,10 +403,11 @@ class Block(nn.Module):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         attn = Attention(c, name="attn", **kw)
         mlp = MLP(c, name="mlp", **kw)
+        x = site("resid_pre", i, x)
         if c.block == "parallel":
             a, new_kv = attn(_norm(c, "attn_norm", **kw)(x), cos, sin, visible, bias, kv, index, i)
             a = site("attn_out", i, a)
-            f = site("ffn_out", i, mlp(site("ffn_in", i, _norm(c, "ffn_norm", **kw)(x))))
+            f = site("ffn_out", i, mlp(site("ffn_in", i, _norm(c, "ffn_norm", **kw)(x)), site, i))
             return site("resid_post", i, x + a + f), new_kv
         h = x if c.block == "post" else _norm(c, "attn_norm", **kw)(x)
         a, new_kv = attn(h, cos, sin, visible, bias, kv, index, i)
@@ -409,7 +415,7 @@ class Block(nn.Module):
             a = _norm(c, "attn_post_norm", **kw)(a)
         x = x + site("attn_out", i, a)
         h = site("ffn_in", i, x if c.block == "post" else _norm(c, "ffn_norm", **kw)(x))
-        f = mlp(h)
+        f = mlp(h, site, i)
         if c.block in ("sandwich", "post"):
             f = _norm(c, "ffn_post_norm", **kw)(f)
         x = x + site("ffn_out", i, f)
@@ -526,7 +532,7 @@ class Decoder(nn.Module):
             check_position_ids(positions, c.position_table_size, c.model_type)
         else:
             positions = default_positions(mask, cache)
-        site = SiteRunner(hooks, capture, positions, mask, step)
+        site = SiteRunner(hooks, capture, positions, mask, step, ffn_width=c.intermediate_size)
 
         embed = Embed(
             c.vocab_size,

@@ -8,7 +8,8 @@ registered for the site, then records the result when the site is in ``capture``
 ``layer`` is a Python int in an unrolled layer stack. Under a scanned stack it is a traced int32:
 per-layer entries then act through ``jnp.where(layer == i, ...)`` and captures travel in the scan
 carry (:meth:`SiteRunner.carry` / :meth:`SiteRunner.set_carry`), so one compiled body serves
-every layer. Shapes: h [B, T, D]; positions / mask [B, T].
+every layer. Shapes: h [B, T, D] ([B, T, F] at ``ffn_hidden``); positions / mask [B, T] (None for a
+layer run on its own). ``state`` is the call's shared dict (``ctx.state``); None when scanned.
 """
 
 from __future__ import annotations
@@ -26,9 +27,18 @@ Array = jnp.ndarray
 class SiteRunner:
     """One call's sites: see the module docstring. ``captured`` holds {site: h} after the call."""
 
-    def __init__(self, hooks: Optional[Hooks], capture: Tuple[str, ...], positions: Array, mask: Array, decode: bool):
+    def __init__(
+        self,
+        hooks: Optional[Hooks],
+        capture: Tuple[str, ...],
+        positions: Optional[Array],
+        mask: Optional[Array],
+        decode: bool,
+        ffn_width: Optional[int] = None,
+    ):
         self.hooks, self.capture, self.decode = hooks, capture, decode
-        self.positions, self.mask = positions, mask
+        self.positions, self.mask, self.ffn_width = positions, mask, ffn_width
+        self.state: dict = {}
         self.ivs = {k: iv.as_tuple(v) for k, v in ((hooks.interventions or {}) if hooks is not None else {}).items()}
         self.film = {} if hooks is None or hooks.film is None or decode else dict(hooks.film)
         self.captured: dict = {}
@@ -39,8 +49,15 @@ class SiteRunner:
         return tuple(k for k in self.capture if "." in k)
 
     def carry(self, like: Array) -> dict:
-        """Initial scan-carry values for the per-layer captures (zeros shaped like the stream)."""
-        return {k: jnp.zeros_like(like) for k in self.per_layer_captures()}
+        """Initial scan-carry values for the per-layer captures (zeros shaped like the stream;
+        ``ffn_hidden`` ones ``ffn_width`` wide)."""
+
+        def zeros(k):
+            if k.startswith("ffn_hidden."):
+                return jnp.zeros(like.shape[:-1] + (self.ffn_width,), like.dtype)
+            return jnp.zeros_like(like)
+
+        return {k: zeros(k) for k in self.per_layer_captures()}
 
     def set_carry(self, caps: dict) -> None:
         self.captured.update(caps)
@@ -66,7 +83,11 @@ class SiteRunner:
             if site != name or (static and at != layer):
                 continue
             ctx = iv.SiteContext(
-                layer=layer if static else at, positions=self.positions, mask=self.mask, decode=self.decode
+                layer=layer if static else at,
+                positions=self.positions,
+                mask=self.mask,
+                decode=self.decode,
+                state=self.state if static else None,
             )
             out = iv.apply(ivs, h, ctx, key)
             h = out if static or at is None else jnp.where(layer == at, out, h)

@@ -8,11 +8,13 @@ Methods (``KalaConfig.method``), all in one harness:
 - ``"pointwise"``: KFM from the entity memory lookup only.
 - ``"relational"``: KFM from the relation-aware GATv2 over each example's entity graph.
 
-The model runs the backbone's own :class:`BertEmbeddings` and :class:`BertLayer` modules (its
-parameter tree under ``"encoder"`` is exactly BertEncoder's, so ``params_from_hf`` output plugs
-in) and, before each KFM layer l, computes that layer's :class:`~jsteer.hooks.FiLM` from the
-layer's input hidden states (the mention contexts h_e, gradient stopped) and passes it as
-``Hooks(film={l: ...})``. Parameter tree::
+The model runs the shared :class:`~jsteer.backbones.bert.BertEncoder` (its layer loop; the tree
+under ``"encoder"`` is BertEncoder's, so ``params_from_hf`` output plugs in) with KALA as
+interventions at its sites (:mod:`jsteer.interventions`): at ``resid_pre.l`` of each KFM layer l,
+:class:`KFMCompute` computes that layer's :class:`~jsteer.hooks.FiLM` from the layer's input (the
+mention contexts h_e) and keeps it in ``ctx.state``; :class:`FiLMApply` applies its ``in`` half at
+``ffn_in.l`` and its ``out`` half at ``resid_post.l`` (where ``Hooks(film=...)`` acts).
+``more_params`` runs its extra layer at the ``final`` site (:class:`ExtraLayer`). Parameter tree::
 
     {"encoder": BertEncoder tree, "head": head tree,
      "kala": {"memory": [Ve, De], "relations": [R, 128], "kfm_<l>": ..., "graph_<l>": ...},
@@ -33,13 +35,15 @@ import dataclasses
 from typing import Any, Optional
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import jraph
 
+from jsteer import interventions as iv
 from jsteer.backbones.base import ModelOutput, take_rows
 from jsteer.backbones.bert import BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead, attention_bias
-from jsteer.hooks import Hooks
+from jsteer.hooks import Hooks, apply_film
 from jsteer.kala.graph import RelationalGraph, gather_tokens, mention_positions, node_context
 from jsteer.kala.kfm import KFM
 
@@ -189,6 +193,69 @@ class KnowledgeModule(nn.Module):
         return jax.tree.map(lambda v: gather_tokens(v, token_node), table)
 
 
+# ----------------------------------------------------------------------------- KALA as interventions
+
+
+def site_state(ctx: iv.SiteContext, who: str) -> dict:
+    """``ctx.state``, or a ValueError naming the method when the backbone gives none (scanned)."""
+    if ctx.state is None:
+        raise ValueError(f"{who} keeps values between sites in ctx.state, which this backbone does not give")
+    return ctx.state
+
+
+class KFMCompute(iv.Intervention):
+    """At ``resid_pre.l``: KALA's FiLM for layer l from the layer input h (the mention contexts),
+    kept in ``ctx.state["kala.film.<l>"]``; h passes unchanged. ``knowledge``: the model's bound
+    :class:`KnowledgeModule` (static); graph / token_node / mention / last_edges traced."""
+
+    knowledge: Any = flax.struct.field(pytree_node=False)
+    graph: Any
+    token_node: Array
+    mention: Optional[Array] = None
+    last_edges: Any = None
+    deterministic: bool = flax.struct.field(pytree_node=False, default=True)
+
+    def __call__(self, h, ctx):
+        film = self.knowledge(
+            ctx.layer, h, self.graph, self.token_node, self.deterministic, self.mention, self.last_edges
+        )
+        site_state(ctx, "KALA's KFM")[f"kala.film.{ctx.layer}"] = film
+        return h
+
+
+class FiLMApply(iv.Intervention):
+    """At ``ffn_in.l`` (``where="in"``) / ``resid_post.l`` (``"out"``): the FiLM that
+    :class:`KFMCompute` left in ``ctx.state``, applied as ``Hooks(film={l: ...})`` would be."""
+
+    where: str = flax.struct.field(pytree_node=False)
+
+    def __call__(self, h, ctx):
+        film = site_state(ctx, "KALA's KFM")[f"kala.film.{ctx.layer}"]
+        return apply_film(h, Hooks(film={ctx.layer: film}), ctx.layer, self.where)
+
+
+class ExtraLayer(iv.Intervention):
+    """At ``final``: one more :class:`BertLayer` (``more_params``; ``layer`` static, bound)."""
+
+    layer: Any = flax.struct.field(pytree_node=False)
+    bias: Optional[Array] = None
+    deterministic: bool = flax.struct.field(pytree_node=False, default=True)
+
+    def __call__(self, h, ctx):
+        return self.layer(h, self.bias, None, self.deterministic)
+
+
+def kfm_interventions(knowledge, layers, graph, token_node, deterministic, mention=None, last_edges=None) -> dict:
+    """{site: intervention} running KALA's KFM at ``layers`` through a backbone's sites."""
+    compute = KFMCompute(knowledge, graph, token_node, mention, last_edges, deterministic)
+    out = {}
+    for l in layers:
+        out[f"resid_pre.{l}"] = compute
+        out[f"ffn_in.{l}"] = FiLMApply("in")
+        out[f"resid_post.{l}"] = FiLMApply("out")
+    return out
+
+
 class KalaModel(nn.Module):
     """BERT + head (``"ner"``: token classification, ``"qa"``: span QA) + KALA / baselines."""
 
@@ -237,15 +304,15 @@ class KalaModel(nn.Module):
                 raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
             if not deterministic and self.kala.entity_dropout > 0:
                 graph = drop_entities(graph, self.make_rng("dropout"), self.kala.entity_dropout)
-        bias = attention_bias(attention_mask, None, b, t)
-        h = self.encoder.embeddings(input_ids, token_type_ids, None, deterministic)
-        for i, layer in enumerate(self.encoder.layers):
-            hooks = None
-            if i in self.kfm_layers:
-                hooks = Hooks(film={i: self.knowledge(i, h, graph, token_node, deterministic, mention, last_edges)})
-            h = layer(h, bias, hooks, deterministic)
+        ivs = {}
+        if self.kala.uses_knowledge:
+            ivs = kfm_interventions(
+                self.knowledge, self.kfm_layers, graph, token_node, deterministic, mention, last_edges
+            )
         if self.kala.method == "more_params":
-            h = self.extra(h, bias, None, deterministic)
+            ivs["final"] = ExtraLayer(self.extra, attention_bias(attention_mask, None, b, t), deterministic)
+        hooks = Hooks(interventions=ivs) if ivs else None
+        h = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic).hidden
         logits = self.head(h, deterministic) if self.task == "ner" else self.head(h)
         return ModelOutput(logits=logits, hidden=h)
 

@@ -11,22 +11,26 @@ In each chosen layer l (default: KALA's layers), between the FFN and its residua
 with e_t the memory row of the entity mentioned at token t (zero outside mentions and for the
 null entity) and ``W_up`` zero-initialised, so training starts from the plain layer. Every
 token passes through the adapter (its entity part is zero off mentions), as adapters do.
+It runs as an intervention at the shared encoder's ``ffn_out.l`` site (:class:`AdapterSite`).
 Parameters under ``params["kala"]``: ``memory`` [Ne, De] and ``adapter_<l>``
 {``down`` [D + De, adapter_size], ``up`` [adapter_size, D]}.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
+import flax.struct
 import jax.numpy as jnp
 import jraph
 
+from jsteer import interventions as iv
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
     VariantOutput,
+    check_inputs,
     lookup,
     node_entities,
     tokens_from_nodes,
@@ -68,6 +72,17 @@ class AdapterKnowledge(nn.Module):
         return self.adapters[layer](y, entity)
 
 
+class AdapterSite(iv.Intervention):
+    """At ``ffn_out.l``: y -> y + up(gelu(down([y ; e]))). ``knowledge``: the model's bound
+    :class:`AdapterKnowledge`; ``entity`` [B, T, De] the token entities."""
+
+    knowledge: Any = flax.struct.field(pytree_node=False)
+    entity: Array = None
+
+    def __call__(self, y, ctx):
+        return self.knowledge(ctx.layer, y, self.entity).astype(y.dtype)
+
+
 class AdapterModel(VariantModel):
     """BERT + knowledge adapters at ``kala.knowledge_layers`` + task head."""
 
@@ -86,13 +101,8 @@ class AdapterModel(VariantModel):
         deterministic: bool = True,
         extras: Optional[dict] = None,
     ) -> VariantOutput:
-        bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
-        entity = self.knowledge.token_entities(graph, token_node)
-        for i, layer in enumerate(self.encoder.layers):
-            if i not in self.knowledge_layers:
-                h = layer(h, bias, None, deterministic)
-                continue
-            a = layer.attention_block(h, bias, deterministic)
-            y = layer.ffn_output(layer.intermediate(a), deterministic)
-            h = layer.finish(self.knowledge(i, y, entity), a)
+        check_inputs(self.method, input_ids, graph, token_node)
+        site = AdapterSite(self.knowledge, self.knowledge.token_entities(graph, token_node))
+        ivs = {f"ffn_out.{l}": site for l in self.knowledge_layers}
+        h = self.encode(input_ids, attention_mask, token_type_ids, deterministic, ivs).hidden
         return self.output(h, deterministic)

@@ -12,6 +12,13 @@ memory initialisation, training engine and evaluation apply unchanged::
     params = {"encoder": BertEncoder tree (unchanged names, so ``params_from_hf`` output plugs
               in), "head": head tree, "kala": {"memory": [Ne, De], ...method parts}}
 
+Every variant runs the shared :class:`~jsteer.backbones.bert.BertEncoder` (its one layer loop)
+and acts through its sites (:mod:`jsteer.interventions`): ERNIE's fusion at ``ffn_hidden.l``,
+EaE's retrieval at ``resid_post.l``, the knowledge adapter at ``ffn_out.l``; K-BERT through the
+encoder's ``attn_bias`` / ``position_ids`` hooks. Each intervention holds the method's own bound
+module (static) and the per-batch arrays it reads (traced); values a method passes between sites
+(ERNIE's entity stream, EaE's retrieval logits) travel in ``ctx.state``.
+
 Everything knowledge-related lives under ``"kala"`` so the harness' optimiser puts it in the
 ``kala_lr`` group. ``model.kala`` is a :class:`VariantConfig` (``uses_knowledge`` is True but for
 K-BERT, whose knowledge arrives in its sentence tree: the harness hands the others their graph and
@@ -34,18 +41,9 @@ import jax.numpy as jnp
 import jraph
 
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import ModelOutput
-from jsteer.backbones.bert import (
-    ACTIVATIONS,
-    BertConfig,
-    BertEmbeddings,
-    BertSelfAttention,
-    QAHead,
-    TokenClassificationHead,
-    attention_bias,
-)
-from jsteer.backbones.matmul import Dense
-from jsteer.hooks import Hooks, apply_film
+from jsteer.backbones.base import ModelOutput, take_rows
+from jsteer.backbones.bert import BertConfig, BertEncoder, EncoderOutput, QAHead, TokenClassificationHead
+from jsteer.hooks import Hooks
 from jsteer.kala.graph import node_context
 from jsteer.kala.model import default_layers
 
@@ -130,84 +128,6 @@ class VariantConfig:
         return cls(**d)
 
 
-# ----------------------------------------------------------------------------------------------
-# backbone pieces with BertLayer's parameter names
-
-
-def _init(config: BertConfig):
-    return nn.initializers.normal(stddev=config.initializer_range)
-
-
-def _layer_norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
-
-
-class BertLayerParts(nn.Module):
-    """A post-LN BERT layer with the same parameter tree as :class:`jsteer.backbones.bert.BertLayer`
-    (``attention``, ``attention_norm``, ``ffn_in``, ``ffn_out``, ``ffn_norm``), split into steps
-    so a method can act between them::
-
-        a = attention_block(h, bias)          LayerNorm(h + Attn(h))           [B,T,D]
-        f = intermediate(a, extra)            act(ffn_in(a) + extra)           [B,T,F]
-        y = ffn_output(f)                     ffn_out(f) (dropout)             [B,T,D]
-        out = finish(y, a)                    LayerNorm(y + a)                 [B,T,D]
-
-    ``__call__`` runs all four (with the FiLM hooks of BertLayer) and equals BertLayer.
-    """
-
-    config: BertConfig
-    layer_index: int = 0
-    dtype: Any = jnp.float32
-
-    def setup(self):
-        c = self.config
-        self.attention = BertSelfAttention(c, dtype=self.dtype)
-        self.attention_norm = _layer_norm(c)
-        self.ffn_in = Dense(c.intermediate_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
-        self.ffn_out = Dense(c.hidden_size, kernel_init=_init(c), dtype=self.dtype, param_dtype=jnp.float32)
-        self.ffn_norm = _layer_norm(c)
-        self.drop = nn.Dropout(c.hidden_dropout)
-
-    def attention_block(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
-        h = h.astype(self.dtype)
-        a = self.drop(self.attention(h, bias, deterministic), deterministic=deterministic)
-        return self.attention_norm((a + h).astype(jnp.float32)).astype(self.dtype)
-
-    def intermediate(self, a: Array, extra: Optional[Array] = None) -> Array:
-        f = self.ffn_in(a)
-        if extra is not None:
-            f = f + extra.astype(f.dtype)
-        return ACTIVATIONS[self.config.hidden_act](f)
-
-    def ffn_output(self, f: Array, deterministic: bool = True) -> Array:
-        return self.drop(self.ffn_out(f), deterministic=deterministic)
-
-    def finish(self, y: Array, a: Array) -> Array:
-        return self.ffn_norm((y + a).astype(jnp.float32)).astype(self.dtype)
-
-    def __call__(
-        self, h: Array, bias: Optional[Array] = None, hooks: Optional[Hooks] = None, deterministic: bool = True
-    ) -> Array:
-        a = apply_film(self.attention_block(h, bias, deterministic), hooks, self.layer_index, "in")
-        out = self.finish(self.ffn_output(self.intermediate(a), deterministic), a)
-        return apply_film(out, hooks, self.layer_index, "out")
-
-
-class VariantEncoder(nn.Module):
-    """The tree under ``params["encoder"]`` (same names and shapes as BertEncoder), exposing its
-    embeddings and :class:`BertLayerParts` layers to the model that drives them."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-
-    def setup(self):
-        self.embeddings = BertEmbeddings(self.config, dtype=self.dtype)
-        self.layers = [
-            BertLayerParts(self.config, layer_index=i, dtype=self.dtype, name=f"layer_{i}")
-            for i in range(self.config.num_layers)
-        ]
-
-
 def make_head(config: BertConfig, task: str, num_labels: int, dtype) -> nn.Module:
     if task == "ner":
         return TokenClassificationHead(config, num_labels, dtype=dtype, name="head")
@@ -229,11 +149,11 @@ def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
 
 
 class VariantModel(nn.Module):
-    """What the graph-based variant models share: BERT under ``encoder`` (:class:`VariantEncoder`,
-    so the model can drive its layers' parts), the task head under ``head``, and the layers
-    ``kala.knowledge_layers`` as ``self.knowledge_layers``. A subclass sets ``method`` (its
-    registry name), builds its knowledge modules (under ``kala``) in :meth:`setup_knowledge`,
-    and starts its ``__call__`` with :meth:`begin` and ends it with :meth:`output`."""
+    """What the graph-based variant models share: the shared :class:`BertEncoder` under
+    ``encoder``, the task head under ``head``, and the layers ``kala.knowledge_layers`` as
+    ``self.knowledge_layers``. A subclass sets ``method`` (its registry name), builds its
+    knowledge modules (under ``kala``) in :meth:`setup_knowledge`, runs the encoder with its
+    interventions through :meth:`encode` and ends its ``__call__`` with :meth:`output`."""
 
     config: BertConfig
     kala: VariantConfig
@@ -243,7 +163,7 @@ class VariantModel(nn.Module):
     method = ""  # class attribute, not a field
 
     def setup(self):
-        self.encoder = VariantEncoder(self.config, dtype=self.dtype)
+        self.encoder = BertEncoder(self.config, dtype=self.dtype)
         self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
         self.knowledge_layers = self.kala.knowledge_layers(self.config.num_layers)
         self.setup_knowledge()
@@ -251,21 +171,17 @@ class VariantModel(nn.Module):
     def setup_knowledge(self) -> None:
         raise NotImplementedError
 
-    def begin(
+    def encode(
         self,
         input_ids: Array,
         attention_mask: Optional[Array],
         token_type_ids: Optional[Array],
-        graph,
-        token_node: Optional[Array],
         deterministic: bool,
-    ) -> tuple[Array, Array]:
-        """Checks the graph inputs -> (additive attention bias, embeddings [B, T, D])."""
-        check_inputs(self.method, input_ids, graph, token_node)
-        b, t = input_ids.shape
-        return (
-            attention_bias(attention_mask, None, b, t),
-            self.encoder.embeddings(input_ids, token_type_ids, None, deterministic),
+        interventions: dict,
+    ) -> EncoderOutput:
+        """The shared encoder with the method's ``interventions`` ({site: Intervention})."""
+        return self.encoder(
+            input_ids, attention_mask, token_type_ids, Hooks(interventions=interventions), deterministic
         )
 
     def output(self, h: Array, deterministic: bool, **extra) -> VariantOutput:
@@ -283,14 +199,15 @@ def node_entities(graph: jraph.GraphsTuple) -> Array:
 
 
 def lookup(memory: Array, entity: Array) -> Array:
-    """memory [Ne, De], entity ids [...] -> [..., De]; the null entity 0 maps to zero."""
-    return memory[entity] * (entity != 0)[..., None].astype(memory.dtype)
+    """memory [Ne, De], entity ids [...] -> [..., De]; the null entity 0 maps to zero. Gathered by
+    :func:`take_rows` (a bf16 memory's gradient accumulates in fp32)."""
+    return take_rows(memory, entity) * (entity != 0)[..., None].astype(memory.dtype)
 
 
 def tokens_from_nodes(node_values: Array, token_node: Array, node_ok: Optional[Array] = None) -> Array:
     """node_values [N, F], token_node [B, T] -> [B, T, F]; zero outside mentions and (with
     ``node_ok`` [N] bool) at tokens whose node is not ok."""
-    picked = node_values[jnp.maximum(token_node, 0)]
+    picked = take_rows(node_values, jnp.maximum(token_node, 0))
     keep = token_node >= 0
     if node_ok is not None:
         keep = keep & node_ok[jnp.maximum(token_node, 0)]
@@ -299,7 +216,7 @@ def tokens_from_nodes(node_values: Array, token_node: Array, node_ok: Optional[A
 
 def token_entities(graph: jraph.GraphsTuple, token_node: Array) -> Array:
     """Entity id of the mention at every token [B, T] (0 outside mentions / null)."""
-    ent = node_entities(graph)[jnp.maximum(token_node, 0)]
+    ent = jnp.asarray(node_entities(graph))[jnp.maximum(token_node, 0)]
     return jnp.where(token_node >= 0, ent, 0)
 
 

@@ -15,25 +15,31 @@ loss is the cross-entropy of a_m against the mention's entity id, averaged over 
 known (non-null) entities (counted once, at their first token) and weighted by ``el_weight``;
 unknown (null) mentions still retrieve, from their context alone. Computed token-aligned
 ([B, T, Ne] logits), so the cost does not grow with the graph's padded node count.
-Parameters under ``params["kala"]``: ``memory`` and
+It runs as an intervention at the shared encoder's ``resid_post.l`` (:class:`EaeRetrieval`), which
+leaves its retrieval logits in ``ctx.state`` for the loss. Parameters under ``params["kala"]``:
+``memory`` and
 ``retrieval_<l>`` {``query``, ``mlp_in``, ``mlp_out``}.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import jraph
 import optax
 
+from jsteer import interventions as iv
 from jsteer.backbones.base import NEG_INF
+from jsteer.kala.model import site_state
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
     VariantOutput,
+    check_inputs,
     first_mention_tokens,
     mention_pool,
     node_entities,
@@ -87,6 +93,21 @@ class EaeKnowledge(nn.Module):
         return self.retrievals[layer](h, token_node, self.memory, num_nodes)
 
 
+class EaeRetrieval(iv.Intervention):
+    """At ``resid_post.l``: h -> h + MLP(retrieved entity) on mention tokens, the retrieval
+    logits [B, T, Ne] into ``ctx.state["eae.logits.<l>"]``. ``knowledge``: the model's bound
+    :class:`EaeKnowledge`; ``num_nodes``: the batch graph's node count (static)."""
+
+    knowledge: Any = flax.struct.field(pytree_node=False)
+    token_node: Array = None
+    num_nodes: int = flax.struct.field(pytree_node=False, default=0)
+
+    def __call__(self, h, ctx):
+        new_h, logits = self.knowledge(ctx.layer, h, self.token_node, self.num_nodes)
+        site_state(ctx, "EaE")[f"eae.logits.{ctx.layer}"] = logits
+        return new_h.astype(h.dtype)
+
+
 class EaeModel(VariantModel):
     """BERT + EaE memory layers + task head; ``aux_loss`` = el_weight * entity-linking loss."""
 
@@ -105,19 +126,20 @@ class EaeModel(VariantModel):
         deterministic: bool = True,
         extras: Optional[dict] = None,
     ) -> VariantOutput:
-        bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
-        num_nodes = node_entities(graph).shape[0]
+        check_inputs(self.method, input_ids, graph, token_node)
+        retrieval = EaeRetrieval(self.knowledge, token_node, node_entities(graph).shape[0])
+        ivs = {f"resid_post.{l}": retrieval for l in self.knowledge_layers}
+        out = self.encode(input_ids, attention_mask, token_type_ids, deterministic, ivs)
+        h = out.hidden
         gold = token_entities(graph, token_node)
         use = first_mention_tokens(token_node) & (gold != 0)
         losses, accs = [], []
-        for i, layer in enumerate(self.encoder.layers):
-            h = layer(h, bias, None, deterministic)
-            if i in self.knowledge_layers:
-                h, logits = self.knowledge(i, h, token_node, num_nodes)
-                loss, count = entity_linking_loss(logits, gold, use)
-                losses.append(loss)
-                hit = (jnp.argmax(logits, -1) == gold) & use
-                accs.append(jnp.sum(hit) / jnp.maximum(count, 1))
+        for l in self.knowledge_layers:
+            logits = out.state[f"eae.logits.{l}"]
+            loss, count = entity_linking_loss(logits, gold, use)
+            losses.append(loss)
+            hit = (jnp.argmax(logits, -1) == gold) & use
+            accs.append(jnp.sum(hit) / jnp.maximum(count, 1))
         el = sum(losses) / len(losses)
         return self.output(
             h,

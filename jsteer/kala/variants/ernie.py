@@ -13,10 +13,12 @@ becomes an aggregator of the two streams::
     w_j' = LayerNorm(W_o h_j + w~_j)                  token output (BERT's ffn_out / ffn_norm)
     e_j' = LayerNorm(W_eo h_j + e~_j)    where ent_j  entity output (new)
 
-With ``W_e = 0`` the token stream is exactly the plain BERT layer. Entity states start as the
-entity memory rows (``params["kala"]["memory"]``, initialised like KALA's from the backbone's
-contextual features; ERNIE used TransE vectors) and flow from one fusion layer to the next
-(unchanged in between). Null (unknown) entities are not aligned.
+With ``W_e = 0`` the token stream is exactly the plain BERT layer. It runs as one intervention
+at the shared encoder's ``ffn_hidden.l`` site (:class:`ErnieFusion`: W_t w~ + b there, w~ the
+``ffn_in.l`` value), the entity stream carried from one fusion layer to the next in
+``ctx.state``. Entity states start as the entity memory rows (``params["kala"]["memory"]``,
+initialised like KALA's from the backbone's contextual features; ERNIE used TransE vectors) and
+flow from one fusion layer to the next (unchanged in between). Null (unknown) entities are not aligned.
 
 Parameters under ``params["kala"]``: ``memory`` [Ne, De] and per fusion layer ``fusion_<l>``
 {``entity_attention`` {qkv, out, norm}, ``ent_in`` (W_e [De, F]), ``ent_out`` (W_eo [F, De]),
@@ -25,16 +27,21 @@ Parameters under ``params["kala"]``: ``memory`` [Ne, De] and per fusion layer ``
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
+import flax.struct
 import jax.numpy as jnp
 import jraph
 
+from jsteer import interventions as iv
+from jsteer.backbones.base import ACTIVATIONS, take_rows
+from jsteer.kala.model import site_state
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
     VariantOutput,
+    check_inputs,
     first_mention_tokens,
     masked_softmax_attention,
     token_entities,
@@ -112,7 +119,31 @@ class ErnieKnowledge(nn.Module):
 
     def initial_entities(self, entity: Array, ent: Array) -> Array:
         """entity ids [B, T], ent mask [B, T] -> memory rows [B, T, De] (zero where not ent)."""
-        return self.memory[entity] * ent[..., None].astype(self.memory.dtype)
+        return take_rows(self.memory, entity) * ent[..., None].astype(self.memory.dtype)
+
+
+class ErnieFusion(iv.Intervention):
+    """At ``ffn_hidden.l``: pre-activation W_t w~ + b -> W_t w~ + b + W_e e~ (at aligned tokens),
+    and the entity output e' from the fused hidden act(.) into ``ctx.state["ernie.entities"]``
+    (the next fusion layer's input; the first reads ``entities``, the memory rows).
+    ``knowledge``: the model's bound :class:`ErnieKnowledge`; ``activation``: BERT's
+    ``hidden_act``."""
+
+    knowledge: Any = flax.struct.field(pytree_node=False)
+    activation: str = flax.struct.field(pytree_node=False)
+    entities: Array = None  # [B, T, De]
+    ent: Array = None  # bool [B, T]
+    deterministic: bool = flax.struct.field(pytree_node=False, default=True)
+
+    def __call__(self, pre, ctx):
+        state = site_state(ctx, "ERNIE")
+        fusion = self.knowledge.fusions[ctx.layer]
+        e_tilde = fusion.attend(state.get("ernie.entities", self.entities), self.ent, self.deterministic)
+        pre = pre + fusion.fuse(e_tilde, self.ent).astype(pre.dtype)
+        state["ernie.entities"] = fusion.entity_output(
+            ACTIVATIONS[self.activation](pre), e_tilde, self.ent, self.deterministic
+        )
+        return pre
 
 
 class ErnieModel(VariantModel):
@@ -135,18 +166,12 @@ class ErnieModel(VariantModel):
         deterministic: bool = True,
         extras: Optional[dict] = None,
     ) -> VariantOutput:
-        bias, h = self.begin(input_ids, attention_mask, token_type_ids, graph, token_node, deterministic)
+        check_inputs(self.method, input_ids, graph, token_node)
         entity = token_entities(graph, token_node)
         ent = first_mention_tokens(token_node) & (entity != 0)
-        e = self.knowledge.initial_entities(entity, ent)
-        for i, layer in enumerate(self.encoder.layers):
-            if i not in self.knowledge_layers:
-                h = layer(h, bias, None, deterministic)
-                continue
-            fusion = self.knowledge.fusions[i]
-            a = layer.attention_block(h, bias, deterministic)
-            e_tilde = fusion.attend(e, ent, deterministic)
-            f = layer.intermediate(a, fusion.fuse(e_tilde, ent))
-            h = layer.finish(layer.ffn_output(f, deterministic), a)
-            e = fusion.entity_output(f, e_tilde, ent, deterministic)
+        fusion = ErnieFusion(
+            self.knowledge, self.config.hidden_act, self.knowledge.initial_entities(entity, ent), ent, deterministic
+        )
+        ivs = {f"ffn_hidden.{l}": fusion for l in self.knowledge_layers}
+        h = self.encode(input_ids, attention_mask, token_type_ids, deterministic, ivs).hidden
         return self.output(h, deterministic)

@@ -251,5 +251,5 @@ class KBertModel(nn.Module):
             if extras[k].shape != input_ids.shape:
                 raise ValueError(f"extras[{k!r}] must be {input_ids.shape} like input_ids, got {extras[k].shape}")
         hooks = tree_hooks(self.config, extras["soft_position"], extras["tree_branch"], extras["tree_owner"])
-        h, _ = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic)
+        h = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic).hidden
         return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h)
