@@ -25,20 +25,19 @@ experiments/results/actsteer/{smollm2.json, results.md}.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import steer_common as C  # noqa: E402
-import steer_evaluators as EV  # noqa: E402
+import jsteer
+from jsteer import actsteer
+from jsteer.steer import data as steer_data
+from jsteer.steer import evaluate, protocol
+from jsteer.workspace import ROOT, log, write_json
 
-import jsteer  # noqa: E402
-from jsteer import actsteer  # noqa: E402
-
-RESULTS = C.ROOT / "experiments" / "results" / "actsteer"
+RESULTS = ROOT / "experiments" / "results" / "actsteer"
 HEADER = (
     "| model | positivity % | change (points) | ppl (mean) | ppl rise % | ppl (median) | dist-1 | dist-2 | dist-3 |"
 )
@@ -83,7 +82,7 @@ def pick_strength(rows: dict) -> float:
 def main():
     a = parse()
     out_path = pathlib.Path(a.out)
-    res = C.json.loads(out_path.read_text()) if out_path.exists() else {}
+    res = json.loads(out_path.read_text()) if out_path.exists() else {}
     layers = [int(x) for x in a.layers.split(",")]
     strengths = [float(x) for x in a.strengths.split(",")]
     res["setup"] = {
@@ -108,14 +107,14 @@ def main():
         "evaluator": "all-MiniLM-L6-v2 fine-tuned by steer_evaluators.get('sentiment', epochs=0.74)",
         "rule": SELECTION_RULE,
     }
-    save = lambda: C.write_json(out_path, res)  # noqa: E731
+    save = lambda: write_json(out_path, res)  # noqa: E731
     t_all = time.time()
     lm = jsteer.load("smollm2-135m")
-    clf = EV.get("sentiment", jsteer.load("minilm"), epochs=0.74)
+    clf = evaluate.get("sentiment", jsteer.load("minilm"), epochs=0.74)
     res["evaluator_accuracy"] = clf.meta["accuracy"]
 
-    texts, values = C.sentiment_steer_texts(2 * a.pairs)
-    texts = [EV.detok_sst(t) for t in texts]
+    texts, values = steer_data.sentiment_steer_texts(2 * a.pairs)
+    texts = [steer_data.detok_sst(t) for t in texts]
     pos = [t for t, v in zip(texts, values[:, 0]) if v > 0]
     neg = [t for t, v in zip(texts, values[:, 0]) if v < 0]
     t0 = time.time()
@@ -125,10 +124,10 @@ def main():
         "recipe": cv.recipe,
         "norms": {str(k): float(np.linalg.norm(v)) for k, v in cv.numpy().items()},
     }
-    C.log("vector", res["vector"]["norms"])
+    log("vector", res["vector"]["norms"])
 
-    test = C.prompts("neutral", a.prompts, seed=0)
-    pool = C.prompt_pool("neutral", exclude=test)
+    test = steer_data.prompts("neutral", a.prompts, seed=0)
+    pool = steer_data.prompt_pool("neutral", exclude=test)
     sel = [pool[i] for i in sorted(np.random.default_rng(1).choice(len(pool), a.select_prompts, replace=False))]
     res["prompts"] = {"neutral": test, "held_out_select": sel}
 
@@ -140,7 +139,7 @@ def main():
             "layer": layer,
             "strength": s,
             "samples": a.samples,
-            "prompts_sha1": C.prompts_sha1(prompt_list),
+            "prompts_sha1": steer_data.prompts_sha1(prompt_list),
             "pairs": a.pairs,
             "method": a.method,
         }
@@ -149,13 +148,13 @@ def main():
             return res["metrics"][key]
         hooks = None if layer is None else cv.select(layer).hooks(s)
         t0 = time.time()
-        samples = C.sample(lm, lambda b: hooks, prompt_list, a.samples, batch=a.gen_batch)
+        samples = evaluate.sample(lm, lambda b: hooks, prompt_list, a.samples, batch=a.gen_batch)
         gen = time.time() - t0
-        m = C.summarize(lm, clf, None, prompt_list, samples)
+        m = evaluate.summarize(lm, clf, None, prompt_list, samples)
         m.update(values=want, gen_seconds=gen, eval_seconds=time.time() - t0 - gen)
         res.setdefault("metrics", {})[key] = m
         res.setdefault("examples", {})[key] = [p + " ||| " + ss[0] for p, ss in zip(prompt_list[:3], samples)]
-        C.log(key, {k: round(v, 3) for k, v in m.items() if isinstance(v, float)})
+        log(key, {k: round(v, 3) for k, v in m.items() if isinstance(v, float)})
         save()
         return m
 
@@ -181,7 +180,7 @@ def main():
         "chosen": {"layer": layer, "strength": strength},
         "base": base["positivity"],
     }
-    C.log("chosen", res["selection"]["chosen"])
+    log("chosen", res["selection"]["chosen"])
 
     run("neutral_base", test)
     for s in (strength, -strength):
@@ -191,7 +190,7 @@ def main():
     res["total_seconds_this_run"] = time.time() - t_all
     save()
     (RESULTS / "results.md").write_text(report(res))
-    C.log("done", out_path, f"{res['total_seconds_this_run']:.0f}s")
+    log("done", out_path, f"{res['total_seconds_this_run']:.0f}s")
 
 
 def report(res) -> str:
@@ -242,9 +241,9 @@ def report(res) -> str:
     lines.append(row("unsteered", m["neutral_base"], m["neutral_base"]))
     for v in (s, -s):
         lines.append(row(f"CAA layer {layer}, {v:+g}", m[f"neutral_l{layer}_s{v:+g}"], m["neutral_base"]))
-    steer = C.RESULTS / "smollm2.json"
+    steer = protocol.RESULTS / "smollm2.json"
     if steer.exists():
-        ref = C.json.loads(steer.read_text())
+        ref = json.loads(steer.read_text())
         lines += [
             "",
             "LM-Steer on the same prompts and seeds (experiments/results/steer/smollm2.json, its own "
