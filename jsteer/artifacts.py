@@ -49,7 +49,7 @@ def _unflatten(structure: Any, arrays: Mapping[str, np.ndarray]) -> Any:
     return arrays[structure]
 
 
-def _json_default(x):
+def json_default(x):
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, np.ndarray):
@@ -124,7 +124,7 @@ def save(path: PathLike, tree: Any, meta: Optional[Mapping] = None) -> pathlib.P
     if not arrays:
         raise ValueError("save_artifact: the tree has no array leaves")
     try:
-        meta_json = json.dumps(dict(meta or {}), default=_json_default)
+        meta_json = json.dumps(dict(meta or {}), default=json_default)
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_artifact: meta is not JSON-serialisable ({e})") from None
     header = {

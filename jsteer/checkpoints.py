@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer import artifacts
+
 if TYPE_CHECKING:
     from jsteer.lm import LM
 
@@ -140,17 +142,9 @@ def read_sidecar(path: pathlib.Path, fmt: str) -> dict:
     return meta
 
 
-def _json_default(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
-
-
 def _write_json(path: pathlib.Path, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, default=_json_default)
+        json.dump(obj, f, indent=1, default=artifacts.json_default)
         f.flush()
         os.fsync(f.fileno())
 
