@@ -144,7 +144,7 @@ def show_actsteer(say, r: dict) -> None:
 
 def show_compose(say, r: dict) -> None:
     say(f"one generate call, 4 rows of {r['prompt']!r}, (steer value, type-vector lambda) per row (measured now;")
-    say("  steer values +-8 lie beyond the committed evaluation's +-5: stronger, less fluent):")
+    say(f"  steer values +-{max(x['steer'] for x in r['rows']):g} may lie beyond the committed evaluation's +-5):")
     for x in r["rows"]:
         city = "city" if x["first_token_is_city"] else "    "
         say(

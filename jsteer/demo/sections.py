@@ -103,14 +103,14 @@ def steer_projection(lm, params) -> np.ndarray:
 def english_words(minilm) -> set:
     """Lower-case whole words of MiniLM's WordPiece vocabulary (a cheap English word list that
     keeps sub-word fragments out of the steer's token lists)."""
-    return {w for w in minilm.tokenizer.backend.get_vocab() if w.isalpha() and len(w) >= 3}
+    return {w for w in minilm.tokenizer.backend.get_vocab() if w.isalpha() and len(w) >= 4}
 
 
 def _words(lm, order, words: Optional[set], k: int = 12) -> list:
     out = []
     for i in order[:5000]:
         t = _decode(lm, i)
-        if re.fullmatch(r" [A-Za-z]{3,}", t) and (words is None or t.strip().lower() in words):
+        if re.fullmatch(r" [A-Za-z]{4,}", t) and (words is None or t.strip().lower() in words):
             out.append(t.strip())
             if len(out) == k:
                 break
@@ -342,7 +342,7 @@ def actsteer_section(
 
 
 def compose_section(
-    lm, scorer=None, prompt: str = COMPOSE_PROMPT, value: float = STEER_VALUE, max_new_tokens: int = 16
+    lm, scorer=None, prompt: str = COMPOSE_PROMPT, value: float = COMPOSE_VALUE, max_new_tokens: int = 20
 ):
     """One ``generate`` call carrying the sentiment steer and the City type vector together, each
     with its own per-row strength: (steer, type) = (0, 0), (0, on), (+v, on), (-v, on). A second
