@@ -106,7 +106,8 @@ def main(argv=None) -> int:
         extra=train_info,
     )
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+        commit = git("rev-parse", "HEAD") + (" (with uncommitted changes)" if git("status", "--porcelain") else "")
     except OSError:
         commit = None
     table = {v: {"positivity": r["positivity"], "ppl_rise": round(r["ppl_rise"], 4)} for v, r in row["table"].items()}

@@ -114,6 +114,6 @@ def test_summary_page_is_written(tmp_path, steer, typevec, kala):
     png = summary.write_png(tmp_path / "summary.png", steer, typevec, kala)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
-    page = summary.write_html(tmp_path / "summary.html", png.name, ["line one"], {"1. LM-Steer": 1.0})
+    page = summary.write_html(tmp_path / "summary.html", png, ["line one"], {"1. LM-Steer": 1.0})
     text = page.read_text()
-    assert "src='summary.png'" in text and "line one" in text
+    assert "src='data:image/png;base64,iVBORw0KGgo" in text and "line one" in text and "1.0 s" in text

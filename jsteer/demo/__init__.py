@@ -204,7 +204,7 @@ def main(argv=None) -> int:
 
         png = summary.write_png(out / "summary.png", steer, typevec, kala)
         total = time.perf_counter() - t_start
-        page = summary.write_html(out / "summary.html", png.name, say.lines, dict(say.timings, total=total))
+        page = summary.write_html(out / "summary.html", png, say.lines, dict(say.timings, total=total))
         say(f"wrote {png} and {page}", always=True)
     total = time.perf_counter() - t_start
     say("")

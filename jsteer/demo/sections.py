@@ -234,7 +234,7 @@ def jax_logsumexp(x):
 # ----------------------------------------------------------------------------- 3. KALA
 
 
-def kala_section(seed: int = 0, epochs: int = 30, n_train: int = 192, n_seen: int = 64, n_test: int = 64) -> dict:
+def kala_section(seed: int = 0, epochs: int = 15, n_train: int = 192, n_seen: int = 64, n_test: int = 64) -> dict:
     """The synthetic unseen-entity NER task (:mod:`jsteer.kala.synthetic`): a tiny BERT fine-tuned
     plainly vs with relational KALA (entity memory + KG neighbours), entity-level F1 on held-out
     sentences about *seen* entities (in training) and on the test sentences about *unseen* ones

@@ -1,7 +1,9 @@
-"""The demo's summary page: ``summary.png`` (matplotlib, Agg) and ``summary.html`` embedding it."""
+"""The demo's summary page: ``summary.png`` (matplotlib, Agg) and ``summary.html`` embedding it
+(as a data URI: the page is one self-contained file)."""
 
 from __future__ import annotations
 
+import base64
 import html
 import pathlib
 
@@ -44,8 +46,8 @@ def write_png(path, steer: dict, typevec: dict, kala: dict | None = None) -> pat
     x = range(len(labels))
     before = [r["city_mass"] for r in typevec["before"]]
     after = [r["city_mass"] for r in typevec["after"]]
-    ax.bar([i - 0.2 for i in x], before, 0.4, label="without type vector")
-    ax.bar([i + 0.2 for i in x], after, 0.4, label="with City type vector")
+    for off, vals, name in ((-0.2, before, "without type vector"), (0.2, after, "with City type vector")):
+        ax.bar_label(ax.bar([i + off for i in x], vals, 0.4, label=name), fmt="%.2f", fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("P(next token is a city)")
     ax.set_ylim(0, 1)
@@ -56,7 +58,8 @@ def write_png(path, steer: dict, typevec: dict, kala: dict | None = None) -> pat
         ax = axes[2]
         splits = ("seen", "unseen")
         for j, (m, name) in enumerate((("finetune", "plain fine-tuning"), ("relational", "KALA"))):
-            ax.bar([i + (j - 0.5) * 0.4 for i in range(2)], [kala["f1"][m][s] for s in splits], 0.4, label=name)
+            bars = ax.bar([i + (j - 0.5) * 0.4 for i in range(2)], [kala["f1"][m][s] for s in splits], 0.4, label=name)
+            ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_xticks([0, 1], ["seen entities", "unseen entities"])
         ax.set_ylabel("entity F1")
         ax.set_ylim(0, 119)
@@ -68,14 +71,16 @@ def write_png(path, steer: dict, typevec: dict, kala: dict | None = None) -> pat
     return path
 
 
-def write_html(path, png_name: str, lines: list[str], timings: dict) -> pathlib.Path:
+def write_html(path, png, lines: list[str], timings: dict) -> pathlib.Path:
+    """The page: ``png`` (a path) inline, the section times and the demo's printed lines."""
     path = pathlib.Path(path)
+    data = base64.b64encode(pathlib.Path(png).read_bytes()).decode("ascii")
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.1f} s</td></tr>" for k, v in timings.items())
     body = html.escape("\n".join(lines))
     path.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>jsteer demo</title></head><body>"
         "<h1>jsteer demo</h1>"
-        f"<img src='{html.escape(png_name)}' alt='summary' style='max-width:100%'>"
+        f"<img src='data:image/png;base64,{data}' alt='{html.escape(pathlib.Path(png).name)}' style='max-width:100%'>"
         f"<h2>Section times</h2><table>{rows}</table>"
         f"<h2>Output</h2><pre>{body}</pre></body></html>\n"
     )
