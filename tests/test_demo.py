@@ -117,3 +117,13 @@ def test_summary_page_is_written(tmp_path, steer, typevec, kala):
     page = summary.write_html(tmp_path / "summary.html", png, ["line one"], {"1. LM-Steer": 1.0})
     text = page.read_text()
     assert "src='data:image/png;base64,iVBORw0KGgo" in text and "line one" in text and "1.0 s" in text
+
+
+def test_cli_has_quiet_and_out(capsys):
+    from jsteer.demo import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--quiet" in text and "--out" in text and "LM-Steer" in text
