@@ -102,10 +102,13 @@ def test_control_vector_steers_sentiment(smol, scorer):
     assert r["committed"]["held_out"] is not None
 
 
-def test_composition_one_call_per_row_strengths_no_recompile(smol, scorer):
-    r = sections.compose_section(smol, scorer[0])
+def test_composition_one_call_per_row_strengths_no_recompile(smol):
+    r = sections.compose_section(smol)
     rows = {(x["steer"], x["type"]): x for x in r["rows"]}
-    assert rows[(0.0, sections.TYPEVEC_LAMBDA)]["first_token_is_city"]
+    lam, v = sections.TYPEVEC_LAMBDA, sections.COMPOSE_VALUE
+    assert all(rows[(s, lam)]["first_token_is_city"] for s in (0.0, v, -v))  # the type vector acts in every row
+    assert not rows[(0.0, 0.0)]["first_token_is_city"]
+    assert rows[(v, lam)]["projection"] > rows[(-v, lam)]["projection"]  # and so does the steer
     assert len({x["text"] for x in r["rows"]}) == len(r["rows"])  # every setting changes the text
     assert r["second_call_new_programs"] == 0
 

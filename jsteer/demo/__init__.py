@@ -56,7 +56,7 @@ def _fmt_pos(x: float) -> str:
 
 
 def show_steer(say, r: dict) -> None:
-    say(f"shipped steer {pathlib.Path(r['file']).name}: rank {r['rank']}, {r['bytes'] / 1e3:.0f} KB, base model ")
+    say(f"shipped steer {pathlib.Path(r['file']).name}: rank {r['rank']}, {r['bytes'] / 1e3:.0f} KB, base model")
     say(f"  {r['base_model']} (matches the loaded SmolLM2; other models are refused)")
     for p in dict.fromkeys(x["prompt"] for x in r["rows"]):
         say(f"  > {p!r}")
@@ -143,12 +143,13 @@ def show_actsteer(say, r: dict) -> None:
 
 
 def show_compose(say, r: dict) -> None:
-    say(f"one generate call, 4 rows of {r['prompt']!r}, (steer value, type-vector lambda) per row (measured now;")
-    say(f"  steer values +-{max(x['steer'] for x in r['rows']):g} may lie beyond the committed evaluation's +-5):")
+    v = max(x["steer"] for x in r["rows"])
+    say(f"one generate call, 4 rows of {r['prompt']!r}, (steer value, type-vector lambda) per row, measured now")
+    say(f"  (steer +-{v:g}: beyond the committed evaluation's +-5; proj: steer projection after the first token):")
     for x in r["rows"]:
         city = "city" if x["first_token_is_city"] else "    "
         say(
-            f"    steer {x['steer']:+4.1f}, type {x['type']:.1f} [{city}] pos {x['positivity']:.2f}: "
+            f"    steer {x['steer']:+4.1f}, type {x['type']:.1f} [{city}] proj {x['projection']:+.2f}: "
             f"{x['text'].strip()[:80]!r}"
         )
     say(
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
         act = sections.actsteer_section(smol, scorer)
         show_actsteer(say, act)
     with say.section("5. Composition"):
-        comp = sections.compose_section(smol, scorer)
+        comp = sections.compose_section(smol)
         show_compose(say, comp)
     with say.section("6. Summary page"):
         from jsteer.demo import summary

@@ -100,6 +100,13 @@ def steer_projection(lm, params) -> np.ndarray:
     return emb @ (w @ _mean_context(lm, GENERIC_CONTEXTS))
 
 
+def projection_scores(proj: np.ndarray, tokens, lengths) -> list:
+    """Mean of ``proj`` (:func:`steer_projection`, in units of its std over the vocabulary) over
+    each row's generated tokens: how far the steer's own reading calls a continuation positive."""
+    tok, unit = np.asarray(tokens), proj.std()
+    return [float(proj[tok[i, : int(n)]].mean() / unit) if int(n) else 0.0 for i, n in enumerate(np.asarray(lengths))]
+
+
 def english_words(minilm) -> set:
     """Lower-case whole words of MiniLM's WordPiece vocabulary (a cheap English word list that
     keeps sub-word fragments out of the steer's token lists)."""
@@ -140,9 +147,7 @@ def steer_section(
         [p for p, _ in rows], max_new_tokens=max_new_tokens, hooks=head.to_hooks(params, eps), return_ids=True
     )
     proj = steer_projection(lm, params)
-    unit = proj.std()
-    tok = np.asarray(tokens)
-    proj_score = [float(proj[tok[i, : int(n)]].mean() / unit) if int(n) else 0.0 for i, n in enumerate(lengths)]
+    proj_score = projection_scores(proj, tokens, lengths)
     pos = scorer(texts) if scorer is not None else np.full(len(texts), np.nan)
     order = np.argsort(-proj)
     by_value = {v: {"projection": [], "positivity": []} for v in values}
@@ -341,12 +346,12 @@ def actsteer_section(
 # ----------------------------------------------------------------------------- 5. composition
 
 
-def compose_section(
-    lm, scorer=None, prompt: str = COMPOSE_PROMPT, value: float = COMPOSE_VALUE, max_new_tokens: int = 20
-):
+def compose_section(lm, prompt: str = COMPOSE_PROMPT, value: float = COMPOSE_VALUE, max_new_tokens: int = 20):
     """One ``generate`` call carrying the sentiment steer and the City type vector together, each
-    with its own per-row strength: (steer, type) = (0, 0), (0, on), (+v, on), (-v, on). A second
-    call with other strengths reuses the compiled loop (timed)."""
+    with its own per-row strength: (steer, type) = (0, 0), (0, on), (+v, on), (-v, on); whether
+    each row's first token is a City token, and the steer projection of the rest
+    (:func:`projection_scores`). A second call with other strengths reuses the compiled loop
+    (timed, and its newly compiled programs counted)."""
     import time
 
     from jsteer import decode
@@ -364,15 +369,15 @@ def compose_section(
         lam = jnp.asarray([t for _, t in settings], jnp.float32)
         hooks = compose(head.to_hooks(params, eps), typevec_hooks(te, mask, lam))
         t0 = time.perf_counter()
-        texts, tokens, _ = lm.generate(prompts, max_new_tokens=max_new_tokens, hooks=hooks, return_ids=True)
-        return texts, np.asarray(tokens), time.perf_counter() - t0
+        texts, tokens, lengths = lm.generate(prompts, max_new_tokens=max_new_tokens, hooks=hooks, return_ids=True)
+        return texts, np.asarray(tokens), np.asarray(lengths), time.perf_counter() - t0
 
-    texts, tokens, first_s = run(settings)
+    texts, tokens, lengths, first_s = run(settings)
     again = [(value / 2, TYPEVEC_LAMBDA / 2), (-value / 2, TYPEVEC_LAMBDA / 2), (2.0, 0.0), (-2.0, 0.0)]
     n0 = decode.compiled_count()
-    _, _, second_s = run(again)
+    *_, second_s = run(again)
     new_programs = decode.compiled_count() - n0
-    pos = scorer(texts) if scorer is not None else np.full(len(texts), np.nan)
+    proj = projection_scores(steer_projection(lm, params), tokens[:, 1:], np.maximum(lengths - 1, 0))
     return {
         "prompt": prompt,
         "rows": [
@@ -381,9 +386,9 @@ def compose_section(
                 "type": t,
                 "text": x,
                 "first_token_is_city": bool(tok[0] in set(city_ids)),
-                "positivity": float(q),
+                "projection": q,
             }
-            for (v, t), x, tok, q in zip(settings, texts, tokens, pos)
+            for (v, t), x, tok, q in zip(settings, texts, tokens, proj)
         ],
         "first_call_s": first_s,
         "second_call_s": second_s,
