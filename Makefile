@@ -16,11 +16,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# both print their wall time (the install, when it runs, is timed separately by its own target)
 demo: $(STAMP)
-	$(BIN)/python -m jsteer.demo
+	@t0=$$(date +%s); $(BIN)/python -m jsteer.demo; rc=$$?; \
+	echo "make demo: $$(( $$(date +%s) - t0 ))s"; exit $$rc
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests
+	@t0=$$(date +%s); $(BIN)/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider tests; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - t0 ))s"; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check jsteer tests experiments notebooks

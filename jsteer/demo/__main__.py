@@ -1,0 +1,5 @@
+import sys
+
+from jsteer.demo import main
+
+sys.exit(main())
