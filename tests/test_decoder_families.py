@@ -443,4 +443,4 @@ def test_bad_interventions_and_sites_are_refused(family):
     with pytest.raises(ValueError, match="Fn"):
         run(lm, ids, mask, hooks=Hooks(interventions={"embed": lambda h, ctx: h}))
     with pytest.raises(ValueError, match="unknown site"):
-        run(lm, ids, mask, capture=("resid_pre.0",))
+        run(lm, ids, mask, capture=("mlp_out.0",))
