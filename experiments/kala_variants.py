@@ -19,6 +19,9 @@ AdamW with ``--lr`` for the backbone and ``--kala-lr`` for the knowledge modules
 older, smaller protocol: pass the flags above). K-BERT gets up to 2 facts per entity as branches of at
 most 6 word pieces (sentence-tree length <= ``--max-len`` + 32).
 
+The table (``--table``) is :mod:`jsteer.kala.variants.report` and the tiny rerun (``--small``)
+:func:`jsteer.kala.variants.synthetic.run_small`; notebooks/knowledge_comparison.ipynb shows both.
+
 Each finished (method, seed) run is appended to ``experiments/results/kala/variants_<dataset>.json``
 (re-running skips finished runs). Train time = wall time of steps 2..N of the run (the first,
 compiling step excluded), measured on a 2-core CPU shared with other jobs: compare it between
@@ -36,20 +39,10 @@ import sys
 import time
 
 from jsteer.kala import protocol
-from jsteer.kala.protocol import OUT, protocol_diff, same_protocol, timed
+from jsteer.kala.protocol import OUT, protocol_diff
+from jsteer.kala.variants.report import DATASET_NAMES, METHODS, load_results, table
+from jsteer.kala.variants.synthetic import run_small
 
-METHODS = ("finetune", "more_params", "pointwise", "relational", "ernie", "kbert", "eae", "adapter")
-NAMES = {
-    "finetune": "Fine-tuning",
-    "pointwise": "KALA (point-wise)",
-    "relational": "KALA (relational)",
-    "ernie": "ERNIE (fusion)",
-    "kbert": "K-BERT (sentence tree)",
-    "eae": "Entities as Experts",
-    "adapter": "Knowledge adapter",
-    "more_params": "Fine-tuning + 1 layer",
-}
-DATASET_NAMES = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
 KBERT = dict(max_branches=2, branch_tokens=6)
 KBERT_EXTRA = 32  # sentence-tree length cap = max_len + this (room for the branches)
 
@@ -197,173 +190,6 @@ def run_dataset(args) -> None:
                 f"wall {time.time() - t1:.0f}s",
                 flush=True,
             )
-
-
-# ----------------------------------------------------------------------------------------------
-# the table
-
-
-def summarise(runs: list[dict]) -> dict:
-    """{method: {"f1": mean, "f1_std": std, "n": seeds, "train_seconds": mean, ...}}."""
-    import numpy as np
-
-    out = {}
-    for method in dict.fromkeys(r["method"] for r in runs):
-        rs = [r for r in runs if r["method"] == method]
-        f1 = np.array([r["f1"] for r in rs])
-        timed_rs = timed(rs)
-        out[method] = {
-            "f1": float(f1.mean()),
-            "f1_std": float(f1.std(ddof=1)) if len(f1) > 1 else 0.0,
-            "n": len(rs),
-            "seeds": sorted(r["seed"] for r in rs),
-            "f1_unseen": float(np.mean([r.get("f1_unseen", np.nan) for r in rs])),
-            "train_seconds": float(np.mean([r["train_seconds"] for r in timed_rs])),
-            "n_timed": len(timed_rs),
-            "median_step_seconds": float(np.nanmean([r.get("median_step_seconds") or np.nan for r in timed_rs]))
-            if any(r.get("median_step_seconds") for r in timed_rs)
-            else None,
-            "steps": int(rs[0]["steps"]),
-            "params": int(rs[0]["params"]),
-        }
-    return out
-
-
-def load_results(results_dir: pathlib.Path = OUT) -> dict:
-    """{dataset: {"setup": ..., "summary": summarise(runs), "sources": {method: file}}}: this
-    sweep's runs (``variants_<dataset>.json``) plus, for KALA's own methods it did not run,
-    the harness sweep's (``ner_<dataset>.json`` of ``experiments/kala_ner.py``, same data and
-    settings) when present."""
-    out = {}
-    for ds in DATASET_NAMES:
-        mine_path, kala_path = results_dir / f"variants_{ds}.json", results_dir / f"ner_{ds}.json"
-        runs, setup, sources = [], {}, {}
-        if mine_path.is_file():
-            res = json.loads(mine_path.read_text())
-            runs, setup = list(res["runs"]), res.get("setup", {})
-            sources = {r["method"]: mine_path.name for r in runs}
-        if kala_path.is_file():
-            res = json.loads(kala_path.read_text())
-            if setup and not same_protocol(setup, res.get("setup", {})):
-                res = {"runs": []}  # the harness sweep ran another protocol: not comparable
-            for r in res.get("runs", []):
-                method = r.get("variant")
-                if (
-                    method in ("finetune", "more_params", "pointwise", "relational")
-                    and sources.get(method, kala_path.name) == kala_path.name
-                ):
-                    runs.append({**r, "method": method})
-                    sources[method] = kala_path.name
-            setup = setup or res.get("setup", {})
-        if runs:
-            out[ds] = {"setup": setup, "summary": summarise(runs), "sources": sources}
-    return out
-
-
-def table(results: dict, methods=METHODS) -> str:
-    """Markdown: one row per method, F1 (mean ± std over seeds) and train time per dataset."""
-    ds = [d for d in DATASET_NAMES if d in results]
-    head = (
-        "| Method | "
-        + " | ".join(f"{DATASET_NAMES[d]} F1 | {DATASET_NAMES[d]} train s | {DATASET_NAMES[d]} step s" for d in ds)
-        + " |"
-    )
-    rows = [head, "|" + "---|" * (1 + 3 * len(ds))]
-    for m in methods:
-        cells = []
-        for d in ds:
-            s = results[d]["summary"].get(m)
-            if s is None:
-                cells += ["–", "–", "–"]
-            else:
-                step = s.get("median_step_seconds")
-                cells += [
-                    f"{s['f1']:.2f} ± {s['f1_std']:.2f} (n={s['n']})",
-                    f"{s['train_seconds']:.0f}",
-                    "–" if step is None else f"{step:.2f}",
-                ]
-        if any(c != "–" for c in cells):
-            other = any(results[d].get("sources", {}).get(m, "").startswith("ner_") for d in ds)
-            rows.append(f"| {NAMES.get(m, m)}{' †' if other else ''} | " + " | ".join(cells) + " |")
-    rows.append("")
-    for d in ds:
-        st, steps = results[d]["setup"], {s["steps"] for s in results[d]["summary"].values()}
-        rows.append(
-            f"{DATASET_NAMES[d]}: {st.get('train_size')} training / {st.get('test_size')} test sentences, "
-            f"{st.get('epochs')} epoch(s) of batch {st.get('batch_size')} ({'/'.join(map(str, sorted(steps)))} "
-            f"updates), length <= {st.get('max_len')}, lr {st.get('lr')}, knowledge-module lr "
-            f"{st.get('kala_lr')}.  "
-        )
-    if any(s.get("n_timed", s["n"]) < s["n"] for d in ds for s in results[d]["summary"].values()):
-        rows.append(
-            "Times are means over the runs not marked `timing_perturbed` in the JSON (another job shared "
-            "the CPU during those; their F1 is unaffected).  "
-        )
-    rows.append(
-        "train s: wall seconds of steps 2..N (includes recompiles for new batch shapes); step s: median "
-        "train-step seconds (robust to them). Shared, loaded 2-core CPU: times are noisy."
-    )
-    harness = [
-        DATASET_NAMES[d] for d in ds if any(src.startswith("ner_") for src in results[d].get("sources", {}).values())
-    ]
-    if harness:
-        rows.append("")
-        rows.append(
-            f"† on {', '.join(harness)}: runs of the KALA harness sweep (experiments/kala_ner.py): same data, "
-            "subsets and settings, timed in another process."
-        )
-    return "\n".join(rows)
-
-
-# ----------------------------------------------------------------------------------------------
-# tiny synthetic rerun
-
-
-def run_small(methods=("finetune", "ernie", "kbert", "eae", "adapter"), steps: int = 40, seed: int = 0) -> dict:
-    """The synthetic task of :mod:`jsteer.kala.variants.synthetic` (novel entities known only
-    through knowledge) with a tiny random BERT: test F1 per method."""
-    import functools
-
-    import jax
-
-    from jsteer.backbones.bert import BertConfig
-    from jsteer.kala.variants import registry, synthetic
-    from jsteer.kala.variants import train as vtrain
-
-    task = synthetic.make_task(seed)
-    cfg = BertConfig(
-        vocab_size=len(task.vocab),
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=32, max_steps=steps, warmup_ratio=0.1, seed=seed)
-    gold = [tags for _, tags, _, _ in task.test]
-    kg = task.knowledge_graph()
-    out = {}
-    for method in methods:
-        model = registry.build_model(
-            method,
-            cfg,
-            num_labels=len(synthetic.LABELS),
-            num_entities=len(task.entities),
-            **({"entity_heads": 2} if method == "ernie" else {}),
-        )
-        encode = functools.partial(registry.encode_ner, method)
-        train, test = task.encode("train", encode, kg=kg), task.encode("test", encode, kg=kg)
-        memory = task.memory if method in ("pointwise", "relational", "ernie", "eae", "adapter") else None
-        params = registry.init_params(model, jax.random.PRNGKey(seed), memory=memory, seq_len=16)
-        fit = vtrain.fit(model, params, train, tc)
-        out[method] = {
-            "f1": vtrain.evaluate_ner(model, fit.params, test, gold, synthetic.LABELS)["f1"],
-            "train_seconds": fit.train_seconds,
-            "steps": fit.steps,
-        }
-    return out
 
 
 def main(argv=None) -> int:

@@ -535,3 +535,40 @@ def test_one_fit_for_kala_models_and_variants():
         on_step=lambda s, m: losses.append(float(m["loss"])),
     )
     same(vtrain.fit(model, params, train, tc), ktrain.FitResult(ref.params, losses, 0, 0, 0, 0, None, 0))
+
+
+def test_variants_table_merges_the_harness_sweep_of_the_same_protocol(tmp_path):
+    """jsteer.kala.variants.report (experiments/kala_variants.py --table, the notebook's table):
+    KALA's own methods come from the harness sweep only when it ran the same protocol, times skip
+    runs marked timing_perturbed, and harness rows are marked."""
+    import json
+
+    from jsteer.kala.variants import report
+
+    setup = {"train_size": 10, "test_size": 5, "epochs": 1, "batch_size": 4, "lr": 3e-4, "kala_lr": 1e-3, "max_len": 32}
+
+    def run(method, seed, f1, secs, **kw):
+        return {"method": method, "seed": seed, "f1": f1, "train_seconds": secs, "steps": 3, "params": 7, **kw}
+
+    mine = [
+        run("ernie", 0, 70.0, 10.0),
+        run("ernie", 1, 72.0, 99.0, timing_perturbed=True),
+        run("finetune", 0, 60.0, 5),
+    ]
+    (tmp_path / "variants_conll.json").write_text(json.dumps({"setup": setup, "runs": mine}))
+    harness = [{**run("x", 0, 65.0, 6.0), "variant": v} for v in ("finetune", "relational", "relational_edrop")]
+    (tmp_path / "ner_conll.json").write_text(json.dumps({"setup": setup, "runs": harness}))
+
+    res = report.load_results(tmp_path)
+    assert list(res) == ["conll"]
+    s = res["conll"]["summary"]
+    assert set(s) == {"ernie", "finetune", "relational"}  # the sweep's own finetune wins; no edrop row
+    assert s["finetune"]["f1"] == 60.0 and res["conll"]["sources"]["relational"] == "ner_conll.json"
+    assert s["ernie"]["f1"] == 71.0 and s["ernie"]["n"] == 2 and s["ernie"]["train_seconds"] == 10.0
+    text = report.table(res)
+    assert "| KALA (relational) † | 65.00 ± 0.00 (n=1) | 6 | – |" in text
+    assert "| ERNIE (fusion) | 71.00 ± 1.41 (n=2) | 10 | – |" in text
+    assert "K-BERT" not in text and "timing_perturbed" in text
+
+    (tmp_path / "ner_conll.json").write_text(json.dumps({"setup": {**setup, "lr": 1e-4}, "runs": harness}))
+    assert set(report.load_results(tmp_path)["conll"]["summary"]) == {"ernie", "finetune"}

@@ -2,6 +2,7 @@
 probes and TCAV gradients checked against finite differences."""
 
 import importlib
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +159,24 @@ def test_concept_generation_hooks_cover_prompt_and_steps():
     np.testing.assert_allclose(np.asarray(h.embed_offset)[1, 2], -2.0 * np.arange(4))
     np.testing.assert_allclose(np.asarray(h.step_offset), -2.0 * np.tile(np.arange(4), (2, 1)))
     assert isinstance(inject.last_positions(jnp.asarray(mask)), jnp.ndarray)
+
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / "typevec"
+
+
+def test_analysis_report_renders_the_committed_results(tmp_path):
+    """jsteer.typevec.analysis_report (experiments/typevec_analysis.py's analysis.md and plots, and
+    notebooks/type_embeddings.ipynb): every part's table from analysis.json, and the two plots
+    written where asked."""
+    import json
+
+    from jsteer.typevec import analysis_report
+
+    res = json.loads((RESULTS / "analysis.json").read_text())
+    md = analysis_report.markdown(res)
+    for title in ("## Table 1", "## Figure 3", "## Table 2", "## Figures 4-5", "## Table 9"):
+        assert title in md
+    assert "| City | 1.00 | london," in md
+    assert analysis_report.markdown({}) == "# Type-embedding analyses\n\n"
+    analysis_report.plots(res, "re_", out=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["re_kurtosis.png", "re_layers.png"]

@@ -524,3 +524,21 @@ def test_load_lama_dataset_with_types(tmp_path):
     assert set(skipped) == {"P888", "P999"} and "--lama-type P999=TYPE" in skipped["P999"]
     groups, skipped = probe.load_lama_dataset(tmp_path, {**probe.LAMA_TYPES, "P999": "Food", "P888": "X"})
     assert groups["Food/P999"][0].type_name == "Food" and "no template" in skipped["P888"]
+
+
+def test_lama_experiment_report_renders_a_committed_run(tmp_path):
+    """jsteer.typevec.lama_experiment's tables and plot (experiments/typevec_lama.py's .md / .png,
+    and notebooks/type_embeddings.ipynb) from a committed run with a hold-out layer choice."""
+    import json
+    import pathlib
+
+    from jsteer.typevec import lama_experiment
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / "typevec"
+    res = json.loads((path / "lama_smollm2_layersel.json").read_text())
+    md = lama_experiment.markdown(res)
+    assert md.startswith("# Type Embeddings on LAMA - SmolLM2-135M (decoder)\n\nTE mode: `layer` (layer 26)")
+    assert "## Layer chosen on the hold-out" in md and "| 26 **(chosen)** |" in md
+    assert md.count("\n| City/place_of_birth |") == 1 and "| **macro** |" in md and "| E_city_optim |" in md
+    lama_experiment.plot(res, tmp_path / "lama.png")
+    assert (tmp_path / "lama.png").stat().st_size > 0

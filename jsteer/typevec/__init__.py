@@ -6,7 +6,8 @@ model predicts. Modules: :mod:`~jsteer.typevec.core` (vectors), :mod:`~jsteer.ty
 (examples from KG lists), :mod:`~jsteer.typevec.inject` (hooks), :mod:`~jsteer.typevec.probe`
 (LAMA probing; its prompts in :mod:`~jsteer.typevec.lama`, its scoring in
 :mod:`~jsteer.typevec.scoring`), :mod:`~jsteer.typevec.protocol` (lambda units, hold-out layer choice),
-:mod:`~jsteer.typevec.analysis`, :mod:`~jsteer.typevec.artifact`.
+:mod:`~jsteer.typevec.analysis`, :mod:`~jsteer.typevec.artifact`; the experiments' runs and reports in
+:mod:`~jsteer.typevec.lama_experiment` and :mod:`~jsteer.typevec.analysis_report` (not imported here).
 
 Quick start (from the repository root; the KG lists are in ``../shared/data``)::
 

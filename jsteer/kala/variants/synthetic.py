@@ -114,3 +114,51 @@ def make_task(
     for e, c in known + novel:
         memory[entities(e)] = class_vec[c] + noise * rng.normal(size=entity_dim)
     return KnowledgeTask(vocab=vocab, train=train, test=test, facts=facts, entities=entities, memory=memory)
+
+
+def run_small(methods=("finetune", "ernie", "kbert", "eae", "adapter"), steps: int = 40, seed: int = 0) -> dict:
+    """:func:`make_task` (novel entities known only through knowledge) with a tiny random BERT,
+    ``steps`` updates per method: {method: {"f1", "train_seconds", "steps"}} on the test split.
+    The tiny rerun of ``experiments/kala_variants.py --small`` and notebooks/knowledge_comparison.ipynb."""
+    import functools
+
+    import jax
+
+    from jsteer.backbones.bert import BertConfig
+    from jsteer.kala.variants import registry
+    from jsteer.kala.variants import train as vtrain
+
+    task = make_task(seed)
+    cfg = BertConfig(
+        vocab_size=len(task.vocab),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    tc = vtrain.TrainConfig(lr=3e-3, kala_lr=3e-3, batch_size=32, max_steps=steps, warmup_ratio=0.1, seed=seed)
+    gold = [tags for _, tags, _, _ in task.test]
+    kg = task.knowledge_graph()
+    out = {}
+    for method in methods:
+        model = registry.build_model(
+            method,
+            cfg,
+            num_labels=len(LABELS),
+            num_entities=len(task.entities),
+            **({"entity_heads": 2} if method == "ernie" else {}),
+        )
+        encode = functools.partial(registry.encode_ner, method)
+        train, test = task.encode("train", encode, kg=kg), task.encode("test", encode, kg=kg)
+        memory = task.memory if method in ("pointwise", "relational", "ernie", "eae", "adapter") else None
+        params = registry.init_params(model, jax.random.PRNGKey(seed), memory=memory, seq_len=16)
+        fit = vtrain.fit(model, params, train, tc)
+        out[method] = {
+            "f1": vtrain.evaluate_ner(model, fit.params, test, gold, LABELS)["f1"],
+            "train_seconds": fit.train_seconds,
+            "steps": fit.steps,
+        }
+    return out
