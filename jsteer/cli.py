@@ -18,6 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="jsteer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"jsteer {jsteer.__version__}")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars (as JSTEER_QUIET=1); results and the end-of-job summary lines still print",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     from jsteer import core_cli
 
@@ -49,9 +54,12 @@ def warning_lines(command: str):
 
 
 def main(argv=None) -> int:
+    from jsteer import progress
+
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with progress.quiet() if args.quiet else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
         from jsteer.checkpoints import REAL_STDERR
 

@@ -99,8 +99,17 @@ def test_cli_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     assert (out / "log.jsonl").is_file() and (out / "model").is_file() and (out / "checkpoints").is_dir()
     capsys.readouterr()
     assert jsteer_main(["kala", "eval", "--run", str(out), "--test", str(test)]) == 0
-    scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cap = capsys.readouterr()
+    scores = json.loads(cap.out.strip().splitlines()[-1])
     assert scores["f1"] == pytest.approx(metrics["test"]["f1"])  # the saved model reproduces its scores
+    assert "eval: 100%|" in cap.err and "jsteer kala eval: evaluated" in cap.err.splitlines()[-1]
+    # --chart: per-type F1 bars as a PNG; --quiet: no bar, the summary line still comes
+    chart = tmp_path / "charts" / "f1.png"
+    assert jsteer_main(["--quiet", "kala", "eval", "--run", str(out), "--test", str(test), "--chart", str(chart)]) == 0
+    cap = capsys.readouterr()
+    assert chart.read_bytes().startswith(b"\x89PNG") and not list(chart.parent.glob(".*tmp"))
+    assert json.loads(cap.out.strip().splitlines()[-1]) == scores  # per_type only feeds the chart
+    assert "|" not in cap.err and cap.err.strip().splitlines()[-1].endswith(f"-> {chart}")
     assert jsteer_main(["kala", "eval", "--run", str(tmp_path / "nope"), "--test", str(test)]) == 2
 
 

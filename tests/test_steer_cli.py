@@ -432,3 +432,20 @@ def test_cli_baselines_generate_and_steer(models, tmp_path, capsys, kind):
         )
         err = capsys.readouterr().err
         assert "cannot be transferred by H" in err and "anchor" not in err and not (tmp_path / "t").exists()
+
+
+def test_cli_quiet_train_and_explain_png(models, tmp_path, capsys):
+    """--quiet: no bar on stderr, the one-line summary still ends the job; explain --png draws
+    the directions' top / bottom tokens."""
+    d = models
+    args = ["steer", "train", "--model", str(d / "toy0"), "--data", str(d / "train.jsonl"), "--rank", "4"]
+    assert main(["--quiet", *args, "--out", str(tmp_path / "s"), "--steps", "3", "--batch-size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "|" not in err and "it/s" not in err
+    assert (
+        err.strip().splitlines()[-1].startswith("jsteer steer train: trained steer 'steer0' for 3 steps on 120 texts")
+    )
+    png = tmp_path / "explain.png"
+    explain = ["steer", "explain", "--model", str(d / "toy0"), "--steer", str(tmp_path / "s"), "--dirs", "2"]
+    assert main([*explain, "--top", "3", "--png", str(png), "--json"]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG") and len(json.loads(capsys.readouterr().out)) == 2

@@ -244,31 +244,33 @@ def decoder_data(tmp_path_factory):
     return root
 
 
+def _probe_args(decoder_dir, decoder_data, tmp_path, *extra, data="lama"):
+    return [
+        "typevec",
+        "probe",
+        "--model",
+        str(decoder_dir),
+        "--data",
+        str(decoder_data / data),
+        "--kg",
+        str(decoder_data / "kg"),
+        "--max-test",
+        "5",
+        "--lambdas",
+        "0,1",
+        "--batch-size",
+        "8",
+        "--n",
+        "4",
+        "--out",
+        str(tmp_path / "rep.json"),
+        *extra,
+    ]
+
+
 def _dec_probe(decoder_dir, decoder_data, tmp_path, *extra, data="lama"):
     out = tmp_path / "rep.json"
-    rc = main(
-        [
-            "typevec",
-            "probe",
-            "--model",
-            str(decoder_dir),
-            "--data",
-            str(decoder_data / data),
-            "--kg",
-            str(decoder_data / "kg"),
-            "--max-test",
-            "5",
-            "--lambdas",
-            "0,1",
-            "--batch-size",
-            "8",
-            "--n",
-            "4",
-            "--out",
-            str(out),
-            *extra,
-        ]
-    )
+    rc = main(_probe_args(decoder_dir, decoder_data, tmp_path, *extra, data=data))
     return rc, (json.loads(out.read_text()) if rc == 0 else None)
 
 
@@ -549,3 +551,19 @@ def test_probe_raw_lama_jsonl(mlm_dir, shared_data, tmp_path, capsys):
     with pytest.raises(SystemExit):  # one source at a time
         main(args + ["--data", str(tmp_path)])
     assert "not allowed with argument --lama" in capsys.readouterr().err
+
+
+def test_neighbours_png_and_quiet_probe(decoder_dir, decoder_data, tmp_path, capsys):
+    png = tmp_path / "nb.png"
+    args = ["typevec", "neighbours", "--model", str(decoder_dir), "--kg", str(decoder_data / "kg")]
+    assert main([*args, "--type", "City", "--n", "4", "-k", "3", "--png", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert capsys.readouterr().out.startswith("City: ")
+    # a probe draws its bars through jsteer.progress; --quiet leaves only the summary on stderr
+    rc, _ = _dec_probe(decoder_dir, decoder_data, tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 0 and "probe test: 100%|" in err and err.splitlines()[-1].startswith("jsteer typevec probe: probed")
+    rc = main(["--quiet", *_probe_args(decoder_dir, decoder_data, tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "|" not in err and "probe test" not in err
+    assert err.splitlines()[-1].startswith("jsteer typevec probe: probed") and "B P@1" in err.splitlines()[-1]

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import time
 
 
 def register(subparsers) -> None:
@@ -105,8 +106,10 @@ def _load_model(src: str):
 
 
 def _train(args) -> int:
+    from jsteer import progress
     from jsteer.actsteer import train
 
+    t0 = time.time()
     positive, negative = read_lines(args.positive), read_lines(args.negative)
     if len(positive) != len(negative):
         raise ValueError(
@@ -122,6 +125,12 @@ def _train(args) -> int:
     norms = ", ".join(f"{k}: {float((v**2).sum() ** 0.5):.3g}" for k, v in cv.numpy().items())
     print(f"{len(positive)} pairs, method {cv.method} ({cv.recipe['reduce']} token); direction norms {norms}")
     print(f"wrote {out}")
+    progress.summary(
+        "actsteer train",
+        f"{cv.method} control vector from {len(positive)} pairs at layer(s) {args.layers}",
+        time.time() - t0,
+        out,
+    )
     return 0
 
 

@@ -84,6 +84,7 @@ import string
 import warnings
 from typing import Callable, Iterable, Optional, Sequence, Union
 
+from jsteer import progress
 from jsteer.kala.formats import Fact, Mention, read_facts, write_facts, write_mentions
 
 PathLike = Union[str, os.PathLike]
@@ -668,14 +669,14 @@ def annotate_sentences(
                 f"{out / 'lexicon.tsv'} differs from --lexicon {lexicon_path}: annotating this graph "
                 f"folder with another lexicon would mix two graphs; choose another --out"
             )
-        mentions_flat = [lexicon.match(s) for s in all_sents]
+        mentions_flat = [lexicon.match(s) for s in progress.bar(all_sents, desc="annotate mentions", unit="sentence")]
         facts, copy_facts = _lexicon_facts(lexicon_path, out, facts_path)
     else:
         corpus = list(all_sents)
         for p in corpus_paths:
             corpus += read_text_corpus(p, corpus_split)
         lexicon = mine_lexicon(corpus, strategy, min_count, max_len)
-        mentions_flat = [lexicon.match(s) for s in all_sents]
+        mentions_flat = [lexicon.match(s) for s in progress.bar(all_sents, desc="annotate mentions", unit="sentence")]
         facts = extract_facts(all_sents, mentions_flat)
     if facts_path is not None and lexicon_path is None:
         facts = read_facts(facts_path)

@@ -58,7 +58,9 @@ import json
 import math
 import pathlib
 import sys
+import time
 
+from jsteer import progress
 from jsteer.cli import warning_lines
 from jsteer.kala.builder import STRATEGIES
 
@@ -226,6 +228,11 @@ def register(subparsers) -> None:
         "--predictions",
         default=None,
         help="QA: write {question id: answer text} here (default: <run>/<test file name>.predictions.json)",
+    )
+    p.add_argument(
+        "--chart",
+        default=None,
+        help="also draw the scores as a PNG bar chart here (NER: F1 per entity type; QA: EM and F1)",
     )
     p.set_defaults(func=_eval)
 
@@ -404,6 +411,7 @@ def _train(args) -> int:
 
 
 def _train_locked(args, out: pathlib.Path) -> int:
+    t0 = time.time()
     import jsteer
     from jsteer.checkpoints import save_artifact
     from jsteer.kala import pipeline, runs
@@ -488,7 +496,7 @@ def _train_locked(args, out: pathlib.Path) -> int:
         task=task,
         checkpoint_dir=out / "checkpoints",
         log_path=out / "log.jsonl",
-        progress=sys.stderr.isatty(),
+        progress=True,
     )
     if fit.preempted:  # SIGTERM: the trainer saved a checkpoint; the run is not finished
         from jsteer.train.loop import EXIT_PREEMPTED
@@ -528,7 +536,7 @@ def _train_locked(args, out: pathlib.Path) -> int:
     }
     if args.test and task == "ner":
         metrics["test"] = ktrain.evaluate_ner(
-            model, fit.params, data.test, data.test_tags, labels, subsets=data.subsets()
+            model, fit.params, data.test, data.test_tags, labels, subsets=data.subsets(), progress=True
         )
     elif args.test:
         metrics["test"] = _qa_scores(
@@ -537,6 +545,15 @@ def _train_locked(args, out: pathlib.Path) -> int:
     metrics = _json_safe(metrics)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1, allow_nan=False))
     print(json.dumps(metrics, allow_nan=False))
+    test = metrics.get("test") or {}
+    progress.summary(
+        "kala train",
+        f"trained {task} for {fit.steps} step(s) (at step {fit.last_step})",
+        time.time() - t0,
+        out,
+        final_loss=metrics["final_loss"],
+        **{f"test {k}": test[k] for k in ("f1", "exact_match") if k in test},
+    )
     return 0
 
 
@@ -609,7 +626,7 @@ def _qa_scores(model, params, features, examples, max_answer_len, predictions_pa
     from jsteer.kala import train as ktrain
     from jsteer.kala.metrics import squad_scores
 
-    preds = ktrain.predict_qa(model, params, features, examples, max_answer_len=max_answer_len)
+    preds = ktrain.predict_qa(model, params, features, examples, max_answer_len=max_answer_len, progress=True)
     predictions_path = pathlib.Path(predictions_path)
     predictions_path.parent.mkdir(parents=True, exist_ok=True)
     predictions_path.write_text(json.dumps(preds, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -625,8 +642,11 @@ def _eval(args) -> int:
     from jsteer.kala.formats import read_facts
     from jsteer.kala.model import KalaConfig, KalaModel
 
+    t0 = time.time()
     if args.predictions is not None:  # before anything is loaded or evaluated
         _check_predictions_path(args.predictions, args.test)
+    if args.chart is not None and pathlib.Path(args.chart).is_dir():
+        raise ValueError(f"--chart {args.chart}: is a folder, not a PNG file path")
     params, meta = load_artifact(pathlib.Path(args.run) / "model")
     task = meta.get("task")
     if task not in TASK_FILES:
@@ -663,15 +683,43 @@ def _eval(args) -> int:
             args.predictions or _predictions_path(args.run, args.test),
         )
         print(json.dumps(scores))
+        _eval_end(args, t0, scores, {"exact match": scores["exact_match"], "F1": scores["f1"]}, "QA")
         return 0
     labels = tuple(meta["labels"])
     split = pipeline.read_split(args.test, graph, labels, meta["scheme"], lexicon=lexicon)
     test = pipeline.encode_split(split, lm.tokenizer, labels, vocab, kg, meta["max_len"], meta["max_neighbors"])
     model = KalaModel(lm.config, KalaConfig.from_dict(meta["kala"]), task="ner", num_labels=len(labels))
     data = pipeline.NERData(labels, [], test, [], [t for _, t, _ in split], vocab, relations, kg)
-    scores = ktrain.evaluate_ner(model, params, test, data.test_tags, labels, subsets=data.subsets())
+    scores = ktrain.evaluate_ner(
+        model,
+        params,
+        test,
+        data.test_tags,
+        labels,
+        subsets=data.subsets(),
+        progress=True,
+        per_type=args.chart is not None,
+    )
+    per_type = scores.pop("per_type", None)
     print(json.dumps(scores))
+    _eval_end(args, t0, scores, {**(per_type or {}), "all": scores["f1"]}, "NER")
     return 0
+
+
+def _eval_end(args, t0: float, scores: dict, bars: dict, what: str) -> None:
+    """``--chart`` (if given) and the one-line summary of ``kala eval``."""
+    if args.chart is not None:
+        from jsteer import plots
+
+        plots.scores_chart(bars, args.chart, title=f"{args.run} on {pathlib.Path(args.test).name}: {what}")
+    progress.summary(
+        "kala eval",
+        f"evaluated {args.run} on {args.test}",
+        time.time() - t0,
+        args.chart or scores.get("predictions"),
+        f1=scores.get("f1"),
+        **({"exact_match": scores["exact_match"]} if "exact_match" in scores else {}),
+    )
 
 
 def _eval_lexicon(test, graph):

@@ -94,9 +94,12 @@ def ner_scores(gold: Iterable[Sequence[str]], pred: Iterable[Sequence[str]]) -> 
 # ---------------------------------------------------------------------------------- SQuAD
 
 
-def ner_report(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], subsets: dict | None = None) -> dict:
+def ner_report(
+    gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], subsets: dict | None = None, per_type: bool = False
+) -> dict:
     """Entity-level scores in percent (``f1``, ``precision``, ``recall``, ``n_sentences``), plus
-    ``f1_<name>`` / ``n_<name>`` for each {name: sentence indices} subset (F1 only if non-empty)."""
+    ``f1_<name>`` / ``n_<name>`` for each {name: sentence indices} subset (F1 only if non-empty)
+    and, with ``per_type``, ``per_type`` {entity type: F1} (types in gold or predictions)."""
     res = ner_scores(gold, pred)
     out = {
         "f1": 100 * res["f1"],
@@ -109,6 +112,8 @@ def ner_report(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], sub
         if idx:
             out[f"f1_{name}"] = 100 * ner_scores([gold[i] for i in idx], [pred[i] for i in idx])["f1"]
         out[f"n_{name}"] = len(idx)
+    if per_type:
+        out["per_type"] = {t: 100 * v["f1"] for t, v in res["per_type"].items()}
     return out
 
 

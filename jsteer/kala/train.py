@@ -29,6 +29,7 @@ from jsteer.kala import data as kdata
 from jsteer.kala.graph import flatten_graphs, last_layer_edges
 from jsteer.kala.metrics import ner_report
 from jsteer.kala.model import KalaModel
+from jsteer.progress import bar as progress_bar
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
 
@@ -358,20 +359,24 @@ def predict_ner(
     *,
     forward_fn: Optional[Callable] = None,
     keys: Sequence[str] = (),
+    progress: bool = False,
 ) -> list[np.ndarray]:
     """Per-word predicted label ids for each example (words cut by truncation get 0 = 'O').
-    ``forward_fn(params, batch)`` / ``keys``: another model's forward and extra batch keys."""
+    ``forward_fn(params, batch)`` / ``keys``: another model's forward and extra batch keys;
+    ``progress``: a :mod:`jsteer.progress` bar over the examples."""
     fwd = forward_fn or functools.partial(forward, model)
     logits_fn = jax.jit(lambda p, b: fwd(p, b).logits)
     graph = model.kala.uses_knowledge
     preds: list = [None] * len(examples)
-    for idx, batch in kdata.batches(
-        examples, batch_size, keys=task_keys("ner") + tuple(keys) + ("word_index",), graph=graph
-    ):
-        wi = batch["word_index"]
-        arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, graph)), -1))
-        for r, i in enumerate(idx):
-            preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
+    with progress_bar(total=len(examples), desc="eval", unit="sentence", enabled=progress) as bar:
+        for idx, batch in kdata.batches(
+            examples, batch_size, keys=task_keys("ner") + tuple(keys) + ("word_index",), graph=graph
+        ):
+            wi = batch["word_index"]
+            arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, graph)), -1))
+            for r, i in enumerate(idx):
+                preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
+            bar.update(len(idx))
     return preds
 
 
@@ -386,11 +391,14 @@ def evaluate_ner(
     *,
     forward_fn: Optional[Callable] = None,
     keys: Sequence[str] = (),
+    progress: bool = False,
+    per_type: bool = False,
 ) -> dict:
     """Entity-level scores (percent) overall and on optional {name: example indices} subsets
-    (``forward_fn`` / ``keys``: as :func:`predict_ner`)."""
-    preds = predict_ner(model, params, examples, batch_size, forward_fn=forward_fn, keys=keys)
-    return ner_report(gold_tags, [[label_names[int(p)] for p in ps] for ps in preds], subsets)
+    (``forward_fn`` / ``keys`` / ``progress``: as :func:`predict_ner`; ``per_type``: add
+    ``per_type`` {entity type: F1 percent})."""
+    preds = predict_ner(model, params, examples, batch_size, forward_fn=forward_fn, keys=keys, progress=progress)
+    return ner_report(gold_tags, [[label_names[int(p)] for p in ps] for ps in preds], subsets, per_type=per_type)
 
 
 def count_params(tree) -> int:
@@ -398,19 +406,21 @@ def count_params(tree) -> int:
 
 
 def predict_qa_logits(
-    model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64
+    model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64, progress: bool = False
 ) -> list[np.ndarray]:
-    """Span logits [L, 2] of each QA feature (window), unpadded."""
+    """Span logits [L, 2] of each QA feature (window), unpadded (``progress``: a bar)."""
 
     @jax.jit
     def logits_fn(params, batch):
         return forward(model, params, batch).logits
 
     out: list = [None] * len(features)
-    for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa"), graph=model.kala.uses_knowledge):
-        lg = np.asarray(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)))
-        for r, i in enumerate(idx):
-            out[i] = lg[r, : len(features[i]["input_ids"])]
+    with progress_bar(total=len(features), desc="eval", unit="window", enabled=progress) as bar:
+        for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa"), graph=model.kala.uses_knowledge):
+            lg = np.asarray(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)))
+            for r, i in enumerate(idx):
+                out[i] = lg[r, : len(features[i]["input_ids"])]
+            bar.update(len(idx))
     return out
 
 
@@ -421,12 +431,13 @@ def predict_qa(
     examples: Sequence,
     batch_size: int = 64,
     max_answer_len: int = 30,
+    progress: bool = False,
 ) -> dict[str, str]:
     """{question id: answer text}: the best span over each question's windows (the predictions
     file the SQuAD evaluation script reads)."""
     from jsteer.kala import qa as qa_lib
 
-    logits = predict_qa_logits(model, params, features, batch_size)
+    logits = predict_qa_logits(model, params, features, batch_size, progress=progress)
     return qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples}, max_answer_len=max_answer_len)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import time
 
 KINDS = ("plain", "kalm", "kalm_type_input")
 
@@ -61,11 +62,13 @@ def register(subparsers) -> None:
 def _train(args) -> int:
     import jax
 
+    from jsteer import progress
     from jsteer.checkpoints import save_artifact
     from jsteer.kalm import data as kdata
     from jsteer.kalm import train as ktrain
     from jsteer.kalm.head import TypedVocab
 
+    t0 = time.time()
     if not 0.0 <= args.held_out < 1.0:
         raise ValueError(f"--held-out must be in [0, 1), got {args.held_out}")
     for name in ("steps", "batch", "length", "hidden", "layers", "type_dim"):
@@ -123,6 +126,13 @@ def _train(args) -> int:
                 "held_out": len(held),
             }
         )
+    )
+    progress.summary(
+        "kalm train",
+        f"trained a {args.kind} model for {args.steps} steps on {len(lines)} lines",
+        time.time() - t0,
+        args.out,
+        final_loss=float(info["losses"][-1]),
     )
     return 0
 

@@ -19,6 +19,8 @@ import json
 import sys
 import time
 
+from jsteer import progress
+
 # generic sentence openings: their mean final hidden state is the typical context for `explain`
 GENERIC_CONTEXTS = ("The", "I think that the", "It was a", "This is one of the", "When we got there, the")
 
@@ -115,6 +117,7 @@ def register(subparsers) -> None:
         "a few generic sentence openings)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--png", default=None, help="also draw the directions' top / bottom tokens as bar charts here")
     p.set_defaults(func=_explain)
 
     p = sub.add_parser("transfer", help="map a steer onto another model through shared anchor tokens")
@@ -298,6 +301,13 @@ def _train(args) -> int:
         f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}"
     )
     print(f"wrote {args.out}")
+    progress.summary(
+        "steer train",
+        f"trained {kind} {args.name!r} for {cfg.steps} steps on {cache.num_texts} texts",
+        time.time() - t0,
+        args.out,
+        final_loss=hist["final_loss"],
+    )
     return 0
 
 
@@ -403,6 +413,11 @@ def _explain(args) -> int:
         decode=dec,
         mean_hidden=_mean_context(lm, args.context or GENERIC_CONTEXTS),
     )
+    if args.png:
+        from jsteer import plots
+
+        plots.explain_chart(res, args.png, title=f"{args.steer} (steer {args.index})")
+        print(f"wrote {args.png}", file=sys.stderr)
     if args.json:
         print(json.dumps(res))
         return 0

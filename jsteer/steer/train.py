@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.progress import bar as progress_bar
 from jsteer.steer import head
 
 Array = jnp.ndarray
@@ -289,8 +290,20 @@ def cache_hidden(
         raise ValueError(f"cache_hidden: text {bad} has {int(lens[bad])} token(s); a text needs >= 2")
     order = np.argsort(lens, kind="stable")
     per_text: List[Optional[np.ndarray]] = [None] * n
-    t0 = time.time()
     n_batches = (n + batch_size - 1) // batch_size
+    with progress_bar(total=n, desc="cache hidden states", unit="text", enabled=progress) as bar:
+        _cache_batches(hidden_fn, encodings, lens, order, per_text, n_batches, batch_size, pad_id, bucket, dtype, bar)
+    counts = lens - 1
+    return HiddenCache(
+        hidden=np.concatenate(per_text),
+        targets=np.concatenate([np.asarray(e[1:], np.int32) for e in encodings]),
+        seq=np.repeat(np.arange(n, dtype=np.int32), counts),
+        values=values,
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+    )
+
+
+def _cache_batches(hidden_fn, encodings, lens, order, per_text, n_batches, batch_size, pad_id, bucket, dtype, bar):
     for b in range(n_batches):
         idx = order[b * batch_size : (b + 1) * batch_size]
         t = int(-(-lens[idx].max() // bucket) * bucket)
@@ -303,16 +316,7 @@ def cache_hidden(
         h = np.asarray(hidden_fn(jnp.asarray(ids), jnp.asarray(mask)))
         for r, i in enumerate(idx):
             per_text[i] = h[r, : lens[i] - 1].astype(dtype)
-        if progress and (b % 20 == 0 or b == n_batches - 1):
-            print(f"  cached {min(n, (b + 1) * batch_size)}/{n} texts ({time.time() - t0:.0f}s)", flush=True)
-    counts = lens - 1
-    return HiddenCache(
-        hidden=np.concatenate(per_text),
-        targets=np.concatenate([np.asarray(e[1:], np.int32) for e in encodings]),
-        seq=np.repeat(np.arange(n, dtype=np.int32), counts),
-        values=values,
-        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-    )
+        bar.update(len(idx))
 
 
 def encode_texts(tokenizer, texts: Sequence[str], values: np.ndarray, max_len: int = 128):
@@ -484,7 +488,7 @@ def train(
     budget = cfg.tokens_per_batch or default_budget(cache, cfg.batch_size)
     rng = np.random.default_rng(cfg.seed)
     batches = (sample_batch(cache, rng, cfg.batch_size, budget) for _ in range(cfg.steps))
-    trainer = make_trainer(cfg, {"steer": params, "embedding": jnp.asarray(embedding, jnp.float32)})
+    trainer = make_trainer(cfg, {"steer": params, "embedding": jnp.asarray(embedding, jnp.float32)}, progress=progress)
     hist: Dict[str, Any] = {"step": [], "loss": []}
     timer = {"t0": None}
 
@@ -497,8 +501,8 @@ def train(
         if i0 % cfg.log_every == 0 or info.final:
             hist["step"].append(i0)
             hist["loss"].append(info.loss)
-            if progress:
-                print(f"  step {i0}: loss {info.loss:.4f}", flush=True)
+            if trainer.bar is not None:
+                trainer.bar.set_postfix(loss=f"{info.loss:.4f}", refresh=False)
 
     trainer.fit(batches, cfg.steps, resume=False)
     # host copies: the engine's arrays live on its device mesh, which would clash with a

@@ -25,7 +25,7 @@ duration joins ``step_times``.
 A step whose loss or gradient norm is not finite stops the run with ``FloatingPointError``
 at the next log line or save, whichever comes first: no checkpoint is written from it.
 
-Logging: a tqdm bar (step rate, ETA, loss) and, with ``log_path``, one JSON line per
+Logging: a :mod:`jsteer.progress` bar (step rate, ETA, loss) and, with ``log_path``, one JSON line per
 ``log_every`` steps (``step, loss, lr, grad_norm, examples_per_s, tokens_per_s, ...``; the
 token count is the loss's ``aux["tokens"]`` when it has one, else the batch's
 ``attention_mask`` / ``mask`` sum or ``input_ids`` / ``ids`` size) and
@@ -97,7 +97,7 @@ class Trainer:
         host work then no longer overlaps the previous step's device work).
       shard_opt_state: split optimizer state over the data axis.
       seed: base PRNG seed (step s gets ``fold_in(key(seed), s)``).
-      progress: show the tqdm bar.
+      progress: show the :mod:`jsteer.progress` bar (off under ``jsteer --quiet`` / ``JSTEER_QUIET=1``).
       exit_on_preempt: on SIGTERM save then ``sys.exit(143)`` (else ``fit`` returns
         ``preempted=True``).
     """
@@ -504,9 +504,9 @@ class Trainer:
     def _make_bar(self, total: int, initial: int):
         if not self.progress or jax.process_index() != 0:
             return None
-        from tqdm.auto import tqdm
+        from jsteer import progress
 
-        return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+        return progress.bar(total=total, initial=initial, desc="train", unit="step")
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` (with the time) to the JSONL log (process 0; no-op without ``log_path``)."""

@@ -37,7 +37,9 @@ import argparse
 import json
 import pathlib
 import sys
+import time
 
+from jsteer import progress
 from jsteer.cli import warning_lines
 
 _SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -77,6 +79,7 @@ def register(subparsers) -> None:
     p.add_argument("--method", choices=("svd", "mean"), default="svd")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--png", default=None, help="also draw each vector's nearest tokens and cosines here")
     p.set_defaults(func=warning_lines("typevec neighbours")(_neighbours))
 
     p = sub.add_parser("probe", help="LAMA cloze probing: B, BTo, PostTE and TE (lambda tuned on a hold-out)")
@@ -296,6 +299,11 @@ def _neighbours(args) -> int:
     else:
         names, tes, *_ = _vectors(args, lm, args.method)
     rows = _print_neighbours(lm, names, tes, args.k)
+    if args.png:
+        from jsteer import plots
+
+        plots.neighbours_chart(rows, args.png, title=f"{args.model}: nearest tokens (cosine)")
+        _log(f"wrote {args.png}")
     if args.json:
         print(json.dumps(rows))
     return 0
@@ -405,6 +413,7 @@ def _probe(args) -> int:
     import jsteer
     from jsteer.typevec import probe, protocol
 
+    t0 = time.time()
     lm = jsteer.load(args.model)
     pm = probe.from_lm(lm)
     groups, skipped = _probe_groups(args, pm)
@@ -465,6 +474,7 @@ def _probe(args) -> int:
         log=_log,
         layer=layer,
         lam_unit=unit,
+        progress=True,
     )
     rep["lambda_unit"] = {"kind": kind, "scale": scale, **({"value": unit} if kind == "resid" else {})}
     if selection is not None:
@@ -475,6 +485,8 @@ def _probe(args) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rep, indent=1))
         print(f"wrote {args.out}")
+    macro = {f"{m} P@1": rep["macro"][m]["P@1"] for m in rep["macro"]}
+    progress.summary("typevec probe", f"probed {len(groups)} relation(s)", time.time() - t0, args.out, **macro)
     return 0
 
 

@@ -34,6 +34,8 @@ from typing import Callable, Mapping, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.progress import bar as progress_bar
+from jsteer.progress import callback as progress_callback
 from jsteer.typevec.lama import (  # noqa: F401  (re-exported: probe.X is the public path)
     BTO_FORMS,
     GOOGLE_RE_TEMPLATES,
@@ -149,6 +151,7 @@ def evaluate(
     layer: Optional[int] = None,
     lam_unit: float = 1.0,
     bto_forms: Sequence[str] = BTO_FORMS,
+    progress: bool = False,
 ) -> dict:
     """Probe every group (relation) with B / BTo / PostTE / TE and return a JSON-able report.
 
@@ -229,8 +232,10 @@ def evaluate(
     te_table = jnp.stack([jnp.asarray(tes[n], jnp.float32) for n in names_te]) if names_te else jnp.zeros((1, d))
     _run = functools.partial(score, model, mode=mode, post_grid=post_grid, batch_size=batch_size, layer=layer)
 
-    def run(exs, idx, lams, te_idx, table, **kw):
-        return _run(exs, idx, np.asarray(lams, np.float32) * lam_unit, te_idx, table, **kw)
+    def run(exs, idx, lams, te_idx, table, desc="probe", **kw):
+        with progress_bar(desc=desc, total=len(idx), unit="row", enabled=progress) as b:
+            lams = np.asarray(lams, np.float32) * lam_unit
+            return _run(exs, idx, lams, te_idx, table, progress=progress_callback(b), **kw)
 
     # phase 1: hold-out prompts x the lambda grid (lambda = 0, column 0, also tunes PostTE)
     best_lam, best_w, tuning = {}, {}, {}
@@ -238,7 +243,14 @@ def evaluate(
     hold_idx = [i for n in names_te for i in data[n].holdout]
     if hold_idx:
         hold_grp = np.array([n for n in names_te for _ in data[n].holdout])
-        res = run(all_examples, hold_idx, np.asarray(grid, np.float32), [te_index[n] for n in hold_grp], te_table)
+        res = run(
+            all_examples,
+            hold_idx,
+            np.asarray(grid, np.float32),
+            [te_index[n] for n in hold_grp],
+            te_table,
+            desc="probe hold-out",
+        )
         for n in names_te:
             sel = hold_grp == n
             if not sel.any():  # no hold-out prompt in this group: untuned (below)
@@ -264,7 +276,11 @@ def evaluate(
     test_idx = [i for g in data.values() for i in g.test]
     test_grp = np.array([n for n, g in data.items() for _ in g.test])
     lam2 = np.array([[0.0, best_lam.get(n, 0.0)] for n in test_grp], np.float32).reshape(-1, 2)
-    res = run(all_examples, test_idx, lam2, [te_index.get(n, 0) for n in test_grp], te_table) if test_idx else None
+    res = (
+        run(all_examples, test_idx, lam2, [te_index.get(n, 0) for n in test_grp], te_table, desc="probe test")
+        if test_idx
+        else None
+    )
     results: dict[str, dict] = {n: {} for n in data}
     predictions: dict[str, list] = {n: [] for n in data}
     tok = model.tokenizer
@@ -306,6 +322,7 @@ def evaluate(
                     [0] * n_ok,
                     te_table,
                     post_grid=(0.0,),
+                    desc="probe BTo",
                 )
                 ranks[ok] = rb.rank[:, 0]
             return ranks, ok

@@ -419,6 +419,7 @@ def score(
     post_grid: Sequence[float] = POST_GRID,
     batch_size: int = 32,
     layer: Optional[int] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> GridResult:
     """Prompt x lambda grid, by the fastest exact route: :func:`score_grid` for decoders with TE
     at the predicting position, else :func:`score_rows` on the flattened (prompt, lambda) rows."""
@@ -434,6 +435,7 @@ def score(
             post_grid=post_grid,
             batch_size=batch_size,
             layer=layer if mode == "layer" else None,
+            progress=progress,
         )
     ex_idx = np.asarray(ex_idx, np.int64)
     n = len(ex_idx)
@@ -452,6 +454,7 @@ def score(
         post_grid=post_grid,
         batch_size=batch_size,
         layer=layer,
+        progress=progress,
     )
     return GridResult(
         res.rank.reshape(n, n_l),
