@@ -194,6 +194,27 @@ def test_kala_train_step_on_a_2x4_mesh_matches_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
+def test_kalm_training_on_a_2x4_mesh_matches_one_device():
+    from jsteer.kalm import train as ktrain
+    from jsteer.kalm.head import TypedVocab
+
+    vocab = TypedVocab.build(24, [[3, 4, 5], [5, 6], [9, 10]])
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 24, (16, 9)).astype(np.int32)
+    mask = np.ones_like(ids)
+    model = ktrain.make_model("kalm", ktrain.tiny_llama(24, hidden=32, layers=2, heads=4, max_len=16), vocab, 8)
+    params = ktrain.init_params(model, jax.random.PRNGKey(0), vocab)
+    cfg = ktrain.LMTrainConfig(batch_size=8, steps=3, warmup_steps=1)
+    rules = {**S.PRESETS["fsdp_tp"], "vocab": None}  # 24 words: the vocabulary stays whole
+    one, a = ktrain.train(model, params, ids, mask, vocab, cfg, mesh=data_mesh(jax.devices()[:1]))
+    two, b = ktrain.train(model, params, ids, mask, vocab, cfg, mesh=S.make_mesh(fsdp=2, tensor=4), rules=rules)
+    np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(two), jax.tree.leaves(one), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    sharded = [x for x in jax.tree.leaves(two) if not x.sharding.is_fully_replicated]
+    assert sharded, "fsdp_tp left every KALM parameter replicated"
+
+
 def test_plan_scale_runs_on_toy_shapes(tmp_path):
     """experiments/plan_scale.py (the 8B / 70B memory plans) on toy shapes, so it stays runnable."""
     import json

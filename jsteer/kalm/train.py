@@ -105,12 +105,14 @@ def train(
     log_path=None,
     progress: bool = False,
     mesh=None,
+    rules=None,
 ) -> tuple[dict, dict]:
     """Train on ``ids`` / ``mask`` [N, L+1] (:func:`jsteer.kalm.data.encode_lines`) -> (params,
     info: losses, seconds (steps 2..N), compile_seconds). Data-parallel over ``mesh`` (default:
     every device; the batch size must divide by the device count). A SIGTERM ends the process
     after the current step (``sys.exit(143)``, the engine's preemption exit) rather than return
-    a cut run."""
+    a cut run. ``rules`` ("fsdp", "tp", "fsdp_tp" or a dict, :mod:`jsteer.sharding`) shards params
+    and optimizer state over ``mesh`` by their logical axes (inferred from the param tree)."""
     if len(ids) < cfg.batch_size:
         raise ValueError(f"{len(ids)} training lines do not fill one batch of {cfg.batch_size}")
     # a short run still reaches the peak learning rate (warmup at most a tenth of the steps)
@@ -129,6 +131,8 @@ def train(
         params,
         opt,
         mesh=mesh or data_mesh(),
+        rules=rules,
+        axes="auto" if rules else None,
         log_path=log_path,
         log_every=max(cfg.steps // 20, 1),
         seed=cfg.seed,
