@@ -180,3 +180,19 @@ def test_analysis_report_renders_the_committed_results(tmp_path):
     assert analysis_report.markdown({}) == "# Type-embedding analyses\n\n"
     analysis_report.plots(res, "re_", out=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["re_kurtosis.png", "re_layers.png"]
+
+
+def test_gradient_analyses_run_on_sharded_params(tiny_mlm):
+    """layer_gradient (and so TCAV) on params split over a 4x2 (fsdp x tensor: the tiny model has
+    2 heads) mesh of host devices equals the one-device result."""
+    from jsteer import sharding
+
+    pm, ids, attn, pos = tiny_mlm
+    tgt = [10, 12, 14]
+    mesh = sharding.make_mesh(fsdp=4, tensor=2)
+    rules = {**sharding.PRESETS["fsdp_tp"], "vocab": None}
+    placed = sharding.shard(pm.params, sharding.infer_axes(pm.params), mesh, rules)
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
+    one = np.asarray(analysis.layer_gradient(pm.forward, pm.head, pm.params, ids, attn, pos, tgt, 0))
+    split = np.asarray(analysis.layer_gradient(pm.forward, pm.head, placed, ids, attn, pos, tgt, 0))
+    np.testing.assert_allclose(split, one, rtol=1e-5, atol=1e-6)
