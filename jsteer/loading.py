@@ -103,15 +103,17 @@ def load(
 
     ``dtype``: floating params are cast to it (and used as the activation dtype). None: as
     stored for a jsteer checkpoint (a bfloat16 checkpoint loads as bfloat16), float32 for HF
-    folders, GGUF files and embedded models. HF safetensors are read one tensor at a time and
-    cast on the host, so ``dtype="bfloat16"`` never builds a float32 copy of the model.
+    folders, GGUF files and embedded models. HF safetensors are read a few tensors at a time (one
+    per worker thread, :func:`jsteer.convert.layout.apply_layout`) and cast on the host, so
+    ``dtype="bfloat16"`` never builds a float32 copy of the model; the params never share memory
+    with the files (rewriting or deleting them later cannot change the loaded model).
     ``head`` (BERT only): None (bare encoder), "mlm", "token_classification" or "qa"; by
     default MLM when the weights include it, else the bare encoder (checkpoints: as saved).
     ``revision`` (hub ids and ``models--org--name`` cache folders only): a ref name or commit
     hash; default ``main``.
     ``mesh`` (:func:`jsteer.sharding.make_mesh`) and ``rules`` ("dp", "fsdp", "tp", "fsdp_tp" or a
     dict): params sharded over the mesh as they load (an HF decoder's tensors go straight into
-    their shards, one at a time; see :meth:`LM.shard`). ``scan_layers`` (decoders): the layer
+    their shards, a few at a time; see :meth:`LM.shard`). ``scan_layers`` (decoders): the layer
     stack as one ``nn.scan`` over stacked params (compile time independent of depth); ``remat``
     (decoders, for training): what each layer keeps for the backward pass, "none", "dots" (matrix
     products only) or "full" (recompute everything).
@@ -464,7 +466,7 @@ def _load_hf(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     from jsteer.convert import hf
 
     family = hf.detect_family(hf.read_config(path), path / "config.json")  # before reading any weights
-    hf_config, state = hf.open_hf_dir(path)  # safetensors: lazy, tensors read one at a time below
+    hf_config, state = hf.open_hf_dir(path)  # safetensors: lazy, tensors read a few at a time below
     prov = _provenance(path, "hf", hf.find_weight_files(path), dtype)
     tokenizer = Tokenizer.from_dir(path, missing_ok=True)
     if tokenizer is None:

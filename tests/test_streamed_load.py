@@ -2,8 +2,10 @@
 dtype kept) feeding the family conversion, so jsteer.load(dir, dtype="bfloat16") never holds a
 float32 copy of the model; damaged folders are errors naming the file / tensor."""
 
+import dataclasses
 import json
 import pathlib
+import re
 import shutil
 import tracemalloc
 import warnings
@@ -167,6 +169,8 @@ def test_file_shrunk_after_opening_names_file_and_tensor(tmp_path):
     f.write_bytes(f.read_bytes()[: state.info(last).start + 2])
     with pytest.raises(ValueError, match=rf"{f.name}: truncated.*{last}"):
         state[last]
+    with pytest.raises(ValueError, match=rf"{f.name}: truncated.*{last}"):
+        state.view(last)
     first = min(state, key=lambda k: state.info(k).start)
     assert state[first].shape == state.info(first).shape  # tensors before the cut still read
 
@@ -196,20 +200,98 @@ def test_layout_leaves_are_the_transformed_tensors_bit_for_bit(llama_bf16_sharde
     assert checked == len(flat) and flat[("layers_0", "attn", "q", "kernel")].shape == (32, 4, 8)
 
 
-def test_reused_read_buffer_does_not_leak_into_earlier_leaves(llama_bf16_sharded):
-    """A tensor whose leaves are all transforms is read into one buffer reused for the next; a
-    leaf that is a contiguous view of it (a reshape) must be copied out, not share that buffer."""
-    _, folder = llama_bf16_sharded
-    _, state = hf.open_hf_dir(folder)
-    names = [n for n in state if n.endswith("proj.weight")][:4]
+def _aligned_safetensors(path: pathlib.Path, tensors: dict) -> pathlib.Path:
+    """A safetensors file whose tensors start 64-byte aligned (header padded to it, each tensor's
+    bytes a multiple of 64): the case in which ``device_put`` would adopt a mapped tensor as is."""
+    header, off = {}, 0
+    for k, a in tensors.items():
+        assert a.nbytes % 64 == 0
+        header[k] = {
+            "dtype": {"float32": "F32"}[a.dtype.name],
+            "shape": list(a.shape),
+            "data_offsets": [off, off + a.nbytes],
+        }
+        off += a.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 64)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(a.tobytes() for a in tensors.values()))
+    return path
+
+
+def test_no_leaf_shares_memory_with_the_file(tmp_path):
+    """Tensors whose leaves are all transforms are taken as read-only maps of the file; a leaf that
+    is a contiguous view of one (a reshape) is copied, so rewriting the file in place (same inode)
+    after the load changes no param."""
+    a = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    f = _aligned_safetensors(tmp_path / "model.safetensors", {"a": a, "b": a + 1})
+    state = hf.SafetensorsState(hf.read_safetensors_header(f))
+    v = state.view("a")
+    assert not v.flags.writeable and v.ctypes.data % 64 == 0
+    assert jax.device_put(v).unsafe_buffer_pointer() == v.ctypes.data  # the hazard: adopted as is
+    del v
     lay = {
-        n: layout.Entry(state.info(n).shape, (((n, "t"), layout.transpose), ((n, "flat"), lambda w: w.reshape(-1))))
-        for n in names
+        n: layout.Entry((64, 16), (((n, "t"), layout.transpose), ((n, "flat"), lambda w: w.reshape(-1))))
+        for n in ("a", "b")
     }
-    params = layout.apply_layout(state, lay, ignore=["*"])
-    for n in names:
-        x = _bits(state[n])
-        assert np.array_equal(_bits(params[n]["t"]), x.T) and np.array_equal(_bits(params[n]["flat"]), x.reshape(-1))
+    for threads in (1, 2):
+        params = layout.apply_layout(state, lay, threads=threads)
+        with open(f, "r+b") as fh:  # overwrite the data in place
+            fh.seek(f.stat().st_size - 2 * a.nbytes)
+            fh.write(bytes(2 * a.nbytes))
+        for n, want in (("a", a), ("b", a + 1)):
+            assert np.array_equal(params[n]["t"], want.T) and np.array_equal(params[n]["flat"], want.reshape(-1))
+        _aligned_safetensors(f, {"a": a, "b": a + 1})
+
+
+def test_loaded_model_survives_its_files_being_rewritten_or_deleted(llama_bf16_sharded, tmp_path):
+    _, folder = llama_bf16_sharded
+    folder = shutil.copytree(folder, tmp_path / "copy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer files
+        lm = jsteer.load(folder, dtype="bfloat16")
+    want = [np.array(x) for x in jax.tree.leaves(lm.params)]
+    for f in folder.glob("*.safetensors"):
+        f.write_bytes(bytes(f.stat().st_size))  # truncated and rewritten in place
+    assert all(np.array_equal(_bits(x), _bits(w)) for x, w in zip(jax.tree.leaves(lm.params), want))
+    shutil.rmtree(folder)
+    assert all(np.array_equal(_bits(x), _bits(w)) for x, w in zip(jax.tree.leaves(lm.params), want))
+
+
+def _llama_layout(folder):
+    cfg, state = hf.open_hf_dir(folder)
+    return state, families.layout(families.config_from_hf(cfg))
+
+
+def test_worker_threads_give_the_one_at_a_time_tree(llama_bf16_sharded):
+    """Tensors converted on worker threads: the same tree, in the same order, bit for bit."""
+    _, folder = llama_bf16_sharded
+    state, lay = _llama_layout(folder)
+    one = layout.flatten_paths(layout.apply_layout(state, lay, dtype=jnp.bfloat16, threads=1))
+    many = layout.flatten_paths(layout.apply_layout(state, lay, dtype=jnp.bfloat16, threads=4))
+    assert list(one) == list(many)
+    assert all(many[k].dtype == one[k].dtype and np.array_equal(_bits(many[k]), _bits(one[k])) for k in one)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_first_bad_tensor_in_layout_order_is_reported(llama_bf16_sharded, threads):
+    _, folder = llama_bf16_sharded
+    state, lay = _llama_layout(folder)
+    names = list(lay)
+    first, last = names[2], names[-1]
+    for n in (first, last):
+        lay[n] = dataclasses.replace(lay[n], shape=(3, 5))
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(first)}' has shape .*expected \(3, 5\)"):
+        layout.apply_layout(state, lay, threads=threads)
+
+
+def test_worker_threads_place_on_the_callers_default_device(llama_bf16_sharded):
+    """``jax.default_device`` is thread-local: the workers place where the caller would."""
+    _, folder = llama_bf16_sharded
+    state, lay = _llama_layout(folder)
+    dev = jax.devices()[-1]
+    with jax.default_device(dev):
+        params = layout.apply_layout(state, lay, threads=4)
+    assert {d for x in jax.tree.leaves(params) for d in x.devices()} == {dev}
 
 
 def test_callers_arrays_are_copied_not_shared():

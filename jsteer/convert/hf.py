@@ -16,8 +16,10 @@ Two ways in:
 - :func:`open_hf_dir` -> (config, state): for safetensors a lazy :class:`SafetensorsState` whose
   names, dtypes and shapes come from the headers alone and whose ``state[name]`` reads that one
   tensor from disk into a fresh array, in its stored dtype (bf16 as ``ml_dtypes.bfloat16``,
-  fp16 as float16). Fed to :func:`jsteer.convert.layout.apply_layout`, at most one source tensor
-  is on the host at a time. ``.bin`` checkpoints are read eagerly (torch unpickles whole files).
+  fp16 as float16), and whose :meth:`SafetensorsState.view` maps it read-only instead (no copy:
+  for a reader that copies what it takes). Fed to :func:`jsteer.convert.layout.apply_layout`,
+  only the few source tensors being converted at once are on the host. ``.bin`` checkpoints are
+  read eagerly (torch unpickles whole files).
 - :func:`read_hf_dir` -> (config, dict): everything read, half precision widened to float32.
 
 Arrays are read as little-endian (the format's byte order, and every host JAX runs on).
@@ -184,19 +186,52 @@ def read_tensor(
     return arr.astype(np.float32) if widen and arr.dtype in _HALF else arr
 
 
+_MAP_FLAGS = (
+    dict(flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    if hasattr(mmap, "MAP_SHARED")
+    else dict(access=mmap.ACCESS_READ)
+)
+
+
+def map_tensor(name: str, info: TensorInfo) -> np.ndarray:
+    """One tensor as a read-only array over a memory map of just its pages (mapped at once: a
+    file in the page cache costs no read and no copy; unmapped when the array and every view of it
+    are dropped). Its values are the file's for as long as it lives: take a copy of what must
+    outlive the read (and a file truncated while the copy runs ends the process with SIGBUS, as
+    with any memory map). Raises as :func:`read_tensor` if the file no longer holds the tensor."""
+    dtype = np.dtype(_ST_DTYPES[info.dtype])
+    if info.nbytes == 0:
+        return np.empty(info.shape, dtype)
+    start = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+    try:
+        with open(info.file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < info.start + info.nbytes:
+                raise ValueError(
+                    f"{info.file}: truncated safetensors file: tensor {name!r} needs {info.nbytes} bytes "
+                    f"at offset {info.start}, only {max(0, size - info.start)} could be read"
+                )
+            m = mmap.mmap(f.fileno(), info.start + info.nbytes - start, offset=start, **_MAP_FLAGS)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{info.file}: file disappeared before tensor {name!r} was read") from None
+    return np.frombuffer(m, dtype, count=info.nbytes // dtype.itemsize, offset=info.start - start).reshape(info.shape)
+
+
 class SafetensorsState(Mapping):
     """Lazy state dict over safetensors files: ``{name: array}`` whose keys (and :meth:`info`)
     come from the headers, and whose ``[name]`` reads that tensor from disk on each access
-    (nothing is cached) into a fresh array no one else holds; :meth:`read_into` reads it into a
-    buffer of the caller's (the reader protocol of :func:`jsteer.convert.layout.apply_layout`).
+    (nothing is cached) into a fresh array no one else holds, and whose :meth:`view` maps it
+    read-only instead (the reader protocol of :func:`jsteer.convert.layout.apply_layout`).
     ``widen``: fp16 / bf16 come back as float32."""
 
     def __init__(self, infos: Mapping[str, TensorInfo], widen: bool = False):
         self._infos, self.widen = dict(infos), widen
 
-    def read_into(self, name: str, alloc: Callable[[int], np.ndarray]) -> np.ndarray:
-        """Tensor ``name`` read into ``alloc(nbytes)`` (a uint8 buffer the caller may reuse)."""
-        return read_tensor(name, self._infos[name], self.widen, alloc)
+    def view(self, name: str) -> np.ndarray:
+        """Tensor ``name`` read-only over a memory map of its file (:func:`map_tensor`; no copy), or
+        with ``widen`` a fresh float32 array made from it."""
+        x = map_tensor(name, self._infos[name])
+        return x.astype(np.float32) if self.widen and x.dtype in _HALF else x
 
     def info(self, name: str) -> TensorInfo:
         return self._infos[name]
@@ -422,6 +457,7 @@ __all__: Sequence[str] = (
     "read_torch_bin",
     "read_safetensors_header",
     "read_tensor",
+    "map_tensor",
     "SafetensorsState",
     "TensorInfo",
     "file_sha256",

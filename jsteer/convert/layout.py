@@ -17,22 +17,31 @@ transform would need). A transform that returns a copy still works; it costs a h
 :func:`apply_layout` does every check once, for every family: all missing tensors and all
 unexpected ones are reported before any tensor is read (each error names the source and the
 tensor), then each tensor is read once, checked against its shape, cast on the host, and its
-leaves are placed (default: ``jax.device_put``) before the next one is read. With a lazy state
-dict (tensors read on access) at most one source tensor is on the host at a time, and with
-``dtype=bfloat16`` no float32 copy of the model is ever made.
+leaves are placed (default: ``jax.device_put``). A few tensors are converted at once, one per
+worker thread (reading, the runtime's copies and the kernel's page faults all run outside the
+GIL), and the params are assembled in layout order, so the tree and the first error raised are
+those of a one-at-a-time load. With a lazy state dict (tensors read on access) only those few
+source tensors are on the host at a time, and with ``dtype=bfloat16`` no float32 copy of the
+model is ever made.
 
-A state dict may be a *reader* (the safetensors one is): ``read_into(name, alloc)`` reads tensor
-``name`` into ``alloc(nbytes)`` (a uint8 buffer of the caller's) and returns it as a typed array,
+A state dict may be a *reader* (the safetensors one is): ``view(name)`` gives tensor ``name``
+read-only over a memory map of its file (no read, no copy when the file is in the page cache),
 and each ``[name]`` is a fresh array that nothing else holds. From a reader, a tensor whose
-leaves are all transforms of it is read into one buffer reused for the next such tensor (no
-fresh pages to fault in for a buffer dropped right after), and a leaf that needs no transform is
-the read buffer itself on CPU (``device_put`` adopts an aligned NumPy buffer without a copy).
+leaves are all transforms of it is taken as such a view (``device_put`` copies it into the
+leaves, and the mapping is dropped once they are placed), and a leaf that needs no transform is
+a fresh read that becomes the param itself on CPU (``device_put`` adopts an aligned NumPy buffer
+without a copy). No param ever shares memory with the file: a leaf that would (a contiguous
+transform of a view) is copied first, so rewriting or deleting the checkpoint cannot change a
+loaded model. (Adopting the mapped file as params, as transformers does, is not possible in
+general: XLA:CPU adopts only 64-byte-aligned buffers, and safetensors aligns tensors to 8 bytes.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -91,8 +100,8 @@ class RenamedView(Mapping):
     def __init__(self, state_dict: Mapping[str, Any], rename: Callable[[str], str]):
         self._sd = state_dict
         self._names = {rename(k): k for k in state_dict}
-        if hasattr(state_dict, "read_into"):  # a reader stays one (module docstring)
-            self.read_into = lambda name, alloc: state_dict.read_into(self._names[name], alloc)
+        if hasattr(state_dict, "view"):  # a reader stays one (module docstring)
+            self.view = lambda name: state_dict.view(self._names[name])
 
     def __getitem__(self, name: str):
         return self._sd[self._names[name]]
@@ -145,22 +154,14 @@ def check_names(
         )
 
 
-class _Scratch:
-    """The reused read buffer (uint8, grown to the largest request): handed out again only once the
-    runtime has finished copying out of it into the leaves made from the last tensor."""
-
-    def __init__(self):
-        self.buf, self.users = np.empty(0, np.uint8), []
-
-    def __call__(self, nbytes: int) -> np.ndarray:
-        import jax
-
-        jax.block_until_ready(self.users)
-        self.users = []
-        if self.buf.size < nbytes:
-            self.buf = np.empty(0, np.uint8)  # drop the old one first
-            self.buf = np.empty(nbytes, np.uint8)
-        return self.buf[:nbytes]
+def load_threads() -> int:
+    """Worker threads :func:`apply_layout` uses by default: the CPUs this process may run on, at
+    most 4 (each holds one tensor in flight; more only adds host memory)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 def apply_layout(
@@ -171,46 +172,68 @@ def apply_layout(
     place: Optional[Callable[[Path, np.ndarray], Any]] = None,
     ignore: Sequence[str] = (),
     source: Any = "state dict",
+    threads: Optional[int] = None,
 ) -> dict:
     """Build a nested param dict from ``state_dict`` through ``layout`` (module docstring).
 
     dtype: floating tensors are cast to it on the host, once per source tensor, before the
     transforms (None: as read). place(path, array) -> leaf: where each leaf goes; ``array`` may be
-    a strided view of the source (a transpose), which ``jax.device_put`` copies in one pass.
-    Default: ``jax.device_put`` onto the default device, sharing the source's memory on CPU only
-    when the state dict is a reader (module docstring); a reader's read buffer is reused only
-    with this default. ignore: glob patterns of source tensors that are expected and unused
-    (buffers such as ``*.rotary_emb.inv_freq``). Errors name ``source`` (a path or a description).
+    a strided view of the source (a transpose), which ``jax.device_put`` copies in one pass; it is
+    called from worker threads. Default: ``jax.device_put`` onto the default device (the calling
+    thread's), sharing memory with the source only where it is a fresh read (module docstring).
+    ignore: glob patterns of source tensors that are expected and unused (buffers such as
+    ``*.rotary_emb.inv_freq``). threads: tensors converted at once (default :func:`load_threads`;
+    1: one after another in the calling thread). Errors name ``source`` (a path or a description);
+    the first failing tensor in layout order is the one reported.
     """
     import jax
 
     check_names(state_dict, layout, ignore=ignore, source=source)
-    read_into = getattr(state_dict, "read_into", None)
-    scratch = _Scratch()
-    params: dict = {}
-    for name, e in layout.items():
-        if name not in state_dict or not e.outputs:
-            continue  # optional and absent, or expected and unused
-        reuse = place is None and read_into is not None and all(fn is not None for _, fn in e.outputs)
-        read = np.asarray(read_into(name, scratch) if reuse else state_dict[name])
+    view = getattr(state_dict, "view", None)
+    items = [(name, e) for name, e in layout.items() if name in state_dict and e.outputs]
+    device, x64 = jax.config.jax_default_device, jax.config.jax_enable_x64  # thread-local: pass them on
+
+    def convert(name: str, e: Entry) -> list:
+        mapped = place is None and view is not None and all(fn is not None for _, fn in e.outputs)
+        read = np.asarray(view(name) if mapped else state_dict[name])
         if tuple(read.shape) != e.shape:
             raise ValueError(
                 f"{source}: tensor {name!r} has shape {tuple(read.shape)}, expected {e.shape} "
                 f"(does config.json match the weights?)"
             )
         x = _host_cast(read, dtype)
-        # on CPU device_put adopts an aligned contiguous buffer as is: copy one that is reused or the caller's
-        shared = x is read and (reuse or read_into is None)
-        for path, fn in e.outputs:
-            y = fn(x) if fn is not None else x
-            if place is not None:
-                leaf = place(path, y)
-            else:
-                leaf = jax.device_put(y.copy() if shared and y.flags.c_contiguous else y)
-                if reuse:
-                    scratch.users.append(leaf)
-            _set(params, path, leaf)
-        del read, x
+        # memory that is not ours (a mapped file, the caller's array): on CPU device_put would adopt
+        # an aligned contiguous leaf as is, so such a leaf is copied first
+        borrowed = x is read and (mapped or view is None)
+        leaves = []
+        with jax.default_device(device), jax.enable_x64(x64):
+            for path, fn in e.outputs:
+                y = fn(x) if fn is not None else x
+                if place is not None:
+                    leaves.append((path, place(path, y)))
+                else:
+                    leaves.append((path, jax.device_put(y.copy() if borrowed and y.flags.c_contiguous else y)))
+        if place is None:
+            jax.block_until_ready([leaf for _, leaf in leaves])  # done with the source before it goes
+        return leaves
+
+    params: dict = {}
+    workers = max(1, min(load_threads() if threads is None else int(threads), len(items)))
+    if workers == 1:
+        for name, e in items:
+            for path, leaf in convert(name, e):
+                _set(params, path, leaf)
+        return params
+    with ThreadPoolExecutor(workers, thread_name_prefix="jsteer-load") as pool:
+        futures = [pool.submit(convert, name, e) for name, e in items]
+        try:
+            for future in futures:  # in layout order: the first error raised is the first tensor's
+                for path, leaf in future.result():
+                    _set(params, path, leaf)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
     return params
 
 
@@ -225,4 +248,15 @@ def flatten_paths(tree: Mapping, prefix: Path = ()) -> dict[Path, Any]:
     return out
 
 
-__all__ = ["Entry", "entry", "transpose", "split", "cut", "RenamedView", "apply_layout", "check_names", "flatten_paths"]
+__all__ = [
+    "Entry",
+    "entry",
+    "transpose",
+    "split",
+    "cut",
+    "RenamedView",
+    "apply_layout",
+    "check_names",
+    "flatten_paths",
+    "load_threads",
+]
