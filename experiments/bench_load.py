@@ -19,11 +19,19 @@ params read the mapped pages on first use, so its load returns before any weight
 ``touch_s`` is the time to then read one value of every page of every param (faulting the
 weights in), and the peak is taken after it. jsteer's params are in memory when load returns
 (``touch_s`` 0). jsteer hashes the weight files for provenance only when ``lm.identity`` is
-first read, not in the load: ``jsteer_sha256_s`` is what that costs, once per process. The
-shards are read once before the first load, so every load reads from the page cache. Targets:
-jsteer peak <= 1.25x checkpoint bytes, jsteer time <= transformers' (compared as load + touch).
+first read, not in the load: ``jsteer_sha256_s`` is what that costs, once per process.
+
+``--cache warm`` (default): the shards are read right before each load, so every load reads
+from the page cache. ``--cache cold``: they are dropped from the page cache before each load
+(``posix_fadvise(DONTNEED)``; the guest's cache only, the host may still hold them), so every
+load (and transformers' touch) reads them from the disk. ``host.fresh_memory_s_per_gib`` is what
+faulting in 1 GiB of new anonymous memory costs here (``MAP_POPULATE``, median of 3): a loader
+that copies the weights pays it once per GB of params, one that maps the files (transformers)
+does not. Targets: jsteer peak <= 1.25x checkpoint bytes, jsteer time <= transformers'
+(compared as load + touch).
 
     python experiments/bench_load.py                 # ~1B params (2 GB), experiments/results/bench_load.json
+    python experiments/bench_load.py --cache cold --out experiments/results/bench_load_cold.json
     python experiments/bench_load.py --params 0.2e9 --out experiments/results/bench_load_0.2b.json  # smaller
 """
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import mmap
 import os
 import pathlib
 import platform
@@ -51,7 +60,10 @@ KINDS = ("jsteer", "transformers")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1e9, help="approximate parameter count (default 1e9)")
-    ap.add_argument("--reps", type=int, default=2, help="loads per side, each in a fresh process (default 2)")
+    ap.add_argument("--reps", type=int, default=3, help="loads per side, each in a fresh process (default 3)")
+    ap.add_argument(
+        "--cache", choices=("warm", "cold"), default="warm", help="shards in the page cache before each load or not"
+    )
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "bench_load.json"))
     ap.add_argument("--tmp", default=None, help="where to write the checkpoint (default: the system temp dir)")
     ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
@@ -215,6 +227,9 @@ def worker(kind: str, folder: pathlib.Path) -> dict:
         "hwm_reset": hwm_reset,
     }
     if kind == "jsteer":
+        from jsteer.convert.layout import load_threads
+
+        out["jsteer_threads"] = load_threads()
         t0 = time.perf_counter()
         identity = model.identity  # the weight files' sha256, first computed here
         out["jsteer_sha256_s"] = time.perf_counter() - t0
@@ -241,6 +256,33 @@ def run_worker(kind: str, folder: pathlib.Path) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
+def set_cache(files, state: str) -> None:
+    """Shards into the page cache (read them) or out of it (``posix_fadvise(DONTNEED)``)."""
+    for f in files:
+        if state == "warm":
+            with open(f, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+        else:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def fresh_memory_s_per_gib(reps: int = 3) -> float:
+    """Seconds to fault in 1 GiB of new anonymous memory (``MAP_POPULATE``), median of ``reps``."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        m = mmap.mmap(-1, 1 << 30, flags=flags)
+        times.append(time.perf_counter() - t0)
+        m.close()
+    return statistics.median(times)
+
+
 def environment() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -263,6 +305,7 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "mem_total_bytes": mem,
         "load_avg": os.getloadavg(),
+        "fresh_memory_s_per_gib": fresh_memory_s_per_gib(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": versions,
@@ -303,6 +346,7 @@ def main(argv=None) -> int:
         return 0
     kinds = list(KINDS)
     cfg = llama_config(args.params)
+    host = environment()  # before the loads: its load average is the one they start under
     with tempfile.TemporaryDirectory(prefix="bench_load_", dir=args.tmp) as tmp:
         folder = pathlib.Path(tmp)
         t0 = time.perf_counter()
@@ -312,15 +356,14 @@ def main(argv=None) -> int:
             f"({time.perf_counter() - t0:.1f}s)",
             flush=True,
         )
-        for f in sorted(folder.glob("*.safetensors")):  # into the page cache: both sides read from memory
-            with open(f, "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
+        shards = sorted(folder.glob("*.safetensors"))
         runs = []
         for rep in range(args.reps):
             for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+                set_cache(shards, args.cache)
+                load_avg = os.getloadavg()[0]
                 r = run_worker(kind, folder)
-                runs.append(r)
+                runs.append({**r, "cache": args.cache, "load_avg_1min": load_avg})
                 print(
                     f"  {kind:12s} {r['time_s']:6.2f}s + touch {r['touch_s']:5.2f}s (cpu {r['cpu_s']:5.2f}s)  peak "
                     f"{r['peak_bytes'] / 2**30:5.2f} GiB "
@@ -330,8 +373,9 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
-        "host": environment(),
+        "host": host,
         "checkpoint": {**ckpt, "config": cfg, "dtype": "bfloat16"},
+        "cache": args.cache,
         "runs": runs,
         "summary": summarise(runs, ckpt["bytes"]),
     }
