@@ -7,8 +7,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import tempfile  # noqa: E402
+
+# One persistent XLA compilation cache per test session, shared by the xdist workers, the notebook
+# kernels and CLI subprocesses (they inherit the environment). conftest.py runs in the xdist
+# controller before it starts its workers, so they all see the same folder. Many programs recur
+# across modules (the same tiny configs), and each module's compiled programs are dropped after it
+# (below), so without it every module compiles them again. The key is the program, the flags and
+# the jax version, so a hit is the same executable. JSTEER_TEST_JAX_CACHE names a folder to keep.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("JSTEER_TEST_JAX_CACHE") or tempfile.mkdtemp(
+        prefix="jsteer-test-jax-cache-"
+    )
+    os.environ["JSTEER_TEST_JAX_CACHE_OWNED"] = "" if "JSTEER_TEST_JAX_CACHE" in os.environ else "1"
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 import gc  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -37,3 +54,9 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_unconfigure(config):
+    """The controller (or a run without xdist) removes the session's cache folder it made."""
+    if not hasattr(config, "workerinput") and os.environ.get("JSTEER_TEST_JAX_CACHE_OWNED") == "1":
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -1,6 +1,7 @@
-"""Models sharded over 8 host devices (conftest forces them): every backbone family on a 2 x 4
-(fsdp x tensor) and an 8 x 1 mesh gives one device's logits and greedy tokens; LM-Steer and KALA
-train steps match one device; tensor parallelism splits the bytes; bad meshes are refused by name.
+"""Methods and models on 8 host devices (conftest forces them): LM-Steer, KALA and KALM train
+steps on a 2 x 4 (fsdp x tensor) mesh match one device; an LM loads into shards and checkpoints;
+tensor parallelism splits the bytes; bad meshes are refused by name. Each backbone family on a
+mesh: tests/test_sharding_families.py.
 """
 
 import dataclasses
@@ -16,7 +17,6 @@ import jsteer
 from jsteer import sharding as S
 from jsteer.backbones import bert, families
 from jsteer.backbones.decoder import Decoder, logical_axes
-from jsteer.decode import generate
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
 V = 96  # divisible by tensor=4 (vocabulary-parallel embedding and logits)
@@ -31,44 +31,6 @@ def _config(name):
     import transformers
 
     return families.config_from_hf(getattr(transformers, cls)(**kw).to_dict())
-
-
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "neox-sequential"])
-def test_every_decoder_family_shards_like_one_device(name):
-    cfg = _config(name)
-    module = Decoder(cfg)
-    ids, mask = left_padded(batch=8, seed=3)
-    ids = np.minimum(ids, V - 1)
-    params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.asarray(ids[:1]))["params"]
-    params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
-    ref = module.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask)).logits
-    ref_tokens = generate(module, params, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=4).tokens
-    fwd = jax.jit(lambda p, i, m: module.apply({"params": p}, i, m).logits)
-    for mesh_name, shape in MESHES.items():
-        mesh = S.make_mesh(**shape)
-        placed = S.shard(params, logical_axes(params), mesh, "fsdp_tp")
-        rows = jax.sharding.NamedSharding(mesh, S.batch_spec(mesh))
-        i, m = jax.device_put(jnp.asarray(ids), rows), jax.device_put(jnp.asarray(mask), rows)
-        err = np.abs(np.asarray(fwd(placed, i, m)) - np.asarray(ref))[mask > 0].max()
-        assert err <= 1e-5, (name, mesh_name, err)
-        if mesh_name == "2x4":  # greedy decoding compiles slowly on 8 host devices: once per family
-            tokens = generate(module, placed, i, m, max_new_tokens=4).tokens
-            np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens), err_msg=f"{name} {mesh_name}")
-
-
-def test_bert_shards_like_one_device():
-    cfg = bert.BertConfig(
-        vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=32
-    )
-    module = bert.model_for_head(cfg, "mlm")
-    ids = jnp.asarray(np.random.default_rng(0).integers(1, V, (8, 12)))
-    params = jax.jit(module.init)(jax.random.PRNGKey(0), ids)["params"]
-    ref = module.apply({"params": params}, ids).logits
-    for shape in MESHES.values():
-        mesh = S.make_mesh(**shape)
-        placed = S.shard(params, bert.logical_axes(params), mesh, "fsdp_tp")
-        out = jax.jit(lambda p, i: module.apply({"params": p}, i).logits)(placed, ids)
-        assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 1e-5
 
 
 def test_tensor_parallel_splits_the_parameter_bytes():
