@@ -55,6 +55,17 @@ def _fingerprint(files: Sequence[PathLike], options: Mapping[str, Any]) -> str:
     return h.hexdigest()[:12]
 
 
+class _LocalInfo(tfds.core.DatasetInfo):
+    """DatasetInfo of a local-source builder: never looked up on the TFDS GCS bucket.
+
+    TFDS calls ``initialize_from_bucket`` for every builder not yet prepared, and that makes an
+    empty ``tempfile.mkdtemp("tfds")`` folder it never removes (one ``/tmp/tmp*tfds`` per new
+    cache key); there is nothing on the bucket for these builders anyway."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class _SourceBuilder(tfds.core.GeneratorBasedBuilder):
     """Shared plumbing: source files -> config name, array_record, file order kept."""
 
@@ -79,7 +90,7 @@ class _SourceBuilder(tfds.core.GeneratorBasedBuilder):
     def _make_info(self, description: str, features: dict, label_names=None) -> tfds.core.DatasetInfo:
         # disable_shuffling keeps file order (record i = i-th example of the source).
         meta = tfds.core.MetadataDict(label_names=list(label_names)) if label_names is not None else None
-        return tfds.core.DatasetInfo(
+        return _LocalInfo(
             builder=self,
             description=description,
             features=tfds.features.FeaturesDict(features),
