@@ -5,9 +5,11 @@ and read back by index with ``tfds.data_source`` / ``builder.as_data_source()``
 (``as_dataset`` needs TF). The builders here therefore always write array_record.
 
 Every builder takes its *source files* as constructor arguments, so any user path works;
-``data_dir`` is only the cache where the prepared records go. The builder config name is
-derived from the source paths, their sizes and mtimes and the parse options, so preparing a
-different (or edited) source never reuses a stale cache.
+``data_dir`` is only the cache where the prepared records go. The builder config name
+(``src_<12 hex>``) is a hash of the sources' *contents* (sha256, :mod:`jsteer.data.digest`)
+and the parse options: an edited source never reuses a stale cache, even with its size and
+mtime put back, and a copy of a prepared file reuses its records. Names of files enter the key
+only where they carry data (a LAMA file's relation, a typed CSV's type folder).
 
 Parsing is done by :mod:`jsteer.data.readers`, so a bad input raises
 :class:`~jsteer.data.readers.DataError` naming file and line while preparing. Records keep
@@ -32,8 +34,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import tensorflow_datasets as tfds
 
+from jsteer.data import digest, readers
 from jsteer.data import ner as ner_lib
-from jsteer.data import readers
 
 PathLike = Union[str, os.PathLike]
 
@@ -45,12 +47,12 @@ def default_data_dir() -> str:
     return os.environ.get("JSTEER_DATA_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jsteer", "tfds"))
 
 
-def _fingerprint(files: Sequence[PathLike], options: Mapping[str, Any]) -> str:
+def _fingerprint(files: Sequence[PathLike], options: Mapping[str, Any], cache_dir: PathLike) -> str:
+    """12 hex digits of sha256 over the files' content hashes (in order) and ``options``."""
     h = hashlib.sha256()
     for f in files:
-        p = pathlib.Path(f).resolve()
-        st = p.stat() if p.exists() else None
-        h.update(f"{p}|{st.st_size if st else -1}|{st.st_mtime_ns if st else -1}\n".encode())
+        # A missing file is left to the reader, whose DataError names it while preparing.
+        h.update(f"{digest.file_sha256(f, cache_dir) if os.path.isfile(f) else 'missing'}\n".encode())
     h.update(json.dumps(options, sort_keys=True, default=str).encode())
     return h.hexdigest()[:12]
 
@@ -80,12 +82,13 @@ class _SourceBuilder(tfds.core.GeneratorBasedBuilder):
         return None
 
     def __init__(self, *, source_files: Sequence[PathLike], options: Mapping[str, Any], data_dir=None, **kwargs):
-        name = "src_" + _fingerprint(source_files, options)
+        data_dir = data_dir or default_data_dir()
+        name = "src_" + _fingerprint(source_files, options, data_dir)
         config = tfds.core.BuilderConfig(name=name, description=f"sources: {[str(f) for f in source_files]}")
         kwargs.setdefault("file_format", FILE_FORMAT)
         if str(kwargs["file_format"]) not in (FILE_FORMAT, "FileFormat.ARRAY_RECORD"):
             raise ValueError("jsteer builders write array_record only (the only TF-free TFDS format)")
-        super().__init__(data_dir=data_dir or default_data_dir(), config=config, **kwargs)
+        super().__init__(data_dir=data_dir, config=config, **kwargs)
 
     def _make_info(self, description: str, features: dict, label_names=None) -> tfds.core.DatasetInfo:
         # disable_shuffling keeps file order (record i = i-th example of the source).
@@ -215,9 +218,11 @@ class LabeledText(_SourceBuilder):
         files = []
         for v in self._splits.values():
             files.extend(v.values() if isinstance(v, Mapping) else [v])
+        # fmt="text": which file holds which label is data too (the files' order alone is not).
+        layout = {k: list(v) if isinstance(v, Mapping) else None for k, v in self._splits.items()}
         super().__init__(
             source_files=files,
-            options=dict(fmt=fmt, labels=self._label_names, reader=self._reader_kw, splits=sorted(self._splits)),
+            options=dict(fmt=fmt, labels=self._label_names, reader=self._reader_kw, splits=layout),
             **kwargs,
         )
 
@@ -277,7 +282,8 @@ class Lama(_SourceBuilder):
         elif templates is not None:
             tmpl.update(templates)
         self._templates = tmpl
-        super().__init__(source_files=files, options=dict(templates=tmpl, splits=sorted(self._splits)), **kwargs)
+        names = {k: [pathlib.Path(f).name for f in v] for k, v in self._splits.items()}  # relations come from them
+        super().__init__(source_files=files, options=dict(templates=tmpl, splits=names), **kwargs)
 
     def _info(self):
         return self._make_info(
@@ -334,7 +340,8 @@ class TypedLama(_SourceBuilder):
         self._prompts = readers.read_typed_lama_dir(self._root, types)
         self._type_names = sorted({p.type_name for p in self._prompts})
         files = sorted({p.source for p in self._prompts})
-        super().__init__(source_files=files, options=dict(types=self._type_names), **kwargs)
+        rel = [pathlib.Path(f).relative_to(self._root).as_posix() for f in files]  # type, corpus, relation
+        super().__init__(source_files=files, options=dict(types=self._type_names, files=rel), **kwargs)
 
     def _info(self):
         return self._make_info(
