@@ -1,6 +1,6 @@
-"""`jsteer kala train` from a prepared TFDS data set (--tfds NAME --tfds-data-dir DIR) gives the
-results of the same records as raw files, on slices of the real data sets and tiny models; a
-data set that is not there is one clear error."""
+"""`jsteer kala train` and `jsteer steer train` from a prepared TFDS data
+set (--tfds NAME --tfds-data-dir DIR) give the results of the same records as raw files, on
+slices of the real data sets and tiny models; a data set that is not there is one clear error."""
 
 import importlib.util
 import json
@@ -12,9 +12,11 @@ import pytest
 import torch
 import transformers
 
+import jsteer
 from jsteer.checkpoints import load_artifact
 from jsteer.cli import main
 from jsteer.data import tfds_builders
+from jsteer.steer import artifact, toy
 
 
 def _minilm_files(dest: pathlib.Path) -> None:
@@ -92,6 +94,36 @@ def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_steer_train_from_tfds_matches_the_raw_file(shared_data, tmp_path, capsys):
+    jsteer.save(toy.lm(seed=0), tmp_path / "toy")
+    sst5 = shared_data / "sst5"
+    tfds_dir = tmp_path / "tfds"
+    ds = tfds_builders.sst5(sst5, tfds_dir)
+    common = ["steer", "train", "--model", str(tmp_path / "toy"), "--limit", "48", "--rank", "4", "--steps", "4"]
+    common += ["--batch-size", "8", "--max-len", "32", "--tokens-per-batch", "64"]
+    assert main([*common, "--data", str(sst5 / "train.jsonl"), "--out", str(tmp_path / "raw")]) == 0
+    raw_out = capsys.readouterr().out
+    named = ["--tfds", ds.name, "--tfds-data-dir", str(tfds_dir)]  # split: train (of three); format: SST-5's 0..4
+    assert main([*common, *named, "--out", str(tmp_path / "named")]) == 0
+    named_out = capsys.readouterr().out
+    assert "48 texts (24 positive, 24 negative)" in raw_out and raw_out.splitlines()[0] == named_out.splitlines()[0]
+    (p_raw, m_raw), (p_tf, m_tf) = (artifact.load(str(tmp_path / r)) for r in ("raw", "named"))
+    assert set(p_raw) == set(p_tf)
+    for k in p_raw:
+        np.testing.assert_array_equal(np.asarray(p_raw[k]), np.asarray(p_tf[k]))
+    t_raw, t_tf = m_raw["train"], m_tf["train"]
+    assert (t_raw["final_loss"], t_raw["tokens"]) == (t_tf["final_loss"], t_tf["tokens"])
+    assert t_tf["data"] == f"tfds {ds.name}:train in {tfds_dir}"
+    # a data set that is not in the folder, and one without text / label features
+    assert main([*common, "--tfds", "sst6", "--tfds-data-dir", str(tfds_dir), "--out", str(tmp_path / "x")]) == 2
+    assert f"tfds sst6: no such data set in {tfds_dir} (it holds: jsteer_labeled_text)" in _one_error_line(capsys)
+    ner = tfds_builders.prepare(
+        tfds_builders.ConllNer, tfds_dir, splits={"train": shared_data / "conll2003" / "eng.testb"}
+    )
+    assert main([*common, "--tfds", ner.name, "--tfds-data-dir", str(tfds_dir), "--out", str(tmp_path / "x")]) == 2
+    assert "lacks the feature(s) ['text', 'label'] (a steer trains on them)" in _one_error_line(capsys)
 
 
 def test_a_named_split_without_its_mentions_file_is_annotated_with_the_lexicon(shared_data, tmp_path):
