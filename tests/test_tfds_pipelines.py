@@ -1,4 +1,4 @@
-"""`jsteer kala train` and `jsteer steer train` from a prepared TFDS data
+"""`jsteer kala train`, `jsteer steer train` and `jsteer typevec probe` from a prepared TFDS data
 set (--tfds NAME --tfds-data-dir DIR) give the results of the same records as raw files, on
 slices of the real data sets and tiny models; a data set that is not there is one clear error."""
 
@@ -124,6 +124,61 @@ def test_steer_train_from_tfds_matches_the_raw_file(shared_data, tmp_path, capsy
     )
     assert main([*common, "--tfds", ner.name, "--tfds-data-dir", str(tfds_dir), "--out", str(tmp_path / "x")]) == 2
     assert "lacks the feature(s) ['text', 'label'] (a steer trains on them)" in _one_error_line(capsys)
+
+
+@pytest.fixture(scope="module")
+def mlm_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48)
+    d = tmp_path_factory.mktemp("mlm")
+    transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    _minilm_files(d)
+    return d
+
+
+def _probe(mlm_dir, shared_data, out, *source):
+    args = ["typevec", "probe", "--model", str(mlm_dir), *source, "--relation", "City/P19", "--relation"]
+    args += ["Country/P27", "--kg", str(shared_data / "type_embedding" / "kg_samples"), "--max-test", "8"]
+    args += ["--lambdas", "0,1", "--batch-size", "8", "--out", str(out)]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_typevec_probe_from_tfds_matches_the_raw_folders(mlm_dir, shared_data, tmp_path, capsys):
+    typed = tmp_path / "typed"
+    for rel in ("synth_City/TREx/P19.csv", "synth_Country/TREx/P27.csv"):
+        src = shared_data / "type_embedding" / "processed_lama" / rel
+        (typed / rel).parent.mkdir(parents=True)
+        (typed / rel).write_text("".join(src.read_text().splitlines(keepends=True)[:60]))
+    lama = tmp_path / "lama"
+    (lama / "TREx").mkdir(parents=True)
+    shutil.copy(shared_data / "lama" / "relations.jsonl", lama / "relations.jsonl")
+    for rel in ("P19", "P27", "P31"):  # P31 has no answer type: skipped either way
+        src = shared_data / "lama" / "TREx" / f"{rel}.jsonl"
+        (lama / "TREx" / f"{rel}.jsonl").write_text("".join(src.read_text().splitlines(keepends=True)[:60]))
+    tfds_dir = tmp_path / "tfds"
+    typed_ds = tfds_builders.prepare(tfds_builders.TypedLama, tfds_dir, root=typed)
+    facts = sorted((lama / "TREx").glob("*.jsonl"))
+    lama_ds = tfds_builders.prepare(
+        tfds_builders.Lama, tfds_dir, splits={"test": facts}, templates=lama / "relations.jsonl"
+    )
+    for raw_src, ds in ((["--data", str(typed)], typed_ds), (["--lama", str(lama)], lama_ds)):
+        raw = _probe(mlm_dir, shared_data, tmp_path / "raw.json", *raw_src)
+        named = _probe(
+            mlm_dir, shared_data, tmp_path / "named.json", "--tfds", ds.name, "--tfds-data-dir", str(tfds_dir)
+        )
+        assert set(raw["per_group"]) == {"City/P19", "Country/P27"}
+        for key in ("per_group", "macro", "predictions", "skips", "tuning", "no_te"):
+            assert named[key] == raw[key], key
+        assert named["skipped_relations"] == raw["skipped_relations"] == {}
+    # a data set with neither typed-prompt nor LAMA-fact features
+    ner = tfds_builders.prepare(
+        tfds_builders.ConllNer, tfds_dir, splits={"test": shared_data / "conll2003" / "eng.testb"}
+    )
+    capsys.readouterr()
+    args = ["typevec", "probe", "--model", str(mlm_dir), "--tfds", ner.name, "--tfds-data-dir", str(tfds_dir)]
+    assert main(args) == 2
+    assert f"tfds {ner.name}:test in {tfds_dir} has neither the typed-prompt features" in _one_error_line(capsys)
 
 
 def test_a_named_split_without_its_mentions_file_is_annotated_with_the_lexicon(shared_data, tmp_path):
