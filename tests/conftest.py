@@ -46,6 +46,19 @@ def shared_data() -> pathlib.Path:
     return SHARED_DATA
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _jsteer_data_dir(tmp_path_factory):
+    """Raw files the pipelines prepare through the TFDS layer go to a session folder under
+    pytest's own temp root, never to ~/.cache/jsteer/tfds (or a $JSTEER_DATA_DIR of the shell)."""
+    before = os.environ.get("JSTEER_DATA_DIR")
+    os.environ["JSTEER_DATA_DIR"] = str(tmp_path_factory.mktemp("jsteer_data"))
+    yield
+    if before is None:
+        os.environ.pop("JSTEER_DATA_DIR", None)
+    else:
+        os.environ["JSTEER_DATA_DIR"] = before
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Free each test module's compiled programs after it. XLA:CPU maps every executable's code

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import pathlib
+import tempfile
 
 import numpy as np
 import pytest
@@ -357,6 +358,17 @@ def test_tfds_conll_builder_roundtrip_and_cache_keys(tmp_path):
     with pytest.raises(DataError, match="label 'I-GPE' not in label set") as e:
         tfds_builders.prepare(tfds_builders.ConllNer, tmp_path / "cache", splits={"train": small, "test": bad_test})
     assert e.value.path == str(bad_test) and e.value.line == 2
+
+
+def test_tfds_prepare_leaves_no_temp_folder(tmp_path, monkeypatch):
+    """TFDS looks every builder not yet prepared up on its GCS bucket through a
+    tempfile.mkdtemp("tfds") folder it never removes; the jsteer builders skip that lookup."""
+    sys_tmp = tmp_path / "systmp"
+    sys_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(sys_tmp))  # what the code leaves there is seen
+    src = write(tmp_path / "train.txt", CONLL)
+    ds = tfds_builders.prepare(tfds_builders.ConllNer, tmp_path / "cache", splits={"train": src}, scheme="iob1")
+    assert len(ds["train"]) == 3 and list(sys_tmp.iterdir()) == []
 
 
 def test_tfds_labeled_text_and_bad_source(tmp_path):

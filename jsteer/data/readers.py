@@ -366,12 +366,24 @@ def read_lama_relations(path: PathLike) -> dict[str, str]:
     return out
 
 
-def read_lama_jsonl(path: PathLike) -> list[LamaFact]:
+def lama_file_relation(path: PathLike) -> str:
+    """The relation of a LAMA fact file, one file per relation: its stem without ``_test``
+    (``TREx/P19.jsonl`` -> ``P19``, ``Google_RE/place_of_birth_test.jsonl`` -> ``place_of_birth``)."""
+    stem = pathlib.Path(path).stem
+    return stem[: -len("_test")] if stem.endswith("_test") else stem
+
+
+def read_lama_jsonl(path: PathLike, relation: Optional[str] = None) -> list[LamaFact]:
     """Raw LAMA facts. T-REx lines carry ``predicate_id`` and ``evidences[].masked_sentence``;
     Google-RE lines carry ``pred`` (``/people/person/place_of_birth``) and
-    ``masked_sentences``. Both need ``sub_label`` and ``obj_label``."""
+    ``masked_sentences``. Both need ``sub_label`` and ``obj_label``; blank lines are skipped.
+
+    ``relation``: the file's relation (:func:`lama_file_relation`), given to every fact, as
+    LAMA's own loader does; then a line needs neither ``predicate_id`` nor ``pred``."""
     out = []
     for ln, line in iter_lines(path):
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
@@ -381,11 +393,14 @@ def read_lama_jsonl(path: PathLike) -> list[LamaFact]:
         for f in ("sub_label", "obj_label"):
             if not isinstance(rec.get(f), str) or not rec[f]:
                 raise DataError(path, ln, f"missing or empty field {f!r}")
+        rel = relation
         if "predicate_id" in rec:
-            relation = _string_field(path, ln, rec, "predicate_id")
+            rel = rel or _string_field(path, ln, rec, "predicate_id")
             sents = [_evidence_sentence(path, ln, e) for e in _list_field(path, ln, rec, "evidences")]
         elif "pred" in rec:
-            relation = _string_field(path, ln, rec, "pred").rstrip("/").rsplit("/", 1)[-1]
+            rel = rel or _string_field(path, ln, rec, "pred").rstrip("/").rsplit("/", 1)[-1]
+            sents = _list_field(path, ln, rec, "masked_sentences")
+        elif relation is not None:
             sents = _list_field(path, ln, rec, "masked_sentences")
         else:
             raise DataError(path, ln, "neither 'predicate_id' (T-REx) nor 'pred' (Google-RE) present")
@@ -393,9 +408,7 @@ def read_lama_jsonl(path: PathLike) -> list[LamaFact]:
             if not isinstance(s, str):
                 raise DataError(path, ln, f"masked sentence must be a string, got {s!r}")
         out.append(
-            LamaFact(
-                relation, rec["sub_label"], rec["obj_label"], tuple(sents), str(rec.get("uuid", "")), str(path), ln
-            )
+            LamaFact(rel, rec["sub_label"], rec["obj_label"], tuple(sents), str(rec.get("uuid", "")), str(path), ln)
         )
     return out
 
@@ -436,12 +449,18 @@ _TYPED_PATH = re.compile(r"synth_(?P<type>[^/]+)/(?P<corpus>[^/]+)/(?P<rel>[^/]+
 
 
 def read_typed_lama_csv(
-    path: PathLike, *, type_name: Optional[str] = None, corpus: Optional[str] = None, relation: Optional[str] = None
+    path: PathLike,
+    *,
+    type_name: Optional[str] = None,
+    corpus: Optional[str] = None,
+    relation: Optional[str] = None,
+    check_prompts: bool = True,
 ) -> list[TypedPrompt]:
     """One type-grouped LAMA CSV (columns ``sent,gold,filename``, optionally a leading index).
 
     Type, corpus and relation come from the path ``synth_<Type>/<corpus>/<relation>.csv``
-    unless given. Each ``sent`` must hold exactly one ``[MASK]``.
+    unless given. Each ``sent`` must hold exactly one ``[MASK]`` and each gold be non-empty,
+    unless ``check_prompts`` is False (rows kept as written, for a consumer that counts them).
     """
     m = _TYPED_PATH.search(pathlib.Path(path).as_posix())
     if m is None and None in (type_name, corpus, relation):
@@ -463,9 +482,9 @@ def read_typed_lama_csv(
         if len(row) != len(names):
             raise DataError(path, ln, f"malformed CSV row: {len(row)} fields, header has {len(names)}")
         sent, gold = row[si], row[gi]
-        if sent.count(MASK) != 1:
+        if check_prompts and sent.count(MASK) != 1:
             raise DataError(path, ln, f"sentence must contain exactly one {MASK}: {sent!r}")
-        if not gold.strip():
+        if check_prompts and not gold.strip():
             raise DataError(path, ln, "empty gold answer")
         out.append(TypedPrompt(sent, gold, type_name, relation, corpus, str(path), ln))
     if not out:
@@ -490,7 +509,7 @@ def read_csv_rows(path: PathLike) -> list[tuple[int, list[str]]]:
     return rows
 
 
-def read_typed_lama_dir(root: PathLike, types: Optional[Iterable[str]] = None) -> list[TypedPrompt]:
+def typed_lama_files(root: PathLike, types: Optional[Iterable[str]] = None) -> list[pathlib.Path]:
     """Every ``synth_<Type>/<corpus>/<relation>.csv`` under ``root`` (sorted), optionally only some types."""
     root = pathlib.Path(root)
     files = sorted(root.glob("synth_*/*/*.csv"))
@@ -499,7 +518,12 @@ def read_typed_lama_dir(root: PathLike, types: Optional[Iterable[str]] = None) -
         files = [f for f in files if f.parts[-3][len("synth_") :] in want]
     if not files:
         raise DataError(root, None, "no synth_<Type>/<corpus>/<relation>.csv files found")
+    return files
+
+
+def read_typed_lama_dir(root: PathLike, types: Optional[Iterable[str]] = None) -> list[TypedPrompt]:
+    """Every ``synth_<Type>/<corpus>/<relation>.csv`` under ``root`` (sorted), optionally only some types."""
     out: list[TypedPrompt] = []
-    for f in files:
+    for f in typed_lama_files(root, types):
         out.extend(read_typed_lama_csv(f))
     return out

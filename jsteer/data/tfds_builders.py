@@ -5,13 +5,17 @@ and read back by index with ``tfds.data_source`` / ``builder.as_data_source()``
 (``as_dataset`` needs TF). The builders here therefore always write array_record.
 
 Every builder takes its *source files* as constructor arguments, so any user path works;
-``data_dir`` is only the cache where the prepared records go. The builder config name is
-derived from the source paths, their sizes and mtimes and the parse options, so preparing a
-different (or edited) source never reuses a stale cache.
+``data_dir`` is only the cache where the prepared records go. The builder config name
+(``src_<12 hex>``) is a hash of the sources' *contents* (sha256, :mod:`jsteer.data.digest`)
+and the parse options: an edited source never reuses a stale cache, even with its size and
+mtime put back, and a copy of a prepared file reuses its records. Names of files enter the key
+only where they carry data (a LAMA file's relation, a typed CSV's type folder).
 
 Parsing is done by :mod:`jsteer.data.readers`, so a bad input raises
 :class:`~jsteer.data.readers.DataError` naming file and line while preparing. Records keep
-file order (``disable_shuffling``); shuffling is the batcher's job (seeded, resumable).
+file order (``disable_shuffling``); shuffling is the batcher's job (seeded, resumable). Each
+prepared data set records its sources in ``info.metadata["sources"]`` (``{split: [{"name",
+"sha256"}]}``: the file names it was first prepared from).
 
 Quick use::
 
@@ -23,8 +27,11 @@ Quick use::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
 import pathlib
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -32,12 +39,14 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import tensorflow_datasets as tfds
 
+from jsteer.data import digest, readers
 from jsteer.data import ner as ner_lib
-from jsteer.data import readers
 
 PathLike = Union[str, os.PathLike]
 
 FILE_FORMAT = "array_record"
+
+_log = logging.getLogger(__name__)
 
 
 def default_data_dir() -> str:
@@ -45,14 +54,25 @@ def default_data_dir() -> str:
     return os.environ.get("JSTEER_DATA_DIR", os.path.join(os.path.expanduser("~"), ".cache", "jsteer", "tfds"))
 
 
-def _fingerprint(files: Sequence[PathLike], options: Mapping[str, Any]) -> str:
+def _fingerprint(files: Sequence[PathLike], options: Mapping[str, Any], cache_dir: PathLike) -> str:
+    """12 hex digits of sha256 over the files' content hashes (in order) and ``options``."""
     h = hashlib.sha256()
     for f in files:
-        p = pathlib.Path(f).resolve()
-        st = p.stat() if p.exists() else None
-        h.update(f"{p}|{st.st_size if st else -1}|{st.st_mtime_ns if st else -1}\n".encode())
+        # A missing file is left to the reader, whose DataError names it while preparing.
+        h.update(f"{digest.file_sha256(f, cache_dir) if os.path.isfile(f) else 'missing'}\n".encode())
     h.update(json.dumps(options, sort_keys=True, default=str).encode())
     return h.hexdigest()[:12]
+
+
+class _LocalInfo(tfds.core.DatasetInfo):
+    """DatasetInfo of a local-source builder: never looked up on the TFDS GCS bucket.
+
+    TFDS calls ``initialize_from_bucket`` for every builder not yet prepared, and that makes an
+    empty ``tempfile.mkdtemp("tfds")`` folder it never removes (one ``/tmp/tmp*tfds`` per new
+    cache key); there is nothing on the bucket for these builders anyway."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
 
 
 class _SourceBuilder(tfds.core.GeneratorBasedBuilder):
@@ -68,27 +88,48 @@ class _SourceBuilder(tfds.core.GeneratorBasedBuilder):
     def code_path(cls):
         return None
 
-    def __init__(self, *, source_files: Sequence[PathLike], options: Mapping[str, Any], data_dir=None, **kwargs):
-        name = "src_" + _fingerprint(source_files, options)
+    def __init__(
+        self,
+        *,
+        source_files: Sequence[PathLike],
+        options: Mapping[str, Any],
+        split_files: Optional[Mapping[str, Sequence[PathLike]]] = None,
+        data_dir=None,
+        **kwargs,
+    ):
+        data_dir = data_dir or default_data_dir()
+        name = "src_" + _fingerprint(source_files, options, data_dir)
         config = tfds.core.BuilderConfig(name=name, description=f"sources: {[str(f) for f in source_files]}")
         kwargs.setdefault("file_format", FILE_FORMAT)
         if str(kwargs["file_format"]) not in (FILE_FORMAT, "FileFormat.ARRAY_RECORD"):
             raise ValueError("jsteer builders write array_record only (the only TF-free TFDS format)")
-        super().__init__(data_dir=data_dir or default_data_dir(), config=config, **kwargs)
+        self._data_dir_for_hashes = data_dir
+        self._split_files = {k: [pathlib.Path(f) for f in v] for k, v in (split_files or {}).items()}
+        self._source_meta = tfds.core.MetadataDict()
+        super().__init__(data_dir=data_dir, config=config, **kwargs)
 
     def _make_info(self, description: str, features: dict, label_names=None) -> tfds.core.DatasetInfo:
         # disable_shuffling keeps file order (record i = i-th example of the source).
-        meta = tfds.core.MetadataDict(label_names=list(label_names)) if label_names is not None else None
-        return tfds.core.DatasetInfo(
+        if label_names is not None:
+            self._source_meta["label_names"] = list(label_names)
+        return _LocalInfo(
             builder=self,
             description=description,
             features=tfds.features.FeaturesDict(features),
             disable_shuffling=True,
-            metadata=meta,
+            metadata=self._source_meta,
         )
 
     def _split_generators(self, dl_manager):
         del dl_manager
+        # Written into the prepared data set's metadata (read back by jsteer.data.sources).
+        self._source_meta["sources"] = {
+            split: [
+                {"name": f.name, "sha256": digest.file_sha256(f, self._data_dir_for_hashes)}
+                for f in self._split_files.get(split, [])
+            ]
+            for split in self._split_names()
+        }
         return {split: self._generate_examples(split) for split in self._split_names()}
 
 
@@ -104,7 +145,8 @@ class ConllNer(_SourceBuilder):
     Args:
       splits: ``{split_name: path}``.
       label_names: tag vocabulary (ClassLabel order). None infers it from the first split
-        (``O`` first, then sorted), so a tag in a later split that the first lacks is an error.
+        while preparing (``O`` first, then sorted), so a tag in a later split that the first
+        lacks is an error; a prepared data set is opened without parsing its sources.
       scheme, delimiter, token_column, tag_column: as in :func:`readers.read_conll`.
 
     Features: ``tokens`` [n] bytes, ``tags`` [n] int32 ids into ``label_names``, ``doc`` and
@@ -126,14 +168,11 @@ class ConllNer(_SourceBuilder):
     ):
         self._splits = _check_splits(splits)
         self._read_kw = dict(scheme=scheme, delimiter=delimiter, token_column=token_column, tag_column=tag_column)
-        if label_names is None:
-            first = next(iter(self._splits.values()))
-            seen = {t for s in readers.read_conll(first, **self._read_kw) for t in s.tags}
-            label_names = ["O"] + sorted(seen - {"O"}) if "O" in seen else sorted(seen)
-        self._label_names = list(label_names)
+        self._label_names = None if label_names is None else list(label_names)
         super().__init__(
             source_files=list(self._splits.values()),
-            options=dict(self._read_kw, labels=self._label_names, splits=sorted(self._splits)),
+            options=dict(self._read_kw, labels=self._label_names, splits=list(self._splits)),
+            split_files={k: [v] for k, v in self._splits.items()},
             **kwargs,
         )
 
@@ -153,6 +192,14 @@ class ConllNer(_SourceBuilder):
 
     def _split_names(self):
         return list(self._splits)
+
+    def _split_generators(self, dl_manager):
+        if self._label_names is None:
+            first = next(iter(self._splits.values()))
+            seen = {t for s in readers.read_conll(first, **self._read_kw) for t in s.tags}
+            self._label_names = ["O"] + sorted(seen - {"O"}) if "O" in seen else sorted(seen)
+            self._source_meta["label_names"] = list(self._label_names)
+        return super()._split_generators(dl_manager)
 
     def _generate_examples(self, split):
         sents = readers.read_conll(self._splits[split], label_set=self._label_names, **self._read_kw)
@@ -201,12 +248,13 @@ class LabeledText(_SourceBuilder):
         if label_names is None:
             label_names = sorted({r.label for r in self._read(next(iter(self._splits)), None)})
         self._label_names = [str(x) for x in label_names]
-        files = []
-        for v in self._splits.values():
-            files.extend(v.values() if isinstance(v, Mapping) else [v])
+        split_files = {k: list(v.values()) if isinstance(v, Mapping) else [v] for k, v in self._splits.items()}
+        # fmt="text": which file holds which label is data too (the files' order alone is not).
+        layout = {k: list(v) if isinstance(v, Mapping) else None for k, v in self._splits.items()}
         super().__init__(
-            source_files=files,
-            options=dict(fmt=fmt, labels=self._label_names, reader=self._reader_kw, splits=sorted(self._splits)),
+            source_files=[f for v in split_files.values() for f in v],
+            options=dict(fmt=fmt, labels=self._label_names, reader=self._reader_kw, splits=layout),
+            split_files=split_files,
             **kwargs,
         )
 
@@ -242,7 +290,8 @@ class Lama(_SourceBuilder):
     """Raw LAMA facts (T-REx / Google-RE JSON lines), one split per group of files.
 
     Args:
-      splits: ``{split: [paths]}`` (or one path).
+      splits: ``{split: [paths]}`` (or one path), one file per relation as LAMA lays them out:
+        a fact's ``relation`` is its file's stem without ``_test`` (``P19``, ``place_of_birth``).
       templates: ``{relation: template}`` or a path to ``relations.jsonl``; Google-RE
         templates are added. A fact whose relation has no template gets ``prompt`` "".
 
@@ -266,7 +315,10 @@ class Lama(_SourceBuilder):
         elif templates is not None:
             tmpl.update(templates)
         self._templates = tmpl
-        super().__init__(source_files=files, options=dict(templates=tmpl, splits=sorted(self._splits)), **kwargs)
+        names = {k: [pathlib.Path(f).name for f in v] for k, v in self._splits.items()}  # relations come from them
+        super().__init__(
+            source_files=files, options=dict(templates=tmpl, splits=names), split_files=self._splits, **kwargs
+        )
 
     def _info(self):
         return self._make_info(
@@ -288,7 +340,8 @@ class Lama(_SourceBuilder):
     def _generate_examples(self, split):
         i = 0
         for path in self._splits[split]:
-            for f in readers.read_lama_jsonl(path):
+            relation = readers.lama_file_relation(path)
+            for f in readers.read_lama_jsonl(path, relation=relation):
                 t = self._templates.get(f.relation)
                 yield (
                     i,
@@ -312,18 +365,27 @@ class TypedLama(_SourceBuilder):
       root: the ``processed_lama`` folder; all its CSVs form split ``"test"``.
       types: optionally only these types.
 
-    Features: ``sent`` (one ``[MASK]``), ``gold``, ``type`` (class id over the types found),
-    ``relation``, ``corpus``, ``line``.
+    Features: ``sent``, ``gold``, ``type`` (class id over the types found), ``relation``,
+    ``corpus``, ``line``. Type, corpus and relation come from each file's path. Rows are kept as
+    written: a ``sent`` without exactly one ``[MASK]`` or an empty gold is the consumer's to count
+    (``jsteer typevec probe`` reports them as skipped prompts).
     """
 
     name = "jsteer_typed_lama"
 
     def __init__(self, *, root: PathLike, types: Optional[Sequence[str]] = None, **kwargs):
         self._root = pathlib.Path(root)
-        self._prompts = readers.read_typed_lama_dir(self._root, types)
-        self._type_names = sorted({p.type_name for p in self._prompts})
-        files = sorted({p.source for p in self._prompts})
-        super().__init__(source_files=files, options=dict(types=self._type_names), **kwargs)
+        self._types = None if types is None else list(types)
+        # The file list and the types come from the paths: opening a prepared set parses nothing.
+        self._files = readers.typed_lama_files(self._root, self._types)
+        self._type_names = sorted({f.parts[-3][len("synth_") :] for f in self._files})
+        rel = [f.relative_to(self._root).as_posix() for f in self._files]
+        super().__init__(
+            source_files=self._files,
+            options=dict(types=self._type_names, files=rel),
+            split_files={"test": self._files},
+            **kwargs,
+        )
 
     def _info(self):
         return self._make_info(
@@ -342,22 +404,27 @@ class TypedLama(_SourceBuilder):
         return ["test"]
 
     def _generate_examples(self, split):
-        for i, p in enumerate(self._prompts):
-            yield (
-                i,
-                {
-                    "sent": p.sent,
-                    "gold": p.gold,
-                    "type": p.type_name,
-                    "relation": p.relation,
-                    "corpus": p.corpus,
-                    "line": p.line,
-                },
-            )
+        i = 0
+        for f in self._files:
+            for p in readers.read_typed_lama_csv(f, check_prompts=False):
+                yield (
+                    i,
+                    {
+                        "sent": p.sent,
+                        "gold": p.gold,
+                        "type": p.type_name,
+                        "relation": p.relation,
+                        "corpus": p.corpus,
+                        "line": p.line,
+                    },
+                )
+                i += 1
 
 
 class PreparedDataset(dict):
-    """``{split: data source}`` plus ``info`` (tfds DatasetInfo), ``label_names`` and ``builder_dir``.
+    """``{split: data source}`` plus ``info`` (tfds DatasetInfo), ``label_names``,
+    ``builder_dir``, and ``name`` / ``data_dir``: what ``tfds.builder(name, data_dir=data_dir)``
+    (and ``--tfds NAME --tfds-data-dir DIR`` in the CLI) open it by.
 
     A data source supports ``len(src)``, ``src[i]`` (dict of numpy arrays / bytes) and
     ``src.__getitems__([i, j])``; slicing does not work (TFDS limitation without TF).
@@ -368,6 +435,9 @@ class PreparedDataset(dict):
         self.info = builder.info
         self.builder_dir = str(builder.data_dir)
         self.label_names = _label_names(builder.info)
+        parts = builder.info.full_name.split("/")  # name[/config]/version
+        self.name = "/".join(parts[:-1])
+        self.data_dir = str(pathlib.Path(self.builder_dir).parents[len(parts) - 1])
 
 
 def _label_names(info) -> Optional[list[str]]:
@@ -380,18 +450,37 @@ def _label_names(info) -> Optional[list[str]]:
     return None
 
 
+@contextlib.contextmanager
+def quiet_tfds():
+    """TFDS's chatter off: its absl warnings ("Using custom data configuration ...") and the
+    "Downloading and preparing dataset Unknown size" lines it prints to stdout, where the
+    CLI's results go."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        absl.setLevel(level)
+
+
 def prepare(builder_cls, data_dir: Optional[PathLike] = None, *, progress: bool = False, **builder_kwargs):
     """Build (once; later calls reuse the cache) and open every split -> :class:`PreparedDataset`."""
-    builder = builder_cls(data_dir=data_dir, **builder_kwargs)
     if not progress:
         tfds.disable_progress_bar()
-    builder.download_and_prepare()
-    return PreparedDataset(builder)
+    with quiet_tfds():
+        builder = builder_cls(data_dir=data_dir, **builder_kwargs)
+        if not builder.is_prepared():
+            _log.info("preparing %s in %s", builder.info.full_name, builder.data_dir)
+        builder.download_and_prepare()
+        return PreparedDataset(builder)
 
 
 def load_prepared(builder_dir: PathLike):
     """Open a prepared builder directory (``<data_dir>/<name>/<config>/<version>``) without its sources."""
-    return PreparedDataset(tfds.builder_from_directory(builder_dir))
+    with quiet_tfds():
+        return PreparedDataset(tfds.builder_from_directory(builder_dir))
 
 
 # ----------------------------------------------------------------------------- presets

@@ -8,7 +8,16 @@
                       [--model minilm] [--method relational] [--layers 3 5] [--epochs 3] [--lr 5e-5]
                       [--kala-lr 1e-4] [--entity-dropout 0.3] [--batch-size 32] [--max-len 128]
                       [--scheme iob1|iob2] [--labels O,B-PER,I-PER,...] [--resume]
+    jsteer kala train --tfds jsteer_conll_ner/src_0123456789ab:train --tfds-data-dir tfds/ --test-split test
+                      --graph graphs/ --out runs/kala    (NER from a prepared TFDS data set)
     jsteer kala eval --run runs/kala --test test.conll [--graph graphs/]
+
+CoNLL files are read through the TFDS layer (:mod:`jsteer.data.sources`): prepared once by
+``jsteer.data.tfds_builders.ConllNer`` into ``--data-dir`` (default ``$JSTEER_DATA_DIR``; the
+cache is keyed by the file's content) and read with ``tfds.data_source``. ``--tfds`` trains on
+a prepared data set instead (features ``tokens`` and ``tags``; its tag vocabulary gives the
+label set); its mentions are the graph's ``<file>.mentions.jsonl`` of the file a jsteer
+builder prepared it from, else the graph's lexicon.tsv annotates it in memory (said on stderr).
 
 Extractive QA takes SQuAD v1.1 files (``.json``) in place of the CoNLL files; the task follows
 from the ``--train`` file (or ``--task qa``), and ``eval`` reads it from the run::
@@ -44,7 +53,7 @@ the ``--test`` file, another SQuAD-format data file or a folder).
 ``eval`` on a file the graph folder has no mentions for annotates it in memory with the
 folder's lexicon.tsv.
 
-Kept whole (about 690 lines): ``train`` and ``eval`` share the task checks, the
+Kept whole (about 800 lines): ``train`` and ``eval`` share the task checks, the
 predictions-path checks and QA scoring (``_task_of``, ``_check_predictions_path``,
 ``_qa_scores``), and ``register`` is the one argparse table of all three subcommands; split by
 subcommand those helpers would sit apart from both users.
@@ -140,9 +149,26 @@ def register(subparsers) -> None:
     )
     p.set_defaults(func=_build_graph)
 
-    p = sub.add_parser("train", help="fine-tune a BERT-family model with KALA (or a baseline) for NER or extractive QA")
-    p.add_argument("--train", required=True, help="a CoNLL file (NER) or a SQuAD-format JSON file (QA)")
+    p = sub.add_parser(
+        "train",
+        help="fine-tune a BERT-family model with KALA (or a baseline) for NER or extractive QA",
+        description="Fine-tune with KALA on a CoNLL file (NER; read through the TFDS layer: prepared once "
+        "into --data-dir and read with tfds.data_source), a prepared TFDS data set with tokens and "
+        "tags features (--tfds, NER), or a SQuAD-format JSON file (QA).",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--train", default=None, help="a CoNLL file (NER) or a SQuAD-format JSON file (QA)")
+    src.add_argument(
+        "--tfds",
+        default=None,
+        metavar="NAME[/CONFIG][:SPLIT]",
+        help="NER: train on a prepared TFDS data set in --tfds-data-dir instead (features tokens and tags; "
+        "SPLIT default: train, or its only split). Mentions: the graph's <file>.mentions.jsonl of the file "
+        "it was prepared from, else the graph's lexicon.tsv in memory",
+    )
     p.add_argument("--test", default=None, help="evaluate on this file (of the same kind as --train) at the end")
+    p.add_argument("--test-split", default=None, help="with --tfds: evaluate on this split of the data set at the end")
+    _data_dirs(p)
     p.add_argument(
         "--task",
         choices=("ner", "qa"),
@@ -223,6 +249,11 @@ def register(subparsers) -> None:
     p = sub.add_parser("eval", help="evaluate a trained KALA model (NER or QA, as trained) on a file")
     p.add_argument("--run", required=True, help="the --out folder of a train command")
     p.add_argument("--test", required=True, help="a CoNLL file (NER run) or a SQuAD-format JSON file (QA run)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="cache of prepared CoNLL files (default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
+    )
     p.add_argument("--graph", default=None, help="knowledge folder (default: the one used for training)")
     p.add_argument(
         "--predictions",
@@ -237,6 +268,20 @@ def register(subparsers) -> None:
     p.set_defaults(func=_eval)
 
 
+def _data_dirs(p) -> None:
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="cache where raw files are prepared as TFDS array_record data sets, once per content "
+        "(default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
+    )
+    p.add_argument(
+        "--tfds-data-dir",
+        default=None,
+        help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
+    )
+
+
 def _task_of(path) -> str:
     """``qa`` for a SQuAD-format file, ``ner`` for anything else (read as CoNLL)."""
     from jsteer.kala.qa import is_squad_file
@@ -247,17 +292,26 @@ def _task_of(path) -> str:
 
 
 def _resolve_task(args) -> str:
-    """The run's task (``--task``, else from ``--train``), checked against the files and the
-    task-specific options; fills in the options' task defaults on ``args``."""
-    task = _task_of(args.train)
+    """The run's task (``--task``, else from ``--train``; ``--tfds``: NER), checked against the
+    files and the task-specific options; fills in the options' task defaults on ``args``."""
+    if args.tfds is None and args.test_split is not None:
+        raise ValueError("--test-split is a split of the --tfds data set; give --test FILE with --train")
+    if args.tfds is not None:
+        if args.task == "qa":
+            raise ValueError("--tfds data sets train NER (tokens and tags); QA takes SQuAD-format files (--train)")
+        if args.test is not None and args.test_split is not None:
+            raise ValueError("--test and --test-split: give one test set")
+        task = "ner"
+    else:
+        task = _task_of(args.train)
+    given = f"--train {args.train}" if args.train is not None else f"--tfds {args.tfds}"
+    kind = TASK_FILES[task] if args.train is not None else "a TFDS data set (NER)"
     if args.task is not None and args.task != task:
-        raise ValueError(
-            f"--task {args.task}, but --train {args.train} is {TASK_FILES[task]}, not {TASK_FILES[args.task]}"
-        )
+        raise ValueError(f"--task {args.task}, but {given} is {kind}, not {TASK_FILES[args.task]}")
     if args.test is not None and _task_of(args.test) != task:
         raise ValueError(
-            f"--test {args.test} is {TASK_FILES[_task_of(args.test)]}, but --train {args.train} is "
-            f"{TASK_FILES[task]}: a run trains and tests one task"
+            f"--test {args.test} is {TASK_FILES[_task_of(args.test)]}, but {given} is {kind}: a run trains "
+            f"and tests one task"
         )
     own, other = (QA_DEFAULTS, NER_DEFAULTS) if task == "qa" else (NER_DEFAULTS, QA_DEFAULTS)
     foreign = [
@@ -268,7 +322,7 @@ def _resolve_task(args) -> str:
     if foreign:
         raise ValueError(
             f"{', '.join(foreign)}: {'NER' if task == 'qa' else 'QA'} option(s), but this is "
-            f"{'a QA' if task == 'qa' else 'an NER'} run (--train {args.train} is {TASK_FILES[task]})"
+            f"{'a QA' if task == 'qa' else 'an NER'} run ({given} is {kind})"
         )
     for k, v in own.items():
         if getattr(args, k) is None:
@@ -276,13 +330,46 @@ def _resolve_task(args) -> str:
     return task
 
 
-def _labels_of(path, scheme) -> tuple[str, ...]:
-    """O plus B-X and I-X for every entity type X tagged in ``path`` (IOB2; sorted by type), so a
-    test file may hold an I-X (or B-X) the training file happens not to."""
-    from jsteer.data.readers import read_conll
+def _ner_sources(args):
+    """(train, test) NER splits: files prepared through the TFDS layer (cached in --data-dir) or
+    splits of the --tfds data set; test None without one."""
+    from jsteer.data import sources
+    from jsteer.kala import pipeline
 
-    types = {t[2:] for s in read_conll(path, scheme=scheme) for t in s.tags if t != "O"}
-    return ("O",) + tuple(f"{p}-{x}" for x in sorted(types) for p in "BI")
+    def named(split):
+        spec = args.tfds if split is None else f"{args.tfds.split(':', 1)[0]}:{split}"
+        return sources.open_tfds(
+            spec, args.tfds_data_dir, need=sources.NER, default_split="train", what="(NER trains on tokens and tags)"
+        )
+
+    if args.tfds is not None:
+        train = named(None)
+        test = named(args.test_split) if args.test_split is not None else None
+    else:
+        train = pipeline.ner_split(args.train, args.scheme, args.data_dir)
+        test = None
+    if args.test is not None:
+        test = pipeline.ner_split(args.test, args.scheme, args.data_dir)
+    return train, test
+
+
+def _tfds_lexicon(graph, splits):
+    """The graph's lexicon when a split of a named data set has no mentions file there (its
+    sentences are annotated in memory, said on stderr); None otherwise."""
+    from jsteer.kala import pipeline
+    from jsteer.kala.builder import Lexicon
+
+    graph = pathlib.Path(graph)
+    lacking = [s for s in splits if s is not None and not s.files and not pipeline.mentions_path(graph, s).is_file()]
+    if not lacking or not (graph / "lexicon.tsv").is_file():
+        return None
+    for s in lacking:
+        print(
+            f"note: {graph} has no {pipeline.mentions_path(graph, s).name} for {s.describe()}; annotating it in "
+            f"memory with {graph / 'lexicon.tsv'}",
+            file=sys.stderr,
+        )
+    return Lexicon.load(graph / "lexicon.tsv")
 
 
 def _parse_labels(text: str) -> tuple[str, ...]:
@@ -339,15 +426,18 @@ def _build_graph(args) -> int:
     return 0
 
 
-def _run_record(args, task, labels) -> dict:
+def _run_record(args, task, labels, train_split=None) -> dict:
     """run.json of a train command: what decides its numbers (compared on --resume)."""
     from jsteer.convert.hf import file_sha256 as file_digest
     from jsteer.kala import pipeline
 
     graph = pathlib.Path(args.graph)
-    mentions = pipeline.mentions_path(graph, args.train)
+    named = train_split is not None and not train_split.files
+    mentions = pipeline.mentions_path(graph, train_split if named else args.train)
     if not mentions.is_file():
-        raise pipeline.missing_mentions_error(args.train, graph)
+        if not (named and (graph / "lexicon.tsv").is_file()):
+            raise pipeline.missing_mentions_error(train_split if named else args.train, graph)
+        mentions = graph / "lexicon.tsv"  # the named split is annotated with it in memory
     config = {
         k: getattr(args, k)
         for k in (
@@ -375,12 +465,12 @@ def _run_record(args, task, labels) -> dict:
     else:
         config.update({k: getattr(args, k) for k in QA_DEFAULTS})
     data = {
-        "train": file_digest(args.train),
+        "train": train_split.digest() if named else file_digest(args.train),
         "train_mentions": file_digest(mentions),
         "facts": file_digest(graph / "facts.jsonl"),
     }
     paths = {
-        "train": str(pathlib.Path(args.train).resolve()),
+        "train": train_split.describe() if named else str(pathlib.Path(args.train).resolve()),
         "train_mentions": str(mentions.resolve()),
         "facts": str((graph / "facts.jsonl").resolve()),
         "graph": str(graph.resolve()),
@@ -422,13 +512,16 @@ def _train_locked(args, out: pathlib.Path) -> int:
     if not args.resume:
         runs.check_fresh(out)  # before anything slow
     task = _resolve_task(args)
-    labels = None
+    labels = train_split = test_split = lexicon = None
     if task == "ner":
-        labels = _parse_labels(args.labels) if args.labels else _labels_of(args.train, args.scheme)
+        train_split, test_split = _ner_sources(args)
+        labels = _parse_labels(args.labels) if args.labels else pipeline.split_labels(train_split)
     if not (pathlib.Path(args.graph) / "facts.jsonl").is_file():
         raise FileNotFoundError(f"--graph {args.graph}: no facts.jsonl (write the folder with jsteer kala build-graph)")
-    record = _run_record(args, task, labels)
+    record = _run_record(args, task, labels, train_split)
     runs.check(out, record, args.resume)
+    if task == "ner":
+        lexicon = _tfds_lexicon(args.graph, (train_split, test_split))
     if task == "qa":  # every input checked before the (slow) model load
         train_split = pipeline.read_qa_split(args.train, args.graph, args.train_size)
         pipeline.check_train_split(args.train, train_split)  # questions, each with an answer (no SQuAD v2.0)
@@ -443,8 +536,8 @@ def _train_locked(args, out: pathlib.Path) -> int:
         raise ValueError(f"KALA needs a BERT-family encoder; {args.model} is {lm.family}")
     if task == "ner":
         data = pipeline.load_ner_data(
-            args.train,
-            args.test,
+            train_split,
+            test_split,
             args.graph,
             lm.tokenizer,
             labels=labels,
@@ -452,6 +545,7 @@ def _train_locked(args, out: pathlib.Path) -> int:
             max_len=args.max_len,
             max_neighbors=args.max_neighbors,
             train_size=args.train_size,
+            lexicon=lexicon,
         )
     else:
         data = pipeline.qa_data(
@@ -534,7 +628,7 @@ def _train_locked(args, out: pathlib.Path) -> int:
         "train_seconds": fit.train_seconds,
         "examples_per_second": fit.examples_per_second,
     }
-    if args.test and task == "ner":
+    if task == "ner" and test_split is not None:
         metrics["test"] = ktrain.evaluate_ner(
             model, fit.params, data.test, data.test_tags, labels, subsets=data.subsets(), progress=True
         )
@@ -686,7 +780,7 @@ def _eval(args) -> int:
         _eval_end(args, t0, scores, {"exact match": scores["exact_match"], "F1": scores["f1"]}, "QA")
         return 0
     labels = tuple(meta["labels"])
-    split = pipeline.read_split(args.test, graph, labels, meta["scheme"], lexicon=lexicon)
+    split = pipeline.read_split(args.test, graph, labels, meta["scheme"], lexicon=lexicon, data_dir=args.data_dir)
     test = pipeline.encode_split(split, lm.tokenizer, labels, vocab, kg, meta["max_len"], meta["max_neighbors"])
     model = KalaModel(lm.config, KalaConfig.from_dict(meta["kala"]), task="ner", num_labels=len(labels))
     data = pipeline.NERData(labels, [], test, [], [t for _, t, _ in split], vocab, relations, kg)

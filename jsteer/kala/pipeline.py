@@ -16,6 +16,17 @@ Extractive QA the same way, on SQuAD-format files (``build_model`` picks the QA 
 
 The graph directory is what ``jsteer kala build-graph`` writes (``<file>.mentions.jsonl``,
 ``facts.jsonl``). The entity vocabulary is built from the *training* mentions only.
+
+NER sentences are read through the TFDS layer: a CoNLL file is prepared once by
+:class:`jsteer.data.tfds_builders.ConllNer` into ``data_dir`` (default ``$JSTEER_DATA_DIR``)
+and read back with ``tfds.data_source``; a prepared TFDS data set with ``tokens`` and ``tags``
+is passed as a :class:`jsteer.data.sources.Split` in place of the path::
+
+    train = sources.open_tfds("jsteer_conll_ner/src_0123456789ab:train", "tfds/", need=sources.NER)
+    data = load_ner_data(train, None, graph_dir, tokenizer, lexicon=Lexicon.load(graph_dir / "lexicon.tsv"))
+
+A split's mentions are the graph's ``<file name>.mentions.jsonl`` of the file it was prepared
+from (:func:`mentions_path`); without one, ``lexicon`` annotates it in memory.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import numpy as np
 
 from jsteer.backbones.bert import BertConfig, BertEncoder
 from jsteer.data import ner as ner_lib
-from jsteer.data.readers import read_conll
+from jsteer.data import sources
 from jsteer.kala import data as kdata
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab, init_memory
 from jsteer.kala.formats import FormatError, read_facts, read_mentions
@@ -78,20 +89,59 @@ def _subsample(n_total: int, n: Optional[int], seed: int) -> list[int]:
     return sorted(np.random.default_rng(seed).choice(n_total, size=n, replace=False).tolist())
 
 
-def mentions_path(graph_dir, conll_path) -> pathlib.Path:
-    """Where build-graph writes the mentions of ``conll_path``: ``<graph_dir>/<name>.mentions.jsonl``."""
-    return pathlib.Path(graph_dir) / f"{pathlib.Path(conll_path).name}.mentions.jsonl"
+def ner_split(source, scheme: Optional[str] = "iob1", data_dir=None) -> sources.Split:
+    """A CoNLL file prepared through :class:`~jsteer.data.tfds_builders.ConllNer` (once; cached
+    in ``data_dir``, its tag set inferred from the file), or a :class:`~jsteer.data.sources.Split` as is."""
+    from jsteer.data import tfds_builders  # imports tensorflow_datasets (seconds): only when reading
+
+    if isinstance(source, sources.Split):
+        return source
+    return sources.prepared(tfds_builders.ConllNer, source, data_dir, scheme=scheme)
 
 
-def missing_mentions_error(conll_path, graph_dir) -> FormatError:
+def split_labels(split: sources.Split) -> tuple[str, ...]:
+    """O plus B-X and I-X for every entity type X among the split's tags (IOB2; sorted by type),
+    so a test file may hold an I-X (or B-X) the training file happens not to. A prepared file's
+    tag names are the tags it holds; a named data set's, its tag vocabulary."""
+    names = split.class_names("tags")
+    if names is None:  # string tags
+        names = {t for s in sources.tagged_sentences(split) for t in s.tags}
+    types = {t[2:] for t in names if t != "O"}
+    return ("O",) + tuple(f"{p}-{x}" for x in sorted(types) for p in "BI")
+
+
+def _mentions_key(source) -> str:
+    """The name a source's mentions file is keyed by: the (first) file it was prepared from;
+    ``<name>_<split>`` for a data set that records none."""
+    if not isinstance(source, sources.Split):
+        return str(source)
+    if source.files:
+        return source.files[0]
+    names = source.source_names
+    return names[0] if len(names) == 1 else f"{source.name.replace('/', '_')}_{source.split}"
+
+
+def mentions_path(graph_dir, source) -> pathlib.Path:
+    """Where build-graph writes the mentions of a CoNLL file: ``<graph_dir>/<name>.mentions.jsonl``
+    (a :class:`~jsteer.data.sources.Split`: of the file it was prepared from, see :func:`_mentions_key`)."""
+    return pathlib.Path(graph_dir) / f"{pathlib.Path(_mentions_key(source)).name}.mentions.jsonl"
+
+
+def missing_mentions_error(source, graph_dir) -> FormatError:
     """The error for a CoNLL file the graph folder has no mentions of, naming the command that
     annotates it without touching the graph's facts (or, with no lexicon there, what to do)."""
     graph_dir = pathlib.Path(graph_dir)
     lexicon = graph_dir / "lexicon.tsv"
-    if lexicon.is_file():
+    what = source.describe() if isinstance(source, sources.Split) else source
+    if isinstance(source, sources.Split) and not source.files:
+        fix = (
+            "write it (format: jsteer.kala.formats; keys are record indices) or give the graph a "
+            "lexicon.tsv to annotate it with"
+        )
+    elif lexicon.is_file():
         fix = (
             f"annotate it with the graph's lexicon (facts and lexicon stay as they are): "
-            f"jsteer kala build-graph {conll_path} --lexicon {lexicon} --out {graph_dir}"
+            f"jsteer kala build-graph {what} --lexicon {lexicon} --out {graph_dir}"
         )
     else:
         fix = (
@@ -99,10 +149,10 @@ def missing_mentions_error(conll_path, graph_dir) -> FormatError:
             f"yourself (format: jsteer.kala.formats) or rebuild the graph with this file among its inputs"
         )
     return FormatError(
-        mentions_path(graph_dir, conll_path),
+        mentions_path(graph_dir, source),
         None,
         None,
-        f"no such file: the graph folder has no mentions for {conll_path}; {fix}",
+        f"no such file: the graph folder has no mentions for {what}; {fix}",
     )
 
 
@@ -114,14 +164,19 @@ def read_split(
     size: Optional[int] = None,
     subsample_seed: int = 0,
     lexicon=None,
+    data_dir=None,
 ) -> list[tuple[list[str], list[str], list]]:
-    """CoNLL file + its ``<name>.mentions.jsonl`` under ``graph_dir`` -> [(words, tags, mentions)]
-    (a seeded random subset of ``size`` sentences, in file order; None: all).
+    """CoNLL file (or a :class:`~jsteer.data.sources.Split`) + its mentions file under
+    ``graph_dir`` (:func:`mentions_path`) -> [(words, tags, mentions)] (a seeded random subset of
+    ``size`` sentences, in file order; None: all). A file is read through :func:`ner_split`
+    (cached in ``data_dir``); a Split's tags are converted by ``scheme``.
 
     Without a mentions file: with ``lexicon`` (a :class:`jsteer.kala.builder.Lexicon`) the
     sentences are annotated with it in memory, as ``build-graph --lexicon`` would; otherwise a
     FormatError names the command that writes the file."""
-    sents = read_conll(path, scheme=scheme, label_set=labels)
+    split = ner_split(path, scheme, data_dir)
+    # A prepared file's tags are IOB2 already; a named data set's are converted here.
+    sents = sources.tagged_sentences(split, scheme=None if split.files else scheme, label_set=labels)
     words = {i: list(s.tokens) for i, s in enumerate(sents)}
     mpath = mentions_path(graph_dir, path)
     if mpath.is_file():
@@ -159,17 +214,25 @@ def load_ner_data(
     test_size: Optional[int] = None,
     subsample_seed: int = 0,
     facts_path=None,
+    lexicon=None,
+    data_dir=None,
 ) -> NERData:
-    """Read CoNLL train / test files and their knowledge files; encode both splits.
+    """Read CoNLL train / test files (or :class:`~jsteer.data.sources.Split` s of a prepared
+    TFDS data set) and their knowledge files; encode both splits.
 
     ``train_size`` / ``test_size`` take a seeded random subset of sentences (None: all).
-    ``test_path`` None: no test split (``test`` and ``test_tags`` empty).
+    ``test_path`` None: no test split (``test`` and ``test_tags`` empty). ``lexicon``, ``data_dir``:
+    see :func:`read_split`.
     """
     graph_dir = pathlib.Path(graph_dir)
-    train = read_split(train_path, graph_dir, labels, scheme, train_size, subsample_seed)
+    read = dict(lexicon=lexicon, data_dir=data_dir)
+    train = read_split(train_path, graph_dir, labels, scheme, train_size, subsample_seed, **read)
     if not train:
-        raise ValueError(f"{train_path}: no sentences to train on (an empty CoNLL file)")
-    test = [] if test_path is None else read_split(test_path, graph_dir, labels, scheme, test_size, subsample_seed)
+        what = train_path.describe() if isinstance(train_path, sources.Split) else train_path
+        raise ValueError(f"{what}: no sentences to train on (an empty CoNLL file)")
+    test = (
+        [] if test_path is None else read_split(test_path, graph_dir, labels, scheme, test_size, subsample_seed, **read)
+    )
     facts = read_facts(facts_path or graph_dir / "facts.jsonl")
     vocab = EntityVocab.from_mentions([m for _, _, m in train])
     relations = RelationVocab.from_facts(facts)

@@ -1,11 +1,18 @@
 """``jsteer steer``: train, generate, highlight, explain, transfer.
 
     jsteer steer train --model smollm2-135m --data ../shared/data/sst5/train.jsonl --out steers/sentiment
+    jsteer steer train --model smollm2-135m --tfds jsteer_labeled_text/src_0123456789ab:train \
+        --tfds-data-dir tfds/ --out steers/sentiment      (texts from a prepared TFDS data set)
     jsteer steer generate --model smollm2-135m --steer steers/sentiment --value 5 "The movie was"
     jsteer steer generate ... --steer steers/sentiment --value 5 --steer steers/detox --value 3 "..."
     jsteer steer highlight --model smollm2-135m --steer steers/sentiment --value 5 "text to explain"
     jsteer steer explain --model smollm2-135m --steer steers/sentiment [--dirs 5 --top 10]
     jsteer steer transfer --steer steers/sentiment --from smollm2-135m --to OTHER --out steers/sent-other
+
+``train --data`` files are read through the TFDS layer (:mod:`jsteer.data.sources`): prepared
+once into ``--data-dir`` (default ``$JSTEER_DATA_DIR``; keyed by the file's content) and read
+with ``tfds.data_source``; ``--tfds`` reads a prepared data set's ``text`` and ``label`` features
+instead (``--format`` maps its labels; auto knows SST-5's 0..4 and +1 / -1 names).
 
 ``--value`` is in units of the artifact's eps0 (the original's ``--steer_values``); the
 domain-shift ("dummy") steer is kept at ``--dummy`` (default 1) for every artifact, so composing
@@ -34,10 +41,40 @@ def register(subparsers) -> None:
     )
     sub = top.add_subparsers(dest="steer_command", required=True)
 
-    p = sub.add_parser("train", help="train a steer on labeled texts (frozen model, cached hidden states)")
+    p = sub.add_parser(
+        "train",
+        help="train a steer on labeled texts (frozen model, cached hidden states)",
+        description="Train a steer on labeled texts: a file (--data; read through the TFDS layer: prepared "
+        "once into --data-dir, read with tfds.data_source) or a prepared TFDS data set with text and "
+        "label features (--tfds).",
+    )
     p.add_argument("--model", required=True, help="decoder: embedded name, HF folder, .gguf or jsteer checkpoint")
-    p.add_argument("--data", required=True, help="labeled texts: SST-5 .jsonl, Jigsaw .csv, or {text,label} .jsonl")
-    p.add_argument("--format", default="auto", choices=("auto", "sst5", "jigsaw", "jsonl"))
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", default=None, help="labeled texts: SST-5 .jsonl, Jigsaw .csv, or {text,label} .jsonl")
+    src.add_argument(
+        "--tfds",
+        default=None,
+        metavar="NAME[/CONFIG][:SPLIT]",
+        help="a prepared TFDS data set in --tfds-data-dir with text and label features (SPLIT default: "
+        "train, or its only split); labels are read as --format says (auto: SST-5's 0..4 or +1/-1 names)",
+    )
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "sst5", "jigsaw", "jsonl"),
+        help="how labels map to +1 / -1: sst5 (3, 4 / 0, 1; 2 dropped), jigsaw (0 / 1), jsonl (1 / -1 or 0)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="cache where --data is prepared as a TFDS array_record data set, once per content "
+        "(default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
+    )
+    p.add_argument(
+        "--tfds-data-dir",
+        default=None,
+        help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
+    )
     p.add_argument("--out", required=True, help="artifact folder to write")
     p.add_argument("--name", default="steer0", help="name of the trained steer (recorded in the artifact)")
     p.add_argument("--rank", type=int, default=1000, help="rank of W = P1 P2^T (default 1000)")
@@ -210,19 +247,22 @@ def steer_hooks(lm, paths, values, dummy: float = 1.0):
 # ----------------------------------------------------------------------------- verbs
 
 
-def _cache_key(args, lm) -> dict:
+def _cache_key(args, lm, source) -> dict:
     """What cached hidden states depend on: a cache built from another model, data file or text
     cut is refused on reuse."""
     import os
 
     from jsteer.convert.hf import file_sha256
 
-    if not os.path.isfile(args.data):
+    if args.tfds is not None:
+        data = {"tfds": f"{source.spec} in {source.data_dir}", "data_sha256": source.digest()}
+    elif not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data}: no such file")
+    else:
+        data = {"data": os.path.abspath(args.data), "data_sha256": file_sha256(args.data)}
     return {
         "model": lm.identity,
-        "data": os.path.abspath(args.data),
-        "data_sha256": file_sha256(args.data),
+        **data,
         "format": args.format,
         "max_len": args.max_len,
         "limit": args.limit,
@@ -256,7 +296,14 @@ def _train(args) -> int:
     if args.tokens_per_batch is not None and args.tokens_per_batch < 1:
         raise ValueError(f"--tokens-per-batch must be >= 1, got {args.tokens_per_batch}")
     t0 = time.time()
-    key = _cache_key(args, lm) if args.cache else None
+    source = args.data
+    if args.tfds is not None:
+        from jsteer.data import sources
+
+        source = sources.open_tfds(
+            args.tfds, args.tfds_data_dir, need=sources.LABELED, default_split="train", what="(a steer trains on them)"
+        )
+    key = _cache_key(args, lm, source) if args.cache else None
     if args.cache and os.path.exists(train.npz_path(args.cache)):
         cache = train.HiddenCache.load(args.cache, key=key)
         print(
@@ -264,7 +311,9 @@ def _train(args) -> int:
             f"{cache.num_tokens} tokens)"
         )
     else:
-        texts, values = train.load_labeled(args.data, args.format, limit=args.limit, seed=args.seed)
+        texts, values = train.load_labeled(
+            source, args.format, limit=args.limit, seed=args.seed, data_dir=args.data_dir
+        )
         print(f"{len(texts)} texts ({int((values > 0).sum())} positive, {int((values < 0).sum())} negative)")
         cache = train.cache_lm(lm, texts, values, max_len=args.max_len, progress=True)
         if args.cache:
@@ -283,7 +332,7 @@ def _train(args) -> int:
         dummy=cfg.dummy,
         steer_names=[args.name],
         extra={
-            "data": args.data,
+            "data": args.data if args.tfds is None else f"tfds {source.spec} in {source.data_dir}",
             "steps": cfg.steps,
             "rank": cfg.rank,
             "lr": cfg.lr,

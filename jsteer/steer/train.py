@@ -89,43 +89,91 @@ SST5_POSITIVE = ("3", "4")
 SST5_NEGATIVE = ("0", "1")
 
 
+# --format -> (LabeledText's fmt, its reader's fields / columns, the label set) of raw files
+_FORMATS = {
+    "sst5": ("jsonl", {"text_field": "sentence", "label_field": "label"}, ("0", "1", "2", "3", "4")),
+    "jigsaw": ("csv", {"text_column": 0, "label_column": 1}, ("0", "1")),
+    "jsonl": ("jsonl", {"text_field": "text", "label_field": "label"}, ("1", "-1", "0", "+1")),
+}
+
+
+def _sniff(path: str) -> str:
+    """ "auto" for a file: by extension / content."""
+    from jsteer.data import readers
+
+    if path.endswith(".csv"):
+        return "jigsaw"
+    first = readers.read_text(path).split("\n", 1)[0]
+    return "sst5" if '"sentence"' in first else "jsonl"
+
+
+def _split_format(split, fmt: str, labels) -> str:
+    """ "auto" for a TFDS split: by its label names (SST-5's 0..4; +1 / -1); 0 / 1 names no sign."""
+    if fmt != "auto":
+        return fmt
+    names = set(labels)
+    if names and names <= set(_FORMATS["sst5"][2]) and names - {"0", "1"}:
+        return "sst5"
+    if names & {"-1", "+1"} and names <= set(_FORMATS["jsonl"][2]):
+        return "jsonl"
+    raise ValueError(
+        f"{split.describe()}: labels {sorted(names)} do not say which texts are positive: give --format "
+        f"sst5 (3, 4 -> +1; 0, 1 -> -1), jigsaw (0 non-toxic -> +1, 1 toxic -> -1) or jsonl (1 -> +1, 0 / -1 -> -1)"
+    )
+
+
+def labeled_records(source, fmt: str = "auto", data_dir=None):
+    """Labeled texts as :class:`jsteer.data.readers.LabeledText` records, and the format that maps
+    their labels: a file (prepared once through the TFDS builder
+    :class:`~jsteer.data.tfds_builders.LabeledText` into ``data_dir``, read with
+    ``tfds.data_source``) or a :class:`~jsteer.data.sources.Split` with ``text`` and ``label``."""
+    from jsteer.data import readers, sources, tfds_builders
+
+    if fmt not in ("auto", *_FORMATS):
+        raise ValueError(f"unknown labeled-data format {fmt!r}: use sst5, jigsaw, jsonl or auto")
+    if isinstance(source, sources.Split):
+        recs = sources.labeled_texts(source)
+        fmt = _split_format(source, fmt, source.class_names("label") or {r.label for r in recs})
+        allowed = _FORMATS[fmt][2]
+        for r in recs:
+            if r.label not in allowed:
+                raise readers.DataError(r.source, r.line, f"label {r.label!r} not in label set {sorted(allowed)}")
+        return recs, fmt
+    path = str(source)
+    if fmt == "auto":
+        fmt = _sniff(path)
+    kind, fields, labels = _FORMATS[fmt]
+    split = sources.prepared(
+        tfds_builders.LabeledText, path, data_dir, fmt=kind, label_names=labels, reader_kwargs=fields
+    )
+    return sources.labeled_texts(split), fmt
+
+
 def load_labeled(
-    path: str, fmt: str = "auto", limit: Optional[int] = None, seed: int = 0
+    path, fmt: str = "auto", limit: Optional[int] = None, seed: int = 0, data_dir=None
 ) -> Tuple[List[str], np.ndarray]:
     """Labeled texts -> (texts, values [N] float32 in {+1, -1}).
 
+    ``path``: a file or a :class:`~jsteer.data.sources.Split` (see :func:`labeled_records`).
     fmt: "sst5" (JSON lines ``{sentence, label}``, labels 3-4 -> +1, 0-1 -> -1, 2 dropped),
     "jigsaw" (CSV ``text,label`` no header, 0 non-toxic -> +1, 1 toxic -> -1),
-    "jsonl" (``{text, label}`` with label +1/-1 or 1/0), or "auto" (by extension / content).
-    ``limit`` keeps a class-balanced random subset. Empty files raise a clear error.
+    "jsonl" (``{text, label}`` with label +1/-1 or 1/0), or "auto" (by extension / content; a
+    split: by its label names). ``limit`` keeps a class-balanced random subset. Empty files
+    raise a clear error.
     """
-    from jsteer.data import readers
-
-    if fmt == "auto":
-        fmt = "jigsaw" if path.endswith(".csv") else "sst5"
-        if fmt == "sst5":
-            first = readers.read_text(path).split("\n", 1)[0]
-            if '"sentence"' not in first:
-                fmt = "jsonl"
+    recs, fmt = labeled_records(path, fmt, data_dir)
+    if hasattr(path, "describe"):
+        path = path.describe()
     if fmt == "sst5":
-        recs = readers.read_jsonl_labeled(
-            path, text_field="sentence", label_field="label", label_set=("0", "1", "2", "3", "4")
-        )
         pairs = [
             (r.text, 1.0 if r.label in SST5_POSITIVE else -1.0)
             for r in recs
             if r.label in SST5_POSITIVE + SST5_NEGATIVE
         ]
     elif fmt == "jigsaw":
-        recs = readers.read_csv_labeled(path, text_column=0, label_column=1, label_set=("0", "1"))
         pairs = [(r.text, 1.0 if r.label == "0" else -1.0) for r in recs]
-    elif fmt == "jsonl":
-        recs = readers.read_jsonl_labeled(
-            path, text_field="text", label_field="label", label_set=("1", "-1", "0", "+1")
-        )
-        pairs = [(r.text, -1.0 if r.label in ("-1", "0") else 1.0) for r in recs]
     else:
-        raise ValueError(f"unknown labeled-data format {fmt!r}: use sst5, jigsaw, jsonl or auto")
+        pairs = [(r.text, -1.0 if r.label in ("-1", "0") else 1.0) for r in recs]
     if not pairs:
         raise ValueError(f"{path}: no usable labeled texts (after dropping neutral labels)")
     texts = [t for t, _ in pairs]

@@ -8,6 +8,7 @@
     jsteer typevec probe --model smollm2-135m --relation City/P19 --relation Country/P17 \\
         [--artifact tv/smollm2 [--artifact-type NAME=TYPE]] [--mode all] [--max-test 100] [--out report.json]
     jsteer typevec probe --model smollm2-135m --lama ../shared/data/lama [--lama-type P279=Genre]
+    jsteer typevec probe --model smollm2-135m --tfds jsteer_typed_lama/src_0123456789ab --tfds-data-dir tfds/
     jsteer typevec probe --model smollm2-135m --mode layer --layers 16,22,26,29 --lambda-unit resid \
         --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --max-test 100   # typevec_lama.py's best setting
 
@@ -22,9 +23,15 @@ only "1", "2", "3"; ``experiments/typevec_lama.py`` builds E_year from the ten d
 ``probe`` reads the type-grouped LAMA CSVs in ``--data``, or raw LAMA with ``--lama DIR``
 (``DIR/relations.jsonl`` templates, ``DIR/<source>/<relation>.jsonl`` facts; each relation's
 answer type from ``--lama-type REL=TYPE`` or the default map ``probe.LAMA_TYPES``, the types of
-the typed CSVs). Each relation's type vector is built from its type's KG list unless
-``--artifact`` supplies it: by the base type recorded with each vector (``make --project-out``
-records "City" for "City^optim(Year)"), by name, or as mapped by ``--artifact-type``.
+the typed CSVs), or a prepared TFDS data set with ``--tfds NAME[/CONFIG][:SPLIT]`` (typed prompts:
+features ``sent``, ``gold``, ``type``, ``relation``; or LAMA facts: ``relation``, ``sub_label``,
+``obj_label``, ``prompt``). ``--data`` / ``--lama`` folders are read through the TFDS layer
+(:mod:`jsteer.data.sources`): prepared once into ``--data-dir`` (default ``$JSTEER_DATA_DIR``;
+keyed by the files' content) and read with ``tfds.data_source``.
+
+Each relation's type vector is built from its type's KG list unless ``--artifact`` supplies it:
+by the base type recorded with each vector (``make --project-out`` records "City" for
+"City^optim(Year)"), by name, or as mapped by ``--artifact-type``.
 A relation with no usable prompt or no type is skipped, and one whose type gets no vector is
 probed with B/BTo only; both are reported (stderr and the JSON: ``skipped_relations``,
 ``no_te``, ``type_vectors``). Every method's macro is over the same relations
@@ -91,6 +98,24 @@ def register(subparsers) -> None:
         default=None,
         metavar="DIR",
         help="raw LAMA folder: relations.jsonl and <source>/<relation>.jsonl fact files",
+    )
+    src.add_argument(
+        "--tfds",
+        default=None,
+        metavar="NAME[/CONFIG][:SPLIT]",
+        help="a prepared TFDS data set in --tfds-data-dir: typed prompts (features sent, gold, type, relation) "
+        "or raw LAMA facts (relation, sub_label, obj_label, prompt); SPLIT default: its only split",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="cache where --data / --lama files are prepared as TFDS array_record data sets, once per "
+        "content (default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
+    )
+    p.add_argument(
+        "--tfds-data-dir",
+        default=None,
+        help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
     )
     p.add_argument(
         "--lama-type",
@@ -325,13 +350,16 @@ def _probe_groups(args, pm) -> tuple[dict, dict]:
     from jsteer.typevec import probe
 
     skipped: dict[str, str] = {}
-    if args.lama:
+    source, raw = (args.lama, True) if args.lama else (args.data, False)
+    if args.tfds is not None:
+        source, raw = _tfds_prompts(args)
+    if raw:
         types = {**probe.LAMA_TYPES, **_pairs(args.lama_type, "--lama-type")}
-        groups, skipped = probe.load_lama_dataset(args.lama, types)
+        groups, skipped = probe.load_lama_dataset(source, types, data_dir=args.data_dir)
     else:
         if args.lama_type:
-            raise ValueError("--lama-type only applies to raw LAMA (--lama DIR)")
-        groups = probe.load_typed_dataset(args.data)
+            raise ValueError("--lama-type only applies to raw LAMA (--lama DIR, or a --tfds data set of LAMA facts)")
+        groups = probe.load_typed_dataset(source, data_dir=args.data_dir)
     if args.relation:
         pick = {}
         for r in args.relation:
@@ -354,6 +382,22 @@ def _probe_groups(args, pm) -> tuple[dict, dict]:
                 )
                 del groups[g]
     return groups, skipped
+
+
+def _tfds_prompts(args):
+    """The --tfds split and whether it holds raw LAMA facts (else typed prompts), by its features."""
+    from jsteer.data import sources
+
+    split = sources.open_tfds(args.tfds, args.tfds_data_dir)
+    have = set(split.features)
+    if set(sources.TYPED_LAMA) <= have:
+        return split, False
+    if set(sources.LAMA) <= have:
+        return split, True
+    raise sources.DatasetError(
+        f"tfds {split.spec} in {split.data_dir} has neither the typed-prompt features {list(sources.TYPED_LAMA)} "
+        f"nor the LAMA fact features {list(sources.LAMA)} (it has {sorted(have)})"
+    )
 
 
 def _drop_unusable(groups: dict, pm, skipped: dict) -> dict:

@@ -153,23 +153,53 @@ LAMA_TYPES = {
 
 
 def load_lama_dataset(
-    root: str | pathlib.Path, types: Optional[Mapping[str, str]] = None
+    root, types: Optional[Mapping[str, str]] = None, data_dir=None
 ) -> tuple[dict[str, list[Prompt]], dict[str, str]]:
     """Raw LAMA: ``root/relations.jsonl`` plus fact files ``root/<src>/<rel>.jsonl`` (or
-    ``root/<rel>.jsonl``; ``_test`` is dropped from the stem).
+    ``root/<rel>.jsonl``; ``_test`` is dropped from the stem), read through the TFDS layer
+    (prepared once by :class:`jsteer.data.tfds_builders.Lama` into ``data_dir``); or a
+    :class:`jsteer.data.sources.Split` with the LAMA features (``relation``, ``sub_label``,
+    ``obj_label``, ``prompt``).
 
     types: {relation: answer type}, default :data:`LAMA_TYPES`.
     -> ({"<Type>/<rel>": prompts}, {relation: why it was skipped}); a relation is skipped when
     it has no type or no template."""
-    root = pathlib.Path(root)
+    from jsteer.data import sources
+
+    types = LAMA_TYPES if types is None else types
+    by_rel: dict[str, list[Prompt]] = {}
+    skipped: dict[str, str] = {}
+    if isinstance(root, sources.Split):
+        facts, no_template = sources.lama_facts(root), f"in {root.describe()} (its prompts are empty)"
+    else:
+        facts, skipped = _lama_folder_facts(pathlib.Path(root), types, data_dir)
+        no_template = ""
+    for fact, prompt in facts:
+        rel = fact.relation
+        if rel in skipped:
+            continue
+        if rel not in types:
+            skipped[rel] = f"no answer type for relation {rel} (give one with --lama-type {rel}=TYPE)"
+        elif not prompt:
+            skipped[rel] = f"no template for relation {rel} {no_template}"
+        else:
+            by_rel.setdefault(rel, []).append(Prompt(prompt, fact.obj_label, rel, types[rel], fact.sub_label))
+    groups = {f"{types[rel]}/{rel}": ps for rel, ps in by_rel.items()}
+    return dict(sorted(groups.items())), skipped
+
+
+def _lama_folder_facts(root: pathlib.Path, types: Mapping[str, str], data_dir) -> tuple[list, dict[str, str]]:
+    """A raw LAMA folder's facts with their prompts, and the relations skipped by their file
+    names alone (no type, no template): only the other files are prepared and read."""
+    from jsteer.data import sources, tfds_builders
+
     if not root.is_dir():
         raise FileNotFoundError(f"LAMA folder not found: {root}")
     relations = load_relations(root / "relations.jsonl")
-    types = LAMA_TYPES if types is None else types
     files = sorted(p for p in [*root.glob("*.jsonl"), *root.glob("*/*.jsonl")] if p.name != "relations.jsonl")
     if not files:
         raise FileNotFoundError(f"no <relation>.jsonl fact files under {root}")
-    groups, skipped, seen = {}, {}, {}
+    keep, skipped, seen = [], {}, {}
     for f in files:
         rel = f.stem.replace("_test", "")
         if rel in seen:
@@ -180,8 +210,11 @@ def load_lama_dataset(
         elif rel not in relations:
             skipped[rel] = f"no template for relation {rel} in {root / 'relations.jsonl'}"
         else:
-            groups[f"{types[rel]}/{rel}"] = load_lama_jsonl(f, relations=relations, type_name=types[rel])
-    return dict(sorted(groups.items())), skipped
+            keep.append(f)
+    if not keep:
+        return [], skipped
+    split = sources.prepared(tfds_builders.Lama, keep, data_dir, templates=root / "relations.jsonl")
+    return sources.lama_facts(split), skipped
 
 
 def load_typed_csv(path: str | pathlib.Path, type_name: Optional[str] = None) -> list[Prompt]:
@@ -208,17 +241,35 @@ def load_typed_csv(path: str | pathlib.Path, type_name: Optional[str] = None) ->
     return out
 
 
-def load_typed_dataset(root: str | pathlib.Path) -> dict[str, list[Prompt]]:
-    """All ``synth_<Type>/<src>/<rel>.csv`` under ``root`` -> {"<Type>/<rel>": prompts}, sorted."""
-    root = pathlib.Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"typed LAMA folder not found: {root}")
-    out = {}
-    for p in sorted(root.glob("synth_*/*/*.csv")):
-        t = p.parent.parent.name[len("synth_") :]
-        out[f"{t}/{p.stem.replace('_test', '')}"] = load_typed_csv(p, t)
+def load_typed_dataset(root, data_dir=None) -> dict[str, list[Prompt]]:
+    """All ``synth_<Type>/<src>/<rel>.csv`` under ``root`` -> {"<Type>/<rel>": prompts}, in file
+    order (a later file of the same type and relation replaces an earlier one). Read through the
+    TFDS layer (prepared once by :class:`jsteer.data.tfds_builders.TypedLama` into ``data_dir``);
+    or a :class:`jsteer.data.sources.Split` with ``sent``, ``gold``, ``type``, ``relation``."""
+    from jsteer.data import sources
+
+    if not isinstance(root, sources.Split):
+        root = pathlib.Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"typed LAMA folder not found: {root}")
+        if not any(root.glob("synth_*/*/*.csv")):
+            raise FileNotFoundError(f"no synth_<Type>/<source>/<relation>.csv files under {root}")
+        from jsteer.data import tfds_builders
+
+        ds = tfds_builders.prepare(tfds_builders.TypedLama, data_dir, root=root)
+        files = tuple(str(p) for p in sorted(root.glob("synth_*/*/*.csv")))
+        root = sources.Split(ds["test"], ds.info, ds.name, "test", ds.data_dir, files)
+    out: dict[str, list[Prompt]] = {}
+    last: dict[str, tuple[str, int]] = {}  # group -> (corpus, line) of its latest record
+    for p in sources.typed_prompts(root):
+        key = f"{p.type_name}/{p.relation}"
+        prev = last.get(key)
+        if prev is None or prev[0] != p.corpus or p.line <= prev[1]:  # the first record of a file
+            out[key] = []
+        last[key] = (p.corpus, p.line)
+        out[key].append(Prompt(p.sent, p.gold.strip(), p.relation, p.type_name))
     if not out:
-        raise FileNotFoundError(f"no synth_<Type>/<source>/<relation>.csv files under {root}")
+        raise ValueError(f"{root.describe()}: no prompts")
     return out
 
 
