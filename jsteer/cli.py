@@ -11,6 +11,7 @@ import sys
 import warnings
 
 METHOD_GROUPS = ("steer", "actsteer", "typevec", "kala", "kalm")
+QUIET_HELP = "no progress bars (as JSTEER_QUIET=1); results and the end-of-job summary lines still print"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quiet",
         action="store_true",
-        help="no progress bars (as JSTEER_QUIET=1); results and the end-of-job summary lines still print",
+        help=QUIET_HELP,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     from jsteer import core_cli
@@ -35,7 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         mod.register(sub)
+    _quiet_anywhere(parser)
     return parser
+
+
+def _quiet_anywhere(parser: argparse.ArgumentParser) -> None:
+    """``--quiet`` also after the command (``jsteer kala train ... --quiet``): every sub-parser
+    takes it with a SUPPRESS default, so an absent flag keeps the top-level value."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if "--quiet" not in child._option_string_actions:
+                    child.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
+                _quiet_anywhere(child)
 
 
 @contextlib.contextmanager

@@ -177,3 +177,28 @@ def test_version_and_doctor(capsys):
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
     assert "JAX backend: cpu" in text and "CPU decode kernel:" in text and "cache hf_hub:" in text
+
+
+def test_quiet_is_taken_before_or_after_the_command(monkeypatch):
+    """`jsteer --quiet kala train ...` and `jsteer kala train ... --quiet` both silence the bars
+    while the command runs; without it they stay on (and the setting is restored after)."""
+    from jsteer import cli, progress
+
+    monkeypatch.delenv("JSTEER_QUIET", raising=False)
+    seen = []
+    parser = cli.build_parser()
+    for argv in (["--quiet", "doctor"], ["doctor", "--quiet"], ["doctor"]):
+        args = parser.parse_args(argv)
+        assert args.quiet == (argv != ["doctor"]), argv
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    for argv in (["doctor", "--quiet"], ["doctor"]):
+        monkeypatch.setattr(
+            parser._subparsers._group_actions[0].choices["doctor"],
+            "_defaults",
+            {"func": lambda a: seen.append(progress.is_quiet())},
+        )
+        assert main(argv) == 0
+    assert seen == [True, False] and not progress.is_quiet()
+    for group, cmd in (("kala", "train"), ("steer", "train"), ("typevec", "probe"), ("actsteer", "train")):
+        sub = parser._subparsers._group_actions[0].choices[group]
+        assert "--quiet" in sub._subparsers._group_actions[0].choices[cmd]._option_string_actions, (group, cmd)

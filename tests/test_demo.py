@@ -130,3 +130,14 @@ def test_cli_has_quiet_and_out(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--quiet" in text and "--out" in text and "LM-Steer" in text
+
+
+def test_quiet_silences_the_bars_of_every_section(monkeypatch):
+    import jsteer.demo as demo
+    from jsteer import progress
+
+    monkeypatch.delenv("JSTEER_QUIET", raising=False)
+    seen = []
+    monkeypatch.setattr(demo, "_run", lambda args: seen.append(progress.is_quiet()) or 0)
+    assert demo.main(["--quiet"]) == 0 and demo.main([]) == 0
+    assert seen == [True, False] and not progress.is_quiet()

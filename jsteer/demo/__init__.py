@@ -165,6 +165,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/demo", help="where summary.png / summary.html go (default out/demo)")
     ap.add_argument("--quiet", action="store_true", help="print only the section times and the summary's path")
     args = ap.parse_args(argv)
+    from jsteer import progress
+
+    with progress.quiet(args.quiet):
+        return _run(args)
+
+
+def _run(args) -> int:
     out = pathlib.Path(args.out)
     say = _Out(args.quiet)
     t_start = time.perf_counter()
