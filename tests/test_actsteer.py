@@ -298,7 +298,10 @@ def test_cli_train_and_generate(saved, capsys):
             )
             == 0
         )
-        assert "5 pairs" in capsys.readouterr().out
+        captured = capsys.readouterr()
+        assert "5 pairs" in captured.out
+        # the activations pass shows the project's bar: 10 texts (5 pairs), counted in texts
+        assert "actsteer: activations" in captured.err and "/10 " in captured.err, captured.err
     cv = ControlVector.load(d / "cv.safetensors", lm=jsteer.load(str(d / "toy0")))
     assert cv.layers == (1, 2) and cv.recipe["positive_file"] == str(d / "pos.txt")
     assert (

@@ -37,6 +37,8 @@ from typing import Dict, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
+from jsteer import progress
+
 METHODS = ("caa", "pca", "actadd")
 REDUCE = {"caa": "last", "pca": "last", "actadd": "mean"}
 
@@ -100,22 +102,24 @@ def activations(
     sites = tuple(f"resid_post.{k}" for k in layers)
     bos = lm.tokenizer.bos_id
     out = {k: [] for k in layers}
-    for s in range(0, len(texts), batch_size):
-        chunk = list(texts[s : s + batch_size])
-        n = len(chunk)
-        ids, mask = lm.encode_batch(chunk + [chunk[-1]] * (batch_size - n), left_pad=True, bucket=True)
-        cap = lm.forward(ids, mask, capture=sites).captured
-        ids, mask = ids[:n], mask[:n].astype(np.float64)
-        if reduce == "mean":
-            first = mask.argmax(axis=1)  # left-padded: the first real token
-            starts = (ids[np.arange(n), first] == bos) if bos is not None else np.zeros(n, bool)
-            mask[np.arange(n)[starts], first[starts]] = 0.0
-            empty = np.flatnonzero(mask.sum(1) == 0)
-            if len(empty):
-                raise ValueError(f"text {chunk[empty[0]]!r} has no tokens besides the start token")
-        for k, site in zip(layers, sites):
-            h = np.asarray(cap[site][:n], np.float64)
-            out[k].append(h[:, -1] if reduce == "last" else (h * mask[..., None]).sum(1) / mask.sum(1)[:, None])
+    with progress.bar(desc="actsteer: activations", total=len(texts), unit="text", leave=False) as b:
+        for s in range(0, len(texts), batch_size):
+            chunk = list(texts[s : s + batch_size])
+            n = len(chunk)
+            ids, mask = lm.encode_batch(chunk + [chunk[-1]] * (batch_size - n), left_pad=True, bucket=True)
+            cap = lm.forward(ids, mask, capture=sites).captured
+            ids, mask = ids[:n], mask[:n].astype(np.float64)
+            if reduce == "mean":
+                first = mask.argmax(axis=1)  # left-padded: the first real token
+                starts = (ids[np.arange(n), first] == bos) if bos is not None else np.zeros(n, bool)
+                mask[np.arange(n)[starts], first[starts]] = 0.0
+                empty = np.flatnonzero(mask.sum(1) == 0)
+                if len(empty):
+                    raise ValueError(f"text {chunk[empty[0]]!r} has no tokens besides the start token")
+            for k, site in zip(layers, sites):
+                h = np.asarray(cap[site][:n], np.float64)
+                out[k].append(h[:, -1] if reduce == "last" else (h * mask[..., None]).sum(1) / mask.sum(1)[:, None])
+            b.update(n)
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
