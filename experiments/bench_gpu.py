@@ -296,12 +296,12 @@ def _bert_jax(a, c, labels, batches, flops, peak):
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones import bert
+    from jsteer.backbones import bert, bert_heads
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
     config = bert.BertConfig(**c)
-    module = bert.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
-    init = jax.jit(bert.BertForTokenClassification(config, labels).init)(
+    module = bert_heads.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
+    init = jax.jit(bert_heads.BertForTokenClassification(config, labels).init)(
         jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
     )["params"]
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones.bert import BertConfig, BertForTokenClassification
+from jsteer.backbones.bert import BertConfig
+from jsteer.backbones.bert_heads import BertForTokenClassification
 from jsteer.kala import builder, entities, formats
 from jsteer.kala.graph import (
     ExampleGraph,

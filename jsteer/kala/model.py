@@ -42,7 +42,8 @@ import jraph
 
 from jsteer import interventions as iv
 from jsteer.backbones.base import ModelOutput, take_rows
-from jsteer.backbones.bert import BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead, attention_bias
+from jsteer.backbones.bert import BertConfig, BertEncoder, BertLayer, attention_bias
+from jsteer.backbones.bert_heads import QAHead, TokenClassificationHead
 from jsteer.hooks import Hooks, apply_film
 from jsteer.kala.graph import RelationalGraph, gather_tokens, mention_positions, node_context
 from jsteer.kala.kfm import KFM

@@ -25,13 +25,13 @@ def peak_tflops(kind: str) -> Optional[float]:
 
 
 def init_token_classifier(config, num_labels: int):
-    """Random params (PRNGKey(0)) of ``bert.BertForTokenClassification(config, num_labels)``."""
+    """Random params (PRNGKey(0)) of ``bert_heads.BertForTokenClassification(config, num_labels)``."""
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones import bert
+    from jsteer.backbones import bert_heads
 
-    m = bert.BertForTokenClassification(config, num_labels)
+    m = bert_heads.BertForTokenClassification(config, num_labels)
     return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
@@ -46,16 +46,16 @@ def token_classifier_trainer(
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
-    from jsteer.backbones import bert
+    from jsteer.backbones import bert, bert_heads, bert_hf
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
     if config is None:
         config = bert.BertConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     compute = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    module = bert.BertForTokenClassification(config, num_labels, dtype=compute)
+    module = bert_heads.BertForTokenClassification(config, num_labels, dtype=compute)
     if params is None:
         sd = load_file(str(model_dir / "model.safetensors"))
-        params = bert.params_from_hf(
+        params = bert_hf.params_from_hf(
             sd,
             config,
             head="token_classification",

@@ -88,8 +88,8 @@ def _special_ids(tokenizer) -> tuple[int, ...]:
 
 
 def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
-    """ProbeModel for a :class:`jsteer.backbones.bert.BertForMaskedLM` (params with "head")."""
-    from jsteer.backbones import bert
+    """ProbeModel for a :class:`jsteer.backbones.bert_heads.BertForMaskedLM` (params with "head")."""
+    from jsteer.backbones import bert, bert_heads
 
     if "head" not in params:
         raise ValueError(
@@ -97,7 +97,7 @@ def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
             "MiniLM has none - use it for retrieval / analysis only"
         )
     cfg = module.config
-    head_mod = bert.MLMHead(cfg)
+    head_mod = bert_heads.MLMHead(cfg)
 
     def forward(p, ids, mask, hooks, **kw):
         return module.apply({"params": p}, ids, attention_mask=mask, hooks=hooks, **kw)

@@ -42,7 +42,8 @@ import jraph
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ModelOutput, take_rows
-from jsteer.backbones.bert import BertConfig, BertEncoder, EncoderOutput, QAHead, TokenClassificationHead
+from jsteer.backbones.bert import BertConfig, BertEncoder, EncoderOutput
+from jsteer.backbones.bert_heads import QAHead, TokenClassificationHead
 from jsteer.hooks import Hooks
 from jsteer.kala.graph import node_context
 from jsteer.kala.model import default_layers
