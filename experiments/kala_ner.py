@@ -95,7 +95,7 @@ def per_dataset(values: list, datasets: list[str], name: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from jsteer.kala.builder import STRATEGIES
+    from jsteer.kala.mining import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(

@@ -124,7 +124,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    from jsteer.kala.builder import STRATEGIES
+    from jsteer.kala.mining import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", nargs="+", choices=sorted(PROTOCOL), default=["conll", "ncbi"])

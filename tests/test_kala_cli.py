@@ -466,7 +466,7 @@ def test_qa_contexts_are_matched_as_words_with_character_spans():
     """Contexts split into words with their character spans (punctuation and a possessive 's
     apart, abbreviations whole); a lexicon match becomes a mention of the context's characters."""
     from jsteer.kala import qa
-    from jsteer.kala.builder import Lexicon
+    from jsteer.kala.mining import Lexicon
     from jsteer.kala.qa_builder import annotate, context_sentences
 
     ctx = "The Bank of England's head met U.S. officials (in London), twice.  Then  Bank of  England said no!"

@@ -62,7 +62,7 @@ import time
 
 from jsteer import progress
 from jsteer.cli import warning_lines
-from jsteer.kala.builder import STRATEGIES
+from jsteer.kala.mining import STRATEGIES
 
 TASK_FILES = {"ner": "a CoNLL file (NER)", "qa": "a SQuAD-format JSON file (extractive QA)"}
 QA_DEFAULTS = {"max_len": 384, "stride": 128, "max_query": 64, "max_answer_len": 30}  # as jsteer.kala.qa
@@ -726,7 +726,7 @@ def _eval_lexicon(test, graph):
     """The graph folder's lexicon when it has no mentions file for ``test`` (annotated in memory,
     as ``build-graph --lexicon`` would, and said on stderr); None otherwise."""
     from jsteer.kala import pipeline
-    from jsteer.kala.builder import Lexicon
+    from jsteer.kala.mining import Lexicon
 
     graph = pathlib.Path(graph)
     if pipeline.mentions_path(graph, test).is_file() or not (graph / "lexicon.tsv").is_file():

@@ -118,7 +118,7 @@ def read_split(
     """CoNLL file + its ``<name>.mentions.jsonl`` under ``graph_dir`` -> [(words, tags, mentions)]
     (a seeded random subset of ``size`` sentences, in file order; None: all).
 
-    Without a mentions file: with ``lexicon`` (a :class:`jsteer.kala.builder.Lexicon`) the
+    Without a mentions file: with ``lexicon`` (a :class:`jsteer.kala.mining.Lexicon`) the
     sentences are annotated with it in memory, as ``build-graph --lexicon`` would; otherwise a
     FormatError names the command that writes the file."""
     sents = read_conll(path, scheme=scheme, label_set=labels)
