@@ -210,7 +210,7 @@ def test_cli_label_set_has_i_tags_and_eval_annotates_new_files(tmp_path, tiny_be
 
 
 def test_cli_missing_mentions_name_the_command_and_labels_are_checked(tmp_path, capsys):
-    from jsteer.kala import cli as kcli
+    from jsteer.kala import cli_train as kcli
     from jsteer.kala import pipeline
 
     gdir = tmp_path / "graph"
