@@ -143,7 +143,8 @@ def jsteer_llama(c: dict, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones.decoder import Decoder, DecoderConfig
+    from jsteer.backbones.decoder import Decoder
+    from jsteer.backbones.decoder_config import DecoderConfig
 
     kw = {("norm_eps" if k == "rms_norm_eps" else k): v for k, v in c.items()}
     module = Decoder(DecoderConfig.llama(**kw), dtype=dtype)

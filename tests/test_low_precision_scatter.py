@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from jsteer.backbones import bert, bert_heads
-from jsteer.backbones.decoder import Decoder, DecoderConfig
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.backbones.families import config_from_hf
 from jsteer.train.step import cast_floating
 

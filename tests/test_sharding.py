@@ -15,7 +15,8 @@ from test_decoder_families import FAMILIES, _tokenizer, hf_model, left_padded
 import jsteer
 from jsteer import sharding as S
 from jsteer.backbones import bert, bert_heads, families
-from jsteer.backbones.decoder import Decoder, logical_axes
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_params import logical_axes
 from jsteer.decode import generate
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
