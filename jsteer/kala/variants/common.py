@@ -150,11 +150,12 @@ def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
 
 
 class VariantModel(nn.Module):
-    """What the graph-based variant models share: the shared :class:`BertEncoder` under
-    ``encoder``, the task head under ``head``, and the layers ``kala.knowledge_layers`` as
-    ``self.knowledge_layers``. A subclass sets ``method`` (its registry name), builds its
-    knowledge modules (under ``kala``) in :meth:`setup_knowledge`, runs the encoder with its
-    interventions through :meth:`encode` and ends its ``__call__`` with :meth:`output`."""
+    """What every variant model shares: the shared :class:`BertEncoder` under ``encoder``, the
+    task head under ``head``, the layers ``kala.knowledge_layers`` as ``self.knowledge_layers``
+    and the call of the module docstring. A subclass sets ``method`` (its registry name), builds
+    its knowledge modules (under ``kala``) in :meth:`setup_knowledge` and gives the encoder its
+    :meth:`interventions` (or, K-BERT, its own :meth:`hooks`); :meth:`outputs` adds auxiliary
+    outputs read from the encoder's result."""
 
     config: BertConfig
     kala: VariantConfig
@@ -172,22 +173,34 @@ class VariantModel(nn.Module):
     def setup_knowledge(self) -> None:
         raise NotImplementedError
 
-    def encode(
+    def hooks(self, input_ids: Array, graph, token_node, deterministic: bool, extras: Optional[dict]) -> Hooks:
+        """The encoder's hooks for one batch: the graph and ``token_node`` checked, then
+        :meth:`interventions`."""
+        check_inputs(self.method, input_ids, graph, token_node)
+        return Hooks(interventions=self.interventions(graph, token_node, deterministic))
+
+    def interventions(self, graph: jraph.GraphsTuple, token_node: Array, deterministic: bool) -> dict:
+        """{site: Intervention} of the method for one batch."""
+        raise NotImplementedError
+
+    def outputs(self, out: EncoderOutput, graph, token_node) -> dict:
+        """Extra :class:`VariantOutput` fields (``aux_loss``, ``aux``) from the encoder's output."""
+        return {}
+
+    def __call__(
         self,
         input_ids: Array,
-        attention_mask: Optional[Array],
-        token_type_ids: Optional[Array],
-        deterministic: bool,
-        interventions: dict,
-    ) -> EncoderOutput:
-        """The shared encoder with the method's ``interventions`` ({site: Intervention})."""
-        return self.encoder(
-            input_ids, attention_mask, token_type_ids, Hooks(interventions=interventions), deterministic
-        )
-
-    def output(self, h: Array, deterministic: bool, **extra) -> VariantOutput:
-        """Final hidden states [B, T, D] -> logits of the task head (+ ``extra`` fields)."""
-        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h, **extra)
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        extras: Optional[dict] = None,
+    ) -> VariantOutput:
+        hooks = self.hooks(input_ids, graph, token_node, deterministic, extras)
+        out = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic)
+        logits = apply_head(self.head, self.task, out.hidden, deterministic)
+        return VariantOutput(logits=logits, hidden=out.hidden, **self.outputs(out, graph, token_node))
 
 
 # ----------------------------------------------------------------------------------------------
