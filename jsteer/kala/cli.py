@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import argparse
 
-from jsteer.cli import warning_lines
+from jsteer.cli import method_group, warning_lines
 from jsteer.kala.cli_eval import TASK_FILES, run_eval, task_of
 from jsteer.kala.cli_train import run_train
 from jsteer.kala.mining import STRATEGIES
@@ -67,13 +67,9 @@ def _positive_int(text: str) -> int:
 
 
 def register(subparsers) -> None:
-    kala = subparsers.add_parser(
-        "kala",
-        help="KALA: knowledge-augmented NER and extractive QA (build-graph, train, eval)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    sub = method_group(
+        subparsers, "kala", "KALA: knowledge-augmented NER and extractive QA (build-graph, train, eval)", __doc__
     )
-    sub = kala.add_subparsers(dest="kala_command", required=True)
 
     p = sub.add_parser(
         "build-graph",
