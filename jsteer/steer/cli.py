@@ -256,29 +256,20 @@ def _train(args) -> int:
     emb = np.asarray(lm.output_embeddings(), np.float32)
     params, hist = train.train(cache, emb, cfg, progress=True)
     t2 = time.time()
-    artifact.save(
-        args.out,
-        params,
-        base_model=lm.identity,
-        hidden_size=emb.shape[1],
-        vocab_size=emb.shape[0],
-        eps0=cfg.eps0,
-        dummy=cfg.dummy,
-        steer_names=[args.name],
-        extra={
-            "data": args.data,
-            "steps": cfg.steps,
-            "rank": cfg.rank,
-            "lr": cfg.lr,
-            "l2": cfg.l2,
-            "batch_size": cfg.batch_size,
-            "init_scale": cfg.init_scale,
-            "final_loss": hist["final_loss"],
-            "texts": cache.num_texts,
-            "tokens": cache.num_tokens,
-            **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {}),
-        },
-    )
+    extra = {
+        "data": args.data,
+        "steps": cfg.steps,
+        "rank": cfg.rank,
+        "lr": cfg.lr,
+        "l2": cfg.l2,
+        "batch_size": cfg.batch_size,
+        "init_scale": cfg.init_scale,
+        "final_loss": hist["final_loss"],
+        "texts": cache.num_texts,
+        "tokens": cache.num_tokens,
+        **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {}),
+    }
+    artifact.save_trained(args.out, params, lm, emb, cfg, [args.name], extra)
     print(
         f"cached hidden states in {t1 - t0:.1f}s; trained {cfg.steps} steps in {t2 - t1:.1f}s "
         f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}"
