@@ -43,10 +43,9 @@ import jraph
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ModelOutput, take_rows
 from jsteer.backbones.bert import BertConfig, BertEncoder, EncoderOutput
-from jsteer.backbones.bert_heads import QAHead, TokenClassificationHead
 from jsteer.hooks import Hooks
 from jsteer.kala.graph import node_context
-from jsteer.kala.model import default_layers
+from jsteer.kala.model import KnowledgeConfig, apply_head, check_inputs, checked_layers, default_layers, make_head
 
 Array = jnp.ndarray
 VARIANT_METHODS = ("ernie", "kbert", "eae", "adapter")
@@ -62,7 +61,7 @@ class VariantOutput(ModelOutput):
 
 
 @dataclasses.dataclass(frozen=True)
-class VariantConfig:
+class VariantConfig(KnowledgeConfig):
     """Hyper-parameters of a knowledge-integration variant.
 
     method: one of :data:`VARIANT_METHODS`.
@@ -87,12 +86,7 @@ class VariantConfig:
     dropout: float = 0.1
 
     def __post_init__(self):
-        if self.method not in VARIANT_METHODS:
-            raise ValueError(f"VariantConfig.method must be one of {VARIANT_METHODS}, got {self.method!r}")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
-        if self.num_entities < 1:
-            raise ValueError(f"VariantConfig.num_entities must be >= 1 (null entity), got {self.num_entities}")
+        self.check_common(VARIANT_METHODS)
         if self.adapter_size < 1 or self.entity_heads < 1:
             raise ValueError("VariantConfig.adapter_size and entity_heads must be >= 1")
 
@@ -113,40 +107,7 @@ class VariantConfig:
             layers = (max(num_layers // 3 - 1, 0),)
         else:
             layers = default_layers(num_layers)
-        bad = [x for x in layers if not 0 <= x < num_layers]
-        if bad:
-            raise ValueError(f"{self.method} layers {bad} out of range for a {num_layers}-layer backbone")
-        return tuple(sorted(set(layers)))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "VariantConfig":
-        d = dict(d)
-        if d.get("layers") is not None:
-            d["layers"] = tuple(d["layers"])
-        return cls(**d)
-
-
-def make_head(config: BertConfig, task: str, num_labels: int, dtype) -> nn.Module:
-    if task == "ner":
-        return TokenClassificationHead(config, num_labels, dtype=dtype, name="head")
-    if task == "qa":
-        return QAHead(config, dtype=dtype, name="head")
-    raise ValueError(f"task must be 'ner' or 'qa', got {task!r}")
-
-
-def apply_head(head: nn.Module, task: str, h: Array, deterministic: bool) -> Array:
-    return head(h, deterministic) if task == "ner" else head(h)
-
-
-def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
-    b, t = input_ids.shape
-    if graph is None or token_node is None:
-        raise ValueError(f"method {method!r} needs graph and token_node")
-    if token_node.shape != (b, t):
-        raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+        return checked_layers(layers, num_layers, self.method)
 
 
 class VariantModel(nn.Module):
