@@ -160,6 +160,13 @@ def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
         raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
 
 
+def entity_memory(module: nn.Module, cfg, hidden_size: int) -> tuple[Array, int]:
+    """(the ``memory`` param [Ne, De] of a knowledge ``module`` set up from ``cfg``, De):
+    ``cfg.num_entities`` rows of width ``cfg.entity_dim`` (None: ``hidden_size``), N(0, 0.02)."""
+    de = cfg.entity_dim or hidden_size
+    return module.param("memory", nn.initializers.normal(0.02), (cfg.num_entities, de)), de
+
+
 class KnowledgeModule(nn.Module):
     """Entity memory, relation embeddings, and per-KFM-layer graph + KFM maps."""
 
@@ -169,8 +176,7 @@ class KnowledgeModule(nn.Module):
 
     def setup(self):
         k = self.kala
-        de = k.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (k.num_entities, de))
+        self.memory, de = entity_memory(self, k, self.hidden_size)
         self.kfms = {
             l: KFM(self.hidden_size, k.use_gamma, k.use_beta, k.kfm_zero_init, name=f"kfm_{l}") for l in self.layers
         }

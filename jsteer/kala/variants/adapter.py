@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import jraph
 
 from jsteer import interventions as iv
+from jsteer.kala.model import entity_memory
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
@@ -56,8 +57,7 @@ class AdapterKnowledge(nn.Module):
     layers: tuple[int, ...]
 
     def setup(self):
-        de = self.cfg.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.memory, de = entity_memory(self, self.cfg, self.hidden_size)
         self.adapters = {
             l: KnowledgeAdapter(self.hidden_size, self.cfg.adapter_size, name=f"adapter_{l}") for l in self.layers
         }

@@ -34,7 +34,7 @@ import optax
 
 from jsteer import interventions as iv
 from jsteer.backbones.base import NEG_INF
-from jsteer.kala.model import site_state
+from jsteer.kala.model import entity_memory, site_state
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
@@ -83,8 +83,7 @@ class EaeKnowledge(nn.Module):
     layers: tuple[int, ...]
 
     def setup(self):
-        de = self.cfg.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.memory, de = entity_memory(self, self.cfg, self.hidden_size)
         self.retrievals = {l: EntityRetrieval(self.hidden_size, de, name=f"retrieval_{l}") for l in self.layers}
 
     def __call__(self, layer: int, h: Array, token_node: Array, num_nodes: int):

@@ -36,7 +36,7 @@ import jraph
 
 from jsteer import interventions as iv
 from jsteer.backbones.base import ACTIVATIONS, take_rows
-from jsteer.kala.model import site_state
+from jsteer.kala.model import entity_memory, site_state
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
@@ -108,8 +108,7 @@ class ErnieKnowledge(nn.Module):
     layers: tuple[int, ...]
 
     def setup(self):
-        de = self.cfg.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.memory, de = entity_memory(self, self.cfg, self.hidden_size)
         self.fusions = {
             l: FusionLayer(self.intermediate_size, de, self.cfg.entity_heads, self.cfg.dropout, name=f"fusion_{l}")
             for l in self.layers
