@@ -299,6 +299,7 @@ def _bert_jax(a, c, labels, batches, flops, peak):
 
     from jsteer.backbones import bert, bert_heads
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
+    from jsteer.train.bench import token_classification_loss
 
     config = bert.BertConfig(**c)
     module = bert_heads.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
@@ -306,17 +307,7 @@ def _bert_jax(a, c, labels, batches, flops, peak):
         jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
     )["params"]
 
-    def loss_fn(p, b, rng):
-        out = module.apply(
-            {"params": p},
-            b["input_ids"],
-            attention_mask=b["attention_mask"],
-            deterministic=False,
-            rngs={"dropout": rng},
-        )
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(out.logits.astype(jnp.float32)), b["labels"][..., None], -1)
-        return nll.mean(), {}
-
+    loss_fn = token_classification_loss(module, masked=False)
     total = 10**6
     tr = Trainer(
         loss_fn,

@@ -35,6 +35,33 @@ def init_token_classifier(config, num_labels: int):
     return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
+def token_classification_loss(module, masked: bool = True):
+    """``(params, batch, rng) -> (loss, {})`` of a token classifier ``module`` with dropout on: the
+    mean token cross-entropy (fp32) of ``batch["labels"]`` [B, T]; ``masked``: over the labels
+    that are not -100 only."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(p, b, rng):
+        out = module.apply(
+            {"params": p},
+            b["input_ids"],
+            attention_mask=b["attention_mask"],
+            deterministic=False,
+            rngs={"dropout": rng},
+        )
+        logits = out.logits.astype(jnp.float32)
+        if not masked:
+            return -jnp.take_along_axis(jax.nn.log_softmax(logits), b["labels"][..., None], -1).mean(), {}
+        valid = b["labels"] != -100
+        lab = jnp.where(valid, b["labels"], 0)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), lab[..., None], -1)[..., 0]
+        w = valid.astype(jnp.float32)
+        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0), {}
+
+    return loss_fn
+
+
 def token_classifier_trainer(
     model_dir, num_labels: int, lr: float, total_steps: int, dtype: str = "fp32", config=None, params=None
 ):
@@ -64,21 +91,7 @@ def token_classifier_trainer(
             rng=jax.random.PRNGKey(0),
         )
 
-    def loss_fn(p, b, rng):
-        out = module.apply(
-            {"params": p},
-            b["input_ids"],
-            attention_mask=b["attention_mask"],
-            deterministic=False,
-            rngs={"dropout": rng},
-        )
-        logits = out.logits.astype(jnp.float32)
-        valid = b["labels"] != -100
-        lab = jnp.where(valid, b["labels"], 0)
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), lab[..., None], -1)[..., 0]
-        w = valid.astype(jnp.float32)
-        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0), {}
-
+    loss_fn = token_classification_loss(module)
     cfg = OptimizerConfig(
         learning_rate=lr, schedule="linear", warmup_steps=2, total_steps=total_steps, weight_decay=0.01, clip_norm=1.0
     )
