@@ -104,6 +104,23 @@ PROTOCOL = {
 COMMON = dict(batch_size=16, lr=3e-4, kala_lr=1e-3, graph_rungs=0)
 
 
+def train_config(dataset: str, seed: int, graph_rungs: int = 0):
+    """The saved results' :class:`jsteer.kala.train.TrainConfig` for ``dataset``: its
+    :data:`PROTOCOL` epochs and length, the :data:`COMMON` batch size and learning rates."""
+    from jsteer.kala import train as ktrain
+
+    proto = PROTOCOL[dataset]
+    return ktrain.TrainConfig(
+        lr=COMMON["lr"],
+        kala_lr=COMMON["kala_lr"],
+        epochs=proto["epochs"],
+        max_len=proto["max_len"],
+        batch_size=COMMON["batch_size"],
+        seed=seed,
+        graph_rungs=graph_rungs,
+    )
+
+
 def protocol_setting(setup: dict, key: str):
     """A sweep setup's value of protocol key ``key``, with the defaults of setups written before it existed."""
     if key == "graph_strategy" and key not in setup:  # older setups: their graph summary's
