@@ -497,7 +497,7 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
 
     import jsteer
     from jsteer import io
-    from jsteer.backbones import bert as jb
+    from jsteer.backbones import bert_heads as jh
 
     path = io.embedded_path("minilm")
     lm = jsteer.load("minilm")
@@ -553,10 +553,10 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
     products_floor(f"minilm_forward_B{b}xT{t}", results, encoder_products(False), args.reps, use_torch)
 
     # token classification: encoder from MiniLM + fresh head, dropout on, AdamW
-    module = jb.BertForTokenClassification(lm.config, num_labels=labels)
+    module = jh.BertForTokenClassification(lm.config, num_labels=labels)
     params = {
         "encoder": lm.params["encoder"],
-        "head": jb.init_head(jax.random.PRNGKey(0), lm.config, "token_classification", labels),
+        "head": jh.init_head(jax.random.PRNGKey(0), lm.config, "token_classification", labels),
     }
     params = jax.tree.map(jnp.array, params)  # own copies: the step donates them
     opt = optax.adamw(5e-5, weight_decay=0.01)

@@ -143,7 +143,8 @@ def jsteer_llama(c: dict, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones.decoder import Decoder, DecoderConfig
+    from jsteer.backbones.decoder import Decoder
+    from jsteer.backbones.decoder_config import DecoderConfig
 
     kw = {("norm_eps" if k == "rms_norm_eps" else k): v for k, v in c.items()}
     module = Decoder(DecoderConfig.llama(**kw), dtype=dtype)
@@ -296,26 +297,17 @@ def _bert_jax(a, c, labels, batches, flops, peak):
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones import bert
+    from jsteer.backbones import bert, bert_heads
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
+    from jsteer.train.bench import token_classification_loss
 
     config = bert.BertConfig(**c)
-    module = bert.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
-    init = jax.jit(bert.BertForTokenClassification(config, labels).init)(
+    module = bert_heads.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
+    init = jax.jit(bert_heads.BertForTokenClassification(config, labels).init)(
         jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
     )["params"]
 
-    def loss_fn(p, b, rng):
-        out = module.apply(
-            {"params": p},
-            b["input_ids"],
-            attention_mask=b["attention_mask"],
-            deterministic=False,
-            rngs={"dropout": rng},
-        )
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(out.logits.astype(jnp.float32)), b["labels"][..., None], -1)
-        return nll.mean(), {}
-
+    loss_fn = token_classification_loss(module, masked=False)
     total = 10**6
     tr = Trainer(
         loss_fn,

@@ -61,17 +61,7 @@ def main(argv=None) -> int:
         BATCH,
     )
     cache_s = time.time() - t0
-    tcfg = train.TrainConfig(  # steer_sweep.py's TrainConfig for a "steer" config
-        rank=cfg["rank"],
-        steps=cfg["steps"],
-        lr=cfg["lr"],
-        l2=cfg["l2"],
-        init_scale=1e-2,
-        batch_size=BATCH,
-        tokens_per_batch=768,
-        log_every=25,
-        eps0=protocol.EPS0,
-    )
+    tcfg = protocol.sweep_train_config(cfg)
     params, hist = train.train(dataclasses.replace(cache, values=cache.values[:, 0:1]), emb, tcfg, progress=True)
     w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
     norm = float(np.linalg.norm(w[0]))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones import bert
+from jsteer.backbones import bert, bert_heads
 from jsteer.train.bench import init_token_classifier, token_classifier_trainer
 
 
@@ -50,7 +50,7 @@ def anatomy(config, B, T, labels=9):
         tr = token_classifier_trainer(None, labels, 5e-5, 1000, dtype=prec, config=config, params=init)[0]
         r[f"jsteer_step_{prec}"] = timeit(lambda tr=tr: tr.train_step(batch, 1000)["loss"])
         r[f"jsteer_step_{prec}_device_batch"] = timeit(lambda tr=tr: tr.train_step(dbatch, 1000)["loss"])
-    module = bert.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
+    module = bert_heads.BertForTokenClassification(config, labels, dtype=jnp.bfloat16)
     pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init)
     fwd = jax.jit(lambda p, b: module.apply({"params": p}, b["input_ids"], attention_mask=b["attention_mask"]).logits)
     r["jsteer_forward_bf16"] = timeit(lambda: fwd(pb, dbatch))

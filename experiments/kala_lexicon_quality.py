@@ -25,13 +25,13 @@ from jsteer.kala import protocol
 
 def main(argv=None) -> int:
     from jsteer.data.readers import read_conll
-    from jsteer.kala import builder
+    from jsteer.kala import mining
     from jsteer.kala.metrics import entities, lexicon_quality
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=sorted(protocol.DATASETS), required=True)
     ap.add_argument(
-        "--strategies", nargs="+", default=["frequent", "abbreviation", "capitalised"], choices=builder.STRATEGIES
+        "--strategies", nargs="+", default=["frequent", "abbreviation", "capitalised"], choices=mining.STRATEGIES
     )
     ap.add_argument("--out", default=None, help="default: results/kala/lexicon_quality_<dataset>.json")
     args = ap.parse_args(argv)
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     out = {"dataset": args.dataset, "strategies": {}}
     for strategy in args.strategies:
         min_count = protocol.graph_min_count(args.dataset, strategy)
-        lexicon = builder.mine_lexicon(tokens, strategy, min_count)
+        lexicon = mining.mine_lexicon(tokens, strategy, min_count)
         out["strategies"][strategy] = {
             "min_count": min_count,
             **{

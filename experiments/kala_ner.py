@@ -78,6 +78,7 @@ run) are :mod:`jsteer.kala.protocol`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 
@@ -95,7 +96,7 @@ def per_dataset(values: list, datasets: list[str], name: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from jsteer.kala.builder import STRATEGIES
+    from jsteer.kala.mining import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -198,19 +199,6 @@ def main(argv=None) -> int:
                         out=args.out,
                     )
                 data, memory, subsets, out_path, results = state[name]
-                if args.memory_only:  # the default graph buckets (graph_rungs 0), whatever --graph-rungs says
-                    cfg = ktrain.TrainConfig(
-                        lr=args.lr,
-                        kala_lr=args.kala_lr,
-                        epochs=args.epochs,
-                        max_len=lens[name],
-                        batch_size=args.batch_size,
-                        seed=seed,
-                    )
-                    protocol.measure_memory_only(lm, data, memory, variant, kw, cfg, out_path, results)
-                    continue
-                if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
-                    continue
                 cfg = ktrain.TrainConfig(
                     lr=args.lr,
                     kala_lr=args.kala_lr,
@@ -220,6 +208,12 @@ def main(argv=None) -> int:
                     seed=seed,
                     graph_rungs=args.graph_rungs,
                 )
+                if args.memory_only:  # the default graph buckets (graph_rungs 0), whatever --graph-rungs says
+                    cfg = dataclasses.replace(cfg, graph_rungs=0)
+                    protocol.measure_memory_only(lm, data, memory, variant, kw, cfg, out_path, results)
+                    continue
+                if any((r["variant"], r["seed"]) == (variant, seed) for r in results["runs"]):
+                    continue
                 measure = seed == 0 and (group == "main" if args.memory is None else variant in args.memory)
                 fit, run = protocol.run_variant(
                     lm,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from jsteer.kala.report import RESULTS, import_variants, report
+from jsteer.kala.protocol import import_variants
+from jsteer.kala.report import RESULTS, report
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--from-variants"]:

@@ -78,14 +78,7 @@ def measure(backbone: str, lengths, rounds: int, per_round: int) -> dict:
         memory = protocol.cached_memory(protocol.graph_key("conll"), lm, data, proto["train_size"], proto["max_len"])
     else:
         config, encoder, memory = BertConfig(), None, None  # random init (memory too)
-    cfg = ktrain.TrainConfig(
-        lr=COMMON["lr"],
-        kala_lr=COMMON["kala_lr"],
-        epochs=proto["epochs"],
-        max_len=proto["max_len"],
-        batch_size=COMMON["batch_size"],
-        seed=0,
-    )
+    cfg = protocol.train_config("conll", seed=0)
     total = cfg.total_steps(len(data.train))
     out: dict = {"params": {}, "steps": {}}
     methods = {}

@@ -68,15 +68,7 @@ def one_run(
     memory = protocol.cached_memory(
         protocol.graph_key(dataset, graph_strategy), lm, data, proto["train_size"], proto["max_len"]
     )
-    cfg = ktrain.TrainConfig(
-        lr=COMMON["lr"],
-        kala_lr=COMMON["kala_lr"],
-        epochs=proto["epochs"],
-        max_len=proto["max_len"],
-        batch_size=COMMON["batch_size"],
-        seed=seed,
-        graph_rungs=graph_rungs,
-    )
+    cfg = protocol.train_config(dataset, seed, graph_rungs)
     model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(**kw), memory, seed=seed)
     steps = cfg.total_steps(len(data.train))
     stream = iter(ktrain._Endless.for_model(model, data.train, cfg, "ner"))
@@ -124,7 +116,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    from jsteer.kala.builder import STRATEGIES
+    from jsteer.kala.mining import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", nargs="+", choices=sorted(PROTOCOL), default=["conll", "ncbi"])

@@ -40,7 +40,9 @@ from jax.sharding import PartitionSpec as P
 
 from jsteer import sharding as S  # noqa: E402
 from jsteer.backbones.base import KVCache  # noqa: E402
-from jsteer.backbones.decoder import Decoder, DecoderConfig, logical_axes  # noqa: E402
+from jsteer.backbones.decoder import Decoder  # noqa: E402
+from jsteer.backbones.decoder_config import DecoderConfig  # noqa: E402
+from jsteer.backbones.decoder_params import logical_axes  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30

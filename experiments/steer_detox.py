@@ -195,16 +195,7 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
     )
     log(f"training the detox steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg}")
     params, hist = train.train(cache, emb, cfg, progress=True)
-    artifact.save(
-        str(art),
-        params,
-        base_model=lm.identity,
-        hidden_size=emb.shape[1],
-        vocab_size=emb.shape[0],
-        eps0=cfg.eps0,
-        steer_names=["detox"],
-        extra={"recipe": recipe},
-    )
+    artifact.save_trained(art, params, lm, emb, cfg, ["detox"], {"recipe": recipe})
     res["training"] = {
         "detox": {
             **recipe,

@@ -17,7 +17,9 @@ import pathlib
 
 import matplotlib
 
-from jsteer.steer.report import RESULTS, detox_table, markdown, plot_all, sweep_table, table3, targets
+from jsteer.steer.protocol import RESULTS
+from jsteer.steer.report import detox_table, markdown, plot_all, sweep_table, table3
+from jsteer.steer.verdicts import targets
 
 matplotlib.use("Agg")
 

@@ -294,16 +294,8 @@ def main():
         )
         log(f"training {name} steer: {cache.num_texts} texts, {cache.num_tokens} tokens, {cfg_n}")
         params, hist = train.train(cache, emb, cfg_n, progress=True)
-        artifact.save(
-            str(art),
-            params,
-            base_model=lm.identity,
-            hidden_size=emb.shape[1],
-            vocab_size=emb.shape[0],
-            eps0=cfg_n.eps0,
-            steer_names=[name],
-            extra={"steps": cfg_n.steps, "rank": cfg_n.rank, "l2": cfg_n.l2, "init_scale": cfg_n.init_scale},
-        )
+        extra = {"steps": cfg_n.steps, "rank": cfg_n.rank, "l2": cfg_n.l2, "init_scale": cfg_n.init_scale}
+        artifact.save_trained(art, params, lm, emb, cfg_n, [name], extra)
         steers[name] = {k: np.asarray(v) for k, v in params.items()}
         w = np.asarray(head.full_matrix({k: jnp.asarray(v) for k, v in params.items()}))
         res["training"][name] = {

@@ -221,19 +221,8 @@ def main(argv=None) -> int:
     for name, cfg in configs.items():
         if name in res["configs"] and (not args.test or "test" in res["configs"][name]):
             continue
-        eps0 = 1e-3 if cfg.get("kind", "steer") == "steer" else train.BASELINE_EPS0
-        tcfg = train.TrainConfig(
-            rank=cfg["rank"],
-            steps=cfg["steps"],
-            lr=cfg["lr"],
-            l2=cfg["l2"],
-            init_scale=1e-2,
-            batch_size=BATCH,
-            tokens_per_batch=768,
-            log_every=25,
-            kind=cfg.get("kind", "steer"),
-            eps0=eps0,
-        )
+        tcfg = protocol.sweep_train_config(cfg)
+        eps0 = tcfg.eps0
         col = ["binary", "graded"].index(cfg["labels"])
         data = cache
         if cfg.get("data") == "self":

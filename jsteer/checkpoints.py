@@ -84,7 +84,7 @@ def save(lm: LM, path: PathLike) -> pathlib.Path:
     }
     params = lm.params
     if getattr(lm.config, "scan_layers", False):  # checkpoints hold the unrolled layout: load either way
-        from jsteer.backbones.decoder import unstack_layers
+        from jsteer.backbones.decoder_params import unstack_layers
 
         params = unstack_layers(params)
 

@@ -1,11 +1,14 @@
 """The `jsteer` command. Core verbs live here; each method package adds its own group
-through a ``register(subparsers)`` function in ``jsteer/<method>/cli.py``."""
+through a ``register(subparsers)`` function in ``jsteer/<method>/cli.py``, with the pieces the
+groups share: :func:`method_group`, :func:`load_decoder`, the ``generate`` options
+(:func:`add_generate_options`, :func:`print_generations`) and :func:`warning_lines`."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import sys
 import warnings
@@ -49,6 +52,55 @@ def _quiet_anywhere(parser: argparse.ArgumentParser) -> None:
                 if "--quiet" not in child._option_string_actions:
                     child.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
                 _quiet_anywhere(child)
+
+
+def method_group(subparsers, name: str, help: str, description: str):
+    """``jsteer <name>``: a method's command group (``description``, its CLI module's docstring,
+    printed as written) -> the subparsers of its subcommands (chosen one in ``args.<name>_command``)."""
+    top = subparsers.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return top.add_subparsers(dest=f"{name}_command", required=True)
+
+
+def load_decoder(src: str, method: str):
+    """``jsteer.load(src)``, refused (naming ``method``) unless it is a decoder."""
+    import jsteer
+
+    lm = jsteer.load(src)
+    if not lm.is_decoder:
+        raise ValueError(f"{src}: {method} needs a decoder model, got family {lm.family!r}")
+    return lm
+
+
+def add_generate_options(p, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0) -> None:
+    """A method's ``generate`` options (its defaults as given): --max-new-tokens, --temperature,
+    --top-p, --top-k, --samples per prompt, --seed and --json, read by :func:`print_generations`."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=top_p)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+
+
+def print_generations(lm, args, hooks) -> int:
+    """Continues ``args.prompts`` (each ``args.samples`` times) with ``hooks`` and the options of
+    :func:`add_generate_options`; prints prompt + continuation (or a JSON line) for each."""
+    prompts = [p for p in args.prompts for _ in range(args.samples)]
+    outs = lm.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        hooks=hooks,
+    )
+    for p, o in zip(prompts, outs):
+        print(json.dumps({"prompt": p, "continuation": o}) if args.json else f"{p}{o}")
+    return 0
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ step, including the prefill logits that pick the first new token.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import weakref
 from typing import Any, Iterator, Optional, Sequence
@@ -325,23 +326,19 @@ def generate(
     batch is not sharded over several devices and generate is not called under jit (where the
     copy could not be kept). Returns :class:`GenerateOutput`.
     """
-    input_ids, attention_mask, sampler, packed = _setup(
-        module,
-        params,
-        input_ids,
-        attention_mask,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
-        rng,
-        hooks,
-        pad_id,
-        cpu_kernels,
-        repetition_penalty,
-        min_new_tokens,
+    opts = _Options(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=stop_ids,
+        rng=rng,
+        hooks=hooks,
+        pad_id=pad_id,
+        cpu_kernels=cpu_kernels,
+        repetition_penalty=repetition_penalty,
+        min_new_tokens=min_new_tokens,
     )
+    input_ids, attention_mask, sampler, packed = _setup(module, params, input_ids, attention_mask, max_new_tokens, opts)
     return _generate(
         module, params, input_ids, attention_mask, sampler, hooks, packed, max_new_tokens=int(max_new_tokens)
     )
@@ -365,26 +362,12 @@ def stream(
     prefill and after each chunk, one compiled program for every chunk (the state, KV cache
     included, is donated from chunk to chunk). Send a [B] bool array back (``gen.send(mask)``)
     to stop those rows (stop strings); the final tokens equal :func:`generate`'s."""
-    input_ids, attention_mask, sampler, packed = _setup(
-        module,
-        params,
-        input_ids,
-        attention_mask,
-        max_new_tokens,
-        kw.pop("temperature", 0.0),
-        kw.pop("top_k", 0),
-        kw.pop("top_p", 1.0),
-        kw.pop("stop_ids", ()),
-        kw.pop("rng", None),
-        kw.get("hooks"),
-        kw.pop("pad_id", 0),
-        kw.pop("cpu_kernels", None),
-        kw.pop("repetition_penalty", None),
-        kw.pop("min_new_tokens", 0),
-    )
-    hooks = kw.pop("hooks", None)
-    if kw:
-        raise TypeError(f"stream: unexpected arguments {sorted(kw)}")
+    unknown = sorted(set(kw) - {f.name for f in dataclasses.fields(_Options)})
+    if unknown:
+        raise TypeError(f"stream: unexpected arguments {unknown}")
+    opts = _Options(**kw)
+    input_ids, attention_mask, sampler, packed = _setup(module, params, input_ids, attention_mask, max_new_tokens, opts)
+    hooks = opts.hooks
     if chunk < 1:
         raise ValueError(f"stream: chunk must be >= 1, got {chunk}")
     state = _prefill_jit(module, params, input_ids, attention_mask, hooks, sampler, int(max_new_tokens))
@@ -398,24 +381,27 @@ def stream(
         state = _loop_jit(module, params, packed, input_ids, attention_mask, hooks, sampler, state, state.i + chunk)
 
 
-def _setup(
-    module,
-    params,
-    input_ids,
-    attention_mask,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
-    rng,
-    hooks,
-    pad_id,
-    cpu_kernels,
-    repetition_penalty,
-    min_new_tokens,
-):
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """:func:`generate`'s sampling options as given (scalars or per-row [B] arrays; :func:`stream`
+    takes them as keywords)."""
+
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
+    stop_ids: Sequence[int] = ()
+    rng: Any = None
+    hooks: Optional[Hooks] = None
+    pad_id: int = 0
+    cpu_kernels: Optional[bool] = None
+    repetition_penalty: Any = None
+    min_new_tokens: int = 0
+
+
+def _setup(module, params, input_ids, attention_mask, max_new_tokens, options: _Options):
     """Checked inputs -> (ids, mask, Sampler, packed weights or None)."""
+    o = options
+    temperature, top_k, top_p, hooks, min_new_tokens = o.temperature, o.top_k, o.top_p, o.hooks, o.min_new_tokens
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2:
         raise ValueError(f"generate: input_ids must be [B, T], got shape {input_ids.shape}")
@@ -439,8 +425,9 @@ def _setup(
     top_k = _per_row(top_k, b, jnp.int32, "top_k")
     top_p = _per_row(top_p, b, jnp.float32, "top_p")
     penalty = None
-    if repetition_penalty is not None and not (np.ndim(repetition_penalty) == 0 and float(repetition_penalty) == 1.0):
-        penalty = _per_row(repetition_penalty, b, jnp.float32, "repetition_penalty")
+    rp = o.repetition_penalty
+    if rp is not None and not (np.ndim(rp) == 0 and float(rp) == 1.0):
+        penalty = _per_row(rp, b, jnp.float32, "repetition_penalty")
     for name, x, bad in (
         ("temperature", temperature, lambda a: a < 0),
         ("top_k", top_k, lambda a: a < 0),
@@ -449,19 +436,19 @@ def _setup(
     ):
         if x is not None and not isinstance(x, jax.core.Tracer) and np.any(bad(np.asarray(x))):
             raise ValueError(f"generate: invalid {name} {np.asarray(x).tolist()}")
-    stop = [int(x) for x in np.asarray(stop_ids, np.int64).reshape(-1)]
+    stop = [int(x) for x in np.asarray(o.stop_ids, np.int64).reshape(-1)]
     stop += [-1] * (buckets.PROBE(len(stop)) - len(stop))  # pad (-1 is never a token): fewer programs
     sampler = Sampler(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        keys=_row_keys(rng, b),
+        keys=_row_keys(o.rng, b),
         stop_ids=jnp.asarray(stop, jnp.int32),
-        pad_id=jnp.int32(pad_id),
+        pad_id=jnp.int32(o.pad_id),
         min_new_tokens=jnp.int32(min_new_tokens),
         repetition_penalty=penalty,
     )
-    packed = _packed_params(module, params) if _use_cpu_kernels(cpu_kernels, module, input_ids, params) else None
+    packed = _packed_params(module, params) if _use_cpu_kernels(o.cpu_kernels, module, input_ids, params) else None
     return input_ids, attention_mask, sampler, packed
 
 

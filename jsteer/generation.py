@@ -133,6 +133,14 @@ class _Batch:
     rows: int
     prompt_ids: list
 
+    def args(self, lm) -> tuple:
+        """The positional arguments of :func:`jsteer.decode.generate` / ``stream``."""
+        return lm.module, self.params, self.ids, self.mask
+
+    def keywords(self, lm) -> dict:
+        """Their per-call keywords: row keys, hooks, the pad id."""
+        return dict(rng=self.rng, hooks=self.hooks, pad_id=lm._pad_value())
+
 
 def prepare(lm, prompts, hooks, seed: int, num_return_sequences: int, mesh) -> _Batch:
     if num_return_sequences < 1:
@@ -165,33 +173,30 @@ def prepare(lm, prompts, hooks, seed: int, num_return_sequences: int, mesh) -> _
     )
 
 
-def generate(
+def _call(
     lm,
     prompts,
     *,
     max_new_tokens: int,
     stop: Sequence[str] = (),
-    chunk: int = 8,
     hooks=None,
     seed: int = 0,
     num_return_sequences: int = 1,
     mesh=None,
     **loop,
-) -> tuple[list, np.ndarray, np.ndarray]:
-    """-> (texts, tokens [R, max_new_tokens], lengths [R]) with R = prompts x num_return_sequences."""
-    batch = prepare(lm, prompts, hooks, seed, num_return_sequences, mesh)
+) -> tuple[_Batch, int, Sequence[str], dict]:
+    """The arguments of :func:`generate` / :func:`stream` (but ``chunk``) -> (the prepared batch,
+    max_new_tokens, stop strings, the decode loop's settings)."""
+    return prepare(lm, prompts, hooks, seed, num_return_sequences, mesh), max_new_tokens, stop, loop
+
+
+def generate(lm, prompts, *, chunk: int = 8, **kw) -> tuple[list, np.ndarray, np.ndarray]:
+    """-> (texts, tokens [R, max_new_tokens], lengths [R]) with R = prompts x num_return_sequences.
+    ``kw``: max_new_tokens, stop, hooks, seed, num_return_sequences, mesh and the decode loop's
+    settings (:func:`jsteer.decode.generate`'s)."""
+    batch, max_new_tokens, stop, loop = _call(lm, prompts, **kw)
     if not stop:
-        out = decode.generate(
-            lm.module,
-            batch.params,
-            batch.ids,
-            batch.mask,
-            max_new_tokens=int(max_new_tokens),
-            rng=batch.rng,
-            hooks=batch.hooks,
-            pad_id=lm._pad_value(),
-            **loop,
-        )
+        out = decode.generate(*batch.args(lm), max_new_tokens=int(max_new_tokens), **batch.keywords(lm), **loop)
         tokens, lengths = np.asarray(out.tokens)[: batch.rows], np.asarray(out.lengths)[: batch.rows]
         texts = [
             lm.tokenizer.decode_continuation(batch.prompt_ids[b], tokens[b, : lengths[b]]) for b in range(batch.rows)
@@ -207,18 +212,7 @@ def _chunks(
     """(texts so far, tokens, lengths) after the prefill and each chunk; a row whose text reached a
     stop string is stopped in the loop, its text cut after it and its tokens after the one that
     completed it (where HF's stop-string check, run every token, would have stopped) dropped."""
-    gen = decode.stream(
-        lm.module,
-        batch.params,
-        batch.ids,
-        batch.mask,
-        max_new_tokens=int(max_new_tokens),
-        chunk=chunk,
-        rng=batch.rng,
-        hooks=batch.hooks,
-        pad_id=lm._pad_value(),
-        **loop,
-    )
+    gen = decode.stream(*batch.args(lm), max_new_tokens=int(max_new_tokens), chunk=chunk, **batch.keywords(lm), **loop)
     total = len(np.asarray(batch.ids))
     cut: dict = {}  # row -> (text, tokens kept)
     seen = np.zeros(batch.rows, np.int64)  # tokens already checked per row
@@ -250,21 +244,10 @@ def _chunks(
             return
 
 
-def stream(
-    lm,
-    prompts,
-    *,
-    max_new_tokens: int,
-    stop: Sequence[str] = (),
-    chunk: int = 8,
-    hooks=None,
-    seed: int = 0,
-    num_return_sequences: int = 1,
-    mesh=None,
-    **loop,
-) -> Iterator[list[str]]:
-    """Yields, after each chunk of decode steps, the text each row added since the last yield."""
-    batch = prepare(lm, prompts, hooks, seed, num_return_sequences, mesh)
+def stream(lm, prompts, *, chunk: int = 8, **kw) -> Iterator[list[str]]:
+    """Yields, after each chunk of decode steps, the text each row added since the last yield
+    (``kw`` as :func:`generate`'s)."""
+    batch, max_new_tokens, stop, loop = _call(lm, prompts, **kw)
     shown = [""] * batch.rows
     for texts, _, _ in _chunks(lm, batch, max_new_tokens, stop, chunk, loop):
         delta = [t[len(s) :] if t.startswith(s) else t for t, s in zip(texts, shown, strict=True)]

@@ -119,7 +119,7 @@ class LM:
         """A BERT-family copy with a freshly initialised ``head`` ("token_classification", "qa",
         "mlm"; None: the bare encoder) on the same encoder weights. ``num_labels``
         (token_classification) defaults to the config's; config, ``hf_config`` and module follow.
-        Params are drawn with :func:`jsteer.backbones.bert.init_head` from ``PRNGKey(seed)``.
+        Params are drawn with :func:`jsteer.backbones.bert_heads.init_head` from ``PRNGKey(seed)``.
 
         Identity: a "token_classification" / "qa" head (or none) keeps the source's
         :attr:`identity`, as ``jsteer.load(src, head=None)`` and ``jsteer.load(src)`` share
@@ -133,7 +133,7 @@ class LM:
         self.fam.check_head(head)
         if num_labels is not None and head != "token_classification":
             raise ValueError(f"with_head: num_labels is for head='token_classification', not {head!r}")
-        from jsteer.backbones.bert import init_head
+        from jsteer.backbones.bert_heads import init_head
 
         config, hf_config = self.config, dict(self.hf_config)
         if num_labels is not None:

@@ -533,7 +533,7 @@ def _load_checkpoint(path: pathlib.Path, dtype, head, target: _Target) -> LM:
     prov["dtype"] = jnp.dtype(dtype).name
     module = fam.build(config, head, dtype)
     if getattr(config, "scan_layers", False) and isinstance(params, dict) and "layers_0" in params:
-        from jsteer.backbones.decoder import stack_layers  # checkpoints hold the unrolled layout
+        from jsteer.backbones.decoder_params import stack_layers  # checkpoints hold the unrolled layout
 
         params = stack_layers(params, config.num_layers)
     _check_param_shapes(path, module, params)

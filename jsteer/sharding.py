@@ -117,13 +117,13 @@ def infer_axes(params: Any) -> Any:
     """Logical axes for every backbone inside ``params`` (a decoder's tree, a BERT model's or
     encoder's, at any depth: under "backbone", "encoder", ...); every other leaf None (replicated:
     method params are small). Works on arrays and ShapeDtypeStructs."""
-    from jsteer.backbones import bert, decoder
+    from jsteer.backbones import bert, decoder_params
 
     def walk(node):
         if not isinstance(node, Mapping):
             return None
         if "embed" in node and "final_norm" in node:
-            return decoder.logical_axes(node)
+            return decoder_params.logical_axes(node)
         if "embeddings" in node and any(str(k).startswith("layer_") for k in node):
             return bert.logical_axes(node)
         if isinstance(node.get("encoder"), Mapping) and "embeddings" in node["encoder"]:

@@ -28,7 +28,7 @@ def fsdp(pid: int, out: str) -> None:
     from test_train_multiprocess import fsdp_batch, fsdp_loss, fsdp_model
 
     from jsteer import sharding
-    from jsteer.backbones.decoder import logical_axes
+    from jsteer.backbones.decoder_params import logical_axes
     from jsteer.train import OptimizerConfig, Trainer
     from jsteer.train import step as step_lib
 

@@ -13,6 +13,8 @@ import torch
 import transformers
 
 from jsteer.backbones import bert as jb
+from jsteer.backbones import bert_heads as jh
+from jsteer.backbones import bert_hf as jhf
 from jsteer.hooks import FiLM, Hooks, Steer
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
@@ -86,7 +88,7 @@ def hf_bert():
 @pytest.fixture(scope="module")
 def bert_setup(hf_bert):
     cfg = jb.BertConfig.from_hf(hf_bert.config.to_dict())
-    params = jb.params_from_hf(_state(hf_bert), cfg, head="mlm")
+    params = jhf.params_from_hf(_state(hf_bert), cfg, head="mlm")
     return hf_bert, cfg, params
 
 
@@ -98,7 +100,7 @@ def test_bert_model_parity_all_layers(bert_setup):
     ids, mask, tt = _batch(cfg.pad_token_id)
     with torch.no_grad():
         ref = hf.bert(**_torch_inputs(ids, mask, tt), output_hidden_states=True)
-    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, output_hidden_states=True)
+    out = _run(jh.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, output_hidden_states=True)
     assert out.logits is None
     assert len(out.hidden_states) == cfg.num_layers + 1
     for ours, theirs in zip(out.hidden_states, ref.hidden_states):
@@ -124,8 +126,8 @@ def test_head_parity(kind):
     cfg = jb.BertConfig.from_hf(hf.config.to_dict())
     assert cfg.layout == ("roberta" if is_roberta else "bert")
     assert cfg.tie_word_embeddings == (head != "mlmuntied")
-    params = jb.params_from_hf(_state(hf), cfg, head=head_name)
-    module = jb.model_for_head(cfg, head_name)
+    params = jhf.params_from_hf(_state(hf), cfg, head=head_name)
+    module = jh.model_for_head(cfg, head_name)
     ids, mask, tt = _batch(cfg.pad_token_id, type_ids=not is_roberta)
     with torch.no_grad():
         r = hf(**_torch_inputs(ids, mask, tt))
@@ -169,8 +171,8 @@ def test_embed_offset_equals_hf_inputs_embeds(bert_setup):
     with torch.no_grad():
         emb = hf.bert.embeddings.word_embeddings(torch.tensor(ids, dtype=torch.long)) + torch.tensor(offset)
         ref = hf(inputs_embeds=emb, attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(tt)).logits
-    out = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(embed_offset=jnp.asarray(offset)))
-    base = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt)
+    out = _run(jh.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(embed_offset=jnp.asarray(offset)))
+    base = _run(jh.BertForMaskedLM(cfg), params, ids, mask, tt)
     assert _maxdiff(out.logits, base.logits) > 1e-2  # the offset does something
     d = _maxdiff(out.logits, ref.numpy())
     print(f"embed_offset vs HF inputs_embeds: max|diff| = {d:.2e}")
@@ -192,7 +194,7 @@ def test_attn_bias_equals_hf_4d_mask(bert_setup):
             token_type_ids=torch.tensor(tt, dtype=torch.long),
         ).last_hidden_state
     out = _run(
-        jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=Hooks(attn_bias=jnp.asarray(bias))
+        jh.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=Hooks(attn_bias=jnp.asarray(bias))
     )
     d = _maxdiff(out.hidden, ref.numpy())
     print(f"attn_bias vs HF 4D float mask: max|diff| = {d:.2e}")
@@ -206,7 +208,7 @@ def test_position_ids_hook_equals_hf(bert_setup):
     with torch.no_grad():
         ref = hf.bert(**_torch_inputs(ids, mask, tt), position_ids=torch.tensor(pos, dtype=torch.long))
     out = _run(
-        jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=Hooks(position_ids=jnp.asarray(pos))
+        jh.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=Hooks(position_ids=jnp.asarray(pos))
     )
     assert _maxdiff(out.hidden, ref.last_hidden_state.numpy()) <= 1e-5
 
@@ -242,7 +244,7 @@ def test_film_in_out_equal_torch_layernorm_hooks(bert_setup):
         for h in handles:
             h.remove()
     hooks = Hooks(film={i: FiLM(**{k: jnp.asarray(v) for k, v in f.items()}) for i, f in films.items()})
-    out = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=hooks)
+    out = _run(jh.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=hooks)
     d = _maxdiff(out.logits, ref.numpy())
     print(f"FiLM in/out vs torch LayerNorm hooks: max|diff| = {d:.2e}")
     assert d <= 1e-5
@@ -257,13 +259,13 @@ def test_film_in_out_equal_torch_layernorm_hooks(bert_setup):
             0: hooks.film[0],
         }
     )
-    assert _maxdiff(_run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=swapped).logits, ref.numpy()) > 1e-2
+    assert _maxdiff(_run(jh.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=swapped).logits, ref.numpy()) > 1e-2
 
 
 def test_identity_hooks_bit_identical(bert_setup):
     _, cfg, params = bert_setup
     ids, mask, tt = _batch(cfg.pad_token_id, seed=10)
-    module = jb.BertForMaskedLM(cfg)
+    module = jh.BertForMaskedLM(cfg)
     base = _run(module, params, ids, mask, tt, output_hidden_states=True)
     for hooks in (Hooks(), Hooks(film={1: FiLM()})):  # empty hooks; an empty FiLM
         out = _run(module, params, ids, mask, tt, hooks=hooks, output_hidden_states=True)
@@ -311,7 +313,7 @@ def test_captured_sites_equal_hf_activations(bert_setup):
     ids, mask, tt = _batch(cfg.pad_token_id, seed=14)
     names = ("resid_pre", "attn_out", "ffn_in", "ffn_hidden", "ffn_out", "resid_post")
     capture = tuple(f"{n}.{i}" for i in range(cfg.num_layers) for n in names) + ("embed", "final")
-    out = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, capture=capture)
+    out = _run(jh.BertForMaskedLM(cfg), params, ids, mask, tt, capture=capture)
     got, ref = _hf_site_outputs(hf, ids, mask, tt)
     assert set(out.captured) == set(capture)
     for i in range(cfg.num_layers):
@@ -339,9 +341,9 @@ def test_interventions_equal_hf_forward_hooks(bert_setup):
         "resid_post.0": rng.normal(size=cfg.hidden_size).astype(np.float32),
     }
     hooks = Hooks(interventions={k: iv.Add(jnp.asarray(v)) for k, v in add.items()})
-    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=hooks)
+    out = _run(jh.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, hooks=hooks)
     _, ref = _hf_site_outputs(hf, ids, mask, tt, add)
-    base = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt)
+    base = _run(jh.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt)
     assert _maxdiff(base.hidden, ref.last_hidden_state.numpy(), mask) > 1e-1  # the vectors do matter
     assert _maxdiff(out.hidden, ref.last_hidden_state.numpy(), mask) <= 1e-5
 
@@ -354,7 +356,7 @@ def test_identity_interventions_bit_identical(bert_setup):
 
     _, cfg, params = bert_setup
     ids, mask, tt = _batch(cfg.pad_token_id, seed=16)
-    module = jb.BertForMaskedLM(cfg)
+    module = jh.BertForMaskedLM(cfg)
     d = cfg.hidden_size
     ivs = {"embed": iv.Add(jnp.zeros(d)), "final": (iv.Scale(1.0), iv.Add(jnp.zeros(d)))}
     for i in range(cfg.num_layers):
@@ -389,7 +391,7 @@ def test_film_on_a_missing_layer_is_an_error(bert_setup, key):
     ids, mask, tt = _batch(cfg.pad_token_id, seed=11)
     big = jnp.full((B, T, cfg.hidden_size), 5.0)
     with pytest.raises(ValueError, match=rf"hooks.film has key {key!r}: .*range\({cfg.num_layers}\)"):
-        _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(film={key: FiLM(gamma_out=big, beta_out=big)}))
+        _run(jh.BertForMaskedLM(cfg), params, ids, mask, tt, hooks=Hooks(film={key: FiLM(gamma_out=big, beta_out=big)}))
 
 
 def test_decoder_only_hooks_are_refused(bert_setup):
@@ -398,7 +400,7 @@ def test_decoder_only_hooks_are_refused(bert_setup):
     d = cfg.hidden_size
     with pytest.raises(ValueError, match="hooks.steer acts on a decoder"):
         _run(
-            jb.BertForMaskedLM(cfg),
+            jh.BertForMaskedLM(cfg),
             params,
             ids,
             mask,
@@ -427,7 +429,7 @@ def tiny_roberta():
     hc._attn_implementation = "eager"
     hf = _randomise(transformers.RobertaModel(hc, add_pooling_layer=False))
     cfg = jb.BertConfig.from_hf(hc.to_dict())
-    return hf, cfg, jb.params_from_hf(_state(hf), cfg)
+    return hf, cfg, jhf.params_from_hf(_state(hf), cfg)
 
 
 def test_roberta_length_limit_matches_hf(tiny_roberta):
@@ -440,11 +442,11 @@ def test_roberta_length_limit_matches_hf(tiny_roberta):
         ref = hf(torch.tensor(fits, dtype=torch.long)).last_hidden_state.numpy()
         with pytest.raises((IndexError, RuntimeError)):
             hf(torch.tensor(np.full((1, limit + 1), 5), dtype=torch.long))
-    out = jb.BertModel(cfg).apply({"params": params}, jnp.asarray(fits))
+    out = jh.BertModel(cfg).apply({"params": params}, jnp.asarray(fits))
     assert _maxdiff(out.hidden, ref) <= 1e-5
     for t in (limit + 1, cfg.max_position_embeddings):
         with pytest.raises(ValueError, match=rf"input length {t} exceeds the {limit} tokens this RoBERTa-style"):
-            jb.BertModel(cfg).apply({"params": params}, jnp.full((1, t), 5, jnp.int32))
+            jh.BertModel(cfg).apply({"params": params}, jnp.full((1, t), 5, jnp.int32))
 
 
 def test_explicit_position_ids_are_checked_against_the_table(tiny_roberta):
@@ -454,11 +456,11 @@ def test_explicit_position_ids_are_checked_against_the_table(tiny_roberta):
     pos = np.arange(t, dtype=np.int32)[None] + 1  # rows 1..9: inside the table
     with torch.no_grad():
         ref = hf(torch.tensor(ids, dtype=torch.long), position_ids=torch.tensor(pos, dtype=torch.long))
-    out = jb.BertModel(cfg).apply({"params": params}, jnp.asarray(ids), hooks=Hooks(position_ids=jnp.asarray(pos)))
+    out = jh.BertModel(cfg).apply({"params": params}, jnp.asarray(ids), hooks=Hooks(position_ids=jnp.asarray(pos)))
     assert _maxdiff(out.hidden, ref.last_hidden_state.numpy()) <= 1e-5
     for bad in (pos + 1, pos - 2):  # row 10 (one past the table), row -1
         with pytest.raises(ValueError, match=r"hooks.position_ids must lie in \[0, 10\)"):
-            jb.BertModel(cfg).apply({"params": params}, jnp.asarray(ids), hooks=Hooks(position_ids=jnp.asarray(bad)))
+            jh.BertModel(cfg).apply({"params": params}, jnp.asarray(ids), hooks=Hooks(position_ids=jnp.asarray(bad)))
 
 
 # ----------------------------------------------------------------------------- real MiniLM
@@ -480,7 +482,7 @@ def test_minilm_matches_hf_from_pretrained():
     d = _minilm_dir()
     cfg = jb.BertConfig.from_hf(json.loads((d / "config.json").read_text()))
     sd = load_file(str(d / "model.safetensors"))
-    params = jb.params_from_hf(sd, cfg)
+    params = jhf.params_from_hf(sd, cfg)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     tok.no_padding()  # its tokenizer.json pads to 128; pad ourselves to the longest
     texts = [
@@ -498,7 +500,7 @@ def test_minilm_matches_hf_from_pretrained():
     hf = transformers.BertModel.from_pretrained(str(d), attn_implementation="eager").eval()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).last_hidden_state
-    out = _run(jb.BertModel(cfg), params, ids, mask, np.zeros_like(ids))
+    out = _run(jh.BertModel(cfg), params, ids, mask, np.zeros_like(ids))
     dmax = _maxdiff(out.hidden, ref.numpy(), mask)
     print(f"MiniLM last hidden vs HF from_pretrained: max|diff| = {dmax:.2e}")
     assert dmax <= 1e-4
@@ -506,11 +508,11 @@ def test_minilm_matches_hf_from_pretrained():
 
     # MiniLM has no MLM head: a clear KeyError, or a fresh head on request.
     with pytest.raises(KeyError, match="cls.predictions"):
-        jb.params_from_hf(sd, cfg, head="mlm")
-    p2 = jb.params_from_hf(sd, cfg, head="mlm", allow_missing_head=True, rng=jax.random.PRNGKey(1))
+        jhf.params_from_hf(sd, cfg, head="mlm")
+    p2 = jhf.params_from_hf(sd, cfg, head="mlm", allow_missing_head=True, rng=jax.random.PRNGKey(1))
     assert p2["head"]["transform"]["kernel"].shape == (384, 384)
     assert p2["head"]["bias"].shape == (cfg.vocab_size,)
-    logits = _run(jb.BertForMaskedLM(cfg), p2, ids[:1], mask[:1], np.zeros_like(ids[:1])).logits
+    logits = _run(jh.BertForMaskedLM(cfg), p2, ids[:1], mask[:1], np.zeros_like(ids[:1])).logits
     assert logits.shape == (1, t, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
 
 
@@ -523,24 +525,24 @@ def test_conversion_errors_name_the_tensor(hf_bert):
     bad = dict(sd)
     bad["bert.encoder.layer.1.intermediate.dense.weight"] = np.zeros((36, 32), np.float32)
     with pytest.raises(ValueError, match=r"encoder\.layer\.1\.intermediate\.dense\.weight.*\(36, 32\).*\(37, 32\)"):
-        jb.params_from_hf(bad, cfg)
+        jhf.params_from_hf(bad, cfg)
     missing = {k: v for k, v in sd.items() if k != "bert.encoder.layer.0.attention.self.key.bias"}
     with pytest.raises(KeyError, match=r"bert\.encoder\.layer\.0\.attention\.self\.key\.bias"):
-        jb.params_from_hf(missing, cfg)
+        jhf.params_from_hf(missing, cfg)
     no_head = {k: v for k, v in sd.items() if not k.startswith("cls.")}
     with pytest.raises(KeyError, match=r"cls\.predictions\.transform\.dense\.weight"):
-        jb.params_from_hf(no_head, cfg, head="mlm")
+        jhf.params_from_hf(no_head, cfg, head="mlm")
     with pytest.raises(KeyError, match="classifier.weight"):
-        jb.params_from_hf(sd, cfg, head="token_classification")
+        jhf.params_from_hf(sd, cfg, head="token_classification")
     with pytest.raises(ValueError, match=r"word_embeddings\.weight.*\(99, 32\).*\(100, 32\)"):
-        jb.params_from_hf(sd, jb.BertConfig.from_hf({**hf_bert.config.to_dict(), "vocab_size": 100}))
+        jhf.params_from_hf(sd, jb.BertConfig.from_hf({**hf_bert.config.to_dict(), "vocab_size": 100}))
     # Checkpoints saved with tied weights may keep only `cls.predictions.bias` (no decoder copies).
     slim = {k: v for k, v in sd.items() if not k.startswith("cls.predictions.decoder.")}
-    np.testing.assert_array_equal(jb.params_from_hf(slim, cfg, head="mlm")["head"]["bias"], sd["cls.predictions.bias"])
+    np.testing.assert_array_equal(jhf.params_from_hf(slim, cfg, head="mlm")["head"]["bias"], sd["cls.predictions.bias"])
     with pytest.raises(ValueError, match="more layers"):
-        jb.params_from_hf(sd, jb.BertConfig.from_hf({**hf_bert.config.to_dict(), "num_hidden_layers": 1}))
+        jhf.params_from_hf(sd, jb.BertConfig.from_hf({**hf_bert.config.to_dict(), "num_hidden_layers": 1}))
     with pytest.raises(ValueError, match="unknown head"):
-        jb.params_from_hf(sd, cfg, head="nsp")
+        jhf.params_from_hf(sd, cfg, head="nsp")
 
 
 def test_from_hf_rejects_other_model_types():
@@ -571,13 +573,13 @@ def test_config_roundtrip_and_fields(hf_bert):
 def test_encoder_params_move_between_heads(bert_setup):
     _, cfg, params = bert_setup
     ids, mask, tt = _batch(cfg.pad_token_id, seed=11)
-    h_mlm = _run(jb.BertForMaskedLM(cfg), params, ids, mask, tt).hidden
-    qa = jb.BertForQuestionAnswering(cfg)
-    qa_params = {"encoder": params["encoder"], "head": jb.init_head(jax.random.PRNGKey(0), cfg, "qa")}
+    h_mlm = _run(jh.BertForMaskedLM(cfg), params, ids, mask, tt).hidden
+    qa = jh.BertForQuestionAnswering(cfg)
+    qa_params = {"encoder": params["encoder"], "head": jh.init_head(jax.random.PRNGKey(0), cfg, "qa")}
     shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)  # noqa: E731
     init_tree = jax.eval_shape(qa.init, jax.random.PRNGKey(0), jnp.asarray(ids))["params"]
     assert shapes(init_tree) == shapes(qa_params)
-    bare = jax.eval_shape(jb.BertModel(cfg).init, jax.random.PRNGKey(0), jnp.asarray(ids))["params"]
+    bare = jax.eval_shape(jh.BertModel(cfg).init, jax.random.PRNGKey(0), jnp.asarray(ids))["params"]
     assert shapes(bare) == shapes({"encoder": params["encoder"]})
     assert np.array_equal(np.asarray(_run(qa, qa_params, ids, mask, tt).hidden), np.asarray(h_mlm))
     assert jb.input_embeddings(params).shape == (cfg.vocab_size, cfg.hidden_size)
@@ -588,7 +590,7 @@ def test_bert_layer_reusable_alone(bert_setup):
     """BertLayer with the converted weights of layer 1 reproduces the encoder's last step."""
     _, cfg, params = bert_setup
     ids, mask, tt = _batch(cfg.pad_token_id, seed=12)
-    out = _run(jb.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, output_hidden_states=True)
+    out = _run(jh.BertModel(cfg), {"encoder": params["encoder"]}, ids, mask, tt, output_hidden_states=True)
     bias = jb.attention_bias(jnp.asarray(mask), None, B, T)
     layer = jb.BertLayer(cfg, layer_index=1)
     h = jax.jit(layer.apply)({"params": params["encoder"]["layer_1"]}, out.hidden_states[1], bias)
@@ -598,15 +600,15 @@ def test_bert_layer_reusable_alone(bert_setup):
 def test_dropout_and_bf16(bert_setup):
     _, cfg, params = bert_setup
     ids, mask, tt = map(jnp.asarray, _batch(cfg.pad_token_id, seed=13))
-    module = jb.BertForTokenClassification(cfg, num_labels=3)
-    p = {"encoder": params["encoder"], "head": jb.init_head(jax.random.PRNGKey(2), cfg, "token_classification", 3)}
+    module = jh.BertForTokenClassification(cfg, num_labels=3)
+    p = {"encoder": params["encoder"], "head": jh.init_head(jax.random.PRNGKey(2), cfg, "token_classification", 3)}
     f = jax.jit(lambda p, key: module.apply({"params": p}, ids, mask, tt, deterministic=False, rngs={"dropout": key}))
     a = f(p, jax.random.PRNGKey(0)).logits
     b = f(p, jax.random.PRNGKey(1)).logits
     det = _run(module, p, ids, mask, tt).logits
     assert _maxdiff(a, b) > 1e-3 and _maxdiff(a, det) > 1e-3
     assert np.array_equal(np.asarray(f(p, jax.random.PRNGKey(0)).logits), np.asarray(a))
-    low = _run(jb.BertForTokenClassification(cfg, num_labels=3, dtype=jnp.bfloat16), p, ids, mask, tt)
+    low = _run(jh.BertForTokenClassification(cfg, num_labels=3, dtype=jnp.bfloat16), p, ids, mask, tt)
     assert low.hidden.dtype == jnp.bfloat16 and low.logits.dtype == jnp.float32
     scale = float(np.max(np.abs(np.asarray(det))))
     assert _maxdiff(low.logits, det) <= 0.05 * scale + 0.05
@@ -614,7 +616,7 @@ def test_dropout_and_bf16(bert_setup):
 
 def test_eval_shape_bert_base():
     cfg = jb.BertConfig()  # bert-base-uncased sizes
-    module = jb.BertForMaskedLM(cfg)
+    module = jh.BertForMaskedLM(cfg)
     ids = jax.ShapeDtypeStruct((2, 128), jnp.int32)
     shapes = jax.eval_shape(lambda k, i: module.init(k, i), jax.random.PRNGKey(0), ids)["params"]
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))

@@ -12,7 +12,8 @@ import pytest
 
 from jsteer import decode
 from jsteer.backbones import cpu
-from jsteer.backbones.decoder import Decoder, DecoderConfig, Linear
+from jsteer.backbones.decoder import Decoder, Linear
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.backbones.families import config_from_hf
 
 if not cpu._cpu_has_avx512f():

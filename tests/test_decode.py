@@ -9,7 +9,8 @@ import transformers
 
 from jsteer import decode, sampling
 from jsteer.backbones.decoder import Decoder
-from jsteer.backbones.families import config_from_hf, params_from_hf
+from jsteer.backbones.decoder_hf import params_from_hf
+from jsteer.backbones.families import config_from_hf
 from jsteer.decode import generate
 from jsteer.hooks import FiLM, Hooks, Steer
 from jsteer.io import _bucket_length as bucket_length

@@ -13,7 +13,9 @@ import torch
 import transformers
 
 from jsteer.backbones import decoder as jd
-from jsteer.backbones import families
+from jsteer.backbones import decoder_hf, families
+from jsteer.backbones import decoder_params as jp
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.hooks import FiLM, Hooks, Steer
 
 V, D, L, H, P = 97, 32, 2, 4, 64
@@ -84,7 +86,7 @@ def _maxdiff(a, b, mask=None):
 def setup():
     hf = _hf_model()
     cfg = families.config_from_hf(hf.config.to_dict())
-    params = families.params_from_hf(_state(hf), cfg)
+    params = decoder_hf.params_from_hf(_state(hf), cfg)
     module = jd.Decoder(cfg)
     fwd = jax.jit(
         lambda p, i, m, h, hs: module.apply({"params": p}, i, m, hooks=h, output_hidden_states=hs), static_argnums=4
@@ -99,8 +101,8 @@ def test_parity_untied_lm_head_and_variants():
     hf = _hf_model(tie=False, activation_function="gelu", scale_attn_by_inverse_layer_idx=True, n_inner=48)
     cfg = families.config_from_hf(hf.config.to_dict())
     assert not cfg.tie_word_embeddings and cfg.intermediate_size == 48 and cfg.activation == "gelu"
-    params = families.params_from_hf(_state(hf), cfg)
-    np.testing.assert_array_equal(jd.output_embeddings(params, cfg), hf.lm_head.weight.detach().numpy())
+    params = decoder_hf.params_from_hf(_state(hf), cfg)
+    np.testing.assert_array_equal(jp.output_embeddings(params, cfg), hf.lm_head.weight.detach().numpy())
     ids, mask = _batch(seed=2)
     out = jax.jit(jd.Decoder(cfg).apply)({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
     assert _maxdiff(out.logits, _hf_forward(hf, ids, mask).logits, mask) <= TOL
@@ -205,29 +207,29 @@ def test_params_from_hf_names_and_errors(setup):
     bare = {k[len("transformer.") :]: v for k, v in sd.items() if k.startswith("transformer.")}
     bare["h.0.attn.bias"] = np.tril(np.ones((1, 1, P, P), np.float32))
     bare["h.1.attn.masked_bias"] = np.array(-1e4, np.float32)
-    p2 = families.params_from_hf(bare, cfg)
+    p2 = decoder_hf.params_from_hf(bare, cfg)
     jax.tree.map(np.testing.assert_array_equal, p2, params)
     # tree matches what module.init builds, and every leaf has logical axis names
     init = jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     shapes = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
     assert shapes(init) == shapes(params)
-    assert jax.tree.structure(jd.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
+    assert jax.tree.structure(jp.logical_axes(params), is_leaf=lambda x: isinstance(x, tuple)) == jax.tree.structure(
         params
     )
-    np.testing.assert_array_equal(jd.input_embeddings(params), sd["transformer.wte.weight"])
+    np.testing.assert_array_equal(jp.input_embeddings(params), sd["transformer.wte.weight"])
 
     missing = dict(sd)
     del missing["transformer.h.1.mlp.c_fc.bias"]
     with pytest.raises(ValueError, match=r"missing tensor 'transformer\.h\.1\.mlp\.c_fc\.bias'"):
-        families.params_from_hf(missing, cfg)
+        decoder_hf.params_from_hf(missing, cfg)
     wrong = dict(sd)
     wrong["transformer.h.0.attn.c_attn.weight"] = sd["transformer.h.0.attn.c_attn.weight"].T
     with pytest.raises(ValueError, match=r"h\.0\.attn\.c_attn\.weight.*\(96, 32\).*\(32, 96\)"):
-        families.params_from_hf(wrong, cfg)
+        decoder_hf.params_from_hf(wrong, cfg)
     extra = dict(sd)
     extra["transformer.h.0.crossattention.q_attn.weight"] = np.zeros((D, D), np.float32)
     with pytest.raises(ValueError, match="crossattention"):
-        families.params_from_hf(extra, cfg)
+        decoder_hf.params_from_hf(extra, cfg)
     with pytest.raises(ValueError, match="n_head"):
         families.config_from_hf({**hf.config.to_dict(), "n_head": 5})
     no_layers = {k: v for k, v in hf.config.to_dict().items() if k != "n_layer"}
@@ -385,10 +387,10 @@ def test_scanned_layer_stack_equals_unrolled(setup):
 
     _, cfg, params, module, _ = setup
     scfg = dataclasses.replace(cfg, scan_layers=True)
-    sparams = jd.stack_layers(params, cfg.num_layers)
+    sparams = jp.stack_layers(params, cfg.num_layers)
     assert jax.tree.leaves(sparams["layers"])[0].shape[0] == L
-    jax.tree.map(np.testing.assert_array_equal, jd.unstack_layers(sparams), params)
-    axes = jd.logical_axes(sparams)
+    jax.tree.map(np.testing.assert_array_equal, jp.unstack_layers(sparams), params)
+    axes = jp.logical_axes(sparams)
     assert axes["layers"]["attn"]["q"]["kernel"] == ("layers", "embed", "heads", "head_dim")
     ids, mask = _batch(seed=17)
     rng = np.random.default_rng(7)
@@ -419,7 +421,7 @@ def test_scanned_layer_stack_equals_unrolled(setup):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_remat_policies_keep_gradients_and_cut_memory(scan):
-    cfg = jd.DecoderConfig.llama(
+    cfg = DecoderConfig.llama(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=256,

@@ -19,7 +19,7 @@ import transformers as T
 
 import jsteer
 from jsteer import interventions as iv
-from jsteer.backbones import families
+from jsteer.backbones import decoder_hf, families
 from jsteer.backbones.decoder import Decoder
 from jsteer.decode import generate
 from jsteer.hooks import FiLM, Hooks, Steer
@@ -361,7 +361,7 @@ def test_interventions_act_on_generated_tokens(family):
 def test_llama_rope_types_match_hf(case):
     hf = hf_model("LlamaConfig", "LlamaForCausalLM", ROPES[case])
     cfg = families.config_from_hf(hf.config.to_dict())
-    params = families.params_from_hf({k: v.numpy() for k, v in hf.state_dict().items()}, cfg)
+    params = decoder_hf.params_from_hf({k: v.numpy() for k, v in hf.state_dict().items()}, cfg)
     ids, mask = left_padded(t=14)  # past max_position_embeddings (dynamic) and the longrope switch
     out = Decoder(cfg).apply({"params": params}, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32))
     err = np.abs(np.asarray(out.logits) - hf_forward(hf, ids, mask).logits.numpy())[mask.astype(bool)].max()
@@ -415,14 +415,14 @@ def test_config_roundtrip_and_layout_errors():
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}
     missing = {k: v for k, v in sd.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
-        families.params_from_hf(missing, cfg)
+        decoder_hf.params_from_hf(missing, cfg)
     bad = dict(sd, **{"model.layers.0.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)})
     with pytest.raises(ValueError, match=r"k_proj.weight' has shape \(32, 32\), expected \(16, 32\)"):
-        families.params_from_hf(bad, cfg)
+        decoder_hf.params_from_hf(bad, cfg)
     with pytest.raises(ValueError, match="unexpected"):
-        families.params_from_hf(sd, dataclasses.replace(cfg, num_layers=1, layer_types=None))
+        decoder_hf.params_from_hf(sd, dataclasses.replace(cfg, num_layers=1, layer_types=None))
     bare = {k.removeprefix("model."): v for k, v in sd.items()}  # a LlamaModel checkpoint + lm_head
-    p = families.params_from_hf(bare, cfg)
+    p = decoder_hf.params_from_hf(bare, cfg)
     np.testing.assert_array_equal(np.asarray(p["embed"]["embedding"]), sd["model.embed_tokens.weight"])
 
 

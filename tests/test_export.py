@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jsteer.backbones import cpu
-from jsteer.backbones.decoder import Decoder, DecoderConfig
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.decode import generate
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
@@ -74,7 +75,7 @@ def test_forward_and_generate_export(decoder):
 def test_scanned_bf16_decoder_exports(decoder):
     import dataclasses
 
-    from jsteer.backbones.decoder import stack_layers
+    from jsteer.backbones.decoder_params import stack_layers
 
     module = Decoder(dataclasses.replace(CFG, scan_layers=True), dtype=jnp.bfloat16)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), stack_layers(decoder[1], CFG.num_layers))

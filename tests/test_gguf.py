@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from jsteer.backbones.decoder import Decoder
-from jsteer.backbones.families import config_from_hf, params_from_hf
+from jsteer.backbones.decoder_hf import params_from_hf
+from jsteer.backbones.families import config_from_hf
 from jsteer.convert.gguf import read_gguf
 from jsteer.decode import generate
 

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones.bert import BertConfig, BertForTokenClassification
-from jsteer.kala import builder, entities, formats
+from jsteer.backbones.bert import BertConfig
+from jsteer.backbones.bert_heads import BertForTokenClassification
+from jsteer.kala import builder, entities, formats, mining
 from jsteer.kala.graph import (
     ExampleGraph,
     RelationalGATv2,
@@ -809,7 +810,7 @@ def test_lexicon_mining_matching_and_patterns():
             "SOCCER - JAPAN GET LUCKY WIN .",
         ]
     ]
-    lex = builder.mine_lexicon(sents, "capitalised", min_count=2)
+    lex = mining.mine_lexicon(sents, "capitalised", min_count=2)
     assert lex.entity_ids() == {"bank of england", "london", "reuters", "new york", "ny"}
     ms = lex.match("Traders in London and New York ( NY ) watched the Bank of England".split())
     assert [(m.text, m.start, m.end, m.id) for m in ms] == [
@@ -818,11 +819,11 @@ def test_lexicon_mining_matching_and_patterns():
         ("NY", 7, 8, "ny"),
         ("Bank of England", 11, 14, "bank of england"),
     ]
-    facts = builder.extract_facts([sents[3]], [lex.match(sents[3])], min_pattern=1)
+    facts = mining.extract_facts([sents[3]], [lex.match(sents[3])], min_pattern=1)
     got = {(f.h, f.r, f.t) for f in facts}
     assert ("new york", "abbreviation", "ny") in got and ("reuters", "reported_from", "new york") in got
     assert ("ny", "conjunction", "london") in got and ("reuters", "co_occurs", "ny") in got
-    lower = builder.mine_lexicon(
+    lower = mining.mine_lexicon(
         [s.split() for s in ["x breast cancer y"] * 3 + ["breast z"]], "frequent", 2, common_top=2
     )
     assert ("breast", "cancer") in lower.uncased and lower.match(["Breast", "Cancer"])[0].id == "breast cancer"
@@ -838,19 +839,19 @@ def test_abbreviation_lexicon_defined_terms_short_forms_and_heads():
             "Noonan disease , not the results ( XYZ ) , was common ( in 3 % ) .",
         ]
     ]
-    assert builder._long_form("APC", "mutations cause adenomatous polyposis coli".split()) == [
+    assert mining._long_form("APC", "mutations cause adenomatous polyposis coli".split()) == [
         "adenomatous",
         "polyposis",
         "coli",
     ]
-    assert builder._long_form("XYZ", "not the results".split()) is None
-    pairs = builder.mine_abbreviations(sents)
+    assert mining._long_form("XYZ", "not the results".split()) is None
+    pairs = mining.mine_abbreviations(sents)
     assert set(pairs) == {
         (("adenomatous", "polyposis", "coli"), ("APC",)),
         (("pendred", "syndrome"), ("PDS",)),
         (("denys", "-", "drash", "syndrome"), ("DDS",)),
     }  # not 'see text', '5', 'XYZ', 'in 3 %'
-    lex = builder.mine_lexicon(sents, "abbreviation", min_count=2, common_top=5)
+    lex = mining.mine_lexicon(sents, "abbreviation", min_count=2, common_top=5)
     # 'syndrome' ends two long forms, so the frequent 'usher syndrome' joins; 'noonan disease' has no such head
     assert lex.entity_ids() == {
         "adenomatous polyposis coli",
@@ -866,10 +867,10 @@ def test_abbreviation_lexicon_defined_terms_short_forms_and_heads():
         ("USHER syndrome", "usher syndrome"),
     ]
     with pytest.raises(ValueError, match="'abbreviation'"):
-        builder.mine_lexicon(sents, "abbreviations")
+        mining.mine_lexicon(sents, "abbreviations")
     from jsteer.kala import cli as kala_cli
 
-    assert kala_cli.STRATEGIES is builder.STRATEGIES
+    assert kala_cli.STRATEGIES is mining.STRATEGIES
 
 
 def test_build_graph_ignores_labels(tmp_path):

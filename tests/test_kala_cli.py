@@ -210,7 +210,7 @@ def test_cli_label_set_has_i_tags_and_eval_annotates_new_files(tmp_path, tiny_be
 
 
 def test_cli_missing_mentions_name_the_command_and_labels_are_checked(tmp_path, capsys):
-    from jsteer.kala import cli as kcli
+    from jsteer.kala import cli_train as kcli
     from jsteer.kala import pipeline
 
     gdir = tmp_path / "graph"
@@ -466,7 +466,7 @@ def test_qa_contexts_are_matched_as_words_with_character_spans():
     """Contexts split into words with their character spans (punctuation and a possessive 's
     apart, abbreviations whole); a lexicon match becomes a mention of the context's characters."""
     from jsteer.kala import qa
-    from jsteer.kala.builder import Lexicon
+    from jsteer.kala.mining import Lexicon
     from jsteer.kala.qa_builder import annotate, context_sentences
 
     ctx = "The Bank of England's head met U.S. officials (in London), twice.  Then  Bank of  England said no!"

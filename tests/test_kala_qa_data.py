@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from jsteer.kala import builder, qa, qa_builder
+from jsteer.kala import builder, mining, qa, qa_builder
 from jsteer.kala.formats import FormatError
 
 _VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "Anna", "visited", "Paris", "in", "1900", ".", "where", "?"]
@@ -188,7 +188,7 @@ def test_mined_entities_span_initials_and_abbreviations(tmp_path):
         "Fans of J. R. R. Tolkien met. Many fans of J. R. R. Tolkien came.",
     ]
     qa_builder.build_qa_graph([_squad(tmp_path / "a.json", ctxs)], tmp_path / "g")
-    lex = builder.Lexicon.load(tmp_path / "g" / "lexicon.tsv")
+    lex = mining.Lexicon.load(tmp_path / "g" / "lexicon.tsv")
     assert {
         "john f. kennedy",
         "st. louis",
@@ -220,7 +220,7 @@ def test_squad_corpus_lines_are_split_as_contexts(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("They flew to Bonn, then left.\nWe saw Rome.\n")  # each counts once only with the context
     qa_builder.build_qa_graph([tmp_path / "a.json"], tmp_path / "g", corpus_paths=[corpus])
-    lex = builder.Lexicon.load(tmp_path / "g" / "lexicon.tsv")
+    lex = mining.Lexicon.load(tmp_path / "g" / "lexicon.tsv")
     assert set(lex.cased) == {("Bonn",), ("Rome",)}
     ms = json.loads((tmp_path / "g" / "a.json.mentions.jsonl").read_text())["mentions"]
     assert [m["text"] for m in ms] == ["Bonn", "Rome"]

@@ -105,8 +105,8 @@ def test_graph_strategy_is_protocol_and_parallel_sweeps_merge(tmp_path):
 
 
 def test_lexicon_quality_counts_overlaps_against_gold_spans():
-    from jsteer.kala.builder import Lexicon
     from jsteer.kala.metrics import lexicon_quality
+    from jsteer.kala.mining import Lexicon
 
     lex = Lexicon(cased={("APC",): "apc"}, uncased={("breast", "cancer"): "breast cancer", ("loci",): "loci"})
     sents = [

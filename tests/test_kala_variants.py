@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jsteer import interventions as iv
-from jsteer.backbones.bert import BertConfig, BertEncoder, BertForTokenClassification
+from jsteer.backbones.bert import BertConfig, BertEncoder
+from jsteer.backbones.bert_heads import BertForTokenClassification
 from jsteer.hooks import Hooks
 from jsteer.kala.graph import ExampleGraph, add_self_loops, batch_graphs
 from jsteer.kala.variants import kbert, registry, synthetic

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones import bert
-from jsteer.backbones.decoder import Decoder, DecoderConfig
+from jsteer.backbones import bert, bert_heads
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.backbones.families import config_from_hf
 from jsteer.train.step import cast_floating
 
@@ -55,11 +56,11 @@ def test_bert_bf16_gradient_has_no_low_precision_scatter(way):
     )
     ids = jnp.asarray(np.arange(16).reshape(2, 8) % 50)
     mask = jnp.ones_like(ids)
-    init = bert.BertForTokenClassification(cfg, 3).init(jax.random.PRNGKey(0), ids, mask)["params"]
+    init = bert_heads.BertForTokenClassification(cfg, 3).init(jax.random.PRNGKey(0), ids, mask)["params"]
     if way == "params cast":  # the Trainer's mixed precision: fp32 masters cast to bf16 inside the step
-        module, p = bert.BertForTokenClassification(cfg, 3), cast_floating(init, jnp.bfloat16)
+        module, p = bert_heads.BertForTokenClassification(cfg, 3), cast_floating(init, jnp.bfloat16)
     else:
-        module, p = bert.BertForTokenClassification(cfg, 3, dtype=jnp.bfloat16), init
+        module, p = bert_heads.BertForTokenClassification(cfg, 3, dtype=jnp.bfloat16), init
     assert low_precision_scatters(grad_of_logits(module, ids, mask), p) == []
 
 

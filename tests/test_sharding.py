@@ -16,7 +16,8 @@ from test_decoder_families import FAMILIES, _tokenizer, hf_model, left_padded
 import jsteer
 from jsteer import sharding as S
 from jsteer.backbones import bert, families
-from jsteer.backbones.decoder import Decoder, logical_axes
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_params import logical_axes
 from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
 V = 96  # divisible by tensor=4 (vocabulary-parallel embedding and logits)

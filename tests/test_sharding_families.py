@@ -11,8 +11,9 @@ from test_decoder_families import FAMILIES, left_padded
 from test_sharding import MESHES, V, _config
 
 from jsteer import sharding as S
-from jsteer.backbones import bert
-from jsteer.backbones.decoder import Decoder, logical_axes
+from jsteer.backbones import bert, bert_heads
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_params import logical_axes
 from jsteer.decode import generate
 
 
@@ -43,7 +44,7 @@ def test_bert_shards_like_one_device():
     cfg = bert.BertConfig(
         vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=32
     )
-    module = bert.model_for_head(cfg, "mlm")
+    module = bert_heads.model_for_head(cfg, "mlm")
     ids = jnp.asarray(np.random.default_rng(0).integers(1, V, (8, 12)))
     params = jax.jit(module.init)(jax.random.PRNGKey(0), ids)["params"]
     ref = module.apply({"params": params}, ids).logits

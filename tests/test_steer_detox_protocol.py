@@ -8,7 +8,7 @@ import pytest
 
 from jsteer.steer import data as C
 from jsteer.steer import protocol as D
-from jsteer.steer import report as P
+from jsteer.steer import report_runs as P
 
 
 def test_natural_prior_is_bayes_rule():

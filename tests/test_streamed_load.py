@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import jsteer
-from jsteer.backbones import families, get_family
+from jsteer.backbones import decoder_hf, families, get_family
 from jsteer.convert import hf, layout
 
 
@@ -189,9 +189,9 @@ def test_layout_leaves_are_the_transformed_tensors_bit_for_bit(llama_bf16_sharde
     _, folder = llama_bf16_sharded
     cfg, state = hf.open_hf_dir(folder)
     config = families.config_from_hf(cfg)
-    flat = layout.flatten_paths(families.params_from_hf(state, config, dtype=jnp.bfloat16))
+    flat = layout.flatten_paths(decoder_hf.params_from_hf(state, config, dtype=jnp.bfloat16))
     checked = 0
-    for name, e in families.layout(config).items():
+    for name, e in decoder_hf.layout(config).items():
         for path, fn in e.outputs if name in state else ():
             want = np.ascontiguousarray(fn(state[name]) if fn is not None else state[name])
             assert flat[path].dtype == want.dtype and flat[path].shape == want.shape, path

@@ -184,7 +184,7 @@ def test_typevec_probe_from_tfds_matches_the_raw_folders(mlm_dir, shared_data, t
 def test_a_named_split_without_its_mentions_file_is_annotated_with_the_lexicon(shared_data, tmp_path):
     from jsteer.data import sources
     from jsteer.kala import pipeline
-    from jsteer.kala.builder import Lexicon
+    from jsteer.kala.mining import Lexicon
 
     text = _conll_head(shared_data / "conll2003" / "eng.train", 20)
     (tmp_path / "train.conll").write_text(text)

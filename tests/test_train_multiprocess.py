@@ -73,7 +73,8 @@ def test_two_processes_match_one_device(tmp_path):
 
 def fsdp_model():
     """A small decoder whose every weight splits 8 ways on its embed axis (the worker imports it)."""
-    from jsteer.backbones.decoder import Decoder, DecoderConfig
+    from jsteer.backbones.decoder import Decoder
+    from jsteer.backbones.decoder_config import DecoderConfig
 
     module = Decoder(
         DecoderConfig.llama(

@@ -11,6 +11,7 @@ import pytest
 import scipy.stats
 
 from jsteer.backbones import bert as jb
+from jsteer.backbones import bert_heads as jh
 from jsteer.typevec import analysis, core, probe
 
 # the module (the package itself exports the function `inject`)
@@ -32,7 +33,7 @@ def tiny_mlm():
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    module = jb.BertForMaskedLM(cfg)
+    module = jh.BertForMaskedLM(cfg)
     params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim > 1 else x, params)
     pm = probe.for_bert_mlm(module, params, _Tok())

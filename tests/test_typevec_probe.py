@@ -15,6 +15,8 @@ import transformers
 from test_typevec_core import bpe_tok  # noqa: F401  (fixture)
 
 from jsteer.backbones import bert as jb
+from jsteer.backbones import bert_heads as jh
+from jsteer.backbones import bert_hf as jhf
 from jsteer.backbones.base import ModelOutput
 from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.families import config_from_hf
@@ -176,9 +178,9 @@ def mlm():
             p.copy_(torch.randn_like(p) * (0.1 if p.ndim > 1 else 0.05) + (1.0 if "LayerNorm.weight" in name else 0.0))
     hf.eval()
     cfg = jb.BertConfig.from_hf(hf_cfg.to_dict())
-    params = jb.params_from_hf({k: v.detach().numpy() for k, v in hf.state_dict().items()}, cfg, head="mlm")
+    params = jhf.params_from_hf({k: v.detach().numpy() for k, v in hf.state_dict().items()}, cfg, head="mlm")
     tok = Tokenizer.from_dir(_minilm_dir())
-    return hf, jb.BertForMaskedLM(cfg), params, tok
+    return hf, jh.BertForMaskedLM(cfg), params, tok
 
 
 def _torch_ranks(hf, tok, exs, te, lam):

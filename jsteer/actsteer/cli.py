@@ -12,24 +12,18 @@ else as jsteer's ``.safetensors``; several are composed, each at its own ``--str
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 import time
+
+from jsteer.cli import add_generate_options, load_decoder, method_group, print_generations
 
 
 def register(subparsers) -> None:
     from jsteer.actsteer.extract import METHODS
 
-    top = subparsers.add_parser(
-        "actsteer",
-        help="activation steering: ActAdd, CAA, PCA control vectors",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = top.add_subparsers(dest="actsteer_command", required=True)
+    sub = method_group(subparsers, "actsteer", "activation steering: ActAdd, CAA, PCA control vectors", __doc__)
 
     p = sub.add_parser("train", help="compute a control vector from positive / negative prompt pairs")
     p.add_argument("--model", required=True, help="decoder: embedded name, HF folder, .gguf or jsteer checkpoint")
@@ -58,13 +52,7 @@ def register(subparsers) -> None:
         default=None,
         help="strength of each --vector, in the same order (default 1)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print JSON lines")
+    add_generate_options(p)
     p.set_defaults(func=_generate)
 
 
@@ -97,12 +85,7 @@ def load_vector(path: str, lm):
 
 
 def _load_model(src: str):
-    import jsteer
-
-    lm = jsteer.load(src)
-    if not lm.is_decoder:
-        raise ValueError(f"{src}: activation steering needs a decoder model, got family {lm.family!r}")
-    return lm
+    return load_decoder(src, "activation steering")
 
 
 def _train(args) -> int:
@@ -141,20 +124,7 @@ def _generate(args) -> int:
     strengths = args.strength if args.strength is not None else [1.0] * len(args.vector)
     if len(strengths) != len(args.vector):
         raise ValueError(f"{len(args.vector)} --vector files but {len(strengths)} --strength values")
-    hooks = compose(*(load_vector(v, lm).hooks(s) for v, s in zip(args.vector, strengths)))
-    prompts = [p for p in args.prompts for _ in range(args.samples)]
-    outs = lm.generate(
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        hooks=hooks,
-    )
-    for p, o in zip(prompts, outs):
-        print(json.dumps({"prompt": p, "continuation": o}) if args.json else f"{p}{o}")
-    return 0
+    return print_generations(lm, args, compose(*(load_vector(v, lm).hooks(s) for v, s in zip(args.vector, strengths))))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,11 +3,12 @@
 =============  ======================================  ==============================================
 family         code                                    models (HF ``model_type``)
 =============  ======================================  ==============================================
-``bert``       :mod:`jsteer.backbones.bert`            BERT / RoBERTa / XLM-R / CamemBERT encoders;
-                                                       heads None, mlm, token_classification, qa
+``bert``       :mod:`jsteer.backbones.bert` +          BERT / RoBERTa / XLM-R / CamemBERT encoders;
+               :mod:`jsteer.backbones.bert_heads` +    heads None, mlm, token_classification, qa
+               :mod:`jsteer.backbones.bert_hf`
 ``decoder``    :mod:`jsteer.backbones.decoder` +       one decoder with config switches for llama,
-               :mod:`jsteer.backbones.families`        mistral, qwen2, qwen3, gemma2, gemma3_text,
-                                                       phi3, olmo2, gpt_neox, gpt2
+               :mod:`jsteer.backbones.families` +      mistral, qwen2, qwen3, gemma2, gemma3_text,
+               :mod:`jsteer.backbones.decoder_hf`      phi3, olmo2, gpt_neox, gpt2
 =============  ======================================  ==============================================
 
 :func:`get_family` returns a :class:`Family`, which gives every backbone the same surface:
@@ -88,7 +89,9 @@ class Family:
             from jsteer.backbones.decoder import Decoder
 
             return Decoder(config, dtype=dtype)
-        return self.code.model_for_head(config, head, dtype=dtype)
+        from jsteer.backbones.bert_heads import model_for_head
+
+        return model_for_head(config, head, dtype=dtype)
 
     def params_from_hf(
         self,
@@ -104,24 +107,28 @@ class Family:
         (decoders): where each leaf goes (a device or a shard)."""
         self.check_head(head)
         if self.kind == ENCODER:
-            return self.code.params_from_hf(state_dict, config, head=head, dtype=dtype)
-        return self.code.params_from_hf(state_dict, config, dtype=dtype, place=place, source=source)
+            from jsteer.backbones.bert_hf import params_from_hf
+
+            return params_from_hf(state_dict, config, head=head, dtype=dtype)
+        from jsteer.backbones.decoder_hf import params_from_hf
+
+        return params_from_hf(state_dict, config, dtype=dtype, place=place, source=source)
 
     def logical_axes(self, params):
         """Logical axis names of every param (a matching tree of tuples; :mod:`jsteer.sharding`)."""
-        from jsteer.backbones import decoder
+        from jsteer.backbones import decoder_params
 
-        return (decoder if self.kind == DECODER else self.code).logical_axes(params)
+        return (decoder_params if self.kind == DECODER else self.code).logical_axes(params)
 
     def input_embeddings(self, params):
-        from jsteer.backbones import decoder
+        from jsteer.backbones import decoder_params
 
-        return (decoder if self.kind == DECODER else self.code).input_embeddings(params)
+        return (decoder_params if self.kind == DECODER else self.code).input_embeddings(params)
 
     def output_embeddings(self, params, config):
-        from jsteer.backbones import decoder
+        from jsteer.backbones import decoder_params
 
-        return (decoder if self.kind == DECODER else self.code).output_embeddings(params, config)
+        return (decoder_params if self.kind == DECODER else self.code).output_embeddings(params, config)
 
 
 FAMILIES: dict[str, Family] = {

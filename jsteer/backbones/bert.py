@@ -40,9 +40,9 @@ added to the scores of every head on top of the padding mask; FiLM ``"in"`` acts
 attention block output after its LayerNorm (the FFN input and FFN residual), ``"out"`` on the
 layer output after the FFN LayerNorm. FiLM keys are 0-based layer indices in range(num_layers).
 
-Kept whole (about 780 lines): the modules, the three heads and the HF conversion
-(:func:`params_from_hf`) all write or read the one parameter tree above, so they change
-together.
+This module holds the config, the encoder and what it needs (positions, attention bias,
+embedding accessors, logical axes); the heads and the models that carry them are in
+:mod:`jsteer.backbones.bert_heads`, the HF conversion in :mod:`jsteer.backbones.bert_hf`.
 """
 
 from __future__ import annotations
@@ -57,11 +57,10 @@ import jax.numpy as jnp
 
 from jsteer import interventions as iv
 from jsteer.backbones.attention import dot_product_attention
-from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, ModelOutput, check_position_ids
+from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
 from jsteer.backbones.sites import SiteRunner
-from jsteer.convert.layout import Entry, RenamedView, apply_layout, entry, transpose
 from jsteer.hooks import Hooks, check_encoder_hooks, check_film_layers
 
 Array = jnp.ndarray
@@ -303,15 +302,17 @@ def logical_axes(params) -> Any:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def _dense_init(config: BertConfig):
+def dense_init(config: BertConfig):
+    """Kernel initialiser of every dense layer: normal(initializer_range)."""
     return nn.initializers.normal(stddev=config.initializer_range)
 
 
-def _norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
+def layer_norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
+    """A LayerNorm with fp32 params and compute (``layer_norm_eps``)."""
     return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
 
 
-def _ln(module: nn.LayerNorm, x: Array, dtype) -> Array:
+def ln_fp32(module: nn.LayerNorm, x: Array, dtype) -> Array:
     """Apply a LayerNorm in fp32 and cast back to the compute dtype."""
     return module(x.astype(jnp.float32)).astype(dtype)
 
@@ -331,7 +332,7 @@ class BertEmbeddings(nn.Module):
         self.word = Embed(c.vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
         self.position = Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
         self.token_type = Embed(c.type_vocab_size, c.hidden_size, embedding_init=init, param_dtype=jnp.float32)
-        self.norm = _norm(c)
+        self.norm = layer_norm(c)
         self.dropout = Dropout(c.hidden_dropout)
 
     def __call__(
@@ -349,7 +350,7 @@ class BertEmbeddings(nn.Module):
         site = site or SiteRunner(hooks, (), position_ids, None, False)
         x = site("embed", None, self.word(input_ids))
         x = x + self.token_type(token_type_ids) + self.position(position_ids)
-        x = _ln(self.norm, x, self.dtype)
+        x = ln_fp32(self.norm, x, self.dtype)
         return self.dropout(x, deterministic=deterministic)
 
 
@@ -365,7 +366,7 @@ class BertSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
         c = self.config
-        init = _dense_init(c)
+        init = dense_init(c)
         qkv = DenseGeneral(
             (3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="qkv"
         )(h)  # [B, T, 3, N, H]
@@ -407,17 +408,17 @@ class BertLayer(nn.Module):
     ) -> Array:
         c, i = self.config, self.layer_index
         site = site or SiteRunner(hooks, (), None, None, False)
-        init = _dense_init(c)
+        init = dense_init(c)
         drop = Dropout(c.hidden_dropout)
         h = site("resid_pre", i, h.astype(self.dtype))
         a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
         a = site("attn_out", i, drop(a, deterministic=deterministic))
-        a = site("ffn_in", i, _ln(_norm(c, "attention_norm"), a + h, self.dtype))
+        a = site("ffn_in", i, ln_fp32(layer_norm(c, "attention_norm"), a + h, self.dtype))
         f = Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_in")(a)
         f = ACTIVATIONS[c.hidden_act](site("ffn_hidden", i, f))
         f = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
         f = site("ffn_out", i, drop(f, deterministic=deterministic))
-        return site("resid_post", i, _ln(_norm(c, "ffn_norm"), f + a, self.dtype))
+        return site("resid_post", i, ln_fp32(layer_norm(c, "ffn_norm"), f + a, self.dtype))
 
 
 class EncoderOutput(NamedTuple):
@@ -477,373 +478,3 @@ class BertEncoder(nn.Module):
                 states.append(h)
         h = site("final", None, h)
         return EncoderOutput(h, None if states is None else tuple(states), site.captured or None, site.state)
-
-
-class MLMHead(nn.Module):
-    """h [B, T, D] -> vocabulary logits [B, T, V]: dense + act + LayerNorm, then the decoder.
-
-    BERT uses ``hidden_act`` in the transform; RoBERTa's ``lm_head`` always uses exact GELU.
-    The decoder is the word-embedding matrix (passed in) when tied, else its own kernel.
-    """
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, h: Array, word_embedding: Optional[Array] = None) -> Array:
-        c = self.config
-        init = _dense_init(c)
-        x = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="transform")(h)
-        act = ACTIVATIONS["gelu"] if c.layout == "roberta" else ACTIVATIONS[c.hidden_act]
-        x = _ln(_norm(c, "norm"), act(x), self.dtype)
-        bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), jnp.float32)
-        if c.tie_word_embeddings:
-            if word_embedding is None:
-                raise ValueError("MLMHead with tied embeddings needs the word-embedding matrix")
-            logits = jnp.einsum("BTD,VD->BTV", x, word_embedding.astype(self.dtype), preferred_element_type=jnp.float32)
-        else:
-            logits = Dense(
-                c.vocab_size,
-                use_bias=False,
-                kernel_init=init,
-                dtype=self.dtype,
-                param_dtype=jnp.float32,
-                name="decoder",
-            )(x)
-        return logits.astype(jnp.float32) + bias
-
-
-class TokenClassificationHead(nn.Module):
-    """h [B, T, D] -> dropout -> linear -> [B, T, L]."""
-
-    config: BertConfig
-    num_labels: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, h: Array, deterministic: bool = True) -> Array:
-        c = self.config
-        rate = c.hidden_dropout if c.classifier_dropout is None else c.classifier_dropout
-        h = Dropout(rate)(h, deterministic=deterministic)
-        return Dense(
-            self.num_labels, kernel_init=_dense_init(c), dtype=self.dtype, param_dtype=jnp.float32, name="classifier"
-        )(h).astype(jnp.float32)
-
-
-class QAHead(nn.Module):
-    """h [B, T, D] -> span logits [B, T, 2] (start, end)."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, h: Array) -> Array:
-        return Dense(2, kernel_init=_dense_init(self.config), dtype=self.dtype, param_dtype=jnp.float32, name="qa")(
-            h
-        ).astype(jnp.float32)
-
-
-class BertModel(nn.Module):
-    """Bare encoder: ModelOutput(logits=None, hidden [B, T, D], hidden_states (L+1) when asked)."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-
-    def setup(self):
-        self.encoder = BertEncoder(self.config, dtype=self.dtype)
-
-    def __call__(
-        self,
-        input_ids,
-        attention_mask=None,
-        token_type_ids=None,
-        hooks=None,
-        deterministic=True,
-        output_hidden_states=False,
-        capture=(),
-    ) -> ModelOutput:
-        h, states, captured, _ = self.encoder(
-            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
-        )
-        return ModelOutput(logits=None, hidden=h, hidden_states=states, captured=captured)
-
-
-class BertForMaskedLM(nn.Module):
-    """Encoder + MLM head: logits [B, T, V] (fp32)."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-
-    def setup(self):
-        self.encoder = BertEncoder(self.config, dtype=self.dtype)
-        self.head = MLMHead(self.config, dtype=self.dtype)
-
-    def __call__(
-        self,
-        input_ids,
-        attention_mask=None,
-        token_type_ids=None,
-        hooks=None,
-        deterministic=True,
-        output_hidden_states=False,
-        capture=(),
-    ) -> ModelOutput:
-        h, states, captured, _ = self.encoder(
-            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
-        )
-        emb = self.encoder.embeddings.word.embedding if self.config.tie_word_embeddings else None
-        return ModelOutput(logits=self.head(h, emb), hidden=h, hidden_states=states, captured=captured)
-
-
-class BertForTokenClassification(nn.Module):
-    """Encoder + token classifier: logits [B, T, num_labels] (fp32). ``num_labels`` None: config's."""
-
-    config: BertConfig
-    num_labels: Optional[int] = None
-    dtype: Any = jnp.float32
-
-    def setup(self):
-        self.encoder = BertEncoder(self.config, dtype=self.dtype)
-        n = self.config.num_labels if self.num_labels is None else self.num_labels
-        self.head = TokenClassificationHead(self.config, n, dtype=self.dtype)
-
-    def __call__(
-        self,
-        input_ids,
-        attention_mask=None,
-        token_type_ids=None,
-        hooks=None,
-        deterministic=True,
-        output_hidden_states=False,
-        capture=(),
-    ) -> ModelOutput:
-        h, states, captured, _ = self.encoder(
-            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
-        )
-        return ModelOutput(logits=self.head(h, deterministic), hidden=h, hidden_states=states, captured=captured)
-
-
-class BertForQuestionAnswering(nn.Module):
-    """Encoder + span head: logits [B, T, 2] (start, end; fp32)."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-
-    def setup(self):
-        self.encoder = BertEncoder(self.config, dtype=self.dtype)
-        self.head = QAHead(self.config, dtype=self.dtype)
-
-    def __call__(
-        self,
-        input_ids,
-        attention_mask=None,
-        token_type_ids=None,
-        hooks=None,
-        deterministic=True,
-        output_hidden_states=False,
-        capture=(),
-    ) -> ModelOutput:
-        h, states, captured, _ = self.encoder(
-            input_ids, attention_mask, token_type_ids, hooks, deterministic, output_hidden_states, capture
-        )
-        return ModelOutput(logits=self.head(h), hidden=h, hidden_states=states, captured=captured)
-
-
-HEADS = (None, "mlm", "token_classification", "qa")
-
-
-def model_for_head(
-    config: BertConfig, head: Optional[str], num_labels: Optional[int] = None, dtype: Any = jnp.float32
-) -> nn.Module:
-    """The module class matching a ``head`` name (None -> bare :class:`BertModel`)."""
-    if head is None:
-        return BertModel(config, dtype=dtype)
-    if head == "mlm":
-        return BertForMaskedLM(config, dtype=dtype)
-    if head == "token_classification":
-        return BertForTokenClassification(config, num_labels, dtype=dtype)
-    if head == "qa":
-        return BertForQuestionAnswering(config, dtype=dtype)
-    raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
-
-
-def init_head(rng: jax.Array, config: BertConfig, head: str, num_labels: Optional[int] = None) -> Dict[str, Any]:
-    """Freshly initialised params for ``head`` (the subtree under ``params["head"]``)."""
-    h = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
-    if head == "mlm":
-        emb = jnp.zeros((config.vocab_size, config.hidden_size), jnp.float32)
-        return MLMHead(config).init(rng, h, emb)["params"]
-    if head == "token_classification":
-        n = config.num_labels if num_labels is None else num_labels
-        return TokenClassificationHead(config, n).init(rng, h)["params"]
-    if head == "qa":
-        return QAHead(config).init(rng, h)["params"]
-    raise ValueError(f"unknown head {head!r}; expected one of {HEADS[1:]}")
-
-
-# ----------------------------------------------------------------------------- HF conversion
-
-
-_QKV = ("query", "key", "value")
-# Expected in HF checkpoints and unused: buffers, the pooler, and heads other than the one asked
-# for (a head's own tensors are layout entries, so only the leftovers match these).
-_IGNORED = (
-    "*position_ids",
-    "*embeddings.token_type_ids",
-    "*pooler.*",
-    "cls.*",
-    "lm_head.*",
-    "classifier.*",
-    "qa_outputs.*",
-)
-
-
-_OLD_NAMES = (
-    (".LayerNorm.gamma", ".LayerNorm.weight"),
-    (".LayerNorm.beta", ".LayerNorm.bias"),
-    ("cls.predictions.bias", "cls.predictions.decoder.bias"),
-    ("lm_head.bias", "lm_head.decoder.bias"),
-)
-
-
-def _aliases(state_dict: Mapping[str, Any]) -> RenamedView:
-    """``state_dict`` with old spellings read under today's names (reads stay lazy): TF-converted
-    checkpoints' LayerNorm ``gamma`` / ``beta``, and an MLM head's ``<base>bias``, the tied alias
-    of ``<base>decoder.bias`` and the only copy in some checkpoints (when both exist the decoder's,
-    the one HF uses, wins and the alias is left to the ignore list)."""
-
-    def rename(k: str) -> str:
-        for old, new in _OLD_NAMES:
-            if k.endswith(old) and (canon := k[: -len(old)] + new) not in state_dict:
-                return canon
-        return k
-
-    return RenamedView(state_dict, rename)
-
-
-def _detect_prefix(state_dict: Mapping[str, Any], config: BertConfig) -> str:
-    order = ("roberta.", "bert.", "") if config.layout == "roberta" else ("bert.", "roberta.", "")
-    for p in order:
-        if p + "embeddings.word_embeddings.weight" in state_dict:
-            return p
-    raise KeyError(
-        "HF state dict is missing tensor 'embeddings.word_embeddings.weight' (tried prefixes "
-        f"{[p for p in order]}); first keys: {list(state_dict)[:5]}"
-    )
-
-
-def _bert_layout(
-    config: BertConfig, prefix: str, head: Optional[str], num_labels: Optional[int] = None
-) -> Dict[str, Entry]:
-    """{HF tensor name: Entry} for the encoder (names under ``prefix``) and ``head`` (unprefixed).
-
-    The q / k / v projections land in ``.../qkv/{kernel,bias}/{query,key,value}`` as [D, N, H] /
-    [N, H] pieces, stacked into the fused [D, 3, N, H] / [3, N, H] leaves by :func:`_fuse_qkv`."""
-    c = config
-    d, f, n, hd, v = c.hidden_size, c.intermediate_size, c.num_heads, c.head_dim, c.vocab_size
-    out: Dict[str, Entry] = {}
-
-    def linear(name, path, d_in, d_out, w_fn=transpose, b_fn=None, w_path=("kernel",), b_path=("bias",)):
-        out[name + ".weight"] = entry(path + w_path, (d_out, d_in), w_fn)
-        out[name + ".bias"] = entry(path + b_path, (d_out,), b_fn)
-
-    def norm(name, path):
-        out[name + ".weight"] = entry(path + ("scale",), (d,))
-        out[name + ".bias"] = entry(path + ("bias",), (d,))
-
-    p, emb = prefix, ("encoder", "embeddings")
-    out[p + "embeddings.word_embeddings.weight"] = entry(emb + ("word", "embedding"), (v, d))
-    out[p + "embeddings.position_embeddings.weight"] = entry(
-        emb + ("position", "embedding"), (c.max_position_embeddings, d)
-    )
-    out[p + "embeddings.token_type_embeddings.weight"] = entry(
-        emb + ("token_type", "embedding"), (c.type_vocab_size, d)
-    )
-    norm(p + "embeddings.LayerNorm", emb + ("norm",))
-    for i in range(c.num_layers):
-        hf, me = f"{p}encoder.layer.{i}.", ("encoder", f"layer_{i}")
-        for name in _QKV:
-            linear(
-                hf + f"attention.self.{name}",
-                me + ("attention", "qkv"),
-                d,
-                d,
-                w_fn=lambda w: w.T.reshape(d, n, hd),
-                b_fn=lambda b: b.reshape(n, hd),
-                w_path=("kernel", name),
-                b_path=("bias", name),
-            )
-        linear(hf + "attention.output.dense", me + ("attention", "out"), d, d, w_fn=lambda w: w.T.reshape(n, hd, d))
-        norm(hf + "attention.output.LayerNorm", me + ("attention_norm",))
-        linear(hf + "intermediate.dense", me + ("ffn_in",), d, f)
-        linear(hf + "output.dense", me + ("ffn_out",), f, d)
-        norm(hf + "output.LayerNorm", me + ("ffn_norm",))
-    if head == "mlm":
-        roberta = c.layout == "roberta"
-        base = "lm_head." if roberta else "cls.predictions."
-        linear(base + ("dense" if roberta else "transform.dense"), ("head", "transform"), d, d)
-        norm(base + ("layer_norm" if roberta else "transform.LayerNorm"), ("head", "norm"))
-        out[base + "decoder.bias"] = entry(("head", "bias"), (v,))
-        if not c.tie_word_embeddings:
-            out[base + "decoder.weight"] = entry(("head", "decoder", "kernel"), (v, d), transpose)
-    elif head == "token_classification":
-        linear("classifier", ("head", "classifier"), d, c.num_labels if num_labels is None else num_labels)
-    elif head == "qa":
-        linear("qa_outputs", ("head", "qa"), d, 2)
-    elif head is not None:
-        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
-    return out
-
-
-def _fuse_qkv(params: Dict[str, Any], config: BertConfig) -> None:
-    """Stack each layer's q / k / v pieces into the fused leaves (in place)."""
-    for i in range(config.num_layers):
-        qkv = params["encoder"][f"layer_{i}"]["attention"]["qkv"]
-        qkv["kernel"] = jnp.stack([qkv["kernel"][k] for k in _QKV], axis=1)
-        qkv["bias"] = jnp.stack([qkv["bias"][k] for k in _QKV], axis=0)
-
-
-def params_from_hf(
-    state_dict: Mapping[str, Any],
-    config: BertConfig,
-    head: Optional[str] = None,
-    *,
-    num_labels: Optional[int] = None,
-    allow_missing_head: bool = False,
-    rng: Optional[jax.Array] = None,
-    dtype: Any = jnp.float32,
-) -> Dict[str, Any]:
-    """HF PyTorch / safetensors state dict (name -> array) -> ``{"encoder": ..., ["head": ...]}``.
-
-    Keys may carry a ``bert.`` / ``roberta.`` prefix or none (MiniLM). ``position_ids``
-    buffers, pooler and unrelated head weights are ignored; any other tensor the config does not
-    explain is a ValueError naming it. Every tensor's shape is checked against ``config``
-    (ValueError naming the tensor); a missing tensor is a KeyError naming it. With
-    ``allow_missing_head`` a head absent from the state dict is initialised from ``rng``
-    (default PRNGKey(0)) instead. Tensors are read one at a time (``state_dict`` may be lazy),
-    cast to ``dtype`` on the host and placed as jax arrays.
-    """
-    if head not in HEADS:
-        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
-    sd = _aliases(state_dict)
-    prefix = _detect_prefix(sd, config)
-    if config.num_layers and f"{prefix}encoder.layer.{config.num_layers}.attention.self.query.weight" in sd:
-        raise ValueError(
-            f"HF state dict has more layers than config.num_layers={config.num_layers} "
-            f"(found '{prefix}encoder.layer.{config.num_layers}.*')"
-        )
-    layout = _bert_layout(config, prefix, head, num_labels)
-    missing = [name for name in layout if name not in sd]
-    fresh_head = False
-    if missing:
-        in_head = layout[missing[0]].outputs[0][0][0] == "head"
-        if not (in_head and allow_missing_head):
-            raise KeyError(f"HF state dict is missing tensor {missing[0]!r}")
-        layout = {k: e for k, e in layout.items() if e.outputs[0][0][0] != "head"}
-        fresh_head = True
-    params = apply_layout(sd, layout, dtype=dtype, ignore=_IGNORED, source="HF state dict")
-    _fuse_qkv(params, config)
-    if fresh_head:
-        rng = jax.random.PRNGKey(0) if rng is None else rng
-        params["head"] = jax.tree.map(lambda x: x.astype(dtype), init_head(rng, config, head, num_labels))
-    return params

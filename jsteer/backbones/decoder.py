@@ -32,19 +32,18 @@ Params (kernels [in..., out...]; every leaf has logical axis names, :func:`logic
 
 Norms and the softmax run in float32; matrix products in ``dtype`` (fp32 accumulation).
 
-Kept whole (about 720 lines): config, attention, block layouts, the (scanned) layer loop and
-the param helpers (stack / unstack, logical axes) are one model whose switches cut across all
-of them; the per-family translations already live in :mod:`jsteer.backbones.families`.
+The config is :mod:`jsteer.backbones.decoder_config`'s, the param-tree helpers (embeddings,
+CPU packing, stacking, logical axes) :mod:`jsteer.backbones.decoder_params`', the per-family
+config translations :mod:`jsteer.backbones.families`' and weight layouts
+:mod:`jsteer.backbones.decoder_hf`'.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Optional, Tuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -59,183 +58,15 @@ from jsteer.backbones.base import (
     attention_slots,
     check_position_ids,
     default_positions,
-    eos_ids,
     next_positions,
 )
-from jsteer.backbones.rope import Rope, apply_rope
+from jsteer.backbones.decoder_config import REMAT_POLICIES, DecoderConfig
+from jsteer.backbones.decoder_params import decode_pack
+from jsteer.backbones.rope import apply_rope
 from jsteer.backbones.sites import SiteRunner
 from jsteer.hooks import Hooks, apply_steer_logits
 
 Array = jnp.ndarray
-
-BLOCKS = ("pre", "sandwich", "post", "parallel")
-# what a rematerialised layer keeps from its forward for the backward pass
-REMAT_POLICIES = {
-    "none": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
-}
-FULL, SLIDING = "full_attention", "sliding_attention"
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Everything that distinguishes the families (built by :mod:`jsteer.backbones.families`)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    model_type: str = "llama"
-    norm: str = "rms"  # "rms" | "layer" (with bias)
-    norm_eps: float = 1e-6
-    norm_offset: bool = False  # Gemma: scale by (1 + w)
-    norm_weight_f32: bool = False  # weight applied in fp32 before the cast (Gemma, OLMo-2); else after
-    block: str = "pre"
-    qk_norm: Optional[str] = None  # None | "head" (Qwen3, Gemma-3) | "proj" (OLMo-2)
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp: str = "gated"  # "gated": down(act(gate(x)) * up(x)) | "plain": down(act(up(x)))
-    mlp_bias: bool = False
-    activation: str = "silu"
-    attn_scale: Optional[float] = None  # None: head_dim ** -0.5
-    attn_scale_by_layer: bool = False  # GPT-2 scale_attn_by_inverse_layer_idx: / (layer + 1)
-    attn_softcap: Optional[float] = None
-    final_softcap: Optional[float] = None
-    sliding_window: Optional[int] = None
-    layer_types: Optional[Tuple[str, ...]] = None  # per layer FULL | SLIDING; None: all FULL
-    position: str = "rope"  # "rope" | "learned"
-    rope: Optional[Rope] = None
-    rope_local: Optional[Rope] = None  # sliding layers' RoPE (Gemma-3); None: ``rope``
-    max_position_embeddings: int = 2048
-    embed_scale: bool = False  # Gemma: embeddings x sqrt(D)
-    tie_word_embeddings: bool = False
-    bos_token_id: Optional[int] = None
-    eos_token_id: Union[int, Tuple[int, ...], None] = None
-    pad_token_id: Optional[int] = None
-    scan_layers: bool = False  # one nn.scan over stacked layer params (compile time independent of L)
-    remat: str = "none"  # rematerialise each layer in the backward: "none" | "dots" | "full"
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"DecoderConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        for name, value, allowed in (
-            ("block", self.block, BLOCKS),
-            ("norm", self.norm, ("rms", "layer")),
-            ("mlp", self.mlp, ("gated", "plain")),
-            ("position", self.position, ("rope", "learned")),
-            ("qk_norm", self.qk_norm, (None, "head", "proj")),
-        ):
-            if value not in allowed:
-                raise ValueError(f"DecoderConfig.{name}={value!r}; expected one of {allowed}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"DecoderConfig.activation {self.activation!r} is not supported "
-                f"(supported: {', '.join(sorted(ACTIVATIONS))})"
-            )
-        if self.position == "rope" and self.rope is None:
-            raise ValueError("DecoderConfig: position='rope' needs a rope")
-        types = self.layer_types or ()
-        if types and (len(types) != self.num_layers or set(types) - {FULL, SLIDING}):
-            raise ValueError(
-                f"DecoderConfig.layer_types must give {FULL!r} or {SLIDING!r} for each of the "
-                f"{self.num_layers} layers, got {types}"
-            )
-        if SLIDING in types and not self.sliding_window:
-            raise ValueError("DecoderConfig: sliding_attention layers need sliding_window")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"DecoderConfig.remat={self.remat!r}; expected one of {tuple(REMAT_POLICIES)}")
-
-    @property
-    def stop_ids(self) -> Tuple[int, ...]:
-        return eos_ids(self.eos_token_id)
-
-    @property
-    def position_table_size(self) -> Optional[int]:
-        """Rows of a learned position table (valid ids 0..P-1); None for RoPE (no table)."""
-        return self.max_position_embeddings if self.position == "learned" else None
-
-    @property
-    def cache_reset_length(self) -> Optional[int]:
-        """Phi-3's LongRoPE switches to its long factors once a sequence outgrows this many tokens;
-        transformers' Phi-3 generate then recomputes the KV cache, and :func:`jsteer.decode.generate`
-        does the same (other families keep the cached keys, in both libraries)."""
-        if self.model_type == "phi3" and self.rope is not None and self.rope.rope_type == "longrope":
-            return int(self.rope.p["original_max_position_embeddings"])
-        return None
-
-    def is_sliding(self, layer: int) -> bool:
-        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
-
-    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-        """Empty KV cache with ``max_len`` slots: k [B, K, H, S], v [B, K, S, H] per layer (one
-        [L, ...] array each with ``scan_layers``)."""
-        return KVCache.init(
-            self.num_layers, batch, max_len, self.num_kv_heads, self.head_dim, dtype, stacked=self.scan_layers
-        )
-
-    def to_dict(self) -> dict:
-        """A config.json dict that :func:`jsteer.backbones.families.config_from_hf` reads back to
-        an equal config (``jsteer_decoder`` form; HF's own keys are kept in ``LM.hf_config``)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for k in ("rope", "rope_local"):
-            d[k] = None if d[k] is None else dataclasses.asdict(d[k])
-        d["layer_types"] = None if self.layer_types is None else list(self.layer_types)
-        if isinstance(self.eos_token_id, tuple):
-            d["eos_token_id"] = list(self.eos_token_id)
-        return {"jsteer_decoder": d, "model_type": self.model_type}
-
-    @classmethod
-    def llama(
-        cls,
-        *,
-        vocab_size: int,
-        hidden_size: int,
-        intermediate_size: int,
-        num_layers: int,
-        num_heads: int,
-        num_kv_heads: Optional[int] = None,
-        head_dim: Optional[int] = None,
-        rope_theta: float = 10000.0,
-        max_position_embeddings: int = 2048,
-        **kw,
-    ) -> "DecoderConfig":
-        """A LLaMA-shaped config built by hand (toy and from-scratch models)."""
-        head_dim = head_dim or hidden_size // num_heads
-        return cls(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads or num_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_position_embeddings,
-            rope=Rope(theta=rope_theta, dim=head_dim, max_position_embeddings=max_position_embeddings),
-            **kw,
-        )
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DecoderConfig":
-        d = dict(d)
-        for k in ("rope", "rope_local"):
-            if d.get(k) is not None:
-                r = dict(d[k])
-                r["params"] = tuple((p, tuple(v) if isinstance(v, list) else v) for p, v in r.get("params", ()))
-                d[k] = Rope(**r)
-        if d.get("layer_types") is not None:
-            d["layer_types"] = tuple(d["layer_types"])
-        if isinstance(d.get("eos_token_id"), list):
-            d["eos_token_id"] = tuple(d["eos_token_id"])
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"jsteer_decoder config: unknown field {unknown[0]!r}")
-        return cls(**d)
 
 
 # ----------------------------------------------------------------------------- layers
@@ -610,121 +441,4 @@ class Decoder(nn.Module):
         )
 
 
-# ----------------------------------------------------------------------------- params
-
-
-def input_embeddings(params) -> Array:
-    """Token-embedding matrix [V, D]."""
-    return params["embed"]["embedding"]
-
-
-def output_embeddings(params, config: DecoderConfig) -> Array:
-    """Output-embedding matrix E [V, D] (logits = h E^T): the input embedding when tied."""
-    if config.tie_word_embeddings:
-        return params["embed"]["embedding"]
-    return params["lm_head"]["kernel"].T
-
-
-def _in_axes(path: Tuple[str, ...]) -> int:
-    return 2 if path[-2:] == ("o", "kernel") else 1
-
-
-def decode_pack(params: dict, config: DecoderConfig) -> dict:
-    """Every kernel packed for ``cpu.small_gemm`` as its 2-D [in, out] form, at the same path (a
-    scanned stack's kernels per layer, stacked), plus ``embed_attend`` (the tied embedding's
-    transpose). Pure; call it under jit."""
-
-    def pack(path, v):
-        n_in = _in_axes(path) + (path[0] == "layers")
-        lead = 1 if path[0] == "layers" else 0
-        flat = v.reshape(v.shape[:lead] + (math.prod(v.shape[lead:n_in]), -1))
-        return jax.vmap(cpu.pack)(flat) if lead else cpu.pack(flat)
-
-    def walk(tree, path):
-        out = {}
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                sub = walk(v, path + (k,))
-                if sub:
-                    out[k] = sub
-            elif k == "kernel" and getattr(v, "ndim", 0) >= 2:
-                out[k] = pack(path + (k,), v)
-        return out
-
-    packed = walk({k: v for k, v in params.items() if k != "embed"}, ())
-    if config.tie_word_embeddings:
-        packed["embed_attend"] = cpu.pack(params["embed"]["embedding"].T)
-    return packed
-
-
-def stack_layers(params: dict, num_layers: int) -> dict:
-    """Unrolled params (``layers_{i}``) -> the scanned form (``layers``, leaves stacked [L, ...])."""
-    layers = [params[f"layers_{i}"] for i in range(num_layers)]
-    out = {k: v for k, v in params.items() if not k.startswith("layers_")}
-    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    return out
-
-
-def unstack_layers(params: dict) -> dict:
-    """The scanned form -> unrolled ``layers_{i}``."""
-    stacked = params["layers"]
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    out = {k: v for k, v in params.items() if k != "layers"}
-    out.update({f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)})
-    return out
-
-
-# Logical axis names of each param by its trailing path (sharding rules map them to mesh axes).
-_AXES = {
-    ("embed", "embedding"): ("vocab", "embed"),
-    ("pos_embed", "embedding"): (None, "embed"),
-    ("q", "kernel"): ("embed", "heads", "head_dim"),
-    ("q", "bias"): ("heads", "head_dim"),
-    ("k", "kernel"): ("embed", "kv_heads", "head_dim"),
-    ("k", "bias"): ("kv_heads", "head_dim"),
-    ("v", "kernel"): ("embed", "kv_heads", "head_dim"),
-    ("v", "bias"): ("kv_heads", "head_dim"),
-    ("o", "kernel"): ("heads", "head_dim", "embed"),
-    ("o", "bias"): ("norm",),
-    ("gate", "kernel"): ("embed", "mlp"),
-    ("gate", "bias"): ("mlp",),
-    ("up", "kernel"): ("embed", "mlp"),
-    ("up", "bias"): ("mlp",),
-    ("down", "kernel"): ("mlp", "embed"),
-    ("down", "bias"): ("norm",),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-}
-
-
-def logical_axes(params) -> Any:
-    """The params' pytree with each leaf replaced by its logical axis names (a tuple, one per dim);
-    norm scales / biases are ("norm",); a scanned stack's leaves lead with "layers". Works on
-    arrays or ShapeDtypeStructs."""
-
-    def one(path, leaf):
-        names = tuple(getattr(p, "key", str(p)) for p in path)
-        stacked = names[0] == "layers"
-        ndim = len(leaf.shape) - stacked
-        axes = _AXES.get(names[-2:], ("norm",) if ndim == 1 else None)
-        if axes is None or len(axes) != ndim:
-            raise ValueError(f"no logical axes for param {'/'.join(names)} of shape {tuple(leaf.shape)}")
-        return ("layers",) + axes if stacked else axes
-
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
-__all__ = [
-    "DecoderConfig",
-    "Decoder",
-    "Block",
-    "Linear",
-    "Norm",
-    "input_embeddings",
-    "output_embeddings",
-    "decode_pack",
-    "stack_layers",
-    "unstack_layers",
-    "logical_axes",
-    "FULL",
-    "SLIDING",
-]
+__all__ = ["Decoder", "Block", "Linear", "Norm"]

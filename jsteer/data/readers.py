@@ -77,6 +77,18 @@ def iter_lines(path: PathLike) -> Iterator[tuple[int, str]]:
     yield from enumerate(lines, 1)
 
 
+def json_object(path: PathLike, ln: int, line: str, show: bool = False) -> dict:
+    """Line ``ln`` of a JSON-lines file parsed; a DataError naming file and line when it is not
+    JSON or not an object (``show``: quoting the line)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(path, ln, f"invalid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(rec, dict):
+        raise DataError(path, ln, "JSON line is not an object" + (f": {line!r}" if show else ""))
+    return rec
+
+
 # ----------------------------------------------------------------------------- CoNLL
 
 
@@ -240,12 +252,7 @@ def read_jsonl_labeled(
     for ln, line in iter_lines(path):
         if not line.strip():
             raise DataError(path, ln, "empty line in JSON lines file")
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(path, ln, f"invalid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(rec, dict):
-            raise DataError(path, ln, "JSON line is not an object")
+        rec = json_object(path, ln, line)
         for f in (text_field, label_field):
             if f not in rec:
                 raise DataError(path, ln, f"missing field {f!r} (has {sorted(rec)})")
@@ -349,12 +356,7 @@ def read_lama_relations(path: PathLike) -> dict[str, str]:
     """``relations.jsonl`` -> ``{relation: template}``; templates need ``[X]`` and ``[Y]``."""
     out = {}
     for ln, line in iter_lines(path):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(path, ln, f"invalid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(rec, dict):
-            raise DataError(path, ln, f"JSON line is not an object: {line!r}")
+        rec = json_object(path, ln, line, show=True)
         for f in ("relation", "template"):
             if f not in rec:
                 raise DataError(path, ln, f"missing field {f!r}")
@@ -384,12 +386,7 @@ def read_lama_jsonl(path: PathLike, relation: Optional[str] = None) -> list[Lama
     for ln, line in iter_lines(path):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(path, ln, f"invalid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(rec, dict):
-            raise DataError(path, ln, "JSON line is not an object")
+        rec = json_object(path, ln, line)
         for f in ("sub_label", "obj_label"):
             if not isinstance(rec.get(f), str) or not rec[f]:
                 raise DataError(path, ln, f"missing or empty field {f!r}")

@@ -53,29 +53,19 @@ the ``--test`` file, another SQuAD-format data file or a folder).
 ``eval`` on a file the graph folder has no mentions for annotates it in memory with the
 folder's lexicon.tsv.
 
-Kept whole (about 800 lines): ``train`` and ``eval`` share the task checks, the
-predictions-path checks and QA scoring (``_task_of``, ``_check_predictions_path``,
-``_qa_scores``), and ``register`` is the one argparse table of all three subcommands; split by
-subcommand those helpers would sit apart from both users.
+This module is the argparse table of the three subcommands and ``build-graph``;
+``train`` is :mod:`jsteer.kala.cli_train`, ``eval`` (with the task, predictions-path and QA
+scoring checks ``train`` shares) :mod:`jsteer.kala.cli_eval`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import math
-import pathlib
-import sys
-import time
 
-from jsteer import progress
-from jsteer.cli import warning_lines
-from jsteer.kala.builder import STRATEGIES
-
-TASK_FILES = {"ner": "a CoNLL file (NER)", "qa": "a SQuAD-format JSON file (extractive QA)"}
-QA_DEFAULTS = {"max_len": 384, "stride": 128, "max_query": 64, "max_answer_len": 30}  # as jsteer.kala.qa
-NER_DEFAULTS = {"max_len": 128, "scheme": "iob1"}
+from jsteer.cli import method_group, warning_lines
+from jsteer.kala.cli_eval import TASK_FILES, run_eval, task_of
+from jsteer.kala.cli_train import run_train
+from jsteer.kala.mining import STRATEGIES
 
 
 def _positive_int(text: str) -> int:
@@ -86,13 +76,9 @@ def _positive_int(text: str) -> int:
 
 
 def register(subparsers) -> None:
-    kala = subparsers.add_parser(
-        "kala",
-        help="KALA: knowledge-augmented NER and extractive QA (build-graph, train, eval)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    sub = method_group(
+        subparsers, "kala", "KALA: knowledge-augmented NER and extractive QA (build-graph, train, eval)", __doc__
     )
-    sub = kala.add_subparsers(dest="kala_command", required=True)
 
     p = sub.add_parser(
         "build-graph",
@@ -126,7 +112,7 @@ def register(subparsers) -> None:
         "--strategy",
         choices=STRATEGIES,
         default="capitalised",
-        help="lexicon mining (jsteer.kala.builder's docstring): capitalised runs (news), frequent "
+        help="lexicon mining (jsteer.kala.mining's docstring): capitalised runs (news), frequent "
         "n-grams, defined terms and their abbreviations (biomedical), or capitalised + frequent",
     )
     p.add_argument("--min-count", type=int, default=2)
@@ -216,26 +202,17 @@ def register(subparsers) -> None:
         help="smaller graph buckets batches may take: less padding, more compiled shapes (long runs)",
     )
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument(
-        "--max-len",
-        type=_positive_int,
-        default=None,
-        help="tokens per sentence (NER, default 128) or per window (QA, default 384)",
-    )
-    p.add_argument(
-        "--stride",
-        type=_positive_int,
-        default=None,
-        help="QA: context tokens between the starts of consecutive windows of a long context "
-        "(default 128; run_squad's doc_stride)",
-    )
-    p.add_argument("--max-query", type=_positive_int, default=None, help="QA: question tokens kept (default 64)")
-    p.add_argument(
-        "--max-answer-len",
-        type=_positive_int,
-        default=None,
-        help="QA: longest predicted answer, in tokens (default 30)",
-    )
+    for flag, what in (
+        ("--max-len", "tokens per sentence (NER, default 128) or per window (QA, default 384)"),
+        (
+            "--stride",
+            "QA: context tokens between the starts of consecutive windows of a long context "
+            "(default 128; run_squad's doc_stride)",
+        ),
+        ("--max-query", "QA: question tokens kept (default 64)"),
+        ("--max-answer-len", "QA: longest predicted answer, in tokens (default 30)"),
+    ):
+        p.add_argument(flag, type=_positive_int, default=None, help=what)
     p.add_argument("--max-neighbors", type=int, default=4)
     p.add_argument(
         "--train-size",
@@ -244,7 +221,7 @@ def register(subparsers) -> None:
         help="random subset of training sentences (NER) or questions (QA)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_train)
+    p.set_defaults(func=run_train)
 
     p = sub.add_parser("eval", help="evaluate a trained KALA model (NER or QA, as trained) on a file")
     p.add_argument("--run", required=True, help="the --out folder of a train command")
@@ -265,7 +242,7 @@ def register(subparsers) -> None:
         default=None,
         help="also draw the scores as a PNG bar chart here (NER: F1 per entity type; QA: EM and F1)",
     )
-    p.set_defaults(func=_eval)
+    p.set_defaults(func=run_eval)
 
 
 def _data_dirs(p) -> None:
@@ -282,119 +259,11 @@ def _data_dirs(p) -> None:
     )
 
 
-def _task_of(path) -> str:
-    """``qa`` for a SQuAD-format file, ``ner`` for anything else (read as CoNLL)."""
-    from jsteer.kala.qa import is_squad_file
-
-    if not pathlib.Path(path).is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    return "qa" if is_squad_file(path) else "ner"
-
-
-def _resolve_task(args) -> str:
-    """The run's task (``--task``, else from ``--train``; ``--tfds``: NER), checked against the
-    files and the task-specific options; fills in the options' task defaults on ``args``."""
-    if args.tfds is None and args.test_split is not None:
-        raise ValueError("--test-split is a split of the --tfds data set; give --test FILE with --train")
-    if args.tfds is not None:
-        if args.task == "qa":
-            raise ValueError("--tfds data sets train NER (tokens and tags); QA takes SQuAD-format files (--train)")
-        if args.test is not None and args.test_split is not None:
-            raise ValueError("--test and --test-split: give one test set")
-        task = "ner"
-    else:
-        task = _task_of(args.train)
-    given = f"--train {args.train}" if args.train is not None else f"--tfds {args.tfds}"
-    kind = TASK_FILES[task] if args.train is not None else "a TFDS data set (NER)"
-    if args.task is not None and args.task != task:
-        raise ValueError(f"--task {args.task}, but {given} is {kind}, not {TASK_FILES[args.task]}")
-    if args.test is not None and _task_of(args.test) != task:
-        raise ValueError(
-            f"--test {args.test} is {TASK_FILES[_task_of(args.test)]}, but {given} is {kind}: a run trains "
-            f"and tests one task"
-        )
-    own, other = (QA_DEFAULTS, NER_DEFAULTS) if task == "qa" else (NER_DEFAULTS, QA_DEFAULTS)
-    foreign = [
-        f"--{k.replace('_', '-')}"
-        for k in list(other) + (["labels"] if task == "qa" else [])
-        if k not in own and getattr(args, k) is not None
-    ]
-    if foreign:
-        raise ValueError(
-            f"{', '.join(foreign)}: {'NER' if task == 'qa' else 'QA'} option(s), but this is "
-            f"{'a QA' if task == 'qa' else 'an NER'} run ({given} is {kind})"
-        )
-    for k, v in own.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    return task
-
-
-def _ner_sources(args):
-    """(train, test) NER splits: files prepared through the TFDS layer (cached in --data-dir) or
-    splits of the --tfds data set; test None without one."""
-    from jsteer.data import sources
-    from jsteer.kala import pipeline
-
-    def named(split):
-        spec = args.tfds if split is None else f"{args.tfds.split(':', 1)[0]}:{split}"
-        return sources.open_tfds(
-            spec, args.tfds_data_dir, need=sources.NER, default_split="train", what="(NER trains on tokens and tags)"
-        )
-
-    if args.tfds is not None:
-        train = named(None)
-        test = named(args.test_split) if args.test_split is not None else None
-    else:
-        train = pipeline.ner_split(args.train, args.scheme, args.data_dir)
-        test = None
-    if args.test is not None:
-        test = pipeline.ner_split(args.test, args.scheme, args.data_dir)
-    return train, test
-
-
-def _tfds_lexicon(graph, splits):
-    """The graph's lexicon when a split of a named data set has no mentions file there (its
-    sentences are annotated in memory, said on stderr); None otherwise."""
-    from jsteer.kala import pipeline
-    from jsteer.kala.builder import Lexicon
-
-    graph = pathlib.Path(graph)
-    lacking = [s for s in splits if s is not None and not s.files and not pipeline.mentions_path(graph, s).is_file()]
-    if not lacking or not (graph / "lexicon.tsv").is_file():
-        return None
-    for s in lacking:
-        print(
-            f"note: {graph} has no {pipeline.mentions_path(graph, s).name} for {s.describe()}; annotating it in "
-            f"memory with {graph / 'lexicon.tsv'}",
-            file=sys.stderr,
-        )
-    return Lexicon.load(graph / "lexicon.tsv")
-
-
-def _parse_labels(text: str) -> tuple[str, ...]:
-    """``--labels`` "O,B-PER,I-PER" -> a checked label tuple (order kept: it fixes the label ids)."""
-    from jsteer.data.ner import split_tag
-
-    labels = tuple(x.strip() for x in text.split(",") if x.strip())
-    for x in labels:
-        try:
-            split_tag(x)
-        except ValueError as e:
-            raise ValueError(f"--labels: {e}") from None
-    dup = sorted({x for x in labels if labels.count(x) > 1})
-    if dup:
-        raise ValueError(f"--labels: {', '.join(dup)} given twice")
-    if "O" not in labels:
-        raise ValueError(f"--labels must include 'O', got {','.join(labels)}")
-    return labels
-
-
 def _build_graph(args) -> int:
     from jsteer.kala.builder import build_graph
     from jsteer.kala.qa_builder import build_qa_graph
 
-    kinds = {str(p): _task_of(p) for p in args.files}
+    kinds = {str(p): task_of(p) for p in args.files}
     if len(set(kinds.values())) > 1:
         squad = [p for p, k in kinds.items() if k == "qa"]
         conll = [p for p, k in kinds.items() if k == "ner"]
@@ -424,410 +293,3 @@ def _build_graph(args) -> int:
     print(f"{s['n_facts']} facts, {len(s['relations'])} relations -> {args.out}/facts.jsonl")
     print(f"{s['fact_entities_in_mentions']} of the {s['fact_entities']} entities named by the facts are mention ids")
     return 0
-
-
-def _run_record(args, task, labels, train_split=None) -> dict:
-    """run.json of a train command: what decides its numbers (compared on --resume)."""
-    from jsteer.convert.hf import file_sha256 as file_digest
-    from jsteer.kala import pipeline
-
-    graph = pathlib.Path(args.graph)
-    named = train_split is not None and not train_split.files
-    mentions = pipeline.mentions_path(graph, train_split if named else args.train)
-    if not mentions.is_file():
-        if not (named and (graph / "lexicon.tsv").is_file()):
-            raise pipeline.missing_mentions_error(train_split if named else args.train, graph)
-        mentions = graph / "lexicon.tsv"  # the named split is annotated with it in memory
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "model",
-            "method",
-            "layers",
-            "no_gamma",
-            "no_beta",
-            "epochs",
-            "max_steps",
-            "lr",
-            "kala_lr",
-            "entity_dropout",
-            "graph_rungs",
-            "batch_size",
-            "max_len",
-            "max_neighbors",
-            "train_size",
-            "seed",
-        )
-    }
-    config["task"] = task
-    if task == "ner":
-        config.update(scheme=args.scheme, labels=list(labels))
-    else:
-        config.update({k: getattr(args, k) for k in QA_DEFAULTS})
-    data = {
-        "train": train_split.digest() if named else file_digest(args.train),
-        "train_mentions": file_digest(mentions),
-        "facts": file_digest(graph / "facts.jsonl"),
-    }
-    paths = {
-        "train": train_split.describe() if named else str(pathlib.Path(args.train).resolve()),
-        "train_mentions": str(mentions.resolve()),
-        "facts": str((graph / "facts.jsonl").resolve()),
-        "graph": str(graph.resolve()),
-    }
-    return {"config": config, "data": data, "paths": paths}
-
-
-def _last_logged_loss(log_path: pathlib.Path):
-    """The last ``loss`` in a Trainer log.jsonl (None without one)."""
-    loss = None
-    if log_path.is_file():
-        for line in log_path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "loss" in rec:
-                loss = rec["loss"]
-    return loss
-
-
-def _train(args) -> int:
-    from jsteer.kala import runs
-
-    out = pathlib.Path(args.out)
-    with runs.lock(out):  # first and throughout: no other train command checks or writes --out meanwhile
-        return _train_locked(args, out)
-
-
-def _train_locked(args, out: pathlib.Path) -> int:
-    t0 = time.time()
-    import jsteer
-    from jsteer.checkpoints import save_artifact
-    from jsteer.kala import pipeline, runs
-    from jsteer.kala import train as ktrain
-    from jsteer.kala.formats import read_facts
-    from jsteer.kala.model import KalaConfig
-
-    if not args.resume:
-        runs.check_fresh(out)  # before anything slow
-    task = _resolve_task(args)
-    labels = train_split = test_split = lexicon = None
-    if task == "ner":
-        train_split, test_split = _ner_sources(args)
-        labels = _parse_labels(args.labels) if args.labels else pipeline.split_labels(train_split)
-    if not (pathlib.Path(args.graph) / "facts.jsonl").is_file():
-        raise FileNotFoundError(f"--graph {args.graph}: no facts.jsonl (write the folder with jsteer kala build-graph)")
-    record = _run_record(args, task, labels, train_split)
-    runs.check(out, record, args.resume)
-    if task == "ner":
-        lexicon = _tfds_lexicon(args.graph, (train_split, test_split))
-    if task == "qa":  # every input checked before the (slow) model load
-        train_split = pipeline.read_qa_split(args.train, args.graph, args.train_size)
-        pipeline.check_train_split(args.train, train_split)  # questions, each with an answer (no SQuAD v2.0)
-        with warning_lines("kala train"):  # a test answer_start that misses its text: repaired, said
-            test_split = pipeline.read_qa_split(args.test, args.graph, strict=False) if args.test else []
-        _check_gold(args.test, [ex for ex, _ in test_split])
-        if args.test:
-            _check_predictions_path(_predictions_path(out, args.test), args.test, "the predictions file")
-        facts = read_facts(pathlib.Path(args.graph) / "facts.jsonl")
-    lm = jsteer.load(args.model)
-    if lm.family != "bert":
-        raise ValueError(f"KALA needs a BERT-family encoder; {args.model} is {lm.family}")
-    if task == "ner":
-        data = pipeline.load_ner_data(
-            train_split,
-            test_split,
-            args.graph,
-            lm.tokenizer,
-            labels=labels,
-            scheme=args.scheme,
-            max_len=args.max_len,
-            max_neighbors=args.max_neighbors,
-            train_size=args.train_size,
-            lexicon=lexicon,
-        )
-    else:
-        data = pipeline.qa_data(
-            train_split,
-            test_split,
-            facts,
-            lm.tokenizer,
-            max_len=args.max_len,
-            stride=args.stride,
-            max_query=args.max_query,
-            max_neighbors=args.max_neighbors,
-        )
-    kala = KalaConfig(
-        method=args.method,
-        layers=tuple(args.layers) if args.layers else None,
-        use_gamma=not args.no_gamma,
-        use_beta=not args.no_beta,
-        entity_dropout=args.entity_dropout,
-    )
-    memory = (
-        pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
-        if kala.uses_knowledge
-        else None
-    )
-    model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, kala, memory, seed=args.seed)
-    cfg = ktrain.TrainConfig(
-        lr=args.lr,
-        kala_lr=args.kala_lr,
-        batch_size=args.batch_size,
-        max_len=args.max_len,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        seed=args.seed,
-        graph_rungs=args.graph_rungs,
-    )
-    runs.write(out, record)  # only now: a command that failed before training leaves --out as it was
-    fit = ktrain.fit(
-        model,
-        params,
-        data.train,
-        cfg,
-        task=task,
-        checkpoint_dir=out / "checkpoints",
-        log_path=out / "log.jsonl",
-        progress=True,
-    )
-    if fit.preempted:  # SIGTERM: the trainer saved a checkpoint; the run is not finished
-        from jsteer.train.loop import EXIT_PREEMPTED
-
-        print(
-            f"jsteer kala train: stopped by SIGTERM at step {fit.last_step} of "
-            f"{cfg.total_steps(len(data.train))}; checkpoint saved in {out / 'checkpoints'}. The run is not "
-            f"finished (no model/ or metrics.json written): continue it with the same command plus --resume",
-            file=sys.stderr,
-        )
-        return EXIT_PREEMPTED
-    if fit.steps == 0:
-        print(f"{out}: the checkpoint is already at step {fit.last_step}; no training step run", file=sys.stderr)
-    meta = {
-        "task": task,
-        "model": str(args.model),
-        "kala": dataclasses.asdict(model.kala),
-        "graph": str(pathlib.Path(args.graph).resolve()),
-        "entities": data.vocab.ids[1:],
-        "relations": data.relations.to_list(),
-        "max_len": args.max_len,
-        "max_neighbors": args.max_neighbors,
-        "train": dataclasses.asdict(cfg),
-    }
-    if task == "ner":
-        meta.update(labels=list(labels), scheme=args.scheme)
-    else:
-        meta.update({k: getattr(args, k) for k in QA_DEFAULTS})
-    save_artifact(out / "model", fit.params, meta)
-    final_loss = fit.losses[-1] if fit.losses else _last_logged_loss(out / "log.jsonl")
-    metrics = {
-        "steps": fit.last_step,
-        "steps_run": fit.steps,
-        "final_loss": final_loss,
-        "train_seconds": fit.train_seconds,
-        "examples_per_second": fit.examples_per_second,
-    }
-    if task == "ner" and test_split is not None:
-        metrics["test"] = ktrain.evaluate_ner(
-            model, fit.params, data.test, data.test_tags, labels, subsets=data.subsets(), progress=True
-        )
-    elif args.test:
-        metrics["test"] = _qa_scores(
-            model, fit.params, data.test, data.test_examples, args.max_answer_len, _predictions_path(out, args.test)
-        )
-    metrics = _json_safe(metrics)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1, allow_nan=False))
-    print(json.dumps(metrics, allow_nan=False))
-    test = metrics.get("test") or {}
-    progress.summary(
-        "kala train",
-        f"trained {task} for {fit.steps} step(s) (at step {fit.last_step})",
-        time.time() - t0,
-        out,
-        final_loss=metrics["final_loss"],
-        **{f"test {k}": test[k] for k in ("f1", "exact_match") if k in test},
-    )
-    return 0
-
-
-def _json_safe(obj):
-    """``obj`` with every non-finite float as None: JSON has no NaN / Infinity (a run of <= 1
-    step has no train_seconds or examples_per_second)."""
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
-def _check_predictions_path(path, test, what="--predictions") -> None:
-    """Where QA predictions go must not be the --test file (its gold answers), another
-    SQuAD-format data file, or a folder: checked before any model is loaded."""
-    path, test = pathlib.Path(path), pathlib.Path(test)
-    if path.is_dir():
-        raise ValueError(
-            f"{what} {path} is a folder; give the path of a file to write the {{question id: answer}} predictions to"
-        )
-    same = path.resolve() == test.resolve() or (path.exists() and test.exists() and path.samefile(test))
-    if same:
-        raise ValueError(
-            f"{what} {path} is the --test file {test}; writing the predictions there would replace its "
-            f"gold answers: choose another path"
-        )
-    if path.is_file() and _is_squad_data(path):
-        raise ValueError(
-            f'{what} {path} is a SQuAD-format data file (it has "data"); writing the predictions there '
-            f"would replace it: choose another path"
-        )
-
-
-def _is_squad_data(path) -> bool:
-    """Whether ``path`` holds a SQuAD-format dataset (a JSON object with a "data" list; a
-    predictions file maps ids to answer strings)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read(1024).lstrip()[:1] != "{":
-                return False
-            f.seek(0)
-            obj = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(obj, dict) and isinstance(obj.get("data"), list)
-
-
-def _predictions_path(run, test) -> pathlib.Path:
-    return pathlib.Path(run) / f"{pathlib.Path(test).name}.predictions.json"
-
-
-def _check_gold(path, examples) -> None:
-    """SQuAD v1.1 EM / F1 need a gold answer for every question of a test file."""
-    from jsteer.kala.qa import first_unanswered
-
-    ex = first_unanswered(examples)
-    if ex is not None:
-        raise ValueError(
-            f"{path}: question {ex.qid!r} has no answers; SQuAD v1.1 exact match and F1 need at "
-            f"least one gold answer per question (unanswerable questions are not supported)"
-        )
-
-
-def _qa_scores(model, params, features, examples, max_answer_len, predictions_path) -> dict:
-    """SQuAD EM / F1 of the model's answers (written to ``predictions_path`` as {id: text})."""
-    from jsteer.kala import qa
-    from jsteer.kala import train as ktrain
-    from jsteer.kala.metrics import squad_scores
-
-    preds = ktrain.predict_qa(model, params, features, examples, max_answer_len=max_answer_len, progress=True)
-    predictions_path = pathlib.Path(predictions_path)
-    predictions_path.parent.mkdir(parents=True, exist_ok=True)
-    predictions_path.write_text(json.dumps(preds, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return {**squad_scores(preds, qa.gold_answers(examples)), "predictions": str(predictions_path)}
-
-
-def _eval(args) -> int:
-    import jsteer
-    from jsteer.checkpoints import load_artifact
-    from jsteer.kala import pipeline
-    from jsteer.kala import train as ktrain
-    from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab
-    from jsteer.kala.formats import read_facts
-    from jsteer.kala.model import KalaConfig, KalaModel
-
-    t0 = time.time()
-    if args.predictions is not None:  # before anything is loaded or evaluated
-        _check_predictions_path(args.predictions, args.test)
-    if args.chart is not None and pathlib.Path(args.chart).is_dir():
-        raise ValueError(f"--chart {args.chart}: is a folder, not a PNG file path")
-    params, meta = load_artifact(pathlib.Path(args.run) / "model")
-    task = meta.get("task")
-    if task not in TASK_FILES:
-        raise ValueError(f"{args.run}/model is not a KALA NER or QA model (meta task={task!r})")
-    if _task_of(args.test) != task:
-        raise ValueError(
-            f"{args.run} is {'a QA' if task == 'qa' else 'an NER'} run, but --test {args.test} is "
-            f"{TASK_FILES[_task_of(args.test)]}; evaluate it on {TASK_FILES[task]}"
-        )
-    if args.predictions is not None and task != "qa":
-        raise ValueError("--predictions is for QA runs; an NER eval prints its scores only")
-    if task == "qa" and args.predictions is None:
-        _check_predictions_path(_predictions_path(args.run, args.test), args.test, "the predictions path")
-    lm = jsteer.load(meta["model"])
-    graph = args.graph or meta["graph"]
-    vocab, relations = EntityVocab(meta["entities"]), RelationVocab(meta["relations"])
-    kg = KnowledgeGraph(read_facts(pathlib.Path(graph) / "facts.jsonl"), relations)
-    lexicon = _eval_lexicon(args.test, graph)
-    if task == "qa":
-        with warning_lines("kala eval"):
-            split = pipeline.read_qa_split(args.test, graph, lexicon=lexicon, strict=False)
-        examples = [ex for ex, _ in split]
-        _check_gold(args.test, examples)
-        test = pipeline.encode_qa_split(
-            split, lm.tokenizer, vocab, kg, meta["max_len"], meta["stride"], meta["max_query"], meta["max_neighbors"]
-        )
-        model = KalaModel(lm.config, KalaConfig.from_dict(meta["kala"]), task="qa")
-        scores = _qa_scores(
-            model,
-            params,
-            test,
-            examples,
-            meta["max_answer_len"],
-            args.predictions or _predictions_path(args.run, args.test),
-        )
-        print(json.dumps(scores))
-        _eval_end(args, t0, scores, {"exact match": scores["exact_match"], "F1": scores["f1"]}, "QA")
-        return 0
-    labels = tuple(meta["labels"])
-    split = pipeline.read_split(args.test, graph, labels, meta["scheme"], lexicon=lexicon, data_dir=args.data_dir)
-    test = pipeline.encode_split(split, lm.tokenizer, labels, vocab, kg, meta["max_len"], meta["max_neighbors"])
-    model = KalaModel(lm.config, KalaConfig.from_dict(meta["kala"]), task="ner", num_labels=len(labels))
-    data = pipeline.NERData(labels, [], test, [], [t for _, t, _ in split], vocab, relations, kg)
-    scores = ktrain.evaluate_ner(
-        model,
-        params,
-        test,
-        data.test_tags,
-        labels,
-        subsets=data.subsets(),
-        progress=True,
-        per_type=args.chart is not None,
-    )
-    per_type = scores.pop("per_type", None)
-    print(json.dumps(scores))
-    _eval_end(args, t0, scores, {**(per_type or {}), "all": scores["f1"]}, "NER")
-    return 0
-
-
-def _eval_end(args, t0: float, scores: dict, bars: dict, what: str) -> None:
-    """``--chart`` (if given) and the one-line summary of ``kala eval``."""
-    if args.chart is not None:
-        from jsteer import plots
-
-        plots.scores_chart(bars, args.chart, title=f"{args.run} on {pathlib.Path(args.test).name}: {what}")
-    progress.summary(
-        "kala eval",
-        f"evaluated {args.run} on {args.test}",
-        time.time() - t0,
-        args.chart or scores.get("predictions"),
-        f1=scores.get("f1"),
-        **({"exact_match": scores["exact_match"]} if "exact_match" in scores else {}),
-    )
-
-
-def _eval_lexicon(test, graph):
-    """The graph folder's lexicon when it has no mentions file for ``test`` (annotated in memory,
-    as ``build-graph --lexicon`` would, and said on stderr); None otherwise."""
-    from jsteer.kala import pipeline
-    from jsteer.kala.builder import Lexicon
-
-    graph = pathlib.Path(graph)
-    if pipeline.mentions_path(graph, test).is_file() or not (graph / "lexicon.tsv").is_file():
-        return None
-    print(
-        f"note: {graph} has no mentions for {test}; annotating it in memory with {graph / 'lexicon.tsv'} "
-        f"(to write them: jsteer kala build-graph {test} --lexicon {graph / 'lexicon.tsv'} --out {graph})",
-        file=sys.stderr,
-    )
-    return Lexicon.load(graph / "lexicon.tsv")

@@ -161,7 +161,7 @@ def squad_scores(predictions: dict[str, str], answers: dict[str, Sequence[str]])
 
 
 def lexicon_quality(lexicon, sentences) -> dict:
-    """How well a graph builder's lexicon (:class:`jsteer.kala.builder.Lexicon`) finds gold entity
+    """How well a graph builder's lexicon (:class:`jsteer.kala.mining.Lexicon`) finds gold entity
     mentions: ``sentences`` [(words, gold spans [(start, end)])] -> counts and rates. Mentions that
     overlap / equal a gold span (``precision_overlap`` / ``precision_exact``), gold spans some
     mention overlaps (``recall_overlap``), ``mentions_per_sentence``. The labels only score the

@@ -42,7 +42,8 @@ import jraph
 
 from jsteer import interventions as iv
 from jsteer.backbones.base import ModelOutput, take_rows
-from jsteer.backbones.bert import BertConfig, BertEncoder, BertLayer, QAHead, TokenClassificationHead, attention_bias
+from jsteer.backbones.bert import BertConfig, BertEncoder, BertLayer, attention_bias
+from jsteer.backbones.bert_heads import QAHead, TokenClassificationHead
 from jsteer.hooks import Hooks, apply_film
 from jsteer.kala.graph import RelationalGraph, gather_tokens, mention_positions, node_context
 from jsteer.kala.kfm import KFM
@@ -58,8 +59,44 @@ def default_layers(num_layers: int) -> tuple[int, ...]:
     return (max(num_layers - 3, 0), num_layers - 1)
 
 
+def checked_layers(layers, num_layers: int, what: str) -> tuple[int, ...]:
+    """``layers`` sorted without repeats; a ValueError naming ``what`` when one is outside a
+    ``num_layers``-layer backbone."""
+    bad = [x for x in layers if not 0 <= x < num_layers]
+    if bad:
+        raise ValueError(f"{what} layers {bad} out of range for a {num_layers}-layer backbone")
+    return tuple(sorted(set(layers)))
+
+
+class KnowledgeConfig:
+    """What the frozen config dataclasses of KALA and the variants share: the checks of their
+    common fields (``method``, ``layers``, ``num_entities``) and a JSON round trip (``layers``
+    a tuple, a list in JSON)."""
+
+    def check_common(self, methods: tuple) -> None:
+        """``method`` one of ``methods``, ``layers`` made a tuple of ints, ``num_entities`` >= 1
+        (the null entity)."""
+        name = type(self).__name__
+        if self.method not in methods:
+            raise ValueError(f"{name}.method must be one of {methods}, got {self.method!r}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if self.num_entities < 1:
+            raise ValueError(f"{name}.num_entities must be >= 1 (null entity), got {self.num_entities}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        d = dict(d)
+        if d.get("layers") is not None:
+            d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
 @dataclasses.dataclass(frozen=True)
-class KalaConfig:
+class KalaConfig(KnowledgeConfig):
     """Knowledge-module hyper-parameters.
 
     layers: 0-based backbone layers with KFM; None -> :func:`default_layers`.
@@ -86,12 +123,7 @@ class KalaConfig:
     entity_dropout: float = 0.0
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"KalaConfig.method must be one of {METHODS}, got {self.method!r}")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
-        if self.num_entities < 1:
-            raise ValueError(f"KalaConfig.num_entities must be >= 1 (null entity), got {self.num_entities}")
+        self.check_common(METHODS)
         if not 0.0 <= self.entity_dropout < 1.0:
             raise ValueError(f"KalaConfig.entity_dropout must be in [0, 1), got {self.entity_dropout}")
         if not (self.use_gamma or self.use_beta) and self.uses_knowledge:
@@ -102,21 +134,37 @@ class KalaConfig:
         return self.method in ("pointwise", "relational")
 
     def kfm_layers(self, num_layers: int) -> tuple[int, ...]:
-        layers = default_layers(num_layers) if self.layers is None else self.layers
-        bad = [x for x in layers if not 0 <= x < num_layers]
-        if bad:
-            raise ValueError(f"KFM layers {bad} out of range for a {num_layers}-layer backbone")
-        return tuple(sorted(set(layers)))
+        return checked_layers(default_layers(num_layers) if self.layers is None else self.layers, num_layers, "KFM")
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "KalaConfig":
-        d = dict(d)
-        if d.get("layers") is not None:
-            d["layers"] = tuple(d["layers"])
-        return cls(**d)
+def make_head(config: BertConfig, task: str, num_labels: int, dtype) -> nn.Module:
+    """The task head under ``head``: token classification [B, T, L] (``"ner"``) or span QA [B, T, 2]."""
+    if task == "ner":
+        return TokenClassificationHead(config, num_labels, dtype=dtype, name="head")
+    if task == "qa":
+        return QAHead(config, dtype=dtype, name="head")
+    raise ValueError(f"task must be 'ner' or 'qa', got {task!r}")
+
+
+def apply_head(head: nn.Module, task: str, h: Array, deterministic: bool) -> Array:
+    """Logits of :func:`make_head`'s head on the last hidden state h [B, T, D] (NER: dropout when training)."""
+    return head(h, deterministic) if task == "ner" else head(h)
+
+
+def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
+    """A knowledge method needs the batch graph and ``token_node`` [B, T] shaped like input_ids."""
+    b, t = input_ids.shape
+    if graph is None or token_node is None:
+        raise ValueError(f"method {method!r} needs graph and token_node")
+    if token_node.shape != (b, t):
+        raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+
+
+def entity_memory(module: nn.Module, cfg, hidden_size: int) -> tuple[Array, int]:
+    """(the ``memory`` param [Ne, De] of a knowledge ``module`` set up from ``cfg``, De):
+    ``cfg.num_entities`` rows of width ``cfg.entity_dim`` (None: ``hidden_size``), N(0, 0.02)."""
+    de = cfg.entity_dim or hidden_size
+    return module.param("memory", nn.initializers.normal(0.02), (cfg.num_entities, de)), de
 
 
 class KnowledgeModule(nn.Module):
@@ -128,43 +176,13 @@ class KnowledgeModule(nn.Module):
 
     def setup(self):
         k = self.kala
-        de = k.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (k.num_entities, de))
+        self.memory, de = entity_memory(self, k, self.hidden_size)
         self.kfms = {
             l: KFM(self.hidden_size, k.use_gamma, k.use_beta, k.kfm_zero_init, name=f"kfm_{l}") for l in self.layers
         }
         if k.method == "relational":
             self.relations = self.param("relations", nn.initializers.normal(1.0), (k.num_relations, k.relation_dim))
             self.graphs = {l: RelationalGraph(de, k.gnn_layers, k.dropout, name=f"graph_{l}") for l in self.layers}
-
-    def entity_states(
-        self,
-        layer: int,
-        context: Array,
-        graph: jraph.GraphsTuple,
-        token_node: Array,
-        deterministic: bool = True,
-        mention: Optional[Array] = None,
-        last_edges=None,
-    ) -> Array:
-        """Node representations for the KFM at ``layer`` (context [B,T,D]: its input): [N, De],
-        or with ``mention`` (see :meth:`__call__`) [M, De], those nodes' rows."""
-        ent = graph.nodes["entity"]
-
-        def lookup(ids):  # memory rows, zero for the null entity
-            return take_rows(self.memory, ids) * (ids != 0)[:, None].astype(self.memory.dtype)
-
-        if self.kala.method != "relational":  # point-wise: a memory lookup per node
-            return lookup(ent if mention is None else ent[mention])
-        x = lookup(ent)
-        if mention is None:
-            ctx = node_context(context, token_node, x.shape[0])
-        else:  # the mentioned nodes' contexts only: every other node's is zero
-            ctx = node_context(context, mention_positions(mention, token_node), mention.shape[0])
-        x = self.graphs[layer](
-            x, self.relations, ctx, graph, deterministic, relation_table=True, last_edges=last_edges, mention=mention
-        )
-        return x if mention is None else take_rows(x, mention)
 
     def __call__(
         self,
@@ -186,7 +204,23 @@ class KnowledgeModule(nn.Module):
         nodes, the only ones the last GNN layer then runs on."""
         if last_edges is not None and mention is None:
             raise ValueError("last_edges restricts the GNN's last layer to the mentioned nodes; pass mention too")
-        x = self.entity_states(layer, context, graph, token_node, deterministic, mention, last_edges)
+        # node representations [N, De], or with ``mention`` [M, De] (those nodes' rows)
+        ent = graph.nodes["entity"]
+
+        def lookup(ids):  # memory rows, zero for the null entity
+            return take_rows(self.memory, ids) * (ids != 0)[:, None].astype(self.memory.dtype)
+
+        if self.kala.method != "relational":  # point-wise: a memory lookup per node
+            x = lookup(ent if mention is None else ent[mention])
+        else:
+            x = lookup(ent)
+            if mention is None:
+                ctx = node_context(context, token_node, x.shape[0])
+            else:  # the mentioned nodes' contexts only: every other node's is zero
+                ctx = node_context(context, mention_positions(mention, token_node), mention.shape[0])
+            only = dict(last_edges=last_edges, mention=mention)
+            x = self.graphs[layer](x, self.relations, ctx, graph, deterministic, relation_table=True, **only)
+            x = x if mention is None else take_rows(x, mention)
         if mention is not None:
             token_node = mention_positions(mention, token_node)
         table = self.kfms[layer](x, jnp.ones(x.shape[:1], x.dtype))
@@ -269,10 +303,7 @@ class KalaModel(nn.Module):
         if self.task not in ("ner", "qa"):
             raise ValueError(f"KalaModel.task must be 'ner' or 'qa', got {self.task!r}")
         self.encoder = BertEncoder(self.config, dtype=self.dtype)
-        if self.task == "ner":
-            self.head = TokenClassificationHead(self.config, self.num_labels, dtype=self.dtype)
-        else:
-            self.head = QAHead(self.config, dtype=self.dtype)
+        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
         self.kfm_layers = self.kala.kfm_layers(self.config.num_layers) if self.kala.uses_knowledge else ()
         if self.kala.uses_knowledge:
             self.knowledge = KnowledgeModule(self.kala, self.config.hidden_size, self.kfm_layers, name="kala")
@@ -298,10 +329,7 @@ class KalaModel(nn.Module):
         ``mention``): the relational GNN's last layer runs on them only (same output)."""
         b, t = input_ids.shape
         if self.kala.uses_knowledge:
-            if graph is None or token_node is None:
-                raise ValueError(f"method {self.kala.method!r} needs graph and token_node")
-            if token_node.shape != (b, t):
-                raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+            check_inputs(self.kala.method, input_ids, graph, token_node)
             if not deterministic and self.kala.entity_dropout > 0:
                 graph = drop_entities(graph, self.make_rng("dropout"), self.kala.entity_dropout)
         ivs = {}
@@ -313,8 +341,7 @@ class KalaModel(nn.Module):
             ivs["final"] = ExtraLayer(self.extra, attention_bias(attention_mask, None, b, t), deterministic)
         hooks = Hooks(interventions=ivs) if ivs else None
         h = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic).hidden
-        logits = self.head(h, deterministic) if self.task == "ner" else self.head(h)
-        return ModelOutput(logits=logits, hidden=h)
+        return ModelOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h)
 
 
 def drop_entities(graph: jraph.GraphsTuple, rng: jax.Array, rate: float) -> jraph.GraphsTuple:

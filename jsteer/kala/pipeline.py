@@ -171,7 +171,7 @@ def read_split(
     ``size`` sentences, in file order; None: all). A file is read through :func:`ner_split`
     (cached in ``data_dir``); a Split's tags are converted by ``scheme``.
 
-    Without a mentions file: with ``lexicon`` (a :class:`jsteer.kala.builder.Lexicon`) the
+    Without a mentions file: with ``lexicon`` (a :class:`jsteer.kala.mining.Lexicon`) the
     sentences are annotated with it in memory, as ``build-graph --lexicon`` would; otherwise a
     FormatError names the command that writes the file."""
     split = ner_split(path, scheme, data_dir)

@@ -104,6 +104,23 @@ PROTOCOL = {
 COMMON = dict(batch_size=16, lr=3e-4, kala_lr=1e-3, graph_rungs=0)
 
 
+def train_config(dataset: str, seed: int, graph_rungs: int = 0):
+    """The saved results' :class:`jsteer.kala.train.TrainConfig` for ``dataset``: its
+    :data:`PROTOCOL` epochs and length, the :data:`COMMON` batch size and learning rates."""
+    from jsteer.kala import train as ktrain
+
+    proto = PROTOCOL[dataset]
+    return ktrain.TrainConfig(
+        lr=COMMON["lr"],
+        kala_lr=COMMON["kala_lr"],
+        epochs=proto["epochs"],
+        max_len=proto["max_len"],
+        batch_size=COMMON["batch_size"],
+        seed=seed,
+        graph_rungs=graph_rungs,
+    )
+
+
 def protocol_setting(setup: dict, key: str):
     """A sweep setup's value of protocol key ``key``, with the defaults of setups written before it existed."""
     if key == "graph_strategy" and key not in setup:  # older setups: their graph summary's
@@ -219,6 +236,28 @@ def save_run(out_path: pathlib.Path, results: dict, run: dict) -> None:
     tmp = out_path.with_name(out_path.name + ".tmp")
     tmp.write_text(json.dumps(results, indent=1, default=str))
     os.replace(tmp, out_path)
+
+
+def import_variants(ds: str, results: pathlib.Path = OUT) -> pathlib.Path:
+    """Make ``ner_<ds>.json`` (:mod:`jsteer.kala.report`'s input) from the main-group methods of the variants
+    sweep ``variants_<ds>.json`` (experiments/kala_variants.py runs the harness' own methods
+    too, on the same data and graphs). A previous ``ner_<ds>.json`` of another protocol moves to
+    ``prev_<epochs>ep/``; its graph statistics (same graph files and subsets) are kept."""
+    src = json.loads((results / f"variants_{ds}.json").read_text())
+    dst = results / f"ner_{ds}.json"
+    old = json.loads(dst.read_text()) if dst.is_file() else {"setup": {}, "runs": []}
+    setup = {**old.get("setup", {}), **src["setup"]}
+    if old["runs"] and not same_protocol(old["setup"], src["setup"]):
+        keep = results / f"prev_{old['setup'].get('epochs'):g}ep"
+        keep.mkdir(exist_ok=True)
+        (keep / dst.name).write_text(dst.read_text())
+        old = {"runs": []}
+    names = {v for v, _ in VARIANTS["main"]}
+    runs = [r for r in old["runs"] if r.get("group") != "main"]  # ablations / layers of the same protocol
+    runs += [{**r, "group": "main", "variant": r["method"]} for r in src["runs"] if r["method"] in names]
+    keep_mem = {"step_memory": old["step_memory"]} if "step_memory" in old else {}
+    dst.write_text(json.dumps({"setup": setup, "runs": runs, **keep_mem}, indent=1, default=str))
+    return dst
 
 
 def cached_memory(name: str, lm, data, train_size, max_len: int):

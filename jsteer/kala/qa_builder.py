@@ -2,7 +2,8 @@
 
 The SQuAD counterpart of :func:`jsteer.kala.builder.build_graph` (``jsteer kala build-graph``
 on ``.json`` files), with the same lexicon mining, fact patterns, spaCy option and
-annotate-only mode (``--lexicon``); see :mod:`jsteer.kala.builder` for those. **Answers are
+annotate-only mode (``--lexicon``); see :mod:`jsteer.kala.mining` and
+:mod:`jsteer.kala.builder` for those. **Answers are
 never read**, nor are questions: only the contexts.
 
 Contexts are raw text, so they are first split into words with character spans
@@ -23,14 +24,14 @@ file is keyed by question id, as :func:`jsteer.kala.qa.encode_qa` expects.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 from jsteer.kala import builder
-from jsteer.kala.formats import Mention, write_mentions
+from jsteer.kala.formats import Mention
+from jsteer.kala.mining import Lexicon
 from jsteer.kala.qa import QAExample, read_squad
 
 PathLike = Union[str, os.PathLike]
@@ -87,7 +88,7 @@ def _contexts(examples: Sequence[QAExample]) -> list[str]:
     return list(dict.fromkeys(e.context for e in examples))
 
 
-def annotate(examples: Sequence[QAExample], lexicon: builder.Lexicon) -> dict[str, list[Mention]]:
+def annotate(examples: Sequence[QAExample], lexicon: Lexicon) -> dict[str, list[Mention]]:
     """{question id: its context's mentions} with ``lexicon`` matched in the contexts (in
     memory, as ``build-graph --lexicon`` writes them)."""
     by_context = {}
@@ -97,65 +98,43 @@ def annotate(examples: Sequence[QAExample], lexicon: builder.Lexicon) -> dict[st
     return {e.qid: by_context[e.context] for e in examples}
 
 
-def build_qa_graph(
-    squad_paths: Sequence[PathLike],
-    out_dir: PathLike,
-    *,
-    facts_path: Optional[PathLike] = None,
-    corpus_paths: Sequence[PathLike] = (),
-    strategy: str = "capitalised",
-    min_count: int = 2,
-    max_len: int = 4,
-    spacy_model: Optional[str] = None,
-    lexicon_path: Optional[PathLike] = None,
-    overwrite: bool = False,
-) -> dict:
+def build_qa_graph(squad_paths: Sequence[PathLike], out_dir: PathLike, **options) -> dict:
     """Write ``<name>.mentions.jsonl`` per SQuAD file (keyed by question id, character spans),
     ``facts.jsonl``, ``lexicon.tsv`` and ``summary.json`` under ``out_dir``, with the options of
-    :func:`jsteer.kala.builder.build_graph` (which documents them); ``corpus_paths`` lines are
-    split into words as the contexts are. Returns the summary, whose ``files`` entries count
-    questions, distinct contexts, the mentions in those contexts and the facts' entities among them.
-    Every input is read and checked before ``out_dir`` is created or written; a graph already
-    there is replaced only with ``overwrite`` (see :func:`jsteer.kala.builder.build_graph`)."""
-    builder.check_unique_names(squad_paths)
-    before = builder.check_graph_out(squad_paths, out_dir, overwrite=overwrite, lexicon_path=lexicon_path)
-    out = pathlib.Path(out_dir)
-    per_file = {str(p): read_squad(p, strict=False) for p in squad_paths}  # answers are never read
-    contexts = _contexts([e for exs in per_file.values() for e in exs])
-    sentences = {c: context_sentences(c) for c in contexts}
-    all_sents = [[w for w, _, _ in s] for c in contexts for s in sentences[c]]
-    mentions_flat, knowledge = builder.annotate_sentences(
-        all_sents,
-        out,
-        facts_path=facts_path,
-        corpus_paths=corpus_paths,
-        strategy=strategy,
-        min_count=min_count,
-        max_len=max_len,
-        spacy_model=spacy_model,
-        lexicon_path=lexicon_path,
-        corpus_split=_corpus_words,
-    )
-    by_context, k = {}, 0
-    for c in contexts:
-        n = len(sentences[c])
-        by_context[c] = _char_mentions(c, sentences[c], mentions_flat[k : k + n])
-        k += n
-    summary = builder.write_knowledge(
-        out, knowledge, mentions_flat, [f"{pathlib.Path(p).name}.mentions.jsonl" for p in squad_paths]
-    )
-    for p, examples in per_file.items():
-        name = pathlib.Path(p).name
-        write_mentions(out / f"{name}.mentions.jsonl", {e.qid: by_context[e.context] for e in examples})
-        ctxs = _contexts(examples)
-        summary["files"][name] = {
-            "questions": len(examples),
-            "contexts": len(ctxs),
-            "mentions": sum(len(by_context[c]) for c in ctxs),
-            "fact_entities_in_mentions": builder.file_fact_entities(knowledge, [by_context[c] for c in ctxs]),
-            "mentions_file": f"{name}.mentions.jsonl",
-        }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if overwrite:
-        builder.remove_stale_mentions(squad_paths, out, before)
-    return summary
+    :func:`jsteer.kala.builder.build_graph` (:class:`~jsteer.kala.builder.GraphOptions`, documented
+    there); ``corpus_paths`` lines are split into words as the contexts are. Returns the summary,
+    whose ``files`` entries count questions, distinct contexts, the mentions in those contexts and
+    the facts' entities among them. Every input is read and checked before ``out_dir`` is created
+    or written; a graph already there is replaced only with ``overwrite`` (see
+    :func:`jsteer.kala.builder.build_graph`)."""
+
+    def read(paths):
+        per_file = {pathlib.Path(p).name: read_squad(p, strict=False) for p in paths}  # answers are never read
+        contexts = _contexts([e for exs in per_file.values() for e in exs])
+        sentences = {c: context_sentences(c) for c in contexts}
+
+        def files(mentions_flat, knowledge):
+            by_context, k = {}, 0
+            for c in contexts:
+                n = len(sentences[c])
+                by_context[c] = _char_mentions(c, sentences[c], mentions_flat[k : k + n])
+                k += n
+            out = {}
+            for name, examples in per_file.items():
+                ctxs = _contexts(examples)
+                out[name] = (
+                    {e.qid: by_context[e.context] for e in examples},
+                    {
+                        "questions": len(examples),
+                        "contexts": len(ctxs),
+                        "mentions": sum(len(by_context[c]) for c in ctxs),
+                        "fact_entities_in_mentions": builder.file_fact_entities(
+                            knowledge, [by_context[c] for c in ctxs]
+                        ),
+                    },
+                )
+            return out
+
+        return [[w for w, _, _ in s] for c in contexts for s in sentences[c]], files
+
+    return builder.build_folder(squad_paths, out_dir, read, builder.GraphOptions(**options), _corpus_words)

@@ -17,7 +17,7 @@ import statistics
 from typing import Optional
 
 from jsteer.kala.protocol import OUT as RESULTS
-from jsteer.kala.protocol import protocol_setting, same_protocol, timed
+from jsteer.kala.protocol import protocol_setting, timed
 
 DATASETS = {"conll": "CoNLL-2003", "ncbi": "NCBI-Disease"}
 MAIN = [
@@ -173,22 +173,6 @@ def seed_table(all_res: dict, variants=MAIN) -> str:
                     f"{r['final_loss']:.3f} |"
                 )
     return "\n".join(lines)
-
-
-def delta_line(all_res: dict) -> str:
-    out = []
-    for d, res in all_res.items():
-        fts = [r["f1"] for r in runs_of(res, "finetune")]
-        rels = [r["f1"] for r in runs_of(res, "relational")]
-        ft, rel = mean_std(fts)[0], mean_std(rels)[0]
-        if ft is not None and rel is not None:
-            target = 0.4 if d == "conll" else 1.0
-            n = min(len(fts), len(rels))
-            verdict = "met" if rel - ft >= target else "not met"
-            if n < 3:
-                verdict += f" on {n} seed(s) only: not statistically meaningful"
-            out.append(f"{DATASETS[d]}: relational - fine-tuning = {rel - ft:+.2f} F1 (target >= +{target}; {verdict})")
-    return "\n".join(f"- {x}" for x in out)
 
 
 def cost_table(all_res: dict) -> str:
@@ -576,25 +560,3 @@ def report(results: pathlib.Path = RESULTS) -> str:
             md.read_text(),
         ]
     return "\n".join(parts) + "\n"
-
-
-def import_variants(ds: str, results: pathlib.Path = RESULTS) -> pathlib.Path:
-    """Make ``ner_<ds>.json`` (this report's input) from the main-group methods of the variants
-    sweep ``variants_<ds>.json`` (experiments/kala_variants.py runs the harness' own methods
-    too, on the same data and graphs). A previous ``ner_<ds>.json`` of another protocol moves to
-    ``prev_<epochs>ep/``; its graph statistics (same graph files and subsets) are kept."""
-    src = json.loads((results / f"variants_{ds}.json").read_text())
-    dst = results / f"ner_{ds}.json"
-    old = json.loads(dst.read_text()) if dst.is_file() else {"setup": {}, "runs": []}
-    setup = {**old.get("setup", {}), **src["setup"]}
-    if old["runs"] and not same_protocol(old["setup"], src["setup"]):
-        keep = results / f"prev_{old['setup'].get('epochs'):g}ep"
-        keep.mkdir(exist_ok=True)
-        (keep / dst.name).write_text(dst.read_text())
-        old = {"runs": []}
-    names = {v for v, _ in MAIN}
-    runs = [r for r in old["runs"] if r.get("group") != "main"]  # ablations / layers of the same protocol
-    runs += [{**r, "group": "main", "variant": r["method"]} for r in src["runs"] if r["method"] in names]
-    keep_mem = {"step_memory": old["step_memory"]} if "step_memory" in old else {}
-    dst.write_text(json.dumps({"setup": setup, "runs": runs, **keep_mem}, indent=1, default=str))
-    return dst

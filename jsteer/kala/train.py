@@ -80,12 +80,11 @@ def model_inputs(model: KalaModel, batch) -> tuple:
     return flatten_graphs(batch)
 
 
-def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=None):
-    graph, token_node = model_inputs(model, batch)
+def apply_model(model, params, batch, graph, token_node, deterministic: bool, rng, **kw):
+    """``model.apply`` on a collated batch's input_ids, attention_mask and token_type_ids with
+    (``graph``, ``token_node``); ``rng`` the dropout key when not ``deterministic``; ``kw``: the
+    model's own keywords."""
     rngs = None if deterministic else {"dropout": rng}
-    mention = batch.get("graph_mention") if graph is not None else None
-    mention = None if mention is None else jnp.asarray(mention).reshape(-1)
-    last = last_layer_edges(batch) if mention is not None else None
     return model.apply(
         {"params": params},
         batch["input_ids"],
@@ -95,9 +94,16 @@ def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=Non
         token_node,
         deterministic=deterministic,
         rngs=rngs,
-        mention=mention,
-        last_edges=last,
+        **kw,
     )
+
+
+def forward(model: KalaModel, params, batch, deterministic: bool = True, rng=None):
+    graph, token_node = model_inputs(model, batch)
+    mention = batch.get("graph_mention") if graph is not None else None
+    mention = None if mention is None else jnp.asarray(mention).reshape(-1)
+    last = last_layer_edges(batch) if mention is not None else None
+    return apply_model(model, params, batch, graph, token_node, deterministic, rng, mention=mention, last_edges=last)
 
 
 def task_loss(forward_fn: Callable, task: str = "ner") -> Callable:
@@ -365,19 +371,24 @@ def predict_ner(
     ``forward_fn(params, batch)`` / ``keys``: another model's forward and extra batch keys;
     ``progress``: a :mod:`jsteer.progress` bar over the examples."""
     fwd = forward_fn or functools.partial(forward, model)
+    preds: list = [None] * len(examples)
+    keys = task_keys("ner") + tuple(keys) + ("word_index",)
+    for idx, batch, logits in _logit_batches(model, params, examples, batch_size, keys, fwd, "sentence", progress):
+        arg = np.asarray(jnp.argmax(logits, -1))
+        for r, i in enumerate(idx):
+            preds[i] = ner_lib.word_predictions(arg[r], batch["word_index"][r], examples[i]["num_words"], fill=0)
+    return preds
+
+
+def _logit_batches(model: KalaModel, params: dict, items, batch_size: int, keys, fwd, unit: str, progress: bool):
+    """Yields (item indices, the host batch, its logits on device) over ``items`` in batches of
+    ``keys``, through ``fwd(params, batch)`` jitted (``progress``: a bar counting ``unit``)."""
     logits_fn = jax.jit(lambda p, b: fwd(p, b).logits)
     graph = model.kala.uses_knowledge
-    preds: list = [None] * len(examples)
-    with progress_bar(total=len(examples), desc="eval", unit="sentence", enabled=progress) as bar:
-        for idx, batch in kdata.batches(
-            examples, batch_size, keys=task_keys("ner") + tuple(keys) + ("word_index",), graph=graph
-        ):
-            wi = batch["word_index"]
-            arg = np.asarray(jnp.argmax(logits_fn(params, kdata.device_batch(batch, graph)), -1))
-            for r, i in enumerate(idx):
-                preds[i] = ner_lib.word_predictions(arg[r], wi[r], examples[i]["num_words"], fill=0)
+    with progress_bar(total=len(items), desc="eval", unit=unit, enabled=progress) as bar:
+        for idx, batch in kdata.batches(items, batch_size, keys=keys, graph=graph):
+            yield idx, batch, logits_fn(params, kdata.device_batch(batch, graph))
             bar.update(len(idx))
-    return preds
 
 
 def evaluate_ner(
@@ -409,18 +420,12 @@ def predict_qa_logits(
     model: KalaModel, params: dict, features: Sequence[dict], batch_size: int = 64, progress: bool = False
 ) -> list[np.ndarray]:
     """Span logits [L, 2] of each QA feature (window), unpadded (``progress``: a bar)."""
-
-    @jax.jit
-    def logits_fn(params, batch):
-        return forward(model, params, batch).logits
-
+    fwd = functools.partial(forward, model)
     out: list = [None] * len(features)
-    with progress_bar(total=len(features), desc="eval", unit="window", enabled=progress) as bar:
-        for idx, batch in kdata.batches(features, batch_size, keys=task_keys("qa"), graph=model.kala.uses_knowledge):
-            lg = np.asarray(logits_fn(params, kdata.device_batch(batch, model.kala.uses_knowledge)))
-            for r, i in enumerate(idx):
-                out[i] = lg[r, : len(features[i]["input_ids"])]
-            bar.update(len(idx))
+    for idx, _, logits in _logit_batches(model, params, features, batch_size, task_keys("qa"), fwd, "window", progress):
+        lg = np.asarray(logits)
+        for r, i in enumerate(idx):
+            out[i] = lg[r, : len(features[i]["input_ids"])]
     return out
 
 
@@ -441,17 +446,11 @@ def predict_qa(
     return qa_lib.predict_answers(features, logits, {e.qid: e.context for e in examples}, max_answer_len=max_answer_len)
 
 
-def evaluate_qa(
-    model: KalaModel,
-    params: dict,
-    features: Sequence[dict],
-    examples: Sequence,
-    batch_size: int = 64,
-    max_answer_len: int = 30,
-) -> dict:
-    """SQuAD EM / F1 (percent) of the best span over each question's windows."""
+def evaluate_qa(model: KalaModel, params: dict, features: Sequence[dict], examples: Sequence, *args, **kw) -> dict:
+    """SQuAD EM / F1 (percent) of the best span over each question's windows (further arguments:
+    :func:`predict_qa`'s batch_size, max_answer_len)."""
     from jsteer.kala import qa as qa_lib
     from jsteer.kala.metrics import squad_scores
 
-    preds = predict_qa(model, params, features, examples, batch_size, max_answer_len)
+    preds = predict_qa(model, params, features, examples, *args, **kw)
     return squad_scores(preds, qa_lib.gold_answers(examples))

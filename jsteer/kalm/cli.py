@@ -13,22 +13,17 @@ and, for a KALM, the context-typing accuracy of the artifact's held-out words fo
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import time
+
+from jsteer.cli import method_group
 
 KINDS = ("plain", "kalm", "kalm_type_input")
 
 
 def register(subparsers) -> None:
-    top = subparsers.add_parser(
-        "kalm",
-        help="KALM typed-vocabulary LM: train, eval",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = top.add_subparsers(dest="kalm_command", required=True)
+    sub = method_group(subparsers, "kalm", "KALM typed-vocabulary LM: train, eval", __doc__)
     p = sub.add_parser("train", help="train a KALM / plain LM and save an artifact")
     p.add_argument("--data", required=True, help="kalm_namedentitylm folder (superingredients/, raw_data/)")
     p.add_argument("--train", default=None, help="training text, one item a line")

@@ -24,7 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jsteer.backbones.decoder import Decoder, DecoderConfig
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.hooks import Hooks
 from jsteer.kalm.head import KalmConfig, KalmHead, KalmOutput, TypedVocab, token_log_prob
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer.backbones.decoder import Decoder, DecoderConfig
+from jsteer.backbones.decoder import Decoder
+from jsteer.backbones.decoder_config import DecoderConfig
 from jsteer.kalm.head import KalmConfig, TypedVocab
 from jsteer.kalm.model import KalmLM, next_token_log_probs
 from jsteer.train import OptimizerConfig, Trainer, data_mesh

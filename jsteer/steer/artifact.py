@@ -62,6 +62,23 @@ def save(
     checkpoints.save_artifact(path, tree, meta)
 
 
+def save_trained(path, params: head.Params, lm, emb, cfg, steer_names: Sequence[str], extra: Optional[dict] = None):
+    """:func:`save` for a steer trained on ``lm`` with ``cfg`` (a
+    :class:`jsteer.steer.train.TrainConfig`: its eps0 and dummy), ``emb`` [V, D] the output
+    embeddings it was trained against."""
+    save(
+        str(path),
+        params,
+        base_model=lm.identity,
+        hidden_size=emb.shape[1],
+        vocab_size=emb.shape[0],
+        eps0=cfg.eps0,
+        dummy=cfg.dummy,
+        steer_names=steer_names,
+        extra=extra,
+    )
+
+
 def load(path: str, model_identity: Optional[str] = None) -> Tuple[dict, dict]:
     """(params, meta). With ``model_identity`` (``LM.identity``) the artifact must belong to
     that model: a steer trained for another model is refused (transfer it first)."""

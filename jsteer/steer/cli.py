@@ -21,25 +21,19 @@ N artifacts applies N domain shifts (``--dummy 0`` applies none).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 from jsteer import progress
+from jsteer.cli import add_generate_options, load_decoder, method_group, print_generations
 
 # generic sentence openings: their mean final hidden state is the typical context for `explain`
 GENERIC_CONTEXTS = ("The", "I think that the", "It was a", "This is one of the", "When we got there, the")
 
 
 def register(subparsers) -> None:
-    top = subparsers.add_parser(
-        "steer",
-        help="LM-Steer: train, generate, highlight, explain, transfer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = top.add_subparsers(dest="steer_command", required=True)
+    sub = method_group(subparsers, "steer", "LM-Steer: train, generate, highlight, explain, transfer", __doc__)
 
     p = sub.add_parser(
         "train",
@@ -113,13 +107,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("generate", help="generate with one or more steers at given strengths")
     p.add_argument("prompts", nargs="+")
     _model_steers(p)
-    p.add_argument("--max-new-tokens", type=int, default=20)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print JSON lines")
+    add_generate_options(p, max_new_tokens=20, temperature=1.0, top_p=0.9)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("highlight", help="per-token log P_steered - log P_reference and the best span (<= 5 tokens)")
@@ -190,12 +178,7 @@ def _model_steers(p) -> None:
 
 
 def _load_model(src: str):
-    import jsteer
-
-    lm = jsteer.load(src)
-    if not lm.is_decoder:
-        raise ValueError(f"{src}: LM-Steer needs a decoder model, got family {lm.family!r}")
-    return lm
+    return load_decoder(src, "LM-Steer")
 
 
 def _load_each(lm, paths, values, dummy: float):
@@ -322,29 +305,20 @@ def _train(args) -> int:
     emb = np.asarray(lm.output_embeddings(), np.float32)
     params, hist = train.train(cache, emb, cfg, progress=True)
     t2 = time.time()
-    artifact.save(
-        args.out,
-        params,
-        base_model=lm.identity,
-        hidden_size=emb.shape[1],
-        vocab_size=emb.shape[0],
-        eps0=cfg.eps0,
-        dummy=cfg.dummy,
-        steer_names=[args.name],
-        extra={
-            "data": args.data if args.tfds is None else f"tfds {source.spec} in {source.data_dir}",
-            "steps": cfg.steps,
-            "rank": cfg.rank,
-            "lr": cfg.lr,
-            "l2": cfg.l2,
-            "batch_size": cfg.batch_size,
-            "init_scale": cfg.init_scale,
-            "final_loss": hist["final_loss"],
-            "texts": cache.num_texts,
-            "tokens": cache.num_tokens,
-            **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {}),
-        },
-    )
+    extra = {
+        "data": args.data if args.tfds is None else f"tfds {source.spec} in {source.data_dir}",
+        "steps": cfg.steps,
+        "rank": cfg.rank,
+        "lr": cfg.lr,
+        "l2": cfg.l2,
+        "batch_size": cfg.batch_size,
+        "init_scale": cfg.init_scale,
+        "final_loss": hist["final_loss"],
+        "texts": cache.num_texts,
+        "tokens": cache.num_tokens,
+        **({"tokens_per_batch": cfg.tokens_per_batch} if cfg.tokens_per_batch else {}),
+    }
+    artifact.save_trained(args.out, params, lm, emb, cfg, [args.name], extra)
     print(
         f"cached hidden states in {t1 - t0:.1f}s; trained {cfg.steps} steps in {t2 - t1:.1f}s "
         f"({hist['steps_per_s']:.1f} steps/s); final loss {hist['final_loss']:.4f}"
@@ -362,20 +336,7 @@ def _train(args) -> int:
 
 def _generate(args) -> int:
     lm = _load_model(args.model)
-    hooks = steer_hooks(lm, args.steer, args.value, args.dummy)
-    prompts = [p for p in args.prompts for _ in range(args.samples)]
-    outs = lm.generate(
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        hooks=hooks,
-    )
-    for p, o in zip(prompts, outs):
-        print(json.dumps({"prompt": p, "continuation": o}) if args.json else f"{p}{o}")
-    return 0
+    return print_generations(lm, args, steer_hooks(lm, args.steer, args.value, args.dummy))
 
 
 def _highlight(args) -> int:

@@ -7,8 +7,8 @@
   toxicity-probability ratio (:func:`paired_bootstrap`) and the held-out choice
   (:func:`least_toxic`).
 - The sentiment recipe sweep (``experiments/steer_sweep.py``): config names
-  (:func:`parse_config`, :data:`DEFAULTS`: the main run's recipe) and the per-direction choice
-  (:func:`best_within_limit`).
+  (:func:`parse_config`, :data:`DEFAULTS`: the main run's recipe), their training settings
+  (:func:`sweep_train_config`) and the per-direction choice (:func:`best_within_limit`).
 - One strength unit per steer kind (:func:`eps0_of`).
 
 The reports (:mod:`jsteer.steer.report`) read what these write under :data:`RESULTS`.
@@ -163,6 +163,27 @@ def parse_config(name: str) -> dict:
         else:
             cfg["l2"] = float(part[1:])
     return cfg
+
+
+def sweep_train_config(cfg: dict):
+    """The :class:`jsteer.steer.train.TrainConfig` of one sweep config (:func:`parse_config`):
+    its rank, steps, lr, l2 and kind, init scale 1e-2, :data:`BATCH` texts and 768 token rows a
+    step, the strength unit of its kind (:func:`eps0_of`)."""
+    from jsteer.steer import train
+
+    kind = cfg.get("kind", "steer")
+    return train.TrainConfig(
+        rank=cfg["rank"],
+        steps=cfg["steps"],
+        lr=cfg["lr"],
+        l2=cfg["l2"],
+        init_scale=1e-2,
+        batch_size=BATCH,
+        tokens_per_batch=768,
+        log_every=25,
+        kind=kind,
+        eps0=eps0_of(kind),
+    )
 
 
 def best_within_limit(table: dict, strengths, sign: float) -> tuple[float, dict]:

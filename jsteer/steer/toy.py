@@ -66,7 +66,8 @@ def lm(seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = True, norm_
 
     ``norm_scale_noise`` > 0 perturbs the per-layer RMSNorm scales (not the final norm) so the
     model is not at its init symmetry."""
-    from jsteer.backbones.decoder import Decoder, DecoderConfig
+    from jsteer.backbones.decoder import Decoder
+    from jsteer.backbones.decoder_config import DecoderConfig
     from jsteer.lm import LM
 
     tok = tokenizer()

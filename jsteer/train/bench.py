@@ -25,14 +25,41 @@ def peak_tflops(kind: str) -> Optional[float]:
 
 
 def init_token_classifier(config, num_labels: int):
-    """Random params (PRNGKey(0)) of ``bert.BertForTokenClassification(config, num_labels)``."""
+    """Random params (PRNGKey(0)) of ``bert_heads.BertForTokenClassification(config, num_labels)``."""
     import jax
     import jax.numpy as jnp
 
-    from jsteer.backbones import bert
+    from jsteer.backbones import bert_heads
 
-    m = bert.BertForTokenClassification(config, num_labels)
+    m = bert_heads.BertForTokenClassification(config, num_labels)
     return jax.jit(m.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+def token_classification_loss(module, masked: bool = True):
+    """``(params, batch, rng) -> (loss, {})`` of a token classifier ``module`` with dropout on: the
+    mean token cross-entropy (fp32) of ``batch["labels"]`` [B, T]; ``masked``: over the labels
+    that are not -100 only."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(p, b, rng):
+        out = module.apply(
+            {"params": p},
+            b["input_ids"],
+            attention_mask=b["attention_mask"],
+            deterministic=False,
+            rngs={"dropout": rng},
+        )
+        logits = out.logits.astype(jnp.float32)
+        if not masked:
+            return -jnp.take_along_axis(jax.nn.log_softmax(logits), b["labels"][..., None], -1).mean(), {}
+        valid = b["labels"] != -100
+        lab = jnp.where(valid, b["labels"], 0)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), lab[..., None], -1)[..., 0]
+        w = valid.astype(jnp.float32)
+        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0), {}
+
+    return loss_fn
 
 
 def token_classifier_trainer(
@@ -46,16 +73,16 @@ def token_classifier_trainer(
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
-    from jsteer.backbones import bert
+    from jsteer.backbones import bert, bert_heads, bert_hf
     from jsteer.train import OptimizerConfig, Trainer, data_mesh
 
     if config is None:
         config = bert.BertConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     compute = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-    module = bert.BertForTokenClassification(config, num_labels, dtype=compute)
+    module = bert_heads.BertForTokenClassification(config, num_labels, dtype=compute)
     if params is None:
         sd = load_file(str(model_dir / "model.safetensors"))
-        params = bert.params_from_hf(
+        params = bert_hf.params_from_hf(
             sd,
             config,
             head="token_classification",
@@ -64,21 +91,7 @@ def token_classifier_trainer(
             rng=jax.random.PRNGKey(0),
         )
 
-    def loss_fn(p, b, rng):
-        out = module.apply(
-            {"params": p},
-            b["input_ids"],
-            attention_mask=b["attention_mask"],
-            deterministic=False,
-            rngs={"dropout": rng},
-        )
-        logits = out.logits.astype(jnp.float32)
-        valid = b["labels"] != -100
-        lab = jnp.where(valid, b["labels"], 0)
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), lab[..., None], -1)[..., 0]
-        w = valid.astype(jnp.float32)
-        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0), {}
-
+    loss_fn = token_classification_loss(module)
     cfg = OptimizerConfig(
         learning_rate=lr, schedule="linear", warmup_steps=2, total_steps=total_steps, weight_decay=0.01, clip_norm=1.0
     )

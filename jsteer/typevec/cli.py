@@ -40,14 +40,13 @@ probed with B/BTo only; both are reported (stderr and the JSON: ``skipped_relati
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 import time
 
 from jsteer import progress
-from jsteer.cli import warning_lines
+from jsteer.cli import method_group, warning_lines
 
 _SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
 # --lambda-unit -> its kind; abs / row_norm are experiments/typevec_lama.py's names for one / norm
@@ -57,13 +56,7 @@ DEFAULT_DATA = _SHARED / "type_embedding" / "processed_lama"
 
 
 def register(subparsers) -> None:
-    top = subparsers.add_parser(
-        "typevec",
-        help="Type Embeddings: make, neighbours, probe",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = top.add_subparsers(dest="typevec_command", required=True)
+    sub = method_group(subparsers, "typevec", "Type Embeddings: make, neighbours, probe", __doc__)
 
     p = sub.add_parser("make", help="build type vectors and save them as an artifact")
     _model(p)

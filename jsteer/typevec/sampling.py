@@ -331,27 +331,15 @@ def tokens_from_words(
     return ids, skipped
 
 
-def type_vectors(
-    embedding,
-    tokenizer,
-    kg_root: str | pathlib.Path,
-    types: Sequence[str],
-    *,
-    strategy: str = "weighted",
-    n: int = 10,
-    seed: int = 0,
-    method: str = "svd",
-    first_token: bool = False,
-):
-    """Sample each type's examples from its KG list and build its vector.
+def type_vectors(embedding, tokenizer, kg_root: str | pathlib.Path, types: Sequence[str], **options):
+    """Sample each type's examples from its KG list and build its vector (``options``:
+    :func:`available_type_vectors`' strategy, n, seed, method, first_token).
 
     -> (tes [K, D] jax array, [TypeSample]) in the order of ``types``; any type that fails is
     an error (:func:`available_type_vectors` skips them instead)."""
     if not len(types):
         raise ValueError("type_vectors: no types given (need at least one type name with a KG list)")
-    vecs, samples, missing = available_type_vectors(
-        embedding, tokenizer, kg_root, types, strategy=strategy, n=n, seed=seed, method=method, first_token=first_token
-    )
+    vecs, samples, missing = available_type_vectors(embedding, tokenizer, kg_root, types, **options)
     if missing:
         raise ValueError("; ".join(missing.values()))
     import jax.numpy as jnp

@@ -88,8 +88,8 @@ def _special_ids(tokenizer) -> tuple[int, ...]:
 
 
 def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
-    """ProbeModel for a :class:`jsteer.backbones.bert.BertForMaskedLM` (params with "head")."""
-    from jsteer.backbones import bert
+    """ProbeModel for a :class:`jsteer.backbones.bert_heads.BertForMaskedLM` (params with "head")."""
+    from jsteer.backbones import bert, bert_heads
 
     if "head" not in params:
         raise ValueError(
@@ -97,7 +97,7 @@ def for_bert_mlm(module, params, tokenizer, identity: str = "") -> ProbeModel:
             "MiniLM has none - use it for retrieval / analysis only"
         )
     cfg = module.config
-    head_mod = bert.MLMHead(cfg)
+    head_mod = bert_heads.MLMHead(cfg)
 
     def forward(p, ids, mask, hooks, **kw):
         return module.apply({"params": p}, ids, attention_mask=mask, hooks=hooks, **kw)
@@ -268,6 +268,34 @@ def _store_batch(out, chunk: np.ndarray, rank: np.ndarray, post_rank: np.ndarray
     return k
 
 
+def _run_batches(examples, row_example, bucket, batch_size, pad_id, left_pad, call, results, progress) -> int:
+    """Runs ``call(ids [B, T], attn [B, T], pos [B], gold [B], idx)`` on the rows' examples
+    (row j asks ``examples[row_example[j]]``) in length-bucketed batches of ``batch_size`` rows
+    (:func:`_length_batches`; ``idx`` the batch's rows, padded with its first), padded right (or
+    left) with ``pad_id``, and stores each call's (rank, post_rank, top1) in ``results`` at the
+    batch's rows; ``progress(done, rows)`` after each. -> the number of batches."""
+    rows = len(row_example)
+    lengths = [len(examples[i].ids) for i in row_example]
+    n_batches = done = 0
+    for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
+        ids = np.full((batch_size, t), pad_id, np.int32)
+        attn = np.zeros((batch_size, t), np.int32)
+        pos = np.zeros((batch_size,), np.int32)
+        gold = np.zeros((batch_size,), np.int32)
+        for b, j in enumerate(idx):
+            ex = examples[row_example[j]]
+            span = slice(t - len(ex.ids), t) if left_pad else slice(0, len(ex.ids))
+            ids[b, span] = ex.ids
+            attn[b, span] = 1
+            pos[b], gold[b] = ex.pos, ex.gold
+        out = call(jnp.asarray(ids), jnp.asarray(attn), jnp.asarray(pos), jnp.asarray(gold), idx)
+        done += _store_batch(out, chunk, *results)
+        n_batches += 1
+        if progress is not None:
+            progress(done, rows)
+    return n_batches
+
+
 def score_rows(
     model: ProbeModel,
     examples: Sequence[Example],
@@ -303,35 +331,14 @@ def score_rows(
     rank = np.zeros((r,), np.int64)
     post_rank = np.zeros((len(post_grid), r), np.int64)
     top1 = np.zeros((r,), np.int64)
-    lengths = [len(examples[i].ids) for i in row_example]
-    n_batches = done = 0
-    for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
-        ids = np.full((batch_size, t), pad_id, np.int32)
-        attn = np.zeros((batch_size, t), np.int32)
-        pos = np.zeros((batch_size,), np.int32)
-        gold = np.zeros((batch_size,), np.int32)
-        for b, j in enumerate(idx):
-            ex = examples[row_example[j]]
-            ids[b, : len(ex.ids)] = ex.ids
-            attn[b, : len(ex.ids)] = 1
-            pos[b], gold[b] = ex.pos, ex.gold
-        out = model.score_fn(
-            model.params,
-            jnp.asarray(ids),
-            jnp.asarray(attn),
-            jnp.asarray(pos),
-            jnp.asarray(gold),
-            tes[jnp.asarray(row_te[idx])],
-            jnp.asarray(row_lam[idx]),
-            post_w,
-            excluded,
-            mode=mode,
-            layer=layer,
-        )
-        done += _store_batch(out, chunk, rank, post_rank, top1)
-        n_batches += 1
-        if progress is not None:
-            progress(done, r)
+
+    def call(ids, attn, pos, gold, idx):
+        te, lam = tes[jnp.asarray(row_te[idx])], jnp.asarray(row_lam[idx])
+        return model.score_fn(model.params, ids, attn, pos, gold, te, lam, post_w, excluded, mode=mode, layer=layer)
+
+    n_batches = _run_batches(
+        examples, row_example, bucket, batch_size, pad_id, False, call, (rank, post_rank, top1), progress
+    )
     return RowResult(rank, post_rank, top1, n_batches, n_batches * batch_size - r)
 
 
@@ -373,37 +380,18 @@ def score_grid(
     tes = jnp.asarray(tes, jnp.float32)
     n_l = lams.shape[1]
     excluded, post_w, pad_id = score_constants(model, post_grid)
+    if any(examples[i].pos != len(examples[i].ids) - 1 for i in ex_idx):
+        raise ValueError("score_grid needs decoder examples (predicting position = last token)")
     rank = np.zeros((n, n_l), np.int64)
     post_rank = np.zeros((len(post_grid), n, n_l), np.int64)
     top1 = np.zeros((n, n_l), np.int64)
-    lengths = [len(examples[i].ids) for i in ex_idx]
-    n_batches = done = 0
-    for t, chunk, idx in _length_batches(lengths, bucket, batch_size):
-        ids = np.full((batch_size, t), pad_id, np.int32)
-        attn = np.zeros((batch_size, t), np.int32)
-        gold = np.zeros((batch_size,), np.int32)
-        for b, j in enumerate(idx):
-            ex = examples[ex_idx[j]]
-            if ex.pos != len(ex.ids) - 1:
-                raise ValueError("score_grid needs decoder examples (predicting position = last token)")
-            ids[b, t - len(ex.ids) :] = ex.ids
-            attn[b, t - len(ex.ids) :] = 1
-            gold[b] = ex.gold
-        out = model.grid_fn(
-            model.params,
-            jnp.asarray(ids),
-            jnp.asarray(attn),
-            jnp.asarray(gold),
-            tes[jnp.asarray(te_idx[idx])],
-            jnp.asarray(lams[idx]),
-            post_w,
-            excluded,
-            layer=layer,
-        )
-        done += _store_batch(out, chunk, rank, post_rank, top1)
-        n_batches += 1
-        if progress is not None:
-            progress(done, n)
+
+    def call(ids, attn, pos, gold, idx):  # pos: the last token, where the grid always predicts
+        te, lam = tes[jnp.asarray(te_idx[idx])], jnp.asarray(lams[idx])
+        return model.grid_fn(model.params, ids, attn, gold, te, lam, post_w, excluded, layer=layer)
+
+    results = (rank, post_rank, top1)
+    n_batches = _run_batches(examples, ex_idx, bucket, batch_size, pad_id, True, call, results, progress)
     return GridResult(rank, post_rank, top1, n_batches, n_batches * batch_size - n)
 
 

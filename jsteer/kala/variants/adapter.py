@@ -18,7 +18,7 @@ Parameters under ``params["kala"]``: ``memory`` [Ne, De] and ``adapter_<l>``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -26,11 +26,10 @@ import jax.numpy as jnp
 import jraph
 
 from jsteer import interventions as iv
+from jsteer.kala.model import entity_memory
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
-    VariantOutput,
-    check_inputs,
     lookup,
     node_entities,
     tokens_from_nodes,
@@ -58,8 +57,7 @@ class AdapterKnowledge(nn.Module):
     layers: tuple[int, ...]
 
     def setup(self):
-        de = self.cfg.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.memory, de = entity_memory(self, self.cfg, self.hidden_size)
         self.adapters = {
             l: KnowledgeAdapter(self.hidden_size, self.cfg.adapter_size, name=f"adapter_{l}") for l in self.layers
         }
@@ -91,18 +89,6 @@ class AdapterModel(VariantModel):
     def setup_knowledge(self):
         self.knowledge = AdapterKnowledge(self.kala, self.config.hidden_size, self.knowledge_layers, name="kala")
 
-    def __call__(
-        self,
-        input_ids: Array,
-        attention_mask: Optional[Array] = None,
-        token_type_ids: Optional[Array] = None,
-        graph: Optional[jraph.GraphsTuple] = None,
-        token_node: Optional[Array] = None,
-        deterministic: bool = True,
-        extras: Optional[dict] = None,
-    ) -> VariantOutput:
-        check_inputs(self.method, input_ids, graph, token_node)
+    def interventions(self, graph: jraph.GraphsTuple, token_node: Array, deterministic: bool) -> dict:
         site = AdapterSite(self.knowledge, self.knowledge.token_entities(graph, token_node))
-        ivs = {f"ffn_out.{l}": site for l in self.knowledge_layers}
-        h = self.encode(input_ids, attention_mask, token_type_ids, deterministic, ivs).hidden
-        return self.output(h, deterministic)
+        return {f"ffn_out.{l}": site for l in self.knowledge_layers}

@@ -42,10 +42,10 @@ import jraph
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import ModelOutput, take_rows
-from jsteer.backbones.bert import BertConfig, BertEncoder, EncoderOutput, QAHead, TokenClassificationHead
+from jsteer.backbones.bert import BertConfig, BertEncoder, EncoderOutput
 from jsteer.hooks import Hooks
 from jsteer.kala.graph import node_context
-from jsteer.kala.model import default_layers
+from jsteer.kala.model import KnowledgeConfig, apply_head, check_inputs, checked_layers, default_layers, make_head
 
 Array = jnp.ndarray
 VARIANT_METHODS = ("ernie", "kbert", "eae", "adapter")
@@ -61,7 +61,7 @@ class VariantOutput(ModelOutput):
 
 
 @dataclasses.dataclass(frozen=True)
-class VariantConfig:
+class VariantConfig(KnowledgeConfig):
     """Hyper-parameters of a knowledge-integration variant.
 
     method: one of :data:`VARIANT_METHODS`.
@@ -86,12 +86,7 @@ class VariantConfig:
     dropout: float = 0.1
 
     def __post_init__(self):
-        if self.method not in VARIANT_METHODS:
-            raise ValueError(f"VariantConfig.method must be one of {VARIANT_METHODS}, got {self.method!r}")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
-        if self.num_entities < 1:
-            raise ValueError(f"VariantConfig.num_entities must be >= 1 (null entity), got {self.num_entities}")
+        self.check_common(VARIANT_METHODS)
         if self.adapter_size < 1 or self.entity_heads < 1:
             raise ValueError("VariantConfig.adapter_size and entity_heads must be >= 1")
 
@@ -112,48 +107,16 @@ class VariantConfig:
             layers = (max(num_layers // 3 - 1, 0),)
         else:
             layers = default_layers(num_layers)
-        bad = [x for x in layers if not 0 <= x < num_layers]
-        if bad:
-            raise ValueError(f"{self.method} layers {bad} out of range for a {num_layers}-layer backbone")
-        return tuple(sorted(set(layers)))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "VariantConfig":
-        d = dict(d)
-        if d.get("layers") is not None:
-            d["layers"] = tuple(d["layers"])
-        return cls(**d)
-
-
-def make_head(config: BertConfig, task: str, num_labels: int, dtype) -> nn.Module:
-    if task == "ner":
-        return TokenClassificationHead(config, num_labels, dtype=dtype, name="head")
-    if task == "qa":
-        return QAHead(config, dtype=dtype, name="head")
-    raise ValueError(f"task must be 'ner' or 'qa', got {task!r}")
-
-
-def apply_head(head: nn.Module, task: str, h: Array, deterministic: bool) -> Array:
-    return head(h, deterministic) if task == "ner" else head(h)
-
-
-def check_inputs(method: str, input_ids: Array, graph, token_node) -> None:
-    b, t = input_ids.shape
-    if graph is None or token_node is None:
-        raise ValueError(f"method {method!r} needs graph and token_node")
-    if token_node.shape != (b, t):
-        raise ValueError(f"token_node must be [{b}, {t}] like input_ids, got {token_node.shape}")
+        return checked_layers(layers, num_layers, self.method)
 
 
 class VariantModel(nn.Module):
-    """What the graph-based variant models share: the shared :class:`BertEncoder` under
-    ``encoder``, the task head under ``head``, and the layers ``kala.knowledge_layers`` as
-    ``self.knowledge_layers``. A subclass sets ``method`` (its registry name), builds its
-    knowledge modules (under ``kala``) in :meth:`setup_knowledge`, runs the encoder with its
-    interventions through :meth:`encode` and ends its ``__call__`` with :meth:`output`."""
+    """What every variant model shares: the shared :class:`BertEncoder` under ``encoder``, the
+    task head under ``head``, the layers ``kala.knowledge_layers`` as ``self.knowledge_layers``
+    and the call of the module docstring. A subclass sets ``method`` (its registry name), builds
+    its knowledge modules (under ``kala``) in :meth:`setup_knowledge` and gives the encoder its
+    :meth:`interventions` (or, K-BERT, its own :meth:`hooks`); :meth:`outputs` adds auxiliary
+    outputs read from the encoder's result."""
 
     config: BertConfig
     kala: VariantConfig
@@ -171,22 +134,34 @@ class VariantModel(nn.Module):
     def setup_knowledge(self) -> None:
         raise NotImplementedError
 
-    def encode(
+    def hooks(self, input_ids: Array, graph, token_node, deterministic: bool, extras: Optional[dict]) -> Hooks:
+        """The encoder's hooks for one batch: the graph and ``token_node`` checked, then
+        :meth:`interventions`."""
+        check_inputs(self.method, input_ids, graph, token_node)
+        return Hooks(interventions=self.interventions(graph, token_node, deterministic))
+
+    def interventions(self, graph: jraph.GraphsTuple, token_node: Array, deterministic: bool) -> dict:
+        """{site: Intervention} of the method for one batch."""
+        raise NotImplementedError
+
+    def outputs(self, out: EncoderOutput, graph, token_node) -> dict:
+        """Extra :class:`VariantOutput` fields (``aux_loss``, ``aux``) from the encoder's output."""
+        return {}
+
+    def __call__(
         self,
         input_ids: Array,
-        attention_mask: Optional[Array],
-        token_type_ids: Optional[Array],
-        deterministic: bool,
-        interventions: dict,
-    ) -> EncoderOutput:
-        """The shared encoder with the method's ``interventions`` ({site: Intervention})."""
-        return self.encoder(
-            input_ids, attention_mask, token_type_ids, Hooks(interventions=interventions), deterministic
-        )
-
-    def output(self, h: Array, deterministic: bool, **extra) -> VariantOutput:
-        """Final hidden states [B, T, D] -> logits of the task head (+ ``extra`` fields)."""
-        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h, **extra)
+        attention_mask: Optional[Array] = None,
+        token_type_ids: Optional[Array] = None,
+        graph: Optional[jraph.GraphsTuple] = None,
+        token_node: Optional[Array] = None,
+        deterministic: bool = True,
+        extras: Optional[dict] = None,
+    ) -> VariantOutput:
+        hooks = self.hooks(input_ids, graph, token_node, deterministic, extras)
+        out = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic)
+        logits = apply_head(self.head, self.task, out.hidden, deterministic)
+        return VariantOutput(logits=logits, hidden=out.hidden, **self.outputs(out, graph, token_node))
 
 
 # ----------------------------------------------------------------------------------------------

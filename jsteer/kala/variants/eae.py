@@ -23,7 +23,7 @@ leaves its retrieval logits in ``ctx.state`` for the loss. Parameters under ``pa
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -34,12 +34,10 @@ import optax
 
 from jsteer import interventions as iv
 from jsteer.backbones.base import NEG_INF
-from jsteer.kala.model import site_state
+from jsteer.kala.model import entity_memory, site_state
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
-    VariantOutput,
-    check_inputs,
     first_mention_tokens,
     mention_pool,
     node_entities,
@@ -85,8 +83,7 @@ class EaeKnowledge(nn.Module):
     layers: tuple[int, ...]
 
     def setup(self):
-        de = self.cfg.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.memory, de = entity_memory(self, self.cfg, self.hidden_size)
         self.retrievals = {l: EntityRetrieval(self.hidden_size, de, name=f"retrieval_{l}") for l in self.layers}
 
     def __call__(self, layer: int, h: Array, token_node: Array, num_nodes: int):
@@ -116,21 +113,13 @@ class EaeModel(VariantModel):
     def setup_knowledge(self):
         self.knowledge = EaeKnowledge(self.kala, self.config.hidden_size, self.knowledge_layers, name="kala")
 
-    def __call__(
-        self,
-        input_ids: Array,
-        attention_mask: Optional[Array] = None,
-        token_type_ids: Optional[Array] = None,
-        graph: Optional[jraph.GraphsTuple] = None,
-        token_node: Optional[Array] = None,
-        deterministic: bool = True,
-        extras: Optional[dict] = None,
-    ) -> VariantOutput:
-        check_inputs(self.method, input_ids, graph, token_node)
+    def interventions(self, graph: jraph.GraphsTuple, token_node: Array, deterministic: bool) -> dict:
         retrieval = EaeRetrieval(self.knowledge, token_node, node_entities(graph).shape[0])
-        ivs = {f"resid_post.{l}": retrieval for l in self.knowledge_layers}
-        out = self.encode(input_ids, attention_mask, token_type_ids, deterministic, ivs)
-        h = out.hidden
+        return {f"resid_post.{l}": retrieval for l in self.knowledge_layers}
+
+    def outputs(self, out, graph: jraph.GraphsTuple, token_node: Array) -> dict:
+        """The entity-linking loss of every memory layer's retrieval (mean) as ``aux_loss``
+        (x ``el_weight``), with its accuracy on the first token of each linked mention."""
         gold = token_entities(graph, token_node)
         use = first_mention_tokens(token_node) & (gold != 0)
         losses, accs = [], []
@@ -141,9 +130,4 @@ class EaeModel(VariantModel):
             hit = (jnp.argmax(logits, -1) == gold) & use
             accs.append(jnp.sum(hit) / jnp.maximum(count, 1))
         el = sum(losses) / len(losses)
-        return self.output(
-            h,
-            deterministic,
-            aux_loss=self.kala.el_weight * el,
-            aux={"el_loss": el, "el_accuracy": sum(accs) / len(accs)},
-        )
+        return {"aux_loss": self.kala.el_weight * el, "aux": {"el_loss": el, "el_accuracy": sum(accs) / len(accs)}}

@@ -27,7 +27,7 @@ Parameters under ``params["kala"]``: ``memory`` [Ne, De] and per fusion layer ``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -36,12 +36,10 @@ import jraph
 
 from jsteer import interventions as iv
 from jsteer.backbones.base import ACTIVATIONS, take_rows
-from jsteer.kala.model import site_state
+from jsteer.kala.model import entity_memory, site_state
 from jsteer.kala.variants.common import (
     VariantConfig,
     VariantModel,
-    VariantOutput,
-    check_inputs,
     first_mention_tokens,
     masked_softmax_attention,
     token_entities,
@@ -110,8 +108,7 @@ class ErnieKnowledge(nn.Module):
     layers: tuple[int, ...]
 
     def setup(self):
-        de = self.cfg.entity_dim or self.hidden_size
-        self.memory = self.param("memory", nn.initializers.normal(0.02), (self.cfg.num_entities, de))
+        self.memory, de = entity_memory(self, self.cfg, self.hidden_size)
         self.fusions = {
             l: FusionLayer(self.intermediate_size, de, self.cfg.entity_heads, self.cfg.dropout, name=f"fusion_{l}")
             for l in self.layers
@@ -156,22 +153,10 @@ class ErnieModel(VariantModel):
             self.kala, self.config.hidden_size, self.config.intermediate_size, self.knowledge_layers, name="kala"
         )
 
-    def __call__(
-        self,
-        input_ids: Array,
-        attention_mask: Optional[Array] = None,
-        token_type_ids: Optional[Array] = None,
-        graph: Optional[jraph.GraphsTuple] = None,
-        token_node: Optional[Array] = None,
-        deterministic: bool = True,
-        extras: Optional[dict] = None,
-    ) -> VariantOutput:
-        check_inputs(self.method, input_ids, graph, token_node)
+    def interventions(self, graph: jraph.GraphsTuple, token_node: Array, deterministic: bool) -> dict:
         entity = token_entities(graph, token_node)
         ent = first_mention_tokens(token_node) & (entity != 0)
         fusion = ErnieFusion(
             self.knowledge, self.config.hidden_act, self.knowledge.initial_entities(entity, ent), ent, deterministic
         )
-        ivs = {f"ffn_hidden.{l}": fusion for l in self.knowledge_layers}
-        h = self.encode(input_ids, attention_mask, token_type_ids, deterministic, ivs).hidden
-        return self.output(h, deterministic)
+        return {f"ffn_hidden.{l}": fusion for l in self.knowledge_layers}

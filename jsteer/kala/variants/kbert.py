@@ -29,21 +29,19 @@ loss and word-level evaluation ignore them.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-import flax.linen as nn
 import jax.numpy as jnp
-import jraph
 import numpy as np
 
 from jsteer.backbones.base import NEG_INF
-from jsteer.backbones.bert import BertConfig, BertEncoder
+from jsteer.backbones.bert import BertConfig
 from jsteer.data import ner as ner_lib
 from jsteer.hooks import Hooks
 from jsteer.kala import data as kdata
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, mention_entities
 from jsteer.kala.formats import Mention
-from jsteer.kala.variants.common import VariantConfig, VariantOutput, apply_head, make_head
+from jsteer.kala.variants.common import VariantModel
 
 Array = jnp.ndarray
 TREE_KEYS = ("soft_position", "tree_branch", "tree_owner")
@@ -217,39 +215,23 @@ def encode_ner(
 # model
 
 
-class KBertModel(nn.Module):
+class KBertModel(VariantModel):
     """The unmodified BERT encoder run on the sentence tree through hooks + task head.
 
     Needs ``extras`` with the :data:`TREE_KEYS` arrays [B, T]; ``graph`` / ``token_node`` are
     accepted (harness protocol) and unused.
     """
 
-    config: BertConfig
-    kala: VariantConfig
-    task: str = "ner"
-    num_labels: int = 2
-    dtype: Any = jnp.float32
+    method = "kbert"
 
-    def setup(self):
-        self.encoder = BertEncoder(self.config, dtype=self.dtype)
-        self.head = make_head(self.config, self.task, self.num_labels, self.dtype)
+    def setup_knowledge(self):
+        pass  # knowledge arrives in the sentence tree: no parameters of its own
 
-    def __call__(
-        self,
-        input_ids: Array,
-        attention_mask: Optional[Array] = None,
-        token_type_ids: Optional[Array] = None,
-        graph: Optional[jraph.GraphsTuple] = None,
-        token_node: Optional[Array] = None,
-        deterministic: bool = True,
-        extras: Optional[dict] = None,
-    ) -> VariantOutput:
+    def hooks(self, input_ids: Array, graph, token_node, deterministic: bool, extras: Optional[dict]) -> Hooks:
         missing = [k for k in TREE_KEYS if extras is None or k not in extras]
         if missing:
             raise ValueError(f"kbert needs extras {list(TREE_KEYS)} (from kbert.encode_ner); missing {missing}")
         for k in TREE_KEYS:
             if extras[k].shape != input_ids.shape:
                 raise ValueError(f"extras[{k!r}] must be {input_ids.shape} like input_ids, got {extras[k].shape}")
-        hooks = tree_hooks(self.config, extras["soft_position"], extras["tree_branch"], extras["tree_owner"])
-        h = self.encoder(input_ids, attention_mask, token_type_ids, hooks, deterministic).hidden
-        return VariantOutput(logits=apply_head(self.head, self.task, h, deterministic), hidden=h)
+        return tree_hooks(self.config, extras["soft_position"], extras["tree_branch"], extras["tree_owner"])

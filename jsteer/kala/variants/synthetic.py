@@ -25,10 +25,8 @@ import numpy as np
 
 from jsteer.kala.entities import EntityVocab, KnowledgeGraph, RelationVocab
 from jsteer.kala.formats import Fact, Mention
+from jsteer.kala.synthetic import CLASSES, LABELS, SPECIAL, link_facts, random_sentence, word_tokenizer
 
-LABELS = ("O", "B-PER", "I-PER", "B-LOC", "I-LOC")
-SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-CLASSES = ("PER", "LOC")
 RELATION_WORDS = ("same", "type")
 
 
@@ -43,13 +41,7 @@ class KnowledgeTask:
 
     def tokenizer(self):
         """A word-level ``tokenizers.Tokenizer`` over the task's vocabulary."""
-        from tokenizers import Tokenizer
-        from tokenizers.models import WordLevel
-        from tokenizers.pre_tokenizers import WhitespaceSplit
-
-        tk = Tokenizer(WordLevel({w: i for i, w in enumerate(self.vocab)}, unk_token="[UNK]"))
-        tk.pre_tokenizer = WhitespaceSplit()
-        return tk
+        return word_tokenizer(self.vocab)
 
     def knowledge_graph(self) -> KnowledgeGraph:
         return KnowledgeGraph(self.facts, RelationVocab.from_facts(self.facts))
@@ -87,22 +79,10 @@ def make_task(
     fillers = [f"w{i}" for i in range(n_fillers)]
     vocab = list(SPECIAL) + list(RELATION_WORDS) + fillers + [e for e, _ in known + novel]
     by_class = {c: [e for e, k in known if k == c] for c in CLASSES}
-    facts = []
-    for e, c in novel:
-        for nb in rng.choice(by_class[c], size=links, replace=False):
-            facts.append(Fact(e, "same_type", str(nb)))
+    facts = link_facts(rng, novel, by_class, links)
 
     def sentence(ents: Sequence[tuple[str, str]], labelled: bool):
-        n = int(rng.integers(5, 9))
-        words = [str(w) for w in rng.choice(fillers, size=n)]
-        tags = ["O"] * n
-        k = int(rng.integers(1, 3))
-        picks = [ents[i] for i in rng.choice(len(ents), size=k, replace=False)]
-        mentions = []
-        for (e, c), pos in zip(picks, sorted(rng.choice(n, size=k, replace=False))):
-            words[pos], tags[pos] = e, "B-" + c
-            mentions.append(Mention(e, int(pos), int(pos) + 1, e))
-        return words, tags, mentions, labelled
+        return (*random_sentence(rng, fillers, ents), labelled)
 
     train = [sentence(known, True) for _ in range(n_train)] + [sentence(novel, False) for _ in range(n_unlabelled)]
     order = rng.permutation(len(train))

@@ -18,7 +18,7 @@ exactly :mod:`jsteer.kala.train`.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,18 +41,7 @@ def forward(model, params, batch, deterministic: bool = True, rng=None):
         return kala_train.forward(model, params, batch, deterministic, rng)
     graph, token_node = kala_train.model_inputs(model, batch)
     extras = {k: jnp.asarray(batch[k]) for k in extra_keys(model)} or None
-    rngs = None if deterministic else {"dropout": rng}
-    return model.apply(
-        {"params": params},
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch.get("token_type_ids"),
-        graph,
-        token_node,
-        deterministic=deterministic,
-        extras=extras,
-        rngs=rngs,
-    )
+    return kala_train.apply_model(model, params, batch, graph, token_node, deterministic, rng, extras=extras)
 
 
 def loss_fn(model, task: str = "ner") -> Callable:
@@ -61,41 +50,12 @@ def loss_fn(model, task: str = "ner") -> Callable:
     return kala_train.task_loss(functools.partial(forward, model), task)
 
 
-def fit(
-    model,
-    params: dict,
-    examples: Sequence[dict],
-    cfg: TrainConfig,
-    task: str = "ner",
-    *,
-    log_path=None,
-    checkpoint_dir=None,
-    eval_fn=None,
-    eval_every=None,
-    progress: bool = False,
-    measure_memory: bool = False,
-    mesh=None,
-    **kw,
-) -> FitResult:
-    """:func:`jsteer.kala.train.fit` of ``model`` (any registered method; ``kw``: its further
-    options); the returned :class:`jsteer.kala.train.FitResult` times steps 2..N (compilation
-    excluded)."""
+def fit(model, params: dict, examples: Sequence[dict], cfg: TrainConfig, task: str = "ner", **kw) -> FitResult:
+    """:func:`jsteer.kala.train.fit` of ``model`` (any registered method; ``kw``: its keyword
+    options, log_path, checkpoint_dir, eval_fn, progress, mesh, ...); the returned
+    :class:`jsteer.kala.train.FitResult` times steps 2..N (compilation excluded)."""
     return kala_train.fit(
-        model,
-        params,
-        examples,
-        cfg,
-        task,
-        log_path=log_path,
-        checkpoint_dir=checkpoint_dir,
-        eval_fn=eval_fn,
-        eval_every=eval_every,
-        progress=progress,
-        measure_memory=measure_memory,
-        mesh=mesh,
-        loss_fn=loss_fn(model, task),
-        keys=batch_keys(model, task),
-        **kw,
+        model, params, examples, cfg, task, loss_fn=loss_fn(model, task), keys=batch_keys(model, task), **kw
     )
 
 
@@ -106,25 +66,10 @@ def predict_ner(model, params: dict, examples: Sequence[dict], batch_size: int =
     )
 
 
-def evaluate_ner(
-    model,
-    params: dict,
-    examples: Sequence[dict],
-    gold_tags: Sequence[Sequence[str]],
-    label_names: Sequence[str],
-    batch_size: int = 64,
-    subsets: Optional[dict] = None,
-) -> dict:
-    """Entity-level scores in percent (as :func:`jsteer.kala.train.evaluate_ner`), overall and
-    on optional {name: example indices} subsets."""
+def evaluate_ner(model, params: dict, *args, **kw) -> dict:
+    """Entity-level scores in percent, overall and on optional {name: example indices} subsets:
+    :func:`jsteer.kala.train.evaluate_ner` of any registered method (its arguments: examples,
+    gold_tags, label_names, batch_size, subsets, ...)."""
     return kala_train.evaluate_ner(
-        model,
-        params,
-        examples,
-        gold_tags,
-        label_names,
-        batch_size,
-        subsets,
-        forward_fn=functools.partial(forward, model),
-        keys=extra_keys(model),
+        model, params, *args, forward_fn=functools.partial(forward, model), keys=extra_keys(model), **kw
     )
