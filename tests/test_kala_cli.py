@@ -66,6 +66,10 @@ def test_cli_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
     gdir = tmp_path / "graph"
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
     assert (gdir / "train.conll.mentions.jsonl").is_file() and (gdir / "facts.jsonl").is_file()
+    summary = capsys.readouterr().err.strip().splitlines()[-1]  # the job's one-line summary ends it
+    assert summary.startswith("jsteer kala build-graph: graph of 2 file(s); mentions ") and summary.endswith(
+        f"s; -> {gdir}"
+    ), summary
     out = tmp_path / "run"
     assert (
         jsteer_main(

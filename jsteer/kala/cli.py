@@ -61,6 +61,7 @@ scoring checks ``train`` shares) :mod:`jsteer.kala.cli_eval`.
 from __future__ import annotations
 
 import argparse
+import time
 
 from jsteer.cli import method_group, warning_lines
 from jsteer.kala.cli_eval import TASK_FILES, run_eval, task_of
@@ -260,6 +261,7 @@ def _data_dirs(p) -> None:
 
 
 def _build_graph(args) -> int:
+    from jsteer import progress
     from jsteer.kala.builder import build_graph
     from jsteer.kala.qa_builder import build_qa_graph
 
@@ -280,6 +282,7 @@ def _build_graph(args) -> int:
         spacy_model=args.spacy,
         lexicon_path=args.lexicon,
     )
+    t0 = time.time()
     with warning_lines("kala build-graph"):
         build = build_qa_graph if "qa" in kinds.values() else build_graph
         s = build(args.files, args.out, overwrite=args.overwrite, **options)
@@ -292,4 +295,13 @@ def _build_graph(args) -> int:
         print(f"{name}: {count}, {f['mentions']} mentions -> {args.out}/{f['mentions_file']}")
     print(f"{s['n_facts']} facts, {len(s['relations'])} relations -> {args.out}/facts.jsonl")
     print(f"{s['fact_entities_in_mentions']} of the {s['fact_entities']} entities named by the facts are mention ids")
+    progress.summary(
+        "kala build-graph",
+        f"graph of {len(s['files'])} file(s)",
+        time.time() - t0,
+        out=args.out,
+        mentions=sum(f["mentions"] for f in s["files"].values()),
+        facts=s["n_facts"],
+        relations=len(s["relations"]),
+    )
     return 0
