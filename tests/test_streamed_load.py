@@ -259,7 +259,7 @@ def test_loaded_model_survives_its_files_being_rewritten_or_deleted(llama_bf16_s
 
 def _llama_layout(folder):
     cfg, state = hf.open_hf_dir(folder)
-    return state, families.layout(families.config_from_hf(cfg))
+    return state, decoder_hf.layout(families.config_from_hf(cfg))
 
 
 def test_worker_threads_give_the_one_at_a_time_tree(llama_bf16_sharded):
