@@ -85,6 +85,23 @@ def add_generate_options(p, *, max_new_tokens: int = 32, temperature: float = 0.
     p.add_argument("--json", action="store_true", help="print JSON lines")
 
 
+def add_data_dirs(p, prepared: str, tfds: bool = True) -> None:
+    """``--data-dir``: the cache where ``prepared`` (the raw files a command reads) go through the
+    TFDS layer; with ``tfds`` also ``--tfds-data-dir``, where ``--tfds`` data sets are."""
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"cache where {prepared} prepared as TFDS array_record data sets, once per content "
+        "(default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
+    )
+    if tfds:
+        p.add_argument(
+            "--tfds-data-dir",
+            default=None,
+            help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
+        )
+
+
 def print_generations(lm, args, hooks) -> int:
     """Continues ``args.prompts`` (each ``args.samples`` times) with ``hooks`` and the options of
     :func:`add_generate_options`; prints prompt + continuation (or a JSON line) for each."""

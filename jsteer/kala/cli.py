@@ -63,7 +63,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jsteer.cli import method_group, warning_lines
+from jsteer.cli import add_data_dirs, method_group, warning_lines
 from jsteer.kala.cli_eval import TASK_FILES, run_eval, task_of
 from jsteer.kala.cli_train import run_train
 from jsteer.kala.mining import STRATEGIES
@@ -155,7 +155,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--test", default=None, help="evaluate on this file (of the same kind as --train) at the end")
     p.add_argument("--test-split", default=None, help="with --tfds: evaluate on this split of the data set at the end")
-    _data_dirs(p)
+    add_data_dirs(p, "CoNLL files are")
     p.add_argument(
         "--task",
         choices=("ner", "qa"),
@@ -227,11 +227,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("eval", help="evaluate a trained KALA model (NER or QA, as trained) on a file")
     p.add_argument("--run", required=True, help="the --out folder of a train command")
     p.add_argument("--test", required=True, help="a CoNLL file (NER run) or a SQuAD-format JSON file (QA run)")
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="cache of prepared CoNLL files (default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
-    )
+    add_data_dirs(p, "CoNLL files are", tfds=False)
     p.add_argument("--graph", default=None, help="knowledge folder (default: the one used for training)")
     p.add_argument(
         "--predictions",
@@ -244,20 +240,6 @@ def register(subparsers) -> None:
         help="also draw the scores as a PNG bar chart here (NER: F1 per entity type; QA: EM and F1)",
     )
     p.set_defaults(func=run_eval)
-
-
-def _data_dirs(p) -> None:
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="cache where raw files are prepared as TFDS array_record data sets, once per content "
-        "(default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
-    )
-    p.add_argument(
-        "--tfds-data-dir",
-        default=None,
-        help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
-    )
 
 
 def _build_graph(args) -> int:

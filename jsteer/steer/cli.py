@@ -26,7 +26,7 @@ import sys
 import time
 
 from jsteer import progress
-from jsteer.cli import add_generate_options, load_decoder, method_group, print_generations
+from jsteer.cli import add_data_dirs, add_generate_options, load_decoder, method_group, print_generations
 
 # generic sentence openings: their mean final hidden state is the typical context for `explain`
 GENERIC_CONTEXTS = ("The", "I think that the", "It was a", "This is one of the", "When we got there, the")
@@ -58,17 +58,7 @@ def register(subparsers) -> None:
         choices=("auto", "sst5", "jigsaw", "jsonl"),
         help="how labels map to +1 / -1: sst5 (3, 4 / 0, 1; 2 dropped), jigsaw (0 / 1), jsonl (1 / -1 or 0)",
     )
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="cache where --data is prepared as a TFDS array_record data set, once per content "
-        "(default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
-    )
-    p.add_argument(
-        "--tfds-data-dir",
-        default=None,
-        help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
-    )
+    add_data_dirs(p, "--data files are")
     p.add_argument("--out", required=True, help="artifact folder to write")
     p.add_argument("--name", default="steer0", help="name of the trained steer (recorded in the artifact)")
     p.add_argument("--rank", type=int, default=1000, help="rank of W = P1 P2^T (default 1000)")

@@ -46,7 +46,7 @@ import sys
 import time
 
 from jsteer import progress
-from jsteer.cli import method_group, warning_lines
+from jsteer.cli import add_data_dirs, method_group, warning_lines
 
 _SHARED = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data"
 # --lambda-unit -> its kind; abs / row_norm are experiments/typevec_lama.py's names for one / norm
@@ -99,17 +99,7 @@ def register(subparsers) -> None:
         help="a prepared TFDS data set in --tfds-data-dir: typed prompts (features sent, gold, type, relation) "
         "or raw LAMA facts (relation, sub_label, obj_label, prompt); SPLIT default: its only split",
     )
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="cache where --data / --lama files are prepared as TFDS array_record data sets, once per "
-        "content (default: $JSTEER_DATA_DIR or ~/.cache/jsteer/tfds)",
-    )
-    p.add_argument(
-        "--tfds-data-dir",
-        default=None,
-        help="where --tfds data sets are (default: $TFDS_DATA_DIR or ~/tensorflow_datasets)",
-    )
+    add_data_dirs(p, "--data / --lama files are")
     p.add_argument(
         "--lama-type",
         action="append",
