@@ -379,6 +379,99 @@ def test_fused_attention_path_masks_like_the_hand_written_one(monkeypatch):
     assert np.isfinite(np.asarray(got, np.float32)).all()
 
 
+@pytest.mark.parametrize("pads", [(0, 0, 0), (0, 2, 5)])
+def test_fused_attention_masks_right_padded_keys_by_lengths(monkeypatch, pads):
+    """A causal call over right-padded keys takes the lengths branch (cuDNN's PADDING_CAUSAL,
+    no dense mask); any other mask the dense-mask branch. Both give the hand-written values on
+    real rows, forward and gradient. The branch taken is spied on."""
+    from jsteer.backbones import attention as A
+
+    rng = np.random.default_rng(3)
+    b, t, kh, g, h = len(pads), 7, 2, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, kh, g, h)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, kh, h)), jnp.bfloat16) for _ in range(2))
+    right = np.ones((b, t), np.int32)
+    for i, n in enumerate(pads):
+        right[i, t - n :] = 0
+    monkeypatch.setattr(A, "_backend", lambda: "gpu")
+    monkeypatch.setattr(A, "_FUSED_IMPLEMENTATION", "xla")
+    taken = []
+    fused = jax.nn.dot_product_attention
+
+    def spy(*a, **kw):
+        taken.append("lengths" if kw.get("key_value_seq_lengths") is not None else "mask")
+        return fused(*a, **kw)
+
+    monkeypatch.setattr(A.jax.nn, "dot_product_attention", spy)
+    for key_mask, ok in ((right, True), (right[:, ::-1].copy(), not any(pads))):
+        visible = jnp.asarray(np.tril(np.ones((t, t), bool))[None] & (key_mask[:, None, :] > 0))[:, None, None]
+        rp = A.RightPadded.of(jnp.asarray(key_mask))
+        assert bool(rp.ok) == ok
+        np.testing.assert_array_equal(np.asarray(rp.lengths), np.maximum(key_mask.sum(-1), 1))
+
+        def loss(q, path, visible=visible, rp=rp, key_mask=key_mask):
+            if path == "hand":
+                out = A.dot_product_attention(q, k, v, scale=0.3, visible=visible)
+            else:
+                out = A.attention(q, k, v, scale=0.3, visible=visible, right_padded=rp)
+            real = jnp.asarray(key_mask > 0)[:, :, None, None, None]
+            return jnp.sum(jnp.where(real, out.astype(jnp.float32), 0.0) ** 2), out
+
+        (_, ref), gref = jax.value_and_grad(loss, has_aux=True)(q, "hand")
+        taken.clear()
+        (_, got), grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(q, "fused")
+        assert set(taken) == {"lengths", "mask"}  # lax.cond traces both branches
+        real = key_mask > 0
+        np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(ref, np.float32)[real], atol=2e-2)
+        np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(gref, np.float32), atol=6e-2, rtol=2e-2)
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+
+
+def test_decoder_hands_right_padding_to_the_fused_path(setup, monkeypatch):
+    """A bf16 decoder forward without a cache passes RightPadded to attention (with a cache, and
+    with a sliding window, it does not), and on the 'GPU' path (XLA implementation here) gives
+    the CPU path's logits on real tokens, for right- and left-padded batches."""
+    from jsteer.backbones import attention as A
+
+    _, cfg, params, _, _ = setup
+    lcfg = families.config_from_hf(
+        transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=48,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            num_key_value_heads=2,
+            max_position_embeddings=P,
+        ).to_dict()
+    )
+    module = jd.Decoder(lcfg, dtype=jnp.bfloat16)
+    ids, left = _batch(seed=4)
+    p = module.init(jax.random.key(0), jnp.asarray(ids), jnp.asarray(left))["params"]
+    p = jax.tree.map(lambda x: x * 10, p)  # O(1) logits, so a wrong mask shows
+    seen = []
+    real_attention = A.attention
+
+    def spy(*a, right_padded=None, **kw):
+        seen.append(right_padded is not None)
+        return real_attention(*a, right_padded=right_padded, **kw)
+
+    monkeypatch.setattr(jd, "attention", spy)
+    for mask in (left, left[:, ::-1].copy()):
+        cpu = module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)).logits
+        with monkeypatch.context() as m:
+            m.setattr(A, "_backend", lambda: "gpu")
+            m.setattr(A, "_FUSED_IMPLEMENTATION", "xla")
+            gpu = module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)).logits
+        assert _maxdiff(cpu, gpu, mask) <= 0.02 * float(jnp.abs(cpu).max())
+    assert seen and all(seen)
+    seen.clear()
+    module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), cache=lcfg.init_cache(B, T + 2))
+    sw = jd.Decoder(dataclasses.replace(lcfg, sliding_window=4), dtype=jnp.bfloat16)
+    sw.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left))
+    assert seen and not any(seen)
+
+
 def test_scanned_layer_stack_equals_unrolled(setup):
     """scan_layers=True: one nn.scan over stacked params gives the unrolled stack's logits,
     captures, FiLM, interventions, KV-cache decoding and greedy tokens."""

@@ -12,7 +12,7 @@ the score tensor.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,24 @@ def _backend() -> str:
     return jax.default_backend()
 
 
+class RightPadded(NamedTuple):
+    """What a decoder call without a KV cache knows about its causal visibility, handed to
+    :func:`attention` beside ``visible``: ``lengths`` [B] int32 real keys per row (at least 1)
+    and ``ok`` a bool scalar, true when every row of the key mask is ones then zeros, so that
+    ``visible == causal & (key < lengths)``. cuDNN then masks by lengths (PADDING_CAUSAL)
+    instead of reading a dense [B,1,T,S] mask, which it turns into an additive bias."""
+
+    lengths: Array
+    ok: Array
+
+    @classmethod
+    def of(cls, key_mask: Array) -> "RightPadded":
+        """key_mask [B,S] (1 = real key)."""
+        m = key_mask > 0
+        ok = jnp.all(m[:, 1:] <= m[:, :-1]) if m.shape[1] > 1 else jnp.asarray(True)
+        return cls(jnp.maximum(m.sum(-1), 1).astype(jnp.int32), ok)
+
+
 def attention(
     q: Array,
     k: Array,
@@ -103,12 +121,16 @@ def attention(
     dropout: Optional[Callable[[Array], Array]] = None,
     cache_layout: bool = False,
     softcap: Optional[float] = None,
+    right_padded: Optional[RightPadded] = None,
 ) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
     steps), no dropout, no soft-capping and no additive bias. Elsewhere the hand-written path.
-    The cuDNN path lets a padding query row (no visible key) see its own slot, where the
-    hand-written path spreads it uniformly: such rows are padding, read by nothing downstream."""
+    ``right_padded`` (a causal call over right-padded keys, see :class:`RightPadded`): the fused
+    path masks by lengths when its ``ok`` holds and by ``visible`` otherwise (one ``lax.cond``).
+    The fused path lets a padding query row (no visible key) see its own slot (with lengths: the
+    row's real keys), where the hand-written path spreads it uniformly: such rows are padding,
+    read by nothing downstream."""
     b, t, kh, g, h = q.shape
     if (
         _backend() != "gpu"
@@ -130,13 +152,31 @@ def attention(
             softcap=softcap,
         )
     s = k.shape[1]
-    mask = None
-    if visible is not None:  # [B|1, K|1, G|1, T|1, S] -> [B|1, N|1, T, S]
-        vis = visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
-        per_head = vis.shape[1] != 1 or vis.shape[2] != 1
-        vis = jnp.broadcast_to(vis, vis.shape[:1] + ((kh, g) if per_head else (1, 1)) + (t, s))
-        mask = vis.reshape(vis.shape[0], -1, t, s) | jnp.eye(t, s, dtype=bool)
-    out = jax.nn.dot_product_attention(
-        q.reshape(b, t, kh * g, h), k, v.astype(q.dtype), mask=mask, scale=scale, implementation=_FUSED_IMPLEMENTATION
-    )
+    q, v = q.reshape(b, t, kh * g, h), v.astype(q.dtype)
+
+    def masked(q, k, v):
+        mask = None
+        if visible is not None:  # [B|1, K|1, G|1, T|1, S] -> [B|1, N|1, T, S]
+            vis = visible.reshape((1,) * (5 - visible.ndim) + visible.shape)
+            per_head = vis.shape[1] != 1 or vis.shape[2] != 1
+            vis = jnp.broadcast_to(vis, vis.shape[:1] + ((kh, g) if per_head else (1, 1)) + (t, s))
+            mask = vis.reshape(vis.shape[0], -1, t, s) | jnp.eye(t, s, dtype=bool)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=_FUSED_IMPLEMENTATION)
+
+    if right_padded is None:
+        out = masked(q, k, v)
+    else:
+
+        def by_lengths(q, k, v):
+            return jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                scale=scale,
+                is_causal=True,
+                key_value_seq_lengths=jnp.broadcast_to(right_padded.lengths, (b,)),
+                implementation=_FUSED_IMPLEMENTATION,
+            )
+
+        out = jax.lax.cond(right_padded.ok, by_lengths, masked, q, k, v)
     return out.reshape(b, t, kh, g, h)

@@ -49,7 +49,7 @@ from jax import lax
 
 from jsteer import interventions as iv
 from jsteer.backbones import cpu
-from jsteer.backbones.attention import attention
+from jsteer.backbones.attention import RightPadded, attention
 from jsteer.backbones.base import (
     ACTIVATIONS,
     Embed,
@@ -161,8 +161,9 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, visible, bias, kv, index, layer):
-        """x [B,T,D]; cos / sin [B,T,R] or None (learned positions); visible [B,T,S] bool; bias
-        [B,T,S] or None; kv: this layer's cached (k, v) written at slot ``index``, or None.
+        """x [B,T,D]; cos / sin [B,T,R] or None (learned positions); visible [B,T,S] bool, or
+        (that, RightPadded) for a causal call without a cache; bias [B,T,S] or None; kv: this
+        layer's cached (k, v) written at slot ``index``, or None.
         Returns (out [B,T,D], (k, v) after the write or None)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         b, t, _ = x.shape
@@ -183,12 +184,14 @@ class Attention(nn.Module):
         scale = c.attn_scale if c.attn_scale is not None else hd**-0.5
         if c.attn_scale_by_layer:
             scale = scale / (layer + 1)
+        visible, right_padded = visible if isinstance(visible, tuple) else (visible, None)
         out = attention(
             q.reshape(b, t, kh, n // kh, hd),
             k,
             v.astype(self.dtype),
             scale=scale,
             visible=visible[:, None, None],
+            right_padded=right_padded,
             softcap=c.attn_softcap,
             bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
             cache_layout=kv is not None,
@@ -264,7 +267,7 @@ class _ScannedBlock(Block):
         (cos, sin), (cos_l, sin_l), visible, visible_l, bias, index = shared
         if cos is not None and cos_l is not cos:
             cos, sin = jnp.where(sliding, cos_l, cos), jnp.where(sliding, sin_l, sin)
-        if visible_l is not visible:
+        if self.config.sliding_window:
             visible = jnp.where(sliding, visible_l, visible)
         site.set_carry(caps)
         x, new_kv = self._layer(x, cos, sin, visible, bias, kv, index, site, layer)
@@ -398,6 +401,8 @@ class Decoder(nn.Module):
         visible = visible_l = (k_slot[None, :] <= q_slot[:, None])[None] & (key_mask[:, None, :] > 0)
         if c.sliding_window:
             visible_l = visible & (q_slot[:, None] - k_slot[None, :] < c.sliding_window)[None]
+        elif cache is None:  # causal over the call's own keys: cuDNN may mask by lengths
+            visible = visible_l = (visible, RightPadded.of(key_mask))
         hidden_states = [x] if output_hidden_states else None
         x, new_k, new_v = _layer_stack(
             c, x, rope, rope_l, visible, visible_l, bias, cache, index, site, kw, hidden_states
