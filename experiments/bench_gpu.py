@@ -188,6 +188,21 @@ def part_attention(a, res):
             impls["jax_cudnn"] = lambda q, kk, v: jax.nn.dot_product_attention(
                 q, kk, v, is_causal=True, implementation="cudnn"
             )
+            from jsteer.backbones.attention import RightPadded, attention
+
+            def fused(q, kk, v, lengths):  # the decoder's path: dense mask, or lengths when right-padded
+                out = attention(
+                    q.reshape(b, t, k, n // k, h),
+                    kk,
+                    v,
+                    scale=1 / math.sqrt(h),
+                    visible=causal[None, None, None],
+                    right_padded=RightPadded.of(jnp.ones((b, t), jnp.int32)) if lengths else None,
+                )
+                return out.reshape(b, t, n, h)
+
+            impls["jsteer_fused_mask"] = lambda q, kk, v: fused(q, kk, v, False)
+            impls["jsteer_fused_lengths"] = lambda q, kk, v: fused(q, kk, v, True)
         ref = None
         for name, f in impls.items():
             fwd = jax.jit(f)
@@ -412,7 +427,19 @@ def _decoder_train_jax(a, c, batches, flops, peak):
     i = iter(range(10**9))
     first, dt = median_time(lambda: tr.train_step(batches[next(i) % 4], total)["loss"], jax_sync, a.reps, 2)
     b, t = batches[0]["input_ids"].shape
-    return _rates(dt, b, t, flops, peak, first)
+    out = _rates(dt, b, t, flops, peak, first)
+    if a.anatomy:  # the same loss, bf16-cast params, no optimizer: forward, then forward + backward
+        from jsteer.train.step import cast_floating
+
+        def loss16(p, batch):
+            return loss_fn(cast_floating(p, jnp.bfloat16), batch, None)[0]
+
+        ids = jax.device_put(batches[0])
+        parts = {"forward": jax.jit(loss16), "forward_backward": jax.jit(jax.value_and_grad(loss16))}
+        out["anatomy_s"] = {
+            k: median_time(lambda f=f: f(tr.params, ids), jax_sync, a.reps, 1)[1] for k, f in parts.items()
+        }
+    return out
 
 
 def _decoder_train_torch(a, c, batches, flops, peak):
@@ -439,7 +466,23 @@ def _decoder_train_torch(a, c, batches, flops, peak):
 
     first, dt = median_time(step, torch_sync, a.reps, 2)
     b, t = batches[0]["input_ids"].shape
-    return _rates(dt, b, t, flops, peak, first)
+    out = _rates(dt, b, t, flops, peak, first)
+    if a.anatomy:  # forward (no grad graph), then forward + backward, no optimizer
+
+        def forward():
+            with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16):
+                return model(input_ids=tb[0], labels=tb[0]).loss
+
+        def forward_backward():
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                loss = model(input_ids=tb[0], labels=tb[0]).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss
+
+        parts = {"forward": forward, "forward_backward": forward_backward}
+        out["anatomy_s"] = {k: median_time(f, torch_sync, a.reps, 1)[1] for k, f in parts.items()}
+    return out
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -611,6 +654,9 @@ def main(argv=None):
     ap.add_argument("--framework", choices=("jax", "torch", "both"), default="both")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per case")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (smoke test on any backend)")
+    ap.add_argument(
+        "--anatomy", action="store_true", help="decoder-train: also time forward and forward + backward alone"
+    )
     ap.add_argument(
         "--sizes",
         type=lambda v: set(v.split(",")),
