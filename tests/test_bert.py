@@ -201,6 +201,57 @@ def test_attn_bias_equals_hf_4d_mask(bert_setup):
     assert d <= 1e-5
 
 
+def test_fused_attention_path_takes_padding_lengths(bert_setup, monkeypatch):
+    """In bf16 on the 'GPU' path (cuDNN swapped for jax's XLA implementation on this CPU), the
+    encoder hands its padding to attention as RightPadded (not with hooks.attn_bias, and attention
+    dropout in training keeps the hand-written path) and gives the CPU path's hidden states on
+    real tokens, for right- and left-padded batches."""
+    from jsteer.backbones import attention as A
+
+    hf, cfg, params = bert_setup
+    ids, mask, tt = _batch(cfg.pad_token_id, seed=6)
+    module = jb.BertEncoder(cfg, dtype=jnp.bfloat16)
+    enc = {"params": params["encoder"]}
+    seen, fused = [], []
+    real_attention, real_fused = A.attention, A.jax.nn.dot_product_attention
+
+    def spy(*a, right_padded=None, dropout=None, **kw):
+        seen.append((right_padded is not None, dropout is not None))
+        return real_attention(*a, right_padded=right_padded, dropout=dropout, **kw)
+
+    def spy_fused(*a, **kw):
+        fused.append(kw.get("key_value_seq_lengths") is not None)
+        return real_fused(*a, **kw)
+
+    monkeypatch.setattr(jb, "attention", spy)
+    monkeypatch.setattr(A.jax.nn, "dot_product_attention", spy_fused)
+    for m, i in ((mask, ids), (mask[:, ::-1].copy(), ids[:, ::-1].copy())):
+        cpu = module.apply(enc, jnp.asarray(i), jnp.asarray(m), jnp.asarray(tt)).hidden
+        assert not fused
+        with monkeypatch.context() as ctx:
+            ctx.setattr(A, "_backend", lambda: "gpu")
+            ctx.setattr(A, "_FUSED_IMPLEMENTATION", "xla")
+            gpu = module.apply(enc, jnp.asarray(i), jnp.asarray(m), jnp.asarray(tt)).hidden
+        assert fused and all(fused)  # lax.cond: lengths, else the hand-written path with the bias
+        fused.clear()
+        assert _maxdiff(cpu, gpu, m) <= 0.05, _maxdiff(cpu, gpu, m)  # bf16 hidden states, LayerNorm'd O(1)
+        bad = module.apply(enc, jnp.asarray(i), jnp.ones_like(jnp.asarray(m)), jnp.asarray(tt)).hidden
+        assert _maxdiff(cpu, bad, m) > 0.3  # the check sees a padding mask dropped
+    assert seen and all(rp and not drop for rp, drop in seen)
+    seen.clear()
+    module.apply(enc, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt), hooks=Hooks(attn_bias=jnp.zeros((B, T, T))))
+    jb.BertEncoder(cfg).apply(
+        enc,
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        jnp.asarray(tt),
+        deterministic=False,
+        rngs={"dropout": jax.random.key(0)},
+    )
+    assert [rp for rp, _ in seen] == [False] * cfg.num_layers + [True] * cfg.num_layers
+    assert [drop for _, drop in seen] == [False] * cfg.num_layers + [bool(cfg.attention_dropout)] * cfg.num_layers
+
+
 def test_position_ids_hook_equals_hf(bert_setup):
     hf, cfg, params = bert_setup
     ids, mask, tt = _batch(cfg.pad_token_id, seed=6)

@@ -379,11 +379,13 @@ def test_fused_attention_path_masks_like_the_hand_written_one(monkeypatch):
     assert np.isfinite(np.asarray(got, np.float32)).all()
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("pads", [(0, 0, 0), (0, 2, 5)])
-def test_fused_attention_masks_right_padded_keys_by_lengths(monkeypatch, pads):
-    """A causal call over right-padded keys takes the lengths branch (cuDNN's PADDING_CAUSAL,
-    no dense mask); any other mask the dense-mask branch. Both give the hand-written values on
-    real rows, forward and gradient. The branch taken is spied on."""
+def test_fused_attention_masks_right_padded_keys_by_lengths(monkeypatch, pads, causal):
+    """A call over right-padded keys takes the lengths branch (cuDNN's PADDING_CAUSAL, or PADDING
+    for an encoder's padding bias), any other mask the dense-mask branch (causal) or the
+    hand-written path (the bias). All give the hand-written values on real rows, forward and
+    gradient. The branch taken is spied on."""
     from jsteer.backbones import attention as A
 
     rng = np.random.default_rng(3)
@@ -405,22 +407,25 @@ def test_fused_attention_masks_right_padded_keys_by_lengths(monkeypatch, pads):
     monkeypatch.setattr(A.jax.nn, "dot_product_attention", spy)
     for key_mask, ok in ((right, True), (right[:, ::-1].copy(), not any(pads))):
         visible = jnp.asarray(np.tril(np.ones((t, t), bool))[None] & (key_mask[:, None, :] > 0))[:, None, None]
-        rp = A.RightPadded.of(jnp.asarray(key_mask))
+        bias = None
+        if not causal:
+            visible, bias = None, jnp.where(jnp.asarray(key_mask) > 0, 0.0, -1e30)[:, None, None, None, :]
+        rp = A.RightPadded.of(jnp.asarray(key_mask), causal=causal)
         assert bool(rp.ok) == ok
         np.testing.assert_array_equal(np.asarray(rp.lengths), np.maximum(key_mask.sum(-1), 1))
 
-        def loss(q, path, visible=visible, rp=rp, key_mask=key_mask):
+        def loss(q, path, visible=visible, bias=bias, rp=rp, key_mask=key_mask):
             if path == "hand":
-                out = A.dot_product_attention(q, k, v, scale=0.3, visible=visible)
+                out = A.dot_product_attention(q, k, v, scale=0.3, visible=visible, bias=bias)
             else:
-                out = A.attention(q, k, v, scale=0.3, visible=visible, right_padded=rp)
+                out = A.attention(q, k, v, scale=0.3, visible=visible, bias=bias, right_padded=rp)
             real = jnp.asarray(key_mask > 0)[:, :, None, None, None]
             return jnp.sum(jnp.where(real, out.astype(jnp.float32), 0.0) ** 2), out
 
         (_, ref), gref = jax.value_and_grad(loss, has_aux=True)(q, "hand")
         taken.clear()
         (_, got), grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(q, "fused")
-        assert set(taken) == {"lengths", "mask"}  # lax.cond traces both branches
+        assert set(taken) == ({"lengths", "mask"} if causal else {"lengths"})  # lax.cond traces both branches
         real = key_mask > 0
         np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(ref, np.float32)[real], atol=2e-2)
         np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(gref, np.float32), atol=6e-2, rtol=2e-2)
@@ -428,8 +433,8 @@ def test_fused_attention_masks_right_padded_keys_by_lengths(monkeypatch, pads):
 
 
 def test_decoder_hands_right_padding_to_the_fused_path(setup, monkeypatch):
-    """A bf16 decoder forward without a cache passes RightPadded to attention (with a cache, and
-    with a sliding window, it does not), and on the 'GPU' path (XLA implementation here) gives
+    """A bf16 decoder forward without a cache passes RightPadded to attention (with a cache, a
+    sliding window or hooks.attn_bias, it does not), and on the 'GPU' path (XLA implementation here) gives
     the CPU path's logits on real tokens, for right- and left-padded batches."""
     from jsteer.backbones import attention as A
 
@@ -469,7 +474,8 @@ def test_decoder_hands_right_padding_to_the_fused_path(setup, monkeypatch):
     module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), cache=lcfg.init_cache(B, T + 2))
     sw = jd.Decoder(dataclasses.replace(lcfg, sliding_window=4), dtype=jnp.bfloat16)
     sw.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left))
-    assert seen and not any(seen)
+    module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), hooks=Hooks(attn_bias=jnp.zeros((B, T, T))))
+    assert len(seen) == 3 * L and not any(seen)
 
 
 def test_scanned_layer_stack_equals_unrolled(setup):

@@ -12,7 +12,9 @@ the score tensor.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+import dataclasses
+import functools
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -92,22 +94,25 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-class RightPadded(NamedTuple):
-    """What a decoder call without a KV cache knows about its causal visibility, handed to
-    :func:`attention` beside ``visible``: ``lengths`` [B] int32 real keys per row (at least 1)
-    and ``ok`` a bool scalar, true when every row of the key mask is ones then zeros, so that
-    ``visible == causal & (key < lengths)``. cuDNN then masks by lengths (PADDING_CAUSAL)
-    instead of reading a dense [B,1,T,S] mask, which it turns into an additive bias."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["lengths", "ok"], meta_fields=["causal"])
+@dataclasses.dataclass(frozen=True)
+class RightPadded:
+    """What a call without a KV cache knows about its visibility, handed to :func:`attention`
+    beside ``visible`` / ``bias``: ``lengths`` [B] int32 real keys per row (at least 1) and
+    ``ok`` a bool scalar, true when every row of the key mask is ones then zeros, so that the
+    keys visible are ``key < lengths`` (and ``key <= query`` when ``causal``). cuDNN then masks
+    by lengths (PADDING / PADDING_CAUSAL) instead of reading a dense [B,1,T,S] mask or bias."""
 
     lengths: Array
     ok: Array
+    causal: bool = True
 
     @classmethod
-    def of(cls, key_mask: Array) -> "RightPadded":
+    def of(cls, key_mask: Array, causal: bool = True) -> "RightPadded":
         """key_mask [B,S] (1 = real key)."""
         m = key_mask > 0
         ok = jnp.all(m[:, 1:] <= m[:, :-1]) if m.shape[1] > 1 else jnp.asarray(True)
-        return cls(jnp.maximum(m.sum(-1), 1).astype(jnp.int32), ok)
+        return cls(jnp.maximum(m.sum(-1), 1).astype(jnp.int32), ok, causal)
 
 
 def attention(
@@ -125,34 +130,32 @@ def attention(
 ) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
-    steps), no dropout, no soft-capping and no additive bias. Elsewhere the hand-written path.
-    ``right_padded`` (a causal call over right-padded keys, see :class:`RightPadded`): the fused
-    path masks by lengths when its ``ok`` holds and by ``visible`` otherwise (one ``lax.cond``).
-    The fused path lets a padding query row (no visible key) see its own slot (with lengths: the
-    row's real keys), where the hand-written path spreads it uniformly: such rows are padding,
-    read by nothing downstream."""
+    steps), no dropout and no soft-capping. Elsewhere the hand-written path. An additive ``bias``
+    keeps the hand-written path unless ``right_padded`` (see :class:`RightPadded`) says that the
+    bias is the key padding alone: then, as for ``visible``, the fused path masks by lengths when
+    its ``ok`` holds and falls back otherwise (one ``lax.cond``). The fused path lets a padding
+    query row (no visible key) see its own slot (with lengths: the row's real keys), where the
+    hand-written path spreads it uniformly: such rows are padding, read by nothing downstream."""
     b, t, kh, g, h = q.shape
+    hand = functools.partial(
+        dot_product_attention,
+        scale=scale,
+        visible=visible,
+        bias=bias,
+        dropout=dropout,
+        cache_layout=cache_layout,
+        softcap=softcap,
+    )
     if (
         _backend() != "gpu"
         or cache_layout
         or dropout is not None
         or softcap is not None
-        or bias is not None
+        or (bias is not None and right_padded is None)
         or q.dtype not in (jnp.bfloat16, jnp.float16)
     ):
-        return dot_product_attention(
-            q,
-            k,
-            v,
-            scale=scale,
-            visible=visible,
-            bias=bias,
-            dropout=dropout,
-            cache_layout=cache_layout,
-            softcap=softcap,
-        )
+        return hand(q, k, v)
     s = k.shape[1]
-    q, v = q.reshape(b, t, kh * g, h), v.astype(q.dtype)
 
     def masked(q, k, v):
         mask = None
@@ -161,22 +164,28 @@ def attention(
             per_head = vis.shape[1] != 1 or vis.shape[2] != 1
             vis = jnp.broadcast_to(vis, vis.shape[:1] + ((kh, g) if per_head else (1, 1)) + (t, s))
             mask = vis.reshape(vis.shape[0], -1, t, s) | jnp.eye(t, s, dtype=bool)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=_FUSED_IMPLEMENTATION)
+        out = jax.nn.dot_product_attention(
+            q.reshape(b, t, kh * g, h),
+            k,
+            v.astype(q.dtype),
+            mask=mask,
+            scale=scale,
+            implementation=_FUSED_IMPLEMENTATION,
+        )
+        return out.reshape(b, t, kh, g, h)
+
+    def by_lengths(q, k, v):
+        out = jax.nn.dot_product_attention(
+            q.reshape(b, t, kh * g, h),
+            k,
+            v.astype(q.dtype),
+            scale=scale,
+            is_causal=right_padded.causal,
+            key_value_seq_lengths=jnp.broadcast_to(right_padded.lengths, (b,)),
+            implementation=_FUSED_IMPLEMENTATION,
+        )
+        return out.reshape(b, t, kh, g, h)
 
     if right_padded is None:
-        out = masked(q, k, v)
-    else:
-
-        def by_lengths(q, k, v):
-            return jax.nn.dot_product_attention(
-                q,
-                k,
-                v,
-                scale=scale,
-                is_causal=True,
-                key_value_seq_lengths=jnp.broadcast_to(right_padded.lengths, (b,)),
-                implementation=_FUSED_IMPLEMENTATION,
-            )
-
-        out = jax.lax.cond(right_padded.ok, by_lengths, masked, q, k, v)
-    return out.reshape(b, t, kh, g, h)
+        return masked(q, k, v)
+    return jax.lax.cond(right_padded.ok, by_lengths, hand if bias is not None else masked, q, k, v)

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from jsteer import interventions as iv
-from jsteer.backbones.attention import dot_product_attention
+from jsteer.backbones.attention import RightPadded, attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, check_position_ids
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, DenseGeneral
@@ -365,19 +365,22 @@ class BertSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
+        """``bias``: [B, 1, T|1, S], or (that, RightPadded) when it is the key padding alone."""
         c = self.config
         init = dense_init(c)
         qkv = DenseGeneral(
             (3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="qkv"
         )(h)  # [B, T, 3, N, H]
+        bias, right_padded = bias if isinstance(bias, tuple) else (bias, None)
         drop = Dropout(c.attention_dropout)
-        ctx = dot_product_attention(
+        ctx = attention(
             qkv[:, :, 0, :, None],
             qkv[:, :, 1],
             qkv[:, :, 2],
             scale=1.0 / math.sqrt(c.head_dim),
             bias=None if bias is None else bias[:, :, None],
-            dropout=lambda w: drop(w, deterministic=deterministic),
+            dropout=None if deterministic or not c.attention_dropout else lambda w: drop(w, deterministic=False),
+            right_padded=right_padded,
         )[:, :, :, 0]  # [B, T, N, H]
         return DenseGeneral(
             c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="out"
@@ -468,6 +471,8 @@ class BertEncoder(nn.Module):
         if hooks is not None:
             iv.check_interventions(hooks.interventions, c.num_layers)
         bias = attention_bias(attention_mask, hooks, b, t)
+        if attention_mask is not None and (hooks is None or hooks.attn_bias is None):
+            bias = (bias, RightPadded.of(attention_mask, causal=False))  # cuDNN may mask by lengths
         mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         site = SiteRunner(hooks, capture, positions_of(c, input_ids, hooks), mask, False, ffn_width=c.intermediate_size)
         h = self.embeddings(input_ids, token_type_ids, hooks, deterministic, site)

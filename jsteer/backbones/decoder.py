@@ -401,7 +401,7 @@ class Decoder(nn.Module):
         visible = visible_l = (k_slot[None, :] <= q_slot[:, None])[None] & (key_mask[:, None, :] > 0)
         if c.sliding_window:
             visible_l = visible & (q_slot[:, None] - k_slot[None, :] < c.sliding_window)[None]
-        elif cache is None:  # causal over the call's own keys: cuDNN may mask by lengths
+        elif cache is None and bias is None:  # causal over the call's own keys: cuDNN may mask by lengths
             visible = visible_l = (visible, RightPadded.of(key_mask))
         hidden_states = [x] if output_hidden_states else None
         x, new_k, new_v = _layer_stack(
