@@ -139,7 +139,7 @@ def test_generate_with_an_empty_prompt(tmp_path, capsys):
 
 def test_damaged_checkpoint_is_reported_in_one_line(tmp_path):
     """A truncated array file: exit code 2 and a one-line error, not pages of TensorStore spec
-    (also at interpreter exit, when Orbax's abandoned readers are finalised)."""
+    (also at interpreter exit, when Orbax's abandoned readers are finalised), through `python -m jsteer`."""
     import subprocess
     import sys
 
@@ -150,7 +150,7 @@ def test_damaged_checkpoint_is_reported_in_one_line(tmp_path):
     assert main(["convert", str(src), str(tmp_path / "ck")]) == 0
     _damage(tmp_path / "ck", "truncated array file")
     r = subprocess.run(
-        [sys.executable, "-m", "jsteer.cli", "generate", str(tmp_path / "ck"), "w1"],
+        [sys.executable, "-m", "jsteer", "generate", str(tmp_path / "ck"), "w1"],
         capture_output=True,
         text=True,
         cwd=ROOT,
