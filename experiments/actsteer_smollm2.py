@@ -1,4 +1,4 @@
-"""Activation steering (CAA) of SmolLM2-135M towards / away from positive sentiment, on the
+"""Activation steering (CAA, or PCA with --method pca) of SmolLM2-135M towards / away from positive sentiment, on the
 LM-Steer experiment's protocol (experiments/steer_smollm2.py) so that the two compare row by row.
 
     PYTHONPATH=. .venv/bin/python experiments/actsteer_smollm2.py [--pairs 32] [--layers 6,10,15]
@@ -53,7 +53,7 @@ SELECTION_RULE = (
 
 def parse():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(RESULTS / "smollm2.json"))
+    ap.add_argument("--out", default=None, help="default: results/actsteer/smollm2.json (caa), smollm2_<method>.json")
     ap.add_argument("--method", default="caa", choices=actsteer.METHODS[:2])
     ap.add_argument("--pairs", type=int, default=32)
     ap.add_argument("--layers", default="6,10,15", help="candidate layers (SmolLM2 has 30)")
@@ -81,7 +81,7 @@ def pick_strength(rows: dict) -> float:
 
 def main():
     a = parse()
-    out_path = pathlib.Path(a.out)
+    out_path = pathlib.Path(a.out or RESULTS / ("smollm2.json" if a.method == "caa" else f"smollm2_{a.method}.json"))
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
     layers = [int(x) for x in a.layers.split(",")]
     strengths = [float(x) for x in a.strengths.split(",")]
@@ -89,7 +89,7 @@ def main():
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised, fp32)",
         "method": a.method,
         "vector": f"{a.pairs} positive / {a.pairs} negative SST-5 train sentences (steer half, labels 3-4 vs 0-1, "
-        "detokenised), paired in seeded order; resid_post, last token",
+        f"detokenised), paired in seeded order; resid_post, {actsteer.REDUCE[a.method]} token",
         "candidate_layers": layers,
         "layer_choice_strength": a.strength,
         "candidate_strengths": strengths,
@@ -189,18 +189,20 @@ def main():
         res[part] = {k: v for k, v in res[part].items() if k in used}
     res["total_seconds_this_run"] = time.time() - t_all
     save()
-    (RESULTS / "results.md").write_text(report(res))
+    md = "results.md" if a.method == "caa" else f"results_{a.method}.md"
+    (RESULTS / md).write_text(report(res, out_path.name))
     log("done", out_path, f"{res['total_seconds_this_run']:.0f}s")
 
 
-def report(res) -> str:
+def report(res, source: str = "smollm2.json") -> str:
     """results.md: the held-out choice and the test rows, next to LM-Steer's from smollm2.json."""
     m, sel = res["metrics"], res["selection"]
     layer, s = sel["chosen"]["layer"], sel["chosen"]["strength"]
+    method = res["setup"]["method"].upper()
     lines = [
-        "# Activation steering (CAA) on SmolLM2-135M: sentiment",
+        f"# Activation steering ({method}) on SmolLM2-135M: sentiment",
         "",
-        f"Written by `experiments/actsteer_smollm2.py` from `smollm2.json` (the whole run: "
+        f"Written by `experiments/actsteer_smollm2.py` from `{source}` (the whole run: "
         f"{res['total_seconds_this_run']:.0f} s on a shared 2-core CPU).",
         "",
         f"Vector: {res['setup']['vector']}. Evaluator: {res['setup']['evaluator']}, test accuracy "
@@ -240,7 +242,7 @@ def report(res) -> str:
 
     lines.append(row("unsteered", m["neutral_base"], m["neutral_base"]))
     for v in (s, -s):
-        lines.append(row(f"CAA layer {layer}, {v:+g}", m[f"neutral_l{layer}_s{v:+g}"], m["neutral_base"]))
+        lines.append(row(f"{method} layer {layer}, {v:+g}", m[f"neutral_l{layer}_s{v:+g}"], m["neutral_base"]))
     steer = protocol.RESULTS / "smollm2.json"
     if steer.exists():
         ref = json.loads(steer.read_text())
@@ -263,12 +265,12 @@ def report(res) -> str:
             held_out = v is not None and v in (ch.get("positive"), -ch.get("negative", 0.0))
             name = "unsteered" if v is None else f"LM-Steer {v:+g} (x eps0){' (chosen held-out)' if held_out else ''}"
             lines.append(row(name, ref["metrics"][key], ref["metrics"]["neutral_base"]))
-        lines += ["", "## Reading", ""] + comparison(m, layer, s, ref["metrics"])
+        lines += ["", "## Reading", ""] + comparison(m, layer, s, ref["metrics"], method)
     return "\n".join(lines) + "\n"
 
 
-def comparison(m: dict, layer: int, s: float, ref: dict) -> list:
-    """One line per direction: CAA's change next to the LM-Steer row of the nearest perplexity rise
+def comparison(m: dict, layer: int, s: float, ref: dict, name: str = "CAA") -> list:
+    """One line per direction: the control vector's change next to the LM-Steer row of the nearest perplexity rise
     (same direction), each against its own unsteered row."""
 
     def change(rows, key):
@@ -282,7 +284,7 @@ def comparison(m: dict, layer: int, s: float, ref: dict) -> list:
         near = min(keys, key=lambda k: abs(change(ref, k)[1] - dr))
         lp, lr = change(ref, near)
         out.append(
-            f"- {word} positive: CAA {sign * s:+g} moves positivity {dp:+.0f} points at a {dr:+.0f}% perplexity "
+            f"- {word} positive: {name} {sign * s:+g} moves positivity {dp:+.0f} points at a {dr:+.0f}% perplexity "
             f"rise; LM-Steer at the nearest rise ({near.split('_s')[1]} x eps0, {lr:+.0f}%) moves it {lp:+.0f} "
             "points."
         )
