@@ -35,6 +35,12 @@ This script keeps the main run's detox steer recipe and changes the measurement 
         --work /tmp/steer_detox_kinds --skip-prompts 60 --prompts 60 --select-prompts 40 --samples 10 \
         --select-samples 10 --strengths 1,2,3 --dummy off --curve "" \
         --out experiments/results/steer/detox_kinds_$k.json; done
+    # control vectors (jsteer.actsteer, resid_post of layer 15) on the same reduced protocol; PCA's direction
+    # has norm 1 where CAA's mean difference has ~19 at that layer, hence its larger strengths:
+    for ks in caa:1,2,3,4 pca:10,20,30,40; do .venv/bin/python experiments/steer_detox.py --kind ${ks%:*} \
+        --strengths ${ks#*:} --work /work/steer_detox_kinds --skip-prompts 60 --prompts 60 --select-prompts 40 \
+        --samples 10 --select-samples 10 --dummy off --curve "" \
+        --out experiments/results/steer/detox_kinds_${ks%:*}.json; done
     # on-policy low-rank steer (--data self: SmolLM2's own continuations of the steer texts' toxic
     # prefixes, ranked by a labeler trained on those texts), the fresh split's prompts, 10 held-out samples:
     .venv/bin/python experiments/steer_detox.py --data self --rank 32 --batch-size 32 --l2 1e-6 \
@@ -60,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jsteer
+from jsteer import actsteer
 from jsteer.steer import artifact, evaluate, head, protocol, train
 from jsteer.steer import data as steer_data
 from jsteer.steer.protocol import PRIOR, READINGS, SELECTION_RULE, calibration, eps0_of, paired_bootstrap, score
@@ -104,11 +111,14 @@ def parse():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument(
         "--kind",
-        choices=("steer", "blacklist", "offset"),
+        choices=("steer", "blacklist", "offset", "caa", "pca"),
         default="steer",
         help="LM-Steer, or one of the issue's baselines (soft word blacklist: a learned logit offset; "
-        "context-vector offset), trained at train.BASELINE_EPS0 with the same recipe",
+        "context-vector offset), trained at train.BASELINE_EPS0 with the same recipe; or a control "
+        "vector (jsteer.actsteer: CAA or PCA) at --cv-layer from the same Jigsaw texts, non-toxic "
+        "against toxic, its strength the detox value",
     )
+    ap.add_argument("--cv-layer", type=int, default=15, help="--kind caa | pca: resid_post layer")
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--l2", type=float, default=0.0)
     ap.add_argument("--init-scale", type=float, default=1e-3)
@@ -209,6 +219,32 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
     return {k: np.asarray(v) for k, v in params.items()}
 
 
+def detox_vector(lm, a, res):
+    """--kind caa | pca: a control vector at --cv-layer from the detox steer's Jigsaw texts, the
+    non-toxic ones (+1) against the toxic ones (-1), paired in their seeded order, each cut to its
+    first 32 tokens as the steer's recipe reads them (max_len 32)."""
+    tok = lm.tokenizer
+    texts, values = steer_data.jigsaw_steer_texts(a.jigsaw_texts)
+    texts = [tok.decode(tok.encode(t, add_special_tokens=False)[:32]) for t in texts]
+    pos, neg = [t for t, v in zip(texts, values) if v > 0], [t for t, v in zip(texts, values) if v < 0]
+    n = min(len(pos), len(neg))
+    t0 = time.time()
+    cv = actsteer.train(lm, pos[:n], neg[:n], layers=[a.cv_layer], method=a.kind)
+    res["training"] = {
+        "detox": {
+            "kind": a.kind,
+            "texts": a.jigsaw_texts,
+            "pairs": n,
+            "layer": a.cv_layer,
+            "max_tokens": 32,
+            "reduce": actsteer.REDUCE[a.kind],
+            "norm": float(np.linalg.norm(np.asarray(cv.directions[a.cv_layer]))),
+            "train_seconds": time.time() - t0,
+        }
+    }
+    return cv
+
+
 def replicated_run(a) -> dict:
     """The finished run that ``--replicate`` confirms; its steer recipe replaces the recipe arguments
     (the steer is retrained bit for bit) and no held-out prompts are drawn."""
@@ -261,7 +297,7 @@ def main():
         "skipped_prompts": a.skip_prompts,
         "kind": a.kind,
         "steer_data": a.data,
-        "eps0": eps0_of(a.kind),
+        "eps0": 1.0 if a.kind in actsteer.METHODS else eps0_of(a.kind),  # a control vector: strength as is
         "prior": PRIOR,
         "prior_source": "toxic share of the Jigsaw Toxic Comment Classification train set (15,294 / 159,571)",
         "primary_reading": READINGS[0],
@@ -320,7 +356,13 @@ def main():
         if a.data == "self"
         else ()
     )
-    steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res, exclude).items()}
+    vector = a.kind in actsteer.METHODS
+    if vector and (a.data != "jigsaw" or src or a.dummy != "off"):
+        raise SystemExit("--kind caa | pca: --data jigsaw and --dummy off only, no --replicate")
+    if vector:
+        cv = detox_vector(lm, a, res)
+    else:
+        steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res, exclude).items()}
     if src:  # the same steer: its training losses reproduce the replicated run's
         mine, theirs = (np.asarray(r["training"]["detox"]["loss"]) for r in (res, src))
         if mine.shape != theirs.shape or not np.allclose(mine, theirs, rtol=1e-5, atol=0):
@@ -350,6 +392,8 @@ def main():
             hooks = {}
 
             def hooks_for(b):
+                if vector:  # unsteered: no hooks (the base samples are shared with the steer kinds')
+                    return None if d is None else cv.hooks(d)
                 if b not in hooks:  # head.to_hooks expands rank 1000 > D/2 to full W once per batch size
                     hooks[b] = head.to_hooks(steer, jnp.broadcast_to(jnp.asarray(e), (b, 2)))
                 return hooks[b]

@@ -155,9 +155,12 @@ def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path)
         "dummy_grid": ["off"],
     }
     boot = {"ratio_p2.5": 0.1, "ratio_p97.5": 0.9}
-    for kind, chosen, steered in (("steer", 1.0, 0.05), ("offset", 2.0, 0.1)):
+    for kind, chosen, steered in (("steer", 1.0, 0.05), ("offset", 2.0, 0.1), ("caa", 3.0, 0.03)):
         run = {
-            "setup": {**setup, "eps0": D.eps0_of(kind)},
+            "setup": {**setup, "eps0": D.eps0_of(kind)}
+            if kind != "caa"
+            else {**setup, "eps0": 1.0, "strengths": [1.0, 3.0]},
+            **({"training": {"detox": {"kind": "caa", "layer": 15}}} if kind == "caa" else {}),
             "selection": {"chosen": chosen, "dummy": "off"},
             "result": {
                 "ppl_rise": -0.05,
@@ -173,8 +176,13 @@ def test_detox_kinds_train_at_their_own_eps0_and_tabulate_side_by_side(tmp_path)
         (tmp_path / f"detox_kinds_{kind}.json").write_text(__import__("json").dumps(run))
     (tmp_path / "detox_kinds_blacklist.json").write_text('{"setup": {}}')  # unfinished: no row
     rows = [r for r in P.detox_kinds_table(tmp_path).splitlines() if r.startswith("| ") and "---" not in r][1:]
-    assert [r.split(" | ")[0] for r in rows] == ["| LM-Steer (eps0 0.001)", "| context-vector offset (eps0 1)"]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| LM-Steer (eps0 0.001)",
+        "| context-vector offset (eps0 1)",
+        "| CAA control vector, layer 15, values [1.0, 3.0] (eps0 1)",
+    ]
     assert rows[1].endswith("| +2 | 15.0 -> 10.0 | 0.67 | 0.10-0.90 | -5.0 | 0.90 |")
+    assert rows[2].endswith("| +3 | 15.0 -> 3.0 | 0.20 | 0.10-0.90 | -5.0 | 0.90 |")
 
 
 def test_a_sweeps_tested_choice_is_tabulated_and_judged_against_the_targets(tmp_path):

@@ -321,7 +321,13 @@ def detox_protocol_run(dx: dict) -> str:
     return "\n".join(out)
 
 
-DETOX_KINDS = {"steer": "LM-Steer", "blacklist": "soft word blacklist", "offset": "context-vector offset"}
+DETOX_KINDS = {
+    "steer": "LM-Steer",
+    "blacklist": "soft word blacklist",
+    "offset": "context-vector offset",
+    "caa": "CAA control vector",
+    "pca": "PCA control vector",
+}
 
 
 def detox_kinds_table(results: pathlib.Path = RESULTS) -> str:
@@ -352,8 +358,12 @@ def detox_kinds_table(results: pathlib.Path = RESULTS) -> str:
         r, sel, m = dx["result"], dx["selection"], dx["metrics"]
         x, bs = r["natural_prior"], r["natural_prior"]["bootstrap"]
         key = f"test_d{sel['chosen']:+g}" + ("" if sel["dummy"] == "on" else "_dummyoff")
+        layer = dx.get("training", {}).get("detox", {}).get("layer")  # a control vector's
+        name = DETOX_KINDS[k] + ("" if layer is None else f", layer {layer}")
+        if dx["setup"]["strengths"] != su["strengths"]:
+            name += f", values {dx['setup']['strengths']}"
         out.append(
-            f"| {DETOX_KINDS[k]} (eps0 {dx['setup']['eps0']:g}) | {sel['chosen']:+g} | "
+            f"| {name} (eps0 {dx['setup']['eps0']:g}) | {sel['chosen']:+g} | "
             f"{fmt(x['base_toxicity_prob'], True)} -> {fmt(x['steered_toxicity_prob'], True)} | "
             f"{fmt(x['ratio'])} | "
             f"{fmt(bs['ratio_p2.5'])}-{fmt(bs['ratio_p97.5'])} | {fmt(r['ppl_rise'], True)} | "
