@@ -8,26 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decoder_families import FAMILIES, left_padded
-from test_sharding import MESHES, V, _config
+from test_sharding import MESHES, V, _config, random_params
 
 from jsteer import sharding as S
 from jsteer.backbones import bert, bert_heads
 from jsteer.backbones.decoder import Decoder
 from jsteer.backbones.decoder_params import logical_axes
 from jsteer.decode import generate
-
-
-def random_params(shapes, seed=0):
-    """Params of the init's tree drawn on the host: norm scales 1 + N(0, 0.05), every other leaf
-    N(0, 0.05) (biases and norm offsets non-zero, so a misplaced shard of any leaf shows). A jitted
-    Flax init compiles one random fusion per leaf, ~5 s per family on XLA:CPU."""
-    rng = np.random.default_rng(seed)
-
-    def draw(path, s):
-        x = 0.05 * rng.standard_normal(s.shape) + (jax.tree_util.keystr(path).endswith("['scale']"))
-        return x.astype(s.dtype)  # on the host: placing it on a mesh slices it there, no program compiled
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n != "neox-sequential"])
