@@ -1,5 +1,7 @@
 """`jsteer kala build-graph / train / eval` on tiny CoNLL and SQuAD-format files and a tiny random BERT folder."""
 
+import contextlib
+import io
 import json
 
 import numpy as np
@@ -8,8 +10,8 @@ import pytest
 from jsteer.cli import main as jsteer_main
 
 
-@pytest.fixture()
-def tiny_bert_dir(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory):
     import torch
     from transformers import BertConfig, BertModel
 
@@ -34,7 +36,7 @@ def tiny_bert_dir(tmp_path):
         "visited",
         "from",
     ]
-    d = tmp_path / "bert"
+    d = tmp_path_factory.mktemp("tiny") / "bert"
     torch.manual_seed(0)
     BertModel(
         BertConfig(
@@ -55,49 +57,36 @@ def conll(path, sents):
     return path
 
 
-def test_cli_build_graph_train_eval(tmp_path, tiny_bert_dir, capsys):
-    people, places = ["Anna", "Tom", "Rita"], ["Paris", "London", "Berlin"]
-    sents = []
-    for i in range(24):
-        p, q = people[i % 3], places[(i // 3) % 3]
-        sents.append([(p, "B-PER"), ("visited", "O"), (q, "B-LOC"), ("today", "O"), (".", "O")])
-    train = conll(tmp_path / "train.conll", sents)
-    test = conll(tmp_path / "test.conll", sents[:6])
-    gdir = tmp_path / "graph"
-    assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
+@pytest.fixture(scope="module")
+def ner_run(tmp_path_factory, tiny_bert_dir):
+    """One `kala build-graph` + `kala train --test` (3 steps, the default relational method) that
+    the NER CLI tests below read: training and compiling it takes most of their time. The test
+    file holds a single-token training entity followed by an I- tag (Anna B-PER, Rita I-PER)."""
+    tmp = tmp_path_factory.mktemp("ner_run")
+    sents = _people_places(24)
+    train = conll(tmp / "train.conll", sents)
+    test = conll(
+        tmp / "test.conll", [[("Anna", "B-PER"), ("Rita", "I-PER"), ("visited", "O"), ("Paris", "B-LOC")]] + sents[:6]
+    )
+    gdir, out = tmp / "graph", tmp / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
+    build_summary = err.getvalue().strip().splitlines()[-1]  # the job's one-line summary ends it
+    args = _train_args(train, gdir, out, tiny_bert_dir, "--test", str(test))
+    args[args.index("--max-steps") + 1] = "3"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert jsteer_main(args) == 0
+    return dict(train=train, test=test, graph=gdir, out=out, sents=sents, build_summary=build_summary)
+
+
+def test_cli_build_graph_train_eval(tmp_path, ner_run, capsys):
+    train, test, gdir, out = (ner_run[k] for k in ("train", "test", "graph", "out"))
     assert (gdir / "train.conll.mentions.jsonl").is_file() and (gdir / "facts.jsonl").is_file()
-    summary = capsys.readouterr().err.strip().splitlines()[-1]  # the job's one-line summary ends it
+    summary = ner_run["build_summary"]
     assert summary.startswith("jsteer kala build-graph: graph of 2 file(s); mentions ") and summary.endswith(
         f"s; -> {gdir}"
     ), summary
-    out = tmp_path / "run"
-    assert (
-        jsteer_main(
-            [
-                "kala",
-                "train",
-                "--train",
-                str(train),
-                "--test",
-                str(test),
-                "--graph",
-                str(gdir),
-                "--out",
-                str(out),
-                "--model",
-                str(tiny_bert_dir),
-                "--scheme",
-                "iob2",
-                "--max-steps",
-                "3",
-                "--batch-size",
-                "8",
-                "--max-len",
-                "16",
-            ]
-        )
-        == 0
-    )
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 3 and "f1" in metrics["test"]
     assert (out / "log.jsonl").is_file() and (out / "model").is_file() and (out / "checkpoints").is_dir()
@@ -183,18 +172,11 @@ def test_cli_train_out_folder_holds_one_run(tmp_path, tiny_bert_dir, capsys):
     assert json.loads((out / "run.json").read_text()) == record  # the refused resume changed nothing
 
 
-def test_cli_label_set_has_i_tags_and_eval_annotates_new_files(tmp_path, tiny_bert_dir, capsys):
+def test_cli_label_set_has_i_tags_and_eval_annotates_new_files(tmp_path, ner_run, capsys):
     """Single-token training entities still give I-X labels (a test file may use them); eval on a
     file the graph has no mentions for uses the graph's lexicon, as build-graph --lexicon does."""
-    sents = _people_places(16)
-    train = conll(tmp_path / "train.conll", sents)
-    test = conll(
-        tmp_path / "test.conll",
-        [[("Anna", "B-PER"), ("Rita", "I-PER"), ("visited", "O"), ("Paris", "B-LOC")]] + sents[:4],
-    )
-    gdir, out = tmp_path / "graph", tmp_path / "run"
-    assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
-    assert jsteer_main(_train_args(train, gdir, out, tiny_bert_dir, "--test", str(test))) == 0
+    sents, gdir, out = ner_run["sents"], ner_run["graph"], ner_run["out"]
+    assert all(len([w for w, t in s if t != "O"]) == 2 for s in sents)  # single-token entities only
     assert json.loads((out / "run.json").read_text())["config"]["labels"] == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
     (tmp_path / "new").mkdir()
     new = conll(tmp_path / "new" / "fresh.conll", sents[5:9])

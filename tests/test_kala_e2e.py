@@ -28,11 +28,14 @@ def encoded_task(seed: int, n_train: int, n_test: int):
     return task, vocab, rels, enc(task.train), enc(task.test)
 
 
-def test_graph_carries_unseen_entity_labels():
-    task, vocab, rels, train, test = encoded_task(0, 192, 64)
-    assert all(e["n_unseen"] == e["graph"].n_local > 0 for e in test)  # every test entity is null
-    assert all(vocab(m.id) == 0 for _, _, ms in task.test for m in ms)
-    bert = BertConfig(
+# the task, model and training settings of both tests: the step-memory test then compiles the very
+# train steps the end-to-end test trained with (a persistent-cache hit when they run in one session)
+TASK = dict(seed=0, n_train=192, n_test=64)
+TRAIN = dict(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=30, warmup_ratio=0.1)
+
+
+def tiny_bert(task):
+    return BertConfig(
         vocab_size=len(task.vocab),
         hidden_size=32,
         num_layers=2,
@@ -40,7 +43,14 @@ def test_graph_carries_unseen_entity_labels():
         intermediate_size=64,
         max_position_embeddings=32,
     )
-    cfg = ktrain.TrainConfig(lr=2e-3, kala_lr=2e-3, batch_size=32, epochs=30, warmup_ratio=0.1)
+
+
+def test_graph_carries_unseen_entity_labels():
+    task, vocab, rels, train, test = encoded_task(**TASK)
+    assert all(e["n_unseen"] == e["graph"].n_local > 0 for e in test)  # every test entity is null
+    assert all(vocab(m.id) == 0 for _, _, ms in task.test for m in ms)
+    bert = tiny_bert(task)
+    cfg = ktrain.TrainConfig(**TRAIN)
     gold = [t for _, t, _ in task.test]
     f1 = {}
     for method in ("finetune", "relational"):
@@ -58,16 +68,9 @@ def test_graph_carries_unseen_entity_labels():
 
 def test_step_memory_is_measured_without_training_and_grows_with_the_graph():
     """Table 11's memory column: an ahead-of-time compile of one train step per method."""
-    task, vocab, rels, train, _ = encoded_task(1, 64, 8)
-    bert = BertConfig(
-        vocab_size=len(task.vocab),
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    cfg = ktrain.TrainConfig(batch_size=16, epochs=1)
+    task, vocab, rels, train, _ = encoded_task(**TASK)
+    bert = tiny_bert(task)
+    cfg = ktrain.TrainConfig(**TRAIN)
     mem = {}
     for method in ("finetune", "relational"):
         model = KalaModel(

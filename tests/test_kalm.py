@@ -27,9 +27,10 @@ TYPES = [[3, 4, 5], [5, 6], [9]]  # word 5 is in two types
 
 
 def perturb(tree, key, scale=0.5):
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    """``tree`` + N(0, scale) noise, drawn on the host (seeded by ``key``): a jax.random.normal per
+    leaf compiles one random program per shape, ~0.4 s each on XLA:CPU."""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype), tree)
 
 
 def head_out(types=TYPES, general=None, seed=0, share=True):

@@ -5,7 +5,8 @@ and KALA's graph pools with segment sums (forward scatter-adds). On a GPU XLA em
 fp16 scatter-add as a compare-and-swap loop that serialises wherever ids repeat -- position and
 token-type rows, padding, the null entity. Measured on an H100 (experiments/gpu_step_anatomy.py,
 session 29): MiniLM's bf16 gradient at batch 256 x 32 took 47 ms against 6 ms in fp32. These
-tests read the jitted program (before XLA's passes) and fail on any accumulating scatter
+tests read the jitted program (before XLA's passes; lowered from the params' shapes and dtypes, so
+no program is compiled) and fail on any accumulating scatter
 (add / max / min / mul) whose result is bf16 / fp16; a scatter that sets rows is left alone.
 """
 
@@ -32,6 +33,15 @@ def low_precision_scatters(fn, *args) -> list[str]:
     return [line.strip()[:200] for line in hlo.splitlines() if LOW_SCATTER.search(line)]
 
 
+def abstract_init(module, *inputs):
+    """The params' shapes and dtypes only: lowering reads nothing else (no init is run)."""
+    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *inputs)["params"])
+
+
+def abstract_cast(params, dtype):
+    return jax.eval_shape(lambda p: cast_floating(p, dtype), params)
+
+
 def grad_of_logits(module, *inputs):
     def loss(p):
         return jnp.sum(module.apply({"params": p}, *inputs).logits.astype(jnp.float32) ** 2)
@@ -56,9 +66,9 @@ def test_bert_bf16_gradient_has_no_low_precision_scatter(way):
     )
     ids = jnp.asarray(np.arange(16).reshape(2, 8) % 50)
     mask = jnp.ones_like(ids)
-    init = bert_heads.BertForTokenClassification(cfg, 3).init(jax.random.PRNGKey(0), ids, mask)["params"]
+    init = abstract_init(bert_heads.BertForTokenClassification(cfg, 3), ids, mask)
     if way == "params cast":  # the Trainer's mixed precision: fp32 masters cast to bf16 inside the step
-        module, p = bert_heads.BertForTokenClassification(cfg, 3), cast_floating(init, jnp.bfloat16)
+        module, p = bert_heads.BertForTokenClassification(cfg, 3), abstract_cast(init, jnp.bfloat16)
     else:
         module, p = bert_heads.BertForTokenClassification(cfg, 3, dtype=jnp.bfloat16), init
     assert low_precision_scatters(grad_of_logits(module, ids, mask), p) == []
@@ -71,8 +81,8 @@ def test_decoder_bf16_gradients_have_no_low_precision_scatter():
         vocab_size=40, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8
     )
     m = Decoder(lcfg, dtype=jnp.bfloat16)
-    p = m.init(jax.random.PRNGKey(0), ids, mask)["params"]
-    for params in (p, cast_floating(p, jnp.bfloat16)):
+    p = abstract_init(m, ids, mask)
+    for params in (p, abstract_cast(p, jnp.bfloat16)):
         assert low_precision_scatters(grad_of_logits(m, ids, mask), params) == []
     gm = Decoder(
         config_from_hf(
@@ -80,7 +90,7 @@ def test_decoder_bf16_gradients_have_no_low_precision_scatter():
         ),
         dtype=jnp.bfloat16,
     )
-    p = gm.init(jax.random.PRNGKey(0), ids, mask)["params"]
+    p = abstract_init(gm, ids, mask)
     assert low_precision_scatters(grad_of_logits(gm, ids, mask), p) == []
 
 
@@ -99,7 +109,7 @@ def test_kala_bf16_gradient_has_no_low_precision_scatter(method):
     if method == "ernie":
         opts = dict(entity_heads=2)
     model = registry.build_model(method, tiny_bert(), num_labels=3, num_entities=4, **opts)
-    p = cast_floating(registry.init_params(model, jax.random.PRNGKey(0)), jnp.bfloat16)
+    p = jax.eval_shape(lambda: cast_floating(registry.init_params(model, jax.random.PRNGKey(0)), jnp.bfloat16))
     kw = {}
     if method in registry.VARIANTS:
         kw["extras"] = {k: jnp.zeros_like(ids) for k in registry.extra_keys(model)} or None

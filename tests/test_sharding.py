@@ -34,9 +34,24 @@ def _config(name):
     return families.config_from_hf(getattr(transformers, cls)(**kw).to_dict())
 
 
+def random_params(shapes, seed=0):
+    """Params of the init's tree drawn on the host: norm scales 1 + N(0, 0.05), every other leaf
+    N(0, 0.05) (biases and norm offsets non-zero, so a misplaced shard of any leaf shows). A jitted
+    Flax init compiles one random fusion per leaf, ~5 s per family on XLA:CPU."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, s):
+        x = 0.05 * rng.standard_normal(s.shape) + (jax.tree_util.keystr(path).endswith("['scale']"))
+        return x.astype(s.dtype)  # on the host: placing it on a mesh slices it there, no program compiled
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 def test_tensor_parallel_splits_the_parameter_bytes():
     cfg = _config("llama3.2-tied")
-    params = jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = random_params(
+        jax.eval_shape(Decoder(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    )
     placed = S.shard(params, logical_axes(params), S.make_mesh(data=2, tensor=4), "tp")
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     norms = sum(x.nbytes for x in jax.tree.leaves(params) if x.ndim == 1)  # replicated, small
@@ -105,7 +120,7 @@ def test_lm_steer_train_step_on_a_2x4_mesh_matches_one_device():
 
     cfg = _config("llama3.2-tied")
     module = Decoder(cfg)
-    backbone = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    backbone = random_params(jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
     tc = train.TrainConfig(rank=4, batch_size=8)
     params = {
         "steer": train.init_params(tc, cfg.hidden_size, V),
@@ -166,7 +181,7 @@ def test_kalm_training_on_a_2x4_mesh_matches_one_device():
     ids = rng.integers(3, 24, (16, 9)).astype(np.int32)
     mask = np.ones_like(ids)
     model = ktrain.make_model("kalm", ktrain.tiny_llama(24, hidden=32, layers=2, heads=4, max_len=16), vocab, 8)
-    params = ktrain.init_params(model, jax.random.PRNGKey(0), vocab)
+    params = random_params(jax.eval_shape(lambda r: ktrain.init_params(model, r, vocab), jax.random.PRNGKey(0)))
     cfg = ktrain.LMTrainConfig(batch_size=8, steps=3, warmup_steps=1)
     rules = {**S.PRESETS["fsdp_tp"], "vocab": None}  # 24 words: the vocabulary stays whole
     one, a = ktrain.train(model, params, ids, mask, vocab, cfg, mesh=data_mesh(jax.devices()[:1]))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decoder_families import FAMILIES, left_padded
-from test_sharding import MESHES, V, _config
+from test_sharding import MESHES, V, _config, random_params
 
 from jsteer import sharding as S
 from jsteer.backbones import bert, bert_heads
@@ -23,8 +23,7 @@ def test_every_decoder_family_shards_like_one_device(name):
     module = Decoder(cfg)
     ids, mask = left_padded(batch=8, seed=3)
     ids = np.minimum(ids, V - 1)
-    params = jax.jit(module.init)(jax.random.PRNGKey(0), jnp.asarray(ids[:1]))["params"]
-    params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+    params = random_params(jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.asarray(ids[:1]))["params"])
     fwd = jax.jit(lambda p, i, m: module.apply({"params": p}, i, m).logits)
     ref = fwd(params, jnp.asarray(ids), jnp.asarray(mask))
     ref_tokens = generate(module, params, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=4).tokens
@@ -46,10 +45,11 @@ def test_bert_shards_like_one_device():
     )
     module = bert_heads.model_for_head(cfg, "mlm")
     ids = jnp.asarray(np.random.default_rng(0).integers(1, V, (8, 12)))
-    params = jax.jit(module.init)(jax.random.PRNGKey(0), ids)["params"]
-    ref = module.apply({"params": params}, ids).logits
+    params = random_params(jax.eval_shape(module.init, jax.random.PRNGKey(0), ids)["params"])
+    fwd = jax.jit(lambda p, i: module.apply({"params": p}, i).logits)
+    ref = fwd(params, ids)
     for shape in MESHES.values():
         mesh = S.make_mesh(**shape)
         placed = S.shard(params, bert.logical_axes(params), mesh, "fsdp_tp")
-        out = jax.jit(lambda p, i: module.apply({"params": p}, i).logits)(placed, ids)
+        out = fwd(placed, ids)
         assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 1e-5
