@@ -33,6 +33,7 @@ import numpy as np
 
 import jsteer
 from jsteer import actsteer
+from jsteer.actsteer.compare import change, steer_choices
 from jsteer.steer import data as steer_data
 from jsteer.steer import evaluate, protocol
 from jsteer.workspace import ROOT, log, write_json
@@ -260,9 +261,8 @@ def report(res, source: str = "smollm2.json") -> str:
             (k for k in ref["metrics"] if k.startswith("neutral_")),
             key=lambda k: 0.0 if k == "neutral_base" else float(k.split("_s")[1]),
         ):
-            ch = ref.get("strength_selection", {}).get("chosen", {})
             v = None if key == "neutral_base" else float(key.split("_s")[1])
-            held_out = v is not None and v in (ch.get("positive"), -ch.get("negative", 0.0))
+            held_out = v is not None and v in steer_choices(ref)
             name = "unsteered" if v is None else f"LM-Steer {v:+g} (x eps0){' (chosen held-out)' if held_out else ''}"
             lines.append(row(name, ref["metrics"][key], ref["metrics"]["neutral_base"]))
         lines += ["", "## Reading", ""] + comparison(m, layer, s, ref["metrics"], method)
@@ -272,10 +272,6 @@ def report(res, source: str = "smollm2.json") -> str:
 def comparison(m: dict, layer: int, s: float, ref: dict, name: str = "CAA") -> list:
     """One line per direction: the control vector's change next to the LM-Steer row of the nearest perplexity rise
     (same direction), each against its own unsteered row."""
-
-    def change(rows, key):
-        r, b = rows[key], rows["neutral_base"]
-        return 100 * (r["positivity"] - b["positivity"]), 100 * (r["ppl_mean"] / b["ppl_mean"] - 1)
 
     out = []
     for sign, word in ((1, "towards"), (-1, "away from")):

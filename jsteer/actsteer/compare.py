@@ -19,10 +19,16 @@ RUNS = {"CAA": "smollm2.json", "PCA": "smollm2_pca.json"}
 MAX_RISE = 150  # % perplexity rise: the chart's right edge (LM-Steer reaches +1479% at +7)
 
 
-def _change(rows: dict, key: str) -> tuple[float, float]:
+def change(rows: dict, key: str) -> tuple[float, float]:
     """(positivity change in points, perplexity rise in %) of ``rows[key]`` against its unsteered row."""
     r, b = rows[key], rows["neutral_base"]
     return 100 * (r["positivity"] - b["positivity"]), 100 * (r["ppl_mean"] / b["ppl_mean"] - 1)
+
+
+def steer_choices(ref: dict) -> tuple:
+    """The steer values LM-Steer's run chose on held-out prompts (+positive, -negative)."""
+    ch = ref.get("strength_selection", {}).get("chosen", {})
+    return ch.get("positive"), -ch.get("negative", 0.0)
 
 
 def points(results: pathlib.Path = RESULTS, steer: pathlib.Path = STEER) -> dict:
@@ -39,15 +45,14 @@ def points(results: pathlib.Path = RESULTS, steer: pathlib.Path = STEER) -> dict
         rows = []
         for v in (ch["strength"], -ch["strength"]):
             key = f"neutral_l{ch['layer']}_s{v:+g}"
-            rows.append((f"{name} layer {ch['layer']}, {v:+g}", v, *_change(res["metrics"], key), True))
+            rows.append((f"{name} layer {ch['layer']}, {v:+g}", v, *change(res["metrics"], key), True))
         out[name] = rows
     if steer.exists():
         ref = json.loads(steer.read_text())
-        ch = ref.get("strength_selection", {}).get("chosen", {})
-        picked = (ch.get("positive"), -ch.get("negative", 0.0))
+        picked = steer_choices(ref)
         keys = [k for k in ref["metrics"] if k.startswith("neutral_s")]
         out["LM-Steer"] = [
-            (f"LM-Steer {v:+g} x eps0", v, *_change(ref["metrics"], k), v in picked)
+            (f"LM-Steer {v:+g} x eps0", v, *change(ref["metrics"], k), v in picked)
             for v, k in sorted((float(k.split("_s")[1]), k) for k in keys)
         ]
     return out
