@@ -72,6 +72,8 @@ from jsteer.steer import data as steer_data
 from jsteer.steer.protocol import PRIOR, READINGS, SELECTION_RULE, calibration, eps0_of, paired_bootstrap, score
 from jsteer.workspace import log, write_json
 
+JIGSAW_MAX_LEN = 32  # tokens of a Jigsaw training text the detox steer (and a control vector) reads
+
 
 def parse():
     ap = argparse.ArgumentParser()
@@ -149,7 +151,7 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
         "rank": a.rank,
         "l2": a.l2,
         "init_scale": a.init_scale,
-        "max_len": 32,
+        "max_len": JIGSAW_MAX_LEN,
     }
     if a.kind != "steer":  # the key of steer recipes is unchanged, so earlier artifacts still match
         recipe.update(kind=a.kind, rank=None)
@@ -190,7 +192,7 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
         cache = steer_data.cached_hidden(lm, work / f"cache_detox_self{a.self_texts}.npz", texts, max_len=64)
     else:
         cache = steer_data.cached_hidden(
-            lm, work / "cache_detox.npz", lambda: steer_data.jigsaw_steer_texts(a.jigsaw_texts), max_len=32
+            lm, work / "cache_detox.npz", lambda: steer_data.jigsaw_steer_texts(a.jigsaw_texts), max_len=JIGSAW_MAX_LEN
         )
     cfg = train.TrainConfig(
         rank=recipe["rank"],
@@ -222,10 +224,10 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
 def detox_vector(lm, a, res):
     """--kind caa | pca: a control vector at --cv-layer from the detox steer's Jigsaw texts, the
     non-toxic ones (+1) against the toxic ones (-1), paired in their seeded order, each cut to its
-    first 32 tokens as the steer's recipe reads them (max_len 32)."""
+    first JIGSAW_MAX_LEN tokens as the steer reads them."""
     tok = lm.tokenizer
     texts, values = steer_data.jigsaw_steer_texts(a.jigsaw_texts)
-    texts = [tok.decode(tok.encode(t, add_special_tokens=False)[:32]) for t in texts]
+    texts = [tok.decode(tok.encode(t, add_special_tokens=False)[:JIGSAW_MAX_LEN]) for t in texts]
     pos, neg = [t for t, v in zip(texts, values) if v > 0], [t for t, v in zip(texts, values) if v < 0]
     n = min(len(pos), len(neg))
     t0 = time.time()
@@ -236,7 +238,7 @@ def detox_vector(lm, a, res):
             "texts": a.jigsaw_texts,
             "pairs": n,
             "layer": a.cv_layer,
-            "max_tokens": 32,
+            "max_tokens": JIGSAW_MAX_LEN,
             "reduce": actsteer.REDUCE[a.kind],
             "norm": float(np.linalg.norm(np.asarray(cv.directions[a.cv_layer]))),
             "train_seconds": time.time() - t0,
