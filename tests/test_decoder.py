@@ -4,6 +4,7 @@ position's logits, forward-mode autodiff and the CPU kernel's packing. Family pa
 transformers is in test_decoder_families.py."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -549,26 +550,37 @@ def test_remat_policies_keep_gradients_and_cut_memory(scan):
         dataclasses.replace(cfg, remat="some")
 
 
+def _dots(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _dots(sub)
+
+
 def test_bf16_end_to_end_accumulates_in_fp32(setup):
-    """bf16 params and activations: every matrix product takes bf16 operands with fp32
-    accumulation; norms and the softmax run in fp32; logits come back fp32."""
+    """bf16 params and activations: every matrix product, forward and backward, takes bf16
+    operands (an fp32 x bf16 product runs as an fp32 one on GPUs) and accumulates in fp32 (here:
+    XLA:CPU computes each as an fp32 dot); norms and the softmax run in fp32; logits come back fp32."""
     _, cfg, params, _, _ = setup
     module = jd.Decoder(cfg, dtype=jnp.bfloat16)
     pb = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     ids, mask = _batch(seed=18)
-    closed = jax.make_jaxpr(lambda p: module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)).logits)(pb)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
 
-    def dots(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                yield eqn
-            for sub in jax.core.jaxprs_in_params(eqn.params):
-                yield from dots(sub)
+    def loss(p):
+        return jax.nn.log_softmax(module.apply({"params": p}, ids, mask).logits)[..., 0].mean()
 
-    found = list(dots(closed.jaxpr))
-    assert len(found) >= 7 * L  # q, k, v, o, gate/up, down per layer, attention's two products, the logits
-    for eqn in found:
-        assert eqn.params["preferred_element_type"] == jnp.float32, eqn
+    forward = list(_dots(jax.make_jaxpr(loss)(pb).jaxpr))
+    assert len(forward) >= 7 * L  # q, k, v, o, gate/up, down per layer, attention's two products, the logits
+    fp32_results = [e for e in forward if e.params["preferred_element_type"] == jnp.float32]
+    assert len(fp32_results) == 2 * L + 1  # the scores, the weighted values, the logits
+    backward = list(_dots(jax.make_jaxpr(jax.grad(loss))(pb).jaxpr))
+    assert len(backward) >= 3 * len(forward)
+    for eqn in forward + backward:
         assert {str(v.aval.dtype) for v in eqn.invars} == {"bfloat16"}, eqn
-    out = module.apply({"params": pb}, jnp.asarray(ids), jnp.asarray(mask))
+    hlo = jax.jit(jax.grad(loss)).lower(pb).compile().as_text()
+    products = re.findall(r"= (\w+)\[[\d,]*\]\{[\d,]*\} dot\(", hlo)
+    assert len(products) >= len(backward) and set(products) == {"f32"}, set(products)
+    out = module.apply({"params": pb}, ids, mask)
     assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16

@@ -1,4 +1,5 @@
-"""dense_dot_general: same values and gradients as lax.dot_general (a 2-D product), forward-mode too."""
+"""dense_dot_general: same values and gradients as lax.dot_general (a 2-D product), forward-mode too;
+dot_fp32_out: fp32 results of bf16 operands whose derivatives are bf16 products."""
 
 import flax.linen as nn
 import jax
@@ -6,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones.matmul import Dense, DenseGeneral, dense_dot_general
+from jsteer.backbones.matmul import Dense, DenseGeneral, dense_dot_general, dot_fp32_out
 
 
 @pytest.mark.parametrize(
@@ -67,3 +68,57 @@ def test_forward_mode_autodiff():
     _, t = jax.jvp(f, (x,), (v,))
     np.testing.assert_allclose(float(t), float(jnp.vdot(jax.grad(f)(x), v)), rtol=1e-5)
     assert jax.jacfwd(f)(x).shape == x.shape
+
+
+NT = (((2,), (1,)), ((), ()))  # h [B,T,D] against a table [V,D] -> [B,T,V]
+
+
+def _products(fn, *args):
+    return [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+def test_dot_fp32_out_values_and_bf16_backward():
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(2, 3, 16)), jnp.bfloat16)
+    table = jnp.asarray(rng.normal(size=(40, 16)), jnp.bfloat16)
+    plain = jax.lax.dot_general(h, table, NT, preferred_element_type=jnp.float32)
+    got = dot_fp32_out(h, table, NT)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+
+    g = jnp.asarray(rng.normal(size=plain.shape), jnp.float32)  # an fp32 cotangent, as a loss hands it
+    dh, dt = jax.grad(lambda h, t: jnp.sum(dot_fp32_out(h, t, NT) * g), (0, 1))(h, table)
+    assert dh.dtype == dt.dtype == jnp.bfloat16
+    # what they are: the cotangent rounded to bf16, then bf16 products (re-derived in fp64)
+    g16 = np.asarray(g.astype(jnp.bfloat16), np.float64)
+    want_dh = np.einsum("btv,vd->btd", g16, np.asarray(table, np.float64))
+    want_dt = np.einsum("btv,btd->vd", g16, np.asarray(h, np.float64))
+    np.testing.assert_allclose(np.asarray(dh, np.float64), want_dh, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dt, np.float64), want_dt, rtol=1e-2, atol=1e-2)
+    backward = _products(jax.grad(lambda h, t: jnp.sum(dot_fp32_out(h, t, NT) * g), (0, 1)), h, table)
+    assert len(backward) == 2 and all({str(v.aval.dtype) for v in e.invars} == {"bfloat16"} for e in backward)
+    # plain fp32 output hands the backward fp32 x bf16 products, which GPUs run in fp32
+    mixed = _products(
+        jax.grad(lambda h, t: jnp.sum(jax.lax.dot_general(h, t, NT, preferred_element_type=jnp.float32) * g), (0, 1)),
+        h,
+        table,
+    )
+    assert any({str(v.aval.dtype) for v in e.invars} == {"float32", "bfloat16"} for e in mixed)
+
+
+def test_dot_fp32_out_in_fp32_is_plain_autodiff_forward_mode_too():
+    rng = np.random.default_rng(4)
+    h = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
+    f = lambda h, t: jnp.sum(jnp.sin(dot_fp32_out(h, t, NT)))  # noqa: E731
+    ref = lambda h, t: jnp.sum(jnp.sin(jax.lax.dot_general(h, t, NT)))  # noqa: E731
+    for a, b in zip(jax.grad(f, (0, 1))(h, table), jax.grad(ref, (0, 1))(h, table)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    v = jnp.asarray(rng.normal(size=h.shape), jnp.float32)
+    _, t = jax.jvp(lambda h: f(h, table), (h,), (v,))
+    np.testing.assert_allclose(float(t), float(jnp.vdot(jax.grad(f)(h, table), v)), rtol=1e-5)
+    hess = jax.hessian(lambda x: f(h.at[0, 0, :3].set(x), table))(h[0, 0, :3])
+    hess_ref = jax.hessian(lambda x: ref(h.at[0, 0, :3].set(x), table))(h[0, 0, :3])
+    np.testing.assert_allclose(np.asarray(hess), np.asarray(hess_ref), rtol=1e-5, atol=1e-6)
+    # a frozen table (grad for h only) costs one backward product, not a product of zeros too
+    assert len(_products(jax.grad(f), h, table)) == 1

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jsteer.backbones.base import NEG_INF
+from jsteer.backbones.matmul import dot_fp32_out
 
 Array = jax.Array
 
@@ -71,7 +72,8 @@ def dot_product_attention(
     # ~4x slower on a [B,K,G,T,S] view.
     qt = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
     kt = k if cache_layout else k.transpose(0, 2, 3, 1)  # [B,K,H,S]
-    scores = jnp.matmul(qt, kt.astype(q.dtype), preferred_element_type=jnp.float32) * scale  # [B,K,G*T,S]
+    batched = (((3,), (2,)), ((0, 1), (0, 1)))  # [B,K,M,N] @ [B,K,N,P] -> [B,K,M,P]
+    scores = dot_fp32_out(qt, kt.astype(q.dtype), batched) * scale  # [B,K,G*T,S]
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
     if bias is not None:
@@ -83,7 +85,7 @@ def dot_product_attention(
     if dropout is not None:
         weights = dropout(weights)
     vt = v if cache_layout else v.transpose(0, 2, 1, 3)  # [B,K,S,H]
-    out = jnp.matmul(weights.astype(v.dtype), vt, preferred_element_type=jnp.float32) / denom
+    out = dot_fp32_out(weights.astype(v.dtype), vt, batched) / denom
     return out.astype(v.dtype).reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4)
 
 

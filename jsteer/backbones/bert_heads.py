@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jsteer.backbones.base import ACTIVATIONS, ModelOutput
 from jsteer.backbones.bert import Array, BertConfig, BertEncoder, dense_init, layer_norm, ln_fp32
 from jsteer.backbones.dropout import Dropout
-from jsteer.backbones.matmul import Dense
+from jsteer.backbones.matmul import Dense, dot_fp32_out
 
 
 class MLMHead(nn.Module):
@@ -48,7 +48,7 @@ class MLMHead(nn.Module):
         if c.tie_word_embeddings:
             if word_embedding is None:
                 raise ValueError("MLMHead with tied embeddings needs the word-embedding matrix")
-            logits = jnp.einsum("BTD,VD->BTV", x, word_embedding.astype(self.dtype), preferred_element_type=jnp.float32)
+            logits = dot_fp32_out(x, word_embedding.astype(self.dtype), (((2,), (1,)), ((), ())))  # [B,T,V]
         else:
             logits = Dense(
                 c.vocab_size,

@@ -62,6 +62,7 @@ from jsteer.backbones.base import (
 )
 from jsteer.backbones.decoder_config import REMAT_POLICIES, DecoderConfig
 from jsteer.backbones.decoder_params import decode_pack
+from jsteer.backbones.matmul import dot_fp32_out
 from jsteer.backbones.rope import apply_rope
 from jsteer.backbones.sites import SiteRunner
 from jsteer.hooks import Hooks, apply_steer_logits
@@ -88,6 +89,7 @@ class Linear(nn.Module):
     use_bias: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    fp32_out: bool = False  # fp32 results (the logits) through matmul.dot_fp32_out
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -104,14 +106,12 @@ class Linear(nn.Module):
             and cpu.MIN_ROWS <= x2.shape[0] <= cpu.MAX_ROWS
         ):
             y = cpu.small_gemm(x2, packed, n)
+        elif self.fp32_out:
+            y = dot_fp32_out(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
         else:
-            # bf16 operands, fp32 accumulation on every backend (the product's own dtype is the layer's)
-            y = lax.dot_general(
-                x2,
-                kernel.reshape(k, n).astype(self.dtype),
-                (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            ).astype(self.dtype)
+            # products in the layer's dtype: bf16 ones accumulate in fp32 on every backend (cuBLAS
+            # compute type, TPU MXU, XLA:CPU's upcast), and their backward stays bf16 x bf16
+            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype).reshape(n).astype(
                 self.dtype
@@ -421,13 +421,11 @@ class Decoder(nn.Module):
                 and cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS
             ):
                 logits = cpu.small_gemm(h.reshape(rows, -1), packed, c.vocab_size).reshape(h.shape[:-1] + (-1,))
-            else:  # h E^T with fp32 accumulation and fp32 logits (embed.attend would round them to bf16)
+            else:  # h E^T with fp32 logits (embed.attend would round them to the compute dtype)
                 table = embed.embedding.astype(self.dtype)
-                logits = lax.dot_general(
-                    h.astype(self.dtype), table, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
+                logits = dot_fp32_out(h.astype(self.dtype), table, (((h.ndim - 1,), (1,)), ((), ())))
         else:
-            logits = Linear((c.vocab_size,), name="lm_head", **kw)(h)
+            logits = Linear((c.vocab_size,), name="lm_head", fp32_out=True, **kw)(h)
         logits = logits.astype(jnp.float32)
         if c.final_softcap is not None:
             logits = jnp.tanh(logits / c.final_softcap) * c.final_softcap

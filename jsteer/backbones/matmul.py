@@ -10,6 +10,11 @@ interleaved), and unlike a ``custom_vjp`` it supports forward-mode autodiff (jvp
 on every backend. Values are the same contraction as ``lax.dot_general``.
 
 Any other contraction pattern (batch dims, different axes) falls through to ``lax.dot_general``.
+
+``dot_fp32_out`` is the product for fp32 results of low-precision operands (the logits): fp32
+accumulation and an fp32 output, while its derivatives run at the operands' precision. Plain
+``preferred_element_type=float32`` would hand the backward fp32 cotangents against bf16 operands,
+a mixed product GPUs run as an fp32 one (see its docstring).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 Array = jax.Array
 
@@ -60,3 +67,30 @@ def dense_dot_general(lhs: Array, rhs: Array, dimension_numbers, precision=None,
 # nn.Dense / nn.DenseGeneral with the fast backward; same modules, same param names and layout.
 Dense = functools.partial(nn.Dense, dot_general=dense_dot_general)
 DenseGeneral = functools.partial(nn.DenseGeneral, dot_general=dense_dot_general)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def dot_fp32_out(lhs: Array, rhs: Array, dimension_numbers) -> Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` accumulated and returned in fp32.
+
+    Tangents (and so, transposed, cotangents) are products at the operands' dtype, rounded there and
+    handed on in fp32: with bf16 operands the backward's products are bf16 x bf16 like the forward's
+    (HF's bf16 logits then ``.float()`` round their cotangents the same way) instead of fp32 x bf16,
+    which XLA:GPU runs as an upcast fp32 product reading twice the bytes. fp32 operands: plain autodiff.
+    """
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _dot_fp32_out_jvp(dimension_numbers, primals, tangents):
+    lhs, rhs = primals
+    out = dot_fp32_out(lhs, rhs, dimension_numbers)
+    parts = []
+    if not isinstance(tangents[0], SymbolicZero):
+        parts.append(lax.dot_general(tangents[0].astype(lhs.dtype), rhs, dimension_numbers))
+    if not isinstance(tangents[1], SymbolicZero):
+        parts.append(lax.dot_general(lhs, tangents[1].astype(rhs.dtype), dimension_numbers))
+    tangent = functools.reduce(lambda a, b: a + b, (p.astype(jnp.float32) for p in parts))
+    return out, tangent
+
+
+dot_fp32_out.defjvp(_dot_fp32_out_jvp, symbolic_zeros=True)
