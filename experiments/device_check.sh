@@ -7,16 +7,7 @@
 # log.txt, attention.json, bert.json, decoder_train.json, decode.json (each part's jax and torch
 # halves merged; experiments/bench_gpu.py; decoder_train with the forward / backward anatomy).
 # Earlier runs: experiments/results/gpu_*/.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-mkdir -p ../shared && ln -sfn "$PWD/.gpu/data" ../shared/data
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import jax, flax, optax, orbax.checkpoint as oc, torch, transformers as t; \
-print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'torch', torch.__version__, \
-'transformers', t.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu.txt"
-step() { echo "=== $1 ($(date +%T))"; shift; "$@" 2>&1 | tee -a "$OUT/log.txt" | grep -vE "Warning|warn\(" | tail -12; }
+source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
 # one framework per process for the big parts, so each may take 90% of the GPU's memory
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
