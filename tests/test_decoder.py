@@ -349,13 +349,14 @@ def test_forward_mode_autodiff_through_the_decoder(setup):
         )
 
     direction = jnp.asarray(np.random.default_rng(6).normal(size=emb.shape).astype(np.float32))
-    _, tangent = jax.jvp(logit, (emb,), (direction,))
-    grad = jax.grad(logit)(emb)
+    # jitted: op-by-op dispatch of the unrolled layers took ~4x longer than compiling
+    _, tangent = jax.jit(lambda e, d: jax.jvp(logit, (e,), (d,)))(emb, direction)
+    grad = jax.jit(jax.grad(logit))(emb)
     np.testing.assert_allclose(float(tangent), float(jnp.vdot(grad, direction)), rtol=1e-4)
     assert abs(float(tangent)) > 1e-3
-    jac = jax.jacfwd(lambda o: logit(emb.at[0, -1].set(o)))(emb[0, -1])
+    jac = jax.jit(jax.jacfwd(lambda o: logit(emb.at[0, -1].set(o))))(emb[0, -1])
     np.testing.assert_allclose(np.asarray(jac), np.asarray(grad[0, -1]), rtol=1e-4, atol=1e-6)
-    hess = jax.hessian(lambda o: logit(emb.at[0, -1, :4].set(o)))(emb[0, -1, :4])
+    hess = jax.jit(jax.hessian(lambda o: logit(emb.at[0, -1, :4].set(o))))(emb[0, -1, :4])
     assert hess.shape == (4, 4) and np.allclose(hess, hess.T, atol=1e-4)
 
 
@@ -463,19 +464,26 @@ def test_decoder_hands_right_padding_to_the_fused_path(setup, monkeypatch):
         return real_attention(*a, right_padded=right_padded, **kw)
 
     monkeypatch.setattr(jd, "attention", spy)
+
+    def logits(mod, mask, **kw):  # a fresh jit per call: each traces under the patches of its moment
+        return jax.jit(lambda p, i, m: mod.apply({"params": p}, i, m, **kw).logits)(p, jnp.asarray(ids), mask)
+
     for mask in (left, left[:, ::-1].copy()):
-        cpu = module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)).logits
+        cpu = logits(module, jnp.asarray(mask))
         with monkeypatch.context() as m:
             m.setattr(A, "_backend", lambda: "gpu")
             m.setattr(A, "_FUSED_IMPLEMENTATION", "xla")
-            gpu = module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)).logits
+            gpu = logits(module, jnp.asarray(mask))
         assert _maxdiff(cpu, gpu, mask) <= 0.02 * float(jnp.abs(cpu).max())
     assert seen and all(seen)
     seen.clear()
-    module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), cache=lcfg.init_cache(B, T + 2))
+    jax.eval_shape(
+        lambda p: module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), cache=lcfg.init_cache(B, T + 2)), p
+    )
     sw = jd.Decoder(dataclasses.replace(lcfg, sliding_window=4), dtype=jnp.bfloat16)
-    sw.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left))
-    module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), hooks=Hooks(attn_bias=jnp.zeros((B, T, T))))
+    jax.eval_shape(lambda p: sw.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left)), p)
+    bias = Hooks(attn_bias=jnp.zeros((B, T, T)))
+    jax.eval_shape(lambda p: module.apply({"params": p}, jnp.asarray(ids), jnp.asarray(left), hooks=bias), p)
     assert len(seen) == 3 * L and not any(seen)
 
 
@@ -540,10 +548,10 @@ def test_remat_policies_keep_gradients_and_cut_memory(scan):
     ref = grad_fn("none")(params)
     temp = {}
     for remat in ("none", "dots", "full"):
-        fn = grad_fn(remat)
+        fn = grad_fn(remat).lower(params).compile()  # one compile gives the values and the memory
         for a, b in zip(jax.tree.leaves(fn(params)), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
-        temp[remat] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
+        temp[remat] = fn.memory_analysis().temp_size_in_bytes
     if scan:  # what the backward keeps shrinks with the policy (XLA:CPU: 37 -> 13 -> 7 MB at 6 layers)
         assert temp["full"] < temp["dots"] < temp["none"], temp
     with pytest.raises(ValueError, match="remat"):
