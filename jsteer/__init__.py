@@ -20,6 +20,7 @@ _LAZY = {
     "save_artifact": "jsteer.checkpoints",
     "load_artifact": "jsteer.checkpoints",
     "Tokenizer": "jsteer.tokenizer",
+    "forward_mode": "jsteer.backbones.attention",
 }
 
 
@@ -71,5 +72,6 @@ __all__ = [
     "FiLM",
     "Steer",
     "compose",
+    "forward_mode",
     "__version__",
 ]

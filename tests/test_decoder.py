@@ -487,6 +487,50 @@ def test_decoder_hands_right_padding_to_the_fused_path(setup, monkeypatch):
     assert len(seen) == 3 * L and not any(seen)
 
 
+def test_forward_mode_on_gpu_takes_the_portable_attention(monkeypatch):
+    """cuDNN attention is a custom VJP, which forward-mode autodiff cannot pass. A bf16 decoder on
+    the GPU path (cuDNN's implementation traced on CPU, its version checks patched; lowered for
+    cuda by jax.export) takes cuDNN under grad and the portable path under jvp / hessian; a jvp
+    around a call jitted before takes it inside jsteer.forward_mode(), and fails to lower without."""
+    import jax._src.cudnn.fused_attention_stablehlo as cudnn_fa
+    from jax import export
+
+    import jsteer
+    from jsteer.backbones import attention as A
+
+    cfg = DecoderConfig.llama(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2
+    )
+    module = jd.Decoder(cfg, dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(19).integers(0, V, (2, 16)), jnp.int32)  # cuDNN: T % 16 == 0 here
+    p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), module.init(jax.random.key(0), ids)["params"])
+    offset = jnp.zeros((2, 16, 32), jnp.bfloat16)
+    monkeypatch.setattr(A, "_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn_fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn_fa, "check_compute_capability", lambda capability: True)
+
+    def logit(o, apply=module.apply):
+        return apply({"params": p}, ids, hooks=Hooks(embed_offset=o)).logits[:, -1, 3].sum()
+
+    def kernels(fn, *args):  # cuDNN attention calls in fn's program
+        return str(jax.make_jaxpr(fn)(*args)).count("dot_product_attention_fwd")
+
+    assert kernels(logit, offset) > 0 and kernels(jax.grad(logit), offset) > 0
+    jvp = lambda o: jax.jvp(logit, (o,), (jnp.ones_like(o),))  # noqa: E731
+    assert kernels(jvp, offset) == 0
+    assert kernels(jax.hessian(lambda x: logit(offset.at[0, -1, :2].set(x))), offset[0, -1, :2]) == 0
+    export.export(jax.jit(jvp), platforms=["cuda"])(offset)
+
+    jitted = jax.jit(module.apply)  # traced (with cuDNN) before the jvp reaches it
+    assert kernels(lambda o: logit(o, jitted), offset) > 0
+    jvp_jitted = lambda o: jax.jvp(lambda o: logit(o, jitted), (o,), (jnp.ones_like(o),))  # noqa: E731
+    with pytest.raises(TypeError, match="forward-mode"):
+        export.export(jax.jit(jvp_jitted), platforms=["cuda"])(offset)
+    with jsteer.forward_mode():
+        assert kernels(jvp_jitted, offset) == 0
+        export.export(jax.jit(jvp_jitted), platforms=["cuda"])(offset)
+
+
 def test_scanned_layer_stack_equals_unrolled(setup):
     """scan_layers=True: one nn.scan over stacked params gives the unrolled stack's logits,
     captures, FiLM, interventions, KV-cache decoding and greedy tokens."""

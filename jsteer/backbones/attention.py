@@ -91,6 +91,36 @@ def dot_product_attention(
 
 _FUSED_IMPLEMENTATION = "cudnn"  # tests check the fused path's masking on CPU with "xla"
 
+# cuDNN's kernels are custom VJPs: reverse mode runs cuDNN's backward, forward mode (jax.jvp,
+# jacfwd, hessian) cannot pass them. A jit-cache key, so programs traced inside get their own entry.
+_PORTABLE = jax.make_user_context(default_value=False)
+
+
+def forward_mode():
+    """Context manager: attention traced inside takes no fused kernel, so forward-mode autodiff
+    (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) goes through every backbone on a GPU too. Same
+    values. Needed where the jvp is taken around an already-jitted call (e.g. ``lm.forward``):
+    a forward-mode trace that reaches attention directly is recognised without it."""
+    return _PORTABLE(True)
+
+
+def _in_forward_mode() -> bool:
+    """True inside :func:`forward_mode` or when a forward-mode (JVP) trace encloses this one."""
+    if _PORTABLE.value:
+        return True
+    try:  # jax's trace stack (internal): a reverse-mode trace is a LinearizeTrace, not a JVPTrace
+        from jax._src import core
+        from jax._src.interpreters.ad import JVPTrace
+
+        trace = core.trace_ctx.trace
+    except (ImportError, AttributeError):
+        return False
+    while trace is not None:
+        if isinstance(trace, JVPTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
 
 def _backend() -> str:
     return jax.default_backend()
@@ -132,7 +162,8 @@ def attention(
 ) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
-    steps), no dropout and no soft-capping. Elsewhere the hand-written path. An additive ``bias``
+    steps), no dropout, no soft-capping and no forward-mode autodiff (see :func:`forward_mode`).
+    Elsewhere the hand-written path. An additive ``bias``
     keeps the hand-written path unless ``right_padded`` (see :class:`RightPadded`) says that the
     bias is the key padding alone: then, as for ``visible``, the fused path masks by lengths when
     its ``ok`` holds and falls back otherwise (one ``lax.cond``). The fused path lets a padding
@@ -155,6 +186,7 @@ def attention(
         or softcap is not None
         or (bias is not None and right_padded is None)
         or q.dtype not in (jnp.bfloat16, jnp.float16)
+        or _in_forward_mode()
     ):
         return hand(q, k, v)
     s = k.shape[1]
