@@ -2,9 +2,9 @@
 # The prepared run on a lent GPU machine (issue #36): jsteer against HF PyTorch on the same chip,
 # bf16 compute. Through the device tool, after `bash experiments/device_bundle.sh` here:
 #   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=560)
-# Per-step limits sum to 530 s (+ ~15 s set-up; session 35: 435 s on an H200), under the 9 minutes that leave a rerun inside
+# Per-step limits sum to 535 s (+ ~15 s set-up; sessions 35 / 36: 435 / 442 s on an H200), under the 9 minutes that leave a rerun inside
 # the session's 15. $OUT gets (8 files at most come back): gpu.txt (chip, clocks, versions),
-# log.txt, attention.json, bert.json, decoder_train.json, decode.json (each part's jax and torch
+# log.txt, attention.json, bert.json, decoder_train.json, decode.json, products.json, jvp.json (each part's jax and torch
 # halves merged; experiments/bench_gpu.py; decoder_train with the forward / backward anatomy).
 # Earlier runs: experiments/results/gpu_*/.
 source experiments/device_env.sh
@@ -14,15 +14,17 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 # KALA (experiments/bench_kala.py) is left out: it reads CoNLL through tensorflow_datasets, absent there,
 # and its cp312 wheels (9 MB) do not fit the 64 MiB beside the MiniLM weights (session 35).
 # jsteer's halves first: if a later step hits its limit, HF's numbers from the last run on the same kind stand
-step "decoder-train jax" timeout 140 $B --part decoder-train --framework jax --anatomy --reps 4 --out /tmp/parts/dt_jax.json
-step "decode jax" timeout 120 $B --part decode --framework jax --reps 3 --out /tmp/parts/de_jax.json
+step "decoder-train jax" timeout 110 $B --part decoder-train --framework jax --anatomy --reps 4 --out /tmp/parts/dt_jax.json
+step "decode jax" timeout 100 $B --part decode --framework jax --reps 3 --out /tmp/parts/de_jax.json
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45  # jax and torch share the process
-step "bert" timeout 110 $B --part bert --framework both --reps 6 --out "$OUT/bert.json"
+step "bert" timeout 105 $B --part bert --framework both --reps 6 --out "$OUT/bert.json"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 step "decoder-train torch" timeout 35 $B --part decoder-train --framework torch --anatomy --reps 4 --out /tmp/parts/dt_torch.json
-step "decode torch" timeout 90 $B --part decode --framework torch --reps 3 --out /tmp/parts/de_torch.json
+step "decode torch" timeout 85 $B --part decode --framework torch --reps 3 --out /tmp/parts/de_torch.json
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
 step "attention" timeout 35 $B --part attention --framework both --reps 10 --out "$OUT/attention.json"
+step "products" timeout 40 python3 experiments/bench_gpu_products.py --reps 10 --out "$OUT/products.json"
+step "jvp" timeout 25 python3 experiments/gpu_jvp_check.py --out "$OUT/jvp.json"
 python3 - "$OUT" <<'PYEOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
