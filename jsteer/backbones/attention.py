@@ -163,10 +163,10 @@ def attention(
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
     steps), no dropout, no soft-capping and no forward-mode autodiff (see :func:`forward_mode`).
-    Elsewhere the hand-written path. An additive ``bias``
-    keeps the hand-written path unless ``right_padded`` (see :class:`RightPadded`) says that the
-    bias is the key padding alone: then, as for ``visible``, the fused path masks by lengths when
-    its ``ok`` holds and falls back otherwise (one ``lax.cond``). The fused path lets a padding
+    Elsewhere the hand-written path. An additive ``bias`` keeps the hand-written path unless
+    ``right_padded`` (see :class:`RightPadded`) says that the bias is the key padding alone: then,
+    as for ``visible``, the fused path masks by lengths when its ``ok`` holds and falls back
+    otherwise (one ``lax.cond``). The fused path lets a padding
     query row (no visible key) see its own slot (with lengths: the row's real keys), where the
     hand-written path spreads it uniformly: such rows are padding, read by nothing downstream."""
     b, t, kh, g, h = q.shape
