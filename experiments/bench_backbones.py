@@ -620,6 +620,7 @@ def main(argv=None) -> int:
 
     # decoding with 2..MAX_ROWS rows multiplies through this kernel when it is available
     env["jsteer_cpu_kernel"] = cpu.available() or f"unavailable: {cpu.unavailable_reason()}"
+    env["cpu"] = cpu.describe()
     if use_torch:
         import torch
         import transformers

@@ -187,3 +187,10 @@ def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="compiling small_gemm.cc failed"):
         cpu._build()
     assert not any(built.parent.iterdir())  # nothing half-written
+
+
+def test_describe_names_the_cpu_and_its_vector_isa():
+    d = cpu.describe()
+    assert d["model"] and d["model"] != "unknown"
+    assert set(d["simd"]) <= set(cpu._SIMD) and ("avx512f" in d["simd"]) == cpu._cpu_has_avx512f()
+    assert "avx2" in d["simd"]  # every x86 machine this suite runs on (the kernel needs AVX-512)

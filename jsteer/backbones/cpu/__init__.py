@@ -110,6 +110,21 @@ def _cpu_flags() -> str:
         return ""
 
 
+_SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def describe() -> dict:
+    """{"model": /proc/cpuinfo's model name, "simd": the vector-ISA flags among :data:`_SIMD` it has}:
+    what benchmark JSON records of the CPU (ratios to torch move with the ISA)."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    return {"model": model, "simd": [f for f in _SIMD if f in flags]}
+
+
 def _cpu_has_avx512f() -> bool:
     return " avx512f" in _cpu_flags()
 
