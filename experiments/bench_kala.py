@@ -26,9 +26,11 @@ Writes experiments/results/kala/bench.json and bench.md.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import pathlib
+import pickle
 import statistics
 import sys
 import time
@@ -76,6 +78,16 @@ def main(argv=None) -> int:
         default=os.cpu_count() or 1,
         help="torch intra-op threads; match XLA's (1 under --xla_cpu_multi_thread_eigen=false)",
     )
+    ap.add_argument(
+        "--save-data",
+        metavar="F",
+        help="only read CoNLL (--examples train, 32 test) and write it to F (gzipped pickle), for --data elsewhere",
+    )
+    ap.add_argument(
+        "--data",
+        metavar="F",
+        help="the data pickled by --save-data (a machine without tensorflow_datasets or CoNLL)",
+    )
     ap.add_argument("--out", default=str(OUT / "bench.json"))
     args = ap.parse_args(argv)
 
@@ -97,7 +109,18 @@ def main(argv=None) -> int:
 
         args.peak_tflops = peak_tflops(jax.devices()[0].device_kind)
     lm = jsteer.load("minilm")
-    data = protocol.load_data("conll", lm.tokenizer, train_size=args.examples, test_size=32)
+    if args.data:
+        with gzip.open(args.data, "rb") as f:
+            data = pickle.load(f)
+        if len(data.train) != args.examples:
+            raise SystemExit(f"bench_kala: {args.data} holds {len(data.train)} train examples, not {args.examples}")
+    else:
+        data = protocol.load_data("conll", lm.tokenizer, train_size=args.examples, test_size=32)
+    if args.save_data:
+        with gzip.open(args.save_data, "wb") as f:
+            pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
+        print(f"wrote {args.save_data}: {len(data.train)} train examples")
+        return 0
     memory = pipeline.memory_from_backbone(lm.config, lm.params["encoder"], data.train, data.vocab)
     # the same example groups collated with the default graph buckets and with --graph-rungs
     # smaller ones (same seed: same shuffled, length-grouped batches)

