@@ -663,9 +663,26 @@ def main(argv=None):
         default=None,
         help="only these decode batches (e.g. 64) or BERT shapes (e.g. 32x512)",
     )
+    ap.add_argument(
+        "--attention-products",
+        choices=("fp32-out", "preferred"),
+        default="fp32-out",
+        help="the hand-written attention's two products: matmul.dot_fp32_out (jsteer's) or, for an A/B, the "
+        "form before 062e1a5 (preferred_element_type=float32, plain autodiff: fp32 x bf16 backward products)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.attention_products == "preferred":
+        import jax
+        import jax.numpy as jnp
+
+        from jsteer.backbones import attention
+
+        attention.dot_fp32_out = lambda lhs, rhs, dn: jax.lax.dot_general(
+            lhs, rhs, dn, preferred_element_type=jnp.float32
+        )
     res = environment(a)
+    res["attention_products"] = a.attention_products
     t0 = time.perf_counter()
     PARTS[a.part](a, res)
     res["wall_s"] = time.perf_counter() - t0

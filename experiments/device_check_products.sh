@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short device run (issue #36, session 36): the bf16 product forms alone, then jsteer's halves of
 # decoder-train (with the anatomy), attention, BERT 32 x 512 and decode at batch 1, to compare with
-# the HF halves of the full run (experiments/device_check.sh) on the same kind. Per-step limits sum
+# the HF halves of the full run (experiments/device_check_full.sh) on the same kind. Per-step limits sum
 # to 320 s (+ ~15 s set-up):
 #   run(command="bash experiments/device_check_products.sh", carry=[".gpu"], timeout_s=360)
 source experiments/device_env.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A short device run for a session with under 5 minutes of device time left (experiments/device_check.sh
+# A short device run for a session with under 5 minutes of device time left (experiments/device_check_full.sh
 # needs ~9): jsteer's side only of the 1B decoder train step and batch-1 decoding on the GPU, to compare
 # with the HF numbers a full run measured on the same kind of chip. Limits sum to 150 s.
 #   run(command="bash experiments/device_quick.sh", carry=[".gpu"], timeout_s=170, kind=<the full run's kind>)

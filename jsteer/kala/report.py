@@ -552,7 +552,7 @@ def report(results: pathlib.Path = RESULTS) -> str:
     if bench.is_file():
         parts += ["", "## Throughput benchmark (experiments/bench_kala.py)", "", bench.read_text()]
     by_batch = lambda md: (md.parent.name, int(md.stem[len("kala_b") :]))  # noqa: E731
-    for md in sorted(results.parent.glob("gpu_*/kala_b*.md"), key=by_batch):  # experiments/device_check.sh runs
+    for md in sorted(results.parent.glob("gpu_*/kala_b*.md"), key=by_batch):  # experiments/device_check_kala.sh runs
         parts += [
             "",
             f"### On a GPU ({md.parent.name}/{md.name}; that folder's README has the context)",
