@@ -41,3 +41,17 @@ def test_cached_evaluator_is_retrained_for_another_recipe(tmp_path):
     assert np.allclose(EV._cached(legacy, enc, train(2.0), recipe=full).params["w"], 0.0) and len(trained) == 2
     EV._cached(legacy, enc, train(0.8), recipe=quick)
     assert trained == [0.8, 2.0, 0.8]
+
+
+def test_summarize_keeps_positivity_per_prompt(monkeypatch):
+    """summarize: positivity overall and per prompt (samples [P][S] scored in one flat batch)."""
+
+    class Clf:
+        def prob(self, texts):  # positive when the text says so
+            return np.array([0.9 if "good" in t else 0.1 for t in texts])
+
+    monkeypatch.setattr(EV, "fluency_diversity", lambda lm, prompts, samples: {"ppl_mean": 1.0})
+    samples = [["good", "bad", "good", "good"], ["bad", "bad", "bad", "good"], ["bad"] * 4]
+    m = EV.summarize(None, Clf(), None, ["a", "b", "c"], samples)
+    assert m["positivity_per_prompt"] == [0.75, 0.25, 0.0] and abs(m["positivity"] - 4 / 12) < 1e-12
+    assert m["ppl_mean"] == 1.0

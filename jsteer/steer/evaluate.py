@@ -409,13 +409,16 @@ def fluency_diversity(lm, prompt_list, samples) -> Dict[str, float]:
     return res
 
 
-def summarize(lm, pos_clf, tox_clf, prompt_list, samples) -> Dict[str, float]:
-    """Positivity (share of samples ``pos_clf`` calls positive), toxicity stats (``tox_clf``; either
-    may be None) and :func:`fluency_diversity` of samples [P][S]."""
+def summarize(lm, pos_clf, tox_clf, prompt_list, samples) -> dict:
+    """Positivity (share of samples ``pos_clf`` calls positive; ``positivity_per_prompt`` [P]),
+    toxicity stats (``tox_clf``; either may be None) and :func:`fluency_diversity` of samples [P][S]."""
     flat = [s for ss in samples for s in ss]
     res = {}
     if pos_clf is not None:
-        res["positivity"] = float((pos_clf.prob(flat) > 0.5).mean())
+        positive = (pos_clf.prob(flat) > 0.5).reshape(len(samples), -1)
+        res["positivity"] = float(positive.mean())
+        # per prompt, for intervals that resample prompts (samples of one prompt are not independent)
+        res["positivity_per_prompt"] = positive.mean(axis=1).tolist()
     if tox_clf is not None:
         res.update(toxicity_stats(tox_clf.prob(flat).reshape(len(samples), -1)))
     return {**res, **fluency_diversity(lm, prompt_list, samples)}
