@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gpu import PEAK_BF16_TFLOPS, chip, jax_sync, median_time, torch_device, torch_sync  # noqa: E402
+from jsteer.train.bench import peak_tflops
+from jsteer.train.gpu_bench import jax_sync, median_time, torch_device, torch_sync
 
 
 def shapes(tiny: bool) -> dict:
@@ -111,7 +110,7 @@ def main(argv=None):
         import jax
 
         res.update(jax=jax.__version__, device=jax.devices()[0].device_kind)
-    res["peak_bf16_tflops"] = chip(res.get("device", ""), PEAK_BF16_TFLOPS)
+    res["peak_bf16_tflops"] = peak_tflops(res.get("device", ""))
     t0 = time.perf_counter()
     if a.framework in ("jax", "both"):
         jax_rows(a, res)
