@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +20,11 @@ import numpy as np
 
 from jsteer.backbones import bert, bert_heads
 from jsteer.train.bench import init_token_classifier, token_classifier_trainer
+from jsteer.train.gpu_bench import median_time
 
 
 def timeit(f, sync=jax.block_until_ready, n=10, warm=3):
-    for _ in range(warm):
-        sync(f())
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        sync(f())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return median_time(f, sync, n, warm)[1]
 
 
 def anatomy(config, B, T, labels=9):
