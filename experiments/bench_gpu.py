@@ -445,7 +445,14 @@ def _decode_jax(a, c, prompts, new, rows):
             runs["jsteer_steered"] = head.to_hooks(p, head.make_eps(np.full((b, 1), 5.0), 1e-3))
         for name, hooks in runs.items():
             first, dt = median_time(
-                lambda: generate(module, params, ids, max_new_tokens=new, hooks=hooks).tokens, jax_sync, a.reps, 1
+                lambda: (
+                    generate(
+                        module, params, ids, max_new_tokens=new, hooks=hooks, steps_per_check=a.steps_per_check
+                    ).tokens
+                ),
+                jax_sync,
+                a.reps,
+                1,
             )
             rows.setdefault(str(b), {})[name] = {
                 "compile_first_call_s": first,
@@ -549,6 +556,12 @@ def main(argv=None):
         help="the hand-written attention's two products: matmul.dot_fp32_out (jsteer's) or, for an A/B, the "
         "form before 062e1a5 (preferred_element_type=float32, plain autodiff: fp32 x bf16 backward products)",
     )
+    ap.add_argument(
+        "--steps-per-check",
+        type=int,
+        default=1,
+        help="decode: jsteer's generate(steps_per_check=K), decode steps per host read of the loop's condition",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.attention_products == "preferred":
@@ -562,6 +575,7 @@ def main(argv=None):
         )
     res = environment(a)
     res["attention_products"] = a.attention_products
+    res["steps_per_check"] = a.steps_per_check
     t0 = time.perf_counter()
     PARTS[a.part](a, res)
     res["wall_s"] = time.perf_counter() - t0

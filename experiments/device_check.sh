@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The prepared run on a lent GPU machine (issue #36), first call: what sessions 33-37 left owed, jsteer
 # against HF PyTorch on the same chip in the same call, bf16 compute. After `bash experiments/device_bundle.sh`:
-#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=540)
+#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=570)
 # then, warm: run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=330).
-# Per-step limits sum to 465 s (+ ~15 s set-up). $OUT gets gpu.txt, log.txt, bert.json (jsteer, HF, and
+# Per-step limits sum to 525 s (+ ~15 s set-up). $OUT gets gpu.txt, log.txt, bert.json (jsteer, HF, and
 # jsteer with the attention products before 062e1a5: the A/B for BERT 32 x 128's 20.96 -> 26.2 ms
-# between sessions 36 and 37), decode.json (batch 1 and 64, both halves). The whole suite of earlier
+# between sessions 36 and 37), decode.json (batch 1 and 64, both halves; batch 1 also with
+# generate(steps_per_check=8): rows "jsteer_k8", "jsteer_fraction_of_bound_k8"). The whole suite of earlier
 # sessions (the 1B train step's anatomy, attention, products, jvp) is experiments/device_check_full.sh.
 source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
@@ -15,6 +16,10 @@ step "bert jax, products before 062e1a5" timeout 110 $B --part bert --framework 
   --attention-products preferred --out /tmp/parts/bert_jax_preferred.json
 step "bert torch" timeout 60 $B --part bert --framework torch --reps 6 --out /tmp/parts/bert_torch.json
 step "decode jax" timeout 110 $B --part decode --framework jax --reps 3 --out /tmp/parts/de_jax.json
+# A/B: 8 decode steps per host read of the while loop's condition (XLA:GPU copies it to the host each
+# iteration, draining the queue); batch 1 sat at 1.79 ms/step against a 1.03 ms bandwidth bound (s37)
+step "decode jax, 8 steps per check" timeout 60 $B --part decode --framework jax --sizes 1 --reps 3 \
+  --steps-per-check 8 --out /tmp/parts/de_jax_k8.json
 # batch 1 only: at 64 the static cache ran out every limit so far and the dynamic one is ~7x behind (s33-s37)
 step "decode torch" timeout 75 $B --part decode --framework torch --sizes 1 --reps 3 --out /tmp/parts/de_torch.json
 python3 - "$OUT" <<'PYEOF'
@@ -45,12 +50,14 @@ for row in bert["runs"].values():
 print("bert", json.dumps(bert["runs"])[:1500])
 # decode: runs merged per batch
 dec = {"runs": {}, "missing": []}
-for name in ("de_jax", "de_torch"):
+for name in ("de_jax", "de_jax_k8", "de_torch"):
     d = load(name)
     if d is None:
         dec["missing"].append(name)
         continue
     for b, r in d.pop("runs", {}).items():
+        if name == "de_jax_k8":  # the A/B's rows, renamed beside the default ones
+            r = {f"{k}_k8": v for k, v in r.items() if k.startswith("jsteer")}
         dec["runs"].setdefault(b, {}).update(r)
     for k, v in d.items():
         dec.setdefault(k, v)

@@ -150,10 +150,21 @@ def _prefill(module, params, input_ids, attention_mask, hooks, s: Sampler, n: in
 
 
 def _loop(
-    module, params, packed, input_ids, attention_mask, hooks, s: Sampler, state: DecodeState, until: Array
+    module,
+    params,
+    packed,
+    input_ids,
+    attention_mask,
+    hooks,
+    s: Sampler,
+    state: DecodeState,
+    until: Array,
+    k: int = 1,
 ) -> DecodeState:
     """Decode steps until ``until`` tokens are chosen (or N, or every row stopped): one
-    ``lax.while_loop``, no host round trip per token."""
+    ``lax.while_loop``, no host round trip per token. ``k`` > 1: each iteration runs k steps (a
+    fixed-count inner loop) and the stop condition is read once per k steps (see :func:`generate`'s
+    ``steps_per_check``); a step taken after the condition turned false changes nothing kept."""
     b, t = input_ids.shape
     n = state.tokens.shape[1]
     # packed: the weights packed for the CPU kernel, through which the decode steps multiply
@@ -199,10 +210,26 @@ def _loop(
             seen=seen,
         )
 
-    return lax.while_loop(cond, body, state)
+    if k == 1:
+        return lax.while_loop(cond, body, state)
+
+    def guarded(_, st):
+        # Branch-free (a lax.cond would read its predicate on the host again): the step runs and
+        # its state is kept only while the loop's condition holds. Its K/V write when it does not
+        # lands in slot cache.index, which is held, so the next real step overwrites it first.
+        active = cond(st)
+        new = body(st)
+        keep = lambda a, b: jnp.where(active, a, b)  # noqa: E731
+        held = jax.tree.map(keep, new.replace(cache=None), st.replace(cache=None))
+        c, old = new.cache, st.cache
+        return held.replace(
+            cache=c.replace(mask=keep(c.mask, old.mask), index=keep(c.index, old.index), pos=keep(c.pos, old.pos))
+        )
+
+    return lax.while_loop(cond, lambda st: lax.fori_loop(0, k, guarded, st), state)
 
 
-@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "steps_per_check"))
 def _generate(
     module,
     params,
@@ -213,14 +240,16 @@ def _generate(
     packed: Optional[dict],
     *,
     max_new_tokens: int,
+    steps_per_check: int = 1,
 ) -> GenerateOutput:
     state = _prefill(module, params, input_ids, attention_mask, hooks, sampler, max_new_tokens)
-    state = _loop(module, params, packed, input_ids, attention_mask, hooks, sampler, state, jnp.int32(max_new_tokens))
+    until = jnp.int32(max_new_tokens)
+    state = _loop(module, params, packed, input_ids, attention_mask, hooks, sampler, state, until, steps_per_check)
     return GenerateOutput(tokens=state.tokens, lengths=state.lengths)
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("module", "n"))
-_loop_jit = jax.jit(_loop, static_argnames=("module",), donate_argnames=("state",))
+_loop_jit = jax.jit(_loop, static_argnames=("module", "k"), donate_argnames=("state",))
 
 
 def _prompt_hooks(hooks: Optional[Hooks], mask: Array, n: int) -> Optional[Hooks]:
@@ -309,6 +338,7 @@ def generate(
     cpu_kernels: Optional[bool] = None,
     repetition_penalty=None,
     min_new_tokens: int = 0,
+    steps_per_check: int = 1,
 ) -> GenerateOutput:
     """Generate ``max_new_tokens`` tokens after a left-padded prompt batch.
 
@@ -324,7 +354,11 @@ def generate(
     for the last two param sets; it doubles the weights' memory). None (default) uses it when it
     is available, the module supports it (``decode_pack``), B is in the kernel's row range, the
     batch is not sharded over several devices and generate is not called under jit (where the
-    copy could not be kept). Returns :class:`GenerateOutput`.
+    copy could not be kept). steps_per_check: decode steps per read of the loop's stop condition
+    (compile-time). On a GPU, XLA reads a while loop's condition on the host each iteration, which
+    drains the device's queue; k > 1 runs k steps per iteration as a fixed-count inner loop that
+    the host queues ahead, at the cost of up to k - 1 idle steps once every row has stopped.
+    Same tokens for every k. Returns :class:`GenerateOutput`.
     """
     opts = _Options(
         temperature=temperature,
@@ -337,10 +371,19 @@ def generate(
         cpu_kernels=cpu_kernels,
         repetition_penalty=repetition_penalty,
         min_new_tokens=min_new_tokens,
+        steps_per_check=steps_per_check,
     )
     input_ids, attention_mask, sampler, packed = _setup(module, params, input_ids, attention_mask, max_new_tokens, opts)
     return _generate(
-        module, params, input_ids, attention_mask, sampler, hooks, packed, max_new_tokens=int(max_new_tokens)
+        module,
+        params,
+        input_ids,
+        attention_mask,
+        sampler,
+        hooks,
+        packed,
+        max_new_tokens=int(max_new_tokens),
+        steps_per_check=int(opts.steps_per_check),
     )
 
 
@@ -378,7 +421,10 @@ def stream(
             state = state.replace(done=state.done | jnp.asarray(stop, bool))
         if int(host[0]) >= max_new_tokens or bool(np.all(host[3] | np.asarray(stop if stop is not None else False))):
             return
-        state = _loop_jit(module, params, packed, input_ids, attention_mask, hooks, sampler, state, state.i + chunk)
+        until = state.i + chunk
+        state = _loop_jit(
+            module, params, packed, input_ids, attention_mask, hooks, sampler, state, until, int(opts.steps_per_check)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +442,7 @@ class _Options:
     cpu_kernels: Optional[bool] = None
     repetition_penalty: Any = None
     min_new_tokens: int = 0
+    steps_per_check: int = 1
 
 
 def _setup(module, params, input_ids, attention_mask, max_new_tokens, options: _Options):
@@ -420,6 +467,8 @@ def _setup(module, params, input_ids, attention_mask, max_new_tokens, options: _
         raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(min_new_tokens, (int, np.integer)) or not 0 <= min_new_tokens:
         raise ValueError(f"generate: min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
+    if not isinstance(o.steps_per_check, (int, np.integer)) or o.steps_per_check < 1:
+        raise ValueError(f"generate: steps_per_check must be an int >= 1, got {o.steps_per_check!r}")
     _check_position_budget(module, attention_mask, hooks, int(max_new_tokens))
     temperature = _per_row(temperature, b, jnp.float32, "temperature")
     top_k = _per_row(top_k, b, jnp.int32, "top_k")

@@ -290,3 +290,38 @@ def test_stream_in_chunks_equals_generate_and_stops_rows(tiny):
     for s in gen:
         last = s
     assert int(last.lengths[0]) == 1 and (np.asarray(last.tokens)[0, 1:] == 0).all() and int(first.i) == 1
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_steps_per_check_gives_the_same_tokens(tiny, k):
+    """k decode steps per read of the stop condition (generate's steps_per_check): the same tokens and
+    lengths as one, with steps past the end (N = 6 is no multiple of 4), rows stopping mid-chunk,
+    every row stopping, sampling, the repetition penalty and a steer; and stream's chunks (3 and 1:
+    k - 1 idle steps a chunk), which resume from a cache whose held slot an idle step wrote."""
+    _, model, params = tiny
+    ids, mask = prompts()
+    free = np.asarray(generate(model, params, ids, mask, max_new_tokens=N).tokens)
+    rs = np.random.RandomState(1)
+    steer = Steer(eps=jnp.asarray([2.0]), p1=jnp.asarray(rs.randn(1, D, 4)), p2=jnp.asarray(rs.randn(1, D, 4)))
+    step = jnp.asarray(rs.randn(3, D), jnp.float32)
+    cases = [
+        dict(),
+        dict(stop_ids=(int(free[0, 2]),), pad_id=-1),
+        dict(stop_ids=tuple(int(x) for x in np.unique(free[:, 0]))),
+        dict(temperature=0.8, top_p=0.9, rng=7),
+        dict(repetition_penalty=1.5, min_new_tokens=2, stop_ids=(int(free[1, 1]),)),
+        dict(hooks=Hooks(step_offset=step, steer=steer), temperature=0.5, rng=2),
+    ]
+    for kw in cases:
+        one = generate(model, params, ids, mask, max_new_tokens=N, **kw)
+        many = generate(model, params, ids, mask, max_new_tokens=N, steps_per_check=k, **kw)
+        np.testing.assert_array_equal(np.asarray(many.tokens), np.asarray(one.tokens), err_msg=str(kw))
+        np.testing.assert_array_equal(np.asarray(many.lengths), np.asarray(one.lengths), err_msg=str(kw))
+    want = generate(model, params, ids, mask, max_new_tokens=N, temperature=0.8, rng=3)
+    for chunk, steps in ((3, [1, 4, N]), (1, list(range(1, N + 1)))):
+        kw = dict(max_new_tokens=N, chunk=chunk, temperature=0.8, rng=3, steps_per_check=k)
+        states = list(decode.stream(model, params, ids, mask, **kw))
+        assert [int(s.i) for s in states] == steps
+        np.testing.assert_array_equal(np.asarray(states[-1].tokens), np.asarray(want.tokens), err_msg=str(chunk))
+    with pytest.raises(ValueError, match="steps_per_check must be an int >= 1"):
+        generate(model, params, ids, mask, max_new_tokens=N, steps_per_check=0)

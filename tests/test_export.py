@@ -67,9 +67,15 @@ def test_forward_and_generate_export(decoder):
         )
         assert cpu.TARGET in text
     # ...and never in a traced generate, which is what export runs
-    export_text(
-        lambda p, i, h: generate(module, p, i, max_new_tokens=3, hooks=h, temperature=0.7).tokens, params, ids, hooks
-    )
+    for k in (1, 2):  # steps_per_check=2: a fixed-count loop inside the while loop
+        export_text(
+            lambda p, i, h, k=k: (
+                generate(module, p, i, max_new_tokens=3, hooks=h, temperature=0.7, steps_per_check=k).tokens
+            ),
+            params,
+            ids,
+            hooks,
+        )
 
 
 def test_scanned_bf16_decoder_exports(decoder):
