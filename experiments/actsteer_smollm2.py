@@ -33,7 +33,7 @@ import numpy as np
 
 import jsteer
 from jsteer import actsteer
-from jsteer.actsteer.compare import change, steer_choices
+from jsteer.actsteer.compare import change, steer_choices, versus
 from jsteer.steer import data as steer_data
 from jsteer.steer import evaluate, protocol
 from jsteer.workspace import ROOT, log, write_json
@@ -64,6 +64,8 @@ def parse():
     ap.add_argument("--select-prompts", type=int, default=10)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--gen-batch", type=int, default=50)
+    ap.add_argument("--steer", default=str(protocol.RESULTS / "smollm2.json"), help="LM-Steer's run to compare with")
+    ap.add_argument("--report", action="store_true", help="only rewrite the results md from --out's saved run")
     return ap.parse_args()
 
 
@@ -84,6 +86,11 @@ def main():
     a = parse()
     out_path = pathlib.Path(a.out or RESULTS / ("smollm2.json" if a.method == "caa" else f"smollm2_{a.method}.json"))
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
+    md = out_path.parent / ("results.md" if a.method == "caa" else f"results_{a.method}.md")
+    if a.report:
+        md.write_text(report(res, out_path.name, pathlib.Path(a.steer)))
+        log("wrote", md)
+        return
     layers = [int(x) for x in a.layers.split(",")]
     strengths = [float(x) for x in a.strengths.split(",")]
     res["setup"] = {
@@ -190,14 +197,14 @@ def main():
         res[part] = {k: v for k, v in res[part].items() if k in used}
     res["total_seconds_this_run"] = time.time() - t_all
     save()
-    md = "results.md" if a.method == "caa" else f"results_{a.method}.md"
-    (RESULTS / md).write_text(report(res, out_path.name))
+    md.write_text(report(res, out_path.name, pathlib.Path(a.steer)))
     log("done", out_path, f"{res['total_seconds_this_run']:.0f}s")
 
 
-def report(res, source: str = "smollm2.json") -> str:
-    """results.md: the held-out choice and the test rows, next to LM-Steer's from smollm2.json."""
+def report(res, source: str = "smollm2.json", steer: pathlib.Path = protocol.RESULTS / "smollm2.json") -> str:
+    """results.md: the held-out choice and the test rows, next to LM-Steer's run ``steer``."""
     m, sel = res["metrics"], res["selection"]
+    gen = res["setup"]["generation"]
     layer, s = sel["chosen"]["layer"], sel["chosen"]["strength"]
     method = res["setup"]["method"].upper()
     lines = [
@@ -209,7 +216,8 @@ def report(res, source: str = "smollm2.json") -> str:
         f"Vector: {res['setup']['vector']}. Evaluator: {res['setup']['evaluator']}, test accuracy "
         f"{res['evaluator_accuracy']:.1%}.",
         "",
-        "## Held-out choice (10 held-out neutral prompts x 5 samples)",
+        f"## Held-out choice ({gen['held_out_select_prompts']} held-out neutral prompts x "
+        f"{gen['samples_per_prompt']} samples)",
         "",
         f"Rule: {SELECTION_RULE}",
         "",
@@ -244,15 +252,20 @@ def report(res, source: str = "smollm2.json") -> str:
     lines.append(row("unsteered", m["neutral_base"], m["neutral_base"]))
     for v in (s, -s):
         lines.append(row(f"{method} layer {layer}, {v:+g}", m[f"neutral_l{layer}_s{v:+g}"], m["neutral_base"]))
-    steer = protocol.RESULTS / "smollm2.json"
     if steer.exists():
         ref = json.loads(steer.read_text())
+        acc = ref["evaluators"]["sentiment"]["accuracy"]
+        same = abs(acc - res["evaluator_accuracy"]) < 1e-9
         lines += [
             "",
-            "LM-Steer on the same prompts and seeds (experiments/results/steer/smollm2.json, its own "
-            f"evaluator of the same recipe, test accuracy {ref['evaluators']['sentiment']['accuracy']:.1%}: "
-            "retrained, so not bit-identical to the one above: the unsteered samples are the same (same ppl) "
-            "but score differently; compare each method's change from its own unsteered row):",
+            f"LM-Steer on the same prompts and seeds ({steer.relative_to(ROOT)}, "
+            + (
+                f"the same cached evaluator, test accuracy {acc:.1%}"
+                if same
+                else f"its own evaluator of the same recipe, test accuracy {acc:.1%}: retrained, so not bit-identical "
+                "to the one above: the unsteered samples are the same (same ppl) but score differently"
+            )
+            + "; compare each method's change from its own unsteered row):",
             "",
             HEADER,
             RULE,
@@ -265,13 +278,18 @@ def report(res, source: str = "smollm2.json") -> str:
             held_out = v is not None and v in steer_choices(ref)
             name = "unsteered" if v is None else f"LM-Steer {v:+g} (x eps0){' (chosen held-out)' if held_out else ''}"
             lines.append(row(name, ref["metrics"][key], ref["metrics"]["neutral_base"]))
-        lines += ["", "## Reading", ""] + comparison(m, layer, s, ref["metrics"], method)
+        lines += ["", "## Reading", ""] + comparison(
+            m, layer, s, ref["metrics"], method, gen["test_prompts"], gen["samples_per_prompt"]
+        )
     return "\n".join(lines) + "\n"
 
 
-def comparison(m: dict, layer: int, s: float, ref: dict, name: str = "CAA") -> list:
+def comparison(
+    m: dict, layer: int, s: float, ref: dict, name: str = "CAA", prompts: int = 20, samples: int = 5
+) -> list:
     """One line per direction: the control vector's change next to the LM-Steer row of the nearest perplexity rise
-    (same direction), each against its own unsteered row."""
+    (same direction), each against its own unsteered row; with per-prompt positivity in both runs, the
+    difference with its 95% interval over prompts (:func:`jsteer.actsteer.compare.versus`)."""
 
     out = []
     for sign, word in ((1, "towards"), (-1, "away from")):
@@ -284,11 +302,26 @@ def comparison(m: dict, layer: int, s: float, ref: dict, name: str = "CAA") -> l
             f"rise; LM-Steer at the nearest rise ({near.split('_s')[1]} x eps0, {lr:+.0f}%) moves it {lp:+.0f} "
             "points."
         )
+        if "positivity_per_prompt" in m["neutral_base"] and "positivity_per_prompt" in ref["neutral_base"]:
+            v = versus((m, f"neutral_l{layer}_s{sign * s:+g}"), (ref, near))
+            out[-1] += (
+                f" {name} minus LM-Steer: {sign * v['difference']:+.0f} points in the steered direction, 95% "
+                f"interval {sign * v['p2.5' if sign > 0 else 'p97.5']:+.0f} to "
+                f"{sign * v['p97.5' if sign > 0 else 'p2.5']:+.0f} (prompts resampled together)."
+            )
+    theirs = ref["neutral_base"]["values"]["samples"]
+    if theirs != samples:
+        same = f"LM-Steer's run has {theirs} samples per prompt, not these: compare the changes only"
+    elif abs(m["neutral_base"]["positivity"] - ref["neutral_base"]["positivity"]) < 1e-9:
+        same = "The two runs score the same unsteered samples with the same evaluator"
+    else:
+        same = (
+            f"The two evaluators differ (same unsteered samples: {m['neutral_base']['positivity']:.0%} here, "
+            f"{ref['neutral_base']['positivity']:.0%} for LM-Steer's)"
+        )
     out.append(
-        "- Each row is 100 samples (20 prompts x 5): a binomial standard error of ~5 points per positivity, so "
-        "differences under ~10 points between the methods are within noise; the two evaluators also differ "
-        f"(same unsteered samples: {m['neutral_base']['positivity']:.0%} here, "
-        f"{ref['neutral_base']['positivity']:.0%} for LM-Steer's)."
+        f"- Each row is {prompts * samples} samples ({prompts} prompts x {samples}); the samples of one prompt are not "
+        f"independent, so intervals resample prompts. {same}."
     )
     return out
 
