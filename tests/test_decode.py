@@ -292,10 +292,10 @@ def test_stream_in_chunks_equals_generate_and_stops_rows(tiny):
     assert int(last.lengths[0]) == 1 and (np.asarray(last.tokens)[0, 1:] == 0).all() and int(first.i) == 1
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [4])
 def test_steps_per_check_gives_the_same_tokens(tiny, k):
     """k decode steps per read of the stop condition (generate's steps_per_check): the same tokens and
-    lengths as one, with steps past the end (N = 6 is no multiple of 4), rows stopping mid-chunk,
+    lengths as one, with idle steps past the end (N = 6 is no multiple of 4), rows stopping mid-chunk,
     every row stopping, sampling, the repetition penalty and a steer; and stream's chunks (3 and 1:
     k - 1 idle steps a chunk), which resume from a cache whose held slot an idle step wrote."""
     _, model, params = tiny
