@@ -205,6 +205,8 @@ def report(res, source: str = "smollm2.json", steer: pathlib.Path = protocol.RES
     """results.md: the held-out choice and the test rows, next to LM-Steer's run ``steer``."""
     m, sel = res["metrics"], res["selection"]
     gen = res["setup"]["generation"]
+    steer = steer.resolve()
+    steer_name = steer.relative_to(ROOT) if steer.is_relative_to(ROOT) else steer
     layer, s = sel["chosen"]["layer"], sel["chosen"]["strength"]
     method = res["setup"]["method"].upper()
     lines = [
@@ -258,7 +260,7 @@ def report(res, source: str = "smollm2.json", steer: pathlib.Path = protocol.RES
         same = abs(acc - res["evaluator_accuracy"]) < 1e-9
         lines += [
             "",
-            f"LM-Steer on the same prompts and seeds ({steer.relative_to(ROOT)}, "
+            f"LM-Steer on the same prompts and seeds ({steer_name}, "
             + (
                 f"the same cached evaluator, test accuracy {acc:.1%}"
                 if same

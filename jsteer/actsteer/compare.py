@@ -2,7 +2,7 @@
 (experiments/actsteer_smollm2.py: ``smollm2.json`` CAA, ``smollm2_<method>.json`` the others;
 experiments/steer_smollm2.py: LM-Steer's ``smollm2.json``): one table and one plot of the
 positivity change against the perplexity rise on the 20 neutral test prompts. Every row is read
-against its own run's unsteered row (the two runs score with separately trained evaluators).
+against its own run's unsteered row (runs may score with separately trained evaluators).
 Where the runs saved per-prompt positivity, each change gets a 95% interval and :func:`versus`
 compares two methods' changes, both over prompts resampled together (the samples of one prompt are
 not independent draws; every run uses the same test prompts).
@@ -21,6 +21,10 @@ from jsteer.workspace import RESULTS as _ALL_RESULTS
 RESULTS = _ALL_RESULTS / "actsteer"
 STEER = _ALL_RESULTS / "steer" / "smollm2.json"
 RUNS = {"CAA": "smollm2.json", "PCA": "smollm2_pca.json"}
+# the same protocol at the paper's 25 samples per prompt (results dir, LM-Steer's run); first in PROTOCOLS
+RESULTS_25 = RESULTS / "samples25"
+STEER_25 = _ALL_RESULTS / "steer" / "smollm2_samples25.json"
+PROTOCOLS = ((RESULTS_25, STEER_25), (RESULTS, STEER))
 MAX_RISE = 150  # % perplexity rise: the chart's right edge (LM-Steer reaches +1479% at +7)
 RESAMPLES = 4000
 
