@@ -46,11 +46,16 @@ def _per_prompt_change(rows: dict, key: str) -> Optional[np.ndarray]:
     return np.asarray(r, float) - np.asarray(b, float)
 
 
+def _resampled_means(per_prompt: np.ndarray, seed: int) -> np.ndarray:
+    """[RESAMPLES] means of ``per_prompt`` [P] over prompts resampled with replacement."""
+    idx = np.random.default_rng(seed).integers(0, len(per_prompt), size=(RESAMPLES, len(per_prompt)))
+    return per_prompt[idx].mean(axis=1)
+
+
 def interval(per_prompt: np.ndarray, seed: int = 0) -> tuple[float, float]:
     """95% interval (points) of the mean of ``per_prompt`` [P] over prompts resampled with
     replacement (:data:`RESAMPLES` times)."""
-    idx = np.random.default_rng(seed).integers(0, len(per_prompt), size=(RESAMPLES, len(per_prompt)))
-    lo, hi = np.percentile(per_prompt[idx].mean(axis=1), [2.5, 97.5])
+    lo, hi = np.percentile(_resampled_means(per_prompt, seed), [2.5, 97.5])
     return 100 * float(lo), 100 * float(hi)
 
 
@@ -64,8 +69,7 @@ def versus(a: tuple[dict, str], b: tuple[dict, str], seed: int = 0) -> dict:
     if len(da) != len(db):
         raise ValueError(f"{a[1]}: {len(da)} prompts, {b[1]}: {len(db)}; not the same test prompts")
     diff = da - db
-    idx = np.random.default_rng(seed).integers(0, len(diff), size=(RESAMPLES, len(diff)))
-    means = diff[idx].mean(axis=1)
+    means = _resampled_means(diff, seed)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return {
         "difference": 100 * float(diff.mean()),
