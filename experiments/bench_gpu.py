@@ -562,6 +562,11 @@ def main(argv=None):
         default=1,
         help="decode: jsteer's generate(steps_per_check=K), decode steps per host read of the loop's condition",
     )
+    ap.add_argument(
+        "--fused-dropout",
+        action="store_true",
+        help="BERT training: attention with dropout through the Pallas kernel (attention.fused_dropout)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.attention_products == "preferred":
@@ -576,8 +581,12 @@ def main(argv=None):
     res = environment(a)
     res["attention_products"] = a.attention_products
     res["steps_per_check"] = a.steps_per_check
+    res["fused_dropout"] = a.fused_dropout
+    from jsteer.backbones.attention import fused_dropout
+
     t0 = time.perf_counter()
-    PARTS[a.part](a, res)
+    with fused_dropout(a.fused_dropout):
+        PARTS[a.part](a, res)
     res["wall_s"] = time.perf_counter() - t0
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,19 @@ def forward_mode():
     return _PORTABLE(True)
 
 
+# The Pallas kernel for attention with dropout (jsteer.backbones.flash) on GPUs: off until a device
+# run has timed it against the hand-written path; a jit-cache key like _PORTABLE.
+_FUSED_DROPOUT = jax.make_user_context(default_value=False)
+
+
+def fused_dropout(enabled: bool = True):
+    """Context manager: attention with probability dropout traced inside runs the fused Pallas kernel
+    (:mod:`jsteer.backbones.flash`: the same dropout mask, no [B, N, T, S] tensor in memory) where
+    it applies: a GPU, bf16 / fp16, no KV cache or soft-capping, keys masked by padding alone
+    (not causal), shapes :func:`jsteer.backbones.flash.supported` takes."""
+    return _FUSED_DROPOUT(bool(enabled))
+
+
 def _in_forward_mode() -> bool:
     """True inside :func:`forward_mode` or when a forward-mode (JVP) trace encloses this one."""
     if _PORTABLE.value:
@@ -162,7 +175,8 @@ def attention(
 ) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
-    steps), no dropout, no soft-capping and no forward-mode autodiff (see :func:`forward_mode`).
+    steps), no dropout (with dropout: :func:`fused_dropout`), no soft-capping and no forward-mode
+    autodiff (see :func:`forward_mode`).
     Elsewhere the hand-written path. An additive ``bias`` keeps the hand-written path unless
     ``right_padded`` (see :class:`RightPadded`) says that the bias is the key padding alone: then,
     as for ``visible``, the fused path masks by lengths when its ``ok`` holds and falls back
@@ -179,10 +193,11 @@ def attention(
         cache_layout=cache_layout,
         softcap=softcap,
     )
+    if dropout is not None:
+        return _with_dropout(hand, q, k, v, scale, visible, bias, dropout, cache_layout, softcap, right_padded)
     if (
         _backend() != "gpu"
         or cache_layout
-        or dropout is not None
         or softcap is not None
         or (bias is not None and right_padded is None)
         or q.dtype not in (jnp.bfloat16, jnp.float16)
@@ -223,3 +238,43 @@ def attention(
     if right_padded is None:
         return masked(q, k, v)
     return jax.lax.cond(right_padded.ok, by_lengths, hand if bias is not None else masked, q, k, v)
+
+
+def _with_dropout(hand, q, k, v, scale, visible, bias, dropout, cache_layout, softcap, right_padded) -> Array:
+    """:func:`attention` with probability dropout: the fused Pallas kernel where
+    :func:`fused_dropout` asks for it and it applies, else ``hand`` (the hand-written path). The
+    kernel's keys are masked by padding: ``right_padded`` (not causal; checked at run time by
+    ``ok``, one ``lax.cond``), a key-only ``visible`` [B|1, 1, 1, 1, S], or nothing."""
+    from jsteer.backbones import flash
+    from jsteer.backbones.dropout import HashDropout
+
+    b, t, kh, g, h = q.shape
+    s = k.shape[1]
+    if (
+        not _FUSED_DROPOUT.value
+        or _backend() != "gpu"
+        or not isinstance(dropout, HashDropout)
+        or cache_layout
+        or softcap is not None
+        or q.dtype not in (jnp.bfloat16, jnp.float16)
+        or _in_forward_mode()
+        or not flash.supported(t, s, h)
+    ):
+        return hand(q, k, v)
+    if right_padded is not None and not right_padded.causal and visible is None:
+        key_mask = jnp.arange(s)[None, :] < jnp.broadcast_to(right_padded.lengths, (b,))[:, None]
+    elif bias is None and (visible is None or visible.shape[-4:-1] == (1, 1, 1)):
+        key_mask = jnp.ones((b, s), bool) if visible is None else jnp.broadcast_to(visible.reshape(-1, s), (b, s))
+        right_padded = None
+    else:
+        return hand(q, k, v)
+
+    def fused(q, k, v):
+        out = flash.flash_attention(
+            q.reshape(b, t, kh * g, h), k, v.astype(q.dtype), key_mask, dropout.seed, scale, dropout.rate
+        )
+        return out.reshape(b, t, kh, g, h).astype(v.dtype)
+
+    if right_padded is None:
+        return fused(q, k, v)
+    return jax.lax.cond(right_padded.ok, fused, hand, q, k, v)

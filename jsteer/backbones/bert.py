@@ -379,7 +379,7 @@ class BertSelfAttention(nn.Module):
             qkv[:, :, 2],
             scale=1.0 / math.sqrt(c.head_dim),
             bias=None if bias is None else bias[:, :, None],
-            dropout=None if deterministic or not c.attention_dropout else lambda w: drop(w, deterministic=False),
+            dropout=drop.hash(deterministic),
             right_padded=right_padded,
         )[:, :, :, 0]  # [B, T, N, H]
         return DenseGeneral(

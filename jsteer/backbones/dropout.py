@@ -12,6 +12,8 @@ that into the consuming loop, about 15x cheaper than the threefry Bernoulli mask
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -42,12 +44,38 @@ def hash_bits(seed: Array, shape: Sequence[int]) -> Array:
     return _fmix32(_fmix32(idx * jnp.uint32(_GOLDEN) + seed[0]) ^ seed[1])
 
 
+def threshold(rate: float) -> int:
+    """The uint32 an element's bits must reach to be kept (probability ``1 - rate`` to within 2**-32)."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    return min(round(rate * 2**32), 2**32 - 1)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["seed"], meta_fields=["rate"])
+@dataclasses.dataclass(frozen=True)
+class HashDropout:
+    """Dropout of one tensor at ``rate`` by the hash mask of ``seed`` (uint32 [2]): ``drop(x)``.
+    A value rather than a closure, so that a fused kernel can draw the same mask in place
+    (:mod:`jsteer.backbones.flash`)."""
+
+    seed: Array
+    rate: float
+
+    @classmethod
+    def of(cls, key: Array, rate: float) -> "HashDropout":
+        threshold(rate)
+        return cls(jax.random.bits(key, (2,), jnp.uint32), float(rate))
+
+    def keep(self, shape: Sequence[int]) -> Array:
+        return hash_bits(self.seed, shape) >= jnp.uint32(threshold(self.rate))
+
+    def __call__(self, x: Array) -> Array:
+        return jnp.where(self.keep(x.shape), x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
+
+
 def keep_mask(key: Array, shape: Sequence[int], rate: float) -> Array:
     """Bool mask of ``shape``, True with probability ``1 - rate`` (to within 2**-32)."""
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"keep_mask: rate must be in [0, 1), got {rate}")
-    seed = jax.random.bits(key, (2,), jnp.uint32)
-    return hash_bits(seed, shape) >= jnp.uint32(min(round(rate * 2**32), 2**32 - 1))
+    return HashDropout.of(key, rate).keep(shape)
 
 
 class Dropout(nn.Module):
@@ -62,5 +90,13 @@ class Dropout(nn.Module):
             return x
         if self.rate >= 1.0:
             return jnp.zeros_like(x)
-        keep = keep_mask(self.make_rng(self.rng_collection), x.shape, self.rate)
-        return jnp.where(keep, x / jnp.asarray(1.0 - self.rate, x.dtype), jnp.zeros((), x.dtype))
+        return self.hash(False)(x)
+
+    def hash(self, deterministic: bool) -> "HashDropout | None":
+        """This layer's dropout as a :class:`HashDropout` value (None when it drops nothing): the
+        same mask as calling the layer, for a fused kernel to draw; at rate 1 a function giving zeros."""
+        if deterministic or self.rate == 0.0:
+            return None
+        if self.rate >= 1.0:
+            return jnp.zeros_like
+        return HashDropout.of(self.make_rng(self.rng_collection), self.rate)
