@@ -170,6 +170,13 @@ def plot(out_png: pathlib.Path, pts: Optional[dict] = None, subtitle: str = "") 
     ax.set_ylabel("positivity change (points)")
     ax.set_title(f"SmolLM2-135M{', ' + subtitle if subtitle else ''} (rises > {MAX_RISE}% off the chart)", fontsize=9)
     ax.legend(fontsize=8)
+    return save(fig, out_png)
+
+
+def save(fig, out_png: pathlib.Path) -> pathlib.Path:
+    """Write ``fig`` to ``out_png`` whole or not at all (a temporary file renamed), and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out_png = pathlib.Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)

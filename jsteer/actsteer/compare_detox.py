@@ -1,0 +1,171 @@
+"""Control vectors beside LM-Steer on SmolLM2's detox protocol, from the saved runs of
+experiments/steer_detox.py on the fresh prompt split: 120 test prompts x 25 samples (the paper's
+count), the setting chosen on 80 held-out prompts x 25 samples by one rule (the lowest toxicity
+probability within a 30% perplexity rise), the same evaluator and readings.
+
+Per method (:func:`rows`): the chosen setting, the toxicity probability (the share of prompts with
+a toxic sample among their 25, natural-prior reading) unsteered and steered on the test prompts,
+its change in points with a 95% interval over prompts resampled together, the steered / unsteered
+ratio with the run's own bootstrap interval, and the perplexity rise. :func:`versus` compares two
+methods' changes on the same prompts; :func:`plot` draws the held-out curves with the test points.
+Every change is read against its own run's unsteered row.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Optional
+
+import numpy as np
+
+from jsteer.actsteer.compare import _resampled_means, interval, save
+from jsteer.workspace import RESULTS as _ALL_RESULTS
+
+RESULTS = _ALL_RESULTS / "steer"
+RUNS = {
+    "LM-Steer": "detox_smollm2_fresh.json",
+    "CAA": "detox_smollm2_fresh_caa.json",
+    "PCA": "detox_smollm2_fresh_pca.json",
+}
+READING = "natural_prior"  # the protocol's primary reading (jsteer.steer.protocol.READINGS[0])
+
+
+def _toxic(metrics: dict, key: str) -> np.ndarray:
+    """[P] 1.0 where a prompt's most toxic sample is toxic (the toxicity probability's indicator)."""
+    return (np.asarray(metrics[key][READING]["per_prompt_max"], float) > 0.5).astype(float)
+
+
+def _steered_key(res: dict) -> str:
+    r = res["result"]
+    return f"test_d{r['chosen']:+g}" + ("" if r["dummy"] == "on" else "_dummyoff")
+
+
+def load(results: pathlib.Path = RESULTS) -> dict:
+    """{method: run} of the finished runs (a run without a ``result`` is left out)."""
+    out = {}
+    for name, file in RUNS.items():
+        path = results / file
+        if path.exists():
+            res = json.loads(path.read_text())
+            if "result" in res:
+                out[name] = res
+    return out
+
+
+def per_prompt_change(res: dict) -> np.ndarray:
+    """[P] steered minus unsteered toxic indicator per test prompt (in 0 / +-1)."""
+    base, steered = _toxic(res["metrics"], "test_base"), _toxic(res["metrics"], _steered_key(res))
+    if len(base) != len(steered):
+        raise ValueError(f"{len(steered)} steered test prompts against {len(base)} unsteered")
+    return steered - base
+
+
+def setting(name: str, res: dict) -> str:
+    """The chosen setting in words: a control vector's layer and strength, LM-Steer's value x eps0."""
+    r, trained = res["result"], res.get("training", {}).get("detox", {})
+    layer = r.get("layer", trained.get("layer"))  # runs before the layer choice had one layer
+    if trained.get("kind") in ("caa", "pca") and layer is not None:
+        return f"layer {layer}, strength {r['chosen']:g}"
+    return f"{r['chosen']:+g} x eps0"
+
+
+def rows(runs: Optional[dict] = None) -> dict:
+    """{method: {setting, samples, prompts, base, steered, change, ci, ratio, ratio_ci, ppl_rise}}:
+    probabilities and the change in points, the perplexity rise in %."""
+    runs = load() if runs is None else runs
+    out = {}
+    for name, res in runs.items():
+        r, m = res["result"], res["metrics"]
+        per = per_prompt_change(res)
+        boot = r[READING]["bootstrap"]
+        out[name] = {
+            "setting": setting(name, res),
+            "samples": m["test_base"]["values"]["samples"],
+            "prompts": len(per),
+            "base": 100 * r[READING]["base_toxicity_prob"],
+            "steered": 100 * r[READING]["steered_toxicity_prob"],
+            "change": 100 * float(per.mean()),
+            "ci": interval(per),
+            "ratio": r[READING]["ratio"],
+            "ratio_ci": (boot["ratio_p2.5"], boot["ratio_p97.5"]),
+            "ppl_rise": 100 * r["ppl_rise"],
+        }
+    return out
+
+
+def versus(a: dict, b: dict, seed: int = 0) -> dict:
+    """Run A's toxicity change minus run B's, each against its own unsteered row, over the same
+    test prompts resampled together: {"difference", "p2.5", "p97.5"} in points and
+    ``share_a_lower`` (of the resamples: A removes more toxicity)."""
+    if a["prompts"]["test"] != b["prompts"]["test"]:
+        raise ValueError("the two runs did not test the same prompts")
+    diff = per_prompt_change(a) - per_prompt_change(b)
+    means = _resampled_means(diff, seed)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return {
+        "difference": 100 * float(diff.mean()),
+        "p2.5": 100 * float(lo),
+        "p97.5": 100 * float(hi),
+        "share_a_lower": float((means < 0).mean()),
+    }
+
+
+def table(rws: Optional[dict] = None) -> str:
+    """Markdown: one row per method of :func:`rows`; empty when nothing is saved."""
+    rws = rows() if rws is None else rws
+    if not rws:
+        return ""
+    lines = [
+        "| method | chosen on held-out prompts | toxicity prob. unsteered -> steered | change (points) | 95% interval "
+        "| ratio (95% interval) | perplexity rise % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rws.items():
+        lo, hi = r["ci"]
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f} ({r['ratio_ci'][0]:.2f}-{r['ratio_ci'][1]:.2f})"
+        lines.append(
+            f"| {name} | {r['setting']} | {r['base']:.1f}% -> {r['steered']:.1f}% | {r['change']:+.1f} "
+            f"| {lo:+.1f} to {hi:+.1f} | {ratio} | {r['ppl_rise']:+.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def held_out_curve(res: dict) -> list:
+    """[(label, toxicity change in points, perplexity rise %)] of the run's held-out choice table (a
+    control vector's strengths at its chosen layer), against its unsteered held-out row."""
+    base = res["metrics"]["select_base"][READING]["toxicity_prob"]
+    return [
+        (key.split("/")[0], 100 * (r["toxicity_prob"] - base), 100 * r["ppl_rise"])
+        for key, r in res["selection"]["table"].items()
+    ]
+
+
+def plot(out_png: pathlib.Path, runs: Optional[dict] = None, subtitle: str = "") -> Optional[pathlib.Path]:
+    """Toxicity change against perplexity rise: each method's held-out strengths (dashed, open) and
+    its chosen setting on the test prompts (filled, 95% interval) -> the PNG written, None when
+    nothing is saved. Draws with matplotlib.pyplot in the caller's backend."""
+    import matplotlib.pyplot as plt
+
+    runs = load() if runs is None else runs
+    if not runs:
+        return None
+    rws = rows(runs)
+    fig, ax = plt.subplots(figsize=(5.8, 3.8))
+    style = {"LM-Steer": ("o", "tab:blue"), "CAA": ("s", "tab:red"), "PCA": ("^", "tab:purple")}
+    for name, res in runs.items():
+        marker, color = style.get(name, ("x", "tab:gray"))
+        curve = sorted(held_out_curve(res), key=lambda c: c[2])
+        ax.plot([c[2] for c in curve], [c[1] for c in curve], marker + "--", color=color, alpha=0.45, mfc="none")
+        for label, tox, rise in curve:
+            ax.annotate(label, (rise, tox), textcoords="offset points", xytext=(4, 3), fontsize=6, color=color)
+        r = rws[name]
+        err = [[r["change"] - r["ci"][0]], [r["ci"][1] - r["change"]]]
+        ax.errorbar([r["ppl_rise"]], [r["change"]], yerr=err, fmt=marker, color=color, label=f"{name}: {r['setting']}")
+    ax.axhline(0, color="black", lw=0.6)
+    ax.axvline(30, ls=":", color="gray", label="30% perplexity limit")
+    ax.set_xlabel("perplexity rise over the unsteered samples (%)")
+    ax.set_ylabel("toxicity probability change (points)")
+    ax.set_title(f"SmolLM2-135M detox{', ' + subtitle if subtitle else ''}", fontsize=9)
+    ax.legend(fontsize=7)
+    return save(fig, out_png)
