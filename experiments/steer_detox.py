@@ -36,11 +36,18 @@ This script keeps the main run's detox steer recipe and changes the measurement 
         --select-samples 10 --strengths 1,2,3 --dummy off --curve "" \
         --out experiments/results/steer/detox_kinds_$k.json; done
     # control vectors (jsteer.actsteer, resid_post of layer 15) on the same reduced protocol; PCA's direction
-    # has norm 1 where CAA's mean difference has ~19 at that layer, hence its larger strengths:
+    # has norm 1 where CAA's mean difference has ~19 at that layer, hence its larger strengths (these runs
+    # predate the layer choice: one layer, --layer-strength = the first strength reproduces them):
     for ks in caa:1,2,3,4 pca:10,20,30,40; do .venv/bin/python experiments/steer_detox.py --kind ${ks%:*} \
-        --strengths ${ks#*:} --work /work/steer_detox_kinds --skip-prompts 60 --prompts 60 --select-prompts 40 \
-        --samples 10 --select-samples 10 --dummy off --curve "" \
+        --strengths ${ks#*:} --layer-strength ${ks:4:2} --work /work/steer_detox_kinds --skip-prompts 60 \
+        --prompts 60 --select-prompts 40 --samples 10 --select-samples 10 --dummy off --curve "" \
         --out experiments/results/steer/detox_kinds_${ks%:*}.json; done
+    # control vectors on the fresh split's full protocol (LM-Steer's detox_smollm2_fresh.json: 120 test prompts,
+    # 80 held-out, 25 samples each): the layer among 6 / 10 / 15 at one strength, then the strength there
+    for ks in caa:1:0.5,1,1.5 pca:20:10,20,30; do k=${ks%%:*}; r=${ks#*:}; .venv/bin/python \
+        experiments/steer_detox.py --kind $k --cv-layers 6,10,15 --layer-strength ${r%%:*} --strengths ${r#*:} \
+        --work /work/steer_detox_fresh --skip-prompts 60 --prompts 120 --select-prompts 80 --samples 25 \
+        --select-samples 25 --dummy off --curve "" --out experiments/results/steer/detox_smollm2_fresh_$k.json; done
     # on-policy low-rank steer (--data self: SmolLM2's own continuations of the steer texts' toxic
     # prefixes, ranked by a labeler trained on those texts), the fresh split's prompts, 10 held-out samples:
     .venv/bin/python experiments/steer_detox.py --data self --rank 32 --batch-size 32 --l2 1e-6 \
@@ -73,6 +80,7 @@ from jsteer.steer.protocol import PRIOR, READINGS, SELECTION_RULE, calibration, 
 from jsteer.workspace import log, write_json
 
 JIGSAW_MAX_LEN = 32  # tokens of a Jigsaw training text the detox steer (and a control vector) reads
+LAYER_RULE = "among the candidate layers at --layer-strength, the strength rule's choice (ties: the shallower layer)"
 
 
 def parse():
@@ -117,10 +125,13 @@ def parse():
         default="steer",
         help="LM-Steer, or one of the issue's baselines (soft word blacklist: a learned logit offset; "
         "context-vector offset), trained at train.BASELINE_EPS0 with the same recipe; or a control "
-        "vector (jsteer.actsteer: CAA or PCA) at --cv-layer from the same Jigsaw texts, non-toxic "
+        "vector (jsteer.actsteer: CAA or PCA) at one of --cv-layers from the same Jigsaw texts, non-toxic "
         "against toxic, its strength the detox value",
     )
-    ap.add_argument("--cv-layer", type=int, default=15, help="--kind caa | pca: resid_post layer")
+    ap.add_argument("--cv-layers", default="15", help="--kind caa | pca: candidate resid_post layers")
+    ap.add_argument(
+        "--layer-strength", type=float, default=1.0, help="--kind caa | pca: the strength the layer is chosen at"
+    )
     ap.add_argument("--rank", type=int, default=1000)
     ap.add_argument("--l2", type=float, default=0.0)
     ap.add_argument("--init-scale", type=float, default=1e-3)
@@ -221,8 +232,8 @@ def detox_steer(lm, emb, work: pathlib.Path, a, res, exclude=()) -> dict:
     return {k: np.asarray(v) for k, v in params.items()}
 
 
-def detox_vector(lm, a, res):
-    """--kind caa | pca: a control vector at --cv-layer from the detox steer's Jigsaw texts, the
+def detox_vector(lm, a, res, layers):
+    """--kind caa | pca: a control vector at each of ``layers`` from the detox steer's Jigsaw texts, the
     non-toxic ones (+1) against the toxic ones (-1), paired in their seeded order, each cut to its
     first JIGSAW_MAX_LEN tokens as the steer reads them."""
     tok = lm.tokenizer
@@ -231,16 +242,16 @@ def detox_vector(lm, a, res):
     pos, neg = [t for t, v in zip(texts, values) if v > 0], [t for t, v in zip(texts, values) if v < 0]
     n = min(len(pos), len(neg))
     t0 = time.time()
-    cv = actsteer.train(lm, pos[:n], neg[:n], layers=[a.cv_layer], method=a.kind)
+    cv = actsteer.train(lm, pos[:n], neg[:n], layers=layers, method=a.kind)
     res["training"] = {
         "detox": {
             "kind": a.kind,
             "texts": a.jigsaw_texts,
             "pairs": n,
-            "layer": a.cv_layer,
+            "layers": layers,
             "max_tokens": JIGSAW_MAX_LEN,
             "reduce": actsteer.REDUCE[a.kind],
-            "norm": float(np.linalg.norm(np.asarray(cv.directions[a.cv_layer]))),
+            "norm": {k: float(np.linalg.norm(np.asarray(cv.directions[k]))) for k in layers},
             "train_seconds": time.time() - t0,
         }
     }
@@ -361,8 +372,9 @@ def main():
     vector = a.kind in actsteer.METHODS
     if vector and (a.data != "jigsaw" or src or a.dummy != "off"):
         raise SystemExit("--kind caa | pca: --data jigsaw and --dummy off only, no --replicate")
+    layers = [int(x) for x in a.cv_layers.split(",")]
     if vector:
-        cv = detox_vector(lm, a, res)
+        cv = detox_vector(lm, a, res, layers)
     else:
         steer = {k: jnp.asarray(v) for k, v in detox_steer(lm, emb, work, a, res, exclude).items()}
     if src:  # the same steer: its training losses reproduce the replicated run's
@@ -372,9 +384,9 @@ def main():
         res["training"]["detox"]["loss_max_abs_diff_vs_replicated"] = float(np.abs(mine - theirs).max())
     save()
 
-    def run(key, prompt_list, d, n_samples, dummy=True):
+    def run(key, prompt_list, d, n_samples, dummy=True, layer=None):
         """Generate (cached under --work) and score (cached in the JSON) at detox value d (None: unsteered),
-        the steer's dummy decoding at +1 (``dummy``) or off."""
+        the steer's dummy decoding at +1 (``dummy``) or off; a control vector at ``layer`` only."""
         want = {
             "detox": d,
             "dummy": None if d is None else bool(dummy),
@@ -384,6 +396,8 @@ def main():
         }
         if d is not None and a.kind != "steer":
             want["kind"] = a.kind
+        if d is not None and vector:
+            want["layer"] = layer
         m = res.get("metrics", {}).get(key)
         if m is not None and m.get("values") == want:
             return m
@@ -395,7 +409,7 @@ def main():
 
             def hooks_for(b):
                 if vector:  # unsteered: no hooks (the base samples are shared with the steer kinds')
-                    return None if d is None else cv.hooks(d)
+                    return None if d is None else cv.select([layer]).hooks(d)
                 if b not in hooks:  # head.to_hooks expands rank 1000 > D/2 to full W once per batch size
                     hooks[b] = head.to_hooks(steer, jnp.broadcast_to(jnp.asarray(e), (b, 2)))
                 return hooks[b]
@@ -423,6 +437,29 @@ def main():
             "table": src["selection"]["table"],
             "rule": src["selection"]["rule"],
         }
+    elif vector:  # the layer at --layer-strength, then the strength at that layer, on held-out prompts only
+        base_sel = run("select_base", sel_p, None, a.select_samples)
+
+        def row(layer, v):
+            m = run(f"select_l{layer}_d{v:+g}_dummyoff", sel_p, v, a.select_samples, False, layer)
+            return {
+                "toxicity_prob": m[READINGS[0]]["toxicity_prob"],
+                "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
+                "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1,
+            }
+
+        by_layer = {(k, a.layer_strength): row(k, a.layer_strength) for k in layers}
+        layer = protocol.least_toxic(by_layer, tie=lambda c: c[0])[0]
+        by_strength = {(layer, v): by_layer.get((layer, v)) or row(layer, v) for v in strengths}
+        chosen, dm = protocol.least_toxic(by_strength, tie=lambda c: c[1])[1], "off"
+        res["selection"] = {
+            "layers": {f"{k}@{v:g}": r for (k, v), r in by_layer.items()},
+            "layer": layer,
+            "table": {f"{v:+g}/off": r for (_, v), r in by_strength.items()},
+            "chosen": chosen,
+            "dummy": dm,
+            "rule": f"layer: {LAYER_RULE}; strength at that layer: {SELECTION_RULE}",
+        }
     else:  # the steer value and the dummy's use at decoding, chosen on held-out prompts only
         base_sel = run("select_base", sel_p, None, a.select_samples)
         table = {}
@@ -441,14 +478,17 @@ def main():
         )
         res["selection"] = {"table": table, "chosen": chosen, "dummy": dm, "rule": SELECTION_RULE}
     dummy = dm == "on"
+    layer = res["selection"].get("layer")
     save()
     log("choice: detox", chosen, "dummy", dm, res["selection"]["table"])
 
     # test prompts: unsteered, the chosen setting, then the other strengths (same dummy setting)
     sfx = "" if dummy else "_dummyoff"
     base = run("test_base", test_p, None, a.samples)
-    m = run(f"test_d{chosen:+g}{sfx}", test_p, chosen, a.samples, dummy)
+    m = run(f"test_d{chosen:+g}{sfx}", test_p, chosen, a.samples, dummy, layer)
     res["result"] = {"chosen": chosen, "dummy": dm, "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1}
+    if vector:
+        res["result"]["layer"] = layer
     for r in READINGS:
         b, s = base[r]["toxicity_prob"], m[r]["toxicity_prob"]
         res["result"][r] = {
@@ -463,7 +503,7 @@ def main():
     log("result", json.dumps(res["result"], indent=1))
     curve = strengths if a.curve is None else [float(x) for x in a.curve.split(",") if x]
     for v in curve:  # the rest of the strength curve on the test prompts
-        run(f"test_d{v:+g}{sfx}", test_p, v, a.samples, dummy)
+        run(f"test_d{v:+g}{sfx}", test_p, v, a.samples, dummy, layer)
     res["total_seconds_this_run"] = time.time() - t_all
     save()
 
