@@ -38,8 +38,8 @@ This script keeps the main run's detox steer recipe and changes the measurement 
     # control vectors (jsteer.actsteer, resid_post of layer 15) on the same reduced protocol; PCA's direction
     # has norm 1 where CAA's mean difference has ~19 at that layer, hence its larger strengths (these runs
     # predate the layer choice: one layer, --layer-strength = the first strength reproduces them):
-    for ks in caa:1,2,3,4 pca:10,20,30,40; do .venv/bin/python experiments/steer_detox.py --kind ${ks%:*} \
-        --strengths ${ks#*:} --layer-strength ${ks:4:2} --work /work/steer_detox_kinds --skip-prompts 60 \
+    for ks in caa:1,2,3,4 pca:10,20,30,40; do s=${ks#*:}; .venv/bin/python experiments/steer_detox.py \
+        --kind ${ks%:*} --strengths $s --layer-strength ${s%%,*} --work /work/steer_detox_kinds --skip-prompts 60 \
         --prompts 60 --select-prompts 40 --samples 10 --select-samples 10 --dummy off --curve "" \
         --out experiments/results/steer/detox_kinds_${ks%:*}.json; done
     # control vectors on the fresh split's full protocol (LM-Steer's detox_smollm2_fresh.json: 120 test prompts,
