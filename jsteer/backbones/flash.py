@@ -19,7 +19,9 @@ Shapes: q [B, T, N, H], k and v [B, S, K, H] (K key/value heads, N = K * G query
 key/value head n // G), ``key_mask`` [B, S] (nonzero: a visible key; every row with at least one),
 ``seed`` uint32 [2], ``rate`` in [0, 1). Output [B, T, N, H] in q's dtype. Scores, the softmax and
 the products' accumulation run in fp32. T, S and H must be powers of two (Triton's tiles), T and S
-at least the block sizes, H at least 16 (:func:`supported`).
+at least the block sizes, H at least 16 (:func:`supported`). The kernel has no partitioning rule:
+under a multi-device mesh XLA gathers its operands to each device, so use it on one device or
+inside ``shard_map`` (every (batch, head) is independent).
 """
 
 from __future__ import annotations
