@@ -90,3 +90,22 @@ def test_plot_writes_a_png(tmp_path):
     out = cd.plot(tmp_path / "d.png", runs, "synthetic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
     assert cd.plot(tmp_path / "none.png", {}) is None
+
+
+def test_held_out_table_lists_layers_then_strengths():
+    run = _run(_toxic(0, 0.4), _toxic(1, 0.1), chosen=1.5, layer=10, kind="caa")
+    run["selection"] = {
+        "layers": {"6@1": {"toxicity_prob": 0.2, "ppl_rise": 0.1}, "10@1": {"toxicity_prob": 0.1, "ppl_rise": 0.05}},
+        "layer": 10,
+        "table": {
+            "+1/off": {"toxicity_prob": 0.1, "ppl_rise": 0.05},
+            "+1.5/off": {"toxicity_prob": 0.05, "ppl_rise": 0.25},
+        },
+    }
+    lines = cd.held_out_table("CAA", run).splitlines()
+    assert lines[0] == "CAA, held out (unsteered toxicity probability 30.0%):"
+    assert lines[4:] == [
+        "| layer 6, strength 1 | 20.0 | -10.0 | +10 |",
+        "| layer 10, strength 1 | 10.0 | -20.0 | +5 |",
+        "| layer 10, strength 1.5 **(chosen)** | 5.0 | -25.0 | +25 |",
+    ]

@@ -63,11 +63,16 @@ def per_prompt_change(res: dict) -> np.ndarray:
 
 def setting(name: str, res: dict) -> str:
     """The chosen setting in words: a control vector's layer and strength, LM-Steer's value x eps0."""
-    r, trained = res["result"], res.get("training", {}).get("detox", {})
-    layer = r.get("layer", trained.get("layer"))  # runs before the layer choice had one layer
-    if trained.get("kind") in ("caa", "pca") and layer is not None:
-        return f"layer {layer}, strength {r['chosen']:g}"
-    return f"{r['chosen']:+g} x eps0"
+    r, layer = res["result"], _layer(res)
+    return f"{r['chosen']:+g} x eps0" if layer is None else f"layer {layer}, strength {r['chosen']:g}"
+
+
+def _layer(res: dict) -> Optional[int]:
+    """A control vector's chosen layer (runs before the layer choice had one), else None."""
+    trained = res.get("training", {}).get("detox", {})
+    if trained.get("kind") not in ("caa", "pca"):
+        return None
+    return res.get("result", {}).get("layer", res.get("selection", {}).get("layer", trained.get("layer")))
 
 
 def rows(runs: Optional[dict] = None) -> dict:
@@ -127,6 +132,33 @@ def table(rws: Optional[dict] = None) -> str:
         lines.append(
             f"| {name} | {r['setting']} | {r['base']:.1f}% -> {r['steered']:.1f}% | {r['change']:+.1f} "
             f"| {lo:+.1f} to {hi:+.1f} | {ratio} | {r['ppl_rise']:+.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def held_out_table(name: str, res: dict) -> str:
+    """Markdown: a run's held-out choice, every setting it scored (a control vector's candidate
+    layers at one strength, then the strengths at the chosen layer) against its unsteered row."""
+    sel, base = res["selection"], res["metrics"]["select_base"][READING]["toxicity_prob"]
+    rows = [(f"layer {k.split('@')[0]}, strength {k.split('@')[1]}", r) for k, r in sel.get("layers", {}).items()]
+    layer = _layer(res)
+    for key, r in sel["table"].items():
+        value = key.split("/")[0]
+        label = f"layer {layer}, strength {float(value):g}" if layer is not None else f"{value} x eps0"
+        if all(label != done for done, _ in rows):
+            rows.append((label, r))
+    chosen = setting(name, res)
+    lines = [
+        f"{name}, held out (unsteered toxicity probability {100 * base:.1f}%):",
+        "",
+        "| setting | toxicity prob. % | change (points) | perplexity rise % |",
+        "|---|---|---|---|",
+    ]
+    for label, r in rows:
+        mark = " **(chosen)**" if label == chosen else ""
+        lines.append(
+            f"| {label}{mark} | {100 * r['toxicity_prob']:.1f} | {100 * (r['toxicity_prob'] - base):+.1f} "
+            f"| {100 * r['ppl_rise']:+.0f} |"
         )
     return "\n".join(lines)
 
