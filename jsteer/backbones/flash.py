@@ -18,8 +18,8 @@ hand-written path.
 Shapes: q [B, T, N, H], k and v [B, S, K, H] (K key/value heads, N = K * G query heads: head n reads
 key/value head n // G), ``key_mask`` [B, S] (nonzero: a visible key; every row with at least one),
 ``seed`` uint32 [2], ``rate`` in [0, 1). Output [B, T, N, H] in q's dtype. Scores, the softmax and
-the products' accumulation run in fp32. T, S and H must be powers of two (Triton's tiles), T and S
-at least the block sizes, H at least 16 (:func:`supported`). The kernel has no partitioning rule:
+the products' accumulation run in fp32. T, S and H must be powers of two (Triton's tiles) of at
+least 16 (:func:`supported`). The kernel has no partitioning rule:
 under a multi-device mesh XLA gathers its operands to each device, so use it on one device or
 inside ``shard_map`` (every (batch, head) is independent).
 """
@@ -39,8 +39,7 @@ from jsteer.backbones.dropout import _GOLDEN, HashDropout, _fmix32, threshold
 
 Array = jax.Array
 
-BLOCK_Q, BLOCK_K = 64, 64  # forward tiles; the backward's are BLOCK_BWD square
-BLOCK_BWD = 32
+BLOCK, BLOCK_BWD = 64, 32  # the forward's and the backward's tiles (a shorter sequence: its length)
 
 
 def _pow2(x: int) -> bool:
@@ -49,7 +48,7 @@ def _pow2(x: int) -> bool:
 
 def supported(t: int, s: int, h: int) -> bool:
     """Whether the kernel takes these shapes (module docstring)."""
-    return all(map(_pow2, (t, s, h))) and t >= BLOCK_Q and s >= BLOCK_K and min(t, s) >= BLOCK_BWD and h >= 16
+    return all(map(_pow2, (t, s, h))) and min(t, s, h) >= 16
 
 
 def _keep(seed_ref, rate: float, b, n, rows, cols, t: int, s: int, heads: int):
@@ -66,7 +65,7 @@ def _scores(q, k, scale: float, visible):
     return jnp.where(visible[None, :], plgpu.dot(q, k, trans_b=True) * scale, NEG_INF)
 
 
-def _fwd_kernel(mask_ref, seed_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, rate, t, s, heads):
+def _fwd_kernel(mask_ref, seed_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, rate, t, s, heads, bk):
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...]
     bq, h = q.shape
@@ -74,20 +73,20 @@ def _fwd_kernel(mask_ref, seed_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scal
 
     def body(j, carry):
         acc, m, l = carry
-        sl = pl.ds(j * BLOCK_K, BLOCK_K)
+        sl = pl.ds(j * bk, bk)
         sc = _scores(q, k_ref[sl, :], scale, mask_ref[sl] != 0)
         m_new = jnp.maximum(m, sc.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(sc - m_new[:, None])
         l = l * alpha + p.sum(axis=-1)
         if rate:
-            cols = j * BLOCK_K + jnp.arange(BLOCK_K)
+            cols = j * bk + jnp.arange(bk)
             p = jnp.where(_keep(seed_ref, rate, b, n, rows, cols, t, s, heads), p, 0.0)
         v = v_ref[sl, :]
         return acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v), m_new, l
 
     init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, s // BLOCK_K, body, init)
+    acc, m, l = jax.lax.fori_loop(0, s // bk, body, init)
     o_ref[...] = (acc / (l[:, None] * (1.0 - rate))).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
@@ -107,7 +106,7 @@ def _tile_grads(q, k, v, do, lse, delta, visible, keep, scale, rate):
 
 
 def _dq_kernel(
-    mask_ref, seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, rate, t, s, heads
+    mask_ref, seed_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, rate, t, s, heads, bk
 ):
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -115,20 +114,20 @@ def _dq_kernel(
     rows = i * bq + jnp.arange(bq)
 
     def body(j, dq):
-        sl = pl.ds(j * BLOCK_BWD, BLOCK_BWD)
-        cols = j * BLOCK_BWD + jnp.arange(BLOCK_BWD)
+        sl = pl.ds(j * bk, bk)
+        cols = j * bk + jnp.arange(bk)
         keep = _keep(seed_ref, rate, b, n, rows, cols, t, s, heads) if rate else None
         k = k_ref[sl, :]
         _, ds = _tile_grads(q, k, v_ref[sl, :], do, lse, delta, mask_ref[sl] != 0, keep, scale, rate)
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-    dq = jax.lax.fori_loop(0, s // BLOCK_BWD, body, jnp.zeros((bq, h), jnp.float32))
+    dq = jax.lax.fori_loop(0, s // bk, body, jnp.zeros((bq, h), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(mask_ref, seed_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, **kw):
     """dK, dV of query head n's share [bk, H] (fp32; the G heads of a key/value head are summed after)."""
-    scale, rate, t, s, heads = kw["scale"], kw["rate"], kw["t"], kw["s"], kw["heads"]
+    scale, rate, t, s, heads, bq = kw["scale"], kw["rate"], kw["t"], kw["s"], kw["heads"], kw["bq"]
     j, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v, visible = k_ref[...], v_ref[...], mask_ref[...] != 0
     bk, h = k.shape
@@ -136,8 +135,8 @@ def _dkv_kernel(mask_ref, seed_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_
 
     def body(i, carry):
         dk, dv = carry
-        sl = pl.ds(i * BLOCK_BWD, BLOCK_BWD)
-        rows = i * BLOCK_BWD + jnp.arange(BLOCK_BWD)
+        sl = pl.ds(i * bq, bq)
+        rows = i * bq + jnp.arange(bq)
         keep = _keep(seed_ref, rate, b, n, rows, cols, t, s, heads) if rate else None
         q, do = q_ref[sl, :], do_ref[sl, :]
         pd, ds = _tile_grads(q, k, v, do, lse_ref[sl], delta_ref[sl], visible, keep, scale, rate)
@@ -146,7 +145,7 @@ def _dkv_kernel(mask_ref, seed_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_
         )
 
     zero = jnp.zeros((bk, h), jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, t // BLOCK_BWD, body, (zero, zero))
+    dk, dv = jax.lax.fori_loop(0, t // bq, body, (zero, zero))
     dk_ref[...] = dk * scale
     dv_ref[...] = dv
 
@@ -188,11 +187,12 @@ def _prefix(s: int):
 def _forward(q, k, v, key_mask, seed, scale, rate, interpret):
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
+    bq = min(BLOCK, t)
     return _call(
         _fwd_kernel,
-        (t // BLOCK_Q, b, n),
-        _prefix(s) + [_rows_spec(BLOCK_Q, h), _whole(s, h, n, kh), _whole(s, h, n, kh)],
-        [_rows_spec(BLOCK_Q, h), _per_row(BLOCK_Q)],
+        (t // bq, b, n),
+        _prefix(s) + [_rows_spec(bq, h), _whole(s, h, n, kh), _whole(s, h, n, kh)],
+        [_rows_spec(bq, h), _per_row(bq)],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
         interpret,
         "jsteer_flash_dropout_fwd",
@@ -201,6 +201,7 @@ def _forward(q, k, v, key_mask, seed, scale, rate, interpret):
         t=t,
         s=s,
         heads=n,
+        bk=min(BLOCK, s),
     )(key_mask, seed, q, k, v)
 
 
@@ -215,9 +216,7 @@ def _check(q, k, v, key_mask, seed, rate):
             f"flash_attention: key_mask must be [{b}, {k.shape[1]}] and seed [2]; got {key_mask.shape}, {seed.shape}"
         )
     if not supported(t, k.shape[1], h):
-        raise ValueError(
-            f"flash_attention: T={t}, S={k.shape[1]}, H={h} unsupported (powers of two, T, S >= {BLOCK_Q}, H >= 16)"
-        )
+        raise ValueError(f"flash_attention: T={t}, S={k.shape[1]}, H={h} unsupported (powers of two, at least 16)")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"flash_attention: rate must be in [0, 1), got {rate}")
 
@@ -244,30 +243,33 @@ def _bwd(scale, rate, interpret, res, do):
     s, kh = k.shape[1], k.shape[2]
     do = do.astype(q.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
+    bq, bk = min(BLOCK_BWD, t), min(BLOCK_BWD, s)
     kw = dict(scale=scale, rate=rate, t=t, s=s, heads=n)
     dq = _call(
         _dq_kernel,
-        (t // BLOCK_BWD, b, n),
+        (t // bq, b, n),
         _prefix(s)
-        + [_rows_spec(BLOCK_BWD, h), _whole(s, h, n, kh), _whole(s, h, n, kh), _rows_spec(BLOCK_BWD, h)]
-        + [_per_row(BLOCK_BWD), _per_row(BLOCK_BWD)],
-        _rows_spec(BLOCK_BWD, h),
+        + [_rows_spec(bq, h), _whole(s, h, n, kh), _whole(s, h, n, kh), _rows_spec(bq, h)]
+        + [_per_row(bq), _per_row(bq)],
+        _rows_spec(bq, h),
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret,
         "jsteer_flash_dropout_dq",
+        bk=bk,
         **kw,
     )(key_mask, seed, q, k, v, do, lse, delta)
-    kv_tile = _rows_spec(BLOCK_BWD, h, n // kh)
+    kv_tile = _rows_spec(bk, h, n // kh)
     dk, dv = _call(
         _dkv_kernel,
-        (s // BLOCK_BWD, b, n),
-        [pl.BlockSpec((None, BLOCK_BWD), lambda j, bb, nn: (bb, j)), pl.BlockSpec((2,), lambda j, bb, nn: (0,))]
+        (s // bk, b, n),
+        [pl.BlockSpec((None, bk), lambda j, bb, nn: (bb, j)), pl.BlockSpec((2,), lambda j, bb, nn: (0,))]
         + [kv_tile, kv_tile, _whole(t, h, n, n), _whole(t, h, n, n)]
         + [pl.BlockSpec((None, None, t), lambda j, bb, nn: (bb, nn, 0))] * 2,
-        [_rows_spec(BLOCK_BWD, h)] * 2,
+        [_rows_spec(bk, h)] * 2,
         [jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)] * 2,
         interpret,
         "jsteer_flash_dropout_dkv",
+        bq=bq,
         **kw,
     )(key_mask, seed, k, v, q, do, lse, delta)
     if kh != n:  # the G query heads of each key/value head
@@ -294,4 +296,4 @@ def reference(q, k, v, key_mask, seed, scale: float, rate: float) -> Array:
     return out.reshape(b, t, n, h)
 
 
-__all__ = ["flash_attention", "reference", "supported", "BLOCK_Q", "BLOCK_K", "BLOCK_BWD"]
+__all__ = ["flash_attention", "reference", "supported", "BLOCK", "BLOCK_BWD"]
