@@ -94,9 +94,21 @@ def main(argv=None) -> int:
         metavar="F",
         help="the data pickled by --save-data (a machine without tensorflow_datasets or CoNLL)",
     )
+    ap.add_argument(
+        "--fused-dropout",
+        action="store_true",
+        help="jsteer's attention dropout through the Pallas kernel on GPUs (attention.fused_dropout)",
+    )
     ap.add_argument("--out", default=str(OUT / "bench.json"))
     args = ap.parse_args(argv)
+    from jsteer.backbones.attention import fused_dropout
 
+    with fused_dropout(args.fused_dropout):
+        return run(args)
+
+
+def run(args) -> int:
+    """main's work on the parsed ``args``."""
     import jax
     import numpy as np
 
@@ -275,6 +287,7 @@ def main(argv=None) -> int:
         "model_flops_per_step": flops,
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "fused_dropout": args.fused_dropout,
         "torch_threads": None if args.no_torch else args.torch_threads,
         "batch": [args.batch_size, int(common[1])],
         "graph_nodes_edges": {f"graph_rungs={r}": list(g) for r, g in gshapes.items()},

@@ -138,3 +138,18 @@ def test_step_overhead_table_gives_each_method_against_fine_tuning(tmp_path):
     )
     row = next(x for x in R.step_overhead_lines(tmp_path).splitlines() if x.startswith("| minilm"))
     assert row == "| minilm | 32 | 200 | 210 (1.050x) | 224 (1.120x) | 22.6M / 27.7M |"
+
+
+def test_gpu_tables_sort_by_run_then_batch_with_variants(tmp_path):
+    results = tmp_path / "kala"
+    results.mkdir()
+    for run, name in (
+        ("gpu_b", "kala_b32.md"),
+        ("gpu_a", "kala_b256_fused.md"),
+        ("gpu_a", "kala_b32.md"),
+        ("gpu_a", "kala_b256.md"),
+    ):
+        (tmp_path / run).mkdir(exist_ok=True)
+        (tmp_path / run / name).write_text(name)
+    got = [f"{md.parent.name}/{md.name}" for md in R.gpu_bench_files(results)]
+    assert got == ["gpu_a/kala_b32.md", "gpu_a/kala_b256.md", "gpu_a/kala_b256_fused.md", "gpu_b/kala_b32.md"]

@@ -551,8 +551,7 @@ def report(results: pathlib.Path = RESULTS) -> str:
     bench = results / "bench.md"
     if bench.is_file():
         parts += ["", "## Throughput benchmark (experiments/bench_kala.py)", "", bench.read_text()]
-    by_batch = lambda md: (md.parent.name, int(md.stem[len("kala_b") :]))  # noqa: E731
-    for md in sorted(results.parent.glob("gpu_*/kala_b*.md"), key=by_batch):  # experiments/device_check_kala.sh runs
+    for md in gpu_bench_files(results):
         parts += [
             "",
             f"### On a GPU ({md.parent.name}/{md.name}; that folder's README has the context)",
@@ -560,3 +559,10 @@ def report(results: pathlib.Path = RESULTS) -> str:
             md.read_text(),
         ]
     return "\n".join(parts) + "\n"
+
+
+def gpu_bench_files(results: pathlib.Path = RESULTS) -> list:
+    """experiments/device_check_kala.sh's tables (``results/../gpu_*/kala_b<batch>[_<variant>].md``),
+    by run folder, then batch, then name."""
+    by_batch = lambda md: (md.parent.name, int(md.stem[len("kala_b") :].split("_")[0]), md.stem)  # noqa: E731
+    return sorted(results.parent.glob("gpu_*/kala_b*.md"), key=by_batch)
