@@ -2,7 +2,7 @@
 # The prepared run on a lent GPU machine (issue #36), first call: what sessions 33-37 left owed, jsteer
 # against HF PyTorch on the same chip in the same call, bf16 compute. After `bash experiments/device_bundle.sh`:
 #   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=570)
-# then, warm: run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=330).
+# then, warm: run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=380).
 # Per-step limits sum to 535 s (+ ~15 s set-up). $OUT gets gpu.txt, log.txt, bert.json (jsteer, HF,
 # jsteer with attention dropout in the Pallas kernel (rows "jsteer_fused": its first GPU run) and, at
 # 32 x 128, jsteer with the attention products before 062e1a5: the A/B for 20.96 -> 26.2 ms
