@@ -71,6 +71,9 @@ def test_rejects_bad_shapes_and_rates():
         flash.flash_attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), mask, SEED, 0.25, 0.1, True)
     with pytest.raises(ValueError, match="rate"):
         flash.flash_attention(q, k, v, mask, SEED, 0.25, 1.0, True)
+    big = jax.ShapeDtypeStruct((256, 2048, 16, 64), jnp.bfloat16)  # 2**34 probabilities, shapes only
+    with pytest.raises(ValueError, match="32-bit counter"):
+        jax.eval_shape(lambda q: flash.flash_attention(q, q, q, jnp.ones((256, 2048), bool), SEED, 0.125, 0.1), big)
 
 
 def test_lowers_to_triton_for_cuda_on_a_machine_without_one():

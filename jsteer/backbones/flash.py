@@ -54,7 +54,7 @@ def supported(t: int, s: int, h: int) -> bool:
 def _keep(seed_ref, rate: float, b, n, rows, cols, t: int, s: int, heads: int):
     """Keep mask [len(rows), len(cols)] of the probability tile (b, n, rows, cols): the bits that
     :func:`jsteer.backbones.dropout.hash_bits` gives those elements of [B, N, T, S]."""
-    base = ((b * heads + n) * t).astype(jnp.uint32)
+    base = (b.astype(jnp.uint32) * jnp.uint32(heads) + n.astype(jnp.uint32)) * jnp.uint32(t)
     idx = (base + rows.astype(jnp.uint32))[:, None] * jnp.uint32(s) + cols.astype(jnp.uint32)[None, :]
     bits = _fmix32(_fmix32(idx * jnp.uint32(_GOLDEN) + seed_ref[0]) ^ seed_ref[1])
     return bits >= jnp.uint32(threshold(rate))
@@ -219,6 +219,8 @@ def _check(q, k, v, key_mask, seed, rate):
         raise ValueError(f"flash_attention: T={t}, S={k.shape[1]}, H={h} unsupported (powers of two, at least 16)")
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"flash_attention: rate must be in [0, 1), got {rate}")
+    if b * n * t * k.shape[1] >= 2**32:
+        raise ValueError(f"flash_attention: {b} x {n} x {t} x {k.shape[1]} probabilities exceed the 32-bit counter")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
