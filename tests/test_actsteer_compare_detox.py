@@ -109,3 +109,18 @@ def test_held_out_table_lists_layers_then_strengths():
         "| layer 10, strength 1 | 10.0 | -20.0 | +5 |",
         "| layer 10, strength 1.5 **(chosen)** | 5.0 | -25.0 | +25 |",
     ]
+
+
+def test_other_test_rows_are_listed_and_compared():
+    base, chosen, other = _toxic(0, 0.4), _toxic(1, 0.1), _toxic(2, 0.25)
+    run = _run(base, chosen, chosen=1.5, layer=15, kind="caa")
+    extra = _run(base, other, chosen=0.5)["metrics"]["test_d+0.5_dummyoff"]
+    run["metrics"]["test_d+0.5_dummyoff"] = extra
+    ((key, label, change, ci, rise),) = cd.other_tests(run)
+    assert (key, label) == ("test_d+0.5_dummyoff", "layer 15, strength 0.5")
+    assert change == pytest.approx(100 * (other.mean() - base.mean())) and ci[0] < change < ci[1]
+    assert rise == pytest.approx(12.0)
+    r = cd.rows({"CAA": run})["CAA"]
+    assert r["others"][0][0] == key and "| CAA | layer 15, strength 0.5 (not chosen) |" in cd.table({"CAA": r})
+    v = cd.versus(run, run, key_a=key)
+    assert v["difference"] == pytest.approx(100 * (other.mean() - chosen.mean()))

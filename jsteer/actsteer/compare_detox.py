@@ -53,18 +53,32 @@ def load(results: pathlib.Path = RESULTS) -> dict:
     return out
 
 
-def per_prompt_change(res: dict) -> np.ndarray:
-    """[P] steered minus unsteered toxic indicator per test prompt (in 0 / +-1)."""
-    base, steered = _toxic(res["metrics"], "test_base"), _toxic(res["metrics"], _steered_key(res))
+def per_prompt_change(res: dict, key: Optional[str] = None) -> np.ndarray:
+    """[P] steered (test row ``key``, default the chosen setting's) minus unsteered toxic indicator per
+    test prompt (in 0 / +-1)."""
+    base, steered = _toxic(res["metrics"], "test_base"), _toxic(res["metrics"], key or _steered_key(res))
     if len(base) != len(steered):
         raise ValueError(f"{len(steered)} steered test prompts against {len(base)} unsteered")
     return steered - base
 
 
-def setting(name: str, res: dict) -> str:
-    """The chosen setting in words: a control vector's layer and strength, LM-Steer's value x eps0."""
-    r, layer = res["result"], _layer(res)
-    return f"{r['chosen']:+g} x eps0" if layer is None else f"layer {layer}, strength {r['chosen']:g}"
+def setting(name: str, res: dict, value: Optional[float] = None) -> str:
+    """The chosen setting (or strength ``value`` at the chosen layer) in words: a control vector's
+    layer and strength, LM-Steer's value x eps0."""
+    v, layer = res["result"]["chosen"] if value is None else value, _layer(res)
+    return f"{v:+g} x eps0" if layer is None else f"layer {layer}, strength {v:g}"
+
+
+def other_tests(res: dict) -> list:
+    """[(row key, setting, change in points, 95% interval, perplexity rise %)] of the test rows
+    besides the chosen one (a run's ``--curve``), by value."""
+    out = []
+    for key in sorted(k for k in res["metrics"] if k.startswith("test_d") and k != _steered_key(res)):
+        value = float(key[len("test_d") :].split("_")[0])
+        per = per_prompt_change(res, key)
+        rise = res["metrics"][key]["ppl_mean"] / res["metrics"]["test_base"]["ppl_mean"] - 1
+        out.append((key, setting("", res, value), 100 * float(per.mean()), interval(per), 100 * rise))
+    return sorted(out, key=lambda o: float(o[0][len("test_d") :].split("_")[0]))
 
 
 def _layer(res: dict) -> Optional[int]:
@@ -76,8 +90,9 @@ def _layer(res: dict) -> Optional[int]:
 
 
 def rows(runs: Optional[dict] = None) -> dict:
-    """{method: {setting, samples, prompts, base, steered, change, ci, ratio, ratio_ci, ppl_rise}}:
-    probabilities and the change in points, the perplexity rise in %."""
+    """{method: {setting, samples, prompts, base, steered, change, ci, ratio, ratio_ci, ppl_rise,
+    others}}: probabilities and the change in points, the perplexity rise in %; ``others`` the
+    test rows besides the chosen one (:func:`other_tests`)."""
     runs = load() if runs is None else runs
     out = {}
     for name, res in runs.items():
@@ -95,17 +110,19 @@ def rows(runs: Optional[dict] = None) -> dict:
             "ratio": r[READING]["ratio"],
             "ratio_ci": (boot["ratio_p2.5"], boot["ratio_p97.5"]),
             "ppl_rise": 100 * r["ppl_rise"],
+            "others": other_tests(res),
         }
     return out
 
 
-def versus(a: dict, b: dict, seed: int = 0) -> dict:
-    """Run A's toxicity change minus run B's, each against its own unsteered row, over the same
-    test prompts resampled together: {"difference", "p2.5", "p97.5"} in points and
-    ``share_a_lower`` (of the resamples: A removes more toxicity)."""
+def versus(a: dict, b: dict, seed: int = 0, key_a: Optional[str] = None, key_b: Optional[str] = None) -> dict:
+    """Run A's toxicity change minus run B's (test rows ``key_a`` / ``key_b``, default each run's
+    chosen setting), each against its own unsteered row, over the same test prompts resampled
+    together: {"difference", "p2.5", "p97.5"} in points and ``share_a_lower`` (of the resamples: A
+    removes more toxicity)."""
     if a["prompts"]["test"] != b["prompts"]["test"]:
         raise ValueError("the two runs did not test the same prompts")
-    diff = per_prompt_change(a) - per_prompt_change(b)
+    diff = per_prompt_change(a, key_a) - per_prompt_change(b, key_b)
     means = _resampled_means(diff, seed)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return {
@@ -133,6 +150,11 @@ def table(rws: Optional[dict] = None) -> str:
             f"| {name} | {r['setting']} | {r['base']:.1f}% -> {r['steered']:.1f}% | {r['change']:+.1f} "
             f"| {lo:+.1f} to {hi:+.1f} | {ratio} | {r['ppl_rise']:+.0f} |"
         )
+        for _, label, change, (lo, hi), rise in r.get("others", ()):
+            lines.append(
+                f"| {name} | {label} (not chosen) | {r['base']:.1f}% -> {r['base'] + change:.1f}% | {change:+.1f} "
+                f"| {lo:+.1f} to {hi:+.1f} | | {rise:+.0f} |"
+            )
     return "\n".join(lines)
 
 
@@ -194,6 +216,9 @@ def plot(out_png: pathlib.Path, runs: Optional[dict] = None, subtitle: str = "")
         r = rws[name]
         err = [[r["change"] - r["ci"][0]], [r["ci"][1] - r["change"]]]
         ax.errorbar([r["ppl_rise"]], [r["change"]], yerr=err, fmt=marker, color=color, label=f"{name}: {r['setting']}")
+        for _, label, change, (lo, hi), rise in r["others"]:
+            ax.errorbar([rise], [change], yerr=[[change - lo], [hi - change]], fmt=marker, color=color, alpha=0.5)
+            ax.annotate(label.split()[-1], (rise, change), textcoords="offset points", xytext=(4, -8), fontsize=6)
     ax.axhline(0, color="black", lw=0.6)
     ax.axvline(30, ls=":", color="gray", label="30% perplexity limit")
     ax.set_xlabel("perplexity rise over the unsteered samples (%)")
