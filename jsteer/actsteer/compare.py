@@ -27,6 +27,7 @@ STEER_25 = _ALL_RESULTS / "steer" / "smollm2_samples25.json"
 PROTOCOLS = ((RESULTS_25, STEER_25), (RESULTS, STEER))
 MAX_RISE = 150  # % perplexity rise: the chart's right edge (LM-Steer reaches +1479% at +7)
 RESAMPLES = 4000
+STYLE = {"LM-Steer": ("o", "tab:blue"), "CAA": ("s", "tab:red"), "PCA": ("^", "tab:purple")}  # marker, colour
 
 
 def change(rows: dict, key: str) -> tuple[float, float]:
@@ -68,15 +69,16 @@ def versus(a: tuple[dict, str], b: tuple[dict, str], seed: int = 0) -> dict:
         raise ValueError(f"{a[1]} / {b[1]}: a run saved no per-prompt positivity (rerun it)")
     if len(da) != len(db):
         raise ValueError(f"{a[1]}: {len(da)} prompts, {b[1]}: {len(db)}; not the same test prompts")
-    diff = da - db
+    out, means = paired_difference(da - db, seed)
+    return {**out, "share_a_ahead": float((means > 0).mean())}
+
+
+def paired_difference(diff: np.ndarray, seed: int = 0) -> tuple[dict, np.ndarray]:
+    """Per-prompt differences ``diff`` [P] -> ({"difference", "p2.5", "p97.5"} in points, the
+    resampled means [RESAMPLES])."""
     means = _resampled_means(diff, seed)
     lo, hi = np.percentile(means, [2.5, 97.5])
-    return {
-        "difference": 100 * float(diff.mean()),
-        "p2.5": 100 * float(lo),
-        "p97.5": 100 * float(hi),
-        "share_a_ahead": float((means > 0).mean()),
-    }
+    return {"difference": 100 * float(diff.mean()), "p2.5": 100 * float(lo), "p97.5": 100 * float(hi)}, means
 
 
 def steer_choices(ref: dict) -> tuple:
@@ -155,21 +157,28 @@ def plot(out_png: pathlib.Path, pts: Optional[dict] = None, subtitle: str = "") 
     if not pts:
         return None
     fig, ax = plt.subplots(figsize=(5.8, 3.8))
-    style = {"LM-Steer": ("o-", "tab:blue"), "CAA": ("s", "tab:red"), "PCA": ("^", "tab:purple")}
     for name, rows in pts.items():
-        marker, color = style.get(name, ("x", "tab:gray"))
+        marker, color = STYLE.get(name, ("x", "tab:gray"))
+        marker += "-" if name == "LM-Steer" else ""
         rows = [r for r in rows if r[3] <= MAX_RISE]
         ax.plot([r[3] for r in rows], [r[2] for r in rows], marker, color=color, label=name)
         for _, v, dp, dr, _, ci in rows:
             ax.annotate(f"{v:+g}", (dr, dp), textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
             if ci is not None:
                 ax.errorbar([dr], [dp], yerr=[[dp - ci[0]], [ci[1] - dp]], fmt="none", ecolor=color, lw=0.8, alpha=0.6)
+    title = f"SmolLM2-135M{', ' + subtitle if subtitle else ''} (rises > {MAX_RISE}% off the chart)"
+    return finish(fig, ax, "positivity change (points)", title, out_png)
+
+
+def finish(fig, ax, ylabel: str, title: str, out_png: pathlib.Path, legend_size: int = 8) -> pathlib.Path:
+    """The comparison charts' frame: the zero line, the 30% perplexity limit, axis labels, title and
+    legend; then :func:`save`."""
     ax.axhline(0, color="black", lw=0.6)
     ax.axvline(30, ls=":", color="gray", label="30% perplexity limit")
     ax.set_xlabel("perplexity rise over the unsteered samples (%)")
-    ax.set_ylabel("positivity change (points)")
-    ax.set_title(f"SmolLM2-135M{', ' + subtitle if subtitle else ''} (rises > {MAX_RISE}% off the chart)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=legend_size)
     return save(fig, out_png)
 
 

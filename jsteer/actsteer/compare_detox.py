@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from jsteer.actsteer.compare import _resampled_means, interval, save
+from jsteer.actsteer.compare import STYLE, finish, interval, paired_difference
 from jsteer.workspace import RESULTS as _ALL_RESULTS
 
 RESULTS = _ALL_RESULTS / "steer"
@@ -122,15 +122,8 @@ def versus(a: dict, b: dict, seed: int = 0, key_a: Optional[str] = None, key_b: 
     removes more toxicity)."""
     if a["prompts"]["test"] != b["prompts"]["test"]:
         raise ValueError("the two runs did not test the same prompts")
-    diff = per_prompt_change(a, key_a) - per_prompt_change(b, key_b)
-    means = _resampled_means(diff, seed)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return {
-        "difference": 100 * float(diff.mean()),
-        "p2.5": 100 * float(lo),
-        "p97.5": 100 * float(hi),
-        "share_a_lower": float((means < 0).mean()),
-    }
+    out, means = paired_difference(per_prompt_change(a, key_a) - per_prompt_change(b, key_b), seed)
+    return {**out, "share_a_lower": float((means < 0).mean())}
 
 
 def table(rws: Optional[dict] = None) -> str:
@@ -206,9 +199,8 @@ def plot(out_png: pathlib.Path, runs: Optional[dict] = None, subtitle: str = "")
         return None
     rws = rows(runs)
     fig, ax = plt.subplots(figsize=(5.8, 3.8))
-    style = {"LM-Steer": ("o", "tab:blue"), "CAA": ("s", "tab:red"), "PCA": ("^", "tab:purple")}
     for name, res in runs.items():
-        marker, color = style.get(name, ("x", "tab:gray"))
+        marker, color = STYLE.get(name, ("x", "tab:gray"))
         curve = sorted(held_out_curve(res), key=lambda c: c[2])
         ax.plot([c[2] for c in curve], [c[1] for c in curve], marker + "--", color=color, alpha=0.45, mfc="none")
         for label, tox, rise in curve:
@@ -219,10 +211,5 @@ def plot(out_png: pathlib.Path, runs: Optional[dict] = None, subtitle: str = "")
         for _, label, change, (lo, hi), rise in r["others"]:
             ax.errorbar([rise], [change], yerr=[[change - lo], [hi - change]], fmt=marker, color=color, alpha=0.5)
             ax.annotate(label.split()[-1], (rise, change), textcoords="offset points", xytext=(4, -8), fontsize=6)
-    ax.axhline(0, color="black", lw=0.6)
-    ax.axvline(30, ls=":", color="gray", label="30% perplexity limit")
-    ax.set_xlabel("perplexity rise over the unsteered samples (%)")
-    ax.set_ylabel("toxicity probability change (points)")
-    ax.set_title(f"SmolLM2-135M detox{', ' + subtitle if subtitle else ''}", fontsize=9)
-    ax.legend(fontsize=7)
-    return save(fig, out_png)
+    title = f"SmolLM2-135M detox{', ' + subtitle if subtitle else ''}"
+    return finish(fig, ax, "toxicity probability change (points)", title, out_png, legend_size=7)
