@@ -27,10 +27,12 @@ def _inputs(b=2, t=128, n=4, kh=2, h=16, lengths=(128, 37), seed=0):
 
 @pytest.mark.parametrize("kh,rate,t", [(4, 0.1, 128), (2, 0.3, 128), (4, 0.0, 16)])
 def test_values_and_gradients_equal_the_hand_written_path(kh, rate, t):
-    """MHA and grouped-query heads, a padded row, two forward and four backward tiles (or a sequence
-    shorter than one): the kernel's output and its custom VJP equal autodiff through the hand-written
+    """MHA and grouped-query heads, a right- or left-padded row, two forward and four backward tiles
+    (or a sequence shorter than one): the kernel's output and its custom VJP equal autodiff through the hand-written
     path dropping the same elements."""
     q, k, v, mask = _inputs(kh=kh, t=t, lengths=(t, t // 2 + 3))
+    if kh == 2:  # the second row left-padded: its first tiles see no key at all
+        mask = mask.at[1].set(mask[1, ::-1])
     w = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
 
     def loss(fn):
