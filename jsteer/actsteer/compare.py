@@ -170,7 +170,7 @@ def plot(out_png: pathlib.Path, pts: Optional[dict] = None, subtitle: str = "") 
     return finish(fig, ax, "positivity change (points)", title, out_png)
 
 
-def finish(fig, ax, ylabel: str, title: str, out_png: pathlib.Path, legend_size: int = 8) -> pathlib.Path:
+def finish(fig, ax, ylabel: str, title: str, out_png: pathlib.Path, legend_size: int = 8, legend_loc: str = "best"):
     """The comparison charts' frame: the zero line, the 30% perplexity limit, axis labels, title and
     legend; then :func:`save`."""
     ax.axhline(0, color="black", lw=0.6)
@@ -178,7 +178,7 @@ def finish(fig, ax, ylabel: str, title: str, out_png: pathlib.Path, legend_size:
     ax.set_xlabel("perplexity rise over the unsteered samples (%)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=legend_size)
+    ax.legend(fontsize=legend_size, loc=legend_loc)
     return save(fig, out_png)
 
 

@@ -212,4 +212,6 @@ def plot(out_png: pathlib.Path, runs: Optional[dict] = None, subtitle: str = "")
             ax.errorbar([rise], [change], yerr=[[change - lo], [hi - change]], fmt=marker, color=color, alpha=0.5)
             ax.annotate(label.split()[-1], (rise, change), textcoords="offset points", xytext=(4, -8), fontsize=6)
     title = f"SmolLM2-135M detox{', ' + subtitle if subtitle else ''}"
-    return finish(fig, ax, "toxicity probability change (points)", title, out_png, legend_size=7)
+    return finish(
+        fig, ax, "toxicity probability change (points)", title, out_png, legend_size=7, legend_loc="upper right"
+    )
