@@ -35,13 +35,18 @@ def _fmix32(x: Array) -> Array:
     return x ^ (x >> 16)
 
 
+def mix(idx: Array, seed0: Array, seed1: Array) -> Array:
+    """Element indices (uint32, any shape) -> their pseudo-random bits under the seed words: the one
+    formula :func:`hash_bits` and the fused kernel (:mod:`jsteer.backbones.flash`) share."""
+    return _fmix32(_fmix32(idx * jnp.uint32(_GOLDEN) + seed0) ^ seed1)
+
+
 def hash_bits(seed: Array, shape: Sequence[int]) -> Array:
     """seed uint32 [2] -> pseudo-random uint32 bits of ``shape`` (one word per element)."""
     n = math.prod(shape)
     if n >= 2**32:
         raise ValueError(f"hash_bits: {n} elements exceed the 32-bit counter")
-    idx = jax.lax.iota(jnp.uint32, n).reshape(shape)
-    return _fmix32(_fmix32(idx * jnp.uint32(_GOLDEN) + seed[0]) ^ seed[1])
+    return mix(jax.lax.iota(jnp.uint32, n).reshape(shape), seed[0], seed[1])
 
 
 def threshold(rate: float) -> int:

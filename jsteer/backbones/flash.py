@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jsteer.backbones.attention import dot_product_attention
 from jsteer.backbones.base import NEG_INF
-from jsteer.backbones.dropout import _GOLDEN, HashDropout, _fmix32, threshold
+from jsteer.backbones.dropout import HashDropout, mix, threshold
 
 Array = jax.Array
 
@@ -56,8 +56,7 @@ def _keep(seed_ref, rate: float, b, n, rows, cols, t: int, s: int, heads: int):
     :func:`jsteer.backbones.dropout.hash_bits` gives those elements of [B, N, T, S]."""
     base = (b.astype(jnp.uint32) * jnp.uint32(heads) + n.astype(jnp.uint32)) * jnp.uint32(t)
     idx = (base + rows.astype(jnp.uint32))[:, None] * jnp.uint32(s) + cols.astype(jnp.uint32)[None, :]
-    bits = _fmix32(_fmix32(idx * jnp.uint32(_GOLDEN) + seed_ref[0]) ^ seed_ref[1])
-    return bits >= jnp.uint32(threshold(rate))
+    return mix(idx, seed_ref[0], seed_ref[1]) >= jnp.uint32(threshold(rate))
 
 
 def _scores(q, k, scale: float, visible):
@@ -125,9 +124,10 @@ def _dq_kernel(
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(mask_ref, seed_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, **kw):
+def _dkv_kernel(
+    mask_ref, seed_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, rate, t, s, heads, bq
+):
     """dK, dV of query head n's share [bk, H] (fp32; the G heads of a key/value head are summed after)."""
-    scale, rate, t, s, heads, bq = kw["scale"], kw["rate"], kw["t"], kw["s"], kw["heads"], kw["bq"]
     j, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v, visible = k_ref[...], v_ref[...], mask_ref[...] != 0
     bk, h = k.shape
@@ -155,9 +155,8 @@ def _rows_spec(block: int, h: int, g: int = 1):
     return pl.BlockSpec((None, block, None, h), lambda i, b, n: (b, i, n // g, 0))
 
 
-def _whole(length: int, h: int, heads: int, kv_heads: int):
-    """Grid (tiles, B, N) -> all ``length`` rows [length, H] of head n // (heads // kv_heads)."""
-    g = heads // kv_heads
+def _whole(length: int, h: int, g: int = 1):
+    """Grid (tiles, B, N) -> all ``length`` rows [length, H] of head n // g."""
     return pl.BlockSpec((None, length, None, h), lambda i, b, n: (b, 0, n // g, 0))
 
 
@@ -191,7 +190,7 @@ def _forward(q, k, v, key_mask, seed, scale, rate, interpret):
     return _call(
         _fwd_kernel,
         (t // bq, b, n),
-        _prefix(s) + [_rows_spec(bq, h), _whole(s, h, n, kh), _whole(s, h, n, kh)],
+        _prefix(s) + [_rows_spec(bq, h), _whole(s, h, n // kh), _whole(s, h, n // kh)],
         [_rows_spec(bq, h), _per_row(bq)],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
         interpret,
@@ -251,7 +250,7 @@ def _bwd(scale, rate, interpret, res, do):
         _dq_kernel,
         (t // bq, b, n),
         _prefix(s)
-        + [_rows_spec(bq, h), _whole(s, h, n, kh), _whole(s, h, n, kh), _rows_spec(bq, h)]
+        + [_rows_spec(bq, h), _whole(s, h, n // kh), _whole(s, h, n // kh), _rows_spec(bq, h)]
         + [_per_row(bq), _per_row(bq)],
         _rows_spec(bq, h),
         jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -265,7 +264,7 @@ def _bwd(scale, rate, interpret, res, do):
         _dkv_kernel,
         (s // bk, b, n),
         [pl.BlockSpec((None, bk), lambda j, bb, nn: (bb, j)), pl.BlockSpec((2,), lambda j, bb, nn: (0,))]
-        + [kv_tile, kv_tile, _whole(t, h, n, n), _whole(t, h, n, n)]
+        + [kv_tile, kv_tile, _whole(t, h), _whole(t, h)]
         + [pl.BlockSpec((None, None, t), lambda j, bb, nn: (bb, nn, 0))] * 2,
         [_rows_spec(bk, h)] * 2,
         [jax.ShapeDtypeStruct((b, s, n, h), jnp.float32)] * 2,
