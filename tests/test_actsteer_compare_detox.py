@@ -65,7 +65,7 @@ def test_rows_and_interval_match_numpy():
     table = cd.table({"CAA": r})
     assert "| CAA | layer 10, strength 2 |" in table and f"{r['change']:+.1f}" in table
     assert cd.held_out_curve(run) == [("+2", pytest.approx(-20.0), pytest.approx(20.0))]
-    assert cd.setting("LM-Steer", _run(base, steered, chosen=1.5)) == "+1.5 x eps0"
+    assert cd.setting(_run(base, steered, chosen=1.5)) == "+1.5 x eps0"
 
 
 def test_versus_is_the_paired_difference():

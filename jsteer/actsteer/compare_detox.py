@@ -62,7 +62,7 @@ def per_prompt_change(res: dict, key: Optional[str] = None) -> np.ndarray:
     return steered - base
 
 
-def setting(name: str, res: dict, value: Optional[float] = None) -> str:
+def setting(res: dict, value: Optional[float] = None) -> str:
     """The chosen setting (or strength ``value`` at the chosen layer) in words: a control vector's
     layer and strength, LM-Steer's value x eps0."""
     v, layer = res["result"]["chosen"] if value is None else value, _layer(res)
@@ -72,13 +72,13 @@ def setting(name: str, res: dict, value: Optional[float] = None) -> str:
 def other_tests(res: dict) -> list:
     """[(row key, setting, change in points, 95% interval, perplexity rise %)] of the test rows
     besides the chosen one (a run's ``--curve``), by value."""
+    value = lambda key: float(key[len("test_d") :].split("_")[0])  # noqa: E731
     out = []
-    for key in sorted(k for k in res["metrics"] if k.startswith("test_d") and k != _steered_key(res)):
-        value = float(key[len("test_d") :].split("_")[0])
+    for key in sorted((k for k in res["metrics"] if k.startswith("test_d") and k != _steered_key(res)), key=value):
         per = per_prompt_change(res, key)
         rise = res["metrics"][key]["ppl_mean"] / res["metrics"]["test_base"]["ppl_mean"] - 1
-        out.append((key, setting("", res, value), 100 * float(per.mean()), interval(per), 100 * rise))
-    return sorted(out, key=lambda o: float(o[0][len("test_d") :].split("_")[0]))
+        out.append((key, setting(res, value(key)), 100 * float(per.mean()), interval(per), 100 * rise))
+    return out
 
 
 def _layer(res: dict) -> Optional[int]:
@@ -100,7 +100,7 @@ def rows(runs: Optional[dict] = None) -> dict:
         per = per_prompt_change(res)
         boot = r[READING]["bootstrap"]
         out[name] = {
-            "setting": setting(name, res),
+            "setting": setting(res),
             "samples": m["test_base"]["values"]["samples"],
             "prompts": len(per),
             "base": 100 * r[READING]["base_toxicity_prob"],
@@ -156,13 +156,11 @@ def held_out_table(name: str, res: dict) -> str:
     layers at one strength, then the strengths at the chosen layer) against its unsteered row."""
     sel, base = res["selection"], res["metrics"]["select_base"][READING]["toxicity_prob"]
     rows = [(f"layer {k.split('@')[0]}, strength {k.split('@')[1]}", r) for k, r in sel.get("layers", {}).items()]
-    layer = _layer(res)
     for key, r in sel["table"].items():
-        value = key.split("/")[0]
-        label = f"layer {layer}, strength {float(value):g}" if layer is not None else f"{value} x eps0"
+        label = setting(res, float(key.split("/")[0]))
         if all(label != done for done, _ in rows):
             rows.append((label, r))
-    chosen = setting(name, res)
+    chosen = setting(res)
     lines = [
         f"{name}, held out (unsteered toxicity probability {100 * base:.1f}%):",
         "",
