@@ -258,6 +258,17 @@ def detox_vector(lm, a, res, layers):
     return cv
 
 
+def held_out(m: dict, base: dict) -> dict:
+    """A held-out setting's scores ``m`` as the choice rule reads them (primary reading), its
+    perplexity against the unsteered held-out row ``base``."""
+    r = m[READINGS[0]]
+    return {
+        "toxicity_prob": r["toxicity_prob"],
+        "mean_max_toxicity": r["mean_max_toxicity"],
+        "ppl_rise": m["ppl_mean"] / base["ppl_mean"] - 1,
+    }
+
+
 def replicated_run(a) -> dict:
     """The finished run that ``--replicate`` confirms; its steer recipe replaces the recipe arguments
     (the steer is retrained bit for bit) and no held-out prompts are drawn."""
@@ -441,12 +452,9 @@ def main():
         base_sel = run("select_base", sel_p, None, a.select_samples)
 
         def row(layer, v):
-            m = run(f"select_l{layer}_d{v:+g}_dummyoff", sel_p, v, a.select_samples, False, layer)
-            return {
-                "toxicity_prob": m[READINGS[0]]["toxicity_prob"],
-                "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
-                "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1,
-            }
+            return held_out(
+                run(f"select_l{layer}_d{v:+g}_dummyoff", sel_p, v, a.select_samples, False, layer), base_sel
+            )
 
         by_layer = {(k, a.layer_strength): row(k, a.layer_strength) for k in layers}
         layer = protocol.least_toxic(by_layer, tie=lambda c: c[0])[0]
@@ -466,11 +474,7 @@ def main():
         for dm in dummies:
             for v in strengths:
                 m = run(f"select_d{v:+g}" + ("" if dm == "on" else "_dummyoff"), sel_p, v, a.select_samples, dm == "on")
-                table[f"{v:+g}/{dm}"] = {
-                    "toxicity_prob": m[READINGS[0]]["toxicity_prob"],
-                    "mean_max_toxicity": m[READINGS[0]]["mean_max_toxicity"],
-                    "ppl_rise": m["ppl_mean"] / base_sel["ppl_mean"] - 1,
-                }
+                table[f"{v:+g}/{dm}"] = held_out(m, base_sel)
         chosen, dm = protocol.least_toxic(
             {(v, dm): table[f"{v:+g}/{dm}"] for dm in dummies for v in strengths},
             tie=lambda c: (c[1] == "on", c[0]),
