@@ -165,8 +165,8 @@ def test_under_jit_only_on_request():
 def test_default_policy():
     assert cpu.available(), cpu.unavailable_reason()
     module = _models()[0]
-    assert not decode._use_cpu_kernels(None, module, jnp.zeros((1, 4), jnp.int32))  # XLA's GEMV is as fast
-    assert decode._use_cpu_kernels(None, module, jnp.zeros((8, 4), jnp.int32))
+    for rows in (1, 8, cpu.MAX_ROWS):  # one row too: XLA's GEMV pays a fixed cost per product
+        assert decode._use_cpu_kernels(None, module, jnp.zeros((rows, 4), jnp.int32))
     assert not decode._use_cpu_kernels(None, module, jnp.zeros((cpu.MAX_ROWS + 1, 4), jnp.int32))
     assert not decode._use_cpu_kernels(False, module, jnp.zeros((8, 4), jnp.int32))
     with pytest.raises(ValueError, match="has no decode_pack"):

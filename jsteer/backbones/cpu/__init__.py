@@ -2,9 +2,9 @@
 
 A decode step multiplies B rows (one token per sequence) by every weight matrix, so its time is
 the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot reads them at about half the
-memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md); ``small_gemm.cc`` reads each
-weight once, contiguously, from a packed copy (``pack``: [K, N] -> column panels [ceil(N/48), K, 48])
-and keeps the output in registers.
+memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md), and for one row its GEMV pays a
+fixed cost per product; ``small_gemm.cc`` reads each weight once, contiguously, from a packed copy
+(``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
 
     wp = pack(w)                        # once per weight, outside the decode loop
     y = small_gemm(x, wp, n=w.shape[1])  # x [M, K] -> y [M, N] == x @ w (fp32)
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 Array = jax.Array
 
 PANEL = 48  # columns per packed panel (small_gemm.cc: kPanel)
-MIN_ROWS, MAX_ROWS = 2, 64  # rows where the kernel beats XLA:CPU's dot (one row: XLA's GEMV is as fast)
+MIN_ROWS, MAX_ROWS = 1, 64  # rows where the kernel beats XLA:CPU's dot (BUILD.md: the CPU decode kernel)
 TARGET = "jsteer_small_gemm"
 _SOURCE = pathlib.Path(__file__).with_name("small_gemm.cc")
 _reason: Optional[str] = None
