@@ -1,22 +1,22 @@
-"""Why batch-1 decoding slows down with context on XLA:CPU: the KV cache is copied every step.
+"""Why batch-1 decoding slowed down with context on XLA:CPU: the KV cache was copied every step.
 
 Two measurements (JSON to ``--out``):
 
 1. ``generate``: SmolLM2-135M greedy decoding through ``jsteer.decode.generate`` at batch 1 and 2,
    prompts of 16 and 1000 tokens: ms per decode step (median over runs of 1 and 33 new tokens,
-   differenced) and the ``copy`` instructions in the compiled decode loop's body. At batch 1 XLA
-   copies every layer's cache several times per step (the batch axis is degenerate: the attention
-   dot reads the updated cache through a reshape that drops it, and the dynamic-update-slice is
-   duplicated for the two shapes); at batch 2 it does not.
-2. ``layouts``: the same pattern reduced to a ``lax.while_loop`` of 4 layers, one [B, K, H, S]
-   cache each (K 3, H 64, S 1024), 32 steps: the cache as jsteer stores it ([B, K, H, S], the
-   attention dot batched over B and K) against the batch and head axes merged ([B*K, H, S]).
+   differenced) and the ``copy`` instructions in the compiled decode loop's body. With the cache kept
+   as [B, ...] at batch 1, XLA drops the size-1 batch axis from attention's products, updates each
+   layer's cache twice a step (once per shape) and copies every slot of it; jsteer now carries and
+   writes a one-row cache without that axis on CPU (``decode._loop``, ``KVCache.write``).
+2. ``layouts``: the pattern reduced to a ``lax.while_loop`` of 4 layers, one cache each (K 3, H 64,
+   S 1024), 32 steps: kept as [B, K, H, S] against the batch and head axes merged ([B*K, H, S]).
 
     python experiments/probe_kv_cache_copies.py     # ~2 min on 2 cores
 
-Measured (session 39, shared 2-core VM): batch 1, 1000-token prompt 42.6 ms per step against
-20.4 ms with 16 tokens; 243 copies per step in the loop body; the reduced loop at batch 1: 23 copies
-and 14.8 ms as stored against 7 copies and 3.7 ms merged (batch 2: 7 copies either way).
+Measured (session 39, shared 2-core VM), batch 1 before / after the change: 243 / 13 copies in the
+loop body (batch 2: 13); 23.8 / 22.2 ms a step with a 16-token prompt, 45.1 / 31.8 ms with 1000
+(batch 2: 24.2-26.7 and 45.7-48.1 ms). The reduced loop at batch 1: 17 copies and 15.6 ms as
+[B, K, H, S], 6 copies and 2.0 ms merged.
 """
 
 from __future__ import annotations

@@ -149,6 +149,13 @@ def _prefill(module, params, input_ids, attention_mask, hooks, s: Sampler, n: in
     )
 
 
+def _kv_without_batch(cache, drop: bool):
+    """The cache with its keys' and values' batch axis (of size 1) dropped (``drop``) or restored."""
+    axis = 0 if isinstance(cache.k, tuple) else 1  # per-layer tuples, or one [L, B, ...] stack
+    f = (lambda x: jnp.squeeze(x, axis)) if drop else (lambda x: jnp.expand_dims(x, axis))
+    return cache.replace(k=jax.tree.map(f, cache.k), v=jax.tree.map(f, cache.v))
+
+
 def _loop(
     module,
     params,
@@ -189,15 +196,25 @@ def _loop(
         )
         return out.logits[:, t + i - 1], out.cache.replace(index=t + i)
 
+    # Batch 1 on CPU: the loop carries the cache's keys and values without their batch axis. XLA
+    # drops that size-1 axis from attention's products, and with it in the carry updates each layer's
+    # cache twice a step (once per shape) and copies every slot of it: 243 copies a step for SmolLM2,
+    # 45 ms a step with a 1000-token prompt (experiments/probe_kv_cache_copies.py). At batch 2 and
+    # more the same carry would add copies instead.
+    squeeze = b == 1 and jax.default_backend() == "cpu"
+
     def cond(st):
         return (st.i < jnp.minimum(until, n)) & ~jnp.all(st.done)
 
     def body(st):
         i = st.i
+        carried = _kv_without_batch(st.cache, drop=False) if squeeze else st.cache
         if reset_step is None:
-            logits, cache = one_step(i, st.cache, st.tok, st.tokens)
+            logits, cache = one_step(i, carried, st.tok, st.tokens)
         else:
-            logits, cache = lax.cond(i == reset_step, recompute, one_step, i, st.cache, st.tok, st.tokens)
+            logits, cache = lax.cond(i == reset_step, recompute, one_step, i, carried, st.tok, st.tokens)
+        if squeeze:
+            cache = _kv_without_batch(cache, drop=True)
         nxt = jnp.where(st.done, s.pad_id, _choose(logits, i, s, st.seen))
         seen = None if st.seen is None else st.seen.at[jnp.arange(b), nxt].set(True)
         return DecodeState(
@@ -209,9 +226,6 @@ def _loop(
             lengths=st.lengths + (~st.done).astype(jnp.int32),
             seen=seen,
         )
-
-    if k == 1:
-        return lax.while_loop(cond, body, state)
 
     def guarded(_, st):
         # Branch-free (a lax.cond would read its predicate on the host again): the step runs and
@@ -226,7 +240,13 @@ def _loop(
             cache=c.replace(mask=keep(c.mask, old.mask), index=keep(c.index, old.index), pos=keep(c.pos, old.pos))
         )
 
-    return lax.while_loop(cond, lambda st: lax.fori_loop(0, k, guarded, st), state)
+    if squeeze:
+        state = state.replace(cache=_kv_without_batch(state.cache, drop=True))
+    if k == 1:
+        state = lax.while_loop(cond, body, state)
+    else:
+        state = lax.while_loop(cond, lambda st: lax.fori_loop(0, k, guarded, st), state)
+    return state.replace(cache=_kv_without_batch(state.cache, drop=False)) if squeeze else state
 
 
 @functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "steps_per_check"))

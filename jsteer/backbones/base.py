@@ -56,7 +56,9 @@ class KVCache:
            array for a scanned layer stack
     v:     tuple of L arrays [B, H_kv, S, Dh], or one [L, B, H_kv, S, Dh] array
            (k and v are the operands of attention's two matmuls as they are; in any other
-           layout each decode step copies every slot of the cache, layer by layer)
+           layout each decode step copies every slot of the cache, layer by layer; one row on
+           CPU is written, and carried by jsteer.decode's loop, without its batch axis, for the
+           same reason)
     mask:  [B, S] int32, 1 where a slot holds a real (non-pad) token
     index: [] int32, next slot to write (same for all rows; rows are left-padded)
     pos:   [B] int32, next position id per row: one past the largest real position so far
@@ -108,8 +110,16 @@ class KVCache:
     def write(cached_k: Array, cached_v: Array, k: Array, v: Array, index: Array) -> Tuple[Array, Array]:
         """Write T new keys and values [B, T, H_kv, Dh] into one layer's cache (k [B, H_kv, Dh, S],
         v [B, H_kv, S, Dh]) at slots index..index+T-1; returns the updated (k, v)."""
-        k = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype).transpose(0, 2, 3, 1), (0, 0, 0, index))
-        v = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype).transpose(0, 2, 1, 3), (0, 0, index, 0))
+        k = k.astype(cached_k.dtype).transpose(0, 2, 3, 1)
+        v = v.astype(cached_v.dtype).transpose(0, 2, 1, 3)
+        if cached_k.shape[0] == 1 and jax.default_backend() == "cpu":
+            # one row: written without the batch axis, the shape XLA gives attention's products and
+            # jsteer.decode's loop carries the cache in (else every step copies the cache)
+            k = jax.lax.dynamic_update_slice(cached_k[0], k[0], (0, 0, index))[None]
+            v = jax.lax.dynamic_update_slice(cached_v[0], v[0], (0, index, 0))[None]
+            return k, v
+        k = jax.lax.dynamic_update_slice(cached_k, k, (0, 0, 0, index))
+        v = jax.lax.dynamic_update_slice(cached_v, v, (0, 0, index, 0))
         return k, v
 
 
