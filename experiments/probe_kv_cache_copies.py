@@ -7,7 +7,7 @@ Two measurements (JSON to ``--out``):
    differenced) and the ``copy`` instructions in the compiled decode loop's body. With the cache kept
    as [B, ...] at batch 1, XLA drops the size-1 batch axis from attention's products, updates each
    layer's cache twice a step (once per shape) and copies every slot of it; jsteer now carries and
-   writes a one-row cache without that axis on CPU (``decode._loop``, ``KVCache.write``).
+   writes a one-row cache without that axis on CPU (``KVCache.unbatched``).
 2. ``layouts``: the pattern reduced to a ``lax.while_loop`` of 4 layers, one cache each (K 3, H 64,
    S 1024), 32 steps: kept as [B, K, H, S] against the batch and head axes merged ([B*K, H, S]).
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 
 import jax
@@ -33,11 +32,6 @@ from jax import lax
 
 import jsteer
 from jsteer import decode, io
-
-
-def loop_body_copies(hlo: str) -> int:
-    """``copy`` instructions in the compiled program's largest computation (the decode loop's body)."""
-    return max(len(re.findall(r"= \S+ copy\(", c)) for c in re.split(r"\n(?=\S.*\{\n)", hlo))
 
 
 def generate_case(lm, batch: int, prompt: int, reps: int) -> dict:
@@ -65,7 +59,12 @@ def generate_case(lm, batch: int, prompt: int, reps: int) -> dict:
             run(n)
             times[n].append(time.perf_counter() - t)
     step = (np.median(times[33]) - np.median(times[1])) / 32
-    return {"batch": batch, "prompt": prompt, "ms_per_step": 1e3 * step, "loop_copies": loop_body_copies(hlo["text"])}
+    return {
+        "batch": batch,
+        "prompt": prompt,
+        "ms_per_step": 1e3 * step,
+        "loop_copies": decode.loop_body_copies(hlo["text"]),
+    }
 
 
 def layout_case(batch: int, merged: bool, layers=4, k=3, h=64, s=1024, steps=32) -> dict:
@@ -89,7 +88,7 @@ def layout_case(batch: int, merged: bool, layers=4, k=3, h=64, s=1024, steps=32)
 
     run = jax.jit(lambda x, cs: lax.while_loop(lambda c: c[0] < steps, step, (0, x, cs)))
     x, caches = jnp.ones((batch, h)), tuple(jnp.zeros(shape) for _ in range(layers))
-    copies = loop_body_copies(run.lower(x, caches).compile().as_text())
+    copies = decode.loop_body_copies(run.lower(x, caches).compile().as_text())
     run(x, caches)[1].block_until_ready()
     times = []
     for _ in range(5):

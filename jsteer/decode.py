@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import re
 import weakref
 from typing import Any, Iterator, Optional, Sequence
 
@@ -38,7 +39,7 @@ from jax import lax
 
 from jsteer import sampling
 from jsteer.backbones import cpu
-from jsteer.backbones.base import check_position_ids
+from jsteer.backbones.base import KVCache, check_position_ids
 from jsteer.data import buckets
 from jsteer.hooks import Hooks
 
@@ -149,13 +150,6 @@ def _prefill(module, params, input_ids, attention_mask, hooks, s: Sampler, n: in
     )
 
 
-def _kv_without_batch(cache, drop: bool):
-    """The cache with its keys' and values' batch axis (of size 1) dropped (``drop``) or restored."""
-    axis = 0 if isinstance(cache.k, tuple) else 1  # per-layer tuples, or one [L, B, ...] stack
-    f = (lambda x: jnp.squeeze(x, axis)) if drop else (lambda x: jnp.expand_dims(x, axis))
-    return cache.replace(k=jax.tree.map(f, cache.k), v=jax.tree.map(f, cache.v))
-
-
 def _loop(
     module,
     params,
@@ -196,25 +190,20 @@ def _loop(
         )
         return out.logits[:, t + i - 1], out.cache.replace(index=t + i)
 
-    # Batch 1 on CPU: the loop carries the cache's keys and values without their batch axis. XLA
-    # drops that size-1 axis from attention's products, and with it in the carry updates each layer's
-    # cache twice a step (once per shape) and copies every slot of it: 243 copies a step for SmolLM2,
-    # 45 ms a step with a 1000-token prompt (experiments/probe_kv_cache_copies.py). At batch 2 and
-    # more the same carry would add copies instead.
-    squeeze = b == 1 and jax.default_backend() == "cpu"
+    squeeze = KVCache.unbatched(b)  # one row on CPU: carried without the batch axis (its docstring)
 
     def cond(st):
         return (st.i < jnp.minimum(until, n)) & ~jnp.all(st.done)
 
     def body(st):
         i = st.i
-        carried = _kv_without_batch(st.cache, drop=False) if squeeze else st.cache
+        carried = st.cache.without_batch(drop=False) if squeeze else st.cache
         if reset_step is None:
             logits, cache = one_step(i, carried, st.tok, st.tokens)
         else:
             logits, cache = lax.cond(i == reset_step, recompute, one_step, i, carried, st.tok, st.tokens)
         if squeeze:
-            cache = _kv_without_batch(cache, drop=True)
+            cache = cache.without_batch(drop=True)
         nxt = jnp.where(st.done, s.pad_id, _choose(logits, i, s, st.seen))
         seen = None if st.seen is None else st.seen.at[jnp.arange(b), nxt].set(True)
         return DecodeState(
@@ -241,12 +230,12 @@ def _loop(
         )
 
     if squeeze:
-        state = state.replace(cache=_kv_without_batch(state.cache, drop=True))
+        state = state.replace(cache=state.cache.without_batch(drop=True))
     if k == 1:
         state = lax.while_loop(cond, body, state)
     else:
         state = lax.while_loop(cond, lambda st: lax.fori_loop(0, k, guarded, st), state)
-    return state.replace(cache=_kv_without_batch(state.cache, drop=False)) if squeeze else state
+    return state.replace(cache=state.cache.without_batch(drop=False)) if squeeze else state
 
 
 @functools.partial(jax.jit, static_argnames=("module", "max_new_tokens", "steps_per_check"))
@@ -577,3 +566,10 @@ def _use_cpu_kernels(requested: Optional[bool], module, input_ids, params=None) 
 def compiled_count() -> int:
     """Number of programs compiled for the generate loop so far (for recompilation checks)."""
     return _generate._cache_size() + _loop_jit._cache_size()
+
+
+def loop_body_copies(compiled_text: str) -> int:
+    """``copy`` instructions in a compiled program's largest computation (``jit(...).lower(...)
+    .compile().as_text()``; for generate, the decode loop's body): a step that copies its KV cache
+    shows here (:meth:`jsteer.backbones.base.KVCache.unbatched`)."""
+    return max(len(re.findall(r"= \S+ copy\(", c)) for c in re.split(r"\n(?=\S.*\{\n)", compiled_text))

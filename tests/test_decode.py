@@ -1,7 +1,6 @@
 """jsteer.decode.generate: HF greedy parity, sampling semantics, hooks, no recompilation."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -332,10 +331,8 @@ def test_steps_per_check_gives_the_same_tokens(tiny, k):
 
 
 def _loop_copies(model, params, ids, mask) -> int:
-    """``copy`` instructions in the compiled generate program's largest computation (the loop body)."""
     fn = jax.jit(lambda p, i, m: generate(model, p, i, m, max_new_tokens=N, cpu_kernels=False).tokens)
-    text = fn.lower(params, ids, mask).compile().as_text()
-    return max(len(re.findall(r"= \S+ copy\(", c)) for c in re.split(r"\n(?=\S.*\{\n)", text))
+    return decode.loop_body_copies(fn.lower(params, ids, mask).compile().as_text())
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])

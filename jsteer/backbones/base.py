@@ -57,8 +57,7 @@ class KVCache:
     v:     tuple of L arrays [B, H_kv, S, Dh], or one [L, B, H_kv, S, Dh] array
            (k and v are the operands of attention's two matmuls as they are; in any other
            layout each decode step copies every slot of the cache, layer by layer; one row on
-           CPU is written, and carried by jsteer.decode's loop, without its batch axis, for the
-           same reason)
+           CPU is written and carried without its batch axis for the same reason: :meth:`unbatched`)
     mask:  [B, S] int32, 1 where a slot holds a real (non-pad) token
     index: [] int32, next slot to write (same for all rows; rows are left-padded)
     pos:   [B] int32, next position id per row: one past the largest real position so far
@@ -100,6 +99,22 @@ class KVCache:
     def max_len(self) -> int:
         return self.mask.shape[1]
 
+    @staticmethod
+    def unbatched(batch: int) -> bool:
+        """Whether a cache of ``batch`` rows is written (:meth:`write`), and carried by
+        jsteer.decode's loop (:meth:`without_batch`), without its batch axis: one row on CPU. XLA
+        drops that size-1 axis from attention's products; with it kept, each decode step updated
+        every layer's cache twice (once per shape) and copied every slot of it
+        (experiments/probe_kv_cache_copies.py). At two rows and more the squeezed carry would add
+        copies instead; GPUs are unmeasured."""
+        return batch == 1 and jax.default_backend() == "cpu"
+
+    def without_batch(self, drop: bool) -> "KVCache":
+        """k and v with their batch axis (of size 1) dropped (``drop``) or restored."""
+        axis = 0 if isinstance(self.k, tuple) else 1  # per-layer tuples, or one [L, B, ...] stack
+        f = (lambda x: jnp.squeeze(x, axis)) if drop else (lambda x: jnp.expand_dims(x, axis))
+        return self.replace(k=jax.tree.map(f, self.k), v=jax.tree.map(f, self.v))
+
     def reset(self) -> "KVCache":
         """The same slots, emptied (the stale keys and values are masked out and overwritten)."""
         return self.replace(
@@ -112,9 +127,7 @@ class KVCache:
         v [B, H_kv, S, Dh]) at slots index..index+T-1; returns the updated (k, v)."""
         k = k.astype(cached_k.dtype).transpose(0, 2, 3, 1)
         v = v.astype(cached_v.dtype).transpose(0, 2, 1, 3)
-        if cached_k.shape[0] == 1 and jax.default_backend() == "cpu":
-            # one row: written without the batch axis, the shape XLA gives attention's products and
-            # jsteer.decode's loop carries the cache in (else every step copies the cache)
+        if KVCache.unbatched(cached_k.shape[0]):
             k = jax.lax.dynamic_update_slice(cached_k[0], k[0], (0, 0, index))[None]
             v = jax.lax.dynamic_update_slice(cached_v[0], v[0], (0, index, 0))[None]
             return k, v
