@@ -212,13 +212,19 @@ def test_logits_and_captured_activations_match_hf(family):
 
 
 def test_fp32_error_against_fp64_is_within_hfs_own(family):
-    """The real-weight bound on every family: jsteer fp32's max |logit error| against an fp64 HF
-    run of the same weights is <= 1.5x HF fp32's own, and the argmax agrees with fp64's.
-    Measured ratios: 0.68 (gpt2) .. 1.16 (gemma3)."""
+    """The real-weight bound on every family: jsteer fp32's |logit error| against an fp64 HF run
+    of the same weights is no worse than HF fp32's own, and the argmax agrees with fp64's.
+
+    On these tiny configs both errors are a few ulps of logits near 1, so their maxima are single
+    rounding events: on 3 x 10 positions the max ratio ranged 0.82-1.87 across families and CPUs
+    (1.87: llama3.2-tied on an Intel Xeon, its rms ratio 1.17) and on 16 x 10 0.76-1.65 over three
+    seeds, while the rms ratio stayed in 0.94-1.12. So the bound is 1.25x on the rms, with the max
+    held to 2x; SmolLM2's real weights keep the 1.5x max bound (tests/test_gguf.py). A bf16 step
+    anywhere in the fp32 path fails both by orders of magnitude."""
     import copy
 
     name, hf, lm = family
-    ids, mask = left_padded(seed=1)
+    ids, mask = left_padded(batch=16, seed=1)  # t 10: phi3's longrope stays on its short factors
     real = mask.astype(bool)
     hf64 = copy.deepcopy(hf).double()
     # fp64 reference row by row, unpadded: HF's fp64 eager path turns fully masked pad rows into NaN
@@ -226,10 +232,12 @@ def test_fp32_error_against_fp64_is_within_hfs_own(family):
     for b in range(ids.shape[0]):
         row = ids[b : b + 1, real[b]]
         ref[b, real[b]] = hf_forward(hf64, row, np.ones_like(row)).logits[0].numpy()
-    e_hf = np.abs(hf_forward(hf, ids, mask).logits.numpy() - ref)[real].max()
+    e_hf = np.abs(hf_forward(hf, ids, mask).logits.numpy() - ref)[real]
     ours = np.asarray(run(lm, ids, mask).logits, np.float64)
-    e_js = np.abs(ours - ref)[real].max()
-    assert e_js <= 1.5 * e_hf, f"{name}: jsteer fp32 {e_js:.2e} from fp64, HF fp32 {e_hf:.2e}"
+    e_js = np.abs(ours - ref)[real]
+    rms_js, rms_hf = np.sqrt((e_js**2).mean()), np.sqrt((e_hf**2).mean())
+    assert rms_js <= 1.25 * rms_hf, f"{name}: rms error from fp64 {rms_js:.2e} (jsteer fp32), {rms_hf:.2e} (HF fp32)"
+    assert e_js.max() <= 2 * e_hf.max(), f"{name}: max error from fp64 {e_js.max():.2e} (jsteer), {e_hf.max():.2e} (HF)"
     np.testing.assert_array_equal(ours.argmax(-1)[real], ref.argmax(-1)[real], err_msg=name)
 
 
