@@ -440,7 +440,7 @@ def _decode_jax(a, c, prompts, new, rows):
     for b, ids in prompts.items():
         ids = jnp.asarray(ids)
         runs = {"jsteer": None}
-        if b == max(prompts):
+        if b == max(prompts) and b > 1:  # the steer overhead is measured at the large batch, not in a batch-1 A/B
             p = head.init(jax.random.PRNGKey(1), c["hidden_size"], 2, rank=min(1000, c["hidden_size"]), scale=0.05)
             runs["jsteer_steered"] = head.to_hooks(p, head.make_eps(np.full((b, 1), 5.0), 1e-3))
         for name, hooks in runs.items():
@@ -563,6 +563,13 @@ def main(argv=None):
         help="decode: jsteer's generate(steps_per_check=K), decode steps per host read of the loop's condition",
     )
     ap.add_argument(
+        "--one-row-cache",
+        choices=("default", "unbatched"),
+        default="default",
+        help="decode: 'unbatched' carries and writes a one-row KV cache without its batch axis on any backend "
+        "(KVCache.unbatched, CPU-only by default): the A/B for the cache copies it removes on CPU",
+    )
+    ap.add_argument(
         "--fused-dropout",
         action="store_true",
         help="BERT training: attention with dropout through the Pallas kernel (attention.fused_dropout)",
@@ -578,10 +585,15 @@ def main(argv=None):
         attention.dot_fp32_out = lambda lhs, rhs, dn: jax.lax.dot_general(
             lhs, rhs, dn, preferred_element_type=jnp.float32
         )
+    if a.one_row_cache == "unbatched":
+        from jsteer.backbones.base import KVCache
+
+        KVCache.unbatched = staticmethod(lambda batch: batch == 1)
     res = environment(a)
     res["attention_products"] = a.attention_products
     res["steps_per_check"] = a.steps_per_check
     res["fused_dropout"] = a.fused_dropout
+    res["one_row_cache"] = a.one_row_cache
     from jsteer.backbones.attention import fused_dropout
 
     t0 = time.perf_counter()

@@ -3,19 +3,20 @@
 # against HF PyTorch on the same chip in the same call, bf16 compute. After `bash experiments/device_bundle.sh`:
 #   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=570)
 # then, warm: run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=380).
-# Per-step limits sum to 535 s (+ ~15 s set-up). $OUT gets gpu.txt, log.txt, bert.json (jsteer, HF,
+# Per-step limits sum to 555 s (+ ~15 s set-up). $OUT gets gpu.txt, log.txt, bert.json (jsteer, HF,
 # jsteer with attention dropout in the Pallas kernel (rows "jsteer_fused": its first GPU run) and, at
 # 32 x 128, jsteer with the attention products before 062e1a5: the A/B for 20.96 -> 26.2 ms
 # between sessions 36 and 37), decode.json (batch 1 and 64, both halves; batch 1 also with
-# generate(steps_per_check=8): rows "jsteer_k8", "jsteer_fraction_of_bound_k8"). The whole suite of earlier
+# generate(steps_per_check=8): rows "jsteer_k8", "jsteer_fraction_of_bound_k8"; and with the one-row cache
+# unbatched: rows "jsteer_unbatched", ...). The whole suite of earlier
 # sessions (the 1B train step's anatomy, attention, products, jvp) is experiments/device_check_full.sh.
 source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-step "bert jax" timeout 110 $B --part bert --framework jax --reps 6 --out /tmp/parts/bert_jax.json
+step "bert jax" timeout 100 $B --part bert --framework jax --reps 6 --out /tmp/parts/bert_jax.json
 # attention dropout fused into one Pallas (Triton) kernel, same mask (jsteer/backbones/flash.py); BERT 32 x 512
 # ran at 0.69x HF (s36) on the hand-written path, which keeps the fp32 [B, N, T, S] tensors in HBM
-step "bert jax, fused dropout" timeout 100 $B --part bert --framework jax --reps 6 --fused-dropout \
+step "bert jax, fused dropout" timeout 90 $B --part bert --framework jax --reps 6 --fused-dropout \
   --out /tmp/parts/bert_jax_fused.json
 step "bert jax, products before 062e1a5" timeout 50 $B --part bert --framework jax --reps 6 --sizes 32x128 \
   --attention-products preferred --out /tmp/parts/bert_jax_preferred.json
@@ -25,6 +26,10 @@ step "decode jax" timeout 100 $B --part decode --framework jax --reps 3 --out /t
 # iteration, draining the queue); batch 1 sat at 1.79 ms/step against a 1.03 ms bandwidth bound (s37)
 step "decode jax, 8 steps per check" timeout 50 $B --part decode --framework jax --sizes 1 --reps 3 \
   --steps-per-check 8 --out /tmp/parts/de_jax_k8.json
+# A/B: the one-row cache carried and written without its batch axis (CPU's default since s39: XLA:CPU
+# copied every layer's cache each step with it kept; the GPU programs keep it, unmeasured)
+step "decode jax, one-row cache unbatched" timeout 40 $B --part decode --framework jax --sizes 1 --reps 3 \
+  --one-row-cache unbatched --out /tmp/parts/de_jax_unbatched.json
 # batch 1 only: at 64 the static cache ran out every limit so far and the dynamic one is ~7x behind (s33-s37)
 step "decode torch" timeout 65 $B --part decode --framework torch --sizes 1 --reps 3 --out /tmp/parts/de_torch.json
 python3 - "$OUT" <<'PYEOF'
@@ -60,14 +65,15 @@ for row in bert["runs"].values():
 print("bert", json.dumps(bert["runs"])[:1500])
 # decode: runs merged per batch
 dec = {"runs": {}, "missing": []}
-for name in ("de_jax", "de_jax_k8", "de_torch"):
+for name in ("de_jax", "de_jax_k8", "de_jax_unbatched", "de_torch"):
     d = load(name)
     if d is None:
         dec["missing"].append(name)
         continue
     for b, r in d.pop("runs", {}).items():
-        if name == "de_jax_k8":  # the A/B's rows, renamed beside the default ones
-            r = {f"{k}_k8": v for k, v in r.items() if k.startswith("jsteer")}
+        if name in ("de_jax_k8", "de_jax_unbatched"):  # the A/Bs' rows, renamed beside the default ones
+            tag = name.rsplit("_", 1)[1]
+            r = {f"{k}_{tag}": v for k, v in r.items() if k.startswith("jsteer")}
         dec["runs"].setdefault(b, {}).update(r)
     for k, v in d.items():
         dec.setdefault(k, v)
