@@ -34,7 +34,18 @@ def test_pack_layout():
 
 
 @pytest.mark.parametrize(
-    "m,k,n", [(2, 576, 1536), (3, 37, 50), (8, 64, 48), (13, 129, 200), (32, 96, 1000), (1, 16, 7)]
+    "m,k,n",
+    [  # every register block of 1-8 rows (13 = 8 + 5, 15 = 8 + 7), alone and after full blocks
+        (2, 576, 1536),
+        (3, 37, 50),
+        (4, 40, 96),
+        (6, 33, 60),
+        (8, 64, 48),
+        (13, 129, 200),
+        (15, 64, 100),
+        (32, 96, 1000),
+        (1, 16, 7),
+    ],
 )
 def test_small_gemm_matches_numpy(m, k, n):
     assert cpu.available(), cpu.unavailable_reason()
