@@ -122,10 +122,21 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array, candidates: i
     )
 
 
+def argmax_tokens(logits: Array) -> Array:
+    """logits [B,V] -> [B] int32, ``jnp.argmax(logits, -1)`` (the first of tied maxima) as a max
+    and a min: XLA:CPU's single variadic argmax reduction ran at half their speed (SmolLM2's
+    49152 logits: batch 1 248 -> 143 us, 8 rows 900 -> 458, 64 rows 6.2 -> 3.0 ms). A row with a
+    NaN gets the last token (argmax: the NaN's)."""
+    v = logits.shape[-1]
+    top = logits.max(axis=-1, keepdims=True)
+    first = jnp.where(logits == top, jnp.arange(v, dtype=jnp.int32), v).min(axis=-1)
+    return jnp.minimum(first, v - 1)
+
+
 def next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Array, top_p: Array) -> Array:
     """logits [B,V] -> token [B]: argmax where temperature == 0, else a sample. The sampling
     branch (and its full-vocab sort) only runs when some row needs it."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax_tokens(logits)
     sampling = temperature > 0
 
     def sample():
@@ -143,4 +154,4 @@ def next_token(logits: Array, step: Array, keys, temperature: Array, top_k: Arra
     return lax.cond(jnp.any(sampling), sample, lambda: greedy)
 
 
-__all__ = ["next_token", "repetition_penalty", "hold_stops", "NUCLEUS_CANDIDATES"]
+__all__ = ["argmax_tokens", "next_token", "repetition_penalty", "hold_stops", "NUCLEUS_CANDIDATES"]
