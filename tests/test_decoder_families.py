@@ -423,8 +423,8 @@ def test_rope_frequencies_are_transformers_within_ulps():
                 )
                 init = ROPE_INIT_FUNCTIONS.get(kind) or LlamaRotaryEmbedding.compute_default_rope_parameters
                 want = init(hf_cfg, device="cpu")[0].numpy()
-                rope = Rope(theta=theta, dim=dim, rope_type=kind, params=tuple(sorted(extra.items())))
-                rope = dataclasses.replace(rope, max_position_embeddings=1024)
+                params = tuple(sorted(extra.items()))
+                rope = Rope(theta=theta, dim=dim, rope_type=kind, params=params, max_position_embeddings=1024)
                 got = rope.static_inv_freq()[0]
                 assert got.dtype == np.float32 and got.shape == want.shape
                 ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32))

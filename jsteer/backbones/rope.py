@@ -70,7 +70,7 @@ class Rope:
         return dict(self.params)
 
     def _base_inv_freq(self) -> np.ndarray:
-        return (np.float32(1.0) / _theta_powers(self.theta, self.dim)).astype(np.float32)
+        return np.float32(1.0) / _theta_powers(self.theta, self.dim)
 
     def static_inv_freq(self) -> Tuple[np.ndarray, float]:
         """(inv_freq [R/2] float32, attention factor) for the types that do not depend on the
@@ -106,7 +106,7 @@ class Rope:
             base = self.theta * ((factor * seq / self.max_position_embeddings) - (factor - 1)) ** (
                 self.dim / (self.dim - 2)
             )
-            exps = jnp.asarray(np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / self.dim)
+            exps = jnp.asarray(_exponents(self.dim))
             return 1.0 / (base**exps), 1.0
         if self.rope_type == "longrope":
             long_inv, att = self._longrope(self.p["long_factor"])
@@ -127,14 +127,17 @@ class Rope:
         return d
 
 
+def _exponents(dim: int) -> np.ndarray:
+    """[dim/2] float32 2i / dim, rounded as transformers' are."""
+    return np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+
+
 def _theta_powers(theta: float, dim: int) -> np.ndarray:
-    """[dim/2] float32 theta ** (2i / dim), the exponents rounded to float32 as transformers'
-    are, the power computed in float64 and rounded once. NumPy's float32 power is not correctly
-    rounded and depends on the CPU's SIMD path: on an Intel Xeon the inverse frequencies built on
-    it differed from transformers' in 514 of 2912 entries (8 thetas x 9 head dims), these in 30
-    (torch's own float32 power is the one off there)."""
-    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    return (np.float64(np.float32(theta)) ** exps.astype(np.float64)).astype(np.float32)
+    """[dim/2] float32 theta ** :func:`_exponents`, the power computed in float64 and rounded once.
+    NumPy's float32 power is not correctly rounded and depends on the CPU's SIMD path: on an Intel
+    Xeon the inverse frequencies built on it differed from transformers' in 514 of 2912 entries
+    (8 thetas x 9 head dims), these in 30 (torch's own float32 power is the one off there)."""
+    return (np.float64(np.float32(theta)) ** _exponents(dim).astype(np.float64)).astype(np.float32)
 
 
 def _llama3(inv: np.ndarray, p: Mapping) -> np.ndarray:
