@@ -164,6 +164,8 @@ def bert_flops(c: dict, batch: int, seq: int, labels: int) -> float:
 
 def part_bert(a, res):
     c = BERT_TINY if a.tiny else BERT_BASE
+    if a.attention_dropout is not None:
+        c = dict(c, attention_dropout=a.attention_dropout)
     shapes = [(4, 16), (4, 32)] if a.tiny else [(32, 128), (32, 512)]
     shapes = [(b, t) for b, t in shapes if not a.sizes or f"{b}x{t}" in a.sizes]
     labels = 9
@@ -249,6 +251,7 @@ def _bert_torch(a, c, labels, batches, flops, peak):
         num_hidden_layers=c["num_layers"],
         num_attention_heads=c["num_heads"],
         intermediate_size=c["intermediate_size"],
+        attention_probs_dropout_prob=c.get("attention_dropout", 0.1),
         num_labels=labels,
     )
     model = transformers.BertForTokenClassification(cfg).to(dev).train()
@@ -573,6 +576,13 @@ def main(argv=None):
         "--fused-dropout",
         action="store_true",
         help="BERT training: attention with dropout through the Pallas kernel (attention.fused_dropout)",
+    )
+    ap.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=None,
+        help="BERT training, both frameworks: attention dropout (default BERT's 0.1); 0 sends jsteer to cuDNN's "
+        "flash attention and HF to SDPA's flash kernel: the A/B for what attention dropout costs each",
     )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
