@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jsteer.backbones.base import logsumexp, row_max, row_min
+
 Array = jnp.ndarray
 
 
@@ -51,7 +53,7 @@ def _filter_sorted(logits: Array, top_k: Array, top_p: Array) -> Array:
     v = logits.shape[-1]
     desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None]
-    log_norm = jax.nn.logsumexp(jnp.where(jnp.arange(v)[None, :] < k, desc, -jnp.inf), axis=-1, keepdims=True)
+    log_norm = logsumexp(jnp.where(jnp.arange(v)[None, :] < k, desc, -jnp.inf))[:, None]
     threshold, _ = _nucleus_threshold(desc, k, top_p, log_norm)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
@@ -100,8 +102,8 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array, candidates: i
     desc = lax.top_k(logits, c)[0]  # [B, c]
     log_norm = jnp.where(
         k <= c,
-        jax.nn.logsumexp(jnp.where(jnp.arange(c)[None, :] < k, desc, -jnp.inf), axis=-1, keepdims=True),
-        jax.nn.logsumexp(logits, axis=-1, keepdims=True),
+        logsumexp(jnp.where(jnp.arange(c)[None, :] < k, desc, -jnp.inf))[:, None],
+        logsumexp(logits)[:, None],
     )
     threshold, probs = _nucleus_threshold(desc, k, top_p, log_norm)
     no_filter = (k[:, 0] == v) & (top_p >= 1.0)
@@ -124,12 +126,11 @@ def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array, candidates: i
 
 def argmax_tokens(logits: Array) -> Array:
     """logits [B,V] -> [B] int32, ``jnp.argmax(logits, -1)`` (the first of tied maxima) as a max
-    and a min: XLA:CPU's single variadic argmax reduction ran at half their speed (SmolLM2's
-    49152 logits: batch 1 248 -> 143 us, 8 rows 900 -> 458, 64 rows 6.2 -> 3.0 ms). A row with a
-    NaN gets the last token (argmax: the NaN's)."""
+    and a min, both folded (:func:`~jsteer.backbones.base.row_max`): XLA:CPU's variadic argmax
+    reduction is slower (SmolLM2's 49152 logits, session 41's Xeon: batch 1 253 -> 85 us, 8 rows
+    798 -> 300, 64 rows 6.1 -> 1.2 ms). A row with a NaN gets the last token (argmax: the NaN's)."""
     v = logits.shape[-1]
-    top = logits.max(axis=-1, keepdims=True)
-    first = jnp.where(logits == top, jnp.arange(v, dtype=jnp.int32), v).min(axis=-1)
+    first = row_min(jnp.where(logits == row_max(logits), jnp.arange(v, dtype=jnp.int32), v))[..., 0]
     return jnp.minimum(first, v - 1)
 
 

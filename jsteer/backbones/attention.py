@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from jsteer.backbones.base import NEG_INF
+from jsteer.backbones.base import NEG_INF, row_max
 from jsteer.backbones.matmul import dot_fp32_out
 
 Array = jax.Array
@@ -80,7 +80,7 @@ def dot_product_attention(
         scores = scores + _rows(bias, g, t)
     if visible is not None:
         scores = jnp.where(_rows(visible, g, t), scores, NEG_INF)
-    weights = jnp.exp(scores - jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True)))
+    weights = jnp.exp(scores - jax.lax.stop_gradient(row_max(scores)))
     denom = weights.sum(axis=-1, keepdims=True)
     if dropout is not None:
         weights = dropout(weights)

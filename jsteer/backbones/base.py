@@ -197,6 +197,46 @@ def attention_slots(mask: Array, bias: Optional[Array], cache: Optional["KVCache
 NEG_INF = -1e30  # finite so fully-masked (pad) rows stay NaN-free
 
 
+# ----------------------------------------------------------------------------- row reductions
+# XLA:CPU (jaxlib 0.10) reduces the minor axis with max / min several times slower than with add:
+# MiniLM's scores [32,12,128,128] 3.7 ms for max(-1) against 0.75 ms for sum(-1) and 0.5 ms here,
+# SmolLM2's logits [512,49152] 16 ms -> 2.8 ms. Elementwise maxima over 16-lane slices
+# vectorise, and so does a reduce over a non-minor axis. Max and min are exact, so the result is
+# the same bit for bit; other backends keep the plain reduce.
+
+_LANES, _SLICES = 16, 64
+
+
+def _fold(x: Array, pair: Callable, reduce: Callable) -> Array:
+    n = x.shape[-1]
+    if jax.default_backend() != "cpu" or n % _LANES or n < 2 * _LANES:
+        return reduce(x, axis=-1, keepdims=True)
+    if n > _LANES * _SLICES:  # first down to <= 1024 lanes, reducing rows of a [.., n / c, c] view
+        c = next(c for c in (1024, 512, 256, 128, 64, 32, 16) if n % c == 0)
+        x = reduce(x.reshape(x.shape[:-1] + (n // c, c)), axis=-2)
+    parts = [x[..., i : i + _LANES] for i in range(0, x.shape[-1], _LANES)]
+    while len(parts) > 1:  # a tree, not a chain: independent maxima per level
+        parts = [pair(a, b) for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) - len(parts) % 2 :]
+    return reduce(parts[0], axis=-1, keepdims=True)
+
+
+def row_max(x: Array) -> Array:
+    """``x.max(axis=-1, keepdims=True)`` [..., 1], the same values, fast on XLA:CPU."""
+    return _fold(x, jnp.maximum, jnp.max)
+
+
+def row_min(x: Array) -> Array:
+    """``x.min(axis=-1, keepdims=True)`` [..., 1], the same values, fast on XLA:CPU."""
+    return _fold(x, jnp.minimum, jnp.min)
+
+
+def logsumexp(x: Array) -> Array:
+    """``jax.nn.logsumexp(x, axis=-1)`` [...], the same values, its max through :func:`row_max`."""
+    m = row_max(x)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0))
+    return jnp.log(jnp.exp(x - m).sum(axis=-1)) + m[..., 0]
+
+
 # ----------------------------------------------------------------------------- gathers and segment sums
 # A gather's gradient is a scatter-add, and a segment sum is one. On GPUs XLA emits bf16 / fp16
 # scatter-adds as compare-and-swap loops, which serialise where ids repeat (position and

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jsteer.backbones.base import logsumexp
 from jsteer.data.buckets import bucket
 from jsteer.steer import data
 from jsteer.workspace import OUT, log
@@ -361,7 +362,7 @@ def _next_token_log_probs(logits, ids):
     """logits [B,T,V], ids [B,T] -> log P(ids[:, t+1] | ids[:, :t+1]) [B,T-1] (one fused pass, no [B,T,V]
     log-softmax materialised)."""
     x = logits[:, :-1]
-    return jnp.take_along_axis(x, ids[:, 1:, None], -1)[..., 0] - jax.nn.logsumexp(x, -1)
+    return jnp.take_along_axis(x, ids[:, 1:, None], -1)[..., 0] - logsumexp(x)
 
 
 def perplexities(lm, prompts_: Sequence[str], conts: Sequence[str], batch: int = 32) -> np.ndarray:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer.backbones.base import logsumexp
 from jsteer.progress import bar as progress_bar
 from jsteer.steer import head
 
@@ -435,7 +436,7 @@ def step_eps(values: Array, eps0: float, dummy: bool) -> Array:
 def nll(params: head.Params, hidden: Array, targets: Array, weight: Array, eps: Array, embedding: Array) -> Array:
     """Weighted mean next-token cross-entropy of steered logits; hidden [N, D], eps [N, S]."""
     logits = head.apply(params, hidden, embedding, eps)  # [N, V]
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = logsumexp(logits)
     tgt = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return jnp.sum((lse - tgt) * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
