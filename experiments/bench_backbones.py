@@ -171,30 +171,48 @@ def compare(name: str, results: dict, j: dict, h: dict | None, work: float | Non
     print(msg, flush=True)
 
 
+_XLA_READ = """
+import sys, time
+import jax, jax.numpy as jnp
+x = jnp.ones((int(sys.argv[1]) // 4,), jnp.float32)
+total = jax.jit(jnp.sum)
+total(x).block_until_ready()
+best = float("inf")
+for _ in range(int(sys.argv[2])):
+    t0 = time.perf_counter()
+    total(x).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+print(int(sys.argv[1]) / best)
+"""
+
+
 def measure_read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     """Host memory read bandwidth in bytes/s: the best of ``reps`` full reads of an ``nbytes``
-    array, by a jitted sum and by NumPy sums over one chunk per core in threads."""
+    array, by NumPy sums over one chunk per core in threads and by a jitted sum in a fresh process
+    on XLA's default CPU flags. Not in this process: with YNNPACK's fusions off (jsteer's precise
+    dots) XLA:CPU's sum reads at about half the rate (session 41's Xeon: 12.9 against 29.4 GB/s,
+    NumPy 17 GB/s; the decode kernel streams SmolLM2's weights at ~28 GB/s)."""
+    import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    import jax
-    import jax.numpy as jnp
     import numpy as np
 
     x = np.ones(nbytes // 4, np.float32)
     chunks = np.array_split(x, os.cpu_count() or 1)
-    xj = jnp.asarray(x)
-    total = jax.jit(jnp.sum)
-    total(xj).block_until_ready()
     best = float("inf")
     with ThreadPoolExecutor(len(chunks)) as pool:
         for _ in range(reps):
             t0 = time.perf_counter()
-            total(xj).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-            t0 = time.perf_counter()
             list(pool.map(np.sum, chunks))
             best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    rate = nbytes / best
+    env = dict(os.environ, XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "ynn" not in f))
+    run = subprocess.run(
+        [sys.executable, "-c", _XLA_READ, str(nbytes), str(reps)], env=env, capture_output=True, text=True
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"bench_backbones: the XLA read probe failed: {run.stderr[-2000:]}")
+    return max(rate, float(run.stdout.split()[-1]))
 
 
 def matmul_probe(name: str, results: dict, m: int, k: int, n: int, reps: int, use_torch: bool) -> None:
@@ -603,6 +621,10 @@ def bench_minilm(args, results: dict, use_torch: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import jsteer  # first: its fp32 dot setting only takes effect before a JAX backend starts
+
+    if jsteer.cpu_precision.STATE.startswith("too late"):
+        raise SystemExit(f"bench_backbones: {jsteer.cpu_precision.STATE}; jsteer would be timed off its default dots")
     import jax
 
     on_gpu = jax.default_backend() == "gpu"

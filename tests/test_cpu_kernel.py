@@ -205,3 +205,4 @@ def test_describe_names_the_cpu_and_its_vector_isa():
     assert d["model"] and d["model"] != "unknown"
     assert set(d["simd"]) <= set(cpu._SIMD) and ("avx512f" in d["simd"]) == cpu._cpu_has_avx512f()
     assert "avx2" in d["simd"]  # every x86 machine this suite runs on (the kernel needs AVX-512)
+    assert d["dots"] == "precise"  # the suite imports jsteer before any JAX computation
