@@ -10,24 +10,4 @@ step "decode jax, batch 64" timeout 150 $B --part decode --framework jax --sizes
   --out /tmp/parts/de64_jax.json
 step "decode torch, batch 64" timeout 60 $B --part decode --framework torch --sizes 64 --reps 2 \
   --out /tmp/parts/de64_torch.json
-python3 - "$OUT" <<'PYEOF'
-import json, pathlib, sys
-out, parts = pathlib.Path(sys.argv[1]), pathlib.Path("/tmp/parts")
-dec = {"runs": {}, "missing": []}
-for name in ("de64_jax", "de64_torch"):
-    f = parts / f"{name}.json"
-    if not f.exists():
-        dec["missing"].append(name)
-        continue
-    d = json.loads(f.read_text())
-    for b, r in d.pop("runs", {}).items():
-        dec["runs"].setdefault(b, {}).update(r)
-    for k, v in d.items():
-        dec.setdefault(k, v)
-for r in dec["runs"].values():
-    hf = [r[k]["tokens_per_s"] for k in ("hf_dynamic", "hf_static") if "tokens_per_s" in r.get(k, {})]
-    if "jsteer" in r and hf:
-        r["jsteer_over_best_hf"] = r["jsteer"]["tokens_per_s"] / max(hf)
-(out / "decode64.json").write_text(json.dumps(dec, indent=1) + "\n")
-print("decode64", json.dumps(dec["runs"])[:1500])
-PYEOF
+python3 experiments/device_parts.py decode "$OUT/decode64.json" de64_jax de64_torch

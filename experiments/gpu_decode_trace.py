@@ -31,26 +31,25 @@ import numpy as np
 def summarise(trace: dict, steps: int, top: int = 25) -> dict:
     """Per trace process: complete events ("X"), their summed duration (us) and the top names."""
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    per = collections.defaultdict(lambda: {"events": 0, "busy_us": 0.0, "by_name": collections.Counter()})
-    span = collections.defaultdict(lambda: [float("inf"), 0.0])
+    per = collections.defaultdict(
+        lambda: {"events": 0, "busy_us": 0.0, "by_name": collections.Counter(), "first": float("inf"), "last": 0.0}
+    )
     for e in trace["traceEvents"]:
         if e.get("ph") != "X":
             continue
-        p = per[names.get(e["pid"], str(e["pid"]))]
+        p, dur = per[names.get(e["pid"], str(e["pid"]))], e.get("dur", 0)
         p["events"] += 1
-        p["busy_us"] += e.get("dur", 0)
-        p["by_name"][e["name"]] += e.get("dur", 0)
-        s = span[names.get(e["pid"], str(e["pid"]))]
-        s[0], s[1] = min(s[0], e["ts"]), max(s[1], e["ts"] + e.get("dur", 0))
+        p["busy_us"] += dur
+        p["by_name"][e["name"]] += dur
+        p["first"], p["last"] = min(p["first"], e["ts"]), max(p["last"], e["ts"] + dur)
     out = {}
     for name, p in per.items():
-        first, last = span[name]
         out[name] = {
             "events": p["events"],
             "events_per_step": p["events"] / steps,
             "busy_ms": p["busy_us"] / 1e3,
             "busy_ms_per_step": p["busy_us"] / 1e3 / steps,
-            "span_ms": (last - first) / 1e3,
+            "span_ms": (p["last"] - p["first"]) / 1e3,
             "top": [{"name": k[:160], "ms": v / 1e3} for k, v in p["by_name"].most_common(top)],
         }
     return out
@@ -68,7 +67,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jsteer.decode import generate
-    from jsteer.train.gpu_bench import LLAMA_1B, LLAMA_TINY, jsteer_llama
+    from jsteer.train.gpu_bench import LLAMA_1B, LLAMA_TINY, jax_sync, jsteer_llama, median_time
 
     c = LLAMA_TINY if a.tiny else LLAMA_1B
     module, params = jsteer_llama(c, jnp.bfloat16)
@@ -77,19 +76,13 @@ def main(argv=None) -> int:
     ids = jnp.asarray(np.random.default_rng(0).integers(1, c["vocab_size"], (a.batch, prompt)).astype(np.int32))
 
     def call():
-        return jax.block_until_ready(generate(module, params, ids, max_new_tokens=a.new).tokens)
+        return generate(module, params, ids, max_new_tokens=a.new).tokens
 
-    t0 = time.perf_counter()
-    call()
-    compile_s = time.perf_counter() - t0
-    call()
-    t0 = time.perf_counter()
-    call()
-    untraced_s = time.perf_counter() - t0
+    compile_s, untraced_s = median_time(call, jax_sync, 1, 1)
     tmp = pathlib.Path(tempfile.mkdtemp())
     with jax.profiler.trace(str(tmp), create_perfetto_trace=True):
         t0 = time.perf_counter()
-        call()
+        jax_sync(call())
         traced_s = time.perf_counter() - t0
     found = glob.glob(str(tmp / "**" / "*.trace.json.gz"), recursive=True)
     if not found:
