@@ -121,18 +121,19 @@ def _filter_reference(logits, top_k, top_p):
     return expected
 
 
-def test_argmax_tokens_is_argmax_with_ties_and_infinities():
+@pytest.mark.parametrize("v", [1000, 1024])  # 1000: the plain reduce; 1024: folded over 16-lane slices
+def test_argmax_tokens_is_argmax_with_ties_and_infinities(v):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, 1000)).astype(np.float32)
+    x = rng.standard_normal((6, v)).astype(np.float32)
     x[0, [5, 700]] = 9.0  # tie: the first wins
     x[1, :] = -np.inf  # nothing finite: token 0, as argmax
-    x[2, 999] = np.inf
+    x[2, v - 1] = np.inf
     x[3, :] = 2.5  # all tied
-    x[4, [0, 999]] = 7.0
+    x[4, [0, v - 1]] = 7.0
     x[5, 3] = np.nan  # NaN: a token in range (argmax: the NaN's)
     got = np.asarray(jax.jit(sampling.argmax_tokens)(jnp.asarray(x)))
     np.testing.assert_array_equal(got[:5], np.argmax(x[:5], -1))
-    assert got.dtype == np.int32 and 0 <= got[5] < 1000
+    assert got.dtype == np.int32 and 0 <= got[5] < v
 
 
 def test_top_k_top_p_filter_matches_numpy():
