@@ -3,8 +3,9 @@
 Measures, with the same weights on both sides (fp32):
 
 - SmolLM2-135M forward on a [B=8, T=128] batch (seconds per call);
-- SmolLM2-135M greedy decoding of 64 new tokens after a 16-token prompt, batch 1 and 8
-  (tokens/s, prefill included; no early stop on either side);
+- SmolLM2-135M greedy decoding of 64 new tokens after a 16-token prompt, batch 1 and 8, and of
+  32 after a ``--long-prompt`` (1000 tokens) at batch 1 (tokens/s, prefill included; no early
+  stop on either side);
 - MiniLM (all-MiniLM-L6-v2) forward on [B=32, T=128];
 - one MiniLM token-classification training step on [32, 128] (AdamW; dropout on; HF
   ``BertForTokenClassification`` + ``torch.optim.AdamW`` vs jsteer + ``optax.adamw``).
@@ -15,7 +16,8 @@ jsteer's and HF's interleaved, each timed call right after an untimed one of the
 steadier of the two on a shared machine).
 PyTorch gets ``torch.set_num_threads(--threads)`` (default: all cores). Decoding is also
 compared with the memory-bandwidth bound: one decode step must read every parameter once, so
-tokens/s <= batch * bandwidth / param_bytes. On a GPU the bandwidth is ``--bandwidth`` (default
+tokens/s <= batch * bandwidth / param_bytes (``fraction_of_bound``; with each row's KV cache read
+too: ``fraction_of_bound_with_cache``). On a GPU the bandwidth is ``--bandwidth`` (default
 H100 SXM 3.35e12 B/s); on a CPU it is measured here (best of a jitted and a NumPy full read of
 a 1 GiB array, far larger than the caches), and both sides' fraction of that bound is reported.
 Each model's section starts with a matmul probe: one bare fp32 matmul of its FFN shape
@@ -64,6 +66,12 @@ def parse_args(argv=None):
     )
     ap.add_argument("--only", default="all", choices=("all", "smollm2", "minilm"))
     ap.add_argument("--no-torch", action="store_true", help="time jsteer only")
+    ap.add_argument(
+        "--long-prompt",
+        type=int,
+        default=None,
+        help="also decode batch 1 after a prompt this long, half the new tokens (default 1000; quick 64; 0: off)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.smol_b, args.smol_t, args.new_tokens, args.decode_batches = 2, 32, 16, (1, 2)
@@ -74,6 +82,8 @@ def parse_args(argv=None):
         args.sample_batch, args.sample_tokens = 50, 20  # LM-Steer's evaluation decoding
         args.mini_b, args.mini_t = 32, 128
     args.prompt_t = 16
+    if args.long_prompt is None:
+        args.long_prompt = 64 if args.quick else 1000
     args.reps = args.reps or (2 if args.quick else 7)
     return args
 
@@ -417,11 +427,13 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
         use_torch,
     )
 
-    n = args.new_tokens
     bandwidth = args.bandwidth if on_gpu else measure_read_bandwidth()
     results["host_read_bandwidth_bytes_per_s" if not on_gpu else "assumed_bandwidth_bytes_per_s"] = bandwidth
-    for bs in args.decode_batches:
-        prompt = rng.integers(100, 40000, size=(bs, args.prompt_t)).astype(np.int32)
+    cases = [(bs, args.prompt_t, args.new_tokens) for bs in args.decode_batches]
+    if args.long_prompt:
+        cases.append((1, args.long_prompt, args.new_tokens // 2))
+    for bs, prompt_t, n in cases:
+        prompt = rng.integers(100, 40000, size=(bs, prompt_t)).astype(np.int32)
         p_j, m_j = jnp.asarray(prompt), jnp.ones_like(jnp.asarray(prompt))
 
         def jx_decode():
@@ -443,16 +455,22 @@ def bench_smollm2(args, results: dict, on_gpu: bool, use_torch: bool) -> None:
                         do_sample=False,
                         pad_token_id=0,
                     )
-                assert out.shape[1] == args.prompt_t + n
+                assert out.shape[1] == prompt_t + n
 
         j, h = timed_pair(jx_decode, hf_decode, args.reps)
-        name = f"smollm2_greedy{n}_batch{bs}"
+        name = f"smollm2_greedy{n}_batch{bs}" + (f"_prompt{prompt_t}" if prompt_t != args.prompt_t else "")
         compare(name, results, j, h, work=bs * n, unit="tokens_per_s")
         bound = bs * bandwidth / param_bytes
+        # a step also reads each row's KV cache so far: fp32 K and V of every layer, on average
+        # prompt + (n + 1) / 2 slots (prefill's reads not counted)
+        c = lm.config
+        kv_bytes = bs * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4 * (prompt_t + (n + 1) / 2)
         r = results[name]
         r["bandwidth_bytes_per_s"] = bandwidth
         r["bandwidth_bound_tokens_per_s"] = bound
         r["fraction_of_bound"] = r["jsteer_tokens_per_s"] / bound
+        r["kv_cache_bytes_per_step"] = kv_bytes
+        r["fraction_of_bound_with_cache"] = r["jsteer_tokens_per_s"] * (param_bytes + kv_bytes) / (bs * bandwidth)
         if "hf_tokens_per_s" in r:
             r["hf_fraction_of_bound"] = r["hf_tokens_per_s"] / bound
         print(

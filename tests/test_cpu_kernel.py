@@ -1,5 +1,5 @@
-"""jsteer.backbones.cpu: the few-row decode matmul (XLA FFI) against NumPy, the layers that use it,
-and generate with it on / off.
+"""jsteer.backbones.cpu: the few-row decode matmul and the decode-step attention (XLA FFI) against
+NumPy, the layers that use them, and generate with them on / off.
 
 It runs on CPUs with AVX-512F (CI's and the dev VMs'); elsewhere the kernel is not used, and these
 tests skip with that reason. A missing compiler on an AVX-512 machine fails them."""
@@ -85,6 +85,70 @@ def test_packed_linear_equals_plain(rows):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _attention_numpy(q, k, v, visible, bias, scale, softcap):
+    """fp64: q [B,K,G,H], k [B,K,H,S], v [B,K,S,H], visible / bias [B,S] -> [B,K,G,H]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("bkgh,bkhs->bkgs", q, k) * scale
+    if softcap:
+        scores = np.tanh(scores / softcap) * softcap
+    scores = np.where(visible[:, None, None], scores + bias[:, None, None], -1e30)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bkgs,bksh->bkgh", w / w.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize(
+    "b,kh,g,h,s,window,softcap,with_bias",
+    [  # slots: all, a prefix, a window; 1-8 queries per kv head; tails of 16 lanes; work for 1 thread
+        (8, 3, 3, 64, 80, (0, 17), None, False),
+        (8, 3, 3, 64, 80, (5, 80), 30.0, True),
+        (2, 2, 7, 96, 33, (3, 20), None, True),
+        (3, 1, 8, 256, 1000, (0, 1000), None, False),
+        (1, 4, 1, 80, 5, (0, 5), 3.0, False),
+        (4, 2, 2, 8, 16, (15, 16), None, True),
+        # few heads, long spans: cut into pieces (empty ones too) and combined
+        (1, 3, 3, 64, 2000, (10, 300), None, True),
+        (1, 2, 2, 32, 1024, (1000, 1010), None, False),
+        (2, 1, 4, 64, 1024, (0, 500), 5.0, False),
+    ],
+)
+def test_decode_attention_matches_numpy(b, kh, g, h, s, window, softcap, with_bias):
+    from jsteer.backbones.attention import dot_product_attention
+
+    assert cpu.available(), cpu.unavailable_reason()
+    rng = np.random.default_rng(s * 10 + g)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, kh, g, h), (b, kh, h, s), (b, kh, s, h)))
+    visible = np.zeros((b, s), bool)
+    visible[:, window[0] : window[1]] = True
+    visible[0, window[0] + (window[1] - window[0]) // 2] = window[1] - window[0] < 3  # a hole inside the window
+    if b > 1:
+        visible[1] = False  # a row that sees nothing: equal weights, as the hand-written path gives
+    bias = rng.standard_normal((b, s)).astype(np.float32) if with_bias else np.zeros((b, s), np.float32)
+    scale = h**-0.5
+    got = jax.jit(lambda *a: cpu.decode_attention(*a, scale=scale, softcap=softcap))(
+        q, k, v, visible, bias if with_bias else None
+    )
+    np.testing.assert_allclose(np.asarray(got), _attention_numpy(q, k, v, visible, bias, scale, softcap), atol=2e-6)
+    hand = dot_product_attention(
+        jnp.asarray(q)[:, None],
+        k,
+        v,
+        scale=scale,
+        visible=visible[:, None, None, None],
+        bias=bias[:, None, None, None] if with_bias else None,
+        cache_layout=True,
+        softcap=softcap,
+    )[:, 0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(hand), atol=2e-6)
+
+
+def test_decode_attention_rejects_mismatched_shapes():
+    q, k, v = jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 8, 10)), jnp.ones((2, 3, 10, 8))
+    with pytest.raises(ValueError, match=r"needs k \[B,K,H,S\]"):
+        cpu.decode_attention(q, k.transpose(0, 1, 3, 2), v, jnp.ones((2, 10), bool), None, 1.0, None)
+    with pytest.raises(ValueError, match="bias"):
+        cpu.decode_attention(q, k, v, jnp.ones((2, 10), bool), jnp.ones((1, 10)), 1.0, None)
+
+
 def _models():
     llama_tied = DecoderConfig.llama(
         vocab_size=97,
@@ -112,10 +176,27 @@ def _models():
     gpt2 = config_from_hf(
         dict(model_type="gpt2", vocab_size=97, n_positions=64, n_embd=48, n_layer=2, n_head=4, n_inner=96)
     )
-    return [Decoder(llama_tied), Decoder(llama_untied), Decoder(gpt2)]
+    gemma2 = config_from_hf(  # soft-capped attention logits, sliding-window and global layers
+        dict(
+            model_type="gemma2",
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            sliding_window=4,
+            query_pre_attn_scalar=12,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=5.0,
+        )
+    )
+    return [Decoder(llama_tied), Decoder(llama_untied), Decoder(gpt2), Decoder(gemma2)]
 
 
-@pytest.mark.parametrize("index", [0, 1, 2], ids=["llama_tied", "llama_untied_bias", "gpt2"])
+@pytest.mark.parametrize("index", [0, 1, 2, 3], ids=["llama_tied", "llama_untied_bias", "gpt2", "gemma2"])
 def test_generate_with_kernel_equals_without(index):
     assert cpu.available(), cpu.unavailable_reason()
     module = _models()[index]
@@ -130,6 +211,20 @@ def test_generate_with_kernel_equals_without(index):
     plain = module.apply({"params": params}, step_ids)
     fast = module.apply({"params": params, "packed": module.decode_pack(params)}, step_ids)
     np.testing.assert_allclose(np.asarray(fast.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-4)
+    # a decode step over a filled cache (left-padded rows): attention through the kernel too
+    pre = module.apply({"params": params}, ids, mask, cache=module.config.init_cache(5, 9))
+
+    def step(variables):
+        return module.apply(variables, step_ids, jnp.ones((5, 1), jnp.int32), cache=pre.cache, step=True).logits
+
+    with_kernels = jax.jit(step).lower({"params": params, "packed": module.decode_pack(params)})
+    assert cpu.ATTENTION_TARGET in with_kernels.as_text()
+    np.testing.assert_allclose(
+        np.asarray(with_kernels.compile()({"params": params, "packed": module.decode_pack(params)})),
+        np.asarray(step({"params": params})),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
     outs = {}
     for on in (True, False):
@@ -169,7 +264,7 @@ def test_under_jit_only_on_request():
         return decode.generate(module, p, ids, max_new_tokens=6, cpu_kernels=on).tokens
 
     on = jax.jit(lambda p: run(p, True))
-    assert "jsteer_small_gemm" in on.lower(params).as_text()
+    assert all(target in on.lower(params).as_text() for target in cpu.TARGETS)
     np.testing.assert_array_equal(np.asarray(on(params)), np.asarray(jax.jit(lambda p: run(p, None))(params)))
 
 
@@ -195,7 +290,7 @@ def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatc
     built.unlink()
     built.with_name(built.name + ".sha256").unlink()
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(RuntimeError, match="compiling small_gemm.cc failed"):
+    with pytest.raises(RuntimeError, match="compiling decode_kernels.cc failed"):
         cpu._build()
     assert not any(built.parent.iterdir())  # nothing half-written
 

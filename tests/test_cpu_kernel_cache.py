@@ -3,7 +3,7 @@ folder this user owns that group and others cannot write, and only if its sha256
 when this user built it; the temp-directory fallback is created 0700 and refused when someone else
 made it first.
 
-Most tests build a tiny stand-in for small_gemm.cc (fast, and no AVX-512F needed) and plant a library
+Most tests build a tiny stand-in for decode_kernels.cc (fast, and no AVX-512F needed) and plant a library
 whose constructor writes a marker file, so "not loaded" means its code never ran. They need a C++
 compiler (g++); without one they fail."""
 

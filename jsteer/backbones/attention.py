@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from jsteer.backbones import cpu
 from jsteer.backbones.base import NEG_INF, row_max
 from jsteer.backbones.matmul import dot_fp32_out
 
@@ -34,6 +35,14 @@ def _rows(m: Array, g: int, t: int) -> Array:
     if (gm == g and tm == t) or g == 1:
         return m.reshape(bm, km, gm * tm, sm)
     return jnp.broadcast_to(m, (bm, km, g, t, sm)).reshape(bm, km, g * t, sm)
+
+
+def _per_slot(m: Array, b: int, s: int) -> Optional[Array]:
+    """A mask/bias broadcastable to [B,K,G,1,S] that varies only over B and S, as [B,S]; else None."""
+    m = m.reshape((1,) * (5 - m.ndim) + m.shape)
+    if m.shape[1:4] != (1, 1, 1):
+        return None
+    return jnp.broadcast_to(m[:, 0, 0, 0], (b, s))
 
 
 def dot_product_attention(
@@ -172,6 +181,7 @@ def attention(
     cache_layout: bool = False,
     softcap: Optional[float] = None,
     right_padded: Optional[RightPadded] = None,
+    cpu_kernel: bool = False,
 ) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
@@ -182,8 +192,18 @@ def attention(
     as for ``visible``, the fused path masks by lengths when its ``ok`` holds and falls back
     otherwise (one ``lax.cond``). The fused path lets a padding
     query row (no visible key) see its own slot (with lengths: the row's real keys), where the
-    hand-written path spreads it uniformly: such rows are padding, read by nothing downstream."""
+    hand-written path spreads it uniformly: such rows are padding, read by nothing downstream.
+    ``cpu_kernel`` (a CPU decode step whose kernels are on): one new token per row over the cache
+    layout, fp32, no dropout, a mask and bias that vary only over rows and slots, go through
+    :func:`jsteer.backbones.cpu.decode_attention`."""
     b, t, kh, g, h = q.shape
+    if cpu_kernel and cache_layout and t == 1 and dropout is None and q.dtype == k.dtype == v.dtype == jnp.float32:
+        s = v.shape[2]
+        vis = jnp.ones((b, s), bool) if visible is None else _per_slot(visible, b, s)
+        add = None if bias is None else _per_slot(bias, b, s)
+        if vis is not None and (bias is None or add is not None):
+            out = cpu.decode_attention(q[:, 0], k, v, vis, add, scale, softcap)
+            return out.reshape(b, 1, kh, g, h)
     hand = functools.partial(
         dot_product_attention,
         scale=scale,

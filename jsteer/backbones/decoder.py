@@ -168,7 +168,8 @@ class Attention(nn.Module):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         b, t, _ = x.shape
         n, kh, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        q = Linear((n, hd), use_bias=c.qkv_bias, name="q", **kw)(x)
+        q_proj = Linear((n, hd), use_bias=c.qkv_bias, name="q", **kw)
+        q = q_proj(x)
         k = Linear((kh, hd), use_bias=c.qkv_bias, name="k", **kw)(x)
         v = Linear((kh, hd), use_bias=c.qkv_bias, name="v", **kw)(x)
         if c.qk_norm == "proj":  # OLMo-2: over the whole projection
@@ -195,6 +196,8 @@ class Attention(nn.Module):
             softcap=c.attn_softcap,
             bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
             cache_layout=kv is not None,
+            # generate's "packed" collection: a CPU decode step with jsteer's kernels on
+            cpu_kernel=kv is not None and q_proj.has_variable("packed", "kernel"),
         )
         out = Linear((c.hidden_size,), in_axes=2, use_bias=c.o_bias, name="o", **kw)(out.reshape(b, t, n, hd))
         return out, new_kv

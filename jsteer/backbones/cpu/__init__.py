@@ -1,21 +1,28 @@
-"""A CPU kernel for the few-row matmuls of decoding, reached from jitted JAX code through XLA FFI.
+"""CPU kernels for the two hot spots of a decode step, reached from jitted JAX code through XLA FFI.
 
-A decode step multiplies B rows (one token per sequence) by every weight matrix, so its time is
-the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot reads them at about half the
-memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md), and for one row its GEMV pays a
-fixed cost per product; ``small_gemm.cc`` reads each weight once, contiguously, from a packed copy
-(``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
+Few-row matmuls. A decode step multiplies B rows (one token per sequence) by every weight matrix,
+so its time is the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot reads them at about
+half the memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md), and for one row its
+GEMV pays a fixed cost per product; ``small_gemm`` reads each weight once, contiguously, from a
+packed copy (``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
 
     wp = pack(w)                        # once per weight, outside the decode loop
     y = small_gemm(x, wp, n=w.shape[1])  # x [M, K] -> y [M, N] == x @ w (fp32)
 
-The kernel is compiled at first use (g++ -O3 -march=native, about 2 s) into ``cache_dir()``
-($JSTEER_CACHE/kernels, ~/.cache/jsteer/kernels, or when that is not writable a 0700 folder
-``jsteer-kernels-<uid>`` in the temp directory), with its sha256 recorded beside it in
-``<name>.so.sha256``, and registered with XLA as the custom call ``jsteer_small_gemm``. A cached
+Attention of one new token over the KV cache. XLA:CPU runs its two batched products as many tiny
+dots (M = G queries per key/value head); ``decode_attention`` makes one pass per (row, key/value
+head) over the visible slots: scores, softmax and value product.
+
+    out = decode_attention(q, k, v, visible, bias, scale, softcap)
+    # q [B,K,G,H], cache k [B,K,H,S] / v [B,K,S,H], visible / bias [B,S] -> [B,K,G,H] (fp32)
+
+Both live in ``decode_kernels.cc``, compiled at first use (g++ -O3 -march=native, about 3 s) into
+``cache_dir()`` ($JSTEER_CACHE/kernels, ~/.cache/jsteer/kernels, or when that is not writable a 0700
+folder ``jsteer-kernels-<uid>`` in the temp directory), with its sha256 recorded beside it in
+``<name>.so.sha256``, and registered with XLA as the custom calls in ``TARGETS``. A cached
 library is loaded only from a folder this user owns that group and others cannot write, and only
 if its sha256 matches the record (otherwise it is rebuilt). ``available()`` is False, and callers
-keep XLA's dot, when the backend is not CPU, the CPU lacks AVX-512F, no C++ compiler is found,
+keep XLA's ops, when the backend is not CPU, the CPU lacks AVX-512F, no C++ compiler is found,
 the cache folder is refused, or ``JSTEER_CPU_KERNELS=0``; the reason is in ``unavailable_reason()``.
 """
 
@@ -36,13 +43,16 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
 PANEL = 48  # columns per packed panel (small_gemm.cc: kPanel)
 MIN_ROWS, MAX_ROWS = 1, 64  # rows where the kernel beats XLA:CPU's dot (BUILD.md: the CPU decode kernel)
 TARGET = "jsteer_small_gemm"
-_SOURCE = pathlib.Path(__file__).with_name("small_gemm.cc")
+ATTENTION_TARGET = "jsteer_decode_attention"
+TARGETS = {TARGET: "JsteerSmallGemm", ATTENTION_TARGET: "JsteerDecodeAttention"}  # custom call -> symbol
+_SOURCE = pathlib.Path(__file__).with_name("decode_kernels.cc")
 _reason: Optional[str] = None
 
 
@@ -144,7 +154,7 @@ def _recipe() -> tuple[str, list[str], str]:
     key = hashlib.sha256(
         _SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags, _cpu_flags()]).encode()
     )
-    return cxx, flags, f"small_gemm-{key.hexdigest()[:16]}.so"
+    return cxx, flags, f"decode_kernels-{key.hexdigest()[:16]}.so"
 
 
 def _own_private_file(fd: int) -> bool:
@@ -208,7 +218,7 @@ def _build_in(dir_fd: int, path: pathlib.Path) -> str:
 
 
 def _build() -> pathlib.Path:
-    """Compile small_gemm.cc once per (source, jax, compiler, flags, CPU features) into cache_dir(), with
+    """Compile decode_kernels.cc once per (source, jax, compiler, flags, CPU features) into cache_dir(), with
     its sha256 beside it in <name>.so.sha256; a library there whose hash does not match is rebuilt."""
     path, dir_fd = _open_cache_dir()
     try:
@@ -230,7 +240,7 @@ def _load() -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when ``small_gemm`` can run here (see the module docstring); builds and registers once."""
+    """True when the kernels can run here (see the module docstring); builds and registers once."""
     global _reason
     if os.environ.get("JSTEER_CPU_KERNELS", "1") == "0":
         _reason = "disabled by JSTEER_CPU_KERNELS=0"
@@ -241,7 +251,8 @@ def available() -> bool:
     else:
         try:
             lib = _load()
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JsteerSmallGemm), platform="cpu")
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
             _reason = None
             return True
         except UnsafeCacheError as e:
@@ -273,3 +284,40 @@ def small_gemm(x: Array, wp: Array, n: int) -> Array:
         raise ValueError(f"small_gemm: packed weight {wp.shape} does not fit x {x.shape} and n={n}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), wp)
+
+
+def decode_attention(
+    q: Array, k: Array, v: Array, visible: Array, bias: Optional[Array], scale, softcap: Optional[float]
+) -> Array:
+    """One query token per row against the KV cache -> [B,K,G,H] fp32; call only when available().
+
+    q [B,K,G,H] (K key/value heads, G queries each), k [B,K,H,S] and v [B,K,S,H] (the cache's
+    layout), visible [B,S] bool, bias [B,S] additive or None, scale a scalar (may be traced),
+    softcap a float or None. The function of ``attention.dot_product_attention`` at T = 1:
+    softmax(cap(scale q.k) + bias, masked to visible) v."""
+    b, kh, g, h = q.shape
+    s = v.shape[2]
+    if k.shape != (b, kh, h, s) or v.shape != (b, kh, s, h) or visible.shape != (b, s):
+        raise ValueError(
+            f"decode_attention: q {q.shape} needs k [B,K,H,S], v [B,K,S,H], visible [B,S]; "
+            f"got {k.shape}, {v.shape}, {visible.shape}"
+        )
+    bias = jnp.zeros((b, s), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    if bias.shape != (b, s):
+        raise ValueError(f"decode_attention: bias {bias.shape} must be [B,S] = {(b, s)}")
+    # One row: the heads alone, so that the operands are the cache's own batch-free buffers, which
+    # the step updated in place (as [1, ...] XLA copied each layer's cache, 8 copies a layer).
+    # More rows: as they are (merged into [B*K, ...] XLA copied them instead).
+    lead = (kh,) if b == 1 else (b, kh)
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(lead + (g, h), jnp.float32))
+    f32 = jnp.float32
+    out = call(
+        q.astype(f32).reshape(lead + (g, h)),
+        k.astype(f32).reshape(lead + (h, s)),
+        v.astype(f32).reshape(lead + (s, h)),
+        visible.astype(bool),
+        bias,
+        jnp.asarray(scale, f32).reshape(()),
+        softcap=np.float32(softcap or 0.0),
+    )
+    return out.reshape(b, kh, g, h)

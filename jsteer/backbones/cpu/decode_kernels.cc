@@ -1,0 +1,416 @@
+// The two CPU kernels of a decode step, reached from jitted JAX code through XLA FFI:
+//
+// - small_gemm: y[M, N] = x[M, K] @ W[K, N] for few rows M, W pre-packed in column panels;
+// - decode_attention: one query token per row against the KV cache, softmax and value product
+//   in one pass per (row, key/value head).
+//
+// Built at first use by jsteer/backbones/cpu/__init__.py (g++ -O3 -march=native); only used on
+// CPUs with AVX-512F. fp32 throughout.
+//
+// small_gemm. Decoding multiplies a handful of rows by every weight matrix once per token, so the
+// time is the time to stream the weights from memory. XLA:CPU's GEMM path reaches about half the
+// read bandwidth there for 2 <= M <= 12 (it is built for large M; up to 64 rows this kernel still
+// wins). This kernel reads each weight once, contiguously: W is stored as panels
+// [ceil(N/48), K, 48] (`pack` in cpu/__init__.py), and each panel's 48 columns for up to 8 rows
+// stay in 24 vector accumulators (AVX-512) while the panel streams past. Panels are shared out
+// between the caller and XLA's intra-op thread pool. Sums run over k in order, one FMA per term.
+
+#include <atomic>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using Matrix = ffi::Buffer<ffi::F32, 2>;
+using Panels = ffi::Buffer<ffi::F32, 3>;
+
+constexpr int64_t kPanel = 48;  // columns per panel: 3 vectors of 16 floats
+constexpr int64_t kRows = 8;    // rows per register block: 8 x 3 accumulators
+// Software prefetch, 32 k steps (6 KiB) ahead, into L2 (prefetcht2): at 8 rows a step is ~12
+// cycles of FMAs. SmolLM2's 211 decode products at 8 rows on 2 cores (Xeon, Emerald Rapids):
+// 8 steps ahead into L1 27.7 ms, 32 ahead 25.5 ms, 32 ahead into L2 24.2 ms (64: level), none
+// 34.4 ms; level at 1 row.
+constexpr int64_t kAhead = 32 * kPanel;
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+// R rows (x, y: their first row) of one panel: 3R accumulators held in registers while the
+// panel streams past. R is a template argument so that each block size gets its own loop: one
+// loop for any R kept 4 of the 24 accumulators of 8 rows on the stack, a load and a store each
+// per step (SmolLM2's 8-row decode products 27.9 -> 26.4 ms on 2 cores; 16 rows 38.9 -> 35.0).
+template <int R>
+void Block(int64_t k_dim, int64_t n_dim, int64_t cols, const float* x, const float* wp, float* y) {
+  v16 acc[R][3];
+  std::memset(acc, 0, sizeof acc);
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const float* w = wp + k * kPanel;
+    __builtin_prefetch(w + kAhead, 0, 1);
+    __builtin_prefetch(w + kAhead + 16, 0, 1);
+    __builtin_prefetch(w + kAhead + 32, 0, 1);
+    const v16 w0 = *reinterpret_cast<const v16*>(w);
+    const v16 w1 = *reinterpret_cast<const v16*>(w + 16);
+    const v16 w2 = *reinterpret_cast<const v16*>(w + 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      const float b = x[m * k_dim + k];
+      acc[m][0] += b * w0;
+      acc[m][1] += b * w1;
+      acc[m][2] += b * w2;
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    std::memcpy(y + m * n_dim, acc[m], cols * sizeof(float));
+  }
+}
+
+// One panel (columns n0 .. n0 + 48 of y) for all M rows, in blocks of up to 8 rows.
+void Panel(int64_t m_rows, int64_t k_dim, int64_t n_dim, const float* x, const float* wp, float* y,
+           int64_t n0) {
+  const int64_t cols = n_dim - n0 < kPanel ? n_dim - n0 : kPanel;
+  for (int64_t m0 = 0; m0 < m_rows; m0 += kRows) {
+    const float* xr = x + m0 * k_dim;
+    float* yr = y + m0 * n_dim + n0;
+    switch (m_rows - m0 < kRows ? m_rows - m0 : kRows) {
+      case 8: Block<8>(k_dim, n_dim, cols, xr, wp, yr); break;
+      case 7: Block<7>(k_dim, n_dim, cols, xr, wp, yr); break;
+      case 6: Block<6>(k_dim, n_dim, cols, xr, wp, yr); break;
+      case 5: Block<5>(k_dim, n_dim, cols, xr, wp, yr); break;
+      case 4: Block<4>(k_dim, n_dim, cols, xr, wp, yr); break;
+      case 3: Block<3>(k_dim, n_dim, cols, xr, wp, yr); break;
+      case 2: Block<2>(k_dim, n_dim, cols, xr, wp, yr); break;
+      default: Block<1>(k_dim, n_dim, cols, xr, wp, yr); break;
+    }
+  }
+}
+
+// Runs body(c) for c = 0 .. chunks - 1, shared out between the caller and XLA's intra-op pool;
+// returns when all have run. A helper that starts after the caller has finished claims nothing
+// and touches only the (shared-owned) job, never the buffers.
+struct Chunks {
+  std::function<void(int64_t)> body;
+  int64_t count = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= count) return;
+      body(c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Workers, the caller included: one per pool thread (the pool has one per core). The caller is
+// runnable too, so as many helpers as pool threads put 3 workers on 2 cores, one of them
+// descheduled mid-chunk while the others wait (SmolLM2's 211 decode products: 23.5 -> 19.5 ms
+// at 1 row, 29.8 -> 27.3 ms at 8, 51.5 -> 39.6 ms at 16, on 2 cores).
+int64_t Workers(ffi::ThreadPool& pool) { return pool.num_threads() > 0 ? pool.num_threads() : 1; }
+
+void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)> body) {
+  auto job = std::make_shared<Chunks>();
+  job->body = std::move(body);
+  job->count = chunks;
+  const int64_t helpers = Workers(pool) - 1 < chunks - 1 ? Workers(pool) - 1 : chunks - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([job] { job->Work(); });
+  }
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < chunks) {
+    __builtin_ia32_pause();
+  }
+}
+
+ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, ffi::Result<Matrix> y) {
+  const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
+  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0];
+  if (yd[0] != m || wd[1] != k || wd[2] != kPanel || panels != (n + kPanel - 1) / kPanel) {
+    return ffi::Error::InvalidArgument("jsteer_small_gemm: shapes do not match x [M,K], w [ceil(N/48),K,48], y [M,N]");
+  }
+  const float* xs = x.typed_data();
+  const float* ws = wp.typed_data();
+  float* ys = y->typed_data();
+  const int64_t target = 4 * Workers(pool);  // chunks: a few per worker, for balance
+  const int64_t chunk = panels / target > 1 ? panels / target : 1;
+  Parallel(pool, (panels + chunk - 1) / chunk, [=](int64_t c) {
+    const int64_t end = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
+    for (int64_t p = c * chunk; p < end; ++p) {
+      Panel(m, k, n, xs, ws + p * k * kPanel, ys, p * kPanel);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// decode_attention. One query token per row: out[b, j, g] = softmax_s(w_s) @ v[b, j, s, :] with
+// w_s = cap(scale * q[b, j, g, :] . k[b, j, :, s]) + bias[b, s], and w_s = -1e30 (jsteer's
+// NEG_INF) where !visible[b, s]; cap(x) = softcap * tanh(x / softcap) when softcap > 0. k is the
+// cache's [H, S] (keys transposed), v its [S, H]. XLA:CPU runs this step's two batched products as
+// small dots, ~80 us each for SmolLM2 at 8 rows and 80 slots (60 a step: 4.8 of a ~29 ms step);
+// here one pass per (row, key/value head) reads each key and value once for its G query heads,
+// and only the slots between the first and the last visible one (the rest weigh exactly 0).
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+constexpr float kNegInf = -1e30f;
+constexpr float kExpMin = -87.0f;  // exp below this underflows fp32's normal range: taken as 0
+
+// exp(d) for d <= 0 (d < kExpMin -> 0): Cephes' expf (range reduction by ln 2 in two parts,
+// degree-5 polynomial), 16 lanes at a time.
+inline v16 Exp(v16 d) {
+  const v16 floor = v16{} + kExpMin;
+  const v16 x = d < floor ? floor : d;
+  const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
+  const v16 e = p * reinterpret_cast<const v16&>(scale);
+  return d < floor ? v16{} : e;
+}
+
+struct Attend {
+  int64_t kv, g, h, s;  // key/value heads, queries per kv head, head size, cache slots
+  int64_t pieces;       // the visible span of each row cut into this many pieces (tasks)
+  const float *q, *k, *v, *bias;
+  const bool* visible;
+  float scale, softcap;
+  float* out;
+  // pieces > 1: per (head t, piece, query) the piece's max score, weight sum and unnormalised
+  // output (h floats), combined by Combine(t)
+  float* partial;
+
+  int64_t Stride() const { return h + 2; }
+  int64_t OutStride() const { return pieces == 1 ? h : Stride(); }  // between one task's queries
+
+  // Task c: piece c % pieces of head t = c / pieces (t = row * kv + j). w: scratch, grown as needed.
+  void operator()(int64_t c, std::vector<float>& w) const {
+    const int64_t t = c / pieces, piece = c % pieces;
+    const int64_t b = t / kv;
+    const bool* vis = visible + b * s;
+    const float* add = bias + b * s;
+    const float* qt = q + t * g * h;
+    const float* kt = k + t * h * s;
+    const float* vt = v + t * s * h;
+    const int64_t stride = OutStride();
+    float* o = pieces == 1 ? out + t * g * h : partial + c * g * stride;
+    int64_t lo = 0, hi = s;
+    while (lo < hi && !vis[lo]) ++lo;
+    while (hi > lo && !vis[hi - 1]) --hi;
+    if (lo == hi) {  // no visible slot: every score is -1e30, so every slot weighs 1 (XLA's path)
+      lo = 0;
+      hi = s;
+      if (piece == 0) Uniform(vt, o);
+      if (pieces > 1) {  // piece 0 holds the mean with weight 1, the others nothing
+        for (int64_t a = 0; a < g; ++a) {
+          o[a * stride + h] = piece == 0 ? 0.0f : kNegInf;
+          o[a * stride + h + 1] = piece == 0 ? 1.0f : 0.0f;
+        }
+      }
+      return;
+    }
+    const int64_t len = ((hi - lo + pieces - 1) / pieces + 15) / 16 * 16;
+    lo += piece * len;
+    hi = lo + len < hi ? lo + len : hi;
+    if (lo >= hi) {  // an empty piece (a short span)
+      for (int64_t a = 0; a < g; ++a) {
+        std::memset(o + a * stride, 0, sizeof(float) * h);
+        o[a * stride + h] = kNegInf;
+        o[a * stride + h + 1] = 0.0f;
+      }
+      return;
+    }
+    const int64_t n = hi - lo, width = (n + 15) / 16 * 16;
+    if (static_cast<int64_t>(w.size()) < g * width + 2 * g) w.resize(g * width + 2 * g);
+    float* sc = w.data();
+    float* top = sc + g * width;  // each query's max score over the piece
+    float* sum = top + g;         // and its sum of weights
+    std::memset(sc, 0, sizeof(float) * g * width);
+    const int64_t full = n / 16 * 16;
+    for (int64_t i = 0; i < h; ++i) {  // scores: each key row read once for the g queries
+      const float* kr = kt + i * s + lo;
+      const float* ahead = i + 8 < h ? kr + 8 * s : vt + lo * h;  // the value rows come next
+      for (int64_t j = 0; j < full; j += 16) {
+        __builtin_prefetch(ahead + j, 0, 1);
+        const v16 kj = *reinterpret_cast<const v16*>(kr + j);
+        for (int64_t a = 0; a < g; ++a) {
+          *reinterpret_cast<v16*>(sc + a * width + j) += qt[a * h + i] * kj;
+        }
+      }
+      for (int64_t a = 0; a < g; ++a) {
+        for (int64_t j = full; j < n; ++j) sc[a * width + j] += qt[a * h + i] * kr[j];
+      }
+    }
+    for (int64_t a = 0; a < g; ++a) {
+      float* row = sc + a * width;
+      for (int64_t j = 0; j < n; ++j) {
+        float x = row[j] * scale;
+        if (softcap > 0.0f) x = std::tanh(x / softcap) * softcap;
+        row[j] = vis[lo + j] ? x + add[lo + j] : kNegInf;
+      }
+      for (int64_t j = n; j < width; ++j) row[j] = kNegInf;  // padding lanes: weight 0
+      v16 most = v16{} + kNegInf;
+      for (int64_t j = 0; j < width; j += 16) {
+        const v16 x = *reinterpret_cast<const v16*>(row + j);
+        most = x > most ? x : most;
+      }
+      float m = kNegInf;
+      for (int l = 0; l < 16; ++l) m = most[l] > m ? most[l] : m;
+      v16 total = {};
+      if (m > kNegInf) {  // else a piece with no visible slot: all weights 0
+        for (int64_t j = 0; j < width; j += 16) {
+          v16& x = *reinterpret_cast<v16*>(row + j);
+          x = Exp(x - m);
+          total += x;
+        }
+      } else {
+        std::memset(row, 0, sizeof(float) * width);
+      }
+      top[a] = m;
+      sum[a] = 0.0f;
+      for (int l = 0; l < 16; ++l) sum[a] += total[l];
+    }
+    for (int64_t a = 0; a < g; ++a) std::memset(o + a * stride, 0, sizeof(float) * h);
+    for (int64_t j = 0; j < n; ++j) {  // value product: each value row read once for the g queries
+      const float* vr = vt + (lo + j) * h;
+      for (int64_t c2 = 0; c2 < h; c2 += 16) __builtin_prefetch(vr + 8 * h + c2, 0, 1);
+      for (int64_t a = 0; a < g; ++a) {
+        const float wj = sc[a * width + j];
+        float* oa = o + a * stride;
+        for (int64_t i = 0; i < h; ++i) oa[i] += wj * vr[i];
+      }
+    }
+    for (int64_t a = 0; a < g; ++a) {
+      float* oa = o + a * stride;
+      if (pieces == 1) {
+        const float inv = 1.0f / sum[a];
+        for (int64_t i = 0; i < h; ++i) oa[i] *= inv;
+      } else {
+        oa[h] = top[a];
+        oa[h + 1] = sum[a];
+      }
+    }
+  }
+
+  // With pieces > 1: head t's output from its pieces' (max, sum, unnormalised output).
+  void Combine(int64_t t) const {
+    for (int64_t a = 0; a < g; ++a) {
+      float m = kNegInf;
+      for (int64_t p = 0; p < pieces; ++p) {
+        const float mp = partial[((t * pieces + p) * g + a) * Stride() + h];
+        m = mp > m ? mp : m;
+      }
+      float* oa = out + (t * g + a) * h;
+      std::memset(oa, 0, sizeof(float) * h);
+      float total = 0.0f;
+      for (int64_t p = 0; p < pieces; ++p) {
+        const float* part = partial + ((t * pieces + p) * g + a) * Stride();
+        if (part[h + 1] == 0.0f) continue;
+        const float f = std::exp(part[h] - m);
+        total += f * part[h + 1];
+        for (int64_t i = 0; i < h; ++i) oa[i] += f * part[i];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < h; ++i) oa[i] *= inv;
+    }
+  }
+
+ private:
+  // Every query of head t gets the mean of all s value rows; o: its outputs, OutStride() apart.
+  void Uniform(const float* vt, float* o) const {
+    for (int64_t a = 0; a < g; ++a) {
+      float* oa = o + a * OutStride();
+      std::memset(oa, 0, sizeof(float) * h);
+      for (int64_t j = 0; j < s; ++j) {
+        for (int64_t i = 0; i < h; ++i) oa[i] += vt[j * h + i];
+      }
+      for (int64_t i = 0; i < h; ++i) oa[i] /= static_cast<float>(s);
+    }
+  }
+};
+
+// [B, K, ., .], or [B * K, ., .]: the heads' leading axes are read as one
+using Heads = ffi::Buffer<ffi::F32>;
+using Slots = ffi::Buffer<ffi::F32, 2>;
+using SlotFlags = ffi::Buffer<ffi::PRED, 2>;
+using Scalar = ffi::Buffer<ffi::F32, 0>;
+
+// (leading axes' product, second-last, last) of a rank 3 or 4 buffer; {-1, -1, -1} otherwise.
+struct Dims3 {
+  int64_t lead = -1, rows = -1, cols = -1;
+};
+Dims3 Fold(const Heads& x) {
+  const auto d = x.dimensions();
+  if (d.size() != 3 && d.size() != 4) return {};
+  return {d.size() == 4 ? d[0] * d[1] : d[0], d[d.size() - 2], d[d.size() - 1]};
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, Heads q, Heads k, Heads v, SlotFlags visible, Slots bias,
+                               Scalar scale, float softcap, ffi::Result<Heads> out) {
+  const Dims3 qd = Fold(q), kd = Fold(k), vd = Fold(v), od = Fold(*out);
+  const int64_t b = visible.dimensions()[0], s = visible.dimensions()[1];
+  const int64_t heads = qd.lead, g = qd.rows, h = qd.cols;
+  const bool fits = b > 0 && heads > 0 && heads % b == 0 && kd.lead == heads && kd.rows == h && kd.cols == s &&
+                    vd.lead == heads && vd.rows == s && vd.cols == h && bias.dimensions()[0] == b &&
+                    bias.dimensions()[1] == s && od.lead == heads && od.rows == g && od.cols == h;
+  if (!fits || s < 1) {
+    return ffi::Error::InvalidArgument(
+        "jsteer_decode_attention: shapes do not match q [B,K,G,H], k [B,K,H,S], v [B,K,S,H] (or B*K as one "
+        "axis), visible and bias [B,S], out as q");
+  }
+  // Work in floats of keys; below kSerial one thread does it all (a helper's wake-up costs more);
+  // a few heads with long spans are cut into pieces (of >= kPiece slots) so every worker gets some.
+  constexpr int64_t kSerial = 1 << 16, kPiece = 256, kTasks = 8;
+  const bool serial = heads * h * s < kSerial;
+  int64_t pieces = serial ? 1 : (kTasks + heads - 1) / heads;
+  pieces = pieces < s / kPiece ? pieces : (s / kPiece > 1 ? s / kPiece : 1);
+  std::vector<float> partial(pieces > 1 ? heads * pieces * g * (h + 2) : 0);
+  const Attend attend{heads / b, g, h, s, pieces, q.typed_data(), k.typed_data(), v.typed_data(),
+                      bias.typed_data(), visible.typed_data(), *scale.typed_data(), softcap, out->typed_data(),
+                      partial.data()};
+  const auto task = [&attend](int64_t c) {
+    thread_local std::vector<float> scratch;
+    attend(c, scratch);
+  };
+  if (serial) {
+    for (int64_t c = 0; c < heads; ++c) task(c);
+  } else {
+    Parallel(pool, heads * pieces, task);
+  }
+  if (pieces > 1) {
+    for (int64_t t = 0; t < heads; ++t) attend.Combine(t);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerSmallGemm, SmallGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Panels>()
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<Heads>()
+                                  .Arg<SlotFlags>()
+                                  .Arg<Slots>()
+                                  .Arg<Scalar>()
+                                  .Attr<float>("softcap")
+                                  .Ret<Heads>());
