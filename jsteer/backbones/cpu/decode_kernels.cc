@@ -162,8 +162,8 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 constexpr float kNegInf = -1e30f;
 constexpr float kExpMin = -87.0f;  // exp below this underflows fp32's normal range: taken as 0
 
-// exp(d) for d <= 0 (d < kExpMin -> 0): Cephes' expf (range reduction by ln 2 in two parts,
-// degree-5 polynomial), 16 lanes at a time.
+// exp(d) for d <= 0 (d < kExpMin -> 0): Cephes' expf (range reduction by ln 2 in two parts, its
+// polynomial, times 2^n built in the exponent bits), 16 lanes at a time.
 inline v16 Exp(v16 d) {
   const v16 floor = v16{} + kExpMin;
   const v16 x = d < floor ? floor : d;
@@ -176,7 +176,7 @@ inline v16 Exp(v16 d) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
-  const v16 e = p * reinterpret_cast<const v16&>(scale);
+  const v16 e = p * (v16)scale;  // a vector cast keeps the bits
   return d < floor ? v16{} : e;
 }
 
