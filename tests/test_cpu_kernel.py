@@ -209,7 +209,8 @@ def test_generate_with_kernel_equals_without(index):
     # the step's logits through the packed weights == through XLA's dot
     step_ids = ids[:, -1:]
     plain = module.apply({"params": params}, step_ids)
-    fast = module.apply({"params": params, "packed": module.decode_pack(params)}, step_ids)
+    packed = module.decode_pack(params)
+    fast = module.apply({"params": params, "packed": packed}, step_ids)
     np.testing.assert_allclose(np.asarray(fast.logits), np.asarray(plain.logits), rtol=1e-5, atol=1e-4)
     # a decode step over a filled cache (left-padded rows): attention through the kernel too
     pre = module.apply({"params": params}, ids, mask, cache=module.config.init_cache(5, 9))
@@ -217,10 +218,10 @@ def test_generate_with_kernel_equals_without(index):
     def step(variables):
         return module.apply(variables, step_ids, jnp.ones((5, 1), jnp.int32), cache=pre.cache, step=True).logits
 
-    with_kernels = jax.jit(step).lower({"params": params, "packed": module.decode_pack(params)})
+    with_kernels = jax.jit(step).lower({"params": params, "packed": packed})
     assert cpu.ATTENTION_TARGET in with_kernels.as_text()
     np.testing.assert_allclose(
-        np.asarray(with_kernels.compile()({"params": params, "packed": module.decode_pack(params)})),
+        np.asarray(with_kernels.compile()({"params": params, "packed": packed})),
         np.asarray(step({"params": params})),
         rtol=1e-5,
         atol=1e-4,

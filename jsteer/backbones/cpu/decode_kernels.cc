@@ -119,7 +119,8 @@ void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)
   auto job = std::make_shared<Chunks>();
   job->body = std::move(body);
   job->count = chunks;
-  const int64_t helpers = Workers(pool) - 1 < chunks - 1 ? Workers(pool) - 1 : chunks - 1;
+  const int64_t workers = Workers(pool);
+  const int64_t helpers = workers - 1 < chunks - 1 ? workers - 1 : chunks - 1;
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([job] { job->Work(); });
   }
@@ -209,13 +210,12 @@ struct Attend {
     while (lo < hi && !vis[lo]) ++lo;
     while (hi > lo && !vis[hi - 1]) --hi;
     if (lo == hi) {  // no visible slot: every score is -1e30, so every slot weighs 1 (XLA's path)
-      lo = 0;
-      hi = s;
-      if (piece == 0) Uniform(vt, o);
-      if (pieces > 1) {  // piece 0 holds the mean with weight 1, the others nothing
+      if (piece > 0) return Nothing(o);
+      Uniform(vt, o);
+      if (pieces > 1) {  // piece 0 holds the mean, at max score 0 with weight sum 1
         for (int64_t a = 0; a < g; ++a) {
-          o[a * stride + h] = piece == 0 ? 0.0f : kNegInf;
-          o[a * stride + h + 1] = piece == 0 ? 1.0f : 0.0f;
+          o[a * stride + h] = 0.0f;
+          o[a * stride + h + 1] = 1.0f;
         }
       }
       return;
@@ -223,14 +223,7 @@ struct Attend {
     const int64_t len = ((hi - lo + pieces - 1) / pieces + 15) / 16 * 16;
     lo += piece * len;
     hi = lo + len < hi ? lo + len : hi;
-    if (lo >= hi) {  // an empty piece (a short span)
-      for (int64_t a = 0; a < g; ++a) {
-        std::memset(o + a * stride, 0, sizeof(float) * h);
-        o[a * stride + h] = kNegInf;
-        o[a * stride + h + 1] = 0.0f;
-      }
-      return;
-    }
+    if (lo >= hi) return Nothing(o);  // an empty piece (a short span)
     const int64_t n = hi - lo, width = (n + 15) / 16 * 16;
     if (static_cast<int64_t>(w.size()) < g * width + 2 * g) w.resize(g * width + 2 * g);
     float* sc = w.data();
@@ -327,6 +320,15 @@ struct Attend {
   }
 
  private:
+  // A piece that contributes nothing (pieces > 1): weight sum 0, read by Combine as such.
+  void Nothing(float* o) const {
+    for (int64_t a = 0; a < g; ++a) {
+      std::memset(o + a * Stride(), 0, sizeof(float) * h);
+      o[a * Stride() + h] = kNegInf;
+      o[a * Stride() + h + 1] = 0.0f;
+    }
+  }
+
   // Every query of head t gets the mean of all s value rows; o: its outputs, OutStride() apart.
   void Uniform(const float* vt, float* o) const {
     for (int64_t a = 0; a < g; ++a) {
