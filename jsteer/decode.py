@@ -129,10 +129,11 @@ def _step_hooks(hooks: Optional[Hooks]) -> Optional[Hooks]:
     return None
 
 
-def _prefill(module, params, input_ids, attention_mask, hooks, s: Sampler, n: int) -> DecodeState:
+def _prefill(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, n: int) -> DecodeState:
     b, t = input_ids.shape
     cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
-    out = module.apply({"params": params}, input_ids, attention_mask, hooks=hooks, cache=cache, last_logits_only=True)
+    variables = {"params": params} if packed is None else {"params": params, "packed": packed}
+    out = module.apply(variables, input_ids, attention_mask, hooks=hooks, cache=cache, last_logits_only=True)
     seen = None
     if s.repetition_penalty is not None:
         seen = jnp.zeros((b, out.logits.shape[-1]), bool).at[jnp.arange(b)[:, None], input_ids].set(True)
@@ -185,9 +186,7 @@ def _loop(
         # the whole cache is recomputed with the long ones (prompt + the i tokens so far)
         ids = jnp.concatenate([input_ids, tokens], axis=1)
         mask = jnp.concatenate([attention_mask, (jnp.arange(n) < i).astype(jnp.int32)[None].repeat(b, 0)], axis=1)
-        out = module.apply(
-            {"params": params}, ids, mask, hooks=_prompt_hooks(hooks, attention_mask, n), cache=cache.reset()
-        )
+        out = module.apply(step_vars, ids, mask, hooks=_prompt_hooks(hooks, attention_mask, n), cache=cache.reset())
         return out.logits[:, t + i - 1], out.cache.replace(index=t + i)
 
     squeeze = KVCache.unbatched(b)  # one row on CPU: carried without the batch axis (its docstring)
@@ -251,7 +250,7 @@ def _generate(
     max_new_tokens: int,
     steps_per_check: int = 1,
 ) -> GenerateOutput:
-    state = _prefill(module, params, input_ids, attention_mask, hooks, sampler, max_new_tokens)
+    state = _prefill(module, params, packed, input_ids, attention_mask, hooks, sampler, max_new_tokens)
     until = jnp.int32(max_new_tokens)
     state = _loop(module, params, packed, input_ids, attention_mask, hooks, sampler, state, until, steps_per_check)
     return GenerateOutput(tokens=state.tokens, lengths=state.lengths)
@@ -422,7 +421,7 @@ def stream(
     hooks = opts.hooks
     if chunk < 1:
         raise ValueError(f"stream: chunk must be >= 1, got {chunk}")
-    state = _prefill_jit(module, params, input_ids, attention_mask, hooks, sampler, int(max_new_tokens))
+    state = _prefill_jit(module, params, packed, input_ids, attention_mask, hooks, sampler, int(max_new_tokens))
     while True:
         host = jax.device_get((state.i, state.tokens, state.lengths, state.done))
         stop = yield Progress(int(host[0]), *host[1:])
@@ -539,26 +538,31 @@ def _packed_params(module, params) -> dict:
     return packed
 
 
-def _use_cpu_kernels(requested: Optional[bool], module, input_ids, params=None) -> bool:
-    """Whether decode steps go through the CPU kernel (see ``generate``'s ``cpu_kernels``)."""
+def _use_cpu_kernels(
+    requested: Optional[bool], module, input_ids, params=None, caller: str = "generate", any_rows: bool = False
+) -> bool:
+    """Whether the products go through the CPU kernel (see ``generate``'s ``cpu_kernels``);
+    ``any_rows``: whatever the batch size (``LM.forward``)."""
     if requested is False:
         return False
     supported = hasattr(module, "decode_pack")
     if requested:
         if not supported:
-            raise ValueError(f"generate: cpu_kernels=True, but {type(module).__name__} has no decode_pack")
+            raise ValueError(f"{caller}: cpu_kernels=True, but {type(module).__name__} has no decode_pack")
         if not cpu.available():
             raise ValueError(
-                f"generate: cpu_kernels=True, but the CPU kernel is unavailable: {cpu.unavailable_reason()}"
+                f"{caller}: cpu_kernels=True, but the CPU kernel is unavailable: {cpu.unavailable_reason()}"
             )
         return True
     # under the caller's jit the packed copy could not be kept: there only on request
-    traced = any(isinstance(x, jax.core.Tracer) for x in [input_ids, *jax.tree.leaves(params)])
+    leaves = [input_ids, *jax.tree.leaves(params)]
+    traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
     return (
         supported
         and not traced
-        and cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS
-        and len(input_ids.sharding.device_set) == 1
+        and getattr(module, "dtype", jnp.float32) == jnp.float32  # the kernel multiplies fp32 only
+        and (any_rows or cpu.MIN_ROWS <= input_ids.shape[0] <= cpu.MAX_ROWS)
+        and all(len(x.sharding.device_set) == 1 for x in leaves if isinstance(x, jax.Array))
         and cpu.available()
     )
 

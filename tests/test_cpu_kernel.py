@@ -1,5 +1,5 @@
-"""jsteer.backbones.cpu: the few-row decode matmul and the decode-step attention (XLA FFI) against
-NumPy, the layers that use them, and generate with them on / off.
+"""jsteer.backbones.cpu: the packed matmul (decode steps, prefills, forwards) and the decode-step
+attention (XLA FFI) against NumPy, the layers that use them, and generate / LM.forward with them on / off.
 
 It runs on CPUs with AVX-512F (CI's and the dev VMs'); elsewhere the kernel is not used, and these
 tests skip with that reason. A missing compiler on an AVX-512 machine fails them."""
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_io import make_tiny_decoder
 
 from jsteer import decode
 from jsteer.backbones import cpu
@@ -45,6 +46,9 @@ def test_pack_layout():
         (15, 64, 100),
         (32, 96, 1000),
         (1, 16, 7),
+        # many rows: blocks of rows that fit in 512 KiB (K 1000: 128 rows), k in slices of 128
+        (300, 1000, 100),
+        (70, 129, 49),
     ],
 )
 def test_small_gemm_matches_numpy(m, k, n):
@@ -53,7 +57,7 @@ def test_small_gemm_matches_numpy(m, k, n):
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x, w: cpu.small_gemm(x, cpu.pack(w), n))(x, w))
     want = x.astype(np.float64) @ w.astype(np.float64)
-    # fp32 sums of k terms in order: error well under the plain fp32 dot's bound
+    # fp32 sums of k terms in slices of 128: error well under the plain fp32 dot's bound
     np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * k * np.abs(want).max())
     np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -66,8 +70,9 @@ def test_small_gemm_rejects_a_mismatched_packing():
         cpu.pack(jnp.ones((2, 3, 4)))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 300])
 def test_packed_linear_equals_plain(rows):
+    """Any row count: decode steps (1-64 rows), prefills and forwards (more)."""
     assert cpu.available(), cpu.unavailable_reason()
     x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 1, 24)), jnp.float32)
     lin = Linear((70,), use_bias=True)
@@ -77,12 +82,63 @@ def test_packed_linear_equals_plain(rows):
     packed = {"kernel": cpu.pack(params["kernel"])}
     fn = jax.jit(lambda p, pk, x: lin.apply({"params": p, "packed": pk}, x))
     got = fn(params, packed, x)
-    used = "jsteer_small_gemm" in fn.lower(params, packed, x).as_text()
-    assert used == (cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS)
-    if used:
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    else:  # outside the kernel's row range the layer is the plain product
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "jsteer_small_gemm" in fn.lower(params, packed, x).as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_differentiates_like_plain():
+    """Reverse and forward mode through the kernel's layer: the plain layer's derivatives, in x and
+    in the weights (the packed copy itself gets none)."""
+    assert cpu.available(), cpu.unavailable_reason()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((80, 24)), jnp.float32)
+    lin = Linear((70,), use_bias=True)
+    params = lin.init(jax.random.PRNGKey(0), x)["params"]
+    packed = {"kernel": cpu.pack(params["kernel"])}
+
+    def loss(p, x, pk=None):
+        variables = {"params": p} if pk is None else {"params": p, "packed": pk}
+        return jnp.sum(jnp.sin(lin.apply(variables, x)))
+
+    for argnums in (0, 1):
+        want = jax.grad(loss, argnums)(params, x)
+        got = jax.jit(jax.grad(loss, argnums))(params, x, packed)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    dx = jnp.ones_like(x)
+    want = jax.jvp(lambda x: loss(params, x), (x,), (dx,))
+    got = jax.jvp(lambda x: loss(params, x, packed), (x,), (dx,))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    ddx = jax.hessian(lambda x: loss(params, x[:2], packed))(x[:2])
+    np.testing.assert_allclose(ddx, jax.hessian(lambda x: loss(params, x[:2]))(x[:2]), rtol=1e-4, atol=1e-5)
+
+
+def test_lm_forward_multiplies_through_the_kernel_by_default(tmp_path):
+    """LM.forward on CPU: the packed weights' products (kept like generate's), the logits of XLA's
+    products to fp32 rounding; cpu_kernels=False keeps XLA's; a BERT has no packing."""
+    import jsteer
+    from jsteer import lm as lm_module
+    from jsteer.train import data_mesh
+
+    assert cpu.available(), cpu.unavailable_reason()
+    make_tiny_decoder(tmp_path, "llama")
+    lm = jsteer.load(tmp_path)
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, 60, (3, 80)), jnp.int32)  # 240 rows
+    seen, packs = [], []
+    real, real_pack = lm_module._forward, decode._pack
+
+    def spy(module, params, packed, *rest):
+        seen.append(packed is not None)
+        return real(module, params, packed, *rest)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm_module, "_forward", spy)
+        mp.setattr(decode, "_pack", lambda *a: packs.append(1) or real_pack(*a))
+        fast, plain = lm.forward(ids).logits, lm.forward(ids, cpu_kernels=False).logits
+        lm.forward(ids[:1])
+        assert seen == [True, False, True] and len(packs) == 1  # packed once, kept
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(plain), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one device"):
+        lm.forward(ids, mesh=data_mesh(), cpu_kernels=True)
 
 
 def _attention_numpy(q, k, v, visible, bias, scale, softcap):
@@ -275,6 +331,10 @@ def test_default_policy():
     for rows in (1, 8, cpu.MAX_ROWS):  # one row too: XLA's GEMV pays a fixed cost per product
         assert decode._use_cpu_kernels(None, module, jnp.zeros((rows, 4), jnp.int32))
     assert not decode._use_cpu_kernels(None, module, jnp.zeros((cpu.MAX_ROWS + 1, 4), jnp.int32))
+    # LM.forward's products: any batch size, fp32 modules only
+    assert decode._use_cpu_kernels(None, module, jnp.zeros((cpu.MAX_ROWS + 1, 4), jnp.int32), any_rows=True)
+    bf16 = Decoder(module.config, dtype=jnp.bfloat16)
+    assert not decode._use_cpu_kernels(None, bf16, jnp.zeros((8, 4), jnp.int32), any_rows=True)
     assert not decode._use_cpu_kernels(False, module, jnp.zeros((8, 4), jnp.int32))
     with pytest.raises(ValueError, match="has no decode_pack"):
         decode._use_cpu_kernels(True, nn.Dense(3), jnp.zeros((8, 4), jnp.int32))

@@ -86,9 +86,10 @@ def test_forward_runs_split_over_the_devices(lms, mesh, monkeypatch):
     seen = {}
     real = lm_module._forward
 
-    def spy(module, params, input_ids, attention_mask, hooks, arrays, static_kw):
+    def spy(module, params, packed, input_ids, attention_mask, hooks, arrays, static_kw):
+        assert packed is None  # the CPU kernel's packed weights: one device only
         seen.update(params=params, ids=input_ids, mask=attention_mask)
-        return real(module, params, input_ids, attention_mask, hooks, arrays, static_kw)
+        return real(module, params, packed, input_ids, attention_mask, hooks, arrays, static_kw)
 
     monkeypatch.setattr(lm_module, "_forward", spy)
     ids3, mask3 = batch(3, seed=1)

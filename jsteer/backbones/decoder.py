@@ -81,8 +81,8 @@ def _kernel_init(fan_in_axes: int):
 class Linear(nn.Module):
     """y = x W (+ b) with W stored [*in_shape, *features]: the last ``in_axes`` dims of x are
     contracted as one 2-D product (the fast form on every backend, and forward-mode
-    differentiable). On CPU decode steps it multiplies through ``cpu.small_gemm`` when the
-    "packed" collection holds this kernel (see :func:`decode_pack`)."""
+    differentiable). On CPU it multiplies through ``cpu.packed_matmul`` when the "packed"
+    collection holds this kernel (see :func:`decode_pack`; generate's and ``LM.forward``'s)."""
 
     features: Tuple[int, ...]
     in_axes: int = 1
@@ -99,13 +99,8 @@ class Linear(nn.Module):
         k, n = math.prod(in_shape), math.prod(self.features)
         x2 = x.reshape(-1, k).astype(self.dtype)
         packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
-        if (
-            packed is not None
-            and self.dtype == jnp.float32
-            and x2.dtype == jnp.float32
-            and cpu.MIN_ROWS <= x2.shape[0] <= cpu.MAX_ROWS
-        ):
-            y = cpu.small_gemm(x2, packed, n)
+        if packed is not None and self.dtype == jnp.float32 and x2.dtype == jnp.float32:
+            y = cpu.packed_matmul(x2, kernel.reshape(k, n), packed)
         elif self.fp32_out:
             y = dot_fp32_out(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
         else:
@@ -417,13 +412,9 @@ class Decoder(nn.Module):
             has = self.has_variable("packed", "embed_attend")
             packed = self.get_variable("packed", "embed_attend") if has else None
             rows = math.prod(h.shape[:-1])
-            if (
-                packed is not None
-                and self.dtype == jnp.float32
-                and h.dtype == jnp.float32
-                and cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS
-            ):
-                logits = cpu.small_gemm(h.reshape(rows, -1), packed, c.vocab_size).reshape(h.shape[:-1] + (-1,))
+            if packed is not None and self.dtype == jnp.float32 and h.dtype == jnp.float32:
+                table = embed.embedding.T  # [D, V]: the tangent's operand; the kernel reads packed
+                logits = cpu.packed_matmul(h.reshape(rows, -1), table, packed).reshape(h.shape[:-1] + (-1,))
             else:  # h E^T with fp32 logits (embed.attend would round them to the compute dtype)
                 table = embed.embedding.astype(self.dtype)
                 logits = dot_fp32_out(h.astype(self.dtype), table, (((h.ndim - 1,), (1,)), ((), ())))
