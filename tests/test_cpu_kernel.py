@@ -49,6 +49,10 @@ def test_pack_layout():
         # many rows: blocks of rows that fit in 512 KiB (K 1000: 128 rows), k in slices of 128
         (300, 1000, 100),
         (70, 129, 49),
+        # empty operands
+        (0, 16, 50),
+        (3, 0, 50),
+        (70, 0, 5),
     ],
 )
 def test_small_gemm_matches_numpy(m, k, n):
@@ -58,8 +62,8 @@ def test_small_gemm_matches_numpy(m, k, n):
     got = np.asarray(jax.jit(lambda x, w: cpu.small_gemm(x, cpu.pack(w), n))(x, w))
     want = x.astype(np.float64) @ w.astype(np.float64)
     # fp32 sums of k terms in slices of 128: error well under the plain fp32 dot's bound
-    np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * k * np.abs(want).max())
-    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * k * np.abs(want).max(initial=0.0))
+    np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=0.0))
 
 
 def test_small_gemm_rejects_a_mismatched_packing():

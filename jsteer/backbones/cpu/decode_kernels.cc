@@ -167,6 +167,11 @@ ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, ffi::Result<
   const float* xs = x.typed_data();
   const float* ws = wp.typed_data();
   float* ys = y->typed_data();
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {  // empty sums
+    std::memset(ys, 0, m * n * sizeof(float));
+    return ffi::Error::Success();
+  }
   const int64_t target = 4 * Workers(pool);  // chunks: a few per worker, for balance
   const int64_t chunk = panels / target > 1 ? panels / target : 1;
   const int64_t groups = (panels + chunk - 1) / chunk;
