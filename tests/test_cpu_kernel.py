@@ -117,8 +117,8 @@ def test_packed_linear_differentiates_like_plain():
 
 
 def test_lm_forward_multiplies_through_the_kernel_by_default(tmp_path):
-    """LM.forward on CPU: the packed weights' products (kept like generate's), the logits of XLA's
-    products to fp32 rounding; cpu_kernels=False keeps XLA's; a BERT has no packing."""
+    """LM.forward on CPU: the packed weights' products (packed once and kept, like generate's), the
+    logits of XLA's products to fp32 rounding; cpu_kernels=False keeps XLA's; not with mesh=."""
     import jsteer
     from jsteer import lm as lm_module
     from jsteer.train import data_mesh
