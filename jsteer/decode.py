@@ -129,11 +129,18 @@ def _step_hooks(hooks: Optional[Hooks]) -> Optional[Hooks]:
     return None
 
 
+def _variables(params, packed: Optional[dict]) -> dict:
+    """The variables a decoder is applied with: ``params``, and the "packed" collection (the
+    weights packed for the CPU kernel, see :func:`_packed_params`) when there is one."""
+    return {"params": params} if packed is None else {"params": params, "packed": packed}
+
+
 def _prefill(module, params, packed, input_ids, attention_mask, hooks, s: Sampler, n: int) -> DecodeState:
     b, t = input_ids.shape
     cache = module.config.init_cache(b, t + n, getattr(module, "dtype", jnp.float32))
-    variables = {"params": params} if packed is None else {"params": params, "packed": packed}
-    out = module.apply(variables, input_ids, attention_mask, hooks=hooks, cache=cache, last_logits_only=True)
+    out = module.apply(
+        _variables(params, packed), input_ids, attention_mask, hooks=hooks, cache=cache, last_logits_only=True
+    )
     seen = None
     if s.repetition_penalty is not None:
         seen = jnp.zeros((b, out.logits.shape[-1]), bool).at[jnp.arange(b)[:, None], input_ids].set(True)
@@ -169,8 +176,7 @@ def _loop(
     ``steps_per_check``); a step taken after the condition turned false changes nothing kept."""
     b, t = input_ids.shape
     n = state.tokens.shape[1]
-    # packed: the weights packed for the CPU kernel, through which the decode steps multiply
-    step_vars = {"params": params} if packed is None else {"params": params, "packed": packed}
+    step_vars = _variables(params, packed)
     step_hooks = _step_hooks(hooks)
     reset = getattr(module.config, "cache_reset_length", None)
     reset_step = None if reset is None or not t < reset + 1 < t + n else reset + 1 - t

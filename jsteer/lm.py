@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsteer import sharding
+from jsteer import decode, sharding
 from jsteer.backbones import DECODER, Family, get_family
 from jsteer.backbones.base import check_position_ids
 from jsteer.tokenizer import Tokenizer
@@ -214,8 +214,6 @@ class LM:
         arrays = {k: v for k, v in kw.items() if not _is_static(v)}
         static_kw = tuple(sorted((k, v) for k, v in kw.items() if _is_static(v)))
         if mesh is None:
-            from jsteer import decode
-
             packed = None
             if decode._use_cpu_kernels(cpu_kernels, self.module, input_ids, self.params, "forward", any_rows=True):
                 packed = decode._packed_params(self.module, self.params)
@@ -456,8 +454,14 @@ def forward_trace_count() -> int:
 @functools.partial(jax.jit, static_argnames=("module", "static_kw"))
 def _forward(module, params, packed, input_ids, attention_mask, hooks, arrays, static_kw):
     _TRACES[0] += 1
-    variables = {"params": params} if packed is None else {"params": params, "packed": packed}
-    return module.apply(variables, input_ids, attention_mask=attention_mask, hooks=hooks, **arrays, **dict(static_kw))
+    return module.apply(
+        decode._variables(params, packed),
+        input_ids,
+        attention_mask=attention_mask,
+        hooks=hooks,
+        **arrays,
+        **dict(static_kw),
+    )
 
 
 def _is_static(v) -> bool:
