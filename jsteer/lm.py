@@ -190,11 +190,12 @@ class LM:
         size they stay split over ``"data"``; otherwise the padding rows are cut off and the
         outputs come back replicated over the mesh.
 
-        ``cpu_kernels``: a decoder's products go through :mod:`jsteer.backbones.cpu`'s kernel from
-        the packed copy of the weights that :func:`jsteer.decode.generate` makes and keeps (it
-        doubles the weights' memory; SmolLM2 B8xT128: 1.40 -> 1.27 s on a 2-core Xeon). None
-        (default): when it is available, fp32, one device and no ``mesh``, as for generate. The
-        values are the same products to fp32 rounding, and differentiable like the plain ones.
+        ``cpu_kernels``: a decoder's or a BERT-family encoder's products go through
+        :mod:`jsteer.backbones.cpu`'s kernel from the packed copy of the weights that
+        :func:`jsteer.decode.generate` makes and keeps (it doubles the weights' memory), and its
+        attention through ``cpu.block_attention`` (head size a multiple of 16). None (default):
+        when it is available, fp32, one device and no ``mesh``, as for generate. The values are
+        the same to fp32 rounding, and differentiable like the plain ones (XLA's derivatives).
         """
         mesh = self._mesh_for(mesh, "forward")
         input_ids = jnp.asarray(input_ids, jnp.int32)

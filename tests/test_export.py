@@ -22,6 +22,7 @@ CFG = DecoderConfig.llama(
     num_layers=2,
     num_heads=4,
     num_kv_heads=2,
+    head_dim=16,  # a multiple of 16: the CPU program's prefill has cpu.block_attention to refuse
     tie_word_embeddings=True,
 )
 

@@ -37,6 +37,14 @@ def _rows(m: Array, g: int, t: int) -> Array:
     return jnp.broadcast_to(m, (bm, km, g, t, sm)).reshape(bm, km, g * t, sm)
 
 
+def _per_query(m: Array, b: int, s: int) -> Optional[Array]:
+    """A mask/bias broadcastable to [B,K,G,T,S] that varies only over B, T and S, as [B,T|1,S]; else None."""
+    m = m.reshape((1,) * (5 - m.ndim) + m.shape)
+    if m.shape[1:3] != (1, 1):
+        return None
+    return jnp.broadcast_to(m[:, 0, 0], (b,) + m.shape[3:4] + (s,))
+
+
 def _per_slot(m: Array, b: int, s: int) -> Optional[Array]:
     """A mask/bias broadcastable to [B,K,G,1,S] that varies only over B and S, as [B,S]; else None."""
     m = m.reshape((1,) * (5 - m.ndim) + m.shape)
@@ -182,6 +190,7 @@ def attention(
     softcap: Optional[float] = None,
     right_padded: Optional[RightPadded] = None,
     cpu_kernel: bool = False,
+    qkv: Optional[Array] = None,
 ) -> Array:
     """:func:`dot_product_attention`'s contract, computed by cuDNN's fused (flash) attention where it
     applies: a GPU backend, bf16 / fp16 inputs, no KV-cache layout (prefill and forward, not decode
@@ -193,17 +202,17 @@ def attention(
     otherwise (one ``lax.cond``). The fused path lets a padding
     query row (no visible key) see its own slot (with lengths: the row's real keys), where the
     hand-written path spreads it uniformly: such rows are padding, read by nothing downstream.
-    ``cpu_kernel`` (a CPU decode step whose kernels are on): one new token per row over the cache
-    layout, fp32, no dropout, a mask and bias that vary only over rows and slots, go through
-    :func:`jsteer.backbones.cpu.decode_attention`."""
+    ``cpu_kernel`` (CPU, jsteer's kernels on: a call with the "packed" collection): fp32, no dropout,
+    a mask and bias the same for every head. One new token per row over the cache layout (a decode
+    step) goes through :func:`jsteer.backbones.cpu.decode_attention`, any other call (forwards,
+    prefills; head size a multiple of 16) through :func:`jsteer.backbones.cpu.block_attention`,
+    differentiable as the hand-written path; ``qkv``: the [B,T,3,K,H] projection q (``[:, :, 0, :,
+    None]``), k and v were sliced from, which that kernel then reads in place (BERT's)."""
     b, t, kh, g, h = q.shape
-    if cpu_kernel and cache_layout and t == 1 and dropout is None and q.dtype == k.dtype == v.dtype == jnp.float32:
-        s = v.shape[2]
-        vis = jnp.ones((b, s), bool) if visible is None else _per_slot(visible, b, s)
-        add = None if bias is None else _per_slot(bias, b, s)
-        if vis is not None and (bias is None or add is not None):
-            out = cpu.decode_attention(q[:, 0], k, v, vis, add, scale, softcap)
-            return out.reshape(b, 1, kh, g, h)
+    if cpu_kernel and dropout is None and q.dtype == k.dtype == v.dtype == jnp.float32:
+        out = _cpu_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, right_padded is not None)
+        if out is not None:
+            return out
     hand = functools.partial(
         dot_product_attention,
         scale=scale,
@@ -258,6 +267,50 @@ def attention(
     if right_padded is None:
         return masked(q, k, v)
     return jax.lax.cond(right_padded.ok, by_lengths, hand if bias is not None else masked, q, k, v)
+
+
+def _cpu_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, padding) -> Optional[Array]:
+    """:func:`attention` through jsteer's CPU kernels, or None where they do not apply. ``padding``:
+    the bias is the key padding alone (0 or NEG_INF), handed to the block kernel as visibility."""
+    b, t, kh, g, h = q.shape
+    s = v.shape[2 if cache_layout else 1]
+    if cache_layout and t == 1:
+        vis = jnp.ones((b, s), bool) if visible is None else _per_slot(visible, b, s)
+        add = None if bias is None else _per_slot(bias, b, s)
+        if vis is None or (bias is not None and add is None):
+            return None
+        return cpu.decode_attention(q[:, 0], k, v, vis, add, scale, softcap).reshape(b, 1, kh, g, h)
+    vis = jnp.ones((b, 1, s), bool) if visible is None else _per_query(visible, b, s)
+    if h % 16 or vis is None or (bias is not None and _per_query(bias, b, s) is None):
+        return None
+    if padding and bias is not None:  # the kernel then skips padded keys and adds nothing
+        vis = vis & (_per_query(bias, b, s) > NEG_INF)
+    fused = qkv is not None and not cache_layout
+    operands = (qkv,) if fused else (q, k, v)
+
+    def split(args):  # -> q, k, v, bias
+        qkv_args = (args[0][:, :, 0, :, None], args[0][:, :, 1], args[0][:, :, 2]) if fused else args[:3]
+        return (*qkv_args, args[len(operands)] if len(args) > len(operands) else None)
+
+    def hand(*args):
+        q, k, v, add = split(args)
+        return dot_product_attention(
+            q, k, v, scale=scale, visible=visible, bias=add, cache_layout=cache_layout, softcap=softcap
+        )
+
+    @jax.custom_jvp
+    def kernel(*args):
+        q, k, v, add = split(args)
+        add = None if add is None or padding else _per_query(add, b, s)
+        if fused:
+            return cpu.block_attention(args[0], None, None, vis, add, scale, softcap, fused=True)
+        return cpu.block_attention(q, k, v, vis, add, scale, softcap, cache_layout)
+
+    def jvp(primals, tangents):  # the hand-written path's derivatives (forward and reverse mode)
+        return kernel(*primals), jax.jvp(hand, primals, tangents)[1]
+
+    kernel.defjvp(jvp)
+    return kernel(*operands, *(() if bias is None else (bias,)))
 
 
 def _with_dropout(hand, q, k, v, scale, visible, bias, dropout, cache_layout, softcap, right_padded) -> Array:

@@ -59,7 +59,7 @@ from jsteer import interventions as iv
 from jsteer.backbones.attention import RightPadded, attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, check_position_ids
 from jsteer.backbones.dropout import Dropout
-from jsteer.backbones.matmul import Dense, DenseGeneral
+from jsteer.backbones.matmul import Linear, pack_kernels
 from jsteer.backbones.sites import SiteRunner
 from jsteer.hooks import Hooks, check_encoder_hooks, check_film_layers
 
@@ -302,6 +302,13 @@ def logical_axes(params) -> Any:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def encoder_pack(params: Mapping[str, Any]) -> dict:
+    """The "packed" collection ``LM.forward`` passes on CPU: the encoder layers' kernels packed for
+    ``cpu.small_gemm`` ([D, 3, N, H] qkv as [D, 3NH], [N, H, D] out as [NH, D]); heads keep XLA's
+    products. Its presence also sends attention through ``cpu.block_attention``. Pure; jit-able."""
+    return pack_kernels(params, lambda path: 2 if path[-3:-1] == ("attention", "out") else 1, skip=("head",))
+
+
 def dense_init(config: BertConfig):
     """Kernel initialiser of every dense layer: normal(initializer_range)."""
     return nn.initializers.normal(stddev=config.initializer_range)
@@ -367,10 +374,9 @@ class BertSelfAttention(nn.Module):
     def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
         """``bias``: [B, 1, T|1, S], or (that, RightPadded) when it is the key padding alone."""
         c = self.config
-        init = dense_init(c)
-        qkv = DenseGeneral(
-            (3, c.num_heads, c.head_dim), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="qkv"
-        )(h)  # [B, T, 3, N, H]
+        kw = dict(use_bias=True, kernel_init=dense_init(c), dtype=self.dtype, param_dtype=jnp.float32)
+        qkv_proj = Linear((3, c.num_heads, c.head_dim), name="qkv", **kw)
+        qkv = qkv_proj(h)  # [B, T, 3, N, H]
         bias, right_padded = bias if isinstance(bias, tuple) else (bias, None)
         drop = Dropout(c.attention_dropout)
         ctx = attention(
@@ -381,10 +387,11 @@ class BertSelfAttention(nn.Module):
             bias=None if bias is None else bias[:, :, None],
             dropout=drop.hash(deterministic),
             right_padded=right_padded,
+            # the "packed" collection (LM.forward's on CPU): jsteer's kernels are on
+            cpu_kernel=qkv_proj.has_variable("packed", "kernel"),
+            qkv=qkv,
         )[:, :, :, 0]  # [B, T, N, H]
-        return DenseGeneral(
-            c.hidden_size, axis=(-2, -1), kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="out"
-        )(ctx)
+        return Linear((c.hidden_size,), in_axes=2, name="out", **kw)(ctx)
 
 
 class BertLayer(nn.Module):
@@ -417,9 +424,10 @@ class BertLayer(nn.Module):
         a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
         a = site("attn_out", i, drop(a, deterministic=deterministic))
         a = site("ffn_in", i, ln_fp32(layer_norm(c, "attention_norm"), a + h, self.dtype))
-        f = Dense(c.intermediate_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_in")(a)
+        kw = dict(use_bias=True, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32)
+        f = Linear((c.intermediate_size,), name="ffn_in", **kw)(a)
         f = ACTIVATIONS[c.hidden_act](site("ffn_hidden", i, f))
-        f = Dense(c.hidden_size, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32, name="ffn_out")(f)
+        f = Linear((c.hidden_size,), name="ffn_out", **kw)(f)
         f = site("ffn_out", i, drop(f, deterministic=deterministic))
         return site("resid_post", i, ln_fp32(layer_norm(c, "ffn_norm"), f + a, self.dtype))
 

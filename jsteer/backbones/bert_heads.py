@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jsteer.backbones.base import ACTIVATIONS, ModelOutput
-from jsteer.backbones.bert import Array, BertConfig, BertEncoder, dense_init, layer_norm, ln_fp32
+from jsteer.backbones.bert import Array, BertConfig, BertEncoder, dense_init, encoder_pack, layer_norm, ln_fp32
 from jsteer.backbones.dropout import Dropout
 from jsteer.backbones.matmul import Dense, dot_fp32_out
 
@@ -98,6 +98,10 @@ class _EncoderModel(nn.Module):
 
     def logits(self, h: Array, deterministic: bool) -> Optional[Array]:
         return None
+
+    def decode_pack(self, params: dict) -> dict:
+        """The "packed" collection ``LM.forward`` passes on CPU (:func:`jsteer.backbones.bert.encoder_pack`)."""
+        return encoder_pack(params)
 
     def __call__(
         self,

@@ -62,7 +62,7 @@ from jsteer.backbones.base import (
 )
 from jsteer.backbones.decoder_config import REMAT_POLICIES, DecoderConfig
 from jsteer.backbones.decoder_params import decode_pack
-from jsteer.backbones.matmul import dot_fp32_out
+from jsteer.backbones.matmul import Linear, dot_fp32_out
 from jsteer.backbones.rope import apply_rope
 from jsteer.backbones.sites import SiteRunner
 from jsteer.hooks import Hooks, apply_steer_logits
@@ -71,47 +71,6 @@ Array = jnp.ndarray
 
 
 # ----------------------------------------------------------------------------- layers
-
-
-def _kernel_init(fan_in_axes: int):
-    del fan_in_axes
-    return nn.initializers.normal(0.02)
-
-
-class Linear(nn.Module):
-    """y = x W (+ b) with W stored [*in_shape, *features]: the last ``in_axes`` dims of x are
-    contracted as one 2-D product (the fast form on every backend, and forward-mode
-    differentiable). On CPU it multiplies through ``cpu.packed_matmul`` when the "packed"
-    collection holds this kernel (see :func:`decode_pack`; generate's and ``LM.forward``'s)."""
-
-    features: Tuple[int, ...]
-    in_axes: int = 1
-    use_bias: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    fp32_out: bool = False  # fp32 results (the logits) through matmul.dot_fp32_out
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        in_shape = x.shape[x.ndim - self.in_axes :]
-        lead = x.shape[: x.ndim - self.in_axes]
-        kernel = self.param("kernel", _kernel_init(self.in_axes), in_shape + tuple(self.features), self.param_dtype)
-        k, n = math.prod(in_shape), math.prod(self.features)
-        x2 = x.reshape(-1, k).astype(self.dtype)
-        packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
-        if packed is not None and self.dtype == jnp.float32 and x2.dtype == jnp.float32:
-            y = cpu.packed_matmul(x2, kernel.reshape(k, n), packed)
-        elif self.fp32_out:
-            y = dot_fp32_out(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
-        else:
-            # products in the layer's dtype: bf16 ones accumulate in fp32 on every backend (cuBLAS
-            # compute type, TPU MXU, XLA:CPU's upcast), and their backward stays bf16 x bf16
-            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype).reshape(n).astype(
-                self.dtype
-            )
-        return y.reshape(lead + tuple(self.features))
 
 
 class Norm(nn.Module):
@@ -191,8 +150,8 @@ class Attention(nn.Module):
             softcap=c.attn_softcap,
             bias=None if bias is None else bias[:, None, None].astype(jnp.float32),
             cache_layout=kv is not None,
-            # generate's "packed" collection: a CPU decode step with jsteer's kernels on
-            cpu_kernel=kv is not None and q_proj.has_variable("packed", "kernel"),
+            # the "packed" collection (generate's, LM.forward's): a CPU call with jsteer's kernels on
+            cpu_kernel=q_proj.has_variable("packed", "kernel"),
         )
         out = Linear((c.hidden_size,), in_axes=2, use_bias=c.o_bias, name="o", **kw)(out.reshape(b, t, n, hd))
         return out, new_kv

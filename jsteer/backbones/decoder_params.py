@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jsteer.backbones import cpu
 from jsteer.backbones.decoder_config import DecoderConfig
+from jsteer.backbones.matmul import pack_kernels
 
 Array = jnp.ndarray
 
@@ -40,25 +41,7 @@ def decode_pack(params: dict, config: DecoderConfig) -> dict:
     """Every kernel packed for ``cpu.small_gemm`` as its 2-D [in, out] form, at the same path (a
     scanned stack's kernels per layer, stacked), plus ``embed_attend`` (the tied embedding's
     transpose). Pure; call it under jit."""
-
-    def pack(path, v):
-        n_in = _in_axes(path) + (path[0] == "layers")
-        lead = 1 if path[0] == "layers" else 0
-        flat = v.reshape(v.shape[:lead] + (math.prod(v.shape[lead:n_in]), -1))
-        return jax.vmap(cpu.pack)(flat) if lead else cpu.pack(flat)
-
-    def walk(tree, path):
-        out = {}
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                sub = walk(v, path + (k,))
-                if sub:
-                    out[k] = sub
-            elif k == "kernel" and getattr(v, "ndim", 0) >= 2:
-                out[k] = pack(path + (k,), v)
-        return out
-
-    packed = walk({k: v for k, v in params.items() if k != "embed"}, ())
+    packed = pack_kernels(params, _in_axes, skip=("embed",))
     if config.tie_word_embeddings:
         packed["embed_attend"] = cpu.pack(params["embed"]["embedding"].T)
     return packed

@@ -11,6 +11,10 @@ on every backend. Values are the same contraction as ``lax.dot_general``.
 
 Any other contraction pattern (batch dims, different axes) falls through to ``lax.dot_general``.
 
+``Linear`` is the layer both backbones build on: the same 2-D product, params laid out as
+``nn.DenseGeneral``'s, and on CPU jsteer's packed-weight kernel when the call carries a "packed"
+collection (generate's and ``LM.forward``'s).
+
 ``dot_fp32_out`` is the product for fp32 results of low-precision operands (the logits): fp32
 accumulation and an fp32 output, while its derivatives run at the operands' precision. Plain
 ``preferred_element_type=float32`` would hand the backward fp32 cotangents against bf16 operands,
@@ -21,12 +25,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+
+from jsteer.backbones import cpu
 
 Array = jax.Array
 
@@ -94,3 +101,66 @@ def _dot_fp32_out_jvp(dimension_numbers, primals, tangents):
 
 
 dot_fp32_out.defjvp(_dot_fp32_out_jvp, symbolic_zeros=True)
+
+
+class Linear(nn.Module):
+    """y = x W (+ b) with W stored [*in_shape, *features] (``nn.DenseGeneral``'s layout): the last
+    ``in_axes`` dims of x are contracted as one 2-D product (the fast form on every backend, and
+    forward-mode differentiable). On CPU it multiplies through ``cpu.packed_matmul`` when the
+    "packed" collection holds this kernel (the layer's kernel as [in, out], ``cpu.pack`` ed)."""
+
+    features: Tuple[int, ...]
+    in_axes: int = 1
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    fp32_out: bool = False  # fp32 results (the logits) through dot_fp32_out
+    kernel_init: Callable = nn.initializers.normal(0.02)
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        in_shape = x.shape[x.ndim - self.in_axes :]
+        lead = x.shape[: x.ndim - self.in_axes]
+        kernel = self.param("kernel", self.kernel_init, in_shape + tuple(self.features), self.param_dtype)
+        k, n = math.prod(in_shape), math.prod(self.features)
+        x2 = x.reshape(-1, k).astype(self.dtype)
+        packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
+        if packed is not None and self.dtype == jnp.float32 and x2.dtype == jnp.float32:
+            y = cpu.packed_matmul(x2, kernel.reshape(k, n), packed)
+        elif self.fp32_out:
+            y = dot_fp32_out(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
+        else:
+            # products in the layer's dtype: bf16 ones accumulate in fp32 on every backend (cuBLAS
+            # compute type, TPU MXU, XLA:CPU's upcast), and their backward stays bf16 x bf16
+            y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype).reshape(n).astype(
+                self.dtype
+            )
+        return y.reshape(lead + tuple(self.features))
+
+
+def pack_kernels(params: dict, in_axes: Callable[[Tuple[str, ...]], int], skip: Tuple[str, ...] = ()) -> dict:
+    """The "packed" collection of a params tree: every ``kernel`` of 2+ dims packed for
+    ``cpu.small_gemm`` as its 2-D [in, out] form (``in_axes(path)`` leading dims are the input),
+    at the same path; a subtree named "layers" (a scanned stack) packed per layer, stacked.
+    Top-level keys in ``skip`` are left out. Pure; call it under jit."""
+
+    def pack(path, v):
+        n_in = in_axes(path) + (path[0] == "layers")
+        lead = 1 if path[0] == "layers" else 0
+        flat = v.reshape(v.shape[:lead] + (math.prod(v.shape[lead:n_in]), -1))
+        return jax.vmap(cpu.pack)(flat) if lead else cpu.pack(flat)
+
+    def walk(tree, path):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                sub = walk(v, path + (k,))
+                if sub:
+                    out[k] = sub
+            elif k == "kernel" and getattr(v, "ndim", 0) >= 2:
+                out[k] = pack(path + (k,), v)
+        return out
+
+    return walk({k: v for k, v in params.items() if k not in skip}, ())

@@ -1,4 +1,4 @@
-"""CPU kernels for the two hot spots of a decode step, reached from jitted JAX code through XLA FFI.
+"""CPU kernels for a decode step's two hot spots and for attention, reached from jitted JAX code through XLA FFI.
 
 Few-row matmuls. A decode step multiplies B rows (one token per sequence) by every weight matrix,
 so its time is the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot reads them at about
@@ -20,14 +20,26 @@ head) over the visible slots: scores, softmax and value product.
     out = decode_attention(q, k, v, visible, bias, scale, softcap)
     # q [B,K,G,H], cache k [B,K,H,S] / v [B,K,S,H], visible / bias [B,S] -> [B,K,G,H] (fp32)
 
-Both live in ``decode_kernels.cc``, compiled at first use (g++ -O3 -march=native, about 3 s) into
-``cache_dir()`` ($JSTEER_CACHE/kernels, ~/.cache/jsteer/kernels, or when that is not writable a 0700
-folder ``jsteer-kernels-<uid>`` in the temp directory), with its sha256 recorded beside it in
-``<name>.so.sha256``, and registered with XLA as the custom calls in ``TARGETS``. A cached
-library is loaded only from a folder this user owns that group and others cannot write, and only
-if its sha256 matches the record (otherwise it is rebuilt). ``available()`` is False, and callers
-keep XLA's ops, when the backend is not CPU, the CPU lacks AVX-512F, no C++ compiler is found,
-the cache folder is refused, or ``JSTEER_CPU_KERNELS=0``; the reason is in ``unavailable_reason()``.
+Attention of many queries (forwards, prefills). XLA:CPU transposes q, k and v to put the heads in
+front, runs the two products at ~100 GFLOP/s on 2 Xeon cores and passes over the score tensor in
+memory; ``block_attention`` reads q, k and v where they lie (separate projections, BERT's fused
+[B,T,3,N,H] one, or the cache), one task per (row, key/value head, block of queries), scoring only
+the keys between the block's first and last visible one (a causal block skips what follows it, a
+prefill the cache's empty slots). MiniLM B32xT128: 18 -> 8 ms a layer; SmolLM2's 1000-token
+prefill: 52 -> 6 ms a layer.
+
+    out = block_attention(q, k, v, visible, bias, scale, softcap, cache_layout)
+    # q [B,T,K,G,H], k / v [B,S,K,H] (or the cache's), visible / bias [B,T|1,S] -> [B,T,K,G,H] (fp32)
+
+All three live in ``decode_kernels.cc`` (and the ``block_attention.h`` it includes), compiled at
+first use (g++ -O3 -march=native, about 3 s) into ``cache_dir()`` ($JSTEER_CACHE/kernels,
+~/.cache/jsteer/kernels, or when that is not writable a 0700 folder ``jsteer-kernels-<uid>`` in the
+temp directory), with its sha256 recorded beside it in ``<name>.so.sha256``, and registered with XLA
+as the custom calls in ``TARGETS``. A cached library is loaded only from a folder this user owns
+that group and others cannot write, and only if its sha256 matches the record (otherwise it is
+rebuilt). ``available()`` is False, and callers keep XLA's ops, when the backend is not CPU, the CPU
+lacks AVX-512F, no C++ compiler is found, the cache folder is refused, or ``JSTEER_CPU_KERNELS=0``;
+the reason is in ``unavailable_reason()``.
 """
 
 from __future__ import annotations
@@ -56,7 +68,12 @@ PANEL = 48  # columns per packed panel (small_gemm.cc: kPanel)
 MIN_ROWS, MAX_ROWS = 1, 64  # batch rows for which generate packs by default (BUILD.md: the CPU decode kernel)
 TARGET = "jsteer_small_gemm"
 ATTENTION_TARGET = "jsteer_decode_attention"
-TARGETS = {TARGET: "JsteerSmallGemm", ATTENTION_TARGET: "JsteerDecodeAttention"}  # custom call -> symbol
+BLOCK_TARGET = "jsteer_block_attention"
+TARGETS = {  # custom call -> symbol
+    TARGET: "JsteerSmallGemm",
+    ATTENTION_TARGET: "JsteerDecodeAttention",
+    BLOCK_TARGET: "JsteerBlockAttention",
+}
 _SOURCE = pathlib.Path(__file__).with_name("decode_kernels.cc")
 _reason: Optional[str] = None
 
@@ -156,8 +173,9 @@ def _recipe() -> tuple[str, list[str], str]:
     include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}"]
     # -march=native: a build is only valid on CPUs with the same features (a shared home directory)
+    headers = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.h")))  # what the source includes
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join([cxx, include, jax.__version__, *flags, _cpu_flags()]).encode()
+        _SOURCE.read_bytes() + headers + " ".join([cxx, include, jax.__version__, *flags, _cpu_flags()]).encode()
     )
     return cxx, flags, f"decode_kernels-{key.hexdigest()[:16]}.so"
 
@@ -349,3 +367,68 @@ def decode_attention(
         softcap=np.float32(softcap or 0.0),
     )
     return out.reshape(b, kh, g, h)
+
+
+def block_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    visible: Array,
+    bias: Optional[Array],
+    scale,
+    softcap: Optional[float],
+    cache_layout: bool = False,
+    fused: bool = False,
+) -> Array:
+    """Attention of T queries per row -> [B,T,K,G,H] fp32; call only when available(). Not differentiable
+    by itself (``attention.attention`` gives it the hand-written path's derivatives).
+
+    q [B,T,K,G,H] (K key/value heads, G queries each), k and v [B,S,K,H], or with ``cache_layout`` the
+    cache's k [B,K,H,S] / v [B,K,S,H]; ``fused``: q, k and v are one [B,T,3,K,H] projection (G = 1),
+    passed as q (k and v ignored), read in place. visible [B, T|1, S] bool, bias [B, T|1, S] additive or
+    None, scale a scalar (may be traced), softcap a float or None: the function of
+    ``attention.dot_product_attention`` (see block_attention.h)."""
+    f32 = jnp.float32
+    if fused:
+        b, t, three, kh, h = q.shape
+        g, s = 1, t
+        if three != 3:
+            raise ValueError(f"block_attention: a fused projection is [B,T,3,K,H], got {q.shape}")
+        row = 3 * kh * h
+        strides = dict(q_off=0, qb=t * row, qt=row, qn=h, k_off=kh * h, kb=t * row, ks=row, kk=h, kh=1)
+        strides.update(v_off=2 * kh * h, vb=t * row, vs=row, vk=h)
+        k = v = q
+    else:
+        b, t, kh, g, h = q.shape
+        s = v.shape[2 if cache_layout else 1]
+        want_v = (b, kh, s, h) if cache_layout else (b, s, kh, h)
+        want_k = (b, kh, h, s) if cache_layout else want_v
+        if k.shape != want_k or v.shape != want_v:
+            raise ValueError(f"block_attention: q {q.shape} needs k {want_k} and v {want_v}, got {k.shape}, {v.shape}")
+        strides = dict(q_off=0, qb=t * kh * g * h, qt=kh * g * h, qn=h, k_off=0, v_off=0)
+        if cache_layout:
+            strides.update(kb=kh * h * s, ks=1, kk=h * s, kh=s, vb=kh * s * h, vs=h, vk=s * h)
+        else:
+            strides.update(kb=s * kh * h, ks=kh * h, kk=h, kh=1, vb=s * kh * h, vs=kh * h, vk=h)
+    if h % 16:
+        raise ValueError(f"block_attention: head size {h} is not a multiple of 16")
+    if visible.ndim != 3 or visible.shape[0] != b or visible.shape[1] not in (1, t) or visible.shape[2] != s:
+        raise ValueError(f"block_attention: visible {visible.shape} must be [{b}, 1|{t}, {s}]")
+    if bias is not None and (bias.ndim != 3 or bias.shape[0] != b or bias.shape[1] not in (1, t) or bias.shape[2] != s):
+        raise ValueError(f"block_attention: bias {bias.shape} must be [{b}, 1|{t}, {s}]")
+    call = jax.ffi.ffi_call(BLOCK_TARGET, jax.ShapeDtypeStruct((b, t, kh * g, h), f32))
+    out = call(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        visible.astype(bool),
+        jnp.zeros((0,), f32) if bias is None else bias.astype(f32),
+        jnp.asarray(scale, f32).reshape(()),
+        s=np.int64(s),
+        kv=np.int64(kh),
+        vis_t=np.int64(visible.shape[1]),
+        bias_t=np.int64(0 if bias is None else bias.shape[1]),
+        softcap=np.float32(softcap or 0.0),
+        **{name: np.int64(x) for name, x in strides.items()},
+    )
+    return out.reshape(b, t, kh, g, h)
