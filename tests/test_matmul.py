@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsteer.backbones.matmul import Dense, DenseGeneral, dense_dot_general, dot_fp32_out
+from jsteer.backbones.matmul import Dense, DenseGeneral, add_bias, dense_dot_general, dot_fp32_out
 
 
 @pytest.mark.parametrize(
@@ -122,3 +122,31 @@ def test_dot_fp32_out_in_fp32_is_plain_autodiff_forward_mode_too():
     np.testing.assert_allclose(np.asarray(hess), np.asarray(hess_ref), rtol=1e-5, atol=1e-6)
     # a frozen table (grad for h only) costs one backward product, not a product of zeros too
     assert len(_products(jax.grad(f), h, table)) == 1
+
+
+def test_add_bias_differentiates_as_a_sum_and_its_bias_gradient_is_a_dot():
+    """add_bias(y, b) == y + b with the same grad, jvp and hessian, and the bias cotangent is computed
+    by a dot (ones^T dy), not by a reduce_sum over rows (XLA:CPU's slow column reduction)."""
+    rng = np.random.default_rng(0)
+    y, b, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((64, 24), (24,), (64, 24)))
+
+    def loss(add):
+        return lambda y, b: jnp.sum(jnp.sin(add(y, b)) * w)
+
+    ours, plain = loss(add_bias), loss(lambda y, b: y + b)
+    np.testing.assert_array_equal(np.asarray(add_bias(y, b)), np.asarray(y + b))
+    for a, e in zip(jax.grad(ours, argnums=(0, 1))(y, b), jax.grad(plain, argnums=(0, 1))(y, b)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-5, atol=1e-5)
+    tangents = (jnp.ones_like(y), jnp.ones_like(b))
+    np.testing.assert_allclose(
+        np.asarray(jax.jvp(ours, (y, b), tangents)[1]), np.asarray(jax.jvp(plain, (y, b), tangents)[1]), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(jax.hessian(ours, argnums=1)(y, b)), np.asarray(jax.hessian(plain, argnums=1)(y, b)), atol=1e-4
+    )
+    grad_b = str(jax.make_jaxpr(jax.grad(ours, argnums=1))(y, b))
+    rows = "reduce_sum[axes=(0,)"  # the column sum a broadcast transposes to (the loss sums over (0, 1))
+    assert "dot_general" in grad_b and rows not in grad_b, grad_b
+    assert rows in str(jax.make_jaxpr(jax.grad(plain, argnums=1))(y, b))  # what the check tells apart
+    # no tangent for one operand: no ones product for the bias, no zeros for y
+    assert "dot_general" not in str(jax.make_jaxpr(jax.grad(ours, argnums=0))(y, b))
