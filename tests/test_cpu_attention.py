@@ -171,7 +171,8 @@ def _tiny_decoder():
 
 def test_decoder_forward_and_prefill_attend_through_the_kernel():
     """With the "packed" collection a decoder's forward (right-padded rows) and generate's prefill
-    (left-padded rows, into the cache) run block_attention; logits and tokens as without it."""
+    (left-padded rows, into the cache) run block_attention and compute RoPE's cos / sin once;
+    logits and tokens as without it."""
     from jsteer import decode
 
     module = _tiny_decoder()
@@ -183,6 +184,9 @@ def test_decoder_forward_and_prefill_attend_through_the_kernel():
     packed = {"params": params, "packed": module.decode_pack(params)}
     fwd = jax.jit(lambda variables: module.apply(variables, ids, mask).logits)
     assert cpu.BLOCK_TARGET in fwd.lower(packed).as_text()
+    # RoPE's cos computed once (materialized), not fused into each layer's q and k rotations
+    assert fwd.lower(packed).compile().as_text().count(" cosine(") == 1
+    assert fwd.lower({"params": params}).compile().as_text().count(" cosine(") == 4  # what the check tells apart
     np.testing.assert_allclose(np.asarray(fwd(packed)), np.asarray(fwd({"params": params})), rtol=1e-5, atol=1e-4)
     left = jnp.asarray(np.arange(40)[None] >= np.array([[0], [9], [3]]), jnp.int32)
     runs = [decode.generate(module, params, ids, left, max_new_tokens=8, cpu_kernels=on) for on in (True, False)]
@@ -220,3 +224,12 @@ def test_bert_forward_runs_the_packed_products_and_the_kernel(tmp_path):
         {"params": lm.params, "packed": lm.module.decode_pack(lm.params)}
     )
     assert cpu.BLOCK_TARGET in text.as_text() and cpu.TARGET in text.as_text()
+
+
+def test_materialize_is_an_identity_xla_cannot_fuse_through():
+    x = jnp.arange(12.0).reshape(3, 4)
+    f = jax.jit(lambda x: cpu.materialize(jnp.cos(x)) * 2.0)
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(jnp.cos(x) * 2.0))
+    assert cpu.MATERIALIZE_TARGET in f.lower(x).as_text()
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: f(x).sum())(x)), np.asarray(-2.0 * jnp.sin(x)), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(cpu.materialize)(x)), np.asarray(x))

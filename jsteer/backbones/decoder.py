@@ -350,9 +350,11 @@ class Decoder(nn.Module):
                 name="pos_embed",
             )(positions)
         else:
-            rope = rope_l = c.rope.cos_sin(positions)
+            # kernels on (CPU): cos / sin computed once, not fused into each head's rotation
+            once = cpu.materialize if "packed" in self.variables else (lambda x: x)
+            rope = rope_l = tuple(map(once, c.rope.cos_sin(positions)))
             if c.rope_local is not None:
-                rope_l = c.rope_local.cos_sin(positions)
+                rope_l = tuple(map(once, c.rope_local.cos_sin(positions)))
 
         index, key_mask, q_slot, k_slot, bias = attention_slots(mask, None if hooks is None else hooks.attn_bias, cache)
         visible = visible_l = (k_slot[None, :] <= q_slot[:, None])[None] & (key_mask[:, None, :] > 0)

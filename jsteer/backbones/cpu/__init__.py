@@ -69,10 +69,12 @@ MIN_ROWS, MAX_ROWS = 1, 64  # batch rows for which generate packs by default (BU
 TARGET = "jsteer_small_gemm"
 ATTENTION_TARGET = "jsteer_decode_attention"
 BLOCK_TARGET = "jsteer_block_attention"
+MATERIALIZE_TARGET = "jsteer_materialize"
 TARGETS = {  # custom call -> symbol
     TARGET: "JsteerSmallGemm",
     ATTENTION_TARGET: "JsteerDecodeAttention",
     BLOCK_TARGET: "JsteerBlockAttention",
+    MATERIALIZE_TARGET: "JsteerMaterialize",
 }
 _SOURCE = pathlib.Path(__file__).with_name("decode_kernels.cc")
 _reason: Optional[str] = None
@@ -432,3 +434,14 @@ def block_attention(
         **{name: np.int64(x) for name, x in strides.items()},
     )
     return out.reshape(b, t, kh, g, h)
+
+
+@jax.custom_jvp
+def materialize(x: Array) -> Array:
+    """x, computed once: a copy XLA cannot fuse through, so what produced x is not fused into (and
+    recomputed by) each of its consumers (RoPE's cos / sin: once per head otherwise, see BUILD.md).
+    Identity for autodiff. Call only when available()."""
+    return jax.ffi.ffi_call(MATERIALIZE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all")(x)
+
+
+materialize.defjvp(lambda primals, tangents: (materialize(primals[0]), tangents[0]))

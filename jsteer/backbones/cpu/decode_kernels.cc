@@ -503,6 +503,14 @@ ffi::Error BlockAttentionImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags v
   return ffi::Error::Success();
 }
 
+// A copy XLA cannot look through: what a caller computes before it is materialised once instead of
+// being fused into (and recomputed by) each consumer.
+ffi::Error MaterializeImpl(Any x, ffi::Result<Any> y) {
+  if (x.size_bytes() != y->size_bytes()) return ffi::Error::InvalidArgument("jsteer_materialize: sizes differ");
+  std::memcpy(y->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerSmallGemm, SmallGemmImpl,
@@ -552,3 +560,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttention, BlockAttentionImpl,
                                   .Attr<int64_t>("bias_t")
                                   .Attr<float>("softcap")
                                   .Ret<Out4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerMaterialize, MaterializeImpl, ffi::Ffi::Bind().Arg<Any>().Ret<Any>());
