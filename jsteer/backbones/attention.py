@@ -281,10 +281,11 @@ def _cpu_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, pa
             return None
         return cpu.decode_attention(q[:, 0], k, v, vis, add, scale, softcap).reshape(b, 1, kh, g, h)
     vis = jnp.ones((b, 1, s), bool) if visible is None else _per_query(visible, b, s)
-    if h % 16 or vis is None or (bias is not None and _per_query(bias, b, s) is None):
+    bias_q = None if bias is None else _per_query(bias, b, s)
+    if h % 16 or vis is None or (bias is not None and bias_q is None):
         return None
-    if padding and bias is not None:  # the kernel then skips padded keys and adds nothing
-        vis = vis & (_per_query(bias, b, s) > NEG_INF)
+    if padding and bias_q is not None:  # the kernel then skips padded keys and adds nothing
+        vis = vis & (bias_q > NEG_INF)
     fused = qkv is not None and not cache_layout
     operands = (qkv,) if fused else (q, k, v)
 

@@ -314,6 +314,11 @@ def dense_init(config: BertConfig):
     return nn.initializers.normal(stddev=config.initializer_range)
 
 
+def dense(config: BertConfig, dtype, features: Tuple[int, ...], name: str, in_axes: int = 1) -> Linear:
+    """An encoder layer's dense map (bias, fp32 params, :func:`dense_init`; packed-kernel aware)."""
+    return Linear(features, in_axes=in_axes, use_bias=True, kernel_init=dense_init(config), dtype=dtype, name=name)
+
+
 def layer_norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
     """A LayerNorm with fp32 params and compute (``layer_norm_eps``)."""
     return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
@@ -374,8 +379,7 @@ class BertSelfAttention(nn.Module):
     def __call__(self, h: Array, bias: Optional[Array] = None, deterministic: bool = True) -> Array:
         """``bias``: [B, 1, T|1, S], or (that, RightPadded) when it is the key padding alone."""
         c = self.config
-        kw = dict(use_bias=True, kernel_init=dense_init(c), dtype=self.dtype, param_dtype=jnp.float32)
-        qkv_proj = Linear((3, c.num_heads, c.head_dim), name="qkv", **kw)
+        qkv_proj = dense(c, self.dtype, (3, c.num_heads, c.head_dim), "qkv")
         qkv = qkv_proj(h)  # [B, T, 3, N, H]
         bias, right_padded = bias if isinstance(bias, tuple) else (bias, None)
         drop = Dropout(c.attention_dropout)
@@ -391,7 +395,7 @@ class BertSelfAttention(nn.Module):
             cpu_kernel=qkv_proj.has_variable("packed", "kernel"),
             qkv=qkv,
         )[:, :, :, 0]  # [B, T, N, H]
-        return Linear((c.hidden_size,), in_axes=2, name="out", **kw)(ctx)
+        return dense(c, self.dtype, (c.hidden_size,), "out", in_axes=2)(ctx)
 
 
 class BertLayer(nn.Module):
@@ -418,16 +422,14 @@ class BertLayer(nn.Module):
     ) -> Array:
         c, i = self.config, self.layer_index
         site = site or SiteRunner(hooks, (), None, None, False)
-        init = dense_init(c)
         drop = Dropout(c.hidden_dropout)
         h = site("resid_pre", i, h.astype(self.dtype))
         a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
         a = site("attn_out", i, drop(a, deterministic=deterministic))
         a = site("ffn_in", i, ln_fp32(layer_norm(c, "attention_norm"), a + h, self.dtype))
-        kw = dict(use_bias=True, kernel_init=init, dtype=self.dtype, param_dtype=jnp.float32)
-        f = Linear((c.intermediate_size,), name="ffn_in", **kw)(a)
+        f = dense(c, self.dtype, (c.intermediate_size,), "ffn_in")(a)
         f = ACTIVATIONS[c.hidden_act](site("ffn_hidden", i, f))
-        f = Linear((c.hidden_size,), name="ffn_out", **kw)(f)
+        f = dense(c, self.dtype, (c.hidden_size,), "ffn_out")(f)
         f = site("ffn_out", i, drop(f, deterministic=deterministic))
         return site("resid_post", i, ln_fp32(layer_norm(c, "ffn_norm"), f + a, self.dtype))
 

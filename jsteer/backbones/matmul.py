@@ -148,7 +148,7 @@ class Linear(nn.Module):
         k, n = math.prod(in_shape), math.prod(self.features)
         x2 = x.reshape(-1, k).astype(self.dtype)
         packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
-        if packed is not None and self.dtype == jnp.float32 and x2.dtype == jnp.float32:
+        if packed is not None and self.dtype == jnp.float32:  # x2 is in self.dtype
             y = cpu.packed_matmul(x2, kernel.reshape(k, n), packed)
         elif self.fp32_out:
             y = dot_fp32_out(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))

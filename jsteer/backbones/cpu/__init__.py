@@ -417,10 +417,9 @@ def block_attention(
             strides.update(kb=s * kh * h, ks=kh * h, kk=h, kh=1, vb=s * kh * h, vs=kh * h, vk=h)
     if h % 16:
         raise ValueError(f"block_attention: head size {h} is not a multiple of 16")
-    if visible.ndim != 3 or visible.shape[0] != b or visible.shape[1] not in (1, t) or visible.shape[2] != s:
-        raise ValueError(f"block_attention: visible {visible.shape} must be [{b}, 1|{t}, {s}]")
-    if bias is not None and (bias.ndim != 3 or bias.shape[0] != b or bias.shape[1] not in (1, t) or bias.shape[2] != s):
-        raise ValueError(f"block_attention: bias {bias.shape} must be [{b}, 1|{t}, {s}]")
+    for name, m in (("visible", visible), ("bias", bias)):
+        if m is not None and (m.ndim != 3 or m.shape[0] != b or m.shape[1] not in (1, t) or m.shape[2] != s):
+            raise ValueError(f"block_attention: {name} {m.shape} must be [{b}, 1|{t}, {s}]")
     call = jax.ffi.ffi_call(BLOCK_TARGET, jax.ShapeDtypeStruct((b, t, kh * g, h), f32))
     out = call(
         q.astype(f32),
