@@ -21,6 +21,8 @@ import jax.numpy as jnp
 
 from jsteer.backbones import cpu
 from jsteer.backbones.base import NEG_INF, row_max
+from jsteer.backbones.dropout import HashDropout
+from jsteer.backbones.kernel_attention import kernel_attention
 from jsteer.backbones.matmul import dot_fp32_out
 
 Array = jax.Array
@@ -35,22 +37,6 @@ def _rows(m: Array, g: int, t: int) -> Array:
     if (gm == g and tm == t) or g == 1:
         return m.reshape(bm, km, gm * tm, sm)
     return jnp.broadcast_to(m, (bm, km, g, t, sm)).reshape(bm, km, g * t, sm)
-
-
-def _per_query(m: Array, b: int, s: int) -> Optional[Array]:
-    """A mask/bias broadcastable to [B,K,G,T,S] that varies only over B, T and S, as [B,T|1,S]; else None."""
-    m = m.reshape((1,) * (5 - m.ndim) + m.shape)
-    if m.shape[1:3] != (1, 1):
-        return None
-    return jnp.broadcast_to(m[:, 0, 0], (b,) + m.shape[3:4] + (s,))
-
-
-def _per_slot(m: Array, b: int, s: int) -> Optional[Array]:
-    """A mask/bias broadcastable to [B,K,G,1,S] that varies only over B and S, as [B,S]; else None."""
-    m = m.reshape((1,) * (5 - m.ndim) + m.shape)
-    if m.shape[1:4] != (1, 1, 1):
-        return None
-    return jnp.broadcast_to(m[:, 0, 0, 0], (b, s))
 
 
 def dot_product_attention(
@@ -202,15 +188,23 @@ def attention(
     otherwise (one ``lax.cond``). The fused path lets a padding
     query row (no visible key) see its own slot (with lengths: the row's real keys), where the
     hand-written path spreads it uniformly: such rows are padding, read by nothing downstream.
-    ``cpu_kernel`` (CPU, jsteer's kernels on: a call with the "packed" collection): fp32, no dropout,
-    a mask and bias the same for every head. One new token per row over the cache layout (a decode
-    step) goes through :func:`jsteer.backbones.cpu.decode_attention`, any other call (forwards,
-    prefills; head size a multiple of 16) through :func:`jsteer.backbones.cpu.block_attention`,
-    differentiable as the hand-written path; ``qkv``: the [B,T,3,K,H] projection q (``[:, :, 0, :,
-    None]``), k and v were sliced from, which that kernel then reads in place (BERT's)."""
+    ``cpu_kernel`` (CPU, jsteer's kernels on: a call with the "packed" collection): fp32, a mask and
+    bias the same for every head. One new token per row over the cache layout (a decode step) goes
+    through :func:`jsteer.backbones.cpu.decode_attention`, any other call (forwards, prefills; head
+    size a multiple of 16) through :func:`jsteer.backbones.cpu.block_attention`. A call with
+    probability dropout (a :class:`~jsteer.backbones.dropout.HashDropout`: training) takes that
+    kernel too wherever the kernels are available, ``cpu_kernel`` or not, with the same mask.
+    Derivatives in both modes: :mod:`jsteer.backbones.kernel_attention`. ``qkv``: the [B,T,3,K,H]
+    projection q (``[:, :, 0, :, None]``), k and v were sliced from, which that kernel then reads in
+    place (BERT's)."""
     b, t, kh, g, h = q.shape
-    if cpu_kernel and dropout is None and q.dtype == k.dtype == v.dtype == jnp.float32:
-        out = _cpu_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, right_padded is not None)
+    if (
+        q.dtype == k.dtype == v.dtype == jnp.float32
+        and (dropout is None or isinstance(dropout, HashDropout))
+        and (cpu_kernel or (dropout is not None and cpu.available()))
+    ):
+        padding = right_padded is not None
+        out = kernel_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, padding, dropout)
         if out is not None:
             return out
     hand = functools.partial(
@@ -269,58 +263,12 @@ def attention(
     return jax.lax.cond(right_padded.ok, by_lengths, hand if bias is not None else masked, q, k, v)
 
 
-def _cpu_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, padding) -> Optional[Array]:
-    """:func:`attention` through jsteer's CPU kernels, or None where they do not apply. ``padding``:
-    the bias is the key padding alone (0 or NEG_INF), handed to the block kernel as visibility."""
-    b, t, kh, g, h = q.shape
-    s = v.shape[2 if cache_layout else 1]
-    if cache_layout and t == 1:
-        vis = jnp.ones((b, s), bool) if visible is None else _per_slot(visible, b, s)
-        add = None if bias is None else _per_slot(bias, b, s)
-        if vis is None or (bias is not None and add is None):
-            return None
-        return cpu.decode_attention(q[:, 0], k, v, vis, add, scale, softcap).reshape(b, 1, kh, g, h)
-    vis = jnp.ones((b, 1, s), bool) if visible is None else _per_query(visible, b, s)
-    bias_q = None if bias is None else _per_query(bias, b, s)
-    if h % 16 or vis is None or (bias is not None and bias_q is None):
-        return None
-    if padding and bias_q is not None:  # the kernel then skips padded keys and adds nothing
-        vis = vis & (bias_q > NEG_INF)
-    fused = qkv is not None and not cache_layout
-    operands = (qkv,) if fused else (q, k, v)
-
-    def split(args):  # -> q, k, v, bias
-        qkv_args = (args[0][:, :, 0, :, None], args[0][:, :, 1], args[0][:, :, 2]) if fused else args[:3]
-        return (*qkv_args, args[len(operands)] if len(args) > len(operands) else None)
-
-    def hand(*args):
-        q, k, v, add = split(args)
-        return dot_product_attention(
-            q, k, v, scale=scale, visible=visible, bias=add, cache_layout=cache_layout, softcap=softcap
-        )
-
-    @jax.custom_jvp
-    def kernel(*args):
-        q, k, v, add = split(args)
-        add = None if add is None or padding else _per_query(add, b, s)
-        if fused:
-            return cpu.block_attention(args[0], None, None, vis, add, scale, softcap, fused=True)
-        return cpu.block_attention(q, k, v, vis, add, scale, softcap, cache_layout)
-
-    def jvp(primals, tangents):  # the hand-written path's derivatives (forward and reverse mode)
-        return kernel(*primals), jax.jvp(hand, primals, tangents)[1]
-
-    kernel.defjvp(jvp)
-    return kernel(*operands, *(() if bias is None else (bias,)))
-
-
 def _with_dropout(hand, q, k, v, scale, visible, bias, dropout, cache_layout, softcap, right_padded) -> Array:
     """:func:`attention` with probability dropout: the fused Pallas kernel where
     :func:`fused_dropout` asks for it and it applies, else ``hand`` (the hand-written path). The
     kernel's keys are masked by padding: ``right_padded`` (not causal; checked at run time by
     ``ok``, one ``lax.cond``), a key-only ``visible`` [B|1, 1, 1, 1, S], or nothing."""
     from jsteer.backbones import flash
-    from jsteer.backbones.dropout import HashDropout
 
     b, t, kh, g, h = q.shape
     s = k.shape[1]

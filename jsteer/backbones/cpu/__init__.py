@@ -72,13 +72,16 @@ MIN_ROWS, MAX_ROWS = 1, 64  # batch rows for which generate packs by default (BU
 TARGET = "jsteer_small_gemm"
 ATTENTION_TARGET = "jsteer_decode_attention"
 BLOCK_TARGET = "jsteer_block_attention"
+BLOCK_GRAD_TARGET = "jsteer_block_attention_grad"
 MATERIALIZE_TARGET = "jsteer_materialize"
 TARGETS = {  # custom call -> symbol
     TARGET: "JsteerSmallGemm",
     ATTENTION_TARGET: "JsteerDecodeAttention",
     BLOCK_TARGET: "JsteerBlockAttention",
+    BLOCK_GRAD_TARGET: "JsteerBlockAttentionGrad",
     MATERIALIZE_TARGET: "JsteerMaterialize",
 }
+INFERENCE_TARGETS = tuple(t for t in TARGETS if t != BLOCK_GRAD_TARGET)  # what an inference program can carry
 _SOURCE = pathlib.Path(__file__).with_name("decode_kernels.cc")
 _reason: Optional[str] = None
 
@@ -374,26 +377,8 @@ def decode_attention(
     return out.reshape(b, kh, g, h)
 
 
-def block_attention(
-    q: Array,
-    k: Array,
-    v: Array,
-    visible: Array,
-    bias: Optional[Array],
-    scale,
-    softcap: Optional[float],
-    cache_layout: bool = False,
-    fused: bool = False,
-) -> Array:
-    """Attention of T queries per row -> [B,T,K,G,H] fp32; call only when available(). Not differentiable
-    by itself (``attention.attention`` gives it the hand-written path's derivatives).
-
-    q [B,T,K,G,H] (K key/value heads, G queries each), k and v [B,S,K,H], or with ``cache_layout`` the
-    cache's k [B,K,H,S] / v [B,K,S,H]; ``fused``: q, k and v are one [B,T,3,K,H] projection (G = 1),
-    passed as q (k and v ignored), read in place. visible [B, T|1, S] bool, bias [B, T|1, S] additive or
-    None, scale a scalar (may be traced), softcap a float or None: the function of
-    ``attention.dot_product_attention`` (see block_attention.h)."""
-    f32 = jnp.float32
+def _layout(q: Array, k: Optional[Array], v: Optional[Array], cache_layout: bool, fused: bool):
+    """(b, t, kh, g, h, s, strides) of block_attention's operands (see there)."""
     if fused:
         b, t, three, kh, h = q.shape
         g, s = 1, t
@@ -402,7 +387,6 @@ def block_attention(
         row = 3 * kh * h
         strides = dict(q_off=0, qb=t * row, qt=row, qn=h, k_off=kh * h, kb=t * row, ks=row, kk=h, kh=1)
         strides.update(v_off=2 * kh * h, vb=t * row, vs=row, vk=h)
-        k = v = q
     else:
         b, t, kh, g, h = q.shape
         s = v.shape[2 if cache_layout else 1]
@@ -417,25 +401,115 @@ def block_attention(
             strides.update(kb=s * kh * h, ks=kh * h, kk=h, kh=1, vb=s * kh * h, vs=kh * h, vk=h)
     if h % 16:
         raise ValueError(f"block_attention: head size {h} is not a multiple of 16")
+    return b, t, kh, g, h, s, strides
+
+
+def _attention_args(q, k, v, visible, bias, scale, dropout, b, t, s, kh, strides) -> tuple[tuple, dict]:
+    """The operands and attributes block_attention's two targets share."""
+    f32 = jnp.float32
     for name, m in (("visible", visible), ("bias", bias)):
         if m is not None and (m.ndim != 3 or m.shape[0] != b or m.shape[1] not in (1, t) or m.shape[2] != s):
             raise ValueError(f"block_attention: {name} {m.shape} must be [{b}, 1|{t}, {s}]")
-    call = jax.ffi.ffi_call(BLOCK_TARGET, jax.ShapeDtypeStruct((b, t, kh * g, h), f32))
-    out = call(
+    if dropout is None:
+        seed, threshold, inv_keep = jnp.zeros((0,), jnp.uint32), 0, 1.0
+    else:
+        from jsteer.backbones.dropout import threshold as keep_threshold
+
+        seed, rate = dropout
+        seed, threshold, inv_keep = jnp.asarray(seed, jnp.uint32).reshape(2), keep_threshold(rate), 1.0 / (1.0 - rate)
+    operands = (
         q.astype(f32),
-        k.astype(f32),
-        v.astype(f32),
+        (q if k is None else k).astype(f32),
+        (q if v is None else v).astype(f32),
         visible.astype(bool),
         jnp.zeros((0,), f32) if bias is None else bias.astype(f32),
         jnp.asarray(scale, f32).reshape(()),
+        seed,
+    )
+    attrs = dict(
         s=np.int64(s),
         kv=np.int64(kh),
         vis_t=np.int64(visible.shape[1]),
         bias_t=np.int64(0 if bias is None else bias.shape[1]),
-        softcap=np.float32(softcap or 0.0),
+        threshold=np.int64(threshold),
+        inv_keep=np.float32(inv_keep),
         **{name: np.int64(x) for name, x in strides.items()},
     )
-    return out.reshape(b, t, kh, g, h)
+    return operands, attrs
+
+
+def block_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    visible: Array,
+    bias: Optional[Array],
+    scale,
+    softcap: Optional[float],
+    cache_layout: bool = False,
+    fused: bool = False,
+    dropout: Optional[tuple] = None,
+) -> Array:
+    """Attention of T queries per row -> [B,T,K,G,H] fp32; call only when available(). Not differentiable
+    by itself (``attention.attention`` gives it derivatives, :func:`block_attention_grad` its reverse mode).
+
+    q [B,T,K,G,H] (K key/value heads, G queries each), k and v [B,S,K,H], or with ``cache_layout`` the
+    cache's k [B,K,H,S] / v [B,K,S,H]; ``fused``: q, k and v are one [B,T,3,K,H] projection (G = 1),
+    passed as q (k and v ignored), read in place. visible [B, T|1, S] bool, bias [B, T|1, S] additive or
+    None, scale a scalar (may be traced), softcap a float or None, ``dropout`` None or (seed uint32 [2],
+    rate): probability dropout by :class:`jsteer.backbones.dropout.HashDropout`'s mask over the weights'
+    [B,K,G*T,S] layout. The function of ``attention.dot_product_attention`` (see block_attention.h)."""
+    b, t, kh, g, h, s, strides = _layout(q, k, v, cache_layout, fused)
+    operands, attrs = _attention_args(
+        q, None if fused else k, None if fused else v, visible, bias, scale, dropout, b, t, s, kh, strides
+    )
+    call = jax.ffi.ffi_call(
+        BLOCK_TARGET, jax.ShapeDtypeStruct((b, t, kh * g, h), jnp.float32), vmap_method="sequential"
+    )
+    return call(*operands, softcap=np.float32(softcap or 0.0), **attrs).reshape(b, t, kh, g, h)
+
+
+def block_attention_grad(
+    q: Array,
+    k: Optional[Array],
+    v: Optional[Array],
+    visible: Array,
+    bias: Optional[Array],
+    scale,
+    dout: Array,
+    out: Array,
+    fused: bool = False,
+    dropout: Optional[tuple] = None,
+):
+    """Reverse mode of :func:`block_attention` (no soft-capping, no cache layout; same other arguments):
+    dout, out [B,T,K,G,H] (the cotangent and the forward's output) -> (dq, dk, dv) fp32 in q's, k's and
+    v's shapes, or with ``fused`` the [B,T,3,K,H] projection's gradient. Call only when available()."""
+    b, t, kh, g, h, s, strides = _layout(q, k, v, False, fused)
+    operands, attrs = _attention_args(
+        q, None if fused else k, None if fused else v, visible, bias, scale, dropout, b, t, s, kh, strides
+    )
+    n = kh * g
+    if fused:
+        offsets, size = (strides["q_off"], strides["k_off"], strides["v_off"]), q.size
+    else:
+        offsets, size = (0, q.size, q.size + k.size), q.size + k.size + v.size
+    call = jax.ffi.ffi_call(BLOCK_GRAD_TARGET, jax.ShapeDtypeStruct((size,), jnp.float32), vmap_method="sequential")
+    grads = call(
+        *operands,
+        dout.astype(jnp.float32).reshape(b, t, n, h),
+        out.astype(jnp.float32).reshape(b, t, n, h),
+        gq_off=np.int64(offsets[0]),
+        gk_off=np.int64(offsets[1]),
+        gv_off=np.int64(offsets[2]),
+        **attrs,
+    )
+    if fused:
+        return grads.reshape(q.shape)
+    return (
+        grads[: q.size].reshape(q.shape),
+        grads[q.size : q.size + k.size].reshape(k.shape),
+        grads[q.size + k.size :].reshape(v.shape),
+    )
 
 
 @jax.custom_jvp

@@ -15,25 +15,36 @@
 // A row with no visible key, or whose every score is -1e30, weighs all S keys equally, as
 // dot_product_attention does. Scores go through register tiles of 8 queries x 48 keys (k packed
 // per task in 48-key panels), the value product through tiles of up to 12 queries x 64 columns.
+//
+// Attention-probability dropout (training): the unnormalised weights of query i, key x are kept with
+// probability 1 - rate and scaled by 1 / (1 - rate) by the mask jsteer.backbones.dropout.hash_bits
+// draws for the weights' [B, K, G * T, S] layout (murmur3's finaliser twice over the element index and
+// a seed), so the hand-written path with the same HashDropout drops the same elements.
 
-// R x 16C outputs: y[m, :] = sum_d x[m * xs + d] * w[d * ws + :], d < depth; x, w, y any alignment.
+// R x 16C outputs: y[m, :] (+)= sum_d x[m * xs + d * xd] * w[d * ws + :], d < depth (add: onto y's
+// values); x, w, y any alignment.
 template <int R, int C>
-void Tile(const float* x, int64_t xs, int64_t depth, const float* w, int64_t ws, float* y, int64_t ys) {
+void Tile(const float* x, int64_t xs, int64_t xd, int64_t depth, const float* w, int64_t ws, float* y, int64_t ys,
+          bool add) {
   v16 acc[R][C];
-  std::memset(acc, 0, sizeof acc);
+  if (add) {
+    for (int m = 0; m < R; ++m) std::memcpy(acc[m], y + m * ys, sizeof acc[m]);
+  } else {
+    std::memset(acc, 0, sizeof acc);
+  }
   for (int64_t d = 0; d < depth; ++d) {
     v16 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = *reinterpret_cast<const v16*>(w + d * ws + 16 * c);
 #pragma GCC unroll 12
     for (int m = 0; m < R; ++m) {
-      const float a = x[m * xs + d];
+      const float a = x[m * xs + d * xd];
       for (int c = 0; c < C; ++c) acc[m][c] += a * wv[c];
     }
   }
   for (int m = 0; m < R; ++m) std::memcpy(y + m * ys, acc[m], sizeof acc[m]);
 }
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t, bool);
 
 template <int C, int... I>
 constexpr std::array<TileFn, sizeof...(I)> TileTable(std::integer_sequence<int, I...>) {
@@ -43,15 +54,80 @@ constexpr std::array<TileFn, sizeof...(I)> TileTable(std::integer_sequence<int, 
 // Rows per tile for C vectors of columns: 24 of the 32 vector registers hold accumulators.
 constexpr int TileRows(int c) { return c == 1 ? 12 : 24 / c < 12 ? 24 / c : 12; }
 
-// m rows of x times w's 16C columns, in tiles of TileRows(C) rows.
+// m rows of x times w's 16C columns, in tiles of TileRows(C) rows (x's depth xd apart; add: onto y).
 template <int C>
-void Tiles(int64_t m, const float* x, int64_t xs, int64_t depth, const float* w, int64_t ws, float* y, int64_t ys) {
+void Tiles(int64_t m, const float* x, int64_t xs, int64_t depth, const float* w, int64_t ws, float* y, int64_t ys,
+           int64_t xd = 1, bool add = false) {
   static constexpr auto table = TileTable<C>(std::make_integer_sequence<int, TileRows(C)>{});
   constexpr int64_t r = TileRows(C);
   for (int64_t m0 = 0; m0 < m; m0 += r) {
-    table[(m - m0 < r ? m - m0 : r) - 1](x + m0 * xs, xs, depth, w, ws, y + m0 * ys, ys);
+    table[(m - m0 < r ? m - m0 : r) - 1](x + m0 * xs, xs, xd, depth, w, ws, y + m0 * ys, ys, add);
   }
 }
+
+// m rows of x times w's h columns (h a multiple of 16), 64 columns at a time (xd, add: see Tiles).
+inline void Columns(int64_t m, const float* x, int64_t xs, int64_t depth, const float* w, int64_t ws, float* y,
+                    int64_t ys, int64_t h, int64_t xd = 1, bool add = false) {
+  for (int64_t c0 = 0; c0 < h; c0 += 64) {
+    switch ((h - c0 < 64 ? h - c0 : 64) / 16) {
+      case 4: Tiles<4>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
+      case 3: Tiles<3>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
+      case 2: Tiles<2>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
+      default: Tiles<1>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
+    }
+  }
+}
+
+// n rows of h floats (row r at src + r * stride) -> 48-row panels [ceil(n / 48), h, 48], zero past n.
+inline void PackRows(const float* src, int64_t stride, int64_t n, int64_t h, float* dst) {
+  std::memset(dst, 0, sizeof(float) * ((n + 47) / 48 * 48) * h);
+  for (int64_t r = 0; r < n; ++r) {
+    float* d = dst + (r / 48) * h * 48 + r % 48;
+    for (int64_t x = 0; x < h; ++x) d[x * 48] = src[r * stride + x];
+  }
+}
+
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// Dropout of attention weights by jsteer.backbones.dropout's hash mask (seed == nullptr: none).
+struct Drop {
+  const uint32_t* seed;
+  uint32_t threshold;  // an element is kept when its bits >= threshold
+  float inv_keep;      // 1 / (1 - rate)
+
+  static v16u Fmix(v16u x) {
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    return x ^ (x >> 16);
+  }
+  // The factors (kept: 1 / (1 - rate), dropped: 0) of elements idx .. idx + 15 (uint32 indices).
+  v16 Factors(uint32_t idx) const {
+    const v16u lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16u bits = Fmix(Fmix((lanes + idx) * 0x9E3779B9u + seed[0]) ^ seed[1]);
+    return bits >= threshold ? v16{} + inv_keep : v16{};
+  }
+  float Factor(uint32_t idx) const {
+    uint32_t x = idx * 0x9E3779B9u + seed[0];
+    for (int round = 0; round < 2; ++round) {
+      x ^= x >> 16;
+      x *= 0x85EBCA6Bu;
+      x ^= x >> 13;
+      x *= 0xC2B2AE35u;
+      x ^= x >> 16;
+      if (round == 0) x ^= seed[1];
+    }
+    return x >= threshold ? inv_keep : 0.0f;
+  }
+  // row[0 .. n) (n a multiple of 16), the weights of elements idx .. idx + n, times their factors.
+  void Apply(uint32_t idx, float* row, int64_t n) const {
+    for (int64_t x = 0; x < n; x += 16) {
+      v16& y = *reinterpret_cast<v16*>(row + x);
+      y *= Factors(idx + static_cast<uint32_t>(x));
+    }
+  }
+};
 
 struct BlockAttend {
   int64_t t, s, kv, g, h;      // queries, keys, key/value heads, query heads per kv head, head size
@@ -64,6 +140,12 @@ struct BlockAttend {
   float scale, softcap;
   float* out;                   // [B, T, K * G, H]
   int64_t block, blocks;        // queries per task, tasks per (row, kv head)
+  Drop drop;
+
+  // The dropout index of (row b, kv head j, its query head a, query i, key 0).
+  uint32_t Index(int64_t b, int64_t j, int64_t a, int64_t i) const {
+    return static_cast<uint32_t>((((b * kv + j) * g + a) * t + i) * s);
+  }
 
   struct Scratch {
     std::vector<float> panels, scores, acc, sums;
@@ -92,19 +174,24 @@ struct BlockAttend {
     if (static_cast<int64_t>(w.sums.size()) < rows) w.sums.resize(rows);
     float* kp = w.panels.data();
     const float* kj = k + b * kb + lo * ks + j * kk;
-    std::memset(kp, 0, sizeof(float) * width * h);
-    if (kh == 1) {  // each key's h floats contiguous: read them in order
+    const float* vj = v + b * vb + lo * vs + j * vk;
+    if (kh == 1) {  // rows a projection row apart: their misses overlap when all are asked for at once
       for (int64_t key = 0; key < span; ++key) {
-        float* dst = kp + (key / 48) * h * 48 + key % 48;
-        for (int64_t d = 0; d < h; ++d) dst[d * 48] = kj[key * ks + d];
+        for (int64_t d = 0; d < h; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(kj + key * ks + d), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(vj + key * vs + d), _MM_HINT_T1);
+        }
       }
+    }
+    if (kh == 1) {  // each key's h floats contiguous: read them in order
+      PackRows(kj, ks, span, h, kp);
     } else {  // the cache's [H, S]: each dimension's keys contiguous
+      std::memset(kp, 0, sizeof(float) * width * h);
       for (int64_t key0 = 0; key0 < span; key0 += 48) {
         const int64_t n = span - key0 < 48 ? span - key0 : 48;
         for (int64_t d = 0; d < h; ++d) std::memcpy(kp + (key0 * h + d * 48), kj + key0 * ks + d * kh, n * 4);
       }
     }
-    const float* vj = v + b * vb + lo * vs + j * vk;
     for (int64_t a = 0; a < g; ++a) {
       const int64_t n = j * g + a;
       const float* qa = q + b * qb + i0 * qt + n * qn;
@@ -114,20 +201,15 @@ struct BlockAttend {
       }
       float* o = w.acc.data();
       float* sums = w.sums.data();
-      for (int64_t r = 0; r < rows; ++r) sums[r] = Softmax(b, i0 + r, lo, span, width, sc + r * width);
-      for (int64_t c0 = 0; c0 < h; c0 += 64) {  // the value product, 64 columns at a time
-        const int64_t cols = h - c0 < 64 ? h - c0 : 64;
-        switch (cols / 16) {
-          case 4: Tiles<4>(rows, sc, width, span, vj + c0, vs, o + c0, h); break;
-          case 3: Tiles<3>(rows, sc, width, span, vj + c0, vs, o + c0, h); break;
-          case 2: Tiles<2>(rows, sc, width, span, vj + c0, vs, o + c0, h); break;
-          default: Tiles<1>(rows, sc, width, span, vj + c0, vs, o + c0, h); break;
-        }
+      for (int64_t r = 0; r < rows; ++r) {
+        sums[r] = Softmax(b, i0 + r, lo, span, width, sc + r * width);
+        if (drop.seed != nullptr && sums[r] != 0.0f) drop.Apply(Index(b, j, a, i0 + r) + lo, sc + r * width, width);
       }
+      Columns(rows, sc, width, span, vj, vs, o, h, h);  // the value product
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = out + (((b * t + i0 + r) * kv + j) * g + a) * h;
         if (sums[r] == 0.0f) {
-          Mean(b, j, dst);
+          Mean(b, j, a, i0 + r, dst);
           continue;
         }
         const float inv = 1.0f / sums[r];
@@ -136,7 +218,6 @@ struct BlockAttend {
     }
   }
 
- private:
   // Query i's products with keys lo .. lo + span (row: width floats, the rest padding) -> its
   // unnormalised weights exp(w - max w); returns their sum, or 0 when every score is -1e30 (the
   // row then weighs all s keys equally).
@@ -173,12 +254,14 @@ struct BlockAttend {
     return _mm512_reduce_add_ps((__m512)total);
   }
 
-  // Every key's value, averaged, for query head (row b, kv head j): what a row with no visible key gets.
-  void Mean(int64_t b, int64_t j, float* dst) const {
+  // Every key's value, averaged (each weighed by its dropout factor), for query i of head a of (row b,
+  // kv head j): what a row with no visible key gets.
+  void Mean(int64_t b, int64_t j, int64_t a, int64_t i, float* dst) const {
     std::memset(dst, 0, sizeof(float) * h);
     for (int64_t x = 0; x < s; ++x) {
       const float* vr = v + b * vb + x * vs + j * vk;
-      for (int64_t d = 0; d < h; ++d) dst[d] += vr[d];
+      const float f = drop.seed == nullptr ? 1.0f : drop.Factor(Index(b, j, a, i) + static_cast<uint32_t>(x));
+      for (int64_t d = 0; d < h; ++d) dst[d] += f * vr[d];
     }
     for (int64_t d = 0; d < h; ++d) dst[d] /= static_cast<float>(s);
   }

@@ -455,14 +455,19 @@ int64_t Reach(int64_t b, int64_t s, int64_t k, int64_t h, int64_t sb, int64_t ss
   return (b - 1) * sb + (s - 1) * ss + (k - 1) * sk + (h - 1) * sh;
 }
 
+#include "block_attention_grad.h"
+
+using Seed = ffi::Buffer<ffi::U32, 1>;
+
 // q, k and v are read at the element offsets q_off / k_off / v_off with the strides given (one
-// buffer may be passed for all three: a fused projection); bias_t = 0: no bias (its operand unread).
-ffi::Error BlockAttentionImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags visible, Any bias, Scalar scale,
-                              int64_t s, int64_t kv, int64_t q_off, int64_t qb, int64_t qt, int64_t qn, int64_t k_off,
-                              int64_t kb, int64_t ks, int64_t kk, int64_t kh, int64_t v_off, int64_t vb, int64_t vs,
-                              int64_t vk, int64_t vis_t, int64_t bias_t, float softcap, ffi::Result<Out4> out) {
-  const auto od = out->dimensions();
-  const int64_t b = od[0], t = od[1], n = od[2], h = od[3];
+// buffer may be passed for all three: a fused projection); bias_t = 0: no bias (its operand unread);
+// seed: 2 words (dropout at the threshold and 1 / (1 - rate) given) or none. Fills `attend` (all but
+// out, block and blocks), or says why the operands do not fit.
+ffi::Error Operands(Any q, Any k, Any v, Flags visible, Any bias, Scalar scale, Seed seed, int64_t b, int64_t t,
+                    int64_t n, int64_t h, int64_t s, int64_t kv, int64_t q_off, int64_t qb, int64_t qt, int64_t qn,
+                    int64_t k_off, int64_t kb, int64_t ks, int64_t kk, int64_t kh, int64_t v_off, int64_t vb,
+                    int64_t vs, int64_t vk, int64_t vis_t, int64_t bias_t, float softcap, int64_t threshold,
+                    float inv_keep, BlockAttend& attend) {
   const bool has_bias = bias_t > 0;
   const bool fits = kv > 0 && n % kv == 0 && h % 16 == 0 && s > 0 && q.element_type() == ffi::F32 &&
                     k.element_type() == ffi::F32 && v.element_type() == ffi::F32 &&
@@ -471,12 +476,50 @@ ffi::Error BlockAttentionImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags v
                     k_off + Reach(b, s, kv, h, kb, ks, kk, kh) < int64_t(k.element_count()) &&
                     v_off + Reach(b, s, kv, h, vb, vs, vk, 1) < int64_t(v.element_count()) && (vis_t == 1 || vis_t == t) &&
                     int64_t(visible.element_count()) == b * vis_t * s &&
-                    (!has_bias || ((bias_t == 1 || bias_t == t) && int64_t(bias.element_count()) == b * bias_t * s));
+                    (!has_bias || ((bias_t == 1 || bias_t == t) && int64_t(bias.element_count()) == b * bias_t * s)) &&
+                    (seed.element_count() == 0 || seed.element_count() == 2) && threshold >= 0 &&
+                    threshold < (int64_t(1) << 32) && b * n * t * s < (int64_t(1) << 32);
   if (!fits) {
     return ffi::Error::InvalidArgument(
-        "jsteer_block_attention: q, k, v, visible [B, 1|T, S], bias [B, 1|T, S] and out [B, T, N, H] (H a "
-        "multiple of 16, N a multiple of the kv heads) do not match the strides given");
+        "jsteer_block_attention: q, k, v, visible [B, 1|T, S], bias [B, 1|T, S], seed [0|2] and out [B, T, N, H] "
+        "(H a multiple of 16, N a multiple of the kv heads, B*N*T*S < 2**32) do not match the strides given");
   }
+  attend = BlockAttend{t, s, kv, n / kv, h, qb, qt, qn, kb, ks, kk, kh, vb, vs, vk, vis_t, bias_t,
+                       static_cast<const float*>(q.untyped_data()) + q_off,
+                       static_cast<const float*>(k.untyped_data()) + k_off,
+                       static_cast<const float*>(v.untyped_data()) + v_off,
+                       has_bias ? static_cast<const float*>(bias.untyped_data()) : nullptr, visible.typed_data(),
+                       *scale.typed_data(), softcap, nullptr, 0, 0,
+                       Drop{seed.element_count() == 2 ? seed.typed_data() : nullptr,
+                            static_cast<uint32_t>(threshold), inv_keep}};
+  return ffi::Error::Success();
+}
+
+// Runs tasks 0 .. tasks - 1 on the pool, or in the caller alone where a helper's wake-up costs more.
+template <typename Task>
+void RunTasks(ffi::ThreadPool& pool, int64_t tasks, int64_t work, const Task& task) {
+  const auto run = [&task](int64_t c) {
+    thread_local typename Task::Scratch scratch;
+    task(c, scratch);
+  };
+  if (work < (1 << 16)) {
+    for (int64_t c = 0; c < tasks; ++c) run(c);
+  } else {
+    Parallel(pool, tasks, run);
+  }
+}
+
+ffi::Error BlockAttentionImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags visible, Any bias, Scalar scale,
+                              Seed seed, int64_t s, int64_t kv, int64_t q_off, int64_t qb, int64_t qt, int64_t qn,
+                              int64_t k_off, int64_t kb, int64_t ks, int64_t kk, int64_t kh, int64_t v_off, int64_t vb,
+                              int64_t vs, int64_t vk, int64_t vis_t, int64_t bias_t, float softcap, int64_t threshold,
+                              float inv_keep, ffi::Result<Out4> out) {
+  const auto od = out->dimensions();
+  const int64_t b = od[0], t = od[1], n = od[2], h = od[3];
+  BlockAttend attend;
+  const ffi::Error e = Operands(q, k, v, visible, bias, scale, seed, b, t, n, h, s, kv, q_off, qb, qt, qn, k_off, kb,
+                                ks, kk, kh, v_off, vb, vs, vk, vis_t, bias_t, softcap, threshold, inv_keep, attend);
+  if (e.failure()) return e;
   if (b * t * n * h == 0) return ffi::Error::Success();
   const int64_t workers = Workers(pool);
   // Queries per task: all of them while their scores fit in 256 KiB (L2) and the rows and heads
@@ -484,22 +527,40 @@ ffi::Error BlockAttentionImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags v
   const int64_t all_fit = t * (s + 47) / 48 * 48 * 4 <= (256 << 10);
   int64_t block = all_fit && b * kv >= 4 * workers ? t : t < 64 ? t : 64;
   while (block > 8 && b * kv * ((t + block - 1) / block) < 4 * workers) block = (block + 1) / 2;
-  const BlockAttend attend{t, s, kv, n / kv, h, qb, qt, qn, kb, ks, kk, kh, vb, vs, vk, vis_t, bias_t,
-                           static_cast<const float*>(q.untyped_data()) + q_off,
-                           static_cast<const float*>(k.untyped_data()) + k_off,
-                           static_cast<const float*>(v.untyped_data()) + v_off,
-                           has_bias ? static_cast<const float*>(bias.untyped_data()) : nullptr, visible.typed_data(),
-                           *scale.typed_data(), softcap, out->typed_data(), block, (t + block - 1) / block};
-  const auto task = [&attend](int64_t c) {
-    thread_local BlockAttend::Scratch scratch;
-    attend(c, scratch);
-  };
-  const int64_t tasks = b * kv * attend.blocks;
-  if (b * t * n * h * s < (1 << 16)) {  // a helper's wake-up costs more
-    for (int64_t c = 0; c < tasks; ++c) task(c);
-  } else {
-    Parallel(pool, tasks, task);
+  attend.out = out->typed_data();
+  attend.block = block;
+  attend.blocks = (t + block - 1) / block;
+  RunTasks(pool, b * kv * attend.blocks, b * t * n * h * s, attend);
+  return ffi::Error::Success();
+}
+
+// block_attention's reverse mode: the same operands and attributes, plus dO and O [B, T, N, H];
+// dQ, dK and dV are written into `grads` at the offsets gq_off / gk_off / gv_off with q's, k's and
+// v's strides (a fused projection: its gradient, the offsets q_off / k_off / v_off).
+ffi::Error BlockAttentionGradImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags visible, Any bias, Scalar scale,
+                                  Seed seed, Out4 dout, Out4 out, int64_t s, int64_t kv, int64_t q_off, int64_t qb,
+                                  int64_t qt, int64_t qn, int64_t k_off, int64_t kb, int64_t ks, int64_t kk, int64_t kh,
+                                  int64_t v_off, int64_t vb, int64_t vs, int64_t vk, int64_t vis_t, int64_t bias_t,
+                                  int64_t threshold, float inv_keep, int64_t gq_off, int64_t gk_off, int64_t gv_off,
+                                  ffi::Result<Any> grads) {
+  const auto od = out.dimensions();
+  const int64_t b = od[0], t = od[1], n = od[2], h = od[3];
+  BlockAttend attend;
+  const ffi::Error e = Operands(q, k, v, visible, bias, scale, seed, b, t, n, h, s, kv, q_off, qb, qt, qn, k_off, kb,
+                                ks, kk, kh, v_off, vb, vs, vk, vis_t, bias_t, 0.0f, threshold, inv_keep, attend);
+  if (e.failure()) return e;
+  const int64_t size = grads->element_count();
+  const auto dd = dout.dimensions();
+  if (kh != 1 || dd[0] != b || dd[1] != t || dd[2] != n || dd[3] != h || grads->element_type() != ffi::F32 || gq_off < 0 || gk_off < 0 ||
+      gv_off < 0 || gq_off + Reach(b, t, n, h, qb, qt, qn, 1) >= size ||
+      gk_off + Reach(b, s, kv, h, kb, ks, kk, 1) >= size || gv_off + Reach(b, s, kv, h, vb, vs, vk, 1) >= size) {
+    return ffi::Error::InvalidArgument(
+        "jsteer_block_attention_grad: dO must be O's shape, k rows contiguous, and grads hold dQ, dK and dV");
   }
+  if (b * t * n * h == 0) return ffi::Error::Success();
+  float* g = static_cast<float*>(grads->untyped_data());
+  const BlockAttendGrad grad{attend, dout.typed_data(), out.typed_data(), g + gq_off, g + gk_off, g + gv_off, 64};
+  RunTasks(pool, b * kv, b * t * n * h * s, grad);
   return ffi::Error::Success();
 }
 
@@ -541,6 +602,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttention, BlockAttentionImpl,
                                   .Arg<Flags>()
                                   .Arg<Any>()
                                   .Arg<Scalar>()
+                                  .Arg<Seed>()
                                   .Attr<int64_t>("s")
                                   .Attr<int64_t>("kv")
                                   .Attr<int64_t>("q_off")
@@ -559,6 +621,44 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttention, BlockAttentionImpl,
                                   .Attr<int64_t>("vis_t")
                                   .Attr<int64_t>("bias_t")
                                   .Attr<float>("softcap")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<float>("inv_keep")
                                   .Ret<Out4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttentionGrad, BlockAttentionGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Any>()
+                                  .Arg<Any>()
+                                  .Arg<Any>()
+                                  .Arg<Flags>()
+                                  .Arg<Any>()
+                                  .Arg<Scalar>()
+                                  .Arg<Seed>()
+                                  .Arg<Out4>()
+                                  .Arg<Out4>()
+                                  .Attr<int64_t>("s")
+                                  .Attr<int64_t>("kv")
+                                  .Attr<int64_t>("q_off")
+                                  .Attr<int64_t>("qb")
+                                  .Attr<int64_t>("qt")
+                                  .Attr<int64_t>("qn")
+                                  .Attr<int64_t>("k_off")
+                                  .Attr<int64_t>("kb")
+                                  .Attr<int64_t>("ks")
+                                  .Attr<int64_t>("kk")
+                                  .Attr<int64_t>("kh")
+                                  .Attr<int64_t>("v_off")
+                                  .Attr<int64_t>("vb")
+                                  .Attr<int64_t>("vs")
+                                  .Attr<int64_t>("vk")
+                                  .Attr<int64_t>("vis_t")
+                                  .Attr<int64_t>("bias_t")
+                                  .Attr<int64_t>("threshold")
+                                  .Attr<float>("inv_keep")
+                                  .Attr<int64_t>("gq_off")
+                                  .Attr<int64_t>("gk_off")
+                                  .Attr<int64_t>("gv_off")
+                                  .Ret<Any>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerMaterialize, MaterializeImpl, ffi::Ffi::Bind().Arg<Any>().Ret<Any>());
