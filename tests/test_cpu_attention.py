@@ -194,7 +194,7 @@ def test_decoder_forward_and_prefill_attend_through_the_kernel():
 
 
 def test_bert_forward_runs_the_packed_products_and_the_kernel(tmp_path):
-    """MiniLM's LM.forward on CPU: packed products and block_attention by default (the same hidden
+    """MiniLM's LM.forward on CPU: packed products, block_attention and layer_norm by default (the same hidden
     states as XLA's ops to fp32 rounding), with hooks.attn_bias too; cpu_kernels=False keeps XLA's."""
     import jsteer
     from jsteer import lm as lm_module
@@ -223,7 +223,7 @@ def test_bert_forward_runs_the_packed_products_and_the_kernel(tmp_path):
     text = jax.jit(lambda v: lm.module.apply(v, ids, mask).hidden).lower(
         {"params": lm.params, "packed": lm.module.decode_pack(lm.params)}
     )
-    assert cpu.BLOCK_TARGET in text.as_text() and cpu.TARGET in text.as_text()
+    assert all(target in text.as_text() for target in (cpu.BLOCK_TARGET, cpu.TARGET, cpu.NORM_TARGET))
 
 
 def test_materialize_is_an_identity_xla_cannot_fuse_through():

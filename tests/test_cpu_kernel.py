@@ -325,7 +325,7 @@ def test_under_jit_only_on_request():
         return decode.generate(module, p, ids, max_new_tokens=6, cpu_kernels=on).tokens
 
     on = jax.jit(lambda p: run(p, True))
-    assert all(target in on.lower(params).as_text() for target in cpu.INFERENCE_TARGETS)
+    assert all(target in on.lower(params).as_text() for target in cpu.DECODER_TARGETS)
     np.testing.assert_array_equal(np.asarray(on(params)), np.asarray(jax.jit(lambda p: run(p, None))(params)))
 
 

@@ -67,7 +67,7 @@ def test_forward_and_generate_export(decoder):
             .lower(params, ids)
             .as_text()
         )
-        assert all(target in text for target in cpu.INFERENCE_TARGETS)
+        assert all(target in text for target in cpu.DECODER_TARGETS)
     # ...and never in a traced generate, which is what export runs
     for k in (1, 2):  # steps_per_check=2: a fixed-count loop inside the while loop
         export_text(

@@ -59,6 +59,7 @@ from jsteer import interventions as iv
 from jsteer.backbones.attention import RightPadded, attention
 from jsteer.backbones.base import ACTIVATIONS, NEG_INF, Embed, check_position_ids
 from jsteer.backbones.dropout import Dropout
+from jsteer.backbones.kernel_norm import LayerNorm
 from jsteer.backbones.matmul import Linear, pack_kernels
 from jsteer.backbones.sites import SiteRunner
 from jsteer.hooks import Hooks, check_encoder_hooks, check_film_layers
@@ -319,14 +320,15 @@ def dense(config: BertConfig, dtype, features: Tuple[int, ...], name: str, in_ax
     return Linear(features, in_axes=in_axes, use_bias=True, kernel_init=dense_init(config), dtype=dtype, name=name)
 
 
-def layer_norm(config: BertConfig, name: Optional[str] = None) -> nn.LayerNorm:
-    """A LayerNorm with fp32 params and compute (``layer_norm_eps``)."""
-    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
+def layer_norm(config: BertConfig, name: Optional[str] = None) -> LayerNorm:
+    """A LayerNorm with fp32 params and compute (``layer_norm_eps``): flax's, or jsteer's CPU kernel."""
+    return LayerNorm(epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
 
 
-def ln_fp32(module: nn.LayerNorm, x: Array, dtype) -> Array:
-    """Apply a LayerNorm in fp32 and cast back to the compute dtype."""
-    return module(x.astype(jnp.float32)).astype(dtype)
+def ln_fp32(module: LayerNorm, x: Array, dtype, kernel: bool = False) -> Array:
+    """Apply a LayerNorm in fp32 and cast back to the compute dtype. ``kernel``: by jsteer's CPU kernel
+    where it applies (training, and the packed forwards: see BertLayer)."""
+    return module(x.astype(jnp.float32), kernel=kernel).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -362,7 +364,7 @@ class BertEmbeddings(nn.Module):
         site = site or SiteRunner(hooks, (), position_ids, None, False)
         x = site("embed", None, self.word(input_ids))
         x = x + self.token_type(token_type_ids) + self.position(position_ids)
-        x = ln_fp32(self.norm, x, self.dtype)
+        x = ln_fp32(self.norm, x, self.dtype, kernel=not deterministic)
         return self.dropout(x, deterministic=deterministic)
 
 
@@ -426,12 +428,14 @@ class BertLayer(nn.Module):
         h = site("resid_pre", i, h.astype(self.dtype))
         a = BertSelfAttention(c, dtype=self.dtype, name="attention")(h, bias, deterministic)
         a = site("attn_out", i, drop(a, deterministic=deterministic))
-        a = site("ffn_in", i, ln_fp32(layer_norm(c, "attention_norm"), a + h, self.dtype))
+        # jsteer's CPU kernels: in training (their backward) and in LM.forward's packed forwards
+        kernel = not deterministic or "packed" in self.variables
+        a = site("ffn_in", i, ln_fp32(layer_norm(c, "attention_norm"), a + h, self.dtype, kernel))
         f = dense(c, self.dtype, (c.intermediate_size,), "ffn_in")(a)
         f = ACTIVATIONS[c.hidden_act](site("ffn_hidden", i, f))
         f = dense(c, self.dtype, (c.hidden_size,), "ffn_out")(f)
         f = site("ffn_out", i, drop(f, deterministic=deterministic))
-        return site("resid_post", i, ln_fp32(layer_norm(c, "ffn_norm"), f + a, self.dtype))
+        return site("resid_post", i, ln_fp32(layer_norm(c, "ffn_norm"), f + a, self.dtype, kernel))
 
 
 class EncoderOutput(NamedTuple):

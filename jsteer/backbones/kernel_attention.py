@@ -5,16 +5,11 @@ for one new token per row over the KV cache, the block kernel (``cpu.block_atten
 other call, with probability dropout drawn in the kernel from the same
 :class:`~jsteer.backbones.dropout.HashDropout` mask as the hand-written path's.
 
-Derivatives. The block call is a ``custom_jvp`` whose tangent is the primitive ``_tangent_p``:
-evaluated (forward mode: ``jax.jvp``, ``jacfwd``), it is the hand-written path's tangent; transposed
-(reverse mode: ``jax.grad``), it is ``cpu.block_attention_grad``, a kernel that recomputes the
-scores and writes dq, dk and dv (a fused projection's gradient in place). XLA:CPU ran the hand-written
-path's transpose as six batched products at 45-90 GFLOP/s plus passes over the [B, N, T, S]
-tensors. A ``jax.custom_vjp`` would give the kernel backward too but no forward mode, and a
-transpose cannot be attached to a ``custom_vjp`` inside a ``custom_jvp``'s tangent, hence the
-primitive. Derivatives of the backward kernel itself (a Hessian) are the hand-written path's again.
-The kernels sit under ``lax.platform_dependent``: a program exported for other platforms carries the
-hand-written path and no CPU custom call.
+Derivatives (:mod:`jsteer.backbones.kernel_grad`): forward mode as the hand-written path's tangent,
+reverse mode by ``cpu.block_attention_grad``, a kernel that recomputes the scores and writes dq, dk
+and dv (a fused projection's gradient in place). XLA:CPU ran the hand-written path's transpose as
+six batched products at 45-90 GFLOP/s plus passes over the [B, N, T, S] tensors. A bias that needs
+its cotangent, soft-capping and the cache layout take the hand-written transpose.
 
 Shapes: q [B,T,K,G,H], k / v [B,S,K,H] (or the cache's [B,K,H,S] / [B,K,S,H]), or the fused
 projection qkv [B,T,3,K,H]; visible / bias broadcastable to [B,K,G,T,S]; out [B,T,K,G,H].
@@ -28,10 +23,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
-from jsteer.backbones import cpu
+from jsteer.backbones import cpu, kernel_grad
 from jsteer.backbones.base import NEG_INF
 
 Array = jax.Array
@@ -55,9 +48,31 @@ class _Spec:
     def primals(self) -> int:  # the differentiable inputs: q, k, v (or qkv), bias
         return (1 if self.fused else 3) + self.has_bias
 
-    @property
-    def backward_kernel(self) -> bool:
-        return not self.cache_layout and self.softcap is None
+    def hand(self, res, *primals) -> Array:
+        """The hand-written path on the same inputs (res: visible [B,T|1,S], dropout seed, scale)."""
+        from jsteer.backbones.attention import dot_product_attention
+        from jsteer.backbones.dropout import HashDropout
+
+        q, k, v, bias = _split(self, primals)
+        vis, seed, scale = res
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            visible=vis[:, None, None],
+            bias=bias,
+            dropout=None if self.rate is None else HashDropout(seed, self.rate),
+            cache_layout=self.cache_layout,
+            softcap=self.softcap,
+        )
+
+    def backward(self, res, out, ct, want, *primals) -> Optional[tuple]:
+        if self.cache_layout or self.softcap is not None or (self.has_bias and want[-1]):
+            return None  # the kernel has no soft-capping, cache layout or bias cotangent
+        n = self.primals - self.has_bias
+        cts = kernel_grad.backward(self, res, out, ct, primals, functools.partial(_grads, res, spec=self), n)
+        return (*cts, *((None,) if self.has_bias else ()))
 
 
 def _split(spec: _Spec, primals) -> tuple:
@@ -66,26 +81,6 @@ def _split(spec: _Spec, primals) -> tuple:
     qkv = primals[0]
     operands = (qkv[:, :, 0, :, None], qkv[:, :, 1], qkv[:, :, 2]) if spec.fused else tuple(primals[:3])
     return (*operands, primals[n] if spec.has_bias else None)
-
-
-def _hand(spec: _Spec, res, *primals) -> Array:
-    """The hand-written path on the same inputs (res: visible [B,T|1,S], dropout seed, scale)."""
-    from jsteer.backbones.attention import dot_product_attention
-    from jsteer.backbones.dropout import HashDropout
-
-    q, k, v, bias = _split(spec, primals)
-    vis, seed, scale = res
-    return dot_product_attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        visible=vis[:, None, None],
-        bias=bias,
-        dropout=None if spec.rate is None else HashDropout(seed, spec.rate),
-        cache_layout=spec.cache_layout,
-        softcap=spec.softcap,
-    )
 
 
 def _dropout(spec: _Spec, seed: Array):
@@ -97,7 +92,7 @@ def _kernel(spec: _Spec, res, *primals) -> Array:
     vis, seed, scale = res
     add = None if bias is None or spec.padding else _per_query(bias, spec.b, spec.s)
 
-    def on_cpu():
+    def run():
         if spec.fused:
             return cpu.block_attention(
                 primals[0], None, None, vis, add, scale, spec.softcap, fused=True, dropout=_dropout(spec, seed)
@@ -106,77 +101,18 @@ def _kernel(spec: _Spec, res, *primals) -> Array:
             q, k, v, vis, add, scale, spec.softcap, spec.cache_layout, dropout=_dropout(spec, seed)
         )
 
-    return jax.lax.platform_dependent(cpu=on_cpu, default=lambda: _hand(spec, res, *primals))
+    return kernel_grad.on_cpu(run, lambda: spec.hand(res, *primals))
 
 
-def _grads(spec: _Spec, res, out: Array, ct: Array, *primals) -> tuple:
-    """Cotangents of the primals (bias: None) under ``ct``, by the backward kernel on CPU."""
+def _grads(res, ct: Array, out: Array, *primals, spec: _Spec) -> tuple:
+    """The operands' cotangents by the backward kernel."""
     vis, seed, scale = res
-
-    def hand_vjp(ct, *primals):
-        return jax.vjp(functools.partial(_hand, spec, res), *primals)[1](ct)[: spec.primals - spec.has_bias]
-
-    @jax.custom_jvp
-    def vjp(ct, out, *primals):
-        def on_cpu():
-            q, k, v, bias = _split(spec, primals)
-            add = None if bias is None or spec.padding else _per_query(bias, spec.b, spec.s)
-            if spec.fused:
-                q, k, v = primals[0], None, None
-            g = cpu.block_attention_grad(q, k, v, vis, add, scale, ct, out, spec.fused, _dropout(spec, seed))
-            return (g,) if spec.fused else g
-
-        return jax.lax.platform_dependent(cpu=on_cpu, default=lambda: hand_vjp(ct, *primals))
-
-    def vjp_jvp(args, tangents):  # derivatives of the backward: the hand-written path's
-        ct, _, *primals = args
-        t_ct, _, *t_primals = tangents
-        return jax.jvp(hand_vjp, (ct, *primals), (t_ct, *t_primals))
-
-    vjp.defjvp(vjp_jvp)
-    return (*vjp(ct, out, *primals), *((None,) if spec.has_bias else ()))
-
-
-def _unpack(spec: _Spec, args) -> tuple:
-    n = spec.primals
-    return args[:n], args[n : n + 3], args[n + 3], args[n + 4 :]
-
-
-def _tangent_impl(*args, spec: _Spec) -> Array:
-    primals, res, _, tangents = _unpack(spec, args)
-    return jax.jvp(functools.partial(_hand, spec, res), tuple(primals), tuple(tangents))[1]
-
-
-def _tangent_transpose(ct, *args, spec: _Spec):
-    primals, res, out, tangents = _unpack(spec, args)
-    head = [None] * (len(args) - len(tangents))
-    want = [ad.is_undefined_primal(x) for x in tangents]
-    if type(ct) is ad.Zero or not any(want):
-        return head + [None] * len(tangents)
-    if spec.backward_kernel and not (spec.has_bias and want[-1]):
-        cts = _grads(spec, res, out, ct, *primals)
-    else:  # a bias that needs its cotangent (the kernel gives none), soft-capping, the cache layout
-        cts = jax.vjp(functools.partial(_hand, spec, res), *primals)[1](ct)
-    return head + [c if w else None for c, w in zip(cts, want)]
-
-
-def _tangent_jvp(args, tangents, spec: _Spec):
-    tangents = [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in tangents]
-    return jax.jvp(functools.partial(_tangent_impl, spec=spec), tuple(args), tuple(tangents))
-
-
-def _tangent_batch(args, dims, spec: _Spec):
-    axes = [d if isinstance(d, int) else None for d in dims]  # not_mapped: None
-    return jax.vmap(functools.partial(_tangent_impl, spec=spec), in_axes=axes)(*args), 0
-
-
-_tangent_p = Primitive("jsteer_attention_tangent")
-_tangent_p.def_impl(_tangent_impl)
-_tangent_p.def_abstract_eval(lambda *avals, spec: avals[spec.primals + 3].update(weak_type=False))
-ad.primitive_jvps[_tangent_p] = _tangent_jvp
-ad.primitive_transposes[_tangent_p] = _tangent_transpose
-batching.primitive_batchers[_tangent_p] = _tangent_batch
-mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
+    q, k, v, bias = _split(spec, primals)
+    add = None if bias is None or spec.padding else _per_query(bias, spec.b, spec.s)
+    if spec.fused:
+        q, k, v = primals[0], None, None
+    g = cpu.block_attention_grad(q, k, v, vis, add, scale, ct, out, spec.fused, _dropout(spec, seed))
+    return (g,) if spec.fused else g
 
 
 def _per_query(m: Array, b: int, s: int) -> Optional[Array]:
@@ -222,13 +158,4 @@ def kernel_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, 
     res = (vis, seed, jnp.asarray(scale, jnp.float32))
     primals = ((qkv,) if fused else (q, k, v)) + (() if bias is None else (bias,))
 
-    @jax.custom_jvp
-    def attend(*primals):
-        return _kernel(spec, res, *primals)
-
-    def attend_jvp(primals, tangents):
-        out = attend(*primals)
-        return out, _tangent_p.bind(*primals, *res, out, *tangents, spec=spec)
-
-    attend.defjvp(attend_jvp)
-    return attend(*primals)
+    return kernel_grad.differentiable(spec, functools.partial(_kernel, spec, res), res, primals)

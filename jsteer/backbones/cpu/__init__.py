@@ -74,14 +74,18 @@ ATTENTION_TARGET = "jsteer_decode_attention"
 BLOCK_TARGET = "jsteer_block_attention"
 BLOCK_GRAD_TARGET = "jsteer_block_attention_grad"
 MATERIALIZE_TARGET = "jsteer_materialize"
+NORM_TARGET = "jsteer_layer_norm"
+NORM_GRAD_TARGET = "jsteer_layer_norm_grad"
 TARGETS = {  # custom call -> symbol
     TARGET: "JsteerSmallGemm",
     ATTENTION_TARGET: "JsteerDecodeAttention",
     BLOCK_TARGET: "JsteerBlockAttention",
     BLOCK_GRAD_TARGET: "JsteerBlockAttentionGrad",
     MATERIALIZE_TARGET: "JsteerMaterialize",
+    NORM_TARGET: "JsteerLayerNorm",
+    NORM_GRAD_TARGET: "JsteerLayerNormGrad",
 }
-INFERENCE_TARGETS = tuple(t for t in TARGETS if t != BLOCK_GRAD_TARGET)  # what an inference program can carry
+DECODER_TARGETS = (TARGET, ATTENTION_TARGET, BLOCK_TARGET, MATERIALIZE_TARGET)  # a packed decoder's generate
 _SOURCE = pathlib.Path(__file__).with_name("decode_kernels.cc")
 _reason: Optional[str] = None
 
@@ -510,6 +514,27 @@ def block_attention_grad(
         grads[q.size : q.size + k.size].reshape(k.shape),
         grads[q.size + k.size :].reshape(v.shape),
     )
+
+
+NORM_ROWS = 64  # layer_norm.h: kNormRows
+
+
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm of x [M, D] (D a multiple of 16) over D, fp32, mean and variance in two passes (see
+    layer_norm.h). Not differentiable by itself; call only when available()."""
+    call = jax.ffi.ffi_call(NORM_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32), eps=np.float32(eps))
+
+
+def layer_norm_grad(x: Array, scale: Array, dy: Array, eps: float) -> tuple[Array, Array, Array]:
+    """Reverse mode of :func:`layer_norm`: (dx [M, D], dscale [D], dbias [D]); the column sums are added
+    up per 64-row block in block order (the same whatever the thread count)."""
+    m, d = x.shape
+    shapes = (jax.ShapeDtypeStruct((m, d), jnp.float32), jax.ShapeDtypeStruct((-(-m // NORM_ROWS), 2, d), jnp.float32))
+    call = jax.ffi.ffi_call(NORM_GRAD_TARGET, shapes, vmap_method="sequential")
+    dx, parts = call(x.astype(jnp.float32), scale.astype(jnp.float32), dy.astype(jnp.float32), eps=np.float32(eps))
+    sums = parts.sum(0)
+    return dx, sums[0], sums[1]
 
 
 @jax.custom_jvp

@@ -564,6 +564,49 @@ ffi::Error BlockAttentionGradImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Fla
   return ffi::Error::Success();
 }
 
+#include "layer_norm.h"
+
+using Vector = ffi::Buffer<ffi::F32, 1>;
+
+ffi::Error LayerNormImpl(ffi::ThreadPool pool, Matrix x, Vector scale, Vector bias, float eps, ffi::Result<Matrix> y) {
+  const int64_t m = x.dimensions()[0], d = x.dimensions()[1];
+  if (d % 16 || scale.element_count() != size_t(d) || bias.element_count() != size_t(d) ||
+      y->dimensions()[0] != m || y->dimensions()[1] != d) {
+    return ffi::Error::InvalidArgument("jsteer_layer_norm: x [M, D] (D a multiple of 16), scale / bias [D], y [M, D]");
+  }
+  const Norm norm{d, eps, x.typed_data(), scale.typed_data(), bias.typed_data(), nullptr, y->typed_data(), nullptr,
+                  nullptr};
+  const int64_t blocks = (m + kNormRows - 1) / kNormRows;
+  const auto run = [&](int64_t b) { norm.Forward(b * kNormRows, (b + 1) * kNormRows < m ? (b + 1) * kNormRows : m); };
+  if (m * d < (1 << 16)) {
+    for (int64_t b = 0; b < blocks; ++b) run(b);
+  } else {
+    Parallel(pool, blocks, run);
+  }
+  return ffi::Error::Success();
+}
+
+// parts [ceil(M / kNormRows), 2, D]: each row block's dscale and dbias partial sums.
+ffi::Error LayerNormGradImpl(ffi::ThreadPool pool, Matrix x, Vector scale, Matrix dy, float eps,
+                             ffi::Result<Matrix> dx, ffi::Result<Panels> parts) {
+  const int64_t m = x.dimensions()[0], d = x.dimensions()[1], blocks = (m + kNormRows - 1) / kNormRows;
+  const auto pd = parts->dimensions();
+  if (d % 16 || scale.element_count() != size_t(d) || dy.dimensions()[0] != m || dy.dimensions()[1] != d ||
+      dx->dimensions()[0] != m || dx->dimensions()[1] != d || pd[0] != blocks || pd[1] != 2 || pd[2] != d) {
+    return ffi::Error::InvalidArgument(
+        "jsteer_layer_norm_grad: x, dy, dx [M, D] (D a multiple of 16), scale [D], parts [ceil(M / 64), 2, D]");
+  }
+  const Norm norm{d, eps, x.typed_data(), scale.typed_data(), nullptr, dy.typed_data(), nullptr, dx->typed_data(),
+                  parts->typed_data()};
+  const auto run = [&](int64_t b) { norm.Reverse(b, m); };
+  if (m * d < (1 << 16)) {
+    for (int64_t b = 0; b < blocks; ++b) run(b);
+  } else {
+    Parallel(pool, blocks, run);
+  }
+  return ffi::Error::Success();
+}
+
 // A copy XLA cannot look through: what a caller computes before it is materialised once instead of
 // being fused into (and recomputed by) each consumer.
 ffi::Error MaterializeImpl(Any x, ffi::Result<Any> y) {
@@ -660,5 +703,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttentionGrad, BlockAttentionGradImpl,
                                   .Attr<int64_t>("gk_off")
                                   .Attr<int64_t>("gv_off")
                                   .Ret<Any>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerLayerNorm, LayerNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Vector>()
+                                  .Arg<Vector>()
+                                  .Attr<float>("eps")
+                                  .Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerLayerNormGrad, LayerNormGradImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Vector>()
+                                  .Arg<Matrix>()
+                                  .Attr<float>("eps")
+                                  .Ret<Matrix>()
+                                  .Ret<Panels>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerMaterialize, MaterializeImpl, ffi::Ffi::Bind().Arg<Any>().Ret<Any>());

@@ -1,0 +1,121 @@
+"""A CPU kernel with a kernel backward, differentiable in both modes: :func:`differentiable`.
+
+``jax.custom_vjp`` would give a kernel its backward kernel but no forward mode (``jax.jvp``,
+``jacfwd``, ``hessian`` through a backbone are required), and a transpose cannot be attached to a
+``custom_vjp`` inside a ``custom_jvp``'s tangent (``custom_vjp_call`` has no transpose rule;
+``custom_derivatives.linear_call`` has no jvp for its residuals and no batching rule). So the kernel
+is a ``custom_jvp`` whose tangent is the primitive ``jsteer_kernel_tangent``: evaluated (forward
+mode), it is the jvp of the rule's hand-written function; transposed (reverse mode), it is the
+rule's backward kernel; its own derivatives and its batching are the hand-written function's. The
+backward kernel is again a ``custom_jvp`` with the hand-written function's derivatives (a Hessian).
+
+A rule is a hashable value (a frozen dataclass: it is a primitive parameter) with
+``hand(res, *primals) -> out`` (the same function in jax.numpy, for every other platform and for
+derivatives) and ``backward(res, out, ct, want, *primals)``: the primals' cotangents under ``ct``
+by the kernel (None where ``want`` is false), or None for the hand-written function's transpose.
+``res`` are non-differentiable arrays (masks, seeds, scales); the kernels run under
+``lax.platform_dependent``, so that programs exported for other platforms carry no CPU custom call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+Array = jax.Array
+
+
+def on_cpu(kernel: Callable[[], object], hand: Callable[[], object]):
+    """kernel() in CPU programs, hand() in programs for every other platform."""
+    return jax.lax.platform_dependent(cpu=kernel, default=hand)
+
+
+def differentiable(rule, kernel: Callable[..., Array], res: Sequence[Array], primals: Sequence[Array]) -> Array:
+    """kernel(*primals) (a CPU program's value; wrap it in :func:`on_cpu`) with derivatives by ``rule``."""
+    res = tuple(res)
+
+    @jax.custom_jvp
+    def f(*primals):
+        return kernel(*primals)
+
+    def f_jvp(primals, tangents):
+        out = f(*primals)
+        return out, _tangent_p.bind(*primals, *res, out, *tangents, rule=rule, n_res=len(res))
+
+    f.defjvp(f_jvp)
+    return f(*primals)
+
+
+def backward(rule, res, out: Array, ct: Array, primals: Sequence[Array], kernel: Callable[..., tuple], n: int) -> tuple:
+    """The first n primals' cotangents: kernel(ct, out, *primals) on CPU, the hand-written vjp elsewhere;
+    derivatives of either: the hand-written vjp's."""
+
+    def hand_vjp(ct, *primals):
+        return tuple(jax.vjp(functools.partial(rule.hand, res), *primals)[1](ct)[:n])
+
+    @jax.custom_jvp
+    def vjp(ct, out, *primals):
+        def run():  # in the primals' dtypes, as the hand-written vjp's
+            return tuple(g.astype(p.dtype) for g, p in zip(kernel(ct, out, *primals), primals))
+
+        return on_cpu(run, lambda: hand_vjp(ct, *primals))
+
+    def vjp_jvp(args, tangents):
+        ct, _, *primals = args
+        t_ct, _, *t_primals = tangents
+        return jax.jvp(hand_vjp, (ct, *primals), (t_ct, *t_primals))
+
+    vjp.defjvp(vjp_jvp)
+    return vjp(ct, out, *primals)
+
+
+def _unpack(args, n_res: int) -> tuple:
+    """-> primals, res, out, tangents (as many tangents as primals)."""
+    n = (len(args) - n_res - 1) // 2
+    return args[:n], args[n : n + n_res], args[n + n_res], args[n + n_res + 1 :]
+
+
+def _tangent_impl(*args, rule, n_res: int) -> Array:
+    primals, res, _, tangents = _unpack(args, n_res)
+    return jax.jvp(functools.partial(rule.hand, res), tuple(primals), tuple(tangents))[1]
+
+
+def _tangent_transpose(ct, *args, rule, n_res: int):
+    primals, res, out, tangents = _unpack(args, n_res)
+    head = [None] * (len(args) - len(tangents))
+    want = [ad.is_undefined_primal(x) for x in tangents]
+    if type(ct) is ad.Zero or not any(want):
+        return head + [None] * len(tangents)
+    cts = rule.backward(res, out, ct, want, *primals)
+    if cts is None:
+        cts = jax.vjp(functools.partial(rule.hand, res), *primals)[1](ct)
+    return head + [c if w else None for c, w in zip(cts, want)]
+
+
+def _tangent_jvp(args, tangents, rule, n_res: int):
+    tangents = [ad.instantiate_zeros(t) if type(t) is ad.Zero else t for t in tangents]
+    impl = functools.partial(_tangent_impl, rule=rule, n_res=n_res)
+    return jax.jvp(impl, tuple(args), tuple(tangents))
+
+
+def _tangent_batch(args, dims, rule, n_res: int):
+    axes = [d if isinstance(d, int) else None for d in dims]  # not_mapped: None
+    impl = functools.partial(_tangent_impl, rule=rule, n_res=n_res)
+    return jax.vmap(impl, in_axes=axes)(*args), 0
+
+
+def _abstract_eval(*avals, rule, n_res: int):
+    return _unpack(avals, n_res)[2].update(weak_type=False)
+
+
+_tangent_p = Primitive("jsteer_kernel_tangent")
+_tangent_p.def_impl(_tangent_impl)
+_tangent_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[_tangent_p] = _tangent_jvp
+ad.primitive_transposes[_tangent_p] = _tangent_transpose
+batching.primitive_batchers[_tangent_p] = _tangent_batch
+mlir.register_lowering(_tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=False))
