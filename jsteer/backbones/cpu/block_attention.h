@@ -154,18 +154,8 @@ struct BlockAttend {
   void operator()(int64_t c, Scratch& w) const {
     const int64_t b = c / (kv * blocks), j = (c / blocks) % kv;
     const int64_t i0 = (c % blocks) * block, i1 = i0 + block < t ? i0 + block : t, rows = i1 - i0;
-    int64_t lo = s, hi = 0;  // the block's visible keys lie in [lo, hi)
-    for (int64_t i = i0; i < i1; ++i) {
-      const bool* vr = visible + (b * vis_t + (vis_t == 1 ? 0 : i)) * s;
-      int64_t a = 0, e = s;
-      while (a < e && !vr[a]) ++a;
-      while (e > a && !vr[e - 1]) --e;
-      if (a < e) {
-        lo = a < lo ? a : lo;
-        hi = e > hi ? e : hi;
-      }
-      if (vis_t == 1) break;
-    }
+    int64_t lo, hi;  // the block's visible keys lie in [lo, hi)
+    Span(b, i0, i1, lo, hi);
     const int64_t span = hi > lo ? hi - lo : 0, width = (span + 47) / 48 * 48, nps = width / 48;
     // k of the span in 48-key panels [nps, h, 48], zero past the span
     if (static_cast<int64_t>(w.panels.size()) < width * h) w.panels.resize(width * h);
@@ -215,6 +205,23 @@ struct BlockAttend {
         const float inv = 1.0f / sums[r];
         for (int64_t x = 0; x < h; ++x) dst[x] = o[r * h + x] * inv;
       }
+    }
+  }
+
+  // [lo, hi): the union of the visible keys of row b's queries i0 .. i1 - 1 (lo >= hi: none).
+  void Span(int64_t b, int64_t i0, int64_t i1, int64_t& lo, int64_t& hi) const {
+    lo = s;
+    hi = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const bool* vr = visible + (b * vis_t + (vis_t == 1 ? 0 : i)) * s;
+      int64_t a = 0, e = s;
+      while (a < e && !vr[a]) ++a;
+      while (e > a && !vr[e - 1]) --e;
+      if (a < e) {
+        lo = a < lo ? a : lo;
+        hi = e > hi ? e : hi;
+      }
+      if (vis_t == 1) break;
     }
   }
 

@@ -33,18 +33,8 @@ struct BlockAttendGrad {
   void operator()(int64_t c, Scratch& w) const {
     const int64_t t = f.t, s = f.s, h = f.h, g = f.g, n_heads = f.kv * f.g;
     const int64_t b = c / f.kv, j = c % f.kv;
-    int64_t lo = s, hi = 0;  // the union of the task's visible spans
-    for (int64_t i = 0; i < t; ++i) {
-      const bool* vr = f.visible + (b * f.vis_t + (f.vis_t == 1 ? 0 : i)) * s;
-      int64_t a = 0, e = s;
-      while (a < e && !vr[a]) ++a;
-      while (e > a && !vr[e - 1]) --e;
-      if (a < e) {
-        lo = a < lo ? a : lo;
-        hi = e > hi ? e : hi;
-      }
-      if (f.vis_t == 1) break;
-    }
+    int64_t lo, hi;  // the union of the task's visible spans
+    f.Span(b, 0, t, lo, hi);
     const int64_t span = hi > lo ? hi - lo : 0, width = (span + 47) / 48 * 48, nps = width / 48;
     const int64_t rows_max = block < t ? block : t;
     Grow(w.kp, width * h);
