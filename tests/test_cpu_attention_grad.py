@@ -91,17 +91,13 @@ def test_a_different_seed_or_rate_drops_other_weights():
         assert np.abs(other - outs[0]).max() > 1e-3
 
 
-def _attend(x, bias, drop, fused, rp):
-    return attention(
-        x[:, :, 0, :, None],
-        x[:, :, 1],
-        x[:, :, 2],
-        scale=0.25,
-        bias=bias,
-        dropout=drop,
-        right_padded=rp,
-        qkv=x if fused else None,
-    )
+def _attend(x, bias, drop, fused, rp, kernel=True):
+    """Attention of a fused projection x [B,T,3,K,H]: ``attention`` (the kernels), or with ``kernel``
+    False the hand-written path alone."""
+    q, k, v = x[:, :, 0, :, None], x[:, :, 1], x[:, :, 2]
+    if not kernel:
+        return dot_product_attention(q, k, v, scale=0.25, bias=bias, dropout=drop)
+    return attention(q, k, v, scale=0.25, bias=bias, dropout=drop, right_padded=rp, qkv=x if fused else None)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -121,11 +117,7 @@ def test_attention_with_dropout_trains_through_the_kernels(fused):
         return jnp.sum(jnp.sin(_attend(x, bias, drop, fused, rp)))
 
     def hand(x):
-        return jnp.sum(
-            jnp.sin(
-                dot_product_attention(x[:, :, 0, :, None], x[:, :, 1], x[:, :, 2], scale=0.25, bias=bias, dropout=drop)
-            )
-        )
+        return jnp.sum(jnp.sin(_attend(x, bias, drop, fused, rp, kernel=False)))
 
     grad = jax.jit(jax.value_and_grad(loss))
     text = grad.lower(qkv).compile().as_text()
@@ -143,13 +135,7 @@ def test_forward_mode_hessian_vmap_and_a_learned_bias_take_the_hand_written_deri
     drop = HashDropout(jnp.asarray(SEED), 0.2)
 
     def f(x, bias=None, on=True):
-        if on:
-            return jnp.sum(jnp.sin(_attend(x, bias, drop, True, None)))
-        return jnp.sum(
-            jnp.sin(
-                dot_product_attention(x[:, :, 0, :, None], x[:, :, 1], x[:, :, 2], scale=0.25, bias=bias, dropout=drop)
-            )
-        )
+        return jnp.sum(jnp.sin(_attend(x, bias, drop, True, None, kernel=on)))
 
     tangent = jnp.asarray(rng.standard_normal(qkv.shape), jnp.float32)
     bias = jnp.asarray(rng.standard_normal((b, 1, 1, t, t)), jnp.float32)

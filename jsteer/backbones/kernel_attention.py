@@ -35,7 +35,6 @@ class _Spec:
     """What a block call is, besides its arrays (hashable: a primitive parameter)."""
 
     b: int
-    t: int
     s: int
     fused: bool
     cache_layout: bool
@@ -87,30 +86,26 @@ def _dropout(spec: _Spec, seed: Array):
     return None if spec.rate is None else (seed, spec.rate)
 
 
-def _kernel(spec: _Spec, res, *primals) -> Array:
+def _kernel_operands(spec: _Spec, primals) -> tuple:
+    """-> q, k, v (a fused projection: qkv, None, None) and the bias the kernels add (None: none, or the
+    padding, read as visibility)."""
     q, k, v, bias = _split(spec, primals)
-    vis, seed, scale = res
     add = None if bias is None or spec.padding else _per_query(bias, spec.b, spec.s)
+    return (primals[0], None, None, add) if spec.fused else (q, k, v, add)
 
-    def run():
-        if spec.fused:
-            return cpu.block_attention(
-                primals[0], None, None, vis, add, scale, spec.softcap, fused=True, dropout=_dropout(spec, seed)
-            )
-        return cpu.block_attention(
-            q, k, v, vis, add, scale, spec.softcap, spec.cache_layout, dropout=_dropout(spec, seed)
-        )
 
-    return kernel_grad.on_cpu(run, lambda: spec.hand(res, *primals))
+def _kernel(spec: _Spec, res, *primals) -> Array:
+    q, k, v, add = _kernel_operands(spec, primals)
+    vis, seed, scale = res
+    return cpu.block_attention(
+        q, k, v, vis, add, scale, spec.softcap, spec.cache_layout, spec.fused, dropout=_dropout(spec, seed)
+    )
 
 
 def _grads(res, ct: Array, out: Array, *primals, spec: _Spec) -> tuple:
     """The operands' cotangents by the backward kernel."""
+    q, k, v, add = _kernel_operands(spec, primals)
     vis, seed, scale = res
-    q, k, v, bias = _split(spec, primals)
-    add = None if bias is None or spec.padding else _per_query(bias, spec.b, spec.s)
-    if spec.fused:
-        q, k, v = primals[0], None, None
     g = cpu.block_attention_grad(q, k, v, vis, add, scale, ct, out, spec.fused, _dropout(spec, seed))
     return (g,) if spec.fused else g
 
@@ -153,7 +148,7 @@ def kernel_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, 
         vis = vis & (bias_q > NEG_INF)
     fused = qkv is not None and not cache_layout
     rate = None if dropout is None else dropout.rate
-    spec = _Spec(b, t, s, fused, cache_layout, softcap, padding, bias is not None, rate)
+    spec = _Spec(b, s, fused, cache_layout, softcap, padding, bias is not None, rate)
     seed = jnp.zeros((2,), jnp.uint32) if dropout is None else dropout.seed
     res = (vis, seed, jnp.asarray(scale, jnp.float32))
     primals = ((qkv,) if fused else (q, k, v)) + (() if bias is None else (bias,))

@@ -35,12 +35,12 @@ def on_cpu(kernel: Callable[[], object], hand: Callable[[], object]):
 
 
 def differentiable(rule, kernel: Callable[..., Array], res: Sequence[Array], primals: Sequence[Array]) -> Array:
-    """kernel(*primals) (a CPU program's value; wrap it in :func:`on_cpu`) with derivatives by ``rule``."""
+    """kernel(*primals) in CPU programs (``rule.hand(res, *primals)`` elsewhere), with derivatives by ``rule``."""
     res = tuple(res)
 
     @jax.custom_jvp
     def f(*primals):
-        return kernel(*primals)
+        return on_cpu(lambda: kernel(*primals), lambda: rule.hand(res, *primals))
 
     def f_jvp(primals, tangents):
         out = f(*primals)

@@ -8,6 +8,7 @@ Shapes: x [..., D] (D a multiple of 16), scale and bias [D] -> [..., D], all fp3
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -43,14 +44,8 @@ def applies(x: Array) -> bool:
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     """LayerNorm of x over its last axis by the CPU kernel (callers check :func:`applies`)."""
     rule = _Rule(float(eps))
-    flat = x.reshape(-1, x.shape[-1])
-
-    def kernel(x, scale, bias):
-        return kernel_grad.on_cpu(
-            lambda: cpu.layer_norm(x, scale, bias, rule.eps), lambda: rule.hand((), x, scale, bias)
-        )
-
-    return kernel_grad.differentiable(rule, kernel, (), (flat, scale, bias)).reshape(x.shape)
+    kernel = functools.partial(cpu.layer_norm, eps=rule.eps)
+    return kernel_grad.differentiable(rule, kernel, (), (x.reshape(-1, x.shape[-1]), scale, bias)).reshape(x.shape)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -87,6 +87,11 @@ inline void PackRows(const float* src, int64_t stride, int64_t n, int64_t h, flo
   }
 }
 
+// x grown to at least n floats (scratch reused between tasks).
+inline void Grow(std::vector<float>& x, int64_t n) {
+  if (static_cast<int64_t>(x.size()) < n) x.resize(n);
+}
+
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
 // Dropout of attention weights by jsteer.backbones.dropout's hash mask (seed == nullptr: none).
@@ -95,7 +100,9 @@ struct Drop {
   uint32_t threshold;  // an element is kept when its bits >= threshold
   float inv_keep;      // 1 / (1 - rate)
 
-  static v16u Fmix(v16u x) {
+  // murmur3's 32-bit finaliser, on one word or 16 lanes.
+  template <typename T>
+  static T Fmix(T x) {
     x ^= x >> 16;
     x *= 0x85EBCA6Bu;
     x ^= x >> 13;
@@ -109,16 +116,7 @@ struct Drop {
     return bits >= threshold ? v16{} + inv_keep : v16{};
   }
   float Factor(uint32_t idx) const {
-    uint32_t x = idx * 0x9E3779B9u + seed[0];
-    for (int round = 0; round < 2; ++round) {
-      x ^= x >> 16;
-      x *= 0x85EBCA6Bu;
-      x ^= x >> 13;
-      x *= 0xC2B2AE35u;
-      x ^= x >> 16;
-      if (round == 0) x ^= seed[1];
-    }
-    return x >= threshold ? inv_keep : 0.0f;
+    return Fmix(Fmix(idx * 0x9E3779B9u + seed[0]) ^ seed[1]) >= threshold ? inv_keep : 0.0f;
   }
   // row[0 .. n) (n a multiple of 16), the weights of elements idx .. idx + n, times their factors.
   void Apply(uint32_t idx, float* row, int64_t n) const {
@@ -158,10 +156,10 @@ struct BlockAttend {
     Span(b, i0, i1, lo, hi);
     const int64_t span = hi > lo ? hi - lo : 0, width = (span + 47) / 48 * 48, nps = width / 48;
     // k of the span in 48-key panels [nps, h, 48], zero past the span
-    if (static_cast<int64_t>(w.panels.size()) < width * h) w.panels.resize(width * h);
-    if (static_cast<int64_t>(w.scores.size()) < rows * width) w.scores.resize(rows * width);
-    if (static_cast<int64_t>(w.acc.size()) < rows * h) w.acc.resize(rows * h);
-    if (static_cast<int64_t>(w.sums.size()) < rows) w.sums.resize(rows);
+    Grow(w.panels, width * h);
+    Grow(w.scores, rows * width);
+    Grow(w.acc, rows * h);
+    Grow(w.sums, rows);
     float* kp = w.panels.data();
     const float* kj = k + b * kb + lo * ks + j * kk;
     const float* vj = v + b * vb + lo * vs + j * vk;

@@ -26,10 +26,6 @@ struct BlockAttendGrad {
     std::vector<float> kp, vp, kc, qc, dc, p, ds, dk, dv, sums;
   };
 
-  static void Grow(std::vector<float>& x, int64_t n) {
-    if (static_cast<int64_t>(x.size()) < n) x.resize(n);
-  }
-
   void operator()(int64_t c, Scratch& w) const {
     const int64_t t = f.t, s = f.s, h = f.h, g = f.g, n_heads = f.kv * f.g;
     const int64_t b = c / f.kv, j = c % f.kv;
@@ -58,12 +54,12 @@ struct BlockAttendGrad {
       Prefetch(dout + (b * t * n_heads + j * g + a) * h, n_heads * h, t, h);
       Prefetch(out + (b * t * n_heads + j * g + a) * h, n_heads * h, t, h);
     }
-    PackRows(kj, f.ks, span, h, w.kp.data());
-    PackRows(vj, f.vs, span, h, w.vp.data());
     // Rows a product walks by depth are copied contiguous: at the projections' strides (MiniLM: 4.5
     // KiB) a head's 128 rows fall in 8 of L1's 64 sets and evict each other.
     float *kc = w.kc.data(), *qc = w.qc.data(), *dc = w.dc.data();
     Gather(kj, f.ks, span, h, kc);
+    PackRows(kc, h, span, h, w.kp.data());
+    PackRows(vj, f.vs, span, h, w.vp.data());
     float *dk = w.dk.data(), *dv = w.dv.data();
     std::memset(dk, 0, sizeof(float) * s * h);
     std::memset(dv, 0, sizeof(float) * s * h);

@@ -495,18 +495,23 @@ ffi::Error Operands(Any q, Any k, Any v, Flags visible, Any bias, Scalar scale, 
   return ffi::Error::Success();
 }
 
-// Runs tasks 0 .. tasks - 1 on the pool, or in the caller alone where a helper's wake-up costs more.
+// body(0 .. tasks - 1) on the pool, or in the caller alone when there are fewer than 2^16 elements of
+// work (a helper's wake-up costs more).
+void Run(ffi::ThreadPool& pool, int64_t tasks, int64_t work, std::function<void(int64_t)> body) {
+  if (work < (1 << 16)) {
+    for (int64_t c = 0; c < tasks; ++c) body(c);
+  } else {
+    Parallel(pool, tasks, std::move(body));
+  }
+}
+
+// Run for tasks that take a per-thread Task::Scratch.
 template <typename Task>
 void RunTasks(ffi::ThreadPool& pool, int64_t tasks, int64_t work, const Task& task) {
-  const auto run = [&task](int64_t c) {
+  Run(pool, tasks, work, [&task](int64_t c) {
     thread_local typename Task::Scratch scratch;
     task(c, scratch);
-  };
-  if (work < (1 << 16)) {
-    for (int64_t c = 0; c < tasks; ++c) run(c);
-  } else {
-    Parallel(pool, tasks, run);
-  }
+  });
 }
 
 ffi::Error BlockAttentionImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Flags visible, Any bias, Scalar scale,
@@ -551,8 +556,8 @@ ffi::Error BlockAttentionGradImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Fla
   if (e.failure()) return e;
   const int64_t size = grads->element_count();
   const auto dd = dout.dimensions();
-  if (kh != 1 || dd[0] != b || dd[1] != t || dd[2] != n || dd[3] != h || grads->element_type() != ffi::F32 || gq_off < 0 || gk_off < 0 ||
-      gv_off < 0 || gq_off + Reach(b, t, n, h, qb, qt, qn, 1) >= size ||
+  if (kh != 1 || dd[0] != b || dd[1] != t || dd[2] != n || dd[3] != h || grads->element_type() != ffi::F32 ||
+      gq_off < 0 || gk_off < 0 || gv_off < 0 || gq_off + Reach(b, t, n, h, qb, qt, qn, 1) >= size ||
       gk_off + Reach(b, s, kv, h, kb, ks, kk, 1) >= size || gv_off + Reach(b, s, kv, h, vb, vs, vk, 1) >= size) {
     return ffi::Error::InvalidArgument(
         "jsteer_block_attention_grad: dO must be O's shape, k rows contiguous, and grads hold dQ, dK and dV");
@@ -576,13 +581,8 @@ ffi::Error LayerNormImpl(ffi::ThreadPool pool, Matrix x, Vector scale, Vector bi
   }
   const Norm norm{d, eps, x.typed_data(), scale.typed_data(), bias.typed_data(), nullptr, y->typed_data(), nullptr,
                   nullptr};
-  const int64_t blocks = (m + kNormRows - 1) / kNormRows;
-  const auto run = [&](int64_t b) { norm.Forward(b * kNormRows, (b + 1) * kNormRows < m ? (b + 1) * kNormRows : m); };
-  if (m * d < (1 << 16)) {
-    for (int64_t b = 0; b < blocks; ++b) run(b);
-  } else {
-    Parallel(pool, blocks, run);
-  }
+  Run(pool, (m + kNormRows - 1) / kNormRows, m * d,
+      [&](int64_t b) { norm.Forward(b * kNormRows, (b + 1) * kNormRows < m ? (b + 1) * kNormRows : m); });
   return ffi::Error::Success();
 }
 
@@ -598,12 +598,7 @@ ffi::Error LayerNormGradImpl(ffi::ThreadPool pool, Matrix x, Vector scale, Matri
   }
   const Norm norm{d, eps, x.typed_data(), scale.typed_data(), nullptr, dy.typed_data(), nullptr, dx->typed_data(),
                   parts->typed_data()};
-  const auto run = [&](int64_t b) { norm.Reverse(b, m); };
-  if (m * d < (1 << 16)) {
-    for (int64_t b = 0; b < blocks; ++b) run(b);
-  } else {
-    Parallel(pool, blocks, run);
-  }
+  Run(pool, blocks, m * d, [&](int64_t b) { norm.Reverse(b, m); });
   return ffi::Error::Success();
 }
 
@@ -636,67 +631,54 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerDecodeAttention, DecodeAttentionImpl,
                                   .Attr<float>("softcap")
                                   .Ret<Heads>());
 
+// The operands (q, k, v, visible, bias, scale, seed) block_attention and its reverse mode share...
+template <typename Binding>
+auto AttentionOperands(Binding binding) {
+  return std::move(binding)
+      .template Arg<Any>()
+      .template Arg<Any>()
+      .template Arg<Any>()
+      .template Arg<Flags>()
+      .template Arg<Any>()
+      .template Arg<Scalar>()
+      .template Arg<Seed>();
+}
+
+// ... and their layout attributes: key count, kv heads, the strides and offsets of q, k and v, the rows
+// of visible and bias.
+template <typename Binding>
+auto AttentionLayout(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("s")
+      .template Attr<int64_t>("kv")
+      .template Attr<int64_t>("q_off")
+      .template Attr<int64_t>("qb")
+      .template Attr<int64_t>("qt")
+      .template Attr<int64_t>("qn")
+      .template Attr<int64_t>("k_off")
+      .template Attr<int64_t>("kb")
+      .template Attr<int64_t>("ks")
+      .template Attr<int64_t>("kk")
+      .template Attr<int64_t>("kh")
+      .template Attr<int64_t>("v_off")
+      .template Attr<int64_t>("vb")
+      .template Attr<int64_t>("vs")
+      .template Attr<int64_t>("vk")
+      .template Attr<int64_t>("vis_t")
+      .template Attr<int64_t>("bias_t");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttention, BlockAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Any>()
-                                  .Arg<Any>()
-                                  .Arg<Any>()
-                                  .Arg<Flags>()
-                                  .Arg<Any>()
-                                  .Arg<Scalar>()
-                                  .Arg<Seed>()
-                                  .Attr<int64_t>("s")
-                                  .Attr<int64_t>("kv")
-                                  .Attr<int64_t>("q_off")
-                                  .Attr<int64_t>("qb")
-                                  .Attr<int64_t>("qt")
-                                  .Attr<int64_t>("qn")
-                                  .Attr<int64_t>("k_off")
-                                  .Attr<int64_t>("kb")
-                                  .Attr<int64_t>("ks")
-                                  .Attr<int64_t>("kk")
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("v_off")
-                                  .Attr<int64_t>("vb")
-                                  .Attr<int64_t>("vs")
-                                  .Attr<int64_t>("vk")
-                                  .Attr<int64_t>("vis_t")
-                                  .Attr<int64_t>("bias_t")
+                              AttentionLayout(AttentionOperands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()))
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("threshold")
                                   .Attr<float>("inv_keep")
                                   .Ret<Out4>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerBlockAttentionGrad, BlockAttentionGradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Any>()
-                                  .Arg<Any>()
-                                  .Arg<Any>()
-                                  .Arg<Flags>()
-                                  .Arg<Any>()
-                                  .Arg<Scalar>()
-                                  .Arg<Seed>()
-                                  .Arg<Out4>()
-                                  .Arg<Out4>()
-                                  .Attr<int64_t>("s")
-                                  .Attr<int64_t>("kv")
-                                  .Attr<int64_t>("q_off")
-                                  .Attr<int64_t>("qb")
-                                  .Attr<int64_t>("qt")
-                                  .Attr<int64_t>("qn")
-                                  .Attr<int64_t>("k_off")
-                                  .Attr<int64_t>("kb")
-                                  .Attr<int64_t>("ks")
-                                  .Attr<int64_t>("kk")
-                                  .Attr<int64_t>("kh")
-                                  .Attr<int64_t>("v_off")
-                                  .Attr<int64_t>("vb")
-                                  .Attr<int64_t>("vs")
-                                  .Attr<int64_t>("vk")
-                                  .Attr<int64_t>("vis_t")
-                                  .Attr<int64_t>("bias_t")
+                              AttentionLayout(AttentionOperands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+                                                  .Arg<Out4>()
+                                                  .Arg<Out4>())
                                   .Attr<int64_t>("threshold")
                                   .Attr<float>("inv_keep")
                                   .Attr<int64_t>("gq_off")
