@@ -4,6 +4,8 @@ attention (XLA FFI) against NumPy, the layers that use them, and generate / LM.f
 It runs on CPUs with AVX-512F (CI's and the dev VMs'); elsewhere the kernel is not used, and these
 tests skip with that reason. A missing compiler on an AVX-512 machine fails them."""
 
+import pathlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -366,3 +368,23 @@ def test_describe_names_the_cpu_and_its_vector_isa():
     assert set(d["simd"]) <= set(cpu._SIMD) and ("avx512f" in d["simd"]) == cpu._cpu_has_avx512f()
     assert "avx2" in d["simd"]  # every x86 machine this suite runs on (the kernel needs AVX-512)
     assert d["dots"] == "precise"  # the suite imports jsteer before any JAX computation
+
+
+def test_a_packed_forward_in_a_fresh_process_registers_the_kernels():
+    """No caller asks cpu.available() before a packed param tree reaches the kernels (decode_pack, then
+    apply): the kernel wrappers register the targets themselves (XLA said "No FFI handler registered")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from test_cpu_attention import _tiny_decoder\n"
+        "m = _tiny_decoder(); ids = jnp.ones((2, 8), jnp.int32)\n"
+        "p = m.init(jax.random.PRNGKey(0), ids)['params']\n"
+        "print(m.apply({'params': p, 'packed': m.decode_pack(p)}, ids).logits.shape)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("(2, 8, 97)")

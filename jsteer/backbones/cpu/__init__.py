@@ -297,6 +297,15 @@ def available() -> bool:
     return False
 
 
+def _ffi_call(target: str, *args, **kwargs):
+    """jax.ffi.ffi_call of one of TARGETS, registered first: a program that reaches a kernel without
+    anyone having asked available() (a packed param tree in a fresh process) would otherwise fail in
+    XLA with "No FFI handler registered"."""
+    if not available():
+        raise RuntimeError(f"{target}: jsteer's CPU kernels are not available here ({unavailable_reason()})")
+    return jax.ffi.ffi_call(target, *args, **kwargs)
+
+
 def unavailable_reason() -> Optional[str]:
     """Why ``available()`` is False (None when it is True or was not asked yet)."""
     return _reason
@@ -317,7 +326,7 @@ def small_gemm(x: Array, wp: Array, n: int) -> Array:
     m, k = x.shape
     if wp.shape != (-(-n // PANEL), k, PANEL):
         raise ValueError(f"small_gemm: packed weight {wp.shape} does not fit x {x.shape} and n={n}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    call = _ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
     return call(x.astype(jnp.float32), wp)
 
 
@@ -367,7 +376,7 @@ def decode_attention(
     # the step updated in place (as [1, ...] XLA copied each layer's cache, 8 copies a layer).
     # More rows: as they are (merged into [B*K, ...] XLA copied them instead).
     lead = (kh,) if b == 1 else (b, kh)
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(lead + (g, h), jnp.float32))
+    call = _ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(lead + (g, h), jnp.float32))
     f32 = jnp.float32
     out = call(
         q.astype(f32).reshape(lead + (g, h)),
@@ -467,9 +476,7 @@ def block_attention(
     operands, attrs = _attention_args(
         q, None if fused else k, None if fused else v, visible, bias, scale, dropout, b, t, s, kh, strides
     )
-    call = jax.ffi.ffi_call(
-        BLOCK_TARGET, jax.ShapeDtypeStruct((b, t, kh * g, h), jnp.float32), vmap_method="sequential"
-    )
+    call = _ffi_call(BLOCK_TARGET, jax.ShapeDtypeStruct((b, t, kh * g, h), jnp.float32), vmap_method="sequential")
     return call(*operands, softcap=np.float32(softcap or 0.0), **attrs).reshape(b, t, kh, g, h)
 
 
@@ -497,7 +504,7 @@ def block_attention_grad(
         offsets, size = (strides["q_off"], strides["k_off"], strides["v_off"]), q.size
     else:
         offsets, size = (0, q.size, q.size + k.size), q.size + k.size + v.size
-    call = jax.ffi.ffi_call(BLOCK_GRAD_TARGET, jax.ShapeDtypeStruct((size,), jnp.float32), vmap_method="sequential")
+    call = _ffi_call(BLOCK_GRAD_TARGET, jax.ShapeDtypeStruct((size,), jnp.float32), vmap_method="sequential")
     grads = call(
         *operands,
         dout.astype(jnp.float32).reshape(b, t, n, h),
@@ -522,7 +529,7 @@ NORM_ROWS = 64  # layer_norm.h: kNormRows
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     """LayerNorm of x [M, D] (D a multiple of 16) over D, fp32, mean and variance in two passes (see
     layer_norm.h). Not differentiable by itself; call only when available()."""
-    call = jax.ffi.ffi_call(NORM_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="sequential")
+    call = _ffi_call(NORM_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32), eps=np.float32(eps))
 
 
@@ -531,7 +538,7 @@ def layer_norm_grad(x: Array, scale: Array, dy: Array, eps: float) -> tuple[Arra
     up per 64-row block in block order (the same whatever the thread count)."""
     m, d = x.shape
     shapes = (jax.ShapeDtypeStruct((m, d), jnp.float32), jax.ShapeDtypeStruct((-(-m // NORM_ROWS), 2, d), jnp.float32))
-    call = jax.ffi.ffi_call(NORM_GRAD_TARGET, shapes, vmap_method="sequential")
+    call = _ffi_call(NORM_GRAD_TARGET, shapes, vmap_method="sequential")
     dx, parts = call(x.astype(jnp.float32), scale.astype(jnp.float32), dy.astype(jnp.float32), eps=np.float32(eps))
     sums = parts.sum(0)
     return dx, sums[0], sums[1]
@@ -542,7 +549,7 @@ def materialize(x: Array) -> Array:
     """x, computed once: a copy XLA cannot fuse through, so what produced x is not fused into (and
     recomputed by) each of its consumers (RoPE's cos / sin: once per head otherwise, see BUILD.md).
     Identity for autodiff. Call only when available()."""
-    return jax.ffi.ffi_call(MATERIALIZE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all")(x)
+    return _ffi_call(MATERIALIZE_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="broadcast_all")(x)
 
 
 materialize.defjvp(lambda primals, tangents: (materialize(primals[0]), tangents[0]))
