@@ -643,6 +643,8 @@ def main(argv=None) -> int:
 
     if jsteer.cpu_precision.STATE.startswith("too late"):
         raise SystemExit(f"bench_backbones: {jsteer.cpu_precision.STATE}; jsteer would be timed off its default dots")
+    if jsteer.cpu_malloc.STATE.startswith("too late"):
+        raise SystemExit(f"bench_backbones: {jsteer.cpu_malloc.STATE}; jsteer would be timed off its default")
     import jax
 
     on_gpu = jax.default_backend() == "gpu"

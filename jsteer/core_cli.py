@@ -148,6 +148,7 @@ def doctor_report() -> dict:
         "packages": {n: version(n) for n in _PACKAGES},
         "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
         "cpu_dots": jsteer.cpu_precision.STATE,
+        "cpu_malloc": jsteer.cpu_malloc.STATE,
         "embedded_models": embedded,
         "caches": {
             "cpu_kernels": kernel_dir,
@@ -168,6 +169,7 @@ def _doctor(args) -> int:
     k = info["cpu_kernel"]
     print(f"CPU decode kernel: {'available' if k['available'] else 'unavailable (' + str(k['reason']) + ')'}")
     print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")
+    print(f"CPU buffers between calls: {info['cpu_malloc']}  (jsteer/cpu_malloc.py)")
     for name, where in info["embedded_models"].items():
         print(f"embedded model {name}: {where}")
     for name, where in info["caches"].items():

@@ -159,9 +159,10 @@ _SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx
 
 def describe() -> dict:
     """{"model": /proc/cpuinfo's model name, "simd": the vector-ISA flags among :data:`_SIMD` it has,
-    "dots": which fp32 dots XLA:CPU runs (``jsteer.cpu_precision.STATE``)}: what benchmark JSON records
-    of the CPU (ratios to torch move with the ISA and the dots)."""
-    from jsteer import cpu_precision
+    "dots": which fp32 dots XLA:CPU runs (``jsteer.cpu_precision.STATE``), "malloc": whether XLA's
+    per-call buffers stay mapped (``jsteer.cpu_malloc.STATE``)}: what benchmark JSON records of the
+    CPU (ratios to torch move with the ISA, the dots and the page faults)."""
+    from jsteer import cpu_malloc, cpu_precision
 
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
@@ -169,7 +170,8 @@ def describe() -> dict:
         info = []
     model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
     flags = set(_cpu_flags().split(":", 1)[-1].split())
-    return {"model": model, "simd": [f for f in _SIMD if f in flags], "dots": cpu_precision.STATE}
+    simd = [f for f in _SIMD if f in flags]
+    return {"model": model, "simd": simd, "dots": cpu_precision.STATE, "malloc": cpu_malloc.STATE}
 
 
 def _cpu_has_avx512f() -> bool:

@@ -1,0 +1,50 @@
+"""jsteer.cpu_malloc: XLA:CPU's per-call temporaries stay mapped between calls, and when they do not."""
+
+import os
+import subprocess
+import sys
+
+N = 8192  # the probe's temporary: an [N, N] fp32 product, 256 MiB, summed to a scalar
+PAGES = N * N * 4 // 4096
+
+PROBE = f"""
+import resource
+import jsteer, jax, jax.numpy as jnp
+f = jax.jit(lambda x: (x @ x.T).sum())
+x = jnp.ones(({N}, 16), jnp.float32)
+f(x).block_until_ready()
+faults = []
+for _ in range(3):
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print(jsteer.cpu_malloc.STATE + '|' + str(min(faults)))
+"""
+
+
+def _run(code: str, **env) -> tuple[str, int]:
+    e = {k: v for k, v in os.environ.items() if k != "JSTEER_CPU_MALLOC"}
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    state, faults = out.stdout.strip().splitlines()[-1].split("|")
+    return state, int(faults)
+
+
+def test_a_calls_temporaries_are_not_faulted_in_again():
+    """Fails without the setting: glibc maps the 256 MiB block afresh at every call (next test)."""
+    state, faults = _run(PROBE)
+    assert state == "kept"
+    assert faults < PAGES // 20, f"{faults} page faults a call for a {PAGES}-page temporary"
+
+
+def test_system_keeps_glibcs_defaults_and_pays_the_faults():
+    state, faults = _run(PROBE, JSTEER_CPU_MALLOC="system")
+    assert state == "system: JSTEER_CPU_MALLOC=system"
+    assert faults > PAGES // 2, f"{faults} page faults: the probe no longer shows what the setting avoids"
+
+
+def test_a_backend_started_before_import_is_left_alone_and_reported():
+    code = "import jax; jax.numpy.ones(2).block_until_ready()\n" + PROBE
+    state, faults = _run(code)
+    assert state.startswith("too late") and faults > PAGES // 2
