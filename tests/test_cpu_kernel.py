@@ -76,6 +76,21 @@ def test_small_gemm_rejects_a_mismatched_packing():
         cpu.pack(jnp.ones((2, 3, 4)))
 
 
+@pytest.mark.parametrize("m,k,n", [(3, 37, 50), (8, 64, 48), (70, 129, 49), (300, 1000, 100), (70, 0, 5), (0, 16, 50)])
+def test_the_kernels_bias_equals_adding_it_after(m, k, n):
+    """The bias is added as the sums are written (last k slice; whole and partial panels): bit for
+    bit the product then ``+ b``, which is what the packed layers gave before."""
+    assert cpu.available(), cpu.unavailable_reason()
+    rng = np.random.default_rng(m + k + n)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) * 10
+    fused = jax.jit(lambda x, w, b: cpu.packed_affine(x, w, cpu.pack(w), b))(x, w, b)
+    after = jax.jit(lambda x, w, b: cpu.packed_matmul(x, w, cpu.pack(w)) + b)(x, w, b)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(after))
+    with pytest.raises(ValueError, match="bias \\(3,\\) does not fit n="):
+        cpu.small_gemm(jnp.asarray(x), cpu.pack(jnp.asarray(w)), n, jnp.ones(3))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 300])
 def test_packed_linear_equals_plain(rows):
     """Any row count: decode steps (1-64 rows), prefills and forwards (more)."""

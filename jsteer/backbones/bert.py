@@ -356,15 +356,17 @@ class BertEmbeddings(nn.Module):
         hooks: Optional[Hooks] = None,
         deterministic: bool = True,
         site: Optional[SiteRunner] = None,
+        kernel: bool = False,
     ) -> Array:
-        """``site``: the encoder's site runner (``embed``); None builds one from ``hooks``."""
+        """``site``: the encoder's site runner (``embed``); None builds one from ``hooks``. ``kernel``:
+        the LayerNorm by jsteer's CPU kernel (as in training; the encoder's packed forwards)."""
         position_ids = positions_of(self.config, input_ids, hooks)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         site = site or SiteRunner(hooks, (), position_ids, None, False)
         x = site("embed", None, self.word(input_ids))
         x = x + self.token_type(token_type_ids) + self.position(position_ids)
-        x = ln_fp32(self.norm, x, self.dtype, kernel=not deterministic)
+        x = ln_fp32(self.norm, x, self.dtype, kernel=kernel or not deterministic)
         return self.dropout(x, deterministic=deterministic)
 
 
@@ -489,7 +491,7 @@ class BertEncoder(nn.Module):
             bias = (bias, RightPadded.of(attention_mask, causal=False))  # cuDNN may mask by lengths
         mask = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         site = SiteRunner(hooks, capture, positions_of(c, input_ids, hooks), mask, False, ffn_width=c.intermediate_size)
-        h = self.embeddings(input_ids, token_type_ids, hooks, deterministic, site)
+        h = self.embeddings(input_ids, token_type_ids, hooks, deterministic, site, kernel="packed" in self.variables)
         states = [h] if output_hidden_states else None
         for layer in self.layers:
             h = layer(h, bias, hooks, deterministic, site)

@@ -148,17 +148,22 @@ class Linear(nn.Module):
         k, n = math.prod(in_shape), math.prod(self.features)
         x2 = x.reshape(-1, k).astype(self.dtype)
         packed = self.get_variable("packed", "kernel") if self.has_variable("packed", "kernel") else None
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype)
+            bias = bias.reshape(n).astype(self.dtype)
         if packed is not None and self.dtype == jnp.float32:  # x2 is in self.dtype
-            y = cpu.packed_matmul(x2, kernel.reshape(k, n), packed)
-        elif self.fp32_out:
+            w = kernel.reshape(k, n)
+            y = cpu.packed_matmul(x2, w, packed) if bias is None else cpu.packed_affine(x2, w, packed, bias)
+            return y.reshape(lead + tuple(self.features))
+        if self.fp32_out:
             y = dot_fp32_out(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
         else:
             # products in the layer's dtype: bf16 ones accumulate in fp32 on every backend (cuBLAS
             # compute type, TPU MXU, XLA:CPU's upcast), and their backward stays bf16 x bf16
             y = lax.dot_general(x2, kernel.reshape(k, n).astype(self.dtype), (((1,), (0,)), ((), ())))
-        if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros, tuple(self.features), self.param_dtype)
-            y = add_bias(y, bias.reshape(n).astype(self.dtype))
+        if bias is not None:
+            y = add_bias(y, bias)
         return y.reshape(lead + tuple(self.features))
 
 

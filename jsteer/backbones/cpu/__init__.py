@@ -12,6 +12,7 @@ summing k in slices as Eigen does (as accurate: tests/test_gguf.py's fp64 compar
     wp = pack(w)                        # once per weight, outside the decode loop
     y = small_gemm(x, wp, n=w.shape[1])  # x [M, K] -> y [M, N] == x @ w (fp32)
     y = packed_matmul(x, w, wp)          # the same, differentiable as x @ w
+    y = packed_affine(x, w, wp, b)       # x @ w + b [N] in one pass, differentiable
 
 Attention of one new token over the KV cache. XLA:CPU runs its two batched products as many tiny
 dots (M = G queries per key/value head); ``decode_attention`` makes one pass per (row, key/value
@@ -63,6 +64,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 Array = jax.Array
@@ -323,13 +325,17 @@ def pack(w: Array) -> Array:
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
-def small_gemm(x: Array, wp: Array, n: int) -> Array:
-    """x [M, K] @ (the [K, n] matrix packed in wp) -> [M, n] fp32. Call only when available()."""
+def small_gemm(x: Array, wp: Array, n: int, bias: Optional[Array] = None) -> Array:
+    """x [M, K] @ (the [K, n] matrix packed in wp) (+ bias [n], added after the sum over k) -> [M, n]
+    fp32. Call only when available()."""
     m, k = x.shape
     if wp.shape != (-(-n // PANEL), k, PANEL):
         raise ValueError(f"small_gemm: packed weight {wp.shape} does not fit x {x.shape} and n={n}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"small_gemm: bias {bias.shape} does not fit n={n}")
+    b = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     call = _ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x.astype(jnp.float32), wp)
+    return call(x.astype(jnp.float32), wp, b)
 
 
 @jax.custom_jvp
@@ -340,19 +346,48 @@ def packed_matmul(x: Array, w: Array, wp: Array) -> Array:
     return small_gemm(x, wp, w.shape[1])
 
 
-def _packed_matmul_jvp(primals, tangents):
-    x, w, wp = primals
-    dx, dw, _ = tangents
+@jax.custom_jvp
+def packed_affine(x: Array, w: Array, wp: Array, b: Array) -> Array:
+    """``packed_matmul(x, w, wp) + b`` (b [N]) in one pass: the kernel adds b as it writes the sums,
+    so the result is bit-identical to the two steps. Differentiable as x @ w + b."""
+    return small_gemm(x, wp, w.shape[1], b)
+
+
+def _product_tangents(x: Array, w: Array, dx, dw) -> list:
     parts = []
     if not isinstance(dx, SymbolicZero):
         parts.append(jnp.matmul(dx.astype(jnp.float32), w.astype(jnp.float32)))
     if not isinstance(dw, SymbolicZero):
         parts.append(jnp.matmul(x.astype(jnp.float32), dw.astype(jnp.float32)))
+    return parts
+
+
+def _sum_tangents(parts: list, out: Array) -> Array:
+    return functools.reduce(lambda a, b: a + b, parts) if parts else jnp.zeros_like(out)
+
+
+def _packed_matmul_jvp(primals, tangents):
+    x, w, wp = primals
+    dx, dw, _ = tangents
     out = packed_matmul(x, w, wp)
-    return out, functools.reduce(lambda a, b: a + b, parts) if parts else jnp.zeros_like(out)
+    return out, _sum_tangents(_product_tangents(x, w, dx, dw), out)
+
+
+def _packed_affine_jvp(primals, tangents):
+    x, w, wp, b = primals
+    dx, dw, _, db = tangents
+    out = packed_affine(x, w, wp, b)
+    parts = _product_tangents(x, w, dx, dw)
+    if not isinstance(db, SymbolicZero):
+        # a product with a column of ones, as matmul.add_bias: its transpose (the bias gradient) is
+        # then a dot, not XLA:CPU's slow column-sum tree
+        ones = jnp.ones((x.shape[0], 1), jnp.float32)
+        parts.append(lax.dot_general(ones, db.astype(jnp.float32).reshape(1, -1), (((1,), (0,)), ((), ()))))
+    return out, _sum_tangents(parts, out)
 
 
 packed_matmul.defjvp(_packed_matmul_jvp, symbolic_zeros=True)
+packed_affine.defjvp(_packed_affine_jvp, symbolic_zeros=True)
 
 
 def decode_attention(

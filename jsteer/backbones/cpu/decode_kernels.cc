@@ -37,6 +37,7 @@ namespace {
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Panels = ffi::Buffer<ffi::F32, 3>;
+using Vector = ffi::Buffer<ffi::F32, 1>;
 
 constexpr int64_t kPanel = 48;  // columns per panel: 3 vectors of 16 floats
 constexpr int64_t kRows = 8;    // rows per register block: 8 x 3 accumulators
@@ -59,7 +60,7 @@ typedef float v16 __attribute__((vector_size(64), aligned(4)));
 // per step (SmolLM2's 8-row decode products 27.9 -> 26.4 ms on 2 cores; 16 rows 38.9 -> 35.0).
 template <int R>
 void Block(int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, int64_t cols, const float* x, const float* wp,
-           float* y, bool add) {
+           float* y, bool add, const float* bias) {
   v16 acc[R][3];
   std::memset(acc, 0, sizeof acc);
   for (int64_t k = k0; k < k1; ++k) {
@@ -88,35 +89,43 @@ void Block(int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, int64_t cols, c
           std::memcpy(&old, yr + 16 * j, sizeof old);
           sum += old;
         }
+        if (bias != nullptr) {  // after the sum over k, as a separate y + b would be
+          v16 b;
+          std::memcpy(&b, bias + 16 * j, sizeof b);
+          sum += b;
+        }
         std::memcpy(yr + 16 * j, &sum, sizeof sum);
       }
-    } else if (add) {
+    } else {
       float sum[kPanel];
       std::memcpy(sum, acc[m], sizeof sum);
-      for (int64_t c = 0; c < cols; ++c) yr[c] += sum[c];
-    } else {
-      std::memcpy(yr, acc[m], cols * sizeof(float));
+      for (int64_t c = 0; c < cols; ++c) {
+        float v = add ? sum[c] + yr[c] : sum[c];
+        yr[c] = bias != nullptr ? v + bias[c] : v;
+      }
     }
   }
 }
 
 // Rows m0 .. m1 of one panel (columns n0 .. n0 + 48 of y) over k steps k0 .. k1, in blocks of up
-// to 8 rows; add: onto what y holds (the sums of the earlier k steps).
+// to 8 rows; add: onto what y holds (the sums of the earlier k steps); bias (all n columns, or
+// null): added after the last k step.
 void Panel(int64_t m0, int64_t m1, int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, const float* x,
-           const float* wp, float* y, int64_t n0, bool add) {
+           const float* wp, float* y, int64_t n0, bool add, const float* bias_all) {
   const int64_t cols = n_dim - n0 < kPanel ? n_dim - n0 : kPanel;
+  const float* bias = bias_all != nullptr && k1 == k_dim ? bias_all + n0 : nullptr;
   for (; m0 < m1; m0 += kRows) {
     const float* xr = x + m0 * k_dim;
     float* yr = y + m0 * n_dim + n0;
     switch (m1 - m0 < kRows ? m1 - m0 : kRows) {
-      case 8: Block<8>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      case 7: Block<7>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      case 6: Block<6>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      case 5: Block<5>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      case 4: Block<4>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      case 3: Block<3>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      case 2: Block<2>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
-      default: Block<1>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add); break;
+      case 8: Block<8>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      case 7: Block<7>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      case 6: Block<6>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      case 5: Block<5>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      case 4: Block<4>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      case 3: Block<3>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      case 2: Block<2>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
+      default: Block<1>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
     }
   }
 }
@@ -161,18 +170,24 @@ void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)
   }
 }
 
-ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, ffi::Result<Matrix> y) {
+// bias: [N] added to every row, or [0] (none).
+ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, Vector bias, ffi::Result<Matrix> y) {
   const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
   const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0];
-  if (yd[0] != m || wd[1] != k || wd[2] != kPanel || panels != (n + kPanel - 1) / kPanel) {
-    return ffi::Error::InvalidArgument("jsteer_small_gemm: shapes do not match x [M,K], w [ceil(N/48),K,48], y [M,N]");
+  if (yd[0] != m || wd[1] != k || wd[2] != kPanel || panels != (n + kPanel - 1) / kPanel ||
+      (bias.element_count() != 0 && bias.element_count() != n)) {
+    return ffi::Error::InvalidArgument(
+        "jsteer_small_gemm: shapes do not match x [M,K], w [ceil(N/48),K,48], bias [N] or [0], y [M,N]");
   }
   const float* xs = x.typed_data();
   const float* ws = wp.typed_data();
+  const float* bs = bias.element_count() != 0 ? bias.typed_data() : nullptr;
   float* ys = y->typed_data();
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {  // empty sums
-    std::memset(ys, 0, m * n * sizeof(float));
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < n; ++c) ys[r * n + c] = bs != nullptr ? bs[c] : 0.0f;
+    }
     return ffi::Error::Success();
   }
   const int64_t target = 4 * Workers(pool);  // chunks: a few per worker, for balance
@@ -190,7 +205,7 @@ ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, ffi::Result<
     const int64_t g = c % groups, end = (g + 1) * chunk < panels ? (g + 1) * chunk : panels;
     for (int64_t p = g * chunk; p < end; ++p) {
       for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-        Panel(m0, m1, k0, k0 + kDepth < k ? k0 + kDepth : k, k, n, xs, ws + p * k * kPanel, ys, p * kPanel, k0 > 0);
+        Panel(m0, m1, k0, k0 + kDepth < k ? k0 + kDepth : k, k, n, xs, ws + p * k * kPanel, ys, p * kPanel, k0 > 0, bs);
       }
     }
   });
@@ -571,7 +586,6 @@ ffi::Error BlockAttentionGradImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Fla
 
 #include "layer_norm.h"
 
-using Vector = ffi::Buffer<ffi::F32, 1>;
 
 ffi::Error LayerNormImpl(ffi::ThreadPool pool, Matrix x, Vector scale, Vector bias, float eps, ffi::Result<Matrix> y) {
   const int64_t m = x.dimensions()[0], d = x.dimensions()[1];
@@ -617,6 +631,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerSmallGemm, SmallGemmImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Panels>()
+                                  .Arg<Vector>()
                                   .Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsteerDecodeAttention, DecodeAttentionImpl,
