@@ -6,14 +6,16 @@ worker threads (their arenas map anything over 64 MiB separately), that buffer i
 each call, and its first touch faults in every page again. MiniLM's B32xT128 train step allocates
 845 MB that way: ~214k page faults a step at ~1.9 us each on a 2-core Xeon VM; the step ran
 1.36-1.45 s, and 1.17-1.26 s with the buffer kept (``bench_backbones_minilm_s46.json``: 1.41 ->
-1.20 s). PyTorch's separate, smaller tensors stay under glibc's dynamic threshold and are reused.
+1.20-1.30 s). PyTorch's separate, smaller tensors stay under glibc's dynamic threshold and are reused.
 
 So that the buffer stays mapped, glibc is told (``mallopt``) before XLA's threads start: one arena
-(the main one, so that no worker thread maps large blocks by itself), no mmap for large blocks,
-and a heap top trimmed only beyond ``TRIM`` bytes free and then down to ``PAD``. The cost: up to
-about ``TRIM`` bytes of freed memory stay resident. ``JSTEER_CPU_MALLOC=system`` keeps glibc's
-defaults; only glibc on Linux is touched, and only before a JAX backend started (its threads
-would keep their arenas).
+(the main one, so that no worker thread maps large blocks by itself), no mmap for large blocks, and
+no trimming of the heap's free top. The cost: the process keeps the heap of its peak (freed memory
+is reused, not returned); :func:`release` returns it on demand. A bounded top (trim beyond 2 GiB,
+down to 1 GiB) was tried: a SmolLM2 train step whose 1.8 GB of temporaries outgrew it faulted them
+in again and, every ~8 steps, took 7.5-9 s instead of 4.5 s (6-9 s of system time in the kernel).
+``JSTEER_CPU_MALLOC=system`` keeps glibc's defaults; only glibc on Linux is touched, and only before
+a JAX backend started (its threads would keep their arenas).
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ import sys
 
 from jsteer.cpu_precision import _backend_started
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8
-TRIM = 2**31 - 1  # mallopt takes an int: the largest it can say, ~2 GiB
-PAD = 2**30
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+NEVER = -1  # M_TRIM_THRESHOLD's documented "no trimming" (mallopt(3))
 
 
 def _glibc():
@@ -56,12 +57,19 @@ def apply() -> str:
         for name, opt, value in (
             ("M_ARENA_MAX", M_ARENA_MAX, 1),
             ("M_MMAP_MAX", M_MMAP_MAX, 0),
-            ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM),
-            ("M_TOP_PAD", M_TOP_PAD, PAD),
+            ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, NEVER),
         )
         if libc.mallopt(ctypes.c_int(opt), ctypes.c_int(value)) != 1
     ]
     return f"failed: mallopt refused {', '.join(failed)}" if failed else "kept"
+
+
+def release() -> bool:
+    """Return the heap's free memory to the system (``malloc_trim``), e.g. after a large one-off
+    computation; the next call of a program faults its temporaries in once again. True when glibc
+    released some."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(ctypes.c_size_t(0))) if libc is not None else False
 
 
 STATE = apply()

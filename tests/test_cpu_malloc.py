@@ -48,3 +48,15 @@ def test_a_backend_started_before_import_is_left_alone_and_reported():
     code = "import jax; jax.numpy.ones(2).block_until_ready()\n" + PROBE
     state, faults = _run(code)
     assert state.startswith("too late") and faults > PAGES // 2
+
+
+def test_release_returns_the_kept_memory():
+    """After ``release()`` the temporary is faulted in again: the memory went back to the system."""
+    code = PROBE + (
+        "assert jsteer.cpu_malloc.release()\n"
+        "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "f(x).block_until_ready()\n"
+        "print(jsteer.cpu_malloc.STATE + '|' + str(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0))\n"
+    )
+    state, faults = _run(code)
+    assert state == "kept" and faults > PAGES // 2
