@@ -1,6 +1,6 @@
 // The two CPU kernels of a decode step, reached from jitted JAX code through XLA FFI:
 //
-// - small_gemm: y[M, N] = x[M, K] @ W[K, N] for few rows M, W pre-packed in column panels;
+// - small_gemm: y[M, N] = x[M, K] @ W[K, N] (+ b[N]) for few rows M, W pre-packed in column panels;
 // - decode_attention: one query token per row against the KV cache, softmax and value product
 //   in one pass per (row, key/value head).
 //
@@ -585,7 +585,6 @@ ffi::Error BlockAttentionGradImpl(ffi::ThreadPool pool, Any q, Any k, Any v, Fla
 }
 
 #include "layer_norm.h"
-
 
 ffi::Error LayerNormImpl(ffi::ThreadPool pool, Matrix x, Vector scale, Vector bias, float eps, ffi::Result<Matrix> y) {
   const int64_t m = x.dimensions()[0], d = x.dimensions()[1];
