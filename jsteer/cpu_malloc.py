@@ -1,4 +1,4 @@
-"""Keep XLA:CPU's per-call buffers mapped between calls (applied once, when ``jsteer`` is imported).
+"""Keep XLA:CPU's per-call buffers mapped between calls, on request (``JSTEER_CPU_MALLOC=keep``).
 
 XLA:CPU allocates one buffer for a program's temporaries at every call (``posix_memalign``) and
 frees it at the end. Beyond glibc's mmap threshold (32 MiB at most), and from any of the runtime's
@@ -8,14 +8,16 @@ each call, and its first touch faults in every page again. MiniLM's B32xT128 tra
 1.36-1.45 s, and 1.17-1.26 s with the buffer kept (``bench_backbones_minilm_s46.json``: 1.41 ->
 1.20-1.30 s). PyTorch's separate, smaller tensors stay under glibc's dynamic threshold and are reused.
 
-So that the buffer stays mapped, glibc is told (``mallopt``) before XLA's threads start: one arena
-(the main one, so that no worker thread maps large blocks by itself), no mmap for large blocks, and
-no trimming of the heap's free top. The cost: the process keeps the heap of its peak (freed memory
-is reused, not returned); :func:`release` returns it on demand. A bounded top (trim beyond 2 GiB,
-down to 1 GiB) was tried: a SmolLM2 train step whose 1.8 GB of temporaries outgrew it faulted them
-in again and, every ~8 steps, took 7.5-9 s instead of 4.5 s (6-9 s of system time in the kernel).
-``JSTEER_CPU_MALLOC=system`` keeps glibc's defaults; only glibc on Linux is touched, and only before
-a JAX backend started (its threads would keep their arenas).
+With ``JSTEER_CPU_MALLOC=keep`` in the environment, glibc is told (``mallopt``) before XLA's
+threads start to keep the buffer mapped: one arena (the main one, so that no worker thread maps
+large blocks by itself), no mmap for large blocks and no trimming of the heap's free top. It is off
+by default because the one arena costs where programs are small and many: the demo's KALA section
+(a tiny BERT, compiled and trained) 22.8 -> 32.2 s, with the arena alone 31.1 s (XLA's threads
+contend for its lock). A process that keeps also keeps the heap of its peak (freed memory is
+reused, not returned); :func:`release` returns it. A bounded top (trim beyond 2 GiB, down to 1
+GiB) was tried: a SmolLM2 train step whose 1.8 GB of temporaries outgrew it faulted them in again
+and, every ~8 steps, took 7.5-9 s instead of 4.5 s (6-9 s of system time in the kernel). Only glibc
+on Linux is touched, and only before a JAX backend started (its threads would keep their arenas).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def _glibc():
 
 
 def apply() -> str:
-    """Set glibc's malloc options when allowed; returns the state, one of ``"kept"`` (set now),
-    ``"system: JSTEER_CPU_MALLOC=system"``, ``"too late: ..."``, ``"not glibc"``, ``"failed: ..."``."""
-    if os.environ.get("JSTEER_CPU_MALLOC", "").lower() == "system":
-        return "system: JSTEER_CPU_MALLOC=system"
+    """Set glibc's malloc options when ``JSTEER_CPU_MALLOC=keep`` asks and it can act; returns the
+    state, one of ``"kept"`` (set now), ``"system: ..."`` (not asked), ``"too late: ..."``,
+    ``"not glibc: ..."``, ``"failed: ..."``."""
+    if os.environ.get("JSTEER_CPU_MALLOC", "").lower() != "keep":
+        return "system: glibc's defaults (JSTEER_CPU_MALLOC=keep keeps XLA's per-call buffers)"
     libc = _glibc()
     if libc is None:
         return "not glibc: the system allocator's defaults"
