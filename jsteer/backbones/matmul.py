@@ -103,12 +103,18 @@ def _dot_fp32_out_jvp(dimension_numbers, primals, tangents):
 dot_fp32_out.defjvp(_dot_fp32_out_jvp, symbolic_zeros=True)
 
 
+def bias_tangent(db: Array, rows: int, dtype) -> Array:
+    """The tangent [rows, N] of adding db [N] to every row, as a product with a column of ones, so
+    that the bias gradient (its transpose) is the dot ones^T dy: XLA:CPU runs the column sum a plain
+    broadcast transposes to as a tree of reduce-windows at a tenth of the read bandwidth (MiniLM's
+    FFN bias, 4096 x 1536: ~16 ms a layer), the dot at about the bandwidth."""
+    ones = jnp.ones((rows, 1), db.dtype)
+    return lax.dot_general(ones, db.reshape(1, -1), (((1,), (0,)), ((), ()))).astype(dtype)
+
+
 @jax.custom_jvp
 def add_bias(y: Array, b: Array) -> Array:
-    """y [M, N] + b [N]. Its bias tangent is a product with a column of ones, so the bias gradient
-    (its transpose) is the dot ones^T dy: XLA:CPU runs the column sum a plain broadcast transposes
-    to as a tree of reduce-windows at a tenth of the read bandwidth (MiniLM's FFN bias, 4096 x
-    1536: ~16 ms a layer), the dot at about the bandwidth."""
+    """y [M, N] + b [N]; its bias tangent by :func:`bias_tangent`."""
     return y + b
 
 
@@ -118,8 +124,7 @@ def _add_bias_jvp(primals, tangents):
     out = add_bias(y, b)
     parts = [] if isinstance(dy, SymbolicZero) else [dy.astype(out.dtype)]
     if not isinstance(db, SymbolicZero):
-        ones = jnp.ones((y.shape[0], 1), db.dtype)
-        parts.append(lax.dot_general(ones, db.reshape(1, -1), (((1,), (0,)), ((), ()))).astype(out.dtype))
+        parts.append(bias_tangent(db, y.shape[0], out.dtype))
     return out, functools.reduce(lambda a, c: a + c, parts) if parts else jnp.zeros_like(out)
 
 

@@ -64,7 +64,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 Array = jax.Array
@@ -379,10 +378,9 @@ def _packed_affine_jvp(primals, tangents):
     out = packed_affine(x, w, wp, b)
     parts = _product_tangents(x, w, dx, dw)
     if not isinstance(db, SymbolicZero):
-        # a product with a column of ones, as matmul.add_bias: its transpose (the bias gradient) is
-        # then a dot, not XLA:CPU's slow column-sum tree
-        ones = jnp.ones((x.shape[0], 1), jnp.float32)
-        parts.append(lax.dot_general(ones, db.astype(jnp.float32).reshape(1, -1), (((1,), (0,)), ((), ()))))
+        from jsteer.backbones.matmul import bias_tangent  # matmul imports this module
+
+        parts.append(bias_tangent(db.astype(jnp.float32), x.shape[0], jnp.float32))
     return out, _sum_tangents(parts, out)
 
 
