@@ -210,7 +210,7 @@ def test_temp_folder_fallback_is_private_and_checked(probe, tmp_path, monkeypatc
 
 
 _REAL_KERNEL = """
-import pathlib, sys
+import os, pathlib, sys
 import jax, numpy as np
 from jsteer.backbones import cpu
 cache = pathlib.Path(sys.argv[1])
@@ -226,13 +226,25 @@ x, w = rng.standard_normal((5, 70)).astype(np.float32), rng.standard_normal((70,
 got = np.asarray(jax.jit(lambda x, w: cpu.small_gemm(x, cpu.pack(w), 130))(x, w))
 want = x.astype(np.float64) @ w.astype(np.float64)
 np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * 70 * np.abs(want).max())
+# another process's build of the same key lands over this one (same bytes, a new file): asked again,
+# available() loads that file but keeps the handlers it registered (XLA refuses a second library's)
+lib = cache / "kernels" / name
+copy = lib.with_name("copy.so")
+copy.write_bytes(lib.read_bytes())
+copy.chmod(0o700)
+copy.replace(lib)
+held = os.open("/dev/null", os.O_RDONLY)  # the folder's next descriptor, so a path dlopen has not seen
+cpu.available.cache_clear()
+assert cpu.available(), cpu.unavailable_reason()
+again = np.asarray(jax.jit(lambda x, w: cpu.small_gemm(x, cpu.pack(w), 130) + 0)(x, w))
+np.testing.assert_array_equal(again, got)
 print("built and computed")
 """
 
 
 def test_the_real_kernel_builds_in_a_fresh_cache_and_computes_the_same(tmp_path):
-    """In a fresh process: XLA refuses a second registration of the FFI handler from another
-    library file, so a process that already loaded the kernel cannot load a freshly built copy."""
+    """In a fresh process (this one's handlers are registered already), including a rebuild by someone
+    else landing over the loaded file, as when two pytest workers build a cold cache at once."""
     env = {**os.environ, "JSTEER_CACHE": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-c", _REAL_KERNEL, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600

@@ -89,6 +89,10 @@ TARGETS = {  # custom call -> symbol
 DECODER_TARGETS = (TARGET, ATTENTION_TARGET, BLOCK_TARGET, MATERIALIZE_TARGET)  # a packed decoder's generate
 _SOURCE = pathlib.Path(__file__).with_name("decode_kernels.cc")
 _reason: Optional[str] = None
+# XLA keeps a registered handler for the process and refuses the same name from another library file
+# ("Duplicate FFI handler registration ... different bundle addresses"): a concurrent build (another
+# process, another pytest worker) may have replaced the file since, and the first library stays mapped
+_registered: set[str] = set()
 
 
 class UnsafeCacheError(RuntimeError):
@@ -288,9 +292,11 @@ def available() -> bool:
         _reason = "this CPU has no AVX-512F"
     else:
         try:
-            lib = _load()
+            lib = _load()  # every time asked: the cache folder's checks
             for target, symbol in TARGETS.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                if target not in _registered:
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    _registered.add(target)
             _reason = None
             return True
         except UnsafeCacheError as e:
