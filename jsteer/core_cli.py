@@ -149,6 +149,7 @@ def doctor_report() -> dict:
         "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
         "cpu_dots": jsteer.cpu_precision.STATE,
         "cpu_malloc": jsteer.cpu_malloc.STATE,
+        "cpu_hugepages": jsteer.cpu_malloc.HUGEPAGES,
         "embedded_models": embedded,
         "caches": {
             "cpu_kernels": kernel_dir,
@@ -170,6 +171,7 @@ def _doctor(args) -> int:
     print(f"CPU decode kernel: {'available' if k['available'] else 'unavailable (' + str(k['reason']) + ')'}")
     print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")
     print(f"CPU buffers between calls: {info['cpu_malloc']}  (jsteer/cpu_malloc.py)")
+    print(f"CPU huge pages for large buffers: {info['cpu_hugepages']}")
     for name, where in info["embedded_models"].items():
         print(f"embedded model {name}: {where}")
     for name, where in info["caches"].items():

@@ -1,8 +1,13 @@
-"""jsteer.cpu_malloc: XLA:CPU's per-call temporaries stay mapped between calls, and when they do not."""
+"""jsteer.cpu_malloc: XLA:CPU's per-call temporaries stay mapped between calls, and when they do not;
+huge pages for them when glibc is told so at start (GLIBC_TUNABLES)."""
 
 import os
 import subprocess
 import sys
+
+import pytest
+
+from jsteer import cpu_malloc
 
 N = 8192  # the probe's temporary: an [N, N] fp32 product, 256 MiB, summed to a scalar
 PAGES = N * N * 4 // 4096
@@ -24,7 +29,7 @@ print(jsteer.cpu_malloc.STATE + '|' + str(min(faults)))
 
 
 def _run(code: str, **env) -> tuple[str, int]:
-    e = {k: v for k, v in os.environ.items() if k != "JSTEER_CPU_MALLOC"}
+    e = {k: v for k, v in os.environ.items() if k not in ("JSTEER_CPU_MALLOC", "GLIBC_TUNABLES")}  # make sets one
     e.update(env)
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -63,3 +68,32 @@ def test_release_returns_the_kept_memory():
     )
     state, faults = _run(code, JSTEER_CPU_MALLOC="keep")
     assert state == "kept" and faults > PAGES // 2
+
+
+def test_huge_pages_fault_a_calls_temporaries_in_2_mib_at_a_time():
+    """glibc.malloc.hugetlb=1: glibc's fresh map of the 256 MiB block is advised for huge pages, so
+    it faults in a few hundred times, not 65k (the default above); where the kernel cannot (THP
+    'never'), HUGEPAGES says so."""
+    code = PROBE + "print(jsteer.cpu_malloc.HUGEPAGES + '|' + str(min(faults)))\n"
+    state, faults = _run(code, GLIBC_TUNABLES=cpu_malloc.HUGETLB + "=1")
+    if cpu_malloc._thp_mode() in ("madvise", "always"):
+        assert state.startswith("on: "), state
+        assert faults < PAGES // 20, f"{faults} page faults a call for a {PAGES}-page temporary"
+    else:
+        assert state.startswith("off: ") and cpu_malloc._thp_mode() in state, state
+
+
+@pytest.mark.parametrize(
+    "tunables,thp,want",
+    [
+        ("", "madvise", "off: set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 before Python starts"),
+        ("glibc.malloc.hugetlb=1", "madvise", "on: GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "madvise", "on: "),
+        ("glibc.malloc.hugetlb=1:glibc.malloc.hugetlb=0", "madvise", "off: set GLIBC_TUNABLES"),
+        ("glibc.malloc.hugetlb=1", "never", "off: glibc.malloc.hugetlb=1 asks for transparent huge pages"),
+        ("glibc.malloc.hugetlb=7", "madvise", "off: glibc ignores glibc.malloc.hugetlb=7"),
+        ("", "always", "on: the kernel's transparent huge pages are 'always'"),
+    ],
+)
+def test_the_huge_page_state_reads_the_tunable_and_the_kernels_mode(tunables, thp, want):
+    assert cpu_malloc.hugepages(tunables, thp).startswith(want)

@@ -165,7 +165,8 @@ _SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx
 def describe() -> dict:
     """{"model": /proc/cpuinfo's model name, "simd": the vector-ISA flags among :data:`_SIMD` it has,
     "dots": which fp32 dots XLA:CPU runs (``jsteer.cpu_precision.STATE``), "malloc": whether XLA's
-    per-call buffers stay mapped (``jsteer.cpu_malloc.STATE``)}: what benchmark JSON records of the
+    per-call buffers stay mapped (``jsteer.cpu_malloc.STATE``), "hugepages": whether glibc's large
+    blocks get huge pages (``jsteer.cpu_malloc.HUGEPAGES``)}: what benchmark JSON records of the
     CPU (ratios to torch move with the ISA, the dots and the page faults)."""
     from jsteer import cpu_malloc, cpu_precision
 
@@ -176,7 +177,13 @@ def describe() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
     flags = set(_cpu_flags().split(":", 1)[-1].split())
     simd = [f for f in _SIMD if f in flags]
-    return {"model": model, "simd": simd, "dots": cpu_precision.STATE, "malloc": cpu_malloc.STATE}
+    return {
+        "model": model,
+        "simd": simd,
+        "dots": cpu_precision.STATE,
+        "malloc": cpu_malloc.STATE,
+        "hugepages": cpu_malloc.HUGEPAGES,
+    }
 
 
 def _cpu_has_avx512f() -> bool:
