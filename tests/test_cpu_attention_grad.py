@@ -176,3 +176,41 @@ def test_bert_train_step_runs_the_kernels_on_cpu_and_exports_without_them():
     targets = (cpu.BLOCK_TARGET, cpu.BLOCK_GRAD_TARGET, cpu.NORM_TARGET, cpu.NORM_GRAD_TARGET)
     assert all(target in text for target in targets)
     export_text(step, params, key)
+
+
+def test_a_decoders_gradient_runs_the_attention_kernels_and_matches_the_hand_written_path(monkeypatch):
+    """A decoder has no dropout: under reverse-mode differentiation (a train step) its attention
+    still takes the kernel and its backward, with the hand-written path's loss and gradient (that
+    path forced for the reference); a forward outside differentiation keeps XLA's ops unless
+    packed; the step exported for GPUs and TPUs has none of the kernels."""
+    from jsteer.backbones import attention as attention_module
+    from jsteer.backbones.decoder import Decoder
+    from test_export import CFG
+
+    assert cpu.available(), cpu.unavailable_reason()
+    module = Decoder(CFG)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 24)), jnp.int32)
+    mask = jnp.asarray(np.arange(24) < np.array([[24], [17]]), jnp.int32)
+    params = module.init(jax.random.PRNGKey(0), ids)["params"]
+
+    def loss(p):
+        logits = module.apply({"params": p}, ids, attention_mask=mask).logits
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -(jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0] * mask[:, 1:]).sum() / mask.sum()
+
+    step = jax.value_and_grad(loss)
+    text = jax.jit(step).lower(params).compile().as_text()
+    assert cpu.BLOCK_TARGET in text and cpu.BLOCK_GRAD_TARGET in text
+    assert cpu.BLOCK_TARGET not in jax.jit(loss).lower(params).compile().as_text()
+    got_loss, got = jax.jit(step)(params)
+    with monkeypatch.context() as m:
+        m.setattr(attention_module, "_in_reverse_mode", lambda: False)
+        hand = jax.jit(jax.value_and_grad(lambda p: loss(p)))  # a new function: traced anew
+        hand_text = hand.lower(params).compile().as_text()
+        want_loss, want = hand(params)
+    assert cpu.BLOCK_TARGET not in hand_text  # so the comparison below compares two paths
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-6 * float(np.abs(w).max()) + 1e-9)
+    export_text(step, params)

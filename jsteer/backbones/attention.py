@@ -120,22 +120,31 @@ def fused_dropout(enabled: bool = True):
     return _FUSED_DROPOUT(bool(enabled))
 
 
-def _in_forward_mode() -> bool:
-    """True inside :func:`forward_mode` or when a forward-mode (JVP) trace encloses this one."""
-    if _PORTABLE.value:
-        return True
-    try:  # jax's trace stack (internal): a reverse-mode trace is a LinearizeTrace, not a JVPTrace
+def _enclosed_by(kind: str) -> bool:
+    """Whether a trace of jax's class ``kind`` (JVPTrace: forward mode; LinearizeTrace: reverse mode,
+    which is not a JVPTrace) encloses this one; False where jax's internals moved."""
+    try:  # jax's trace stack (internal)
         from jax._src import core
-        from jax._src.interpreters.ad import JVPTrace
+        from jax._src.interpreters import ad
 
-        trace = core.trace_ctx.trace
+        cls, trace = getattr(ad, kind), core.trace_ctx.trace
     except (ImportError, AttributeError):
         return False
     while trace is not None:
-        if isinstance(trace, JVPTrace):
+        if isinstance(trace, cls):
             return True
         trace = getattr(trace, "parent_trace", None)
     return False
+
+
+def _in_forward_mode() -> bool:
+    """True inside :func:`forward_mode` or when a forward-mode (JVP) trace encloses this one."""
+    return _PORTABLE.value or _enclosed_by("JVPTrace")
+
+
+def _in_reverse_mode() -> bool:
+    """True when a reverse-mode trace (``jax.grad``, ``jax.vjp``, a train step) encloses this one."""
+    return _enclosed_by("LinearizeTrace")
 
 
 def _backend() -> str:
@@ -193,7 +202,9 @@ def attention(
     through :func:`jsteer.backbones.cpu.decode_attention`, any other call (forwards, prefills; head
     size a multiple of 16) through :func:`jsteer.backbones.cpu.block_attention`. A call with
     probability dropout (a :class:`~jsteer.backbones.dropout.HashDropout`: training) takes that
-    kernel too wherever the kernels are available, ``cpu_kernel`` or not, with the same mask.
+    kernel too wherever the kernels are available, ``cpu_kernel`` or not, with the same mask, and
+    so does a call under reverse-mode differentiation (a decoder's training has no dropout): the
+    kernel's backward beats XLA's transpose of the hand-written path.
     Derivatives in both modes: :mod:`jsteer.backbones.kernel_attention`. ``qkv``: the [B,T,3,K,H]
     projection q (``[:, :, 0, :, None]``), k and v were sliced from, which that kernel then reads in
     place (BERT's)."""
@@ -201,7 +212,7 @@ def attention(
     if (
         q.dtype == k.dtype == v.dtype == jnp.float32
         and (dropout is None or isinstance(dropout, HashDropout))
-        and (cpu_kernel or (dropout is not None and cpu.available()))
+        and (cpu_kernel or ((dropout is not None or _in_reverse_mode()) and cpu.available()))
     ):
         padding = right_padded is not None
         out = kernel_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, padding, dropout)
