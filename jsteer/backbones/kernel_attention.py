@@ -70,7 +70,7 @@ class _Spec:
         if self.cache_layout or self.softcap is not None or (self.has_bias and want[-1]):
             return None  # the kernel has no soft-capping, cache layout or bias cotangent
         n = self.primals - self.has_bias
-        cts = kernel_grad.backward(self, res, out, ct, primals, functools.partial(_grads, res, spec=self), n)
+        cts = kernel_grad.backward(self, res, out, ct, primals, functools.partial(_grads, spec=self), n)
         return (*cts, *((None,) if self.has_bias else ()))
 
 
@@ -153,4 +153,4 @@ def kernel_attention(q, k, v, scale, visible, bias, cache_layout, softcap, qkv, 
     res = (vis, seed, jnp.asarray(scale, jnp.float32))
     primals = ((qkv,) if fused else (q, k, v)) + (() if bias is None else (bias,))
 
-    return kernel_grad.differentiable(spec, functools.partial(_kernel, spec, res), res, primals)
+    return kernel_grad.differentiable(spec, functools.partial(_kernel, spec), res, primals)

@@ -35,42 +35,50 @@ def on_cpu(kernel: Callable[[], object], hand: Callable[[], object]):
 
 
 def differentiable(rule, kernel: Callable[..., Array], res: Sequence[Array], primals: Sequence[Array]) -> Array:
-    """kernel(*primals) in CPU programs (``rule.hand(res, *primals)`` elsewhere), with derivatives by ``rule``."""
-    res = tuple(res)
+    """kernel(res, *primals) in CPU programs (``rule.hand(res, *primals)`` elsewhere), with derivatives
+    by ``rule``. res and primals are the custom_jvp's arguments, never closed over: under
+    ``jax.checkpoint`` the forward is traced again, and a closed-over array of the first trace leaks."""
+    n_res = len(res)
 
     @jax.custom_jvp
-    def f(*primals):
-        return on_cpu(lambda: kernel(*primals), lambda: rule.hand(res, *primals))
+    def f(*args):
+        res, primals = args[:n_res], args[n_res:]
+        return on_cpu(lambda: kernel(res, *primals), lambda: rule.hand(res, *primals))
 
-    def f_jvp(primals, tangents):
-        out = f(*primals)
-        return out, _tangent_p.bind(*primals, *res, out, *tangents, rule=rule, n_res=len(res))
+    def f_jvp(args, tangents):
+        res, primals = args[:n_res], args[n_res:]
+        out = f(*args)
+        return out, _tangent_p.bind(*primals, *res, out, *tangents[n_res:], rule=rule, n_res=n_res)
 
     f.defjvp(f_jvp)
-    return f(*primals)
+    return f(*res, *primals)
 
 
 def backward(rule, res, out: Array, ct: Array, primals: Sequence[Array], kernel: Callable[..., tuple], n: int) -> tuple:
-    """The first n primals' cotangents: kernel(ct, out, *primals) on CPU, the hand-written vjp elsewhere;
-    derivatives of either: the hand-written vjp's."""
+    """The first n primals' cotangents: kernel(res, ct, out, *primals) on CPU, the hand-written vjp
+    elsewhere; derivatives of either: the hand-written vjp's (res passed, not closed over, as above)."""
+    n_res = len(res)
 
-    def hand_vjp(ct, *primals):
+    def hand_vjp(res, ct, *primals):
         return tuple(jax.vjp(functools.partial(rule.hand, res), *primals)[1](ct)[:n])
 
     @jax.custom_jvp
-    def vjp(ct, out, *primals):
-        def run():  # in the primals' dtypes, as the hand-written vjp's
-            return tuple(g.astype(p.dtype) for g, p in zip(kernel(ct, out, *primals), primals))
+    def vjp(ct, out, *args):
+        res, primals = args[:n_res], args[n_res:]
 
-        return on_cpu(run, lambda: hand_vjp(ct, *primals))
+        def run():  # in the primals' dtypes, as the hand-written vjp's
+            return tuple(g.astype(p.dtype) for g, p in zip(kernel(res, ct, out, *primals), primals))
+
+        return on_cpu(run, lambda: hand_vjp(res, ct, *primals))
 
     def vjp_jvp(args, tangents):
-        ct, _, *primals = args
-        t_ct, _, *t_primals = tangents
-        return jax.jvp(hand_vjp, (ct, *primals), (t_ct, *t_primals))
+        ct, _, *rest = args
+        t_ct, _, *t_rest = tangents
+        res, primals, t_primals = tuple(rest[:n_res]), rest[n_res:], t_rest[n_res:]
+        return jax.jvp(functools.partial(hand_vjp, res), (ct, *primals), (t_ct, *t_primals))
 
     vjp.defjvp(vjp_jvp)
-    return vjp(ct, out, *primals)
+    return vjp(ct, out, *res, *primals)
 
 
 def _unpack(args, n_res: int) -> tuple:

@@ -8,7 +8,6 @@ Shapes: x [..., D] (D a multiple of 16), scale and bias [D] -> [..., D], all fp3
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -30,7 +29,7 @@ class _Rule:
         return z * jax.lax.rsqrt((z * z).mean(-1, keepdims=True) + self.eps) * scale + bias
 
     def backward(self, res, out, ct, want, x, scale, bias):
-        def grads(ct, out, x, scale, bias):
+        def grads(res, ct, out, x, scale, bias):
             return cpu.layer_norm_grad(x, scale, ct, self.eps)
 
         return kernel_grad.backward(self, res, out, ct, (x, scale, bias), grads, 3)
@@ -44,7 +43,10 @@ def applies(x: Array) -> bool:
 def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     """LayerNorm of x over its last axis by the CPU kernel (callers check :func:`applies`)."""
     rule = _Rule(float(eps))
-    kernel = functools.partial(cpu.layer_norm, eps=rule.eps)
+
+    def kernel(res, x, scale, bias):
+        return cpu.layer_norm(x, scale, bias, eps=rule.eps)
+
     return kernel_grad.differentiable(rule, kernel, (), (x.reshape(-1, x.shape[-1]), scale, bias)).reshape(x.shape)
 
 
