@@ -190,9 +190,10 @@ def test_a_decoders_gradient_runs_the_attention_kernels_and_matches_the_hand_wri
     still takes the kernel and its backward, with the hand-written path's loss and gradient (that
     path forced for the reference); a forward outside differentiation keeps XLA's ops unless
     packed; the step exported for GPUs and TPUs has none of the kernels."""
+    from test_export import CFG
+
     from jsteer.backbones import attention as attention_module
     from jsteer.backbones.decoder import Decoder
-    from test_export import CFG
 
     assert cpu.available(), cpu.unavailable_reason()
     module = Decoder(CFG)
