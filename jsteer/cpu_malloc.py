@@ -102,7 +102,7 @@ def hugepages(tunables: str | None = None, thp: str | None = None) -> str:
     if _glibc() is None:
         return "off: not glibc"
     version = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    values = [kv.split("=", 1)[1] for kv in tunables.replace(":", ",").split(",") if kv.startswith(HUGETLB + "=")]
+    values = [kv.split("=", 1)[1] for kv in tunables.split(":") if kv.startswith(HUGETLB + "=")]  # glibc's separator
     if not values or values[-1] == "0":
         return f"off: set GLIBC_TUNABLES={HUGETLB}=1 before Python starts (the kernel's mode: {thp})"
     if tuple(int(x) for x in version.split()[-1].split(".")[:2]) < (2, 35):

@@ -90,6 +90,7 @@ def test_huge_pages_fault_a_calls_temporaries_in_2_mib_at_a_time():
         ("glibc.malloc.hugetlb=1", "madvise", "on: GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
         ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "madvise", "on: "),
         ("glibc.malloc.hugetlb=1:glibc.malloc.hugetlb=0", "madvise", "off: set GLIBC_TUNABLES"),
+        ("glibc.malloc.arena_max=2,glibc.malloc.hugetlb=1", "madvise", "off: set GLIBC_TUNABLES"),  # not glibc's syntax
         ("glibc.malloc.hugetlb=1", "never", "off: glibc.malloc.hugetlb=1 asks for transparent huge pages"),
         ("glibc.malloc.hugetlb=7", "madvise", "off: glibc ignores glibc.malloc.hugetlb=7"),
         ("", "always", "on: the kernel's transparent huge pages are 'always'"),
