@@ -251,11 +251,21 @@ def _as_f32(x: Array) -> Array:
     return x.astype(jnp.float32) if x.dtype in _LOW_PRECISION else x
 
 
+@jax.custom_jvp
 def take_rows(table: Array, ids: Array) -> Array:
-    """``jnp.take(table, ids, axis=0)`` [*ids.shape, ...] in table's dtype, gathered from a
-    float32 view of a bf16 / fp16 table so that its gradient accumulates in float32. The values
-    are the same (a gather is exact); out-of-range ids gather NaN (``jnp.take``'s fill mode)."""
-    return jnp.take(_as_f32(table), ids, axis=0).astype(table.dtype)
+    """``jnp.take(table, ids, axis=0)`` [*ids.shape, ...] in table's dtype, whose tangent is
+    gathered from a float32 view of a bf16 / fp16 table's tangent, so that its gradient (the
+    transposed gather) accumulates in float32. Out-of-range ids gather NaN (``jnp.take``'s fill
+    mode). The primal gathers the table itself: a float32 view there is a whole-table convert per
+    call that XLA:GPU keeps inside a decode loop (a 1B model's tied 128k x 2048 table: 0.38 ms of a
+    1.8 ms step on an H200, and the head's product then read the float32 copy)."""
+    return jnp.take(table, ids, axis=0)
+
+
+@take_rows.defjvp
+def _take_rows_jvp(primals, tangents):
+    table, ids = primals
+    return take_rows(table, ids), jnp.take(_as_f32(tangents[0]), ids, axis=0).astype(table.dtype)
 
 
 def segment_sum(data: Array, segment_ids: Array, num_segments: int) -> Array:
