@@ -573,6 +573,14 @@ def main(argv=None):
         "(KVCache.unbatched, CPU-only by default): the A/B for the cache copies it removes on CPU",
     )
     ap.add_argument(
+        "--o-barrier",
+        action="store_true",
+        help="decode: an optimization barrier between a decode step's attention and its output projection. "
+        "XLA:GPU strength-reduces a batch-1 step's [1, D] x [D, D] products to multiply + reduce and fused the "
+        "attention's normalisation into o's multiply, writing [heads, head_dim, D] (5.8 us) before reducing it "
+        "(9.9 us a layer, s48 trace) where q's fused multiply-reduce of the same size takes 3.8 us: the A/B",
+    )
+    ap.add_argument(
         "--fused-dropout",
         action="store_true",
         help="BERT training: attention with dropout through the Pallas kernel (attention.fused_dropout)",
@@ -599,7 +607,20 @@ def main(argv=None):
         from jsteer.backbones.base import KVCache
 
         KVCache.unbatched = staticmethod(lambda batch: batch == 1)
+    if a.o_barrier:
+        import jax
+
+        from jsteer.backbones import decoder
+
+        plain = decoder.attention
+
+        def barred(q, *args, **kw):  # q [B, T, K, G, H]: only a decode step's (T = 1) output
+            out = plain(q, *args, **kw)
+            return jax.lax.optimization_barrier(out) if q.shape[1] == 1 else out
+
+        decoder.attention = barred
     res = environment(a)
+    res["o_barrier"] = a.o_barrier
     res["attention_products"] = a.attention_products
     res["steps_per_check"] = a.steps_per_check
     res["fused_dropout"] = a.fused_dropout

@@ -1,32 +1,26 @@
 #!/usr/bin/env bash
-# The prepared run on a lent GPU machine (issue #36), first call: what sessions 33-41 left owed, jsteer
+# The prepared run on a lent GPU machine (issue #36), first call: what session 48 left owed, jsteer
 # against HF PyTorch on the same chip in the same call, bf16 compute. After `bash experiments/device_bundle.sh`:
-#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=500)
-# then, warm, as budget allows: device_check_decode64.sh (batch 64 and the steer overhead, ~140 s) or
-# device_check_kala.sh (380 s). Per-step limits sum to 465 s (+ ~15 s set-up); on jax 0.11 a decode step
-# takes 62-72 s (the 1B init, the bandwidth probe, an 11 s compile), a BERT 32 x 512 one ~55 s.
-# $OUT gets gpu.txt, log.txt, decode.json (batch 1: jsteer, then the A/B renamed beside it: "jsteer_cbwhile",
-# XLA's command buffers (CUDA graphs) also capturing the while loop and its conditionals: a step costs
-# 1.79 ms at batch 1 and 64 alike against a 0.84 ms bound (s41), a fixed cost per step that the host read
-# of the loop condition does not explain (k = 8 changed nothing)), trace/decode_trace.json (the same
-# call under the profiler: events per step on each stream, busy time; experiments/gpu_decode_trace.py),
-# bert.json (32 x 512 with attention dropout 0, both frameworks: jsteer on cuDNN's flash attention, HF on
-# SDPA's; rows "jsteer_nodrop", "hf_nodrop": how much of the 0.84x at dropout 0.1 (s41) is dropout's).
-# The whole suite of earlier sessions is experiments/device_check_full.sh.
+#   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=540)
+# then, warm, as budget allows: device_check_decode64.sh (batch 64, the steer overhead and HF, ~140 s) or
+# device_check_kala.sh (380 s). Per-step limits sum to 450 s (+ ~15 s set-up); a decode step took 81-88 s
+# on jax 0.11 in s48 (the 1B init, the bandwidth probe, an 11 s compile); HF's batch-1 step ran past 60 s
+# there (its static cache compiles with torch.compile).
+# Session 48 removed a whole-table fp32 convert from the decode loop (take_rows): batch 1 went 1.82 ->
+# 1.31 ms a step, 71% of the measured bound; batch 64 stayed at 1.85 ms. What this call measures:
+#   decode.json  batch 1: jsteer, jsteer with --o-barrier renamed "jsteer_obarrier" (the A/B for the output
+#                projection that XLA:GPU strength-reduced to a 15.7 us multiply + reduce a layer, s48's
+#                trace; bench_gpu.py --help), and HF (static and dynamic caches) in the same call;
+#   trace64/     the batch-64 step under jax.profiler (gpu_decode_trace.py): where its 1.85 ms go;
+#   hlo64.tgz    that program as XLA:GPU optimised it (the trace's fusion names -> the model's ops).
 source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
-D="--part decode --framework jax --sizes 1 --reps 3"
-step "decode jax" timeout 110 $B $D --out /tmp/parts/de_jax.json
-step "decode jax, command buffers + while" timeout 110 env \
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
-  $B $D --out /tmp/parts/de_jax_cbwhile.json
-# the step under jax.profiler: kernels launched per step and the device's busy time (decode_trace.json)
-step "decode jax, traced" timeout 100 python3 experiments/gpu_decode_trace.py --new 32 --out "$OUT/trace"
-step "bert jax, attention dropout 0" timeout 110 $B --part bert --framework jax --reps 6 --sizes 32x512 \
-  --attention-dropout 0 --out /tmp/parts/bert_jax_nodrop.json
-step "bert torch, attention dropout 0" timeout 35 $B --part bert --framework torch --reps 6 --sizes 32x512 \
-  --attention-dropout 0 --out /tmp/parts/bert_torch_nodrop.json
-P="python3 experiments/device_parts.py"
-$P bert "$OUT/bert.json" bert_jax_nodrop=jsteer_nodrop bert_torch_nodrop=hf_nodrop
-$P decode "$OUT/decode.json" de_jax de_jax_cbwhile --tagged de_jax_cbwhile
+D="--part decode --sizes 1 --reps 3"
+step "decode jax, batch 1" timeout 110 $B $D --framework jax --out /tmp/parts/de_jax.json
+step "decode jax, batch 1, o barrier" timeout 110 $B $D --framework jax --o-barrier --out /tmp/parts/de_jax_obarrier.json
+step "decode torch, batch 1" timeout 110 $B $D --framework torch --out /tmp/parts/de_torch.json
+step "decode jax, batch 64, traced, HLO dumped" timeout 120 env XLA_FLAGS="--xla_dump_to=/tmp/hlo \
+--xla_dump_hlo_module_re=.*generate.*" python3 experiments/gpu_decode_trace.py --batch 64 --new 32 --out "$OUT/trace64"
+(cd /tmp/hlo && tar czf "$OUT/hlo64.tgz" $(ls | grep -E 'after_optimizations\.txt$'))
+python3 experiments/device_parts.py decode "$OUT/decode.json" de_jax de_jax_obarrier de_torch --tagged de_jax_obarrier
