@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 
 from jsteer.cpu_precision import _backend_started
@@ -91,21 +92,24 @@ def _reserved_hugepages() -> int:
         return 0
 
 
-def hugepages(tunables: str | None = None, thp: str | None = None) -> str:
+def hugepages(tunables: str | None = None, thp: str | None = None, version: str | None = None) -> str:
     """Whether glibc's large blocks get transparent huge pages here: ``"on: ..."``, or ``"off: ..."``
     with what would turn it on. tunables: ``GLIBC_TUNABLES`` as this process started with it;
-    thp: the kernel's mode (both read from the system when None)."""
+    thp: the kernel's mode; version: ``CS_GNU_LIBC_VERSION`` ("glibc 2.36"; all read from the
+    system when None)."""
     tunables = os.environ.get("GLIBC_TUNABLES", "") if tunables is None else tunables
     thp = _thp_mode() if thp is None else thp
     if thp == "always":
         return "on: the kernel's transparent huge pages are 'always'"
-    if _glibc() is None:
-        return "off: not glibc"
-    version = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    if version is None:
+        if _glibc() is None:
+            return "off: not glibc"
+        version = os.confstr("CS_GNU_LIBC_VERSION") or ""
     values = [kv.split("=", 1)[1] for kv in tunables.split(":") if kv.startswith(HUGETLB + "=")]  # glibc's separator
     if not values or values[-1] == "0":
         return f"off: set GLIBC_TUNABLES={HUGETLB}=1 before Python starts (the kernel's mode: {thp})"
-    if tuple(int(x) for x in version.split()[-1].split(".")[:2]) < (2, 35):
+    number = re.search(r"(\d+)\.(\d+)", version)  # a vendor suffix ("2.35-0ubuntu3") or none at all
+    if number and (int(number[1]), int(number[2])) < (2, 35):
         return f"off: {version} predates {HUGETLB} (2.35)"
     if values[-1] not in ("1", "2"):
         return f"off: glibc ignores {HUGETLB}={values[-1]} (1: transparent huge pages, 2: reserved ones)"

@@ -98,3 +98,11 @@ def test_huge_pages_fault_a_calls_temporaries_in_2_mib_at_a_time():
 )
 def test_the_huge_page_state_reads_the_tunable_and_the_kernels_mode(tunables, thp, want):
     assert cpu_malloc.hugepages(tunables, thp).startswith(want)
+
+
+@pytest.mark.parametrize(
+    "version,want",
+    [("glibc 2.36", "on: "), ("glibc 2.35-0ubuntu3", "on: "), ("glibc 2.31", "off: glibc 2.31 predates"), ("", "on: ")],
+)
+def test_the_huge_page_state_reads_any_glibc_version_string(version, want):
+    assert cpu_malloc.hugepages("glibc.malloc.hugetlb=1", "madvise", version).startswith(want)
