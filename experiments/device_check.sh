@@ -13,7 +13,8 @@
 #                trace; bench_gpu.py --help), with XLA's Triton gemms off renamed "jsteer_cublas" (the M = 1
 #                gate/up and down products ran as Triton gemms at 3.3-3.4 TB/s, 70% of the spec rate: the A/B
 #                for cuBLAS's), and HF (static and dynamic caches) in the same call;
-#   trace64/     the batch-64 step under jax.profiler (gpu_decode_trace.py): where its 1.85 ms go;
+#   trace64/     the batch-64 step under jax.profiler (gpu_decode_trace.py): where its 1.85 ms go, per
+#                model op in ops.json (gpu_trace_ops.py: the kernels mapped to the JAX ops through the HLO);
 #   hlo64.tgz    that program as XLA:GPU optimised it (the trace's fusion names -> the model's ops).
 source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
@@ -27,5 +28,6 @@ step "decode torch, batch 1" timeout 105 $B $D --framework torch --out /tmp/part
 step "decode jax, batch 64, traced, HLO dumped" timeout 110 env XLA_FLAGS="--xla_dump_to=/tmp/hlo \
 --xla_dump_hlo_module_re=.*generate.*" python3 experiments/gpu_decode_trace.py --batch 64 --new 32 --out "$OUT/trace64"
 (cd /tmp/hlo && tar czf "$OUT/hlo64.tgz" $(ls | grep -E 'after_optimizations\.txt$'))
+python3 experiments/gpu_trace_ops.py "$OUT/trace64/trace.json.gz" /tmp/hlo --steps 32 --out "$OUT/trace64/ops.json"
 python3 experiments/device_parts.py decode "$OUT/decode.json" de_jax de_jax_obarrier de_jax_cublas de_torch \
   --tagged de_jax_obarrier de_jax_cublas

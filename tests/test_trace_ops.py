@@ -1,0 +1,92 @@
+"""jsteer.train.trace_ops: a profiled call's kernels mapped to the JAX ops they lower, on a
+hand-written optimised HLO and trace (the GPU's naming: deduplicated fusions, a split-K gemm without
+metadata, a while loop) and on a real traced decode on this CPU."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jsteer.train import trace_ops
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+HLO = """
+%gemm_fusion_dot.584_computation (parameter_0.3: bf16[16,512,1], parameter_1.3: bf16[16,512,2048]) -> f32[16,1,2048] {
+  %dot.813 = f32[16,2048,1]{1,2,0} dot(%parameter_1.3, %parameter_0.3), metadata={scheduling_name="dot.813"}
+}
+
+%body (arg: (s32[])) -> (s32[]) {
+  %input_reduce_fusion.78 = bf16[2048]{0} fusion(%fusion.1210), kind=kInput, calls=%fused_reduce.78, \
+metadata={op_name="jit(_generate)/while/body/Decoder/layers_0/layers_0._layer/attn/o/dot_general" \
+deduplicated_name="input_reduce_fusion.78"}
+  %input_reduce_fusion.79 = bf16[2048]{0} fusion(%fusion.1190), kind=kInput, calls=%fused_reduce.79, \
+metadata={op_name="jit(_generate)/while/body/Decoder/layers_1/layers_1._layer/attn/o/dot_general" \
+deduplicated_name="input_reduce_fusion.78"}
+  %gemm_fusion_dot.584 = f32[16,1,2048]{2,1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_fusion_dot.584_computation
+  %loop_add_fusion.19 = bf16[1,1,2048]{2,1,0} fusion(%gemm_fusion_dot.584, %input_reduce_fusion.78), kind=kLoop, \
+metadata={op_name="jit(_generate)/while/body/Decoder/layers_0/layers_0._layer/add"}
+}
+
+ENTRY %main (p: s32[]) -> s32[] {
+  %while.13 = (s32[]) while(%tuple), condition=%cond, body=%body, metadata={op_name="jit(_generate)/while"}
+}
+""".replace("\\\n", "")
+
+
+def _trace(events, device=True):
+    procs = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0" if device else "/host:CPU"}}
+    ]
+    return {"traceEvents": procs + [{"ph": "X", "pid": 1, "tid": 1, "name": n, "dur": d} for n, d in events]}
+
+
+def test_kernels_are_summed_per_op_over_the_layers():
+    trace = _trace(
+        [("input_reduce_fusion_78", 10.0)] * 4
+        + [("gemm_fusion_dot_584", 7.0)] * 2
+        + [("loop_add_fusion_19", 1.0)] * 2
+        + [("MemcpyD2H", 0.5)]
+    )
+    res = trace_ops.summarise(trace, HLO, steps=2)
+    rows = {r["op"]: r for r in res["ops"]}
+    o = rows["while/body/Decoder/layers_*/attn/o/dot_general"]
+    assert o["us_per_step"] == 20.0 and o["events_per_step"] == 2.0 and o["kernels"] == ["input_reduce_fusion_78"]
+    # a split-K gemm has no op_name: it is named after the op it feeds
+    assert rows["(no op_name; feeds while/body/Decoder/layers_*/add)"]["us_per_step"] == 7.0
+    assert rows["(unmapped) MemcpyD2H"]["us_per_step"] == 0.25
+    assert res["busy_us_per_step"] == pytest.approx((40 + 14 + 2 + 0.5) / 2)
+    assert res["ops"][0]["op"].endswith("attn/o/dot_general")  # longest first
+
+
+def test_on_the_host_only_kernels_count_not_the_loop_or_the_runtime():
+    trace = _trace([("while.13", 100.0), ("input_reduce_fusion.78", 3.0), ("PjitFunction(_generate)", 50.0)], False)
+    res = trace_ops.summarise(trace, HLO)
+    assert [r["op"] for r in res["ops"]] == ["while/body/Decoder/layers_*/attn/o/dot_general"]
+    assert res["busy_us_per_step"] == 3.0
+
+
+def test_hlo_text_names_the_folder_without_a_dump(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        trace_ops.hlo_text(tmp_path)
+
+
+def test_a_traced_decode_on_this_cpu_maps_to_the_decoders_ops(tmp_path):
+    """The real naming: experiments/gpu_decode_trace.py --tiny under an XLA dump, read back."""
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re=.*generate.*"
+    )
+    cmd = [sys.executable, "experiments/gpu_decode_trace.py", "--tiny", "--new", "4", "--out", str(tmp_path / "t")]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    trace = json.load(gzip.open(tmp_path / "t" / "trace.json.gz"))
+    res = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo"), steps=4, top=200)
+    ops = [r["op"] for r in res["ops"]]
+    assert any("while/body/Decoder/layers_*/" in op for op in ops), ops
+    assert not any(op == "while" or op.startswith("(unmapped)") for op in ops), ops
+    assert res["busy_us_per_step"] > 0
