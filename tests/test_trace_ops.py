@@ -90,3 +90,12 @@ def test_a_traced_decode_on_this_cpu_maps_to_the_decoders_ops(tmp_path):
     assert any("while/body/Decoder/layers_*/" in op for op in ops), ops
     assert not any(op == "while" or op.startswith("(unmapped)") for op in ops), ops
     assert res["busy_us_per_step"] > 0
+
+
+def test_layer_indices_fold_for_decoders_and_encoders():
+    assert trace_ops.fold("jit(_generate)/while/body/Decoder/layers_3/layers_3._layer/attn/o/dot_general") == (
+        "while/body/Decoder/layers_*/attn/o/dot_general"
+    )
+    assert trace_ops.fold("jit(step)/transpose(jvp(Bert))/encoder/layer_11/add_any") == (
+        "transpose(jvp(Bert))/encoder/layer_*/add_any"
+    )

@@ -24,7 +24,7 @@ OPERAND = re.compile(r"%([\w.\-]+)")
 CALLS = re.compile(r"calls=%?([\w.\-]+)")
 COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 CONTROL = re.compile(r"\s(while|conditional|call)\(")
-LAYER = re.compile(r"layers_\d+/layers_\d+\._layer|layers_\d+")
+LAYER = re.compile(r"layers_\d+/layers_\d+\._layer|layers?_\d+")
 
 
 def hlo_text(path: pathlib.Path) -> str:
@@ -47,7 +47,7 @@ def hlo_text(path: pathlib.Path) -> str:
 def fold(op_name: str) -> str:
     """An op_name without the jit prefix, its layer indices folded: ``.../layers_*/attn/o/dot_general``."""
     op = op_name.split("/", 1)[1] if op_name.startswith("jit(") and "/" in op_name else op_name
-    return LAYER.sub("layers_*", op)
+    return LAYER.sub(lambda m: "layer_*" if m[0].startswith("layer_") else "layers_*", op)
 
 
 def op_names(hlo: str) -> dict[str, str]:
