@@ -97,12 +97,13 @@ def device_events(trace: dict) -> tuple[list[dict], bool]:
 
 
 def summarise(trace: dict, hlo: str, steps: int = 1, top: int = 30) -> dict:
+    """The trace's kernel time per folded op_name, divided by ``steps``, the ``top`` longest."""
     names = op_names(hlo)
     per = collections.defaultdict(lambda: {"us": 0.0, "events": 0, "kernels": set()})
     events, on_device = device_events(trace)
     for e in events:
         key = e["name"].replace(".", "_")
-        op = names.get(key) or names.get(re.sub(r"_\d+$", "", key))
+        op = names.get(key) or names.get(re.sub(r"_\d+$", "", key))  # a clone's suffix the dump lacks
         if op is None and not on_device:
             continue  # the host's runtime, not a kernel
         op = op or f"(unmapped) {e['name']}"
