@@ -30,7 +30,9 @@ import numpy as np
 
 def summarise(trace: dict, steps: int, top: int = 25) -> dict:
     """Per trace process: complete events ("X"), their summed duration (us) and the top names."""
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    from jsteer.train.trace_ops import process_names
+
+    names = process_names(trace)
     per = collections.defaultdict(
         lambda: {"events": 0, "busy_us": 0.0, "by_name": collections.Counter(), "first": float("inf"), "last": 0.0}
     )

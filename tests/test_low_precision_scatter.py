@@ -28,9 +28,14 @@ from jsteer.train.step import cast_floating
 LOW_SCATTER = re.compile(r"scatter-(add|max|min|mul)[.\w]*\s*=\s*(bf16|f16)\[")
 
 
-def low_precision_scatters(fn, *args) -> list[str]:
+def hlo_lines(pattern: re.Pattern, fn, *args) -> list[str]:
+    """The lines of fn's jitted program (HLO before XLA's passes) that ``pattern`` matches."""
     hlo = jax.jit(fn).lower(*args).as_text(dialect="hlo")
-    return [line.strip()[:200] for line in hlo.splitlines() if LOW_SCATTER.search(line)]
+    return [line.strip()[:200] for line in hlo.splitlines() if pattern.search(line)]
+
+
+def low_precision_scatters(fn, *args) -> list[str]:
+    return hlo_lines(LOW_SCATTER, fn, *args)
 
 
 def abstract_init(module, *inputs):
@@ -145,16 +150,11 @@ def test_a_bf16_decoders_lookups_never_view_the_whole_table_as_float32():
     ids = jnp.asarray([[1, 2, 3, 4]])
     p = abstract_cast(abstract_init(m, ids), jnp.bfloat16)
     table_f32 = re.compile(rf"f32\[{vocab},{d}\]")
-
-    def whole_table_f32(fn, *args):
-        hlo = jax.jit(fn).lower(*args).as_text(dialect="hlo")
-        return [line.strip()[:160] for line in hlo.splitlines() if table_f32.search(line)]
-
-    assert whole_table_f32(lambda p: m.apply({"params": p}, ids).logits, p) == []
+    assert hlo_lines(table_f32, lambda p: m.apply({"params": p}, ids).logits, p) == []
 
     def gen(p):
         return generate(m, p, ids, max_new_tokens=3, cpu_kernels=False).tokens
 
-    assert whole_table_f32(gen, p) == []
+    assert hlo_lines(table_f32, gen, p) == []
     # the gradient still accumulates in fp32: its scatter-add is f32[V, D]
-    assert whole_table_f32(grad_of_logits(m, ids), p) != []
+    assert hlo_lines(table_f32, grad_of_logits(m, ids), p) != []

@@ -87,11 +87,15 @@ def op_names(hlo: str) -> dict[str, str]:
     return out
 
 
+def process_names(trace: dict) -> dict:
+    """A trace's pid -> process name ("/device:GPU:0", "/host:CPU", ...)."""
+    return {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+
+
 def device_events(trace: dict) -> tuple[list[dict], bool]:
     """(complete events on the device streams (GPU / TPU), True), or, with no device in the trace,
     (every complete event of the host, False): only those named after an instruction are then kept."""
-    procs = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    dev = {p for p, n in procs.items() if "/device:" in n}
+    dev = {p for p, n in process_names(trace).items() if "/device:" in n}
     xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     return ([e for e in xs if e["pid"] in dev], True) if dev else (xs, False)
 
