@@ -14,10 +14,15 @@ large blocks by itself), no mmap for large blocks and no trimming of the heap's 
 by default because the one arena costs where programs are small and many: the demo's KALA section
 (a tiny BERT, compiled and trained) 22.8 -> 32.2 s, with the arena alone 31.1 s (XLA's threads
 contend for its lock). A process that keeps also keeps the heap of its peak (freed memory is
-reused, not returned); :func:`release` returns it. A bounded top (trim beyond 2 GiB, down to 1
-GiB) was tried: a SmolLM2 train step whose 1.8 GB of temporaries outgrew it faulted them in again
-and, every ~8 steps, took 7.5-9 s instead of 4.5 s (6-9 s of system time in the kernel). Only glibc
-on Linux is touched, and only before a JAX backend started (its threads would keep their arenas).
+reused, not returned); :func:`release` returns it. Back to back, XLA's thread frees a call's
+buffer after the next call took its own, and a freed block between live ones is too small for a
+64-byte-aligned request of its own size (glibc 2.36 asks the heap for the size plus the alignment),
+so the kept heap grows by whole buffers before it settles: for a 256 MiB temporary at 0.56-1.6 GiB
+after 2-15 calls (8 runs; until then a call may fault again). A bounded top (trim beyond 2 GiB,
+down to 1 GiB) was tried: a SmolLM2 train step whose 1.8 GB of temporaries outgrew it faulted them
+in again and, every ~8 steps, took 7.5-9 s instead of 4.5 s (6-9 s of system time in the kernel).
+Only glibc on Linux is touched, and only before a JAX backend started (its threads would keep their
+arenas).
 
 The cheaper remedy needs no arena change but must be in the environment before Python starts:
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc >= 2.35) has glibc advise transparent huge pages

@@ -17,10 +17,10 @@ import resource
 import jsteer, jax, jax.numpy as jnp
 f = jax.jit(lambda x: (x @ x.T).sum())
 x = jnp.ones(({N}, 16), jnp.float32)
-for _ in range(3):  # XLA frees a call's temporaries on its own thread, shortly after the result:
-    f(x).block_until_ready()  # a few calls until the heap holds the blocks the overlap needs
+for _ in range(20):  # XLA frees a call's temporaries on its own thread after the result, so back to back the
+    f(x).block_until_ready()  # next call's block is taken first: a kept heap grows for up to ~15 calls (cpu_malloc)
 faults = []
-for _ in range(4):
+for _ in range(6):
     r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
