@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from jsteer.train import trace_ops
 from jsteer.train.bench import peak_tflops
 from jsteer.train.gpu_bench import (
     LLAMA_1B,
@@ -236,6 +237,9 @@ def _bert_jax(a, c, labels, batches, flops, peak):
     i = iter(range(10**9))
     first, dt = median_time(lambda: tr.train_step(batches[next(i) % 4], total)["loss"], jax_sync, a.reps, 3)
     b, t = batches[0]["input_ids"].shape
+    if a.trace:
+        step = lambda: tr.train_step(batches[next(i) % 4], total)["loss"]  # noqa: E731
+        trace_ops.record(step, pathlib.Path(a.trace) / f"bert_{b}x{t}", calls=3)
     return _rates(dt, b, t, flops, peak, first)
 
 
@@ -591,6 +595,12 @@ def main(argv=None):
         default=None,
         help="BERT training, both frameworks: attention dropout (default BERT's 0.1); 0 sends jsteer to cuDNN's "
         "flash attention and HF to SDPA's flash kernel: the A/B for what attention dropout costs each",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="BERT training: DIR; after timing, 3 jsteer steps under jax.profiler -> DIR/bert_BxT/trace.json.gz "
+        "(gpu_trace_ops.py sums it per model op with the HLO of --xla_dump_to)",
     )
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)

@@ -2,8 +2,8 @@
 # The prepared run on a lent GPU machine (issue #36), first call: what session 48 left owed, jsteer
 # against HF PyTorch on the same chip in the same call, bf16 compute. After `bash experiments/device_bundle.sh`:
 #   run(command="bash experiments/device_check.sh", carry=[".gpu"], timeout_s=530)
-# then, warm, as budget allows: device_check_decode64.sh (batch 64, the steer overhead and HF, ~140 s) or
-# device_check_kala.sh (380 s). Per-step limits sum to 500 s (+ ~15 s set-up); a decode step took 81-88 s
+# then, warm, as budget allows: device_check_bert.sh (BERT 32 x 512 both dropouts, jsteer's step traced, ~300 s),
+# device_check_decode64.sh (batch 64, the steer overhead and HF, ~140 s) or device_check_kala.sh (380 s). Per-step limits sum to 500 s (+ ~15 s set-up); a decode step took 81-88 s
 # on jax 0.11 in s48 (the 1B init, the bandwidth probe, an 11 s compile); HF's batch-1 step ran past 60 s
 # there (its static cache compiles with torch.compile).
 # Session 48 removed a whole-table fp32 convert from the decode loop (take_rows): batch 1 went 1.82 ->

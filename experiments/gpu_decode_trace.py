@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import gzip
 import json
 import pathlib
-import shutil
 import sys
-import tempfile
-import time
 
 import numpy as np
 
@@ -70,6 +66,7 @@ def main(argv=None) -> int:
 
     from jsteer.decode import generate
     from jsteer.train.gpu_bench import LLAMA_1B, LLAMA_TINY, jax_sync, jsteer_llama, median_time
+    from jsteer.train.trace_ops import record
 
     c = LLAMA_TINY if a.tiny else LLAMA_1B
     module, params = jsteer_llama(c, jnp.bfloat16)
@@ -81,18 +78,9 @@ def main(argv=None) -> int:
         return generate(module, params, ids, max_new_tokens=a.new).tokens
 
     compile_s, untraced_s = median_time(call, jax_sync, 1, 1)
-    tmp = pathlib.Path(tempfile.mkdtemp())
-    with jax.profiler.trace(str(tmp), create_perfetto_trace=True):
-        t0 = time.perf_counter()
-        jax_sync(call())
-        traced_s = time.perf_counter() - t0
-    found = glob.glob(str(tmp / "**" / "*.trace.json.gz"), recursive=True)
-    if not found:
-        raise SystemExit(f"gpu_decode_trace: the profiler wrote no Perfetto trace under {tmp}")
     out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(found[0], out / "trace.json.gz")
-    with gzip.open(found[0]) as f:
+    traced_s = record(call, out)
+    with gzip.open(out / "trace.json.gz") as f:
         trace = json.load(f)
     summary = {
         "backend": jax.default_backend(),

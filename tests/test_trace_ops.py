@@ -92,6 +92,22 @@ def test_a_traced_decode_on_this_cpu_maps_to_the_decoders_ops(tmp_path):
     assert res["busy_us_per_step"] > 0
 
 
+def test_a_traced_bert_train_step_on_this_cpu_maps_to_its_forward_and_backward_ops(tmp_path):
+    """bench_gpu.py --trace (device_check_bert.sh's step) under an XLA dump of the Trainer's step_fn."""
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re=.*step_fn.*"
+    )
+    cmd = [sys.executable, "experiments/bench_gpu.py", "--part", "bert", "--tiny", "--sizes", "4x32"]
+    cmd += ["--framework", "jax", "--reps", "1", "--trace", str(tmp_path / "t"), "--out", str(tmp_path / "b.json")]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    trace = json.load(gzip.open(tmp_path / "t" / "bert_4x32" / "trace.json.gz"))
+    res = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo"), steps=3, top=400)
+    ops = [r["op"] for r in res["ops"]]
+    assert any(op.startswith("jvp(BertForTokenClassification)/encoder/layer_*/") for op in ops), ops
+    assert any(op.startswith("transpose(jvp(BertForTokenClassification))/encoder/layer_*/") for op in ops), ops
+    assert res["busy_us_per_step"] > 0
+
+
 def test_layer_indices_fold_for_decoders_and_encoders():
     assert trace_ops.fold("jit(_generate)/while/body/Decoder/layers_3/layers_3._layer/attn/o/dot_general") == (
         "while/body/Decoder/layers_*/attn/o/dot_general"

@@ -7,7 +7,8 @@ Layer indices are folded (``layers_*``), so a row sums an op over the layers. On
 streams are read; on CPU the host threads' op events. CLI: ``experiments/gpu_trace_ops.py``.
 
 :func:`summarise` (trace dict, HLO text, steps) -> {"busy_us_per_step", "ops": [{"op",
-"us_per_step", "share", "events_per_step", "kernels"}, ...]} longest first.
+"us_per_step", "share", "events_per_step", "kernels"}, ...]} longest first; :func:`record` writes
+such a trace of a call.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ def hlo_text(path: pathlib.Path) -> str:
                 raise FileNotFoundError(f"{path}: no *after_optimizations.txt in the archive")
             return tar.extractfile(names[-1]).read().decode()
     return path.read_text()
+
+
+def record(call, out: pathlib.Path, calls: int = 1) -> float:
+    """Run ``call()`` (its result blocked on) ``calls`` times under ``jax.profiler``; the Perfetto
+    trace is copied to ``out/trace.json.gz``. Returns the traced calls' seconds."""
+    import glob
+    import shutil
+    import tempfile
+    import time
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(call())
+            seconds = time.perf_counter() - t0
+        found = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+        if not found:
+            raise RuntimeError(f"the profiler wrote no Perfetto trace under {tmp}")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(found[0], out / "trace.json.gz")
+    return seconds
 
 
 def fold(op_name: str) -> str:
