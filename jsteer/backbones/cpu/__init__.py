@@ -163,22 +163,25 @@ _SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx
 
 
 def describe() -> dict:
-    """{"model": /proc/cpuinfo's model name, "simd": the vector-ISA flags among :data:`_SIMD` it has,
-    "dots": which fp32 dots XLA:CPU runs (``jsteer.cpu_precision.STATE``), "malloc": whether XLA's
-    per-call buffers stay mapped (``jsteer.cpu_malloc.STATE``), "hugepages": whether glibc's large
-    blocks get huge pages (``jsteer.cpu_malloc.HUGEPAGES``)}: what benchmark JSON records of the
-    CPU (ratios to torch move with the ISA, the dots and the page faults)."""
+    """{"model": /proc/cpuinfo's model name, "family": its vendor, family and model numbers (a VM's
+    "AMD EPYC" names no generation: family 25 is Zen 3/4, 26 Zen 5), "simd": the vector-ISA flags
+    among :data:`_SIMD` it has, "dots": which fp32 dots XLA:CPU runs (``jsteer.cpu_precision.STATE``),
+    "malloc": whether XLA's per-call buffers stay mapped (``jsteer.cpu_malloc.STATE``), "hugepages":
+    whether glibc's large blocks get huge pages (``jsteer.cpu_malloc.HUGEPAGES``)}: what benchmark
+    JSON records of the CPU (ratios to torch move with the ISA, the dots and the page faults)."""
     from jsteer import cpu_malloc, cpu_precision
 
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         info = []
-    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown")
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info[:30]) if v}
+    model = field.get("model name", "unknown")
     flags = set(_cpu_flags().split(":", 1)[-1].split())
     simd = [f for f in _SIMD if f in flags]
     return {
         "model": model,
+        "family": "{} family {} model {}".format(*(field.get(k, "?") for k in ("vendor_id", "cpu family", "model"))),
         "simd": simd,
         "dots": cpu_precision.STATE,
         "malloc": cpu_malloc.STATE,
