@@ -146,6 +146,8 @@ def doctor_report() -> dict:
         "jax_backend": jax.default_backend(),
         "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() for d in jax.devices()],
         "packages": {n: version(n) for n in _PACKAGES},
+        "cpu": {k: v for k, v in cpu.describe().items() if k in ("model", "family", "simd")}
+        | {"cores": os.cpu_count()},
         "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
         "cpu_dots": jsteer.cpu_precision.STATE,
         "cpu_malloc": jsteer.cpu_malloc.STATE,
@@ -167,6 +169,8 @@ def _doctor(args) -> int:
     print(f"jsteer {info['jsteer']} ({info['jsteer_path']}), Python {info['python']}, {info['platform']}")
     print(f"JAX backend: {info['jax_backend']}; devices: {', '.join(info['devices'])}")
     print("packages:   " + ", ".join(f"{n} {v or 'NOT INSTALLED'}" for n, v in info["packages"].items()))
+    c = info["cpu"]
+    print(f"CPU: {c['model']} ({c['family']}), {c['cores']} cores; {' '.join(c['simd'])}")
     k = info["cpu_kernel"]
     print(f"CPU decode kernel: {'available' if k['available'] else 'unavailable (' + str(k['reason']) + ')'}")
     print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")

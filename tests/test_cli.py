@@ -177,6 +177,7 @@ def test_version_and_doctor(capsys):
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
     assert "JAX backend: cpu" in text and "CPU decode kernel:" in text and "cache hf_hub:" in text
+    assert f"CPU: {info['cpu']['model']} ({info['cpu']['family']}), {info['cpu']['cores']} cores; " in text
 
 
 def test_quiet_is_taken_before_or_after_the_command(monkeypatch):
