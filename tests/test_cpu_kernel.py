@@ -381,7 +381,7 @@ def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatc
 def test_describe_names_the_cpu_and_its_vector_isa():
     d = cpu.describe()
     assert d["model"] and d["model"] != "unknown"
-    assert re.fullmatch(r"(AuthenticAMD|GenuineIntel) family \d+ model \d+", d["family"]), d["family"]
+    assert re.fullmatch(r"\w+ family \d+ model \d+", d["family"]), d["family"]  # e.g. AuthenticAMD family 26 model 2
     assert set(d["simd"]) <= set(cpu._SIMD) and ("avx512f" in d["simd"]) == cpu._cpu_has_avx512f()
     assert "avx2" in d["simd"]  # every x86 machine this suite runs on (the kernel needs AVX-512)
     assert d["dots"] == "precise"  # the suite imports jsteer before any JAX computation
