@@ -25,7 +25,7 @@ def fsdp(pid: int, out: str) -> None:
     """A decoder sharded over both processes' 8 devices: logits of a forward and one train step."""
     import numpy as np
     from jax.experimental import multihost_utils
-    from test_train_multiprocess import fsdp_batch, fsdp_loss, fsdp_model
+    from test_train_multiprocess import FSDP_OPTIMIZER, fsdp_batch, fsdp_loss, fsdp_model
 
     from jsteer import sharding
     from jsteer.backbones.decoder_params import logical_axes
@@ -41,7 +41,7 @@ def fsdp(pid: int, out: str) -> None:
     trainer = Trainer(
         fsdp_loss(module),
         params,
-        OptimizerConfig(learning_rate=1e-2),
+        OptimizerConfig(**FSDP_OPTIMIZER),
         mesh=mesh,
         rules="fsdp",
         axes="auto",
