@@ -49,8 +49,9 @@ def test_pack_layout():
         (15, 64, 100),
         (32, 96, 1000),
         (1, 16, 7),
-        # many rows: blocks of rows that fit in 512 KiB (K 1000: 128 rows), k in slices of 128
+        # many rows: blocks of rows that fit in 512 KiB (K 1000: 128 rows), k in slices of 64
         (300, 1000, 100),
+        (20, 1536, 96),  # k >= 1024: slices of 32
         (70, 129, 49),
         # empty operands
         (0, 16, 50),
@@ -64,7 +65,7 @@ def test_small_gemm_matches_numpy(m, k, n):
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x, w: cpu.small_gemm(x, cpu.pack(w), n))(x, w))
     want = x.astype(np.float64) @ w.astype(np.float64)
-    # fp32 sums of k terms in slices of 128: error well under the plain fp32 dot's bound
+    # fp32 sums of k terms in slices of 32-64: error well under the plain fp32 dot's bound
     np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * k * np.abs(want).max(initial=0.0))
     np.testing.assert_allclose(got, np.asarray(jnp.dot(x, w)), rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=0.0))
 

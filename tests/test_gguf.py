@@ -347,7 +347,9 @@ def test_smollm2_fp32_error_against_fp64_is_hfs_own(smollm2):
     5.8e-5 / 9.3e-6 (summation order alone moves HF by more: see the test above); with
     XLA's default YNNPACK dots jsteer was 1.6e-4 / 2.7e-5, which this test refuses. Session 43 (Xeon):
     XLA's dots 7.9e-5 / 1.3e-5, the CPU kernel's (LM.forward's default) 6.7e-5 / 1.2e-5, HF
-    9.0e-5 / 1.5e-5; the kernel summing all of k in one running sum was 1.6e-4 (refused)."""
+    9.0e-5 / 1.5e-5; the kernel summing all of k in one running sum was 1.6e-4 (refused). Session 49
+    (Zen 5): HF 5.8e-5 / 9.3e-6, XLA 6.1e-5 / 1.2e-5, the kernel with slices of 128 1.2e-4 / 2.0e-5
+    (refused), of 32-64 (decode_kernels.cc) 4.7e-5 / 9.5e-6."""
     import copy
 
     from jsteer import cpu_precision

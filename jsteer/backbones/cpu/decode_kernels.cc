@@ -14,7 +14,7 @@
 // [ceil(N/48), K, 48] (`pack` in cpu/__init__.py), and each panel's 48 columns for up to 8 rows
 // stay in 24 vector accumulators (AVX-512) while the panel streams past. Panels are shared out
 // between the caller and XLA's intra-op thread pool. Sums run over k in order, one FMA per term,
-// in slices of 128 k steps added up. Prefills and forwards (many rows) take the same kernel, the
+// in slices of 32-64 k steps added up. Prefills and forwards (many rows) take the same kernel, the
 // rows in blocks that fit in L2: on 2 Xeon cores it runs SmolLM2's products at ~260-280 GFLOP/s
 // (XLA:CPU's 140-300, torch's ~300) and its tied logits at ~220 (XLA 134-177).
 
@@ -42,10 +42,14 @@ using Vector = ffi::Buffer<ffi::F32, 1>;
 constexpr int64_t kPanel = 48;  // columns per panel: 3 vectors of 16 floats
 constexpr int64_t kRows = 8;    // rows per register block: 8 x 3 accumulators
 constexpr int64_t kFewRows = 64;  // up to here (decode steps) all rows are one row block
-// k steps per slice: 24 KiB of a panel, in L1. Each slice is summed in fresh accumulators and
-// added to y (blocked summation, as Eigen's and MKL's GEMMs do): one running sum over all of K
-// put SmolLM2's fp32 logits 1.6e-4 from an fp64 run, against HF fp32's 9.0e-5 (tests/test_gguf.py).
-constexpr int64_t kDepth = 128;
+// k steps per slice, each slice summed in fresh accumulators and added to y (blocked summation, as
+// Eigen's and MKL's GEMMs do). A sum's rounding error grows about as depth / 2 + k / (2 depth) terms'
+// worth (the chain inside a slice, then the slices' adds): 32 steps where k >= 1024, 64 below. With
+// 128 everywhere SmolLM2's fp32 logits were 1.2e-4 / rms 1.9e-5 from an fp64 run on a Zen 5 VM
+// (its MLP outputs reach 2.2e4 by layer 12) against HF fp32's 5.8e-5 / 9.3e-6, which
+// tests/test_gguf.py refuses (<= 1.5x); with these depths 4.7e-5 / 9.5e-6, for ~7% of a SmolLM2
+// B8xT128 forward there (0.68 -> 0.73 s). One running sum over all of k: 1.6e-4 (a Xeon, s43).
+constexpr int64_t kDepthLong = 32, kDepthShort = 64, kLongK = 1024;
 constexpr int64_t kRowBytes = 512 * 1024;  // x rows per row block: this many bytes of them (L2)
 // Software prefetch, 32 k steps (6 KiB) ahead, into L2 (prefetcht2): at 8 rows a step is ~12
 // cycles of FMAs. SmolLM2's 211 decode products at 8 rows on 2 cores (Xeon, Emerald Rapids):
@@ -194,18 +198,19 @@ ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, Vector bias,
   const int64_t chunk = panels / target > 1 ? panels / target : 1;
   const int64_t groups = (panels + chunk - 1) / chunk;
   // Rows in blocks whose x fits in L2 beside a panel (decode steps: one block); each panel's k
-  // steps in slices of kDepth, summed apart and added up (see kDepth), each slice staying in L1
+  // steps in slices of `depth`, summed apart and added up (see kDepthLong), each slice staying in L1
   // while every 8-row block of the rows passes. Chunks run row-block-major, so that the workers
   // share one row block at a time.
   const int64_t fit = kRowBytes / (k * static_cast<int64_t>(sizeof(float))) / kRows * kRows;
   const int64_t rows = m <= kFewRows ? m : fit < kRows ? kRows : fit;
   const int64_t row_blocks = (m + rows - 1) / rows;
+  const int64_t depth = k >= kLongK ? kDepthLong : kDepthShort;
   Parallel(pool, row_blocks * groups, [=](int64_t c) {
     const int64_t m0 = (c / groups) * rows, m1 = m0 + rows < m ? m0 + rows : m;
     const int64_t g = c % groups, end = (g + 1) * chunk < panels ? (g + 1) * chunk : panels;
     for (int64_t p = g * chunk; p < end; ++p) {
-      for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
-        Panel(m0, m1, k0, k0 + kDepth < k ? k0 + kDepth : k, k, n, xs, ws + p * k * kPanel, ys, p * kPanel, k0 > 0, bs);
+      for (int64_t k0 = 0; k0 < k; k0 += depth) {
+        Panel(m0, m1, k0, k0 + depth < k ? k0 + depth : k, k, n, xs, ws + p * k * kPanel, ys, p * kPanel, k0 > 0, bs);
       }
     }
   });
