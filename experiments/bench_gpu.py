@@ -235,10 +235,13 @@ def _bert_jax(a, c, labels, batches, flops, peak):
         log_every=10**9,
     )
     i = iter(range(10**9))
-    first, dt = median_time(lambda: tr.train_step(batches[next(i) % 4], total)["loss"], jax_sync, a.reps, 3)
+
+    def step():
+        return tr.train_step(batches[next(i) % 4], total)["loss"]
+
+    first, dt = median_time(step, jax_sync, a.reps, 3)
     b, t = batches[0]["input_ids"].shape
     if a.trace:
-        step = lambda: tr.train_step(batches[next(i) % 4], total)["loss"]  # noqa: E731
         trace_ops.record(step, pathlib.Path(a.trace) / f"bert_{b}x{t}", calls=3)
     return _rates(dt, b, t, flops, peak, first)
 

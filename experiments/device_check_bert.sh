@@ -5,7 +5,7 @@
 # frameworks at dropout 0 and 0.1 and traces jsteer's step (3 steps under jax.profiler) with its optimised
 # HLO, summed per model op (gpu_trace_ops.py). Per-step limits sum to 290 s (+ ~15 s set-up):
 #   run(command="bash experiments/device_check_bert.sh", carry=[".gpu"], timeout_s=320)
-# $OUT gets gpu.txt, log.txt, bert.json, trace_bert/{trace.json.gz,ops.json}, hlo_bert.tgz.
+# $OUT gets gpu.txt, log.txt, bert.json, trace_bert/{trace.json.gz,ops.json}, trace_bert.hlo.tgz.
 source experiments/device_env.sh
 B="python3 experiments/bench_gpu.py"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
@@ -17,8 +17,6 @@ step "bert torch, dropout 0" timeout 60 $B $S --framework torch --attention-drop
 step "bert jax, dropout 0.1" timeout 75 $B $S --framework jax --out /tmp/parts/bert_jax.json
 step "bert torch, dropout 0.1" timeout 60 $B $S --framework torch --out /tmp/parts/bert_torch.json
 mkdir -p "$OUT/trace_bert" && cp /tmp/tr/bert_32x512/trace.json.gz "$OUT/trace_bert/"
-(cd /tmp/hlo_bert && tar czf "$OUT/hlo_bert.tgz" $(ls | grep -E 'after_optimizations\.txt$'))
-python3 experiments/gpu_trace_ops.py "$OUT/trace_bert/trace.json.gz" /tmp/hlo_bert --steps 3 --top 40 \
-  --out "$OUT/trace_bert/ops.json"
+per_op /tmp/hlo_bert "$OUT/trace_bert/trace.json.gz" 3
 python3 experiments/device_parts.py bert "$OUT/bert.json" bert_jax_nodrop=jsteer_nodrop bert_torch_nodrop=hf_nodrop \
   bert_jax=jsteer bert_torch=hf

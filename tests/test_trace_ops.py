@@ -77,16 +77,21 @@ def test_hlo_text_names_the_folder_without_a_dump(tmp_path):
         trace_ops.hlo_text(tmp_path)
 
 
+def _traced_ops(tmp_path, module_re: str, args: list, trace: str, steps: int) -> tuple[list, dict]:
+    """Run an experiments/ script (args) on this CPU under an XLA dump of the modules matching
+    module_re; its trace (at tmp_path / trace) summed per op: (op names, the summary)."""
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re={module_re}"
+    )
+    subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    res = trace_ops.summarise(json.load(gzip.open(tmp_path / trace)), trace_ops.hlo_text(tmp_path / "hlo"), steps, 400)
+    return [r["op"] for r in res["ops"]], res
+
+
 def test_a_traced_decode_on_this_cpu_maps_to_the_decoders_ops(tmp_path):
     """The real naming: experiments/gpu_decode_trace.py --tiny under an XLA dump, read back."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re=.*generate.*"
-    )
-    cmd = [sys.executable, "experiments/gpu_decode_trace.py", "--tiny", "--new", "4", "--out", str(tmp_path / "t")]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    trace = json.load(gzip.open(tmp_path / "t" / "trace.json.gz"))
-    res = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo"), steps=4, top=200)
-    ops = [r["op"] for r in res["ops"]]
+    args = ["experiments/gpu_decode_trace.py", "--tiny", "--new", "4", "--out", str(tmp_path / "t")]
+    ops, res = _traced_ops(tmp_path, ".*generate.*", args, "t/trace.json.gz", steps=4)
     assert any("while/body/Decoder/layers_*/" in op for op in ops), ops
     assert not any(op == "while" or op.startswith("(unmapped)") for op in ops), ops
     assert res["busy_us_per_step"] > 0
@@ -94,15 +99,9 @@ def test_a_traced_decode_on_this_cpu_maps_to_the_decoders_ops(tmp_path):
 
 def test_a_traced_bert_train_step_on_this_cpu_maps_to_its_forward_and_backward_ops(tmp_path):
     """bench_gpu.py --trace (device_check_bert.sh's step) under an XLA dump of the Trainer's step_fn."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re=.*step_fn.*"
-    )
-    cmd = [sys.executable, "experiments/bench_gpu.py", "--part", "bert", "--tiny", "--sizes", "4x32"]
-    cmd += ["--framework", "jax", "--reps", "1", "--trace", str(tmp_path / "t"), "--out", str(tmp_path / "b.json")]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    trace = json.load(gzip.open(tmp_path / "t" / "bert_4x32" / "trace.json.gz"))
-    res = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo"), steps=3, top=400)
-    ops = [r["op"] for r in res["ops"]]
+    args = ["experiments/bench_gpu.py", "--part", "bert", "--tiny", "--sizes", "4x32", "--framework", "jax"]
+    args += ["--reps", "1", "--trace", str(tmp_path / "t"), "--out", str(tmp_path / "b.json")]
+    ops, res = _traced_ops(tmp_path, ".*step_fn.*", args, "t/bert_4x32/trace.json.gz", steps=3)
     assert any(op.startswith("jvp(BertForTokenClassification)/encoder/layer_*/") for op in ops), ops
     assert any(op.startswith("transpose(jvp(BertForTokenClassification))/encoder/layer_*/") for op in ops), ops
     assert res["busy_us_per_step"] > 0
