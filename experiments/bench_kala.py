@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import statistics
 import sys
 import time
@@ -98,6 +99,12 @@ def main(argv=None) -> int:
         "--fused-dropout",
         action="store_true",
         help="jsteer's attention dropout through the Pallas kernel on GPUs (attention.fused_dropout)",
+    )
+    ap.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="after timing, 3 steps of each jsteer system under jax.profiler -> DIR/<method>/trace.json.gz "
+        "(gpu_trace_ops.py sums one per model op with the HLO of --xla_dump_to)",
     )
     ap.add_argument("--out", default=str(OUT / "bench.json"))
     args = ap.parse_args(argv)
@@ -201,7 +208,12 @@ def run(args) -> int:
                 out.append(time.perf_counter() - t)
             return out
 
-        systems[name] = {"run": run, "compile_s": compile_s, "params": ktrain.count_params(params)}
+        systems[name] = {
+            "run": run,
+            "compile_s": compile_s,
+            "params": ktrain.count_params(params),
+            "step": lambda tr=tr, b=own[0]: tr.train_step(b, 1000)["loss"],
+        }
 
     if not args.no_torch:
         import torch
@@ -257,6 +269,13 @@ def run(args) -> int:
     for _ in range(args.rounds):
         for k, s in systems.items():
             times[k] += s["run"]()
+    if args.trace:
+        from jsteer.train import trace_ops
+
+        for k, s in systems.items():
+            if "step" in s:  # jsteer's: "jsteer relational, graph_rungs=2" -> relational_graph_rungs_2
+                slug = "_".join(re.findall(r"[a-z0-9]+", k.removeprefix("jsteer ")))
+                trace_ops.record(s["step"], pathlib.Path(args.trace) / slug, calls=3)
     enc = lm.params["encoder"]
     matmul_params = ktrain.count_params(enc) - ktrain.count_params(enc["embeddings"])
     flops = train_flops(

@@ -7,13 +7,22 @@
 # Batch 256 again with jsteer's attention dropout in the Pallas kernel (--fused-dropout: MiniLM's
 # 32-token attention in three kernels instead of the hand-written path's many small ones), before
 # batch 32. jax 0.11 (s40-41) compiles 2-3x slower than s37's jax, so batch 256 (the target's shape) gets
-# the call: per-step limits sum to 350 s, and batch 32 runs only with KALA_B32=1 (110 s more):
-#   run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=380)
+# the call: per-step limits sum to 360 s, and batch 32 runs only with KALA_B32=1 (110 s more):
+#   run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=390)
+# Session 50 (Zen 5 CPU, batch 256, 12 interleaved steps each): pointwise 1.06x fine-tuning's step,
+# relational 1.15x; the GPU's 2.16x (s37) has no per-op account, so the first step also traces each jsteer
+# step (3 steps, jax.profiler) with its optimised HLO, summed per model op:
+# $OUT/trace_kala/<method>/{trace.json.gz,ops.json}, trace_kala.hlo.tgz.
 source experiments/device_env.sh
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45  # jax and torch share the process
 K="python3 experiments/bench_kala.py --methods finetune,pointwise,relational --graph-rungs 0"
-step "kala b256" timeout 220 $K --data .gpu/kala_conll_4096.pkl.gz --examples 4096 --batch-size 256 --steps 6 \
-  --rounds 3 --out "$OUT/kala_b256.json"
+step "kala b256, traced, HLO dumped" timeout 230 env XLA_FLAGS="--xla_dump_to=/tmp/hlo_kala \
+--xla_dump_hlo_module_re=.*step_fn.*" $K --data .gpu/kala_conll_4096.pkl.gz --examples 4096 --batch-size 256 \
+  --steps 6 --rounds 3 --trace /tmp/trk --out "$OUT/kala_b256.json"
+for m in finetune pointwise relational; do
+  mkdir -p "$OUT/trace_kala/$m" && cp /tmp/trk/$m/trace.json.gz "$OUT/trace_kala/$m/" &&
+    per_op /tmp/hlo_kala "$OUT/trace_kala/$m/trace.json.gz" 3 "$OUT/trace_kala.hlo.tgz" | head -25
+done
 step "kala b256, fused dropout" timeout 130 $K --data .gpu/kala_conll_4096.pkl.gz --examples 4096 \
   --batch-size 256 --steps 6 --rounds 3 --methods finetune,relational --no-torch --fused-dropout \
   --out "$OUT/kala_b256_fused.json"

@@ -11,10 +11,11 @@ python3 -c "import jax, flax, optax, orbax.checkpoint as oc, torch, transformers
 print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'torch', torch.__version__, \
 'transformers', t.__version__, jax.devices())" 2>&1 | tee -a "$OUT/gpu.txt"
 step() { echo "=== $1 ($(date +%T))"; shift; "$@" 2>&1 | tee -a "$OUT/log.txt" | grep -vE "Warning|warn\(" | tail -12; }
-# per_op HLO_DIR TRACE STEPS: the dumped optimised programs to $OUT/<TRACE's folder name>.hlo.tgz and the
-# trace's kernel time per model op to ops.json beside TRACE (experiments/gpu_trace_ops.py)
+# per_op HLO_DIR TRACE STEPS [ARCHIVE]: the dumped optimised programs to ARCHIVE (default
+# $OUT/<TRACE's folder name>.hlo.tgz; kept if already written) and the trace's kernel time per model op to
+# ops.json beside TRACE (experiments/gpu_trace_ops.py: of several programs, the one naming the trace's kernels)
 per_op() {
-  local dir; dir=$(dirname "$2")
-  (cd "$1" && tar czf "$OUT/$(basename "$dir").hlo.tgz" $(ls | grep -E 'after_optimizations\.txt$'))
+  local dir tgz; dir=$(dirname "$2"); tgz=${4:-$OUT/$(basename "$dir").hlo.tgz}
+  [ -e "$tgz" ] || (cd "$1" && tar czf "$tgz" $(ls | grep -E 'after_optimizations\.txt$'))
   python3 experiments/gpu_trace_ops.py "$2" "$1" --steps "$3" --top 40 --out "$dir/ops.json"
 }

@@ -4,7 +4,8 @@
 
 TRACE: the trace ``jax.profiler`` wrote (``gpu_decode_trace.py``'s trace.json.gz); HLO: the program
 as XLA optimised it (``XLA_FLAGS=--xla_dump_to=DIR``: the ``*after_optimizations.txt`` file, a folder
-holding one, or a .tgz of it, as ``device_check.sh`` returns). Session 48 read the H200 decode trace
+holding them, or a .tgz of it, as ``device_check.sh`` returns; of several programs, the one naming the most
+of the trace's kernel time). Session 48 read the H200 decode trace
 this way by hand: the output projection's multiply + reduce (15.7 us a layer against q's 3.8 us) and
 the token lookup's whole-table convert.
 """
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     trace = json.load(gzip.open(a.trace) if a.trace.endswith(".gz") else open(a.trace))
-    res = summarise(trace, hlo_text(pathlib.Path(a.hlo)), a.steps, a.top)
+    res = summarise(trace, hlo_text(pathlib.Path(a.hlo), trace), a.steps, a.top)
     print(f"busy {res['busy_us_per_step']:.1f} us a step")
     for r in res["ops"]:
         print(f"{r['us_per_step']:9.1f} us {100 * r['share']:5.1f}% {r['events_per_step']:7.1f}/step  {r['op']}")

@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -72,6 +73,31 @@ def test_on_the_host_only_kernels_count_not_the_loop_or_the_runtime():
     assert res["busy_us_per_step"] == 3.0
 
 
+def test_of_several_dumped_programs_the_one_naming_the_trace_is_read(tmp_path):
+    """Two jitted steps dumped by one process (fine-tuning's and KALA's): the trace's kernels pick."""
+    other = """
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %loop_add_fusion.19 = f32[8]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(step_fn)/kala/add"}
+  %loop_mul_fusion.3 = f32[8]{0} fusion(%p), kind=kLoop, metadata={op_name="jit(step_fn)/kala/mul"}
+}
+"""
+    (tmp_path / "module_0001.jit_step_fn.sm_90_gpu_after_optimizations.txt").write_text(HLO)
+    (tmp_path / "module_0002.jit_step_fn.sm_90_gpu_after_optimizations.txt").write_text(other)
+    tar = tmp_path / "dump.tgz"
+    with tarfile.open(tar, "w:gz") as t:
+        for f in sorted(tmp_path.glob("*.txt")):
+            t.add(f, arcname=f.name)
+    decode = _trace([("input_reduce_fusion_78", 10.0), ("loop_add_fusion_19", 1.0)])
+    kala = _trace([("loop_mul_fusion_3", 5.0), ("loop_add_fusion_19", 1.0)])
+    for where in (tmp_path, tar):
+        assert len(trace_ops.hlo_texts(where)) == 2
+        assert trace_ops.hlo_text(where) == other  # without a trace, the last
+        assert trace_ops.hlo_text(where, decode) == HLO
+        assert trace_ops.hlo_text(where, kala) == other
+    ops = [r["op"] for r in trace_ops.summarise(kala, trace_ops.hlo_text(tmp_path, kala))["ops"]]
+    assert ops == ["kala/mul", "kala/add"]
+
+
 def test_hlo_text_names_the_folder_without_a_dump(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         trace_ops.hlo_text(tmp_path)
@@ -84,7 +110,8 @@ def _traced_ops(tmp_path, module_re: str, args: list, trace: str, steps: int) ->
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re={module_re}"
     )
     subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    res = trace_ops.summarise(json.load(gzip.open(tmp_path / trace)), trace_ops.hlo_text(tmp_path / "hlo"), steps, 400)
+    trace = json.load(gzip.open(tmp_path / trace))
+    res = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo", trace), steps, 400)
     return [r["op"] for r in res["ops"]], res
 
 
@@ -104,6 +131,22 @@ def test_a_traced_bert_train_step_on_this_cpu_maps_to_its_forward_and_backward_o
     ops, res = _traced_ops(tmp_path, ".*step_fn.*", args, "t/bert_4x32/trace.json.gz", steps=3)
     assert any(op.startswith("jvp(BertForTokenClassification)/encoder/layer_*/") for op in ops), ops
     assert any(op.startswith("transpose(jvp(BertForTokenClassification))/encoder/layer_*/") for op in ops), ops
+    assert res["busy_us_per_step"] > 0
+
+
+def test_traced_kala_steps_on_this_cpu_each_map_to_their_own_program(tmp_path):
+    """bench_kala.py --trace (device_check_kala.sh's step): fine-tuning's and relational KALA's steps,
+    both jit(step_fn) in one dump, each summed through its own program."""
+    args = ["experiments/bench_kala.py", "--methods", "finetune,relational", "--graph-rungs", "0", "--examples", "64"]
+    args += ["--batch-size", "8", "--steps", "1", "--rounds", "1", "--no-torch", "--trace", str(tmp_path / "t")]
+    ops, res = _traced_ops(
+        tmp_path, ".*step_fn.*", args + ["--out", str(tmp_path / "b.json")], "t/relational/trace.json.gz", 3
+    )
+    assert any("/kala/graph_" in op and "layer_*" in op for op in ops), ops
+    assert any(op.startswith("transpose(jvp(KalaModel))/encoder/layer_*/") for op in ops), ops
+    trace = json.load(gzip.open(tmp_path / "t/finetune/trace.json.gz"))
+    tuned = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo", trace), 3, 400)
+    assert tuned["ops"] and not any("/kala/" in r["op"] for r in tuned["ops"]), tuned["ops"]
     assert res["busy_us_per_step"] > 0
 
 

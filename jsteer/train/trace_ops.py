@@ -17,6 +17,7 @@ import collections
 import pathlib
 import re
 import tarfile
+from typing import Optional
 
 INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -28,21 +29,44 @@ CONTROL = re.compile(r"\s(while|conditional|call)\(")
 LAYER = re.compile(r"layers_\d+/layers_\d+\._layer|layers?_\d+")
 
 
-def hlo_text(path: pathlib.Path) -> str:
-    """The optimised HLO of ``path``: that text file, the last ``*after_optimizations.txt`` in a
-    folder (an ``--xla_dump_to`` folder) or in a .tgz of them."""
+def hlo_texts(path: pathlib.Path) -> list[str]:
+    """Every optimised program at ``path``: that text file, or each ``*after_optimizations.txt`` in a
+    folder (an ``--xla_dump_to`` folder) or in a .tgz of them, in name order."""
     if path.is_dir():
         files = sorted(path.glob("*after_optimizations.txt"))
         if not files:
             raise FileNotFoundError(f"{path}: no *after_optimizations.txt in the folder")
-        return files[-1].read_text()
+        return [f.read_text() for f in files]
     if path.name.endswith((".tgz", ".tar.gz")):
         with tarfile.open(path) as tar:
-            names = [m for m in tar.getmembers() if m.name.endswith("after_optimizations.txt")]
-            if not names:
+            members = sorted(
+                (m for m in tar.getmembers() if m.name.endswith("after_optimizations.txt")), key=lambda m: m.name
+            )
+            if not members:
                 raise FileNotFoundError(f"{path}: no *after_optimizations.txt in the archive")
-            return tar.extractfile(names[-1]).read().decode()
-    return path.read_text()
+            return [tar.extractfile(m).read().decode() for m in members]
+    return [path.read_text()]
+
+
+def hlo_text(path: pathlib.Path, trace: Optional[dict] = None) -> str:
+    """The optimised HLO at ``path`` (see :func:`hlo_texts`): with several programs there, the one
+    that names the most of ``trace``'s kernel time (several jitted steps dumped by one process,
+    e.g. fine-tuning's and KALA's), else the last."""
+    texts = hlo_texts(path)
+    if trace is None or len(texts) == 1:
+        return texts[-1]
+    events, _ = device_events(trace)
+    return max(texts, key=lambda text: _named_us(events, op_names(text)))
+
+
+def _named_us(events: list[dict], names: dict[str, str]) -> float:
+    """The summed duration of the events that ``names`` (kernel -> op) maps."""
+    return sum(e.get("dur", 0) for e in events if _lookup(names, e["name"]) is not None)
+
+
+def _lookup(names: dict[str, str], kernel: str) -> Optional[str]:
+    key = kernel.replace(".", "_")
+    return names.get(key) or names.get(re.sub(r"_\d+$", "", key))  # a clone's suffix the dump lacks
 
 
 def record(call, out: pathlib.Path, calls: int = 1) -> float:
@@ -131,8 +155,7 @@ def summarise(trace: dict, hlo: str, steps: int = 1, top: int = 30) -> dict:
     per = collections.defaultdict(lambda: {"us": 0.0, "events": 0, "kernels": set()})
     events, on_device = device_events(trace)
     for e in events:
-        key = e["name"].replace(".", "_")
-        op = names.get(key) or names.get(re.sub(r"_\d+$", "", key))  # a clone's suffix the dump lacks
+        op = _lookup(names, e["name"])
         if op is None and not on_device:
             continue  # the host's runtime, not a kernel
         op = op or f"(unmapped) {e['name']}"
