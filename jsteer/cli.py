@@ -10,17 +10,31 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import sys
 import warnings
 
 METHOD_GROUPS = ("steer", "actsteer", "typevec", "kala", "kalm")
+DESCRIPTION = """Knowledge-aware and steerable language models (JAX / Flax): LM-Steer, activation steering,
+Type Embeddings, KALA and KALM on a model's own layer loop.
+
+  jsteer doctor                                 what this machine runs on
+  jsteer info smollm2-135m                      a model's config, tokenizer and provenance
+  jsteer generate smollm2-135m "The movie was"  continue a prompt
+  jsteer steer train --model smollm2-135m --data ../shared/data/sst5/train.jsonl --out steers/sentiment
+  jsteer steer generate --model smollm2-135m --steer steers/sentiment --value 5 "The movie was"
+
+A model is an embedded name (smollm2-135m, minilm), an HF folder, a hub id in the local HF cache,
+a GGUF file or a jsteer checkpoint. `jsteer COMMAND --help` shows each command's options."""
 QUIET_HELP = "no progress bars (as JSTEER_QUIET=1); results and the end-of-job summary lines still print"
 
 
 def build_parser() -> argparse.ArgumentParser:
     import jsteer
 
-    parser = argparse.ArgumentParser(prog="jsteer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="jsteer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"jsteer {jsteer.__version__}")
     parser.add_argument(
         "--quiet",
@@ -56,11 +70,17 @@ def _quiet_anywhere(parser: argparse.ArgumentParser) -> None:
 
 def method_group(subparsers, name: str, help: str, description: str):
     """``jsteer <name>``: a method's command group (``description``, its CLI module's docstring,
-    printed as written) -> the subparsers of its subcommands (chosen one in ``args.<name>_command``)."""
+    printed as written, :func:`plain`) -> the subparsers of its subcommands (chosen one in ``args.<name>_command``)."""
     top = subparsers.add_parser(
-        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        name, help=help, description=plain(description), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     return top.add_subparsers(dest=f"{name}_command", required=True)
+
+
+def plain(doc: str) -> str:
+    """A module docstring as terminal help: Sphinx roles and double backquotes as single backquotes
+    (``:func:`x``` and ````x```` -> ```x```)."""
+    return re.sub(r":(?:mod|func|class|meth|attr|data):`", "`", doc).replace("``", "`")
 
 
 def load_decoder(src: str, method: str):

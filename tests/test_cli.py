@@ -203,3 +203,23 @@ def test_quiet_is_taken_before_or_after_the_command(monkeypatch):
     for group, cmd in (("kala", "train"), ("steer", "train"), ("typevec", "probe"), ("actsteer", "train")):
         sub = parser._subparsers._group_actions[0].choices[group]
         assert "--quiet" in sub._subparsers._group_actions[0].choices[cmd]._option_string_actions, (group, cmd)
+
+
+def test_help_examples_parse_and_help_shows_no_markup():
+    """`jsteer --help`'s example lines are commands the parser takes; no method group's help shows
+    reST markup (double backquotes, :func: roles) or a line run together by a docstring's backslash."""
+    import shlex
+
+    from jsteer import cli
+
+    parser = cli.build_parser()
+    examples = [line.split("  ")[1] for line in cli.DESCRIPTION.splitlines() if line.startswith("  jsteer ")]
+    assert len(examples) == 5
+    for line in examples:
+        args = parser.parse_args(shlex.split(line)[1:])
+        assert args.command == shlex.split(line)[1], line
+    groups = parser._subparsers._group_actions[0].choices
+    for name in cli.METHOD_GROUPS:
+        text = groups[name].format_help()
+        assert "``" not in text and ":func:" not in text and ":mod:" not in text, name
+        assert not any("         --" in line.strip() for line in text.splitlines()), name

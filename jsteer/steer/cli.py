@@ -1,7 +1,7 @@
 """``jsteer steer``: train, generate, highlight, explain, transfer.
 
     jsteer steer train --model smollm2-135m --data ../shared/data/sst5/train.jsonl --out steers/sentiment
-    jsteer steer train --model smollm2-135m --tfds jsteer_labeled_text/src_0123456789ab:train \
+    jsteer steer train --model smollm2-135m --tfds jsteer_labeled_text/src_0123456789ab:train \\
         --tfds-data-dir tfds/ --out steers/sentiment      (texts from a prepared TFDS data set)
     jsteer steer generate --model smollm2-135m --steer steers/sentiment --value 5 "The movie was"
     jsteer steer generate ... --steer steers/sentiment --value 5 --steer steers/detox --value 3 "..."

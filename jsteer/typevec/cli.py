@@ -9,7 +9,7 @@
         [--artifact tv/smollm2 [--artifact-type NAME=TYPE]] [--mode all] [--max-test 100] [--out report.json]
     jsteer typevec probe --model smollm2-135m --lama ../shared/data/lama [--lama-type P279=Genre]
     jsteer typevec probe --model smollm2-135m --tfds jsteer_typed_lama/src_0123456789ab --tfds-data-dir tfds/
-    jsteer typevec probe --model smollm2-135m --mode layer --layers 16,22,26,29 --lambda-unit resid \
+    jsteer typevec probe --model smollm2-135m --mode layer --layers 16,22,26,29 --lambda-unit resid \\
         --lambdas 0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6 --max-test 100   # typevec_lama.py's best setting
 
 Type examples come from the KG lists in ``--kg`` (default ``../shared/data/type_embedding/
