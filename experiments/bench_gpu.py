@@ -530,7 +530,9 @@ def environment(a) -> dict:
         import jax
 
         kind = jax.devices()[0].device_kind
-        env.update(jax=jax.__version__, flax=flax.__version__, jax_device=kind)
+        import jsteer
+
+        env.update(jax=jax.__version__, flax=flax.__version__, jax_device=kind, gpu_atomics=jsteer.gpu_atomics.STATE)
     if a.framework in ("torch", "both"):
         import torch
         import transformers

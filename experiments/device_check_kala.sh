@@ -7,14 +7,19 @@
 # Batch 256 again with jsteer's attention dropout in the Pallas kernel (--fused-dropout: MiniLM's
 # 32-token attention in three kernels instead of the hand-written path's many small ones), before
 # batch 32. jax 0.11 (s40-41) compiles 2-3x slower than s37's jax, so batch 256 (the target's shape) gets
-# the call: per-step limits sum to 360 s, and batch 32 runs only with KALA_B32=1 (110 s more):
-#   run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=390)
+# the call: per-step limits sum to 410 s, and batch 32 runs only with KALA_B32=1 (110 s more):
+#   run(command="bash experiments/device_check_kala.sh", carry=[".gpu"], timeout_s=440)
+# First, 50 s: contended f32 scatters as is and with LLVM's -nvptx-allow-ftz-atomics
+# (gpu_scatter_probe.py, jsteer.gpu_atomics; jax 0.10.2-0.11.0's CUDA plugins lower them to CAS loops).
 # Session 50 (Zen 5 CPU, batch 256, 12 interleaved steps each): pointwise 1.06x fine-tuning's step,
 # relational 1.15x; the GPU's 2.16x (s37) has no per-op account, so the first step also traces each jsteer
 # step (3 steps, jax.profiler) with its optimised HLO, summed per model op:
 # $OUT/trace_kala/<method>/{trace.json.gz,ops.json}, trace_kala.hlo.tgz.
 source experiments/device_env.sh
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45  # jax and torch share the process
+step "scatter probe" timeout 25 python3 experiments/gpu_scatter_probe.py --out "$OUT/scatter.json"
+step "scatter probe, ftz atomics" timeout 25 env XLA_FLAGS=--xla_backend_extra_options=-nvptx-allow-ftz-atomics \
+  python3 experiments/gpu_scatter_probe.py --out "$OUT/scatter_ftz_atomics.json"
 K="python3 experiments/bench_kala.py --methods finetune,pointwise,relational --graph-rungs 0"
 step "kala b256, traced, HLO dumped" timeout 230 env XLA_FLAGS="--xla_dump_to=/tmp/hlo_kala \
 --xla_dump_hlo_module_re=.*step_fn.*" $K --data .gpu/kala_conll_4096.pkl.gz --examples 4096 --batch-size 256 \

@@ -11,7 +11,7 @@ Quick start::
 __version__ = "0.1.0"
 
 # first: XLA reads its flags when a backend starts, and its threads take their malloc arenas then
-from jsteer import cpu_malloc, cpu_precision  # noqa: E402,F401
+from jsteer import cpu_malloc, cpu_precision, gpu_atomics  # noqa: E402,F401
 from jsteer.hooks import FiLM, Hooks, Steer, compose  # noqa: E402,F401
 
 _LAZY = {

@@ -152,6 +152,7 @@ def doctor_report() -> dict:
         "cpu_dots": jsteer.cpu_precision.STATE,
         "cpu_malloc": jsteer.cpu_malloc.STATE,
         "cpu_hugepages": jsteer.cpu_malloc.HUGEPAGES,
+        "gpu_atomics": jsteer.gpu_atomics.STATE,
         "embedded_models": embedded,
         "caches": {
             "cpu_kernels": kernel_dir,
@@ -176,6 +177,7 @@ def _doctor(args) -> int:
     print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")
     print(f"CPU buffers between calls: {info['cpu_malloc']}  (jsteer/cpu_malloc.py)")
     print(f"CPU huge pages for large buffers: {info['cpu_hugepages']}")
+    print(f"GPU f32 scatter atomics: {info['gpu_atomics']}  (jsteer/gpu_atomics.py)")
     for name, where in info["embedded_models"].items():
         print(f"embedded model {name}: {where}")
     for name, where in info["caches"].items():
