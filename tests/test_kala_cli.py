@@ -680,6 +680,13 @@ def test_cli_train_refuses_empty_and_unanswerable_training_sets(tmp_path, tiny_b
         ktrain._Endless([], 4, ktrain.task_keys("qa"), 0)
 
 
+def _one_qa_step(train, gdir, out, model) -> list:
+    """`jsteer kala train` argv: one fine-tuning step on a SQuAD file with a tiny BERT."""
+    return ["kala", "train", "--train", str(train), "--graph", str(gdir), "--out", str(out), "--model", str(model)] + (
+        "--method finetune --max-steps 1 --batch-size 8 --max-len 16 --stride 4".split()
+    )
+
+
 def test_cli_metrics_json_is_strict_json_after_one_step(tmp_path, tiny_bert_dir, capsys):
     """A run of <= 1 step (or the resume of a finished run) has no step time: null in metrics.json
     and on stdout, never NaN (invalid JSON)."""
@@ -690,28 +697,7 @@ def test_cli_metrics_json_is_strict_json_after_one_step(tmp_path, tiny_bert_dir,
     train = squad(tmp_path / "train.json", 8)
     gdir, out = tmp_path / "graph", tmp_path / "run"
     assert jsteer_main(["kala", "build-graph", str(train), "--out", str(gdir)]) == 0
-    args = [
-        "kala",
-        "train",
-        "--train",
-        str(train),
-        "--graph",
-        str(gdir),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_bert_dir),
-        "--method",
-        "finetune",
-        "--max-steps",
-        "1",
-        "--batch-size",
-        "8",
-        "--max-len",
-        "16",
-        "--stride",
-        "4",
-    ]
+    args = _one_qa_step(train, gdir, out, tiny_bert_dir)
     for extra in ([], ["--resume"]):
         capsys.readouterr()
         assert jsteer_main(args + extra) == 0
@@ -732,28 +718,7 @@ def test_cli_predictions_path_never_replaces_the_test_file_or_a_folder(tmp_path,
     train, test = squad(tmp_path / "train.json", 8), squad(tmp_path / "test.json", 4, seed=1)
     gdir, out = tmp_path / "graph", tmp_path / "run"
     assert jsteer_main(["kala", "build-graph", str(train), str(test), "--out", str(gdir)]) == 0
-    args = [
-        "kala",
-        "train",
-        "--train",
-        str(train),
-        "--graph",
-        str(gdir),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_bert_dir),
-        "--method",
-        "finetune",
-        "--max-steps",
-        "1",
-        "--batch-size",
-        "8",
-        "--max-len",
-        "16",
-        "--stride",
-        "4",
-    ]
+    args = _one_qa_step(train, gdir, out, tiny_bert_dir)
     assert jsteer_main(args) == 0
     gold, gold_train = test.read_bytes(), train.read_bytes()
     folder = tmp_path / "somedir"
