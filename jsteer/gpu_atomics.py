@@ -13,7 +13,9 @@ numerics of jax <= 0.10.1 (a denormal added atomically is flushed to zero).
 
 It goes into ``XLA_FLAGS`` (``--xla_backend_extra_options``), which XLA reads when the first
 backend starts, so it takes effect only if ``jsteer`` is imported before any JAX computation ran,
-and only where a CUDA plugin of an affected version is installed. ``JSTEER_GPU_ATOMICS=cas`` keeps
+and only where a CUDA plugin and jaxlib of the affected versions are installed (XLA:CPU passes the
+same options to jaxlib's LLVM, which exits the process on an option it does not know; jaxlib
+0.10.2's knows this one: ``tests/test_gpu_atomics.py`` compiles with it). ``JSTEER_GPU_ATOMICS=cas`` keeps
 XLA's default; the option already in ``XLA_FLAGS``, or ``--xla_gpu_ftz=true``, is left alone.
 :data:`STATE` says which applies (``jsteer doctor``, the GPU benchmarks' JSON).
 """
@@ -32,16 +34,21 @@ AFFECTED = ((0, 10, 2), (0, 11, 0))  # CUDA plugin versions [lo, hi], both ends 
 PLUGINS = ("jax-cuda12-pjrt", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda13-plugin")
 
 
+def version(dist: str) -> tuple[int, int, int] | None:
+    """The leading major.minor.patch of an installed distribution, or None."""
+    try:
+        m = re.match(r"(\d+)\.(\d+)\.(\d+)", importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
 def plugin() -> tuple[str, tuple[int, int, int]] | None:
     """(distribution, version) of the first installed jax CUDA plugin, or None."""
     for name in PLUGINS:
-        try:
-            v = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        m = re.match(r"(\d+)\.(\d+)\.(\d+)", v)
-        if m:
-            return name, tuple(int(x) for x in m.groups())
+        v = version(name)
+        if v is not None:
+            return name, v
     return None
 
 
@@ -59,7 +66,7 @@ def with_option(flags: str, option: str = OPTION) -> str:
 
 def apply() -> str:
     """Add :data:`OPTION` to ``XLA_FLAGS`` when needed and allowed; returns the state, one of
-    ``"not needed: ..."``, ``"cas: JSTEER_GPU_ATOMICS=cas"``, ``"user: ..."``, ``"too late: ..."``
+    ``"not needed: ..."``, ``"not set: ..."``, ``"cas: JSTEER_GPU_ATOMICS=cas"``, ``"user: ..."``, ``"too late: ..."``
     or ``"native: ..."`` (set now)."""
     found = plugin()
     if found is None:
@@ -68,6 +75,10 @@ def apply() -> str:
     where = f"{name} {'.'.join(map(str, v))}"
     if not (AFFECTED[0] <= v <= AFFECTED[1]):
         return f"not needed: {where} emits native f32 atomics"
+    # XLA:CPU hands the same options to jaxlib's LLVM, which exits the process on one it lacks
+    lib = version("jaxlib")
+    if lib is None or not (AFFECTED[0] <= lib <= AFFECTED[1]):
+        return f"not set: {where} with jaxlib {lib}, whose LLVM may not know {OPTION}"
     if os.environ.get("JSTEER_GPU_ATOMICS", "").lower() == "cas":
         return "cas: JSTEER_GPU_ATOMICS=cas"
     flags = os.environ.get("XLA_FLAGS", "")

@@ -28,8 +28,9 @@ def test_the_option_joins_an_existing_extra_options_flag_or_is_appended():
 def fake(monkeypatch):
     """Set up apply(): a plugin version, XLA_FLAGS, JSTEER_GPU_ATOMICS; returns (state, XLA_FLAGS)."""
 
-    def run(version, flags="--xla_gpu_autotune_level=0", env=None, started=False):
+    def run(version, flags="--xla_gpu_autotune_level=0", env=None, started=False, jaxlib=None):
         monkeypatch.setattr(ga, "plugin", lambda: version and ("jax-cuda12-pjrt", version))
+        monkeypatch.setattr(ga, "version", lambda dist: jaxlib or version)
         monkeypatch.setattr(ga, "_backend_started", lambda: started)
         monkeypatch.setenv("XLA_FLAGS", flags)
         monkeypatch.delenv("JSTEER_GPU_ATOMICS", raising=False)
@@ -52,6 +53,27 @@ def test_other_plugins_and_no_plugin_are_left_alone(fake, version):
     state, flags = fake(version)
     assert state.startswith("not needed"), state
     assert flags == "--xla_gpu_autotune_level=0"
+
+
+@pytest.mark.parametrize("jaxlib", [(0, 10, 1), (0, 11, 1)])
+def test_a_jaxlib_outside_the_range_keeps_its_llvm_from_an_unknown_option(fake, jaxlib):
+    state, flags = fake((0, 10, 2), jaxlib=jaxlib)
+    assert state.startswith("not set: jax-cuda12-pjrt 0.10.2 with jaxlib"), state
+    assert flags == "--xla_gpu_autotune_level=0"
+
+
+def test_this_jaxlibs_llvm_takes_the_option_and_exits_on_an_unknown_one():
+    """XLA:CPU hands --xla_backend_extra_options to LLVM, which exits on an option it does not know:
+    the option as jsteer writes it compiles and runs on a jaxlib in the range (this one: 0.10.2)."""
+    code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: (x * 2 + 1).sum())(jnp.ones(3))))"
+    lib = ga.version("jaxlib")
+    cases = [("-jsteer-no-such-llvm-option", False)]
+    if lib is not None and ga.AFFECTED[0] <= lib <= ga.AFFECTED[1]:
+        cases.append((ga.OPTION, True))
+    for option, ok in cases:
+        env = dict(os.environ, XLA_FLAGS=ga.with_option("", option))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert (out.returncode == 0 and out.stdout.strip() == "9.0") == ok, (option, out.returncode, out.stderr[-500:])
 
 
 @pytest.mark.parametrize(
