@@ -69,8 +69,9 @@ def _quiet_anywhere(parser: argparse.ArgumentParser) -> None:
 
 
 def method_group(subparsers, name: str, help: str, description: str):
-    """``jsteer <name>``: a method's command group (``description``, its CLI module's docstring,
-    printed as written, :func:`plain`) -> the subparsers of its subcommands (chosen one in ``args.<name>_command``)."""
+    """``jsteer <name>``: a method's command group (``description``: its CLI module's docstring,
+    shown through :func:`plain`) -> the subparsers of its subcommands (chosen one in
+    ``args.<name>_command``)."""
     top = subparsers.add_parser(
         name, help=help, description=plain(description), formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -78,8 +79,8 @@ def method_group(subparsers, name: str, help: str, description: str):
 
 
 def plain(doc: str) -> str:
-    """A module docstring as terminal help: Sphinx roles and double backquotes as single backquotes
-    (``:func:`x``` and ````x```` -> ```x```)."""
+    """A module docstring as terminal help: Sphinx roles (``:func:``, ``:mod:``, ...) dropped and
+    double backquotes made single."""
     return re.sub(r":(?:mod|func|class|meth|attr|data):`", "`", doc).replace("``", "`")
 
 
