@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from jsteer import perf
 from jsteer.train import trace_ops
 from jsteer.train.bench import peak_tflops
 from jsteer.train.gpu_bench import (
@@ -530,9 +531,7 @@ def environment(a) -> dict:
         import jax
 
         kind = jax.devices()[0].device_kind
-        import jsteer
-
-        env.update(jax=jax.__version__, flax=flax.__version__, jax_device=kind, gpu_atomics=jsteer.gpu_atomics.STATE)
+        env.update(jax=jax.__version__, flax=flax.__version__, jax_device=kind)
     if a.framework in ("torch", "both"):
         import torch
         import transformers
@@ -541,6 +540,7 @@ def environment(a) -> dict:
         if torch.cuda.is_available():
             kind = kind or torch.cuda.get_device_name(0)
             env["torch_device"] = torch.cuda.get_device_name(0)
+    env["machine"] = perf.machine()
     env["peak_bf16_tflops"] = peak_tflops(kind)
     env["spec_hbm_TBps"] = spec_hbm_tbps(kind)
     return env

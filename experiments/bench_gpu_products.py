@@ -26,6 +26,7 @@ import json
 import pathlib
 import time
 
+from jsteer import perf
 from jsteer.train.bench import peak_tflops
 from jsteer.train.gpu_bench import jax_sync, median_time, torch_device, torch_sync
 
@@ -105,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    res = {"tiny": a.tiny, "reps": a.reps}
+    res = {"tiny": a.tiny, "reps": a.reps, "machine": perf.machine()}
     if a.framework in ("jax", "both"):
         import jax
 

@@ -120,6 +120,7 @@ def run(args) -> int:
     import numpy as np
 
     import jsteer
+    from jsteer import perf
     from jsteer.data import ner as ner_lib
     from jsteer.kala import data as kdata
     from jsteer.kala import pipeline
@@ -306,7 +307,7 @@ def run(args) -> int:
         "model_flops_per_step": flops,
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "gpu_atomics": jsteer.gpu_atomics.STATE,
+        "machine": perf.machine(),
         "fused_dropout": args.fused_dropout,
         "torch_threads": None if args.no_torch else args.torch_threads,
         "batch": [args.batch_size, int(common[1])],

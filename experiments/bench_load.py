@@ -347,6 +347,9 @@ def main(argv=None) -> int:
     kinds = list(KINDS)
     cfg = llama_config(args.params)
     host = environment()  # before the loads: its load average is the one they start under
+    from jsteer import perf
+
+    host["machine"] = perf.machine()
     with tempfile.TemporaryDirectory(prefix="bench_load_", dir=args.tmp) as tmp:
         folder = pathlib.Path(tmp)
         t0 = time.perf_counter()

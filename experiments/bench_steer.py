@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsteer import perf
 from jsteer.data.buckets import bucket
 from jsteer.steer import data as steer_data
 from jsteer.steer import head, protocol, toy, train
@@ -63,7 +62,7 @@ def main():
         "model": "toy" if a.small else "SmolLM2-135M",
         "rank": rank,
         "reps": a.reps,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared)",
+        "machine": perf.machine(),
         "jax": jax.__version__,
     }
 

@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+from jsteer import perf
 from jsteer.train.bench import init_token_classifier, peak_tflops, token_classifier_trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -456,6 +457,7 @@ def main(argv=None):
             "devices": [str(d) for d in jax.devices()],
         },
         "args": vars(args),
+        "machine": perf.machine(),
     }
     if jax.default_backend() == "cpu":
         import torch

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jsteer import io
+    from jsteer import io, perf
     from jsteer.convert.gguf import read_gguf
     from jsteer.tokenizer import Tokenizer
     from jsteer.typevec import probe, sampling
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
         "batch_size": args.batch_size,
         "backend": jax.default_backend(),
         "loadavg_start": os.getloadavg(),
+        "machine": perf.machine(),
     }
 
     # ---------------------------------------------------------------- jsteer

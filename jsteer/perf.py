@@ -5,6 +5,8 @@ bounds a speed claim is stated against.
   interleaved calls, each timed call after ``settle`` untimed ones of the same side;
 - :func:`read_bandwidth`: the host's memory read rate in bytes/s (a decode step's bound is
   param bytes / that rate on a CPU);
+- :func:`machine`: what every benchmark JSON records of where it ran (CPU model, family and vector
+  flags, jsteer's CPU settings, versions, XLA flags, load);
 - the *products floor*: a case's matrix products as rows ``(label, count, lhs shape, rhs shape,
   transpose lhs, transpose rhs)`` (:func:`dense_products` [n, d_in] x [d_in, d_out] and, for a
   backward, dY W^T and X^T dY; :func:`attention_products` [B*H, T, Dh] batched), their FLOPs
@@ -15,11 +17,50 @@ bounds a speed claim is stated against.
 from __future__ import annotations
 
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 
 SETTLE = 1  # untimed same-side calls before each timed one in timed_pair
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
+
+
+def machine() -> dict:
+    """Where a benchmark ran: {"cpu": :func:`jsteer.backbones.cpu.describe` (model, family, SIMD flags,
+    jsteer's fp32 dots, malloc and huge-page settings), "cpu_count", "mem_total_bytes", "load_avg",
+    "platform", "python", "versions" (of :data:`PACKAGES`, None when absent), "xla_flags",
+    "gpu_atomics" (``jsteer.gpu_atomics.STATE``), "jsteer_commit" (None outside a git checkout)}."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from jsteer import gpu_atomics
+    from jsteer.backbones import cpu
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        mem = None
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {
+        "cpu": cpu.describe(),
+        "cpu_count": os.cpu_count(),
+        "mem_total_bytes": mem,
+        "load_avg": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {n: installed(n) for n in PACKAGES},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "gpu_atomics": gpu_atomics.STATE,
+        "jsteer_commit": git.stdout.strip() if git.returncode == 0 else None,
+    }
 
 
 def timed(fn, reps: int, warmup: int = 1) -> dict:
@@ -98,7 +139,6 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     on XLA's default CPU flags. Not in this process: with YNNPACK's fusions off (jsteer's precise
     dots) XLA:CPU's sum reads at about half the rate (session 41's Xeon: 12.9 against 29.4 GB/s,
     NumPy 17 GB/s; the decode kernel streams SmolLM2's weights at ~28 GB/s)."""
-    import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np

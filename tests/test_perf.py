@@ -4,6 +4,7 @@ FLOPs re-derived from NumPy products; the timing protocol interleaves the two si
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +106,20 @@ def test_time_products_sums_count_times_the_faster_side():
 def test_read_bandwidth_is_a_plausible_host_rate():
     rate = perf.read_bandwidth(nbytes=64 << 20, reps=2)
     assert 1e8 < rate < 1e13
+
+
+def test_machine_names_the_cpu_its_flags_and_the_software():
+    import pathlib
+
+    from jsteer.backbones import cpu
+
+    m = perf.machine()
+    assert m["cpu"] == cpu.describe() and m["cpu"]["model"] and isinstance(m["cpu"]["simd"], list)
+    assert m["versions"]["jax"] == jax.__version__ and m["cpu_count"] >= 1 and len(m["load_avg"]) == 3
+    assert m["xla_flags"] == os.environ.get("XLA_FLAGS", "") and m["jsteer_commit"]
+    # every benchmark script records it (bench_backbones: cpu.describe() in its env, as before)
+    benches = sorted((pathlib.Path(__file__).parents[1] / "experiments").glob("bench_*.py"))
+    assert len(benches) >= 8
+    for f in benches:
+        text = f.read_text()
+        assert "perf.machine()" in text or "cpu.describe()" in text, f.name

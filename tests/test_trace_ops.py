@@ -129,6 +129,7 @@ def test_a_traced_bert_train_step_on_this_cpu_maps_to_its_forward_and_backward_o
     args = ["experiments/bench_gpu.py", "--part", "bert", "--tiny", "--sizes", "4x32", "--framework", "jax"]
     args += ["--reps", "1", "--trace", str(tmp_path / "t"), "--out", str(tmp_path / "b.json")]
     ops, res = _traced_ops(tmp_path, ".*step_fn.*", args, "t/bert_4x32/trace.json.gz", steps=3)
+    _records_the_machine(json.loads((tmp_path / "b.json").read_text())["machine"])
     assert any(op.startswith("jvp(BertForTokenClassification)/encoder/layer_*/") for op in ops), ops
     assert any(op.startswith("transpose(jvp(BertForTokenClassification))/encoder/layer_*/") for op in ops), ops
     assert res["busy_us_per_step"] > 0
@@ -147,7 +148,16 @@ def test_traced_kala_steps_on_this_cpu_each_map_to_their_own_program(tmp_path):
     trace = json.load(gzip.open(tmp_path / "t/finetune/trace.json.gz"))
     tuned = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo", trace), 3, 400)
     assert tuned["ops"] and not any("/kala/" in r["op"] for r in tuned["ops"]), tuned["ops"]
+    _records_the_machine(json.loads((tmp_path / "b.json").read_text())["machine"])
     assert res["busy_us_per_step"] > 0
+
+
+def _records_the_machine(m: dict) -> None:
+    """A benchmark JSON's ``machine`` (jsteer.perf.machine, issue #36: the CPU model and flags)."""
+    from jsteer.backbones import cpu
+
+    assert m["cpu"] == json.loads(json.dumps(cpu.describe())) and m["cpu"]["model"] and m["cpu"]["simd"]
+    assert m["versions"]["jax"] and m["cpu_count"] == os.cpu_count() and "gpu_atomics" in m
 
 
 def test_layer_indices_fold_for_decoders_and_encoders():
