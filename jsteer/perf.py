@@ -48,7 +48,11 @@ def machine() -> dict:
     except (OSError, StopIteration):
         mem = None
     here = os.path.dirname(os.path.abspath(__file__))
-    git = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    try:  # a device's copy of the tree has no .git, a machine may have no git
+        git = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        commit = git.stdout.strip() if git.returncode == 0 else None
+    except OSError:
+        commit = None
     return {
         "cpu": cpu.describe(),
         "cpu_count": os.cpu_count(),
@@ -59,7 +63,7 @@ def machine() -> dict:
         "versions": {n: installed(n) for n in PACKAGES},
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "gpu_atomics": gpu_atomics.STATE,
-        "jsteer_commit": git.stdout.strip() if git.returncode == 0 else None,
+        "jsteer_commit": commit,
     }
 
 
