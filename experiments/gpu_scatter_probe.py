@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 
@@ -32,7 +31,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    import jsteer
+    from jsteer import perf
 
     rng = np.random.default_rng(0)
     uniform = rng.integers(0, a.rows, a.edges)
@@ -56,9 +55,7 @@ def main(argv=None) -> int:
 
     res = {
         "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "gpu_atomics": jsteer.gpu_atomics.STATE,
+        "machine": perf.machine(),  # versions, XLA_FLAGS, jsteer.gpu_atomics' state
         "shape": {"edges": a.edges, "rows": a.rows, "dim": a.dim},
         "ms": {},
     }
@@ -70,7 +67,8 @@ def main(argv=None) -> int:
             f"scatter-max [E] {res['ms'][name]['scatter_max']:8.3f} ms",
             flush=True,
         )
-    print(f"{res['jax']} on {res['device']}; jsteer.gpu_atomics: {res['gpu_atomics']}")
+    m = res["machine"]
+    print(f"jax {m['versions']['jax']} on {res['device']}; jsteer.gpu_atomics: {m['gpu_atomics']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -91,27 +91,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=_doctor)
 
 
-_PACKAGES = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "optax",
-    "orbax-checkpoint",
-    "numpy",
-    "transformers",
-    "torch",
-    "tokenizers",
-    "safetensors",
-    "gguf",
-    "jraph",
-    "tensorflow-datasets",
-    "matplotlib",
-)
-
-
 def doctor_report() -> dict:
     """The facts ``jsteer doctor`` prints (also used by tests)."""
-    import importlib.metadata as md
     import os
     import platform
 
@@ -120,12 +101,7 @@ def doctor_report() -> dict:
     import jsteer
     from jsteer import hub, loading
     from jsteer.backbones import cpu
-
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
+    from jsteer.perf import PACKAGES, installed
 
     embedded = {}
     for name in loading.EMBEDDED:
@@ -145,7 +121,7 @@ def doctor_report() -> dict:
         "platform": platform.platform(),
         "jax_backend": jax.default_backend(),
         "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() for d in jax.devices()],
-        "packages": {n: version(n) for n in _PACKAGES},
+        "packages": {n: installed(n) for n in PACKAGES},
         "cpu": {k: v for k, v in cpu.describe().items() if k in ("model", "family", "simd")}
         | {"cores": os.cpu_count()},
         "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},

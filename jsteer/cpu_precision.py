@@ -18,18 +18,26 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import sys
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 KNOWN = ((0, 10), (0, 11))  # jaxlib versions [lo, hi) known to have FLAG
 
 
-def _jaxlib_version() -> tuple[int, int] | None:
+def release(dist: str) -> tuple[int, int, int] | None:
+    """An installed distribution's leading major.minor[.patch] (patch 0 when absent), or None
+    (not installed, or not numbered so)."""
     try:
-        parts = importlib.metadata.version("jaxlib").split(".")[:2]
-        return int(parts[0]), int(parts[1])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
+        m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", importlib.metadata.version(dist))
+    except importlib.metadata.PackageNotFoundError:
         return None
+    return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else None
+
+
+def _jaxlib_version() -> tuple[int, int] | None:
+    v = release("jaxlib")
+    return v[:2] if v else None
 
 
 def _backend_started() -> bool:

@@ -22,11 +22,9 @@ XLA's default; the option already in ``XLA_FLAGS``, or ``--xla_gpu_ftz=true``, i
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import re
 
-from jsteer.cpu_precision import _backend_started
+from jsteer.cpu_precision import _backend_started, release
 
 OPTION = "-nvptx-allow-ftz-atomics"
 EXTRA = "--xla_backend_extra_options="
@@ -34,19 +32,10 @@ AFFECTED = ((0, 10, 2), (0, 11, 0))  # CUDA plugin versions [lo, hi], both ends 
 PLUGINS = ("jax-cuda12-pjrt", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda13-plugin")
 
 
-def version(dist: str) -> tuple[int, int, int] | None:
-    """The leading major.minor.patch of an installed distribution, or None."""
-    try:
-        m = re.match(r"(\d+)\.(\d+)\.(\d+)", importlib.metadata.version(dist))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return tuple(int(x) for x in m.groups()) if m else None
-
-
 def plugin() -> tuple[str, tuple[int, int, int]] | None:
     """(distribution, version) of the first installed jax CUDA plugin, or None."""
     for name in PLUGINS:
-        v = version(name)
+        v = release(name)
         if v is not None:
             return name, v
     return None
@@ -76,7 +65,7 @@ def apply() -> str:
     if not (AFFECTED[0] <= v <= AFFECTED[1]):
         return f"not needed: {where} emits native f32 atomics"
     # XLA:CPU hands the same options to jaxlib's LLVM, which exits the process on one it lacks
-    lib = version("jaxlib")
+    lib = release("jaxlib")
     if lib is None or not (AFFECTED[0] <= lib <= AFFECTED[1]):
         return f"not set: {where} with jaxlib {lib}, whose LLVM may not know {OPTION}"
     if os.environ.get("JSTEER_GPU_ATOMICS", "").lower() == "cas":

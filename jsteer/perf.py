@@ -22,9 +22,33 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 
 SETTLE = 1  # untimed same-side calls before each timed one in timed_pair
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
+PACKAGES = (  # whose versions `jsteer doctor` and :func:`machine` record
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "transformers",
+    "torch",
+    "tokenizers",
+    "safetensors",
+    "gguf",
+    "jraph",
+    "tensorflow-datasets",
+    "matplotlib",
+)
+
+
+def installed(dist: str) -> str | None:
+    """An installed distribution's version, or None."""
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def machine() -> dict:
@@ -32,16 +56,8 @@ def machine() -> dict:
     jsteer's fp32 dots, malloc and huge-page settings), "cpu_count", "mem_total_bytes", "load_avg",
     "platform", "python", "versions" (of :data:`PACKAGES`, None when absent), "xla_flags",
     "gpu_atomics" (``jsteer.gpu_atomics.STATE``), "jsteer_commit" (None outside a git checkout)}."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from jsteer import gpu_atomics
     from jsteer.backbones import cpu
-
-    def installed(name):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
 
     try:
         mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal"))

@@ -30,7 +30,7 @@ def fake(monkeypatch):
 
     def run(version, flags="--xla_gpu_autotune_level=0", env=None, started=False, jaxlib=None):
         monkeypatch.setattr(ga, "plugin", lambda: version and ("jax-cuda12-pjrt", version))
-        monkeypatch.setattr(ga, "version", lambda dist: jaxlib or version)
+        monkeypatch.setattr(ga, "release", lambda dist: jaxlib or version)
         monkeypatch.setattr(ga, "_backend_started", lambda: started)
         monkeypatch.setenv("XLA_FLAGS", flags)
         monkeypatch.delenv("JSTEER_GPU_ATOMICS", raising=False)
@@ -66,7 +66,7 @@ def test_this_jaxlibs_llvm_takes_the_option_and_exits_on_an_unknown_one():
     """XLA:CPU hands --xla_backend_extra_options to LLVM, which exits on an option it does not know:
     the option as jsteer writes it compiles and runs on a jaxlib in the range (this one: 0.10.2)."""
     code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: (x * 2 + 1).sum())(jnp.ones(3))))"
-    lib = ga.version("jaxlib")
+    lib = ga.release("jaxlib")
     cases = [("-jsteer-no-such-llvm-option", False)]
     if lib is not None and ga.AFFECTED[0] <= lib <= ga.AFFECTED[1]:
         cases.append((ga.OPTION, True))
