@@ -3,7 +3,7 @@
 HashDropout mask, and :mod:`jsteer.backbones.kernel_attention`'s derivatives (grad by the kernel,
 jvp / hessian / vmap as the hand-written path's) through ``attention`` and a BERT train step.
 
-It runs on CPUs with AVX-512F (CI's and the dev VMs'); elsewhere the kernel is not used, and these
+It runs on CPUs with AVX-512F or AVX2 + FMA (CI's and the dev VMs'); elsewhere the kernel is not used, and these
 tests skip with that reason."""
 
 import functools
@@ -19,8 +19,8 @@ from jsteer.backbones import cpu
 from jsteer.backbones.attention import RightPadded, attention, dot_product_attention
 from jsteer.backbones.dropout import HashDropout
 
-if not cpu._cpu_has_avx512f():
-    pytest.skip("this CPU has no AVX-512F: jsteer.backbones.cpu is not used here", allow_module_level=True)
+if not cpu._cpu_has_vector_isa():
+    pytest.skip(f"{cpu.NO_VECTOR_ISA}: jsteer.backbones.cpu is not used here", allow_module_level=True)
 
 SEED = np.array([0x12345678, 0x9ABCDEF0], np.uint32)
 

@@ -3,7 +3,7 @@ folder this user owns that group and others cannot write, and only if its sha256
 when this user built it; the temp-directory fallback is created 0700 and refused when someone else
 made it first.
 
-Most tests build a tiny stand-in for decode_kernels.cc (fast, and no AVX-512F needed) and plant a library
+Most tests build a tiny stand-in for decode_kernels.cc (fast, and no vector ISA needed) and plant a library
 whose constructor writes a marker file, so "not loaded" means its code never ran. They need a C++
 compiler (g++); without one they fail."""
 
@@ -139,7 +139,7 @@ def test_a_folder_writable_by_group_or_others_is_refused(probe, tmp_path, monkey
     with pytest.raises(cpu.UnsafeCacheError):
         cpu._load()
     # through available(): False with the reason, no exception to the caller
-    monkeypatch.setattr(cpu, "_cpu_has_avx512f", lambda: True)
+    monkeypatch.setattr(cpu, "_cpu_has_vector_isa", lambda: True)
     assert cpu.available() is False
     assert f"refusing the kernel cache folder {probe}" in cpu.unavailable_reason()
     assert not marker.exists()
@@ -158,7 +158,7 @@ def test_a_folder_owned_by_another_user_is_refused(probe, tmp_path, monkeypatch,
     problem = f"{folder}: it is owned by uid {owner}, not by this user"
     with pytest.raises(cpu.UnsafeCacheError, match=re.escape(problem)):
         cpu._load()
-    monkeypatch.setattr(cpu, "_cpu_has_avx512f", lambda: True)
+    monkeypatch.setattr(cpu, "_cpu_has_vector_isa", lambda: True)
     assert cpu.available() is False
     assert f"refusing the kernel cache folder {folder}: it is owned by uid {owner}" in cpu.unavailable_reason()
     assert not marker.exists()
@@ -203,7 +203,7 @@ def test_temp_folder_fallback_is_private_and_checked(probe, tmp_path, monkeypatc
         problem = "it is a symbolic link"
     with pytest.raises(cpu.UnsafeCacheError, match=re.escape(f"{path}: {problem}")):
         cpu._load()
-    monkeypatch.setattr(cpu, "_cpu_has_avx512f", lambda: True)
+    monkeypatch.setattr(cpu, "_cpu_has_vector_isa", lambda: True)
     assert cpu.available() is False
     assert f"refusing the kernel cache folder {path}: {problem}" in cpu.unavailable_reason()
     assert not marker.exists()
@@ -214,9 +214,9 @@ import os, pathlib, sys
 import jax, numpy as np
 from jsteer.backbones import cpu
 cache = pathlib.Path(sys.argv[1])
-if not cpu._cpu_has_avx512f():  # the documented fallback (tests/test_cpu_kernel.py skips here)
-    assert cpu.available() is False and cpu.unavailable_reason() == "this CPU has no AVX-512F"
-    print("no avx512"); raise SystemExit(0)
+if not cpu._cpu_has_vector_isa():  # the documented fallback (tests/test_cpu_kernel.py skips here)
+    assert cpu.available() is False and cpu.unavailable_reason() == cpu.NO_VECTOR_ISA
+    print("no vector isa"); raise SystemExit(0)
 assert cpu.available(), cpu.unavailable_reason()
 assert cpu.unavailable_reason() is None
 name = cpu._recipe()[2]
@@ -250,4 +250,4 @@ def test_the_real_kernel_builds_in_a_fresh_cache_and_computes_the_same(tmp_path)
         [sys.executable, "-c", _REAL_KERNEL, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] in ("built and computed", "no avx512")
+    assert out.stdout.strip().splitlines()[-1] in ("built and computed", "no vector isa")

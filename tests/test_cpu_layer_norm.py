@@ -1,6 +1,6 @@
 """jsteer.backbones.cpu.layer_norm and its reverse mode against flax's LayerNorm, and
 :mod:`jsteer.backbones.kernel_norm` (jvp, grad, hessian, vmap; the LayerNorm module's params and
-fallbacks). It runs on CPUs with AVX-512F (CI's and the dev VMs'); elsewhere the kernel is not used,
+fallbacks). It runs on CPUs with AVX-512F or AVX2 + FMA (CI's and the dev VMs'); elsewhere the kernel is not used,
 and these tests skip with that reason."""
 
 import functools
@@ -13,8 +13,8 @@ import pytest
 
 from jsteer.backbones import cpu, kernel_norm
 
-if not cpu._cpu_has_avx512f():
-    pytest.skip("this CPU has no AVX-512F: jsteer.backbones.cpu is not used here", allow_module_level=True)
+if not cpu._cpu_has_vector_isa():
+    pytest.skip(f"{cpu.NO_VECTOR_ISA}: jsteer.backbones.cpu is not used here", allow_module_level=True)
 
 
 def _flax(x, scale, bias, eps):

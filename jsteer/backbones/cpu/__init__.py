@@ -7,7 +7,9 @@ GEMV pays a fixed cost per product; ``small_gemm`` reads each weight once, conti
 packed copy (``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
 Many rows (prefills, ``LM.forward``): the same kernel, rows in blocks that fit in L2, beats XLA:CPU's
 fp32 dot there too (SmolLM2 B8xT128 forward 1.40 -> 1.27 s on 2 Xeon cores, the tied logits most),
-summing k in slices as Eigen does (as accurate: tests/test_gguf.py's fp64 comparison).
+summing k in slices as Eigen does (as accurate: tests/test_gguf.py's fp64 comparison). Built for
+AVX2 + FMA (no AVX-512: Zen 3, older Xeons) the kernel holds 6 rows x 16 columns in registers, wins
+at few rows only, and products past ``kernel_rows()`` rows stay XLA's (BUILD.md: AVX2).
 
     wp = pack(w)                        # once per weight, outside the decode loop
     y = small_gemm(x, wp, n=w.shape[1])  # x [M, K] -> y [M, N] == x @ w (fp32)
@@ -42,8 +44,8 @@ temp directory), with its sha256 recorded beside it in ``<name>.so.sha256``, and
 as the custom calls in ``TARGETS``. A cached library is loaded only from a folder this user owns
 that group and others cannot write, and only if its sha256 matches the record (otherwise it is
 rebuilt). ``available()`` is False, and callers keep XLA's ops, when the backend is not CPU, the CPU
-lacks AVX-512F, no C++ compiler is found, the cache folder is refused, or ``JSTEER_CPU_KERNELS=0``;
-the reason is in ``unavailable_reason()``.
+has neither AVX-512F nor AVX2 with FMA, no C++ compiler is found, the cache folder is refused, or
+``JSTEER_CPU_KERNELS=0``; the reason is in ``unavailable_reason()``.
 """
 
 from __future__ import annotations
@@ -189,8 +191,17 @@ def describe() -> dict:
     }
 
 
+NO_VECTOR_ISA = "this CPU has neither AVX-512F nor AVX2 with FMA"
+
+
 def _cpu_has_avx512f() -> bool:
     return " avx512f" in _cpu_flags()
+
+
+def _cpu_has_vector_isa() -> bool:
+    """AVX-512F, or AVX2 with FMA: what decode_kernels.cc builds for (simd.h)."""
+    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def _recipe() -> tuple[str, list[str], str]:
@@ -298,8 +309,8 @@ def available() -> bool:
         _reason = "disabled by JSTEER_CPU_KERNELS=0"
     elif jax.default_backend() != "cpu":
         _reason = f"backend is {jax.default_backend()}, not cpu"
-    elif not _cpu_has_avx512f():
-        _reason = "this CPU has no AVX-512F"
+    elif not _cpu_has_vector_isa():
+        _reason = NO_VECTOR_ISA
     else:
         try:
             lib = _load()  # every time asked: the cache folder's checks
@@ -353,11 +364,27 @@ def small_gemm(x: Array, wp: Array, n: int, bias: Optional[Array] = None) -> Arr
     return call(x.astype(jnp.float32), wp, b)
 
 
+def kernel_rows() -> Optional[int]:
+    """The most rows :func:`packed_matmul` multiplies through the kernel (None: any). Built for AVX2,
+    the kernel's blocks of many rows run at 0.4-0.65x XLA:CPU's dot (Zen 3, 2 cores: 49-76 against
+    118-127 GFLOP/s on SmolLM2's FFN shapes at 1024 rows), its few-row products at 1.5-2x it; built
+    for AVX-512 it beats XLA at any row count (BUILD.md: the CPU decode kernel)."""
+    return None if _cpu_has_avx512f() else MAX_ROWS
+
+
+def _xla_rows(x: Array) -> bool:
+    limit = kernel_rows()
+    return limit is not None and x.shape[0] > limit
+
+
 @jax.custom_jvp
 def packed_matmul(x: Array, w: Array, wp: Array) -> Array:
-    """x [M, K] @ w [K, N] -> [M, N] fp32 through :func:`small_gemm` from ``wp = pack(w)``, any M.
-    Differentiable (forward and reverse mode) as the product of x and w: its tangent is XLA's
-    product, and wp (a copy of w) gets none. Call only when available()."""
+    """x [M, K] @ w [K, N] -> [M, N] fp32 through :func:`small_gemm` from ``wp = pack(w)``, any M
+    (past :func:`kernel_rows`, XLA's product of x and w). Differentiable (forward and reverse mode)
+    as the product of x and w: its tangent is XLA's product, and wp (a copy of w) gets none. Call
+    only when available()."""
+    if _xla_rows(x):
+        return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32))
     return small_gemm(x, wp, w.shape[1])
 
 
@@ -365,6 +392,8 @@ def packed_matmul(x: Array, w: Array, wp: Array) -> Array:
 def packed_affine(x: Array, w: Array, wp: Array, b: Array) -> Array:
     """``packed_matmul(x, w, wp) + b`` (b [N]) in one pass: the kernel adds b as it writes the sums,
     so the result is bit-identical to the two steps. Differentiable as x @ w + b."""
+    if _xla_rows(x):
+        return packed_matmul(x, w, wp) + b.astype(jnp.float32)
     return small_gemm(x, wp, w.shape[1], b)
 
 

@@ -1,5 +1,5 @@
 // block_attention: attention of many query tokens at once (forwards, prefills), included by
-// decode_kernels.cc inside its anonymous namespace (it uses v16, Exp, kNegInf and Parallel).
+// decode_kernels.cc inside its anonymous namespace (it uses simd.h, Exp, kNegInf and Parallel).
 //
 // out[b, i, n] = softmax_s(w_s) @ v[b, s, n / G] with w_s = cap(scale * q[b, i, n] . k[b, s, n / G])
 // + bias[b, i, s], and w_s = -1e30 where !visible[b, i, s]: jsteer's dot_product_attention. XLA:CPU
@@ -51,8 +51,8 @@ constexpr std::array<TileFn, sizeof...(I)> TileTable(std::integer_sequence<int, 
   return {&Tile<I + 1, C>...};
 }
 
-// Rows per tile for C vectors of columns: 24 of the 32 vector registers hold accumulators.
-constexpr int TileRows(int c) { return c == 1 ? 12 : 24 / c < 12 ? 24 / c : 12; }
+// Rows per tile for C vectors of columns: kAccumulators of them (AVX-512: 24 of 32 registers), at most 12.
+constexpr int TileRows(int c) { return kAccumulators / c < 1 ? 1 : kAccumulators / c < 12 ? kAccumulators / c : 12; }
 
 // m rows of x times w's 16C columns, in tiles of TileRows(C) rows (x's depth xd apart; add: onto y).
 template <int C>
@@ -65,11 +65,21 @@ void Tiles(int64_t m, const float* x, int64_t xs, int64_t depth, const float* w,
   }
 }
 
-// m rows of x times w's h columns (h a multiple of 16), 64 columns at a time (xd, add: see Tiles).
+// m rows of x times a 48-column panel w: 3 vectors a row where a tile then holds 8 rows (AVX-512),
+// else 16 columns at a time (AVX2: tiles of 6 rows, each w vector loaded once for the 6).
+inline void Tiles48(int64_t m, const float* x, int64_t xs, int64_t depth, const float* w, int64_t ws, float* y,
+                    int64_t ys) {
+  if (TileRows(3) >= 8) return Tiles<3>(m, x, xs, depth, w, ws, y, ys);
+  for (int c = 0; c < 48; c += 16) Tiles<1>(m, x, xs, depth, w + c, ws, y + c, ys);
+}
+
+// m rows of x times w's h columns (h a multiple of 16), 64 columns at a time where a tile of them
+// holds 6 rows (AVX-512), else 16 (xd, add: see Tiles).
 inline void Columns(int64_t m, const float* x, int64_t xs, int64_t depth, const float* w, int64_t ws, float* y,
                     int64_t ys, int64_t h, int64_t xd = 1, bool add = false) {
-  for (int64_t c0 = 0; c0 < h; c0 += 64) {
-    switch ((h - c0 < 64 ? h - c0 : 64) / 16) {
+  constexpr int64_t chunk = TileRows(4) >= 6 ? 64 : 16;
+  for (int64_t c0 = 0; c0 < h; c0 += chunk) {
+    switch ((h - c0 < chunk ? h - c0 : chunk) / 16) {
       case 4: Tiles<4>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
       case 3: Tiles<3>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
       case 2: Tiles<2>(m, x, xs, depth, w + c0, ws, y + c0, ys, xd, add); break;
@@ -92,8 +102,6 @@ inline void Grow(std::vector<float>& x, int64_t n) {
   if (static_cast<int64_t>(x.size()) < n) x.resize(n);
 }
 
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 // Dropout of attention weights by jsteer.backbones.dropout's hash mask (seed == nullptr: none).
 struct Drop {
   const uint32_t* seed;
@@ -111,9 +119,8 @@ struct Drop {
   }
   // The factors (kept: 1 / (1 - rate), dropped: 0) of elements idx .. idx + 15 (uint32 indices).
   v16 Factors(uint32_t idx) const {
-    const v16u lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16u bits = Fmix(Fmix((lanes + idx) * 0x9E3779B9u + seed[0]) ^ seed[1]);
-    return bits >= threshold ? v16{} + inv_keep : v16{};
+    const v16u bits = Fmix(Fmix((Lanes() + idx) * 0x9E3779B9u + seed[0]) ^ seed[1]);
+    return Select(bits >= threshold, v16{} + inv_keep, v16{});
   }
   float Factor(uint32_t idx) const {
     return Fmix(Fmix(idx * 0x9E3779B9u + seed[0]) ^ seed[1]) >= threshold ? inv_keep : 0.0f;
@@ -185,7 +192,7 @@ struct BlockAttend {
       const float* qa = q + b * qb + i0 * qt + n * qn;
       float* sc = w.scores.data();
       for (int64_t p = 0; p < nps; ++p) {
-        Tiles<3>(rows, qa, qt, h, kp + p * h * 48, 48, sc + p * 48, width);
+        Tiles48(rows, qa, qt, h, kp + p * h * 48, 48, sc + p * 48, width);
       }
       float* o = w.acc.data();
       float* sums = w.sums.data();
@@ -235,12 +242,11 @@ struct BlockAttend {
     for (int64_t x = 0; x < full; x += 16) {
       v16 y = *reinterpret_cast<const v16*>(row + x) * scale;
       if (br != nullptr) y += *reinterpret_cast<const v16*>(br + x);
-      const __m512i seen = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + x)));
-      y = (v16)_mm512_mask_mov_ps((__m512)neg, _mm512_test_epi32_mask(seen, seen), (__m512)y);
+      y = Where(vr + x, y, neg);
       *reinterpret_cast<v16*>(row + x) = y;
-      most = y > most ? y : most;
+      most = Select(y > most, y, most);
     }
-    float m = _mm512_reduce_max_ps((__m512)most);  // a tree, not a chain of 16: rows are short
+    float m = ReduceMax(most);  // a tree, not a chain of 16: rows are short
     for (int64_t x = full; x < span; ++x) {
       float y = row[x] * scale;
       if (softcap > 0.0f) y = std::tanh(y / softcap) * softcap;
@@ -256,7 +262,7 @@ struct BlockAttend {
       y = Exp(y - m);
       total += y;
     }
-    return _mm512_reduce_add_ps((__m512)total);
+    return ReduceAdd(total);
   }
 
   // Every key's value, averaged (each weighed by its dropout factor), for query i of head a of (row b,

@@ -75,8 +75,8 @@ struct BlockAttendGrad {
         Gather(da, n_heads * h, rows, h, dc);
         float *p = w.p.data(), *ds = w.ds.data(), *sums = w.sums.data();
         for (int64_t q0 = 0; q0 < nps; ++q0) {
-          Tiles<3>(rows, qc, h, h, w.kp.data() + q0 * h * 48, 48, p + q0 * 48, width);
-          Tiles<3>(rows, dc, h, h, w.vp.data() + q0 * h * 48, 48, ds + q0 * 48, width);  // dO V^T
+          Tiles48(rows, qc, h, h, w.kp.data() + q0 * h * 48, 48, p + q0 * 48, width);
+          Tiles48(rows, dc, h, h, w.vp.data() + q0 * h * 48, 48, ds + q0 * 48, width);  // dO V^T
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* pr = p + r * width;
@@ -97,7 +97,7 @@ struct BlockAttendGrad {
           for (int64_t d = 0; d < h; d += 16) {
             dsum += *reinterpret_cast<const v16*>(dc + r * h + d) * *reinterpret_cast<const v16*>(oa + r * n_heads * h + d);
           }
-          const v16 inv = v16{} + 1.0f / sums[r], big_d = v16{} + _mm512_reduce_add_ps((__m512)dsum);
+          const v16 inv = v16{} + 1.0f / sums[r], big_d = v16{} + ReduceAdd(dsum);
           for (int64_t x = 0; x < width; x += 16) {
             v16& pv = *reinterpret_cast<v16*>(pr + x);
             v16& dv16 = *reinterpret_cast<v16*>(dr + x);

@@ -5,18 +5,20 @@
 //   in one pass per (row, key/value head).
 //
 // Built at first use by jsteer/backbones/cpu/__init__.py (g++ -O3 -march=native); only used on
-// CPUs with AVX-512F. fp32 throughout.
+// CPUs with AVX-512F, or AVX2 with FMA (simd.h). fp32 throughout.
 //
 // small_gemm. Decoding multiplies a handful of rows by every weight matrix once per token, so the
 // time is the time to stream the weights from memory. XLA:CPU's GEMM path reaches about half the
 // read bandwidth there for 2 <= M <= 12 (it is built for large M; up to 64 rows this kernel still
 // wins). This kernel reads each weight once, contiguously: W is stored as panels
 // [ceil(N/48), K, 48] (`pack` in cpu/__init__.py), and each panel's 48 columns for up to 8 rows
-// stay in 24 vector accumulators (AVX-512) while the panel streams past. Panels are shared out
-// between the caller and XLA's intra-op thread pool. Sums run over k in order, one FMA per term,
-// in slices of 32-64 k steps added up. Prefills and forwards (many rows) take the same kernel, the
-// rows in blocks that fit in L2: on 2 Xeon cores it runs SmolLM2's products at ~260-280 GFLOP/s
-// (XLA:CPU's 140-300, torch's ~300) and its tied logits at ~220 (XLA 134-177).
+// stay in 24 vector accumulators (AVX-512; AVX2 holds 6: 2 rows x 48 columns, or 6 x 16) while the
+// panel streams past. Panels are shared out between the caller and XLA's intra-op thread pool.
+// Sums run over k in order, one FMA per term, in slices of 32-64 k steps added up. Prefills and
+// forwards (many rows) take the same kernel, the rows in blocks that fit in L2: on 2 Xeon cores it
+// runs SmolLM2's products at ~260-280 GFLOP/s (XLA:CPU's 140-300, torch's ~300) and its tied
+// logits at ~220 (XLA 134-177); built for AVX2 it loses to XLA there, which keeps those products
+// (cpu/__init__.py: kernel_rows).
 
 #include <array>
 #include <atomic>
@@ -24,11 +26,11 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <immintrin.h>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,7 +42,10 @@ using Panels = ffi::Buffer<ffi::F32, 3>;
 using Vector = ffi::Buffer<ffi::F32, 1>;
 
 constexpr int64_t kPanel = 48;  // columns per panel: 3 vectors of 16 floats
-constexpr int64_t kRows = 8;    // rows per register block: 8 x 3 accumulators
+// rows per register block of C vectors (16C columns): 8 for a panel's 3 on AVX-512; on AVX2 2
+// for 3, 6 for 1 (kAccumulators)
+constexpr int BlockRows(int c) { return kAccumulators / c < 8 ? kAccumulators / c : 8; }
+constexpr int64_t kRows = BlockRows(kAccumulators >= 24 ? 3 : 1);  // rows per block of many rows
 constexpr int64_t kFewRows = 64;  // up to here (decode steps) all rows are one row block
 // k steps per slice, each slice summed in fresh accumulators and added to y (blocked summation, as
 // Eigen's and MKL's GEMMs do). A sum's rounding error grows about as depth / 2 + k / (2 depth) terms'
@@ -56,37 +61,33 @@ constexpr int64_t kRowBytes = 512 * 1024;  // x rows per row block: this many by
 // 8 steps ahead into L1 27.7 ms, 32 ahead 25.5 ms, 32 ahead into L2 24.2 ms (64: level), none
 // 34.4 ms; level at 1 row.
 constexpr int64_t kAhead = 32 * kPanel;
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-// R rows (x, y: their first row) of one panel: 3R accumulators held in registers while the
-// panel streams past. R is a template argument so that each block size gets its own loop: one
-// loop for any R kept 4 of the 24 accumulators of 8 rows on the stack, a load and a store each
-// per step (SmolLM2's 8-row decode products 27.9 -> 26.4 ms on 2 cores; 16 rows 38.9 -> 35.0).
-template <int R>
+// R rows (x, y: their first row) times 16C columns of one panel (wp: the first of them, a panel
+// row kPanel floats on; cols <= 16C of them real): RC accumulators held in registers while the panel
+// streams past. R is a template argument so that each block size gets its own loop: one loop for any
+// R kept 4 of the 24 accumulators of 8 rows on the stack, a load and a store each per step
+// (SmolLM2's 8-row decode products 27.9 -> 26.4 ms on 2 cores; 16 rows 38.9 -> 35.0).
+template <int R, int C>
 void Block(int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, int64_t cols, const float* x, const float* wp,
            float* y, bool add, const float* bias) {
-  v16 acc[R][3];
+  v16 acc[R][C];
   std::memset(acc, 0, sizeof acc);
   for (int64_t k = k0; k < k1; ++k) {
     const float* w = wp + k * kPanel;
-    __builtin_prefetch(w + kAhead, 0, 1);
-    __builtin_prefetch(w + kAhead + 16, 0, 1);
-    __builtin_prefetch(w + kAhead + 32, 0, 1);
-    const v16 w0 = *reinterpret_cast<const v16*>(w);
-    const v16 w1 = *reinterpret_cast<const v16*>(w + 16);
-    const v16 w2 = *reinterpret_cast<const v16*>(w + 32);
+    v16 wv[C];
+    for (int j = 0; j < C; ++j) {
+      __builtin_prefetch(w + kAhead + 16 * j, 0, 1);
+      wv[j] = *reinterpret_cast<const v16*>(w + 16 * j);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
       const float b = x[m * k_dim + k];
-      acc[m][0] += b * w0;
-      acc[m][1] += b * w1;
-      acc[m][2] += b * w2;
+      for (int j = 0; j < C; ++j) acc[m][j] += b * wv[j];
     }
   }
   for (int m = 0; m < R; ++m) {
     float* yr = y + m * n_dim;
-    if (cols == kPanel) {  // whole vectors (y's rows need not be aligned)
-      for (int j = 0; j < 3; ++j) {
+    if (cols == 16 * C) {  // whole vectors (y's rows need not be aligned)
+      for (int j = 0; j < C; ++j) {
         v16 sum = acc[m][j];
         if (add) {
           v16 old;
@@ -101,7 +102,7 @@ void Block(int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, int64_t cols, c
         std::memcpy(yr + 16 * j, &sum, sizeof sum);
       }
     } else {
-      float sum[kPanel];
+      float sum[16 * C];
       std::memcpy(sum, acc[m], sizeof sum);
       for (int64_t c = 0; c < cols; ++c) {
         float v = add ? sum[c] + yr[c] : sum[c];
@@ -111,26 +112,42 @@ void Block(int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, int64_t cols, c
   }
 }
 
-// Rows m0 .. m1 of one panel (columns n0 .. n0 + 48 of y) over k steps k0 .. k1, in blocks of up
-// to 8 rows; add: onto what y holds (the sums of the earlier k steps); bias (all n columns, or
-// null): added after the last k step.
+using BlockFn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const float*, const float*, float*, bool,
+                         const float*);
+
+template <int C, int... I>
+constexpr std::array<BlockFn, sizeof...(I)> BlockTable(std::integer_sequence<int, I...>) {
+  return {&Block<I + 1, C>...};
+}
+
+// Rows m0 .. m1 of the panel's columns c0 .. c0 + 16C (y, bias: at those columns; cols real ones),
+// in blocks of up to BlockRows(C).
+template <int C>
+void PanelColumns(int64_t m0, int64_t m1, int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, int64_t cols,
+                  const float* x, const float* wp, float* y, bool add, const float* bias) {
+  static constexpr auto table = BlockTable<C>(std::make_integer_sequence<int, BlockRows(C)>{});
+  constexpr int64_t r = BlockRows(C);
+  for (; m0 < m1; m0 += r) {
+    table[(m1 - m0 < r ? m1 - m0 : r) - 1](k0, k1, k_dim, n_dim, cols, x + m0 * k_dim, wp, y + m0 * n_dim, add, bias);
+  }
+}
+
+// Rows m0 .. m1 of one panel (columns n0 .. n0 + 48 of y) over k steps k0 .. k1; add: onto what y
+// holds (the sums of the earlier k steps); bias (all n columns, or null): added after the last k
+// step. All 48 columns at once (3 vectors a row) where the registers hold a useful block of rows
+// that way (AVX-512: 8 rows; AVX2: few rows, whose products stream the weights from memory), else
+// 16 columns at a time (AVX2: 6 rows a block, each weight vector loaded once for the 6).
 void Panel(int64_t m0, int64_t m1, int64_t k0, int64_t k1, int64_t k_dim, int64_t n_dim, const float* x,
            const float* wp, float* y, int64_t n0, bool add, const float* bias_all) {
   const int64_t cols = n_dim - n0 < kPanel ? n_dim - n0 : kPanel;
   const float* bias = bias_all != nullptr && k1 == k_dim ? bias_all + n0 : nullptr;
-  for (; m0 < m1; m0 += kRows) {
-    const float* xr = x + m0 * k_dim;
-    float* yr = y + m0 * n_dim + n0;
-    switch (m1 - m0 < kRows ? m1 - m0 : kRows) {
-      case 8: Block<8>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      case 7: Block<7>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      case 6: Block<6>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      case 5: Block<5>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      case 4: Block<4>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      case 3: Block<3>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      case 2: Block<2>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-      default: Block<1>(k0, k1, k_dim, n_dim, cols, xr, wp, yr, add, bias); break;
-    }
+  if (BlockRows(3) >= 8 || m1 - m0 <= BlockRows(3)) {
+    PanelColumns<3>(m0, m1, k0, k1, k_dim, n_dim, cols, x, wp, y + n0, add, bias);
+    return;
+  }
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    PanelColumns<1>(m0, m1, k0, k1, k_dim, n_dim, cols - c0 < 16 ? cols - c0 : 16, x, wp + c0, y + n0 + c0, add,
+                    bias != nullptr ? bias + c0 : nullptr);
   }
 }
 
@@ -225,8 +242,6 @@ ffi::Error SmallGemmImpl(ffi::ThreadPool pool, Matrix x, Panels wp, Vector bias,
 // here one pass per (row, key/value head) reads each key and value once for its G query heads,
 // and only the slots between the first and the last visible one (the rest weigh exactly 0).
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
 constexpr float kNegInf = -1e30f;
 constexpr float kExpMin = -87.0f;  // exp below this underflows fp32's normal range: taken as 0
 
@@ -234,7 +249,7 @@ constexpr float kExpMin = -87.0f;  // exp below this underflows fp32's normal ra
 // polynomial, times 2^n built in the exponent bits), 16 lanes at a time.
 inline v16 Exp(v16 d) {
   const v16 floor = v16{} + kExpMin;
-  const v16 x = d < floor ? floor : d;
+  const v16 x = Select(d < floor, floor, d);
   const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
   v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
@@ -243,9 +258,9 @@ inline v16 Exp(v16 d) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const v16i scale = (__builtin_convertvector(n, v16i) + 127) << 23;
-  const v16 e = p * (v16)scale;  // a vector cast keeps the bits
-  return d < floor ? v16{} : e;
+  const v16i scale = (ToInt(n) + 127) << 23;
+  const v16 e = p * AsFloat(scale);
+  return Select(d < floor, v16{}, e);
 }
 
 struct Attend {
@@ -323,7 +338,7 @@ struct Attend {
       v16 most = v16{} + kNegInf;
       for (int64_t j = 0; j < width; j += 16) {
         const v16 x = *reinterpret_cast<const v16*>(row + j);
-        most = x > most ? x : most;
+        most = Select(x > most, x, most);
       }
       float m = kNegInf;
       for (int l = 0; l < 16; ++l) m = most[l] > m ? most[l] : m;

@@ -23,13 +23,13 @@ struct Norm {
   void Stats(const float* xr, float& mean, float& rstd) const {
     v16 s = {};
     for (int64_t c = 0; c < d; c += 16) s += *reinterpret_cast<const v16*>(xr + c);
-    mean = _mm512_reduce_add_ps((__m512)s) / static_cast<float>(d);
+    mean = ReduceAdd(s) / static_cast<float>(d);
     v16 q = {};
     for (int64_t c = 0; c < d; c += 16) {
       const v16 z = *reinterpret_cast<const v16*>(xr + c) - mean;
       q += z * z;
     }
-    rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps((__m512)q) / static_cast<float>(d) + eps);
+    rstd = 1.0f / std::sqrt(ReduceAdd(q) / static_cast<float>(d) + eps);
   }
 
   void Forward(int64_t r0, int64_t r1) const {
@@ -65,8 +65,8 @@ struct Norm {
         *reinterpret_cast<v16*>(ds + c) += dyv * z;
         *reinterpret_cast<v16*>(db + c) += dyv;
       }
-      const float a = _mm512_reduce_add_ps((__m512)sg) / static_cast<float>(d);
-      const float bb = _mm512_reduce_add_ps((__m512)sgx) / static_cast<float>(d);
+      const float a = ReduceAdd(sg) / static_cast<float>(d);
+      const float bb = ReduceAdd(sgx) / static_cast<float>(d);
       for (int64_t c = 0; c < d; c += 16) {
         const v16 z = (*reinterpret_cast<const v16*>(xr + c) - mean) * rstd;
         const v16 g = *reinterpret_cast<const v16*>(dyr + c) * *reinterpret_cast<const v16*>(scale + c);
