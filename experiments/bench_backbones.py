@@ -31,7 +31,7 @@ alone under jax and under torch, and summed at the faster library's time per pro
 (``products_floor``). ``hf_over_floor`` = HF's time / that floor is the largest speed-up over HF
 the case could reach on this machine in fp32 if everything other than the products took no time;
 a target above it cannot be met here with either library's matrix products.
-Decoding 1-64 rows on a CPU with AVX-512 multiplies through jsteer's CPU kernel
+Decoding 1-64 rows on a CPU with AVX-512 or AVX2 + FMA multiplies through jsteer's CPU kernel
 (``jsteer.backbones.cpu``; ``env.jsteer_cpu_kernel`` says whether it ran) from a packed copy of
 the weights, which generate makes once per param set (SmolLM2: ~0.26 s, in the untimed warm-up).
 
