@@ -124,7 +124,11 @@ def doctor_report() -> dict:
         "packages": {n: installed(n) for n in PACKAGES},
         "cpu": {k: v for k, v in cpu.describe().items() if k in ("model", "family", "simd")}
         | {"cores": os.cpu_count()},
-        "cpu_kernel": {"available": bool(cpu.available()), "reason": cpu.unavailable_reason()},
+        "cpu_kernel": {
+            "available": bool(cpu.available()),
+            "reason": cpu.unavailable_reason(),
+            "rows": cpu.kernel_rows(),
+        },
         "cpu_dots": jsteer.cpu_precision.STATE,
         "cpu_malloc": jsteer.cpu_malloc.STATE,
         "cpu_hugepages": jsteer.cpu_malloc.HUGEPAGES,
@@ -149,7 +153,10 @@ def _doctor(args) -> int:
     c = info["cpu"]
     print(f"CPU: {c['model']} ({c['family']}), {c['cores']} cores; {' '.join(c['simd'])}")
     k = info["cpu_kernel"]
-    print(f"CPU decode kernel: {'available' if k['available'] else 'unavailable (' + str(k['reason']) + ')'}")
+    rows = f"up to {k['rows']} rows" if k["rows"] else "any row count"
+    state = f"available, products of {rows} ($JSTEER_CPU_KERNEL_ROWS)"
+    state = state if k["available"] else f"unavailable ({k['reason']})"
+    print(f"CPU decode kernel: {state}")
     print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")
     print(f"CPU buffers between calls: {info['cpu_malloc']}  (jsteer/cpu_malloc.py)")
     print(f"CPU huge pages for large buffers: {info['cpu_hugepages']}")

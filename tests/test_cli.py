@@ -177,6 +177,10 @@ def test_version_and_doctor(capsys):
     assert main(["doctor"]) == 0
     text = capsys.readouterr().out
     assert "JAX backend: cpu" in text and "CPU decode kernel:" in text and "cache hf_hub:" in text
+    from jsteer.backbones import cpu
+
+    rows = "any row count" if cpu.kernel_rows() is None else f"up to {cpu.kernel_rows()} rows"
+    assert f"CPU decode kernel: available, products of {rows}" in text  # every machine this suite runs on
     assert f"CPU: {info['cpu']['model']} ({info['cpu']['family']}), {info['cpu']['cores']} cores; " in text
 
 

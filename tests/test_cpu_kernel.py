@@ -366,6 +366,11 @@ def test_default_policy():
 
 
 def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatch):
+    # a one-line stand-in source: the real one takes ~30 s to compile here, and its build in a fresh
+    # cache is test_cpu_kernel_cache.py's test_the_real_kernel_builds_in_a_fresh_cache_...
+    src = tmp_path / "stand_in.cc"
+    src.write_text('extern "C" int jsteer_stand_in() { return 1; }\n')
+    monkeypatch.setattr(cpu, "_SOURCE", src)
     monkeypatch.setenv("JSTEER_CACHE", str(tmp_path))
     built = cpu._build()
     assert built.parent == tmp_path / "kernels" and built.exists()
@@ -376,9 +381,39 @@ def test_build_is_cached_atomic_and_reports_compiler_errors(tmp_path, monkeypatc
     built.unlink()
     built.with_name(built.name + ".sha256").unlink()
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
-    with pytest.raises(RuntimeError, match="compiling decode_kernels.cc failed"):
+    with pytest.raises(RuntimeError, match="compiling stand_in.cc failed"):
         cpu._build()
     assert not any(built.parent.iterdir())  # nothing half-written
+
+
+def test_kernel_rows_follow_the_measured_cpu_types_and_the_env(monkeypatch):
+    """Many rows through the kernel only on AMD's AVX-512 (where it was measured to beat XLA); the
+    environment variable overrides that, and the limit decides what a traced product runs."""
+    monkeypatch.delenv(cpu.ROWS_ENV, raising=False)
+    try:
+        for vendor, avx512, want in [
+            ("AuthenticAMD", True, None),
+            ("AuthenticAMD", False, cpu.MAX_ROWS),
+            ("GenuineIntel", True, cpu.MAX_ROWS),
+            ("GenuineIntel", False, cpu.MAX_ROWS),
+        ]:
+            monkeypatch.setattr(cpu, "_cpuinfo", lambda v=vendor: {"vendor_id": v, "cpu family": "26"})
+            monkeypatch.setattr(cpu, "_cpu_has_avx512f", lambda a=avx512: a)
+            cpu._many_rows_win.cache_clear()
+            assert cpu.kernel_rows() == want, (vendor, avx512)
+    finally:
+        cpu._many_rows_win.cache_clear()  # recomputed from this CPU once the patches are undone
+    w = jnp.ones((16, 48), jnp.float32)
+    wp, x = cpu.pack(w), jnp.ones((100, 16), jnp.float32)
+    for env, limit, through_kernel in [("any", None, True), ("100", 100, True), ("99", 99, False)]:
+        monkeypatch.setenv(cpu.ROWS_ENV, env)
+        assert cpu.kernel_rows() == limit
+        text = jax.jit(lambda x: cpu.packed_matmul(x, w, wp)).lower(x).as_text()
+        assert (cpu.TARGET in text) == through_kernel, env
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv(cpu.ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=f"JSTEER_CPU_KERNEL_ROWS={bad!r}"):
+            cpu.kernel_rows()
 
 
 def test_describe_names_the_cpu_and_its_vector_isa():
@@ -389,6 +424,7 @@ def test_describe_names_the_cpu_and_its_vector_isa():
     assert cpu._cpu_has_vector_isa() == ("avx512f" in d["simd"] or {"avx2", "fma"} <= set(d["simd"]))
     assert "avx2" in d["simd"]  # every x86 machine this suite runs on
     assert d["dots"] == "precise"  # the suite imports jsteer before any JAX computation
+    assert d["kernel_rows"] == cpu.kernel_rows()
 
 
 def test_a_packed_forward_in_a_fresh_process_registers_the_kernels():

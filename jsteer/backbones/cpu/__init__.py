@@ -5,11 +5,11 @@ so its time is the time to read the weights. For 2 <= B <= 64, XLA:CPU's dot rea
 half the memory bandwidth (2-12 rows; 16-64 rows gain less, see BUILD.md), and for one row its
 GEMV pays a fixed cost per product; ``small_gemm`` reads each weight once, contiguously, from a
 packed copy (``pack``: [K, N] -> column panels [ceil(N/48), K, 48]) and keeps the output in registers.
-Many rows (prefills, ``LM.forward``): the same kernel, rows in blocks that fit in L2, beats XLA:CPU's
-fp32 dot there too (SmolLM2 B8xT128 forward 1.40 -> 1.27 s on 2 Xeon cores, the tied logits most),
-summing k in slices as Eigen does (as accurate: tests/test_gguf.py's fp64 comparison). Built for
-AVX2 + FMA (no AVX-512: Zen 3, older Xeons) the kernel holds 6 rows x 16 columns in registers, wins
-at few rows only, and products past ``kernel_rows()`` rows stay XLA's (BUILD.md: AVX2).
+Many rows (prefills, ``LM.forward``): the same kernel, rows in blocks that fit in L2, summing k in
+slices as Eigen does (as accurate: tests/test_gguf.py's fp64 comparison), beats XLA:CPU's fp32 dot
+there on AMD's AVX-512 (Zen 5) only; elsewhere (Intel's AVX-512; AVX2 + FMA, where the kernel holds
+6 rows x 16 columns in registers) it wins at few rows only, and products past ``kernel_rows()``
+rows stay XLA's (BUILD.md: AVX2, Xeon).
 
     wp = pack(w)                        # once per weight, outside the decode loop
     y = small_gemm(x, wp, n=w.shape[1])  # x [M, K] -> y [M, N] == x @ w (fp32)
@@ -169,15 +169,12 @@ def describe() -> dict:
     "AMD EPYC" names no generation: family 25 is Zen 3/4, 26 Zen 5), "simd": the vector-ISA flags
     among :data:`_SIMD` it has, "dots": which fp32 dots XLA:CPU runs (``jsteer.cpu_precision.STATE``),
     "malloc": whether XLA's per-call buffers stay mapped (``jsteer.cpu_malloc.STATE``), "hugepages":
-    whether glibc's large blocks get huge pages (``jsteer.cpu_malloc.HUGEPAGES``)}: what benchmark
+    whether glibc's large blocks get huge pages (``jsteer.cpu_malloc.HUGEPAGES``), "kernel_rows": the
+    most rows a product takes through the kernel (:func:`kernel_rows`; None: any)}: what benchmark
     JSON records of the CPU (ratios to torch move with the ISA, the dots and the page faults)."""
     from jsteer import cpu_malloc, cpu_precision
 
-    try:
-        info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        info = []
-    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info[:30]) if v}
+    field = _cpuinfo()
     model = field.get("model name", "unknown")
     flags = set(_cpu_flags().split(":", 1)[-1].split())
     simd = [f for f in _SIMD if f in flags]
@@ -188,7 +185,17 @@ def describe() -> dict:
         "dots": cpu_precision.STATE,
         "malloc": cpu_malloc.STATE,
         "hugepages": cpu_malloc.HUGEPAGES,
+        "kernel_rows": kernel_rows(),
     }
+
+
+def _cpuinfo() -> dict:
+    """The first processor's /proc/cpuinfo fields ({} if unreadable)."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in info[:30]) if v}
 
 
 NO_VECTOR_ISA = "this CPU has neither AVX-512F nor AVX2 with FMA"
@@ -364,12 +371,32 @@ def small_gemm(x: Array, wp: Array, n: int, bias: Optional[Array] = None) -> Arr
     return call(x.astype(jnp.float32), wp, b)
 
 
+ROWS_ENV = "JSTEER_CPU_KERNEL_ROWS"
+
+
+@functools.lru_cache(maxsize=None)
+def _many_rows_win() -> bool:
+    """Whether the kernel's many-row blocks were measured faster than XLA:CPU's dot on this CPU type:
+    AMD with AVX-512 (Zen 5, session 49: SmolLM2's forward at 0.72x the XLA products floor). Not on
+    AVX2 (Zen 3: 49-76 against XLA's 118-127 GFLOP/s on SmolLM2's FFN shapes at 1024 rows) nor on
+    Intel's AVX-512 (Ice Lake-SP, session 53: 72-115 against 200-254 GFLOP/s at 1024 rows; the forward
+    3.1 s through the kernel, 1.8 s through XLA), where only few-row products win. Zen 4 and the later
+    Xeons are unmeasured since the kernel's k slices shrank (session 49; BUILD.md)."""
+    return _cpu_has_avx512f() and _cpuinfo().get("vendor_id") == "AuthenticAMD"
+
+
 def kernel_rows() -> Optional[int]:
-    """The most rows :func:`packed_matmul` multiplies through the kernel (None: any). Built for AVX2,
-    the kernel's blocks of many rows run at 0.4-0.65x XLA:CPU's dot (Zen 3, 2 cores: 49-76 against
-    118-127 GFLOP/s on SmolLM2's FFN shapes at 1024 rows), its few-row products at 1.5-2x it; built
-    for AVX-512 it beats XLA at any row count (BUILD.md: the CPU decode kernel)."""
-    return None if _cpu_has_avx512f() else MAX_ROWS
+    """The most rows :func:`packed_matmul` multiplies through the kernel (None: any): None where its
+    many-row blocks beat XLA:CPU's dot on this CPU type (:func:`_many_rows_win`), else MAX_ROWS (decode
+    steps only). ``$JSTEER_CPU_KERNEL_ROWS`` (a positive integer, or ``any``) overrides it."""
+    env = os.environ.get(ROWS_ENV, "").strip()
+    if env:
+        if env == "any":
+            return None
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"${ROWS_ENV}={env!r}: give a positive number of rows, or 'any'")
+        return int(env)
+    return None if _many_rows_win() else MAX_ROWS
 
 
 def _xla_rows(x: Array) -> bool:
