@@ -106,9 +106,10 @@ def test_hlo_text_names_the_folder_without_a_dump(tmp_path):
 def _traced_ops(tmp_path, module_re: str, args: list, trace: str, steps: int) -> tuple[list, dict]:
     """Run an experiments/ script (args) on this CPU under an XLA dump of the modules matching
     module_re; its trace (at tmp_path / trace) summed per op: (op names, the summary)."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re={module_re}"
-    )
+    # LLVM -O0 as in conftest.py (the scripts' compilation is most of these tests' time): the op names
+    # come from XLA's HLO passes, which run as before
+    dump = f"--xla_dump_to={tmp_path}/hlo --xla_dump_hlo_module_re={module_re}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"{dump} --xla_backend_optimization_level=0")
     subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
     trace = json.load(gzip.open(tmp_path / trace))
     res = trace_ops.summarise(trace, trace_ops.hlo_text(tmp_path / "hlo", trace), steps, 400)
