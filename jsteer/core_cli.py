@@ -114,6 +114,7 @@ def doctor_report() -> dict:
     except Exception as e:  # noqa: BLE001 - a refused cache folder is a fact to report
         kernel_dir = f"refused: {e}"
     hub_dir, hub_from = hub.cache_dir()
+    described = cpu.describe()
     return {
         "jsteer": jsteer.__version__,
         "jsteer_path": os.path.dirname(jsteer.__file__),
@@ -122,12 +123,12 @@ def doctor_report() -> dict:
         "jax_backend": jax.default_backend(),
         "devices": [f"{d.platform}:{d.id} {getattr(d, 'device_kind', '')}".strip() for d in jax.devices()],
         "packages": {n: installed(n) for n in PACKAGES},
-        "cpu": {k: v for k, v in cpu.describe().items() if k in ("model", "family", "simd")}
-        | {"cores": os.cpu_count()},
+        "cpu": {k: v for k, v in described.items() if k in ("model", "family", "simd")} | {"cores": os.cpu_count()},
         "cpu_kernel": {
             "available": bool(cpu.available()),
             "reason": cpu.unavailable_reason(),
-            "rows": cpu.kernel_rows(),
+            "rows": described["kernel_rows"],
+            "rows_env": cpu.ROWS_ENV,
         },
         "cpu_dots": jsteer.cpu_precision.STATE,
         "cpu_malloc": jsteer.cpu_malloc.STATE,
@@ -154,7 +155,7 @@ def _doctor(args) -> int:
     print(f"CPU: {c['model']} ({c['family']}), {c['cores']} cores; {' '.join(c['simd'])}")
     k = info["cpu_kernel"]
     rows = f"up to {k['rows']} rows" if k["rows"] else "any row count"
-    state = f"available, products of {rows} ($JSTEER_CPU_KERNEL_ROWS)"
+    state = f"available, products of {rows} (${k['rows_env']})"
     state = state if k["available"] else f"unavailable ({k['reason']})"
     print(f"CPU decode kernel: {state}")
     print(f"CPU fp32 dots: {info['cpu_dots']}  (jsteer/cpu_precision.py)")

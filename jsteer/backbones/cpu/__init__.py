@@ -380,8 +380,8 @@ def _many_rows_win() -> bool:
     AMD with AVX-512 (Zen 5, session 49: SmolLM2's forward at 0.72x the XLA products floor). Not on
     AVX2 (Zen 3: 49-76 against XLA's 118-127 GFLOP/s on SmolLM2's FFN shapes at 1024 rows) nor on
     Intel's AVX-512 (Ice Lake-SP, session 53: 72-115 against 200-254 GFLOP/s at 1024 rows; the forward
-    3.1 s through the kernel, 1.8 s with those products on XLA), where only few-row products win. Zen 4 and the later
-    Xeons are unmeasured since the kernel's k slices shrank (session 49; BUILD.md)."""
+    3.1 s through the kernel, 1.8 s with those products on XLA), where only few-row products win.
+    Zen 4 and the later Xeons are unmeasured since the kernel's k slices shrank (session 49; BUILD.md)."""
     return _cpu_has_avx512f() and _cpuinfo().get("vendor_id") == "AuthenticAMD"
 
 
